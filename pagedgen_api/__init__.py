@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for protos/ (regenerate with `python scripts/gen_protos.py`)."""

