@@ -1,0 +1,178 @@
+"""Per-request sampling parameters, mirroring vLLM's `SamplingParams` (offline API and gRPC)."""
+
+import math
+from dataclasses import dataclass
+
+MAX_N = 64  # parallel samples per request: each one holds its own KV blocks once it diverges
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256  # the detokenizer holds back (longest stop - 1) chars per step
+MAX_STOP_TOKEN_IDS = 256
+MIN_SEED = -(2**63)  # the range torch.Generator.manual_seed accepts
+MAX_SEED = 2**64 - 1
+# Temperatures below this are greedy: dividing logits by ~0 only overflows (vLLM does the same).
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+def _check_int(name: str, value: object, allowed: str) -> int:
+    # bool is a subclass of int, but `n=True` is always a caller's bug.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int ({allowed}), got {value!r}")
+    return value
+
+
+def _check_float(name: str, value: object, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number ({allowed}), got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number ({allowed}), got {value!r}")
+    return value
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """What to sample and when to stop; validated on construction (ValueError names the field).
+
+    Greedy decoding is `temperature == 0` (anything below 1e-5): top_k/top_p/min_p are then
+    ignored. `top_k == 1` is not special-cased as greedy here; it gives the same token as
+    greedy anyway, but still consumes the request's random generator like any sampled row.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: until the context window is full
+    min_tokens: int = 0
+    stop: str | list[str] | None = None  # normalized to a list
+    stop_token_ids: list[int] | None = None  # normalized to a list
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per output token; 0: the sampled token's only
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        n = _check_int("n", self.n, f"1 to {MAX_N}")
+        if not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}, got {n}")
+
+        self.temperature = _check_float("temperature", self.temperature, ">= 0")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        self.top_p = _check_float("top_p", self.top_p, "in (0, 1]")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        top_k = _check_int("top_k", self.top_k, "-1 or 0 for off, or >= 1")
+        if top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {top_k}")
+        self.min_p = _check_float("min_p", self.min_p, "in [0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+        if self.seed is not None:
+            seed = _check_int("seed", self.seed, f"in [{MIN_SEED}, {MAX_SEED}] or None")
+            if not MIN_SEED <= seed <= MAX_SEED:
+                raise ValueError(f"seed must be in [{MIN_SEED}, {MAX_SEED}], got {seed}")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name), "in [-2, 2]")
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty, "> 0")
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"
+            )
+
+        if self.max_tokens is not None:
+            max_tokens = _check_int("max_tokens", self.max_tokens, ">= 1 or None")
+            if max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
+        min_tokens = _check_int("min_tokens", self.min_tokens, ">= 0")
+        if min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
+        if self.max_tokens is not None and min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {min_tokens}"
+            )
+
+        self.stop = self._normalized_stop(self.stop)
+        self.stop_token_ids = self._normalized_stop_token_ids(self.stop_token_ids)
+
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
+        if self.logprobs is not None:
+            logprobs = _check_int("logprobs", self.logprobs, f"0 to {MAX_LOGPROBS} or None")
+            if not 0 <= logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
+
+    @staticmethod
+    def _normalized_stop(stop: object) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list | tuple):
+            raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
+                    f"got one of {len(s)}"
+                )
+        return list(stop)
+
+    @staticmethod
+    def _normalized_stop_token_ids(ids: object) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, list | tuple):
+            raise ValueError(f"stop_token_ids must be a list of ints or None, got {ids!r}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}"
+            )
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise ValueError(f"stop_token_ids must be non-negative ints, got {i!r}")
+        return list(ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    def check_for_model(self, vocab_size: int) -> None:
+        """Checks the ids that only make sense against a model's vocabulary."""
+        for i in self.stop_token_ids:
+            if i >= vocab_size:
+                raise ValueError(
+                    f"stop_token_ids must be < the model's vocab size {vocab_size}, got {i}"
+                )

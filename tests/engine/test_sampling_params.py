@@ -1,0 +1,114 @@
+"""SamplingParams: defaults, normalization, and a clear ValueError for every bad field."""
+
+import math
+
+import pytest
+
+from engine_service.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+)
+
+
+def test_defaults_match_vllm() -> None:
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.max_tokens, p.min_tokens, p.logprobs, p.seed) == (16, 0, None, None)
+    assert p.stop == [] and p.stop_token_ids == []
+    assert p.skip_special_tokens and not p.ignore_eos and not p.include_stop_str_in_output
+    assert not p.is_greedy and not p.has_penalties
+
+
+def test_stop_string_and_ids_are_normalized_to_lists() -> None:
+    p = SamplingParams(stop="###", stop_token_ids=(7, 9))
+    assert p.stop == ["###"]
+    assert p.stop_token_ids == [7, 9]
+
+
+def test_ints_are_accepted_for_floats_and_stored_as_float() -> None:
+    p = SamplingParams(temperature=1, top_p=1, repetition_penalty=2)
+    assert isinstance(p.temperature, float) and isinstance(p.repetition_penalty, float)
+
+
+def test_greedy_is_temperature_zero() -> None:
+    assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(temperature=0.0, top_k=5).is_greedy
+    assert not SamplingParams(temperature=0.5).is_greedy
+    # top_k == 1 still samples (it draws from the generator) though it picks the argmax.
+    assert not SamplingParams(top_k=1).is_greedy
+
+
+def test_valid_edges_are_accepted() -> None:
+    SamplingParams(
+        n=MAX_N,
+        top_p=1.0,
+        top_k=-1,
+        min_p=1.0,
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        max_tokens=None,
+        min_tokens=5,
+        logprobs=MAX_LOGPROBS,
+        seed=2**64 - 1,
+    )
+    SamplingParams(seed=-(2**63), logprobs=0, max_tokens=3, min_tokens=3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "shown"),
+    [
+        ({"n": 0}, "n", "0"),
+        ({"n": MAX_N + 1}, "n", str(MAX_N + 1)),
+        ({"n": True}, "n", "True"),
+        ({"n": 2.0}, "n", "2.0"),
+        ({"temperature": -0.5}, "temperature", "-0.5"),
+        ({"temperature": math.nan}, "temperature", "nan"),
+        ({"temperature": math.inf}, "temperature", "inf"),
+        ({"temperature": "0.7"}, "temperature", "'0.7'"),
+        ({"top_p": 0.0}, "top_p", "0.0"),
+        ({"top_p": 1.5}, "top_p", "1.5"),
+        ({"top_k": -2}, "top_k", "-2"),
+        ({"top_k": 3.0}, "top_k", "3.0"),
+        ({"min_p": -0.1}, "min_p", "-0.1"),
+        ({"min_p": 1.01}, "min_p", "1.01"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "2.5"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty", "-2.01"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty", "0.0"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty", "-1.0"),
+        ({"max_tokens": 0}, "max_tokens", "0"),
+        ({"max_tokens": -3}, "max_tokens", "-3"),
+        ({"min_tokens": -1}, "min_tokens", "-1"),
+        ({"min_tokens": 10, "max_tokens": 5}, "min_tokens", "10"),
+        ({"stop": ""}, "stop", "''"),
+        ({"stop": ["ok", 3]}, "stop", "3"),
+        ({"stop": 42}, "stop", "42"),
+        ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop", str(MAX_STOP_STRINGS + 1)),
+        ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, "stop", str(MAX_STOP_STRING_CHARS + 1)),
+        ({"stop_token_ids": [1, -4]}, "stop_token_ids", "-4"),
+        ({"stop_token_ids": [True]}, "stop_token_ids", "True"),
+        ({"stop_token_ids": 5}, "stop_token_ids", "5"),
+        ({"logprobs": -1}, "logprobs", "-1"),
+        ({"logprobs": MAX_LOGPROBS + 1}, "logprobs", str(MAX_LOGPROBS + 1)),
+        ({"seed": 2**64}, "seed", str(2**64)),
+        ({"seed": 1.5}, "seed", "1.5"),
+        ({"ignore_eos": 1}, "ignore_eos", "1"),
+        ({"skip_special_tokens": "yes"}, "skip_special_tokens", "'yes'"),
+        ({"include_stop_str_in_output": None}, "include_stop_str_in_output", "None"),
+    ],
+)
+def test_invalid_value_names_field_and_value(kwargs: dict, field: str, shown: str) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        SamplingParams(**kwargs)
+    message = str(excinfo.value)
+    assert message.startswith(field), message
+    assert shown in message, message
+
+
+def test_check_for_model_rejects_stop_token_outside_vocab() -> None:
+    p = SamplingParams(stop_token_ids=[3, 100])
+    p.check_for_model(vocab_size=101)
+    with pytest.raises(ValueError, match=r"stop_token_ids .* vocab size 100, got 100"):
+        p.check_for_model(vocab_size=100)
