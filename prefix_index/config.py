@@ -1,0 +1,41 @@
+"""Settings of the index server (flags of pagedgen-prefix-index)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class PinPolicy:
+    """Automatic pinning of hot blocks: hits in a sliding window against a threshold."""
+
+    hot_threshold: int = 8         # hits within one window that pin a block; 0 = never
+    window_s: float = 60.0         # sliding window length
+    cool_fraction: float = 0.5     # unpin when the estimate falls below threshold * this
+    budget_fraction: float = 0.1   # pins (explicit + automatic) allowed, as a share of the pool
+    sweep_interval_s: float = 5.0  # how often auto pins are re-checked for cooling
+
+    def budget(self, num_blocks: int) -> int:
+        # The epsilon keeps 0.29 * 100 at 29, not 28.999... -> 28.
+        return int(math.floor(self.budget_fraction * num_blocks + 1e-9))
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Input bounds; a request past one is refused with INVALID_ARGUMENT."""
+
+    max_ops: int = 4096            # ops in one Apply
+    max_chain: int = 16384         # hashes in one chain / release list
+    max_hashes: int = 262144       # hashes in one Apply, all ops together
+    max_lease_s: float = 86400.0
+
+
+@dataclass(frozen=True, slots=True)
+class IndexConfig:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    default_lease_s: float = 30.0
+    redis_timeout_s: float = 1.0       # socket connect/read timeout: fail fast when Redis is gone
+    probe_interval_s: float = 0.5      # health probe of Redis
+    pin_policy: PinPolicy = PinPolicy()
+    limits: Limits = Limits()

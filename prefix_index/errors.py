@@ -1,0 +1,19 @@
+"""Errors of the index that the gRPC layer maps to status codes."""
+
+from __future__ import annotations
+
+
+class IndexRequestError(Exception):
+    """A request the index refuses; subclasses say which status code it maps to."""
+
+
+class InvalidRequestError(IndexRequestError):
+    """Bad input (INVALID_ARGUMENT). The message names the field, the value and what is allowed."""
+
+
+class EngineNotFoundError(IndexRequestError):
+    """The engine never registered or its lease expired (NOT_FOUND)."""
+
+
+class StaleEpochError(IndexRequestError):
+    """The request carries an epoch older than the engine's current one (FAILED_PRECONDITION)."""

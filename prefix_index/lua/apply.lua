@@ -1,0 +1,218 @@
+-- ARGV: epoch, hot_threshold (0 = no automatic pins), window_ms, then the ops, each a code and
+-- its arguments:  A n h1..hn | C h parent block_id | R n h1..hn | E k | P ttl_ms n h1..hn |
+-- U n h1..hn.  Returns one {status, detail, block_ids, evicted (hash, id, ...), count} per op;
+-- status numbers are the proto's OpStatus.
+local OK, NOT_HELD, REFCOUNT_ZERO, BLOCK_IN_USE, HASH_EXISTS, ALREADY_COMMITTED,
+  PIN_BUDGET_EXCEEDED = 0, 1, 2, 3, 4, 5, 6
+
+local err = check_epoch(ARGV[1])
+if err then return err end
+local threshold = tonumber(ARGV[2])
+local window_ms = tonumber(ARGV[3])
+local num_blocks = num(K.meta, 'num_blocks')
+
+local function hex(h)
+  return (h:gsub('.', function(c) return string.format('%02x', c:byte()) end))
+end
+
+local function take_list(pos)
+  local n = tonumber(ARGV[pos])
+  local list = {}
+  for i = 1, n do
+    list[i] = ARGV[pos + i]
+  end
+  return list, pos + n + 1
+end
+
+-- Parse and check every op before the first write: a refused batch changes nothing.
+local ops = {}
+local pos = 4
+while pos <= #ARGV do
+  local code = ARGV[pos]
+  local op = {code = code}
+  local path = 'ops[' .. #ops .. ']'
+  if code == 'A' or code == 'R' or code == 'U' then
+    op.list, pos = take_list(pos + 1)
+  elseif code == 'C' then
+    op.h, op.parent, op.block = ARGV[pos + 1], ARGV[pos + 2], tonumber(ARGV[pos + 3])
+    pos = pos + 4
+    if op.block >= num_blocks then
+      return fail('INVALID', path .. '.commit.block_id: ' .. ARGV[pos - 1] ..
+        ' is out of range; allowed 0..' .. (num_blocks - 1) .. ' (the pool size registered)')
+    end
+  elseif code == 'E' then
+    op.k = tonumber(ARGV[pos + 1])
+    pos = pos + 2
+    if op.k > num_blocks then
+      return fail('INVALID', path .. '.evict.k: ' .. ARGV[pos - 1] ..
+        ' is more than the pool size; allowed 0..' .. num_blocks)
+    end
+  elseif code == 'P' then
+    op.ttl_ms = tonumber(ARGV[pos + 1])
+    op.list, pos = take_list(pos + 2)
+  else
+    return fail('INVALID', path .. ': unknown op code ' .. tostring(code))
+  end
+  ops[#ops + 1] = op
+end
+
+local now = now_ms()
+expire_pins(now)
+
+local function held_prefix(chain)
+  local prefix = {}
+  for _, h in ipairs(chain) do
+    local b = redis.call('HGET', K.bid, h)
+    if not b then break end
+    prefix[#prefix + 1] = {h, tonumber(b)}
+  end
+  return prefix
+end
+
+local function acquire(op)
+  local prefix = held_prefix(op.list)
+  local ids = {}
+  local budget = pin_budget()
+  for i, entry in ipairs(prefix) do
+    local h = entry[1]
+    ids[i] = entry[2]
+    redis.call('HINCRBY', K.ref, h, 1)
+    redis.call('HSET', K.last, h, tick())
+    if threshold > 0 and hot_estimate(h, now, window_ms, 1) >= threshold
+        and redis.call('HEXISTS', K.pin, h) == 0 and redis.call('HLEN', K.pin) < budget then
+      redis.call('HSET', K.pin, h, 'a')
+    end
+    settle(h)
+  end
+  redis.call('HINCRBY', K.meta, 'queries', #op.list)
+  redis.call('HINCRBY', K.meta, 'hits', #ids)
+  return {OK, '', ids, {}, #ids}
+end
+
+local function commit(op)
+  local h, parent, block = op.h, op.parent, op.block
+  local existing = redis.call('HGET', K.bid, h)
+  if existing then
+    if tonumber(existing) == block then
+      return {ALREADY_COMMITTED, 'hash ' .. hex(h) .. ' is already committed in block ' ..
+        block, {block}, {}, 0}
+    end
+    return {HASH_EXISTS, 'hash ' .. hex(h) .. ' is already held in block ' .. existing,
+      {tonumber(existing)}, {}, 0}
+  end
+  if parent ~= '' and redis.call('HEXISTS', K.bid, parent) == 0 then
+    return {NOT_HELD, 'parent ' .. hex(parent) .. ' is not held; commit the chain in order',
+      {}, {}, 0}
+  end
+  local owner = redis.call('HGET', K.own, block)
+  if owner then
+    return {BLOCK_IN_USE, 'block ' .. block .. ' still holds hash ' .. hex(owner) ..
+      '; evict it before reusing the block', {}, {}, 0}
+  end
+  redis.call('HSET', K.bid, h, block)
+  redis.call('HSET', K.own, block, h)
+  redis.call('HSET', K.ref, h, 1)
+  redis.call('HSET', K.par, h, parent)
+  redis.call('HSET', K.last, h, tick())
+  if parent ~= '' then
+    redis.call('HINCRBY', K.kids, parent, 1)
+    settle(parent)
+  end
+  settle(h)
+  return {OK, '', {block}, {}, 1}
+end
+
+local function release(op)
+  local count = 0
+  for _, h in ipairs(op.list) do
+    if redis.call('HEXISTS', K.bid, h) == 0 then
+      return {NOT_HELD, 'hash ' .. hex(h) .. ' is not held', {}, {}, count}
+    end
+    if num(K.ref, h) <= 0 then
+      return {REFCOUNT_ZERO, 'hash ' .. hex(h) .. ' has refcount 0; release without acquire',
+        {}, {}, count}
+    end
+    redis.call('HINCRBY', K.ref, h, -1)
+    redis.call('HSET', K.last, h, tick())
+    settle(h)
+    count = count + 1
+  end
+  return {OK, '', {}, {}, count}
+end
+
+local function drop(h)
+  local block = redis.call('HGET', K.bid, h)
+  local parent = redis.call('HGET', K.par, h)
+  for _, key in ipairs({K.bid, K.ref, K.par, K.kids, K.last, K.pin, K.hcur, K.hprev, K.hwin}) do
+    redis.call('HDEL', key, h)
+  end
+  redis.call('HDEL', K.own, block)
+  redis.call('ZREM', K.free, h)
+  redis.call('ZREM', K.lru, h)
+  redis.call('ZREM', K.pinexp, h)
+  if parent and parent ~= '' then
+    if redis.call('HINCRBY', K.kids, parent, -1) <= 0 then
+      redis.call('HDEL', K.kids, parent)
+    end
+    settle(parent)
+  end
+  return tonumber(block)
+end
+
+local function evict(op)
+  local victims = {}
+  local count = 0
+  while count < op.k do
+    local oldest = redis.call('ZRANGE', K.lru, 0, 0)
+    if #oldest == 0 then break end
+    local h = oldest[1]
+    victims[#victims + 1] = h
+    victims[#victims + 1] = drop(h)
+    count = count + 1
+  end
+  redis.call('HINCRBY', K.meta, 'evictions', count)
+  return {OK, '', {}, victims, count}
+end
+
+local function pin(op)
+  local prefix = held_prefix(op.list)
+  local new_pins = 0
+  for _, entry in ipairs(prefix) do
+    if redis.call('HEXISTS', K.pin, entry[1]) == 0 then new_pins = new_pins + 1 end
+  end
+  local pinned, budget = redis.call('HLEN', K.pin), pin_budget()
+  if pinned + new_pins > budget then
+    return {PIN_BUDGET_EXCEEDED, 'pinning ' .. new_pins .. ' more blocks would pass the pin ' ..
+      'budget of ' .. budget .. ' (' .. pinned .. ' pinned)', {}, {}, 0}
+  end
+  for _, entry in ipairs(prefix) do
+    local h = entry[1]
+    redis.call('HSET', K.pin, h, 'e')
+    if op.ttl_ms > 0 then
+      redis.call('ZADD', K.pinexp, fmt(now + op.ttl_ms), h)
+    else
+      redis.call('ZREM', K.pinexp, h)
+    end
+    settle(h)
+  end
+  return {OK, '', {}, {}, #prefix}
+end
+
+local function unpin_op(op)
+  local count = 0
+  for _, h in ipairs(op.list) do
+    if redis.call('HEXISTS', K.pin, h) == 1 then
+      unpin(h)
+      count = count + 1
+    end
+  end
+  return {OK, '', {}, {}, count}
+end
+
+local handlers = {A = acquire, C = commit, R = release, E = evict, P = pin, U = unpin_op}
+local results = {}
+for i, op in ipairs(ops) do
+  results[i] = handlers[op.code](op)
+end
+refresh_ttl(num(K.meta, 'lease_ms'))
+return results

@@ -1,0 +1,127 @@
+-- Shared by every engine script (prepended to each at load time).
+-- KEYS: the state of one engine; all share the hash tag {engine_id} so a script stays in one
+-- Redis Cluster slot. Per-block data are Redis hashes keyed by the 16-byte block hash.
+local K = {
+  meta = KEYS[1],    -- epoch, model, block_size, num_blocks, lease_ms, pin_budget, counters
+  bid = KEYS[2],     -- hash -> block id
+  own = KEYS[3],     -- block id -> hash (a block id maps to at most one live hash)
+  ref = KEYS[4],     -- hash -> refcount
+  par = KEYS[5],     -- hash -> parent hash ('' for the first block of a chain)
+  kids = KEYS[6],    -- hash -> number of held children (absent = 0)
+  last = KEYS[7],    -- hash -> logical time of last use (acquire, commit, release)
+  pin = KEYS[8],     -- hash -> 'e' (explicit) or 'a' (automatic, hot)
+  pinexp = KEYS[9],  -- zset: explicit pins with a TTL, score = expiry (ms)
+  hcur = KEYS[10],   -- hash -> hits in the current window
+  hprev = KEYS[11],  -- hash -> hits in the previous window
+  hwin = KEYS[12],   -- hash -> start of the current window (ms)
+  free = KEYS[13],   -- zset: refcount 0 and not pinned, score = last use
+  lru = KEYS[14],    -- zset: the eviction candidates = free and no held children
+}
+local ALL_KEYS = {K.meta, K.bid, K.own, K.ref, K.par, K.kids, K.last, K.pin, K.pinexp,
+                  K.hcur, K.hprev, K.hwin, K.free, K.lru}
+
+-- Redis turns Lua numbers into strings with %.14g; epochs and times need every digit.
+local function fmt(x)
+  return string.format('%.0f', x)
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function num(key, field)
+  return tonumber(redis.call('HGET', key, field) or '0')
+end
+
+-- A strictly increasing per-engine clock: LRU order is exact and ties never happen.
+local function tick()
+  return redis.call('HINCRBY', K.meta, 'clock', 1)
+end
+
+-- Fatal errors abort the whole script before any write; Python maps the prefix to a status.
+local function fail(code, message)
+  return redis.error_reply(code .. ' ' .. message)
+end
+
+local function check_epoch(epoch)
+  local current = redis.call('HGET', K.meta, 'epoch')
+  if not current then
+    return fail('NOT_FOUND', 'engine is not registered or its lease expired; register again')
+  end
+  if current ~= epoch then
+    return fail('STALE_EPOCH', 'epoch ' .. epoch .. ' is stale; the current epoch is ' ..
+      current .. ' (the engine re-registered); register again')
+  end
+  return nil
+end
+
+-- Recompute free/lru membership from refcount, pin and children: one place owns the invariant
+-- "lru = refcount 0, not pinned, no held children".
+local function settle(h)
+  if h == '' or redis.call('HEXISTS', K.bid, h) == 0 then
+    return
+  end
+  if num(K.ref, h) == 0 and redis.call('HEXISTS', K.pin, h) == 0 then
+    local last = redis.call('HGET', K.last, h)
+    redis.call('ZADD', K.free, last, h)
+    if num(K.kids, h) == 0 then
+      redis.call('ZADD', K.lru, last, h)
+    else
+      redis.call('ZREM', K.lru, h)
+    end
+  else
+    redis.call('ZREM', K.free, h)
+    redis.call('ZREM', K.lru, h)
+  end
+end
+
+local function unpin(h)
+  redis.call('HDEL', K.pin, h)
+  redis.call('ZREM', K.pinexp, h)
+  settle(h)
+end
+
+local function expire_pins(now)
+  local due = redis.call('ZRANGEBYSCORE', K.pinexp, '-inf', fmt(now))
+  for _, h in ipairs(due) do
+    unpin(h)
+  end
+end
+
+-- Sliding-window hit estimate: the previous window's hits weighted by how much of it still
+-- overlaps the window ending now, plus this window's hits. Windows start at a block's first hit.
+local function hot_estimate(h, now, window_ms, add)
+  local w0 = tonumber(redis.call('HGET', K.hwin, h) or '')
+  local cur, prev = 0, 0
+  if w0 == nil then
+    if add == 0 then
+      return 0
+    end
+    w0 = now
+  else
+    cur = num(K.hcur, h)
+    prev = num(K.hprev, h)
+    local passed = math.floor((now - w0) / window_ms)
+    if passed >= 1 then
+      if passed == 1 then prev = cur else prev = 0 end
+      cur = 0
+      w0 = w0 + passed * window_ms
+    end
+  end
+  cur = cur + add
+  redis.call('HSET', K.hwin, h, fmt(w0))
+  redis.call('HSET', K.hcur, h, cur)
+  redis.call('HSET', K.hprev, h, prev)
+  return prev * (1 - (now - w0) / window_ms) + cur
+end
+
+local function pin_budget()
+  return num(K.meta, 'pin_budget')
+end
+
+local function refresh_ttl(ttl_ms)
+  for _, key in ipairs(ALL_KEYS) do
+    redis.call('PEXPIRE', key, fmt(ttl_ms))
+  end
+end

@@ -1,0 +1,42 @@
+"""The Lua scripts: read once from lua/, loaded with SCRIPT LOAD, run with EVALSHA.
+
+A Redis that restarted (or a cluster node that never saw a script) answers NOSCRIPT; the script
+is then loaded again and the call repeated once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
+
+LUA_DIR = Path(__file__).resolve().parent / "lua"
+SCRIPT_NAMES = ("register", "heartbeat", "apply", "cool", "lookup", "stats")
+
+
+@dataclass(frozen=True, slots=True)
+class LuaScript:
+    name: str
+    source: str
+    sha: str
+
+    async def run(self, redis: Redis, keys: list[str], args: list[bytes | str | int]):
+        try:
+            return await redis.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await redis.script_load(self.source)
+            return await redis.evalsha(self.sha, len(keys), *keys, *args)
+
+
+def load_scripts() -> dict[str, LuaScript]:
+    """Each script is lua/common.lua followed by its own file."""
+    common = (LUA_DIR / "common.lua").read_text()
+    scripts = {}
+    for name in SCRIPT_NAMES:
+        source = common + "\n" + (LUA_DIR / f"{name}.lua").read_text()
+        sha = hashlib.sha1(source.encode()).hexdigest()
+        scripts[name] = LuaScript(name, source, sha)
+    return scripts
