@@ -102,7 +102,9 @@ def reshape_and_cache(
             f"{head_size}] expected)"
         )
     if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens"
+        )
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache),
                     ("value_cache", value_cache)):
         if t.stride(-1) != 1:
