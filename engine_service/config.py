@@ -1,0 +1,90 @@
+"""Engine configuration: one slotted dataclass, validated on construction."""
+
+from dataclasses import dataclass
+
+BLOCK_SIZES = (8, 16, 32, 64)
+PREEMPTION_MODES = ("recompute", "swap")
+DEVICES = ("cpu", "cuda")
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV on the CPU unless told otherwise
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    block_size: int = 16
+    num_blocks: int | None = None  # KV pool size in blocks; wins over kv_cache_memory
+    kv_cache_memory: int | None = None  # KV pool size in bytes
+    gpu_memory_utilization: float = 0.9  # CUDA only, when neither of the above is given
+    device: str = "cpu"
+    dtype: str = "float32"
+    kernel_backend: str = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: int = 1 << 30  # bytes of CPU blocks for swapped-out sequences (swap mode)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, field: str, value: object, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"{field} must be {allowed}, got {value!r}")
+
+        need(self.block_size in BLOCK_SIZES, "block_size", self.block_size, f"one of {BLOCK_SIZES}")
+        need(
+            self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 2),
+            "num_blocks",
+            self.num_blocks,
+            "None or an int >= 2",
+        )
+        need(
+            self.kv_cache_memory is None or self.kv_cache_memory > 0,
+            "kv_cache_memory",
+            self.kv_cache_memory,
+            "None or a positive number of bytes",
+        )
+        need(
+            0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "in (0, 1]",
+        )
+        need(self.device in DEVICES, "device", self.device, f"one of {DEVICES}")
+        need(
+            self.dtype in ("float32", "float16", "bfloat16"),
+            "dtype",
+            self.dtype,
+            "one of ('float32', 'float16', 'bfloat16')",
+        )
+        need(
+            self.kernel_backend in ("auto", "torch", "triton"),
+            "kernel_backend",
+            self.kernel_backend,
+            "one of ('auto', 'torch', 'triton')",
+        )
+        need(
+            isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+            "max_num_seqs",
+            self.max_num_seqs,
+            "an int >= 1",
+        )
+        need(
+            isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            "an int >= 1",
+        )
+        need(
+            self.max_model_len is None or self.max_model_len >= 1,
+            "max_model_len",
+            self.max_model_len,
+            "None or an int >= 1",
+        )
+        need(
+            self.preemption_mode in PREEMPTION_MODES,
+            "preemption_mode",
+            self.preemption_mode,
+            f"one of {PREEMPTION_MODES}",
+        )
+        need(self.swap_space >= 0, "swap_space", self.swap_space, "a number of bytes >= 0")

@@ -1,0 +1,127 @@
+"""The offline API, mirroring vLLM's: LLM(model=...).generate(prompts, SamplingParams(...))."""
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from engine_service.config import EngineConfig
+from engine_service.llm_engine import LLMEngine
+from engine_service.outputs import RequestOutput
+from engine_service.sampling_params import SamplingParams
+
+Prompt = str | dict
+
+
+class LLM:
+    """Offline batch generation. `model` is a local HF directory or GGUF file; None means the
+    default model (SmolLM2-135M-Instruct, prepared into the cache by pagedgen-prepare-model)."""
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        if model is None:
+            from engine_service.prepare_model import ensure_default_model
+
+            model = str(ensure_default_model())
+        self.llm_engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def _token_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return self.llm_engine.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.llm_engine.tokenizer.encode(prompt["prompt"]), prompt["prompt"]
+        raise ValueError(
+            "prompt must be a string, {'prompt': str} or {'prompt_token_ids': "
+            f"[int, ...]}}, got {type(prompt).__name__}: {str(prompt)[:80]!r}"
+        )
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        cache_salt: str | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in the order of the prompts."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"sampling_params must be one or one per prompt ({len(prompts)}), "
+                f"got {len(sampling_params)}"
+            )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(
+                f"priority must have one entry per prompt ({len(prompts)}), got {len(priority)}"
+            )
+        engine = self.llm_engine
+        # Validate everything before submitting anything: a bad prompt leaves nothing behind.
+        requests = []
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
+            token_ids, text = self._token_ids(prompt)
+            engine.validate_request(token_ids, params)
+            salt = prompt.get("cache_salt", cache_salt) if isinstance(prompt, dict) else cache_salt
+            requests.append(
+                (
+                    str(next(self._request_ids)),
+                    token_ids,
+                    params,
+                    text,
+                    salt,
+                    priority[i] if priority is not None else 0,
+                )
+            )
+        order = {}
+        for index, (request_id, token_ids, params, text, salt, prio) in enumerate(requests):
+            engine.add_request(
+                request_id, token_ids, params, prompt=text, cache_salt=salt, priority=prio
+            )
+            order[request_id] = index
+        results: list[RequestOutput | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        results[order[output.request_id]] = output
+                        bar.update(1)
+        except BaseException:
+            for request_id in order:
+                engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return results
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **kwargs,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.llm_engine.tokenizer
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True
+            )
+            prompts.append(
+                {
+                    "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
+                    "prompt": text,
+                }
+            )
+        return self.generate(prompts, sampling_params, **kwargs)

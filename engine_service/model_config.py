@@ -1,0 +1,85 @@
+"""What the engine needs to know about a model, read from a local HF directory or GGUF file."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    path: Path  # the HF directory (a GGUF file's directory when gguf_file is set)
+    gguf_file: str | None
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2 has q/k/v biases
+    eos_token_ids: tuple[int, ...]
+    hf_config: object  # the transformers config, for RoPE parameters
+
+    @property
+    def identity(self) -> str:
+        """Names the weights, for block hashes: same identity => same KV for same tokens."""
+        return f"{self.path.resolve()}:{self.gguf_file or ''}:{self.architecture}"
+
+
+def load_model_config(model: str | Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    path = Path(model)
+    if not path.exists():
+        raise ValueError(
+            f"model must be a local HF directory or GGUF file; {str(model)!r} does not exist"
+        )
+    gguf_file = None
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file must be a .gguf file, got {str(model)!r}")
+        path, gguf_file = path.parent, path.name
+    elif not (path / "config.json").exists():
+        raise ValueError(f"model directory {str(model)!r} has no config.json")
+    config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    if not architecture and config.model_type in ("llama", "mistral", "qwen2"):
+        architecture = {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+        }[config.model_type]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"model architecture must be one of {SUPPORTED_ARCHITECTURES}, got {architecture!r}"
+        )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    eos = config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    return ModelConfig(
+        path=path,
+        gguf_file=gguf_file,
+        architecture=architecture,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        attention_bias=architecture == "Qwen2ForCausalLM"
+        or bool(getattr(config, "attention_bias", False)),
+        eos_token_ids=eos_ids,
+        hf_config=config,
+    )
