@@ -1,0 +1,131 @@
+"""Incremental detokenization with stop strings that never leak into the released text.
+
+Decoding uses vLLM's offset scheme: each step decodes only a short window of recent tokens,
+`token_ids[prefix_offset:]`, and releases what it adds beyond `token_ids[prefix_offset:
+read_offset]` (text already released). Decoding a window rather than single tokens keeps the
+leading spaces of SentencePiece/BPE pieces right, and a window whose text ends in U+FFFD (a
+multi-byte character split across tokens) is held back until the character completes.
+
+Stop strings: the last (longest stop string - 1) characters are held back, so a stop string
+that arrives split across tokens is caught before any of it is released. The earliest match
+wins (the longer stop string on a tie); the text is cut there (after it with
+`include_stop_str_in_output`, and then nothing needs holding back: a partial stop string is
+part of the output either way).
+"""
+
+from typing import Protocol
+
+# Prompt tokens decoded along with the first output token (vLLM uses 5): enough context for the
+# first piece's leading space and for characters that began in the prompt.
+PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class Tokenizer(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._token_ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._token_ids)
+        self._stop = list(stop)
+        self._include_stop = include_stop_str_in_output
+        longest = max((len(s) for s in self._stop), default=0)
+        # Without include_stop, the held-back tail covers every place a stop string can start;
+        # with it nothing is held, so that much released text is kept to search in instead.
+        self._hold_chars = 0 if include_stop_str_in_output else max(longest - 1, 0)
+        self._context_chars = max(longest - 1, 0) if include_stop_str_in_output else 0
+        self._context = ""
+        self._held = ""  # decoded, not yet released
+        self._chunks: list[str] = []
+        self._text: str | None = ""
+        self._done = False
+        self.matched_stop: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All text released so far."""
+        if self._text is None:
+            self._text = "".join(self._chunks)
+            self._chunks = [self._text]
+        return self._text
+
+    def add_token(self, token_id: int) -> str:
+        """Text delta that is safe to release now ("" while held back, and after a stop)."""
+        if self._done:
+            return ""
+        self._token_ids.append(token_id)
+        return self._release(self._decode_new(flush=False), final=False)
+
+    def finish(self) -> str:
+        """Releases what is still held back; the sequence has ended (EOS, length or abort).
+
+        A held-back tail that only looks like the start of a stop string is released: no stop
+        string matched, so it is part of the output. Text after a matched stop never is.
+        """
+        if self._done:
+            return ""
+        delta = self._release(self._decode_new(flush=True), final=True)
+        self._done = True
+        return delta
+
+    def _decode_new(self, flush: bool) -> str:
+        if self._read_offset >= len(self._token_ids):
+            return ""
+        decode = self._tokenizer.decode
+        skip = self._skip_special_tokens
+        prefix_text = decode(
+            self._token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip
+        )
+        new_text = decode(self._token_ids[self._prefix_offset :], skip_special_tokens=skip)
+        # Nothing new (a skipped special token), or a character still incomplete: wait for
+        # more tokens; the window then simply grows. At the end, flush it as decode() would.
+        if not flush and (len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT)):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        return new_text[len(prefix_text) :]
+
+    def _release(self, new_text: str, final: bool) -> str:
+        if not new_text and not final:
+            return ""
+        buffer = self._context + self._held + new_text
+        start = len(self._context)  # buffer[start:] is not released yet
+        match = self._find_stop(buffer)
+        if match is not None:
+            index, stop = match
+            end = index + len(stop) if self._include_stop else index
+            self.matched_stop = stop
+            self._done = True
+            return self._emit(buffer[start : max(start, end)])
+        cut = len(buffer) if final else max(start, len(buffer) - self._hold_chars)
+        self._held = buffer[cut:]
+        self._context = buffer[:cut][-self._context_chars :] if self._context_chars else ""
+        return self._emit(buffer[start:cut])
+
+    def _find_stop(self, buffer: str) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for stop in self._stop:
+            index = buffer.find(stop)
+            if index < 0:
+                continue
+            if best is None or index < best[0] or (index == best[0] and len(stop) > len(best[1])):
+                best = (index, stop)
+        return best
+
+    def _emit(self, delta: str) -> str:
+        if delta:
+            self._chunks.append(delta)
+            self._text = None
+        return delta
