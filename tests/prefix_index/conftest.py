@@ -1,0 +1,36 @@
+"""Shared fixtures: one real redis-server and one index server (subprocess) per session."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from prefix_index.launch import IndexProcess
+from prefix_index.redis_process import RedisProcess
+
+# The policy the tests (and the reference model) assume: a window far longer than any test, so
+# a block's hit estimate is exactly its hit count.
+HOT_THRESHOLD = 3
+PIN_BUDGET_FRACTION = 0.25
+INDEX_ARGS = ["--hot-threshold", str(HOT_THRESHOLD), "--hot-window-s", "3600",
+              "--pin-budget-fraction", str(PIN_BUDGET_FRACTION), "--log-level", "WARNING",
+              "--grace-s", "1"]
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    with RedisProcess() as redis:
+        yield redis
+
+
+@pytest.fixture(scope="session")
+def index_server(redis_server):
+    with IndexProcess(redis_server.url, INDEX_ARGS) as index:
+        yield index
+
+
+@pytest.fixture
+def engine_id() -> str:
+    """A fresh engine per test: tests share the server but never each other's state."""
+    return f"engine-{uuid.uuid4().hex[:12]}"
