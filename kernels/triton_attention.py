@@ -15,9 +15,10 @@ most one tile per sequence; surplus tiles exit at once.
 """
 
 import torch
+import triton
+import triton.language as tl
 
-# triton comes through triton_jit, which must choose interpreted mode before triton is imported.
-from kernels.triton_jit import INTERPRETED, jit, tl, triton
+from kernels.triton_jit import INTERPRETED, MAX_COMBINE, SUM_COMBINE, jit
 
 LOG2_E = 1.4426950408889634
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows / columns on NVIDIA GPUs
@@ -113,14 +114,14 @@ def paged_attention_kernel(
     # Keys this tile needs: 0 .. last valid query position (causal), split evenly by tiles.
     last_q_in_seq = tl.minimum((q_tile_in_seq + 1) * BLOCK_Q, q_len) - 1
     num_keys = num_cached + last_q_in_seq + 1
-    num_kv_tiles = tl.cdiv(num_keys, TILE_N)
-    tiles_per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
+    num_kv_tiles = (num_keys + TILE_N - 1) // TILE_N
+    tiles_per_split = (num_kv_tiles + NUM_SPLITS - 1) // NUM_SPLITS
     first_kv_tile = split * tiles_per_split
     end_kv_tile = tl.minimum(first_kv_tile + tiles_per_split, num_kv_tiles)
 
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    running_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    running_sum = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
     for kv_tile in range(first_kv_tile, end_kv_tile):
         key_pos = kv_tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
@@ -148,13 +149,13 @@ def paged_attention_kernel(
         visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
 
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        new_max = tl.maximum(running_max, tl.reduce(scores, 1, MAX_COMBINE))
         # A row that has seen no visible key yet keeps max -inf; shift by 0 so exp2 gives 0,
         # not NaN from (-inf) - (-inf).
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
         probs = tl.exp2(scores - shift[:, None])
         rescale = tl.exp2(running_max - shift)
-        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+        running_sum = running_sum * rescale + tl.reduce(probs, 1, SUM_COMBINE)
         acc = acc * rescale[:, None] + tl.dot(
             probs.to(q.dtype), v, input_precision=DOT_PRECISION
         )
@@ -198,10 +199,10 @@ def _combine_splits_kernel(
         partial_acc_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_PAD + dims[None, :]
     )  # [NUM_SPLITS, HEAD_PAD]
     # Split 0 always holds key 0, which every query sees, so the global max is finite.
-    global_max = tl.max(split_max, axis=0)
+    global_max = tl.reduce(split_max, 0, MAX_COMBINE)
     weight = tl.exp2(split_max - global_max)  # 0 for empty splits
-    total = tl.sum(split_sum * weight, axis=0)
-    out = tl.sum(split_acc * weight[:, None], axis=0) / total
+    total = tl.reduce(split_sum * weight, 0, SUM_COMBINE)
+    out = tl.reduce(split_acc * weight[:, None], 0, SUM_COMBINE) / total
     tl.store(
         out_ptr + token * stride_o_token + head * stride_o_head + dims,
         out.to(out_ptr.dtype.element_ty),

@@ -1,9 +1,10 @@
 """Triton kernels that write the paged KV cache: reshape_and_cache and copy_blocks."""
 
 import torch
+import triton
+import triton.language as tl
 
-# triton comes through triton_jit, which must choose interpreted mode before triton is imported.
-from kernels.triton_jit import jit, tl, triton
+from kernels.triton_jit import jit
 
 ROWS_PER_PROGRAM = 16  # (token, kv head) rows written by one reshape_and_cache program
 MAX_COPY_CHUNK = 4096  # elements of one block copied by one copy_blocks program

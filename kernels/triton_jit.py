@@ -1,39 +1,36 @@
 """Import point for Triton: compiled kernels on CUDA, the Triton interpreter everywhere else.
 
-Triton fixes compiled vs interpreted when a function is *defined* (TRITON_INTERPRET is read at
-decoration time), and that includes its own standard library (`tl.max`, `tl.cdiv`, ...),
-which is defined when `triton` is first imported. So on a machine without CUDA:
+Triton fixes compiled vs interpreted when a function is *defined* (TRITON_INTERPRET is read
+at decoration time). Without a GPU the interpreter is the only way the kernels can run, so
+`jit` defines them interpreted whenever this process has no CUDA device (or TRITON_INTERPRET=1),
+whatever the environment said when `triton` was first imported: transformers' Llama import
+pulls triton in early, and a test session or server cannot always order imports around that.
 
-- if nothing has imported triton yet, this module sets TRITON_INTERPRET=1 before importing it
-  (the interpreter is the only way Triton runs without a GPU);
-- if triton was already imported in compiled mode (transformers' Llama import does that), the
-  kernels could not run, so importing them fails here with a message that says what to do.
+Triton's own standard library (`tl.max`, `tl.sum`, `tl.cdiv`) is made of jit functions defined
+at that first import, so in compiled mode they refuse to run in the interpreter. The kernels
+therefore reduce with the builtin `tl.reduce` and the standard combine functions (which the
+interpreter maps to numpy in both modes) and write ceil-division out.
 """
 
-import os
-import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
-_HAS_CUDA = torch.cuda.is_available()
-if not _HAS_CUDA and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETED = bool(triton.knobs.runtime.interpret) or not torch.cuda.is_available()
 
-import triton  # noqa: E402  (must follow the TRITON_INTERPRET decision above)
-import triton.language as tl  # noqa: E402
+# Combine functions for tl.reduce: tl.reduce(x, axis, MAX_COMBINE) is tl.max(x, axis).
+MAX_COMBINE = tl.standard._elementwise_max
+SUM_COMBINE = tl.standard._sum_combine
 
-# The standard library tells how triton.language was really defined; the knob alone can lie
-# when the variable was set after triton had been imported.
-INTERPRETED = not isinstance(tl.cdiv, triton.runtime.jit.JITFunction)
 
-if not _HAS_CUDA and not INTERPRETED:
-    raise ImportError(
-        "the Triton kernels need a CUDA device or the Triton interpreter, but triton was already "
-        "imported in compiled mode on a machine without CUDA. Set TRITON_INTERPRET=1 in the "
-        "environment (or before anything imports triton or transformers' models), or use the "
-        "torch kernel backend."
-    )
-
-jit = triton.jit
-
-__all__ = ["INTERPRETED", "jit", "tl", "triton"]
+def jit(fn: Callable[..., Any]) -> Any:
+    """Define a Triton kernel or device function: compiled on CUDA, interpreted otherwise."""
+    if not INTERPRETED:
+        return triton.jit(fn)
+    # Scoped, so that kernels other modules define later keep their own choice.
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = True
+        return triton.jit(fn)
