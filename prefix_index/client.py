@@ -62,6 +62,10 @@ class PrefixIndexClient:
         self.lease_s, self.pin_budget = reply.lease_s, reply.pin_budget
         return reply.epoch
 
+    def attach(self, engine_id: str, epoch: int) -> None:
+        """Act for an engine registered elsewhere (another worker of the same engine)."""
+        self.engine_id, self.epoch = engine_id, epoch
+
     async def heartbeat(self) -> float:
         self._require_registered()
         reply = await self._call("Heartbeat", pb.HeartbeatRequest(
