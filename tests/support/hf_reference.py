@@ -1,0 +1,88 @@
+"""Greedy reference outputs from HF transformers, the ground truth the engine is compared with.
+
+One prompt at a time, float32, no padding: an unpadded forward is what our engine computes, so
+the numerics line up. Loaded models and finished generations are cached per process (several
+test files ask for the same references).
+"""
+
+import functools
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+
+@functools.lru_cache(maxsize=4)
+def load_hf_model(model_dir: str) -> PreTrainedModel:
+    """The float32 HF model in model_dir, in eval mode (cached: at most a few live at once)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=4096)
+def _greedy_one(
+    model_dir: str, prompt: tuple[int, ...], max_new_tokens: int, ignore_eos: bool
+) -> tuple[int, ...]:
+    if not prompt:
+        raise ValueError("prompt must hold at least one token id")
+    model = load_hf_model(model_dir)
+    base = model.generation_config
+    eos_token_id = [] if ignore_eos else base.eos_token_id
+    generation_config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        # An empty EOS list: generate never stops early, yet EOS may still win the argmax, as
+        # with vLLM's ignore_eos (min_new_tokens would mask EOS out and change the greedy
+        # choice). None would not do: generate fills None from the model's generation_config.
+        eos_token_id=eos_token_id,
+        pad_token_id=base.pad_token_id if base.pad_token_id is not None else base.eos_token_id,
+        bos_token_id=base.bos_token_id,
+    )
+    input_ids = torch.tensor([prompt], dtype=torch.long)
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            generation_config=generation_config,
+        )
+    return tuple(output[0, len(prompt) :].tolist())
+
+
+def _generate(
+    model_dir: Path | str, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool
+) -> list[list[int]]:
+    key = str(Path(model_dir).resolve())
+    return [list(_greedy_one(key, tuple(prompt), max_new_tokens, ignore_eos)) for prompt in prompts]
+
+
+def hf_greedy(
+    model_dir: Path | str, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy continuations (generated ids only); each stops after EOS, which it includes."""
+    return _generate(model_dir, prompts, max_new_tokens, ignore_eos=False)
+
+
+def hf_greedy_ignore_eos(
+    model_dir: Path | str, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy continuations of exactly max_new_tokens ids each, running on through EOS."""
+    return _generate(model_dir, prompts, max_new_tokens, ignore_eos=True)
+
+
+def hf_greedy_logit_margins(
+    model_dir: Path | str, prompt: list[int], max_new_tokens: int
+) -> list[float]:
+    """Top-1 minus top-2 logit at each step of an ignore-EOS greedy run.
+
+    A tiny margin means float reordering could flip that argmax; tests use this to check that a
+    reference model is robust enough for token-for-token comparisons.
+    """
+    model = load_hf_model(str(Path(model_dir).resolve()))
+    generated = hf_greedy_ignore_eos(model_dir, [prompt], max_new_tokens)[0]
+    full = torch.tensor([prompt + generated], dtype=torch.long)
+    with torch.inference_mode():
+        logits = model(full).logits[0, len(prompt) - 1 : -1]
+    top2 = logits.topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]).tolist()
