@@ -1,0 +1,90 @@
+"""Thousands of seeded random ops against the service and against the plain in-memory model
+(tests/prefix_index/reference_model.py): every answer must be identical."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from prefix_index.client import PrefixIndexClient
+from prefix_index.ops import Acquire, Commit, Evict, Op, OpResult, Pin, Release, Unpin
+from tests.prefix_index.chains import block_hash
+from tests.prefix_index.conftest import HOT_THRESHOLD
+from tests.prefix_index.reference_model import ReferenceIndex
+
+NUM_BLOCKS = 24
+NUM_OPS = 3000
+TREE_NODES = 60
+
+
+def _random_tree(rng: random.Random) -> list[list[bytes]]:
+    """Chains that share prefixes: node i hangs off a random earlier node (or starts a chain)."""
+    chains: list[list[bytes]] = []
+    for i in range(TREE_NODES):
+        parent = chains[rng.randrange(i)] if i and rng.random() < 0.8 else []
+        label = f"node-{i}"
+        chains.append(parent + [block_hash(parent[-1] if parent else b"", label)])
+    return chains
+
+
+def _random_op(rng: random.Random, chains: list[list[bytes]], model: ReferenceIndex) -> Op:
+    chain = rng.choice(chains)
+    roll = rng.random()
+    if roll < 0.30:
+        # Mostly the next block of a chain with a block id that is free; sometimes a reused
+        # id, an existing hash or a missing parent.
+        held = [h for h in chain if h in model.blocks]
+        pos = len(held) if rng.random() < 0.85 else rng.randrange(len(chain))
+        pos = min(pos, len(chain) - 1)
+        free_ids = [b for b in range(NUM_BLOCKS) if model.owner_of(b) is None]
+        block_id = (rng.choice(free_ids) if free_ids and rng.random() < 0.9
+                    else rng.randrange(NUM_BLOCKS))
+        return Commit(chain[pos], chain[pos - 1] if pos else b"", block_id)
+    if roll < 0.50:
+        return Acquire(chain[: rng.randint(1, len(chain))])
+    if roll < 0.72:
+        held = [h for h in chain if h in model.blocks and model.blocks[h].refcount > 0]
+        if held and rng.random() < 0.9:
+            return Release(held[::-1] if rng.random() < 0.5 else held)
+        return Release(chain[: rng.randint(1, len(chain))])
+    if roll < 0.88:
+        return Evict(rng.randint(0, 4))
+    if roll < 0.95:
+        return Pin(chain[: rng.randint(1, len(chain))])
+    return Unpin(chain[: rng.randint(1, len(chain))])
+
+
+def _comparable(r: OpResult) -> tuple:
+    return (r.status, r.block_ids, [(e.hash, e.block_id) for e in r.evicted], r.count)
+
+
+def test_service_matches_the_reference_model(index_server, engine_id):
+    async def body():
+        rng = random.Random(20240611)
+        chains = _random_tree(rng)
+        async with PrefixIndexClient(index_server.target, 10.0) as c:
+            await c.register(engine_id, "m", 16, NUM_BLOCKS, 60)
+            model = ReferenceIndex(NUM_BLOCKS, c.pin_budget, HOT_THRESHOLD)
+            done, statuses = 0, set()
+            while done < NUM_OPS:
+                batch: list[Op] = []
+                expected: list[OpResult] = []
+                for _ in range(rng.randint(1, 8)):
+                    # Generated from the model's state after the batch's earlier ops.
+                    op = _random_op(rng, chains, model)
+                    batch.append(op)
+                    expected.append(model.apply(op))
+                got = await c.apply(batch)
+                for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+                    assert _comparable(g) == _comparable(e), (done + i, batch[i], g, e)
+                    statuses.add(g.status)
+                done += len(batch)
+                if rng.random() < 0.05:
+                    s = (await c.stats())[0]
+                    service = {k: getattr(s, k) for k in model.counters()}
+                    assert service == model.counters(), done
+            # The run must have exercised every outcome, or it proves little.
+            assert len(statuses) == 7, statuses
+            s = (await c.stats())[0]
+            assert {k: getattr(s, k) for k in model.counters()} == model.counters()
+    asyncio.run(body())
