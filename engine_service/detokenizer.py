@@ -6,11 +6,13 @@ read_offset]` (text already released). Decoding a window rather than single toke
 leading spaces of SentencePiece/BPE pieces right, and a window whose text ends in U+FFFD (a
 multi-byte character split across tokens) is held back until the character completes.
 
-Stop strings: the last (longest stop string - 1) characters are held back, so a stop string
-that arrives split across tokens is caught before any of it is released. The earliest match
-wins (the longer stop string on a tie); the text is cut there (after it with
+Stop strings: the longest tail of the text that is the start of a stop string (at most the
+longest stop string - 1 characters) is held back, so a stop string that arrives split across
+tokens is caught before any of it is released, while other text streams without delay. The
+earliest match wins (the longer stop string on a tie); the text is cut there (after it with
 `include_stop_str_in_output`, and then nothing needs holding back: a partial stop string is
-part of the output either way).
+part of the output either way). Stop strings are only looked for once the output is longer
+than `min_tokens`, as in vLLM.
 """
 
 from typing import Protocol
@@ -33,6 +35,7 @@ class IncrementalDetokenizer:
         stop: list[str],
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
@@ -51,6 +54,9 @@ class IncrementalDetokenizer:
         self._chunks: list[str] = []
         self._text: str | None = ""
         self._done = False
+        # As vLLM: stop strings count only once the output is longer than min_tokens.
+        self._min_tokens = min_tokens
+        self._num_output_tokens = 0
         self.matched_stop: str | None = None
 
     @property
@@ -66,6 +72,7 @@ class IncrementalDetokenizer:
         if self._done:
             return ""
         self._token_ids.append(token_id)
+        self._num_output_tokens += 1
         return self._release(self._decode_new(flush=False), final=False)
 
     def finish(self) -> str:
@@ -102,17 +109,31 @@ class IncrementalDetokenizer:
             return ""
         buffer = self._context + self._held + new_text
         start = len(self._context)  # buffer[start:] is not released yet
-        match = self._find_stop(buffer)
+        match = self._find_stop(buffer) if self._num_output_tokens > self._min_tokens else None
         if match is not None:
             index, stop = match
             end = index + len(stop) if self._include_stop else index
             self.matched_stop = stop
             self._done = True
             return self._emit(buffer[start : max(start, end)])
-        cut = len(buffer) if final else max(start, len(buffer) - self._hold_chars)
+        cut = len(buffer) if final else max(start, len(buffer) - self._stop_prefix_len(buffer))
         self._held = buffer[cut:]
         self._context = buffer[:cut][-self._context_chars :] if self._context_chars else ""
         return self._emit(buffer[start:cut])
+
+    def _stop_prefix_len(self, buffer: str) -> int:
+        """Length of the longest tail of `buffer` that a stop string starts with (0 with
+        include_stop_str_in_output): the only text that could still turn into a stop string."""
+        if not self._hold_chars:
+            return 0
+        last = buffer[-1:]
+        longest = 0
+        for stop in self._stop:
+            for length in range(min(len(stop) - 1, len(buffer)), longest, -1):
+                if stop[length - 1] == last and buffer.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest
 
     def _find_stop(self, buffer: str) -> tuple[int, str] | None:
         best: tuple[int, str] | None = None
