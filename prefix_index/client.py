@@ -19,7 +19,10 @@ from prefix_index.ops import EngineMatch, EngineStats, Op, OpResult
 
 class PrefixIndexClientError(Exception):
     """Any failed call; `code` is the grpc.StatusCode (UNAVAILABLE: index or Redis down,
-    FAILED_PRECONDITION: stale epoch, NOT_FOUND: not registered / lease expired, ...)."""
+    FAILED_PRECONDITION: stale epoch, NOT_FOUND: not registered / lease expired, ...).
+
+    After UNAVAILABLE or DEADLINE_EXCEEDED from apply() the outcome is unknown (a hung Redis
+    may still run the script once); the engine should re-register and re-sync its blocks."""
 
     def __init__(self, method: str, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{method}: {code.name}: {details}")

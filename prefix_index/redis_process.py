@@ -124,6 +124,15 @@ class RedisProcess:
             self._workdir.cleanup()
             self._workdir = None
 
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its sockets but answers nothing (a hung Redis)."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGCONT)
+
     def restart(self) -> RedisProcess:
         """Kill (if running) and start again on the same port, empty."""
         self.kill()

@@ -1,0 +1,56 @@
+"""The server process: health under both names, reflection, Prometheus metrics, SIGTERM drain."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from prefix_index.client import PrefixIndexClient
+from prefix_index.launch import IndexProcess
+from prefix_index.ops import Acquire
+from prefix_index.redis_process import free_port
+from tests.prefix_index.chains import commit_ops, make_chain
+from tests.prefix_index.conftest import INDEX_ARGS
+
+SERVICE = "pagedgen.prefix_index.v1.PrefixIndex"
+
+
+def test_health_reflection_metrics_and_sigterm(redis_server, engine_id):
+    metrics_port = free_port()
+    index = IndexProcess(redis_server.url, INDEX_ARGS + [
+        "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"]).start()
+    try:
+        with grpc.insecure_channel(index.target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", SERVICE):
+                reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=2)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+            [answer] = list(reflect.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=2))
+            names = {s.name for s in answer.list_services_response.service}
+            assert {SERVICE, "grpc.health.v1.Health"} <= names
+
+        async def traffic():
+            async with PrefixIndexClient(index.target, 5.0) as c:
+                await c.register(engine_id, "m", 16, 8)
+                chain = make_chain("metrics", 2)
+                await c.apply(commit_ops(chain, 0) + [Acquire(chain + make_chain("x", 1))])
+        asyncio.run(traffic())
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                      timeout=5).read().decode()
+        assert "pagedgen_prefix_index_redis_up 1.0" in text
+        assert "pagedgen_prefix_index_queried_blocks_total 3.0" in text
+        assert "pagedgen_prefix_index_hit_blocks_total 2.0" in text
+        assert 'pagedgen_prefix_index_rpcs_total{code="OK",method="Apply"} 1.0' in text
+
+        started = time.monotonic()
+        assert index.terminate() == 0                # drains and exits cleanly on SIGTERM
+        assert time.monotonic() - started < 5
+    finally:
+        index.kill()
