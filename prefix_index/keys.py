@@ -4,7 +4,7 @@ from __future__ import annotations
 
 # The order is the KEYS layout of lua/common.lua.
 ENGINE_KEY_SUFFIXES = ("meta", "bid", "own", "ref", "par", "kids", "last", "pin", "pinexp",
-                       "hcur", "hprev", "hwin", "free", "lru")
+                       "hot", "free", "lru")
 
 # Directory of engine ids (its own slot); lookup and stats walk it and prune the gone ones.
 ENGINES_KEY = "pi:engines"

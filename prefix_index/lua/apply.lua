@@ -72,18 +72,26 @@ end
 local function acquire(op)
   local prefix = held_prefix(op.list)
   local ids = {}
-  local budget = pin_budget()
+  local pinned, budget = redis.call('HLEN', K.pin), pin_budget()
+  -- The clock is read once and written once: ticks stay unique, with fewer calls per hash.
+  local clock = num(K.meta, 'clock')
   for i, entry in ipairs(prefix) do
     local h = entry[1]
     ids[i] = entry[2]
-    redis.call('HINCRBY', K.ref, h, 1)
-    redis.call('HSET', K.last, h, tick())
+    clock = clock + 1
+    redis.call('HSET', K.last, h, clock)
+    local was_free = redis.call('HINCRBY', K.ref, h, 1) == 1
     if threshold > 0 and hot_estimate(h, now, window_ms, 1) >= threshold
-        and redis.call('HEXISTS', K.pin, h) == 0 and redis.call('HLEN', K.pin) < budget then
-      redis.call('HSET', K.pin, h, 'a')
+        and pinned < budget and redis.call('HSETNX', K.pin, h, 'a') == 1 then
+      pinned = pinned + 1
     end
-    settle(h)
+    if was_free then
+      -- Refcount 0 -> 1: no longer evictable.
+      redis.call('ZREM', K.free, h)
+      redis.call('ZREM', K.lru, h)
+    end
   end
+  redis.call('HSET', K.meta, 'clock', clock)
   redis.call('HINCRBY', K.meta, 'queries', #op.list)
   redis.call('HINCRBY', K.meta, 'hits', #ids)
   return {OK, '', ids, {}, #ids}
@@ -143,7 +151,7 @@ end
 local function drop(h)
   local block = redis.call('HGET', K.bid, h)
   local parent = redis.call('HGET', K.par, h)
-  for _, key in ipairs({K.bid, K.ref, K.par, K.kids, K.last, K.pin, K.hcur, K.hprev, K.hwin}) do
+  for _, key in ipairs({K.bid, K.ref, K.par, K.kids, K.last, K.pin, K.hot}) do
     redis.call('HDEL', key, h)
   end
   redis.call('HDEL', K.own, block)

@@ -11,14 +11,12 @@ local K = {
   last = KEYS[7],    -- hash -> logical time of last use (acquire, commit, release)
   pin = KEYS[8],     -- hash -> 'e' (explicit) or 'a' (automatic, hot)
   pinexp = KEYS[9],  -- zset: explicit pins with a TTL, score = expiry (ms)
-  hcur = KEYS[10],   -- hash -> hits in the current window
-  hprev = KEYS[11],  -- hash -> hits in the previous window
-  hwin = KEYS[12],   -- hash -> start of the current window (ms)
-  free = KEYS[13],   -- zset: refcount 0 and not pinned, score = last use
-  lru = KEYS[14],    -- zset: the eviction candidates = free and no held children
+  hot = KEYS[10],    -- hash -> 'window_start_ms hits_this_window hits_previous_window'
+  free = KEYS[11],   -- zset: refcount 0 and not pinned, score = last use
+  lru = KEYS[12],    -- zset: the eviction candidates = free and no held children
 }
 local ALL_KEYS = {K.meta, K.bid, K.own, K.ref, K.par, K.kids, K.last, K.pin, K.pinexp,
-                  K.hcur, K.hprev, K.hwin, K.free, K.lru}
+                  K.hot, K.free, K.lru}
 
 -- Redis turns Lua numbers into strings with %.14g; epochs and times need every digit.
 local function fmt(x)
@@ -91,17 +89,18 @@ end
 
 -- Sliding-window hit estimate: the previous window's hits weighted by how much of it still
 -- overlaps the window ending now, plus this window's hits. Windows start at a block's first hit.
+-- One packed field per block keeps this at one read and one write.
 local function hot_estimate(h, now, window_ms, add)
-  local w0 = tonumber(redis.call('HGET', K.hwin, h) or '')
-  local cur, prev = 0, 0
-  if w0 == nil then
+  local packed = redis.call('HGET', K.hot, h)
+  local w0, cur, prev
+  if not packed then
     if add == 0 then
       return 0
     end
-    w0 = now
+    w0, cur, prev = now, 0, 0
   else
-    cur = num(K.hcur, h)
-    prev = num(K.hprev, h)
+    local a, b, c = string.match(packed, '(%d+) (%d+) (%d+)')
+    w0, cur, prev = tonumber(a), tonumber(b), tonumber(c)
     local passed = math.floor((now - w0) / window_ms)
     if passed >= 1 then
       if passed == 1 then prev = cur else prev = 0 end
@@ -110,9 +109,7 @@ local function hot_estimate(h, now, window_ms, add)
     end
   end
   cur = cur + add
-  redis.call('HSET', K.hwin, h, fmt(w0))
-  redis.call('HSET', K.hcur, h, cur)
-  redis.call('HSET', K.hprev, h, prev)
+  redis.call('HSET', K.hot, h, fmt(w0) .. ' ' .. cur .. ' ' .. prev)
   return prev * (1 - (now - w0) / window_ms) + cur
 end
 

@@ -1,0 +1,185 @@
+"""Prefix index benchmark: acquire latency over gRPC on loopback by chain length, throughput by
+number of concurrent clients, and the raw Redis round trip measured in the same run, so the
+service's overhead reads as a ratio.
+
+    python -m bench.prefix_index [--samples 2000] [--duration-s 3] [--redis-url URL]
+
+Writes bench/results/prefix_index.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+from redis.asyncio import Redis
+from tqdm import tqdm
+
+from prefix_index.client import PrefixIndexClient
+from prefix_index.config import PinPolicy
+from prefix_index.launch import IndexProcess
+from prefix_index.ops import Acquire, Commit, Release
+from prefix_index.redis_process import RedisProcess
+from prefix_index.store import IndexStore
+
+CHAIN_LENGTHS = (1, 16, 128)
+CONCURRENCY = (1, 8, 32)
+THROUGHPUT_CHAIN = 16
+NUM_BLOCKS = 4096
+RESULTS = Path(__file__).resolve().parent / "results" / "prefix_index.json"
+
+
+def _chain(name: str, length: int) -> list[bytes]:
+    import xxhash
+
+    chain, parent = [], b""
+    for i in range(length):
+        parent = xxhash.xxh3_128_digest(parent + f"{name}/{i}".encode())
+        chain.append(parent)
+    return chain
+
+
+def _percentiles(samples_s: list[float]) -> dict[str, float]:
+    ordered = sorted(samples_s)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6  # noqa: E731
+    return {"p50_us": pick(0.50), "p99_us": pick(0.99),
+            "mean_us": statistics.fmean(ordered) * 1e6, "samples": len(ordered)}
+
+
+async def _timed(call: Callable[[], Awaitable[object]], samples: int, label: str
+                 ) -> dict[str, float]:
+    for _ in range(min(200, samples)):  # warm up connections, script cache, code paths
+        await call()
+    times = []
+    for _ in tqdm(range(samples), desc=label, leave=False):
+        started = time.perf_counter()
+        await call()
+        times.append(time.perf_counter() - started)
+    return _percentiles(times)
+
+
+async def _throughput(target: str, engine_id: str, epoch: int, chain: list[bytes],
+                      clients: int, duration_s: float) -> dict[str, float]:
+    """Each client (own channel) loops Apply([Acquire(chain), Release(chain)])."""
+    workers = []
+    for _ in range(clients):
+        w = PrefixIndexClient(target, timeout_s=10.0)
+        w.attach(engine_id, epoch)
+        workers.append(w)
+    ops = [Acquire(chain), Release(chain)]
+    for w in workers:
+        await w.apply(ops)
+    stop_at = time.perf_counter() + duration_s
+    counts = [0] * clients
+
+    async def loop(i: int) -> None:
+        while time.perf_counter() < stop_at:
+            [acq, rel] = await workers[i].apply(ops)
+            if len(acq.block_ids) != len(chain) or not rel.ok:
+                raise RuntimeError(f"unexpected answer under load: {acq} {rel}")
+            counts[i] += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(loop(i) for i in range(clients)))
+    elapsed = time.perf_counter() - started
+    for w in workers:
+        await w.close()
+    rpcs = sum(counts)
+    return {"clients": clients, "rpcs_per_s": rpcs / elapsed,
+            "ops_per_s": 2 * rpcs / elapsed, "hashes_per_s": 2 * len(chain) * rpcs / elapsed,
+            "seconds": elapsed}
+
+
+async def run(redis_url: str, target: str, samples: int, duration_s: float) -> dict:
+    redis = Redis.from_url(redis_url)
+    store = IndexStore(redis, PinPolicy())
+    longest = _chain("bench", max(CHAIN_LENGTHS))
+    result: dict = {"latency": {}, "throughput": [], "raw_redis": {}}
+
+    # Raw Redis: PING, and the acquire script called directly (no gRPC, no service).
+    result["raw_redis"]["ping"] = await _timed(redis.ping, samples, "redis PING")
+    reg = await store.register("bench-direct", "bench", 16, NUM_BLOCKS, 600)
+    await store.apply("bench-direct", reg.epoch,
+                      [Commit(h, longest[i - 1] if i else b"", i) for i, h in enumerate(longest)])
+    for n in CHAIN_LENGTHS:
+        ops = [Acquire(longest[:n])]
+        result["raw_redis"][f"evalsha_acquire_{n}"] = await _timed(
+            lambda ops=ops: store.apply("bench-direct", reg.epoch, ops), samples,
+            f"direct EVALSHA acquire {n}")
+
+    # The service over gRPC.
+    client = PrefixIndexClient(target, timeout_s=10.0)
+    await client.register("bench-grpc", "bench", 16, NUM_BLOCKS, 600)
+    await client.apply([Commit(h, longest[i - 1] if i else b"", i)
+                        for i, h in enumerate(longest)])
+    for n in CHAIN_LENGTHS:
+        ops = [Acquire(longest[:n])]
+        result["latency"][str(n)] = await _timed(lambda ops=ops: client.apply(ops), samples,
+                                                  f"gRPC acquire {n}")
+    for clients in tqdm(CONCURRENCY, desc="throughput", leave=False):
+        result["throughput"].append(await _throughput(
+            target, "bench-grpc", client.epoch, longest[:THROUGHPUT_CHAIN], clients, duration_s))
+    await client.close()
+    await redis.aclose()
+
+    ping = result["raw_redis"]["ping"]["p50_us"]
+    for n in CHAIN_LENGTHS:
+        lat = result["latency"][str(n)]
+        direct = result["raw_redis"][f"evalsha_acquire_{n}"]["p50_us"]
+        lat["ratio_p50_to_redis_ping"] = lat["p50_us"] / ping
+        lat["ratio_p50_to_direct_evalsha"] = lat["p50_us"] / direct
+    return result
+
+
+def print_table(result: dict) -> None:
+    raw = result["raw_redis"]
+    print(f"\nraw Redis PING round trip: p50 {raw['ping']['p50_us']:.0f} us, "
+          f"p99 {raw['ping']['p99_us']:.0f} us")
+    print(f"{'chain':>6} {'gRPC p50 us':>12} {'gRPC p99 us':>12} {'EVALSHA p50 us':>15} "
+          f"{'x PING':>7} {'x EVALSHA':>10}")
+    for n, lat in result["latency"].items():
+        direct = raw[f"evalsha_acquire_{n}"]
+        print(f"{n:>6} {lat['p50_us']:>12.0f} {lat['p99_us']:>12.0f} {direct['p50_us']:>15.0f} "
+              f"{lat['ratio_p50_to_redis_ping']:>7.1f} {lat['ratio_p50_to_direct_evalsha']:>10.1f}")
+    print(f"\nthroughput, Apply([Acquire({THROUGHPUT_CHAIN}), Release({THROUGHPUT_CHAIN})]):")
+    print(f"{'clients':>8} {'RPC/s':>9} {'ops/s':>9} {'hashes/s':>10}")
+    for t in result["throughput"]:
+        print(f"{t['clients']:>8} {t['rpcs_per_s']:>9.0f} {t['ops_per_s']:>9.0f} "
+              f"{t['hashes_per_s']:>10.0f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--samples", type=int, default=2000, help="timed calls per latency figure")
+    p.add_argument("--duration-s", type=float, default=3.0, help="per throughput point")
+    p.add_argument("--redis-url", default="", help="use this Redis (default: start one)")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    with ExitStack() as stack:
+        redis_url = args.redis_url or stack.enter_context(RedisProcess()).url
+        index = stack.enter_context(IndexProcess(redis_url, ["--log-level", "WARNING"]))
+        result = asyncio.run(run(redis_url, index.target, args.samples, args.duration_s))
+    result["setup"] = {
+        "transport": "gRPC over loopback (grpc.aio client and server, separate processes)",
+        "redis": "redis-server on loopback, no persistence",
+        "cpus": os.cpu_count(), "python": platform.python_version(),
+        "machine": platform.machine(), "samples": args.samples,
+        "duration_s": args.duration_s, "pool_blocks": NUM_BLOCKS,
+        "unix_time": time.time(),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
