@@ -10,12 +10,14 @@ Order of operations per row, as in vLLM:
      top-p (on the top-k-renormalized distribution) and min-p (relative to the most likely
      token) are applied, and a token is drawn.
 
-Everything is vectorized across rows. Draws use the Gumbel-max trick (argmax of logits plus
-Gumbel noise), so a draw needs only uniform noise, never a sort of the whole vocabulary: top-k
-and top-p work on the `torch.topk` candidates, and only a row whose top-p nucleus does not fit
-in them falls back to a full sort. A row with its own generator (a seeded request) draws one
-uniform per vocabulary entry every step, indexed by token id, so its tokens depend only on its
-logits and its generator: never on the rest of the batch or on which path was taken.
+Everything is vectorized across rows. A draw is an inverse-CDF lookup (cumsum, then
+searchsorted of one uniform per row): one random number per row and step, not one per token.
+Top-k and top-p work on the `torch.topk` candidates (the kept set is always a prefix of them),
+never on a sort of the whole vocabulary; only a row whose top-p nucleus does not fit in them is
+redone with more candidates, and at worst the whole vocabulary. A row with its own generator (a
+seeded request) takes exactly one uniform from it per step, and the candidates' order does not
+depend on how many there are, so its tokens depend only on its logits and its generator: never
+on the rest of the batch or on which path was taken.
 """
 
 import hashlib
@@ -27,10 +29,11 @@ import torch
 
 from engine_service.sampling_params import SamplingParams
 
-# Candidates kept for top-p rows without top-k; wider nuclei fall back to a full sort. Trained
-# LMs put 0.9 of the mass in far fewer tokens; a full sort of 49k entries costs ~4 ms a row.
-NUCLEUS_CANDIDATES = 256
-_TINY = torch.finfo(torch.float32).tiny
+# Candidates for top-p rows without top-k, widened in these steps (then the whole vocabulary)
+# while a row's nucleus does not fit. A trained LM's top-p 0.9 nucleus is usually far smaller
+# than 64 tokens; topk costs grow with the width (CPU, 32 x 49152: ~1.6 ms at 50, ~7 ms at 256,
+# a full sort ~4 ms per row).
+NUCLEUS_CANDIDATES = (64, 1024)
 
 
 @dataclass(slots=True)
@@ -71,17 +74,39 @@ def make_generator(seed: int, sequence_index: int, device: torch.device | str) -
     return generator
 
 
-def _gumbel(uniform: torch.Tensor) -> torch.Tensor:
-    # -log(-log(u)) in place; u == 0 would give -inf (never drawn), clamp keeps it finite.
-    return uniform.clamp_min_(_TINY).log_().neg_().log_().neg_()
+def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Index drawn per row with probability proportional to `weights` (>= 0, rows not all 0).
+
+    searchsorted(right=True) never lands on a zero-weight entry (its cdf equals its left
+    neighbour's); only u * total rounding up to total can run off the end (about 1 in 2^24),
+    and such a row takes its last entry with weight.
+    """
+    cdf = weights.cumsum(dim=-1)
+    target = uniform.unsqueeze(1) * cdf[:, -1:]
+    index = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    off_end = (index >= weights.shape[1]).nonzero().flatten()
+    if len(off_end):
+        positive = weights[off_end] > 0
+        index[off_end] = weights.shape[1] - 1 - positive.flip(-1).int().argmax(dim=-1)
+    return index
 
 
-def _flattened(lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) pairs of every token of every list, for scatter/index_put."""
+def _flat_positions(
+    lists: list[list[int]], rows: list[int], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """Positions `row * vocab + token` in a flattened [rows, vocab] tensor, for every token of
+    every list (list k belongs to row rows[k]); repeats kept."""
     lengths = torch.tensor([len(t) for t in lists], device=device)
-    row_idx = torch.repeat_interleave(torch.arange(len(lists), device=device), lengths)
+    starts = torch.repeat_interleave(torch.tensor(rows, device=device) * vocab, lengths)
     tokens = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long, device=device)
-    return row_idx, tokens
+    return starts + tokens
+
+
+def _select_rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """t[idx] along dim 0; t itself when idx is every row (index_select beats t[list] ~3x)."""
+    if len(idx) == t.shape[0]:
+        return t
+    return t.index_select(0, torch.tensor(idx, device=t.device))
 
 
 def _min_tokens_active(row: SamplingRow) -> bool:
@@ -127,7 +152,8 @@ class Sampler:
         if not penalized and not min_tokens and all(r.params.is_greedy for r in rows):
             token_ids = raw.argmax(dim=-1)  # the common fast path: one argmax, no copy
         else:
-            processed = raw.clone()  # never modify the caller's logits (raw logprobs need them)
+            # Never modify the caller's logits (raw logprobs need them); contiguous for view(-1).
+            processed = raw.clone(memory_format=torch.contiguous_format)
             if penalized:
                 self._apply_penalties(processed, rows, penalized)
             if min_tokens:
@@ -140,29 +166,30 @@ class Sampler:
         return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw, rows, token_ids))
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]):
-        device = logits.device
-        params = [rows[i].params for i in idx]
-        sub = logits[idx]
-        # Count output tokens per row with one scatter over the flattened token lists.
-        out_rows, out_tokens = _flattened([rows[i].output_token_ids for i in idx], device)
-        counts = torch.zeros_like(sub)
-        counts.index_put_(
-            (out_rows, out_tokens), torch.ones_like(out_tokens, dtype=sub.dtype), accumulate=True
-        )
-        in_output = counts > 0
+        """vLLM's penalties, touching only the logits of tokens that occur (sparse, in place):
+        repetition over prompt + output tokens, then frequency (x count) and presence over
+        output tokens."""
+        device, vocab = logits.device, logits.shape[1]
+        flat = logits.view(-1)  # processed logits are a fresh contiguous clone
+        per_row = [[1.0] * len(rows), [0.0] * len(rows), [0.0] * len(rows)]
+        for i in idx:
+            p = rows[i].params
+            per_row[0][i] = p.repetition_penalty
+            per_row[1][i] = p.frequency_penalty
+            per_row[2][i] = p.presence_penalty
+        repetition, frequency, presence = torch.tensor(per_row, device=device)
+        outputs = _flat_positions([rows[i].output_token_ids for i in idx], idx, vocab, device)
+        in_output, counts = torch.unique(outputs, return_counts=True)
 
-        repetition = [p.repetition_penalty for p in params]
-        if any(r != 1.0 for r in repetition):
-            seen = in_output.clone()
-            seen[_flattened([rows[i].prompt_token_ids for i in idx], device)] = True
-            factor = torch.tensor(repetition, device=device).unsqueeze(1)
-            factor = torch.where(seen, factor, torch.ones((), device=device))
+        if any(rows[i].params.repetition_penalty != 1.0 for i in idx):
+            prompts = _flat_positions([rows[i].prompt_token_ids for i in idx], idx, vocab, device)
+            seen = torch.unique(torch.cat([prompts, in_output]))
+            values = flat[seen]
+            factor = repetition[seen // vocab]
             # Positive logits shrink, negative ones grow: both make the token less likely.
-            sub = torch.where(sub > 0, sub / factor, sub * factor)
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)
-        sub -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * in_output
-        logits[idx] = sub
+            flat[seen] = torch.where(values > 0, values / factor, values * factor)
+        owner = in_output // vocab
+        flat[in_output] -= frequency[owner] * counts + presence[owner]
 
     def _mask_stop_tokens(self, logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]):
         vocab = logits.shape[1]
@@ -184,77 +211,50 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if greedy:
-            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+            token_ids[greedy] = _select_rows(logits, greedy).argmax(dim=-1)
         if sampled:
-            token_ids[sampled] = self._sample(logits[sampled], [rows[i] for i in sampled])
+            sampled_logits = _select_rows(logits, sampled)
+            token_ids[sampled] = self._sample(sampled_logits, [rows[i] for i in sampled])
         return token_ids
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         vocab, device = logits.shape[1], logits.device
         temperature = torch.tensor([r.params.temperature for r in rows], device=device)
         logits = logits.div_(temperature.unsqueeze(1))
-        # Seeded rows: exactly `vocab` uniforms per step from their own generator, by token id,
-        # drawn once here so that a fallback below cannot change how many a row consumes.
-        own_noise = [
-            None
-            if r.generator is None
-            else _gumbel(torch.rand(vocab, generator=r.generator, device=device))
-            for r in rows
-        ]
+        # One uniform per row, drawn up front so that no later widening of the candidates can
+        # change how many a seeded row consumes.
+        uniform = torch.empty(len(rows), device=device)
+        shared = [j for j, r in enumerate(rows) if r.generator is None]
+        if shared:
+            generator = self.shared_generator(device)
+            uniform[shared] = torch.rand(len(shared), device=device, generator=generator)
+        for j, r in enumerate(rows):
+            if r.generator is not None:
+                uniform[j] = torch.rand(1, device=device, generator=r.generator)[0]
 
         token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
         ranked = [j for j, r in enumerate(rows) if r.params.top_k > 0 or r.params.top_p < 1]
         if len(ranked) < len(rows):
             full = [j for j, r in enumerate(rows) if not (r.params.top_k > 0 or r.params.top_p < 1)]
             token_ids[full] = self._sample_full(
-                logits[full], [rows[j] for j in full], [own_noise[j] for j in full]
+                _select_rows(logits, full), [rows[j] for j in full], uniform[full]
             )
-        if ranked:
-            width = max(
-                min(rows[j].params.top_k, vocab) if rows[j].params.top_k > 0 else NUCLEUS_CANDIDATES
-                for j in ranked
-            )
+        widths = [*NUCLEUS_CANDIDATES, vocab]
+        for attempt, nucleus_width in enumerate(widths):
+            if not ranked:
+                break
+            top_ks = [rows[j].params.top_k for j in ranked]
+            width = min(vocab, max(k if k > 0 else nucleus_width for k in top_ks))
             chosen, overflow = self._sample_ranked(
-                logits[ranked],
-                [rows[j] for j in ranked],
-                min(width, vocab),
-                [own_noise[j] for j in ranked],
+                _select_rows(logits, ranked), [rows[j] for j in ranked], width, uniform[ranked]
             )
             token_ids[ranked] = chosen
-            if overflow:
-                # Nuclei wider than the candidates: redo those rows over the whole vocabulary.
-                redo = [ranked[k] for k in overflow]
-                chosen, _ = self._sample_ranked(
-                    logits[redo], [rows[j] for j in redo], vocab, [own_noise[j] for j in redo]
-                )
-                token_ids[redo] = chosen
+            # Nuclei wider than the candidates: redo those rows with more.
+            ranked = [ranked[k] for k in overflow] if attempt + 1 < len(widths) else []
         return token_ids
 
-    def _noise(
-        self,
-        own_noise: list[torch.Tensor | None],
-        width: int,
-        device: torch.device,
-        token_idx: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Gumbel noise [rows, width]: rows with their own take it, gathered at `token_idx`."""
-        noise = torch.empty(len(own_noise), width, device=device)
-        shared = [k for k, own in enumerate(own_noise) if own is None]
-        if shared:
-            uniform = torch.rand(
-                len(shared), width, device=device, generator=self.shared_generator(device)
-            )
-            noise[shared] = _gumbel(uniform)
-        for k, own in enumerate(own_noise):
-            if own is not None:
-                noise[k] = own if token_idx is None else own[token_idx[k]]
-        return noise
-
     def _sample_full(
-        self,
-        logits: torch.Tensor,
-        rows: list[SamplingRow],
-        own_noise: list[torch.Tensor | None],
+        self, logits: torch.Tensor, rows: list[SamplingRow], uniform: torch.Tensor
     ) -> torch.Tensor:
         """Rows without top-k/top-p: min-p in vocabulary space, then a draw over all tokens."""
         min_p = [r.params.min_p for r in rows]
@@ -263,20 +263,15 @@ class Sampler:
             log_min_p = torch.tensor(min_p, device=logits.device).log().unsqueeze(1)
             floor = logits.amax(dim=-1, keepdim=True) + log_min_p
             logits = logits.masked_fill(logits < floor, -math.inf)
-        noise = self._noise(own_noise, logits.shape[1], logits.device, None)
-        return (logits + noise).argmax(dim=-1)
+        return _inverse_cdf(logits.softmax(dim=-1), uniform)
 
     def _sample_ranked(
-        self,
-        logits: torch.Tensor,
-        rows: list[SamplingRow],
-        width: int,
-        own_noise: list[torch.Tensor | None],
+        self, logits: torch.Tensor, rows: list[SamplingRow], width: int, uniform: torch.Tensor
     ) -> tuple[torch.Tensor, list[int]]:
         """Top-k / top-p / min-p over the `width` best candidates of each row.
 
         Returns the tokens and the positions of rows whose top-p nucleus did not fit in
-        `width` candidates (their token is not valid; redo them with width = vocab).
+        `width` candidates (their token is not valid; redo them with more).
         """
         device, vocab = logits.device, logits.shape[1]
         values, token_idx = logits.topk(width, dim=-1)  # sorted, best first
@@ -286,39 +281,39 @@ class Sampler:
         )
         keep = torch.arange(width, device=device) < top_k.unsqueeze(1)
 
-        # Top-p needs probabilities renormalized over the top-k set when there is one,
-        # over the whole vocabulary otherwise.
-        has_top_k = torch.tensor([r.params.top_k > 0 for r in rows], device=device)
-        norm = values.masked_fill(~keep, -math.inf).logsumexp(dim=-1)
+        # Probabilities (relative to the best candidate) renormalized over the top-k set when
+        # there is one, over the whole vocabulary otherwise: what top-p is measured against.
         best = values[:, :1]
+        weights = (values - best).exp_().masked_fill_(~keep, 0.0)
+        total = weights.sum(dim=-1)
         no_top_k = [k for k, r in enumerate(rows) if r.params.top_k <= 0]
         if no_top_k:
-            shifted = logits[no_top_k] - best[no_top_k]
-            norm[no_top_k] = best[no_top_k].squeeze(1) + shifted.exp_().sum(dim=-1).log_()
-        probs = (values - norm.unsqueeze(1)).exp_().masked_fill_(~keep, 0.0)
-        cumulative = probs.cumsum(dim=-1)
-        top_p = torch.tensor([r.params.top_p for r in rows], device=device).unsqueeze(1)
-        keep &= (cumulative - probs) < top_p  # the best token is always kept
+            shifted = _select_rows(logits, no_top_k) - best[no_top_k]
+            total[no_top_k] = shifted.exp_().sum(dim=-1)
+        cumulative = weights.cumsum(dim=-1)
+        top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+        keep &= (cumulative - weights) < (top_p * total).unsqueeze(1)  # the best is always kept
 
         overflow: list[int] = []
-        if width < vocab:
-            short = (~has_top_k) & (cumulative[:, -1] < top_p.squeeze(1))
+        if width < vocab and no_top_k:
+            # Every candidate kept and still short of top_p: the nucleus may be wider.
+            short = keep[:, -1] & (cumulative[:, -1] < top_p * total)
+            short[[k for k, r in enumerate(rows) if r.params.top_k > 0]] = False
             overflow = short.nonzero().flatten().tolist()
 
         min_p = [r.params.min_p for r in rows]
         if any(p > 0 for p in min_p):
             log_min_p = torch.tensor(min_p, device=device).log().unsqueeze(1)
             keep &= values >= best + log_min_p
-        noise = self._noise(own_noise, width, device, token_idx)
-        choice = (values.masked_fill(~keep, -math.inf) + noise).argmax(dim=-1, keepdim=True)
-        return token_idx.gather(1, choice).squeeze(1), overflow
+        choice = _inverse_cdf(weights.masked_fill_(~keep, 0.0), uniform)
+        return token_idx.gather(1, choice.unsqueeze(1)).squeeze(1), overflow
 
     def _logprobs(
         self, raw: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor
     ) -> list[TokenLogprobs | None]:
         token_list = token_ids.tolist()
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        logprobs = raw[wanted].log_softmax(dim=-1)
+        logprobs = _select_rows(raw, wanted).log_softmax(dim=-1)
         chosen = token_ids[wanted].unsqueeze(1)
         chosen_lp = logprobs.gather(1, chosen)
         ranks = ((logprobs > chosen_lp).sum(dim=-1) + 1).tolist()
