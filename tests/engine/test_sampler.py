@@ -149,10 +149,19 @@ def test_wide_nucleus_falls_back_to_the_whole_vocabulary() -> None:
     assert observed[nucleus - 100 : nucleus].sum() > 0
 
 
-def test_seeded_row_gives_the_same_tokens_alone_or_in_any_batch() -> None:
-    vocab, steps = 500, 12
-    seeded = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234)
-    step_logits = torch.randn(steps, vocab, generator=torch.Generator().manual_seed(3)) * 3
+@pytest.mark.parametrize(
+    ("seeded", "scale"),
+    [
+        (SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234), 3.0),
+        (SamplingParams(top_p=0.9, seed=5), 0.05),  # flat: the nucleus needs widening
+        (SamplingParams(temperature=0.7, min_p=0.05, seed=6), 3.0),  # whole-vocabulary path
+    ],
+)
+def test_seeded_row_gives_the_same_tokens_alone_or_in_any_batch(
+    seeded: SamplingParams, scale: float
+) -> None:
+    vocab, steps = 1500, 12
+    step_logits = torch.randn(steps, vocab, generator=torch.Generator().manual_seed(3)) * scale
 
     def run(batch_mates: list[SamplingParams], mate_first: bool) -> list[int]:
         sampler = Sampler(vocab, {EOS})
@@ -172,7 +181,7 @@ def test_seeded_row_gives_the_same_tokens_alone_or_in_any_batch() -> None:
     # Batch mates that change every path: greedy, a wide top-k, top-p needing the fallback.
     mates = [
         SamplingParams(temperature=0),
-        SamplingParams(top_k=400),
+        SamplingParams(top_k=700),
         SamplingParams(top_p=0.99, min_p=0.01),
         SamplingParams(temperature=1.5),
     ]
