@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.asyncio import Redis
 from tqdm import tqdm
 
@@ -115,6 +117,13 @@ async def run(redis_url: str, target: str, samples: int, duration_s: float) -> d
             lambda ops=ops: store.apply("bench-direct", reg.epoch, ops), samples,
             f"direct EVALSHA acquire {n}")
 
+    # The gRPC floor: a trivial RPC (health Check) on the same server and transport.
+    async with grpc.aio.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        check = health_pb2.HealthCheckRequest(service="")
+        result["grpc_floor"] = await _timed(lambda: health.Check(check, timeout=10), samples,
+                                            "gRPC health Check")
+
     # The service over gRPC.
     client = PrefixIndexClient(target, timeout_s=10.0)
     await client.register("bench-grpc", "bench", 16, NUM_BLOCKS, 600)
@@ -136,6 +145,7 @@ async def run(redis_url: str, target: str, samples: int, duration_s: float) -> d
         direct = result["raw_redis"][f"evalsha_acquire_{n}"]["p50_us"]
         lat["ratio_p50_to_redis_ping"] = lat["p50_us"] / ping
         lat["ratio_p50_to_direct_evalsha"] = lat["p50_us"] / direct
+        lat["service_python_us"] = lat["p50_us"] - direct - result["grpc_floor"]["p50_us"]
     return result
 
 
@@ -143,12 +153,17 @@ def print_table(result: dict) -> None:
     raw = result["raw_redis"]
     print(f"\nraw Redis PING round trip: p50 {raw['ping']['p50_us']:.0f} us, "
           f"p99 {raw['ping']['p99_us']:.0f} us")
+    floor = result["grpc_floor"]
+    print(f"gRPC floor (health Check, same server): p50 {floor['p50_us']:.0f} us, "
+          f"p99 {floor['p99_us']:.0f} us")
     print(f"{'chain':>6} {'gRPC p50 us':>12} {'gRPC p99 us':>12} {'EVALSHA p50 us':>15} "
-          f"{'x PING':>7} {'x EVALSHA':>10}")
+          f"{'x PING':>7} {'x EVALSHA':>10} {'rest us':>8}")
     for n, lat in result["latency"].items():
         direct = raw[f"evalsha_acquire_{n}"]
         print(f"{n:>6} {lat['p50_us']:>12.0f} {lat['p99_us']:>12.0f} {direct['p50_us']:>15.0f} "
-              f"{lat['ratio_p50_to_redis_ping']:>7.1f} {lat['ratio_p50_to_direct_evalsha']:>10.1f}")
+              f"{lat['ratio_p50_to_redis_ping']:>7.1f} {lat['ratio_p50_to_direct_evalsha']:>10.1f} "
+              f"{lat['service_python_us']:>8.0f}")
+    print("(rest = gRPC p50 - direct EVALSHA p50 - gRPC floor p50: our servicer's own cost)")
     print(f"\nthroughput, Apply([Acquire({THROUGHPUT_CHAIN}), Release({THROUGHPUT_CHAIN})]):")
     print(f"{'clients':>8} {'RPC/s':>9} {'ops/s':>9} {'hashes/s':>10}")
     for t in result["throughput"]:

@@ -29,11 +29,13 @@ class Limits:
     max_chain: int = 16384         # hashes in one chain / release list
     max_hashes: int = 262144       # hashes in one Apply, all ops together
     max_lease_s: float = 86400.0
+    max_pin_ttl_s: float = 30 * 86400.0
 
 
 @dataclass(frozen=True, slots=True)
 class IndexConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_cluster: bool = False        # redis_url names one node of a Redis Cluster
     default_lease_s: float = 30.0
     redis_timeout_s: float = 1.0       # socket connect/read timeout: fail fast when Redis is gone
     probe_interval_s: float = 0.5      # health probe of Redis

@@ -43,7 +43,7 @@ class RedisHealth:
             return
         if not up:
             # Pooled connections point at a dead server: drop them so the next call dials anew.
-            await self.store.redis.connection_pool.disconnect()
+            await self.store.reset_connections()
         if up:
             log.info("redis reachable: serving")
         else:

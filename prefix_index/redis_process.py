@@ -60,8 +60,10 @@ class RedisProcess:
     """A redis-server child process on 127.0.0.1; `restart()` comes back on the same port."""
 
     def __init__(self, port: int | None = None, binary: str | None = None,
-                 host: str = "127.0.0.1", start_timeout_s: float = 10.0) -> None:
+                 host: str = "127.0.0.1", start_timeout_s: float = 10.0,
+                 extra_args: list[str] | None = None) -> None:
         self.host = host
+        self.extra_args = list(extra_args or [])
         self.port = port if port is not None else free_port(host)
         self.binary = binary or find_redis_server()
         self.start_timeout_s = start_timeout_s
@@ -85,6 +87,7 @@ class RedisProcess:
             self.binary, "--port", str(self.port), "--bind", self.host,
             "--save", "", "--appendonly", "no", "--dir", self._workdir.name,
             "--daemonize", "no", "--loglevel", "warning", "--logfile", "",
+            *self.extra_args,
         ]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + self.start_timeout_s
@@ -139,6 +142,54 @@ class RedisProcess:
         return self.start()
 
     def __enter__(self) -> RedisProcess:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class RedisClusterProcess:
+    """A throwaway Redis Cluster of `num_nodes` primaries on loopback (no replicas), built with
+    redis-cli --cluster create; `url` names one node, clients discover the rest."""
+
+    def __init__(self, num_nodes: int = 3, start_timeout_s: float = 20.0) -> None:
+        self.start_timeout_s = start_timeout_s
+        self.nodes = [RedisProcess(extra_args=["--cluster-enabled", "yes",
+                                               "--cluster-config-file", "nodes.conf",
+                                               "--cluster-node-timeout", "2000"])
+                      for _ in range(num_nodes)]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def _cli(self, *args: str) -> str:
+        cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+        if cli is None:
+            raise FileNotFoundError("redis-cli is needed to build a cluster")
+        done = subprocess.run([cli, *args], capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise RuntimeError(f"redis-cli {' '.join(args)}: {done.stderr or done.stdout}")
+        return done.stdout
+
+    def start(self) -> RedisClusterProcess:
+        for node in self.nodes:
+            node.start()
+        self._cli("--cluster", "create", *(f"{n.host}:{n.port}" for n in self.nodes),
+                  "--cluster-replicas", "0", "--cluster-yes")
+        deadline = time.monotonic() + self.start_timeout_s
+        for node in self.nodes:
+            while "cluster_state:ok" not in self._cli("-p", str(node.port), "cluster", "info"):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("redis cluster did not reach cluster_state:ok")
+                time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> RedisClusterProcess:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

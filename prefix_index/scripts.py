@@ -10,7 +10,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import NoScriptError
 
 LUA_DIR = Path(__file__).resolve().parent / "lua"
@@ -23,7 +23,8 @@ class LuaScript:
     source: str
     sha: str
 
-    async def run(self, redis: Redis, keys: list[str], args: list[bytes | str | int]):
+    async def run(self, redis: Redis | RedisCluster, keys: list[str],
+                  args: list[bytes | str | int]) -> object:
         try:
             return await redis.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:

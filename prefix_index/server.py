@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -33,10 +33,14 @@ log = logging.getLogger("prefix_index.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixIndex"].full_name
 
 
-def connect_redis(url: str, timeout_s: float) -> Redis:
+def connect_redis(url: str, timeout_s: float, cluster: bool = False) -> Redis | RedisCluster:
     """Short socket timeouts and no retries: a dead Redis shows up as an error at once; the
     caller retries, not us (a blind retry of a script whose reply was lost would apply it
     twice)."""
+    if cluster:
+        # Every script touches one engine's keys, which share a hash tag: one slot, one node.
+        return RedisCluster.from_url(url, socket_connect_timeout=timeout_s,
+                                     socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
     return Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
                           retry=Retry(NoBackoff(), 0), health_check_interval=0)
 
@@ -54,7 +58,8 @@ class IndexServer:
         self.metrics_host = metrics_host
         self.port = 0
         self.metrics = IndexMetrics()
-        self.redis = connect_redis(config.redis_url, config.redis_timeout_s)
+        self.redis = connect_redis(config.redis_url, config.redis_timeout_s,
+                                   config.redis_cluster)
         self.store = IndexStore(self.redis, config.pin_policy)
         self.health_servicer = health_aio.HealthServicer()
         self.health = RedisHealth(self.store, self.health_servicer, ["", SERVICE_NAME],
@@ -103,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults, policy, limits = IndexConfig(), PinPolicy(), Limits()
     p = argparse.ArgumentParser(prog="pagedgen-prefix-index", description=__doc__.split("\n")[0])
     p.add_argument("--redis-url", default=defaults.redis_url)
+    p.add_argument("--redis-cluster", action="store_true",
+                   help="--redis-url names one node of a Redis Cluster")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=50061, help="gRPC port (0 = any free port)")
     p.add_argument("--lease-s", type=float, default=defaults.default_lease_s,
@@ -141,7 +148,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def config_from_args(args: argparse.Namespace) -> IndexConfig:
     return IndexConfig(
-        redis_url=args.redis_url, default_lease_s=args.lease_s,
+        redis_url=args.redis_url, redis_cluster=args.redis_cluster,
+        default_lease_s=args.lease_s,
         redis_timeout_s=args.redis_timeout_s, probe_interval_s=args.probe_interval_s,
         pin_policy=PinPolicy(hot_threshold=args.hot_threshold, window_s=args.hot_window_s,
                              cool_fraction=args.cool_fraction,

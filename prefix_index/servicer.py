@@ -10,6 +10,7 @@ from typing import TypeVar
 
 import grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pagedgen_api import prefix_index_pb2 as pb
@@ -34,6 +35,9 @@ _REQUEST_ERRORS = {
     StaleEpochError: grpc.StatusCode.FAILED_PRECONDITION,
 }
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+# Redis error replies that mean "not now" (loading, failover, busy script), not "wrong".
+_REDIS_TRANSIENT = ("LOADING", "BUSY", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN",
+                    "MOVED", "ASK")
 
 
 class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
@@ -70,6 +74,11 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         except _REDIS_DOWN as exc:
             code, message = grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}"
             await self.health.set_redis_up(False)
+        except ResponseError as exc:
+            transient = str(exc).startswith(_REDIS_TRANSIENT)
+            code = grpc.StatusCode.UNAVAILABLE if transient else grpc.StatusCode.INTERNAL
+            message = f"redis refused the call: {exc}"
+            log.error("%s: %s", method, message)
         finally:
             self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
             self.metrics.rpcs.labels(method, code.name).inc()

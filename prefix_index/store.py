@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import ResponseError
 
 from prefix_index.config import PinPolicy
@@ -85,7 +85,7 @@ def decode_result(raw: list) -> OpResult:
 class IndexStore:
     """Async access to the index in Redis. Connection errors propagate (the caller maps them)."""
 
-    def __init__(self, redis: Redis, pin_policy: PinPolicy) -> None:
+    def __init__(self, redis: Redis | RedisCluster, pin_policy: PinPolicy) -> None:
         self.redis = redis
         self.pin_policy = pin_policy
         self._scripts = load_scripts()
@@ -103,16 +103,28 @@ class IndexStore:
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
 
+    async def reset_connections(self) -> None:
+        """Drop pooled connections to a server that went away, so the next call dials anew.
+        (A cluster client re-discovers its nodes by itself.)"""
+        pool = getattr(self.redis, "connection_pool", None)
+        if pool is not None:
+            await pool.disconnect()
+
     async def register(self, engine_id: str, model_identity: str, block_size: int,
                        num_blocks: int, lease_s: float) -> Registration:
         budget = self.pin_policy.budget(num_blocks)
+        # The directory lives in another slot, so it cannot join the script's transaction. It
+        # is added before (lookup never misses a live engine) and again after; heartbeats
+        # re-add it, which heals a prune that raced this registration.
         await self.redis.sadd(ENGINES_KEY, engine_id)
         epoch = await self._run("register", engine_id, [
             model_identity, block_size, num_blocks, round(lease_s * 1000), budget])
+        await self.redis.sadd(ENGINES_KEY, engine_id)
         return Registration(int(epoch), lease_s, budget)
 
     async def heartbeat(self, engine_id: str, epoch: int) -> float:
         lease_ms = await self._run("heartbeat", engine_id, [str(epoch)])
+        await self.redis.sadd(ENGINES_KEY, engine_id)
         return int(lease_ms) / 1000.0
 
     async def apply(self, engine_id: str, epoch: int, ops: Sequence[Op]) -> list[OpResult]:

@@ -124,9 +124,9 @@ def apply_ops(request: pb.ApplyRequest, limits: Limits) -> list[Op]:
             ops.append(Evict(op.evict.k))
         elif kind == "pin":
             ttl_s = op.pin.ttl_s
-            if not math.isfinite(ttl_s) or not 0 <= ttl_s <= limits.max_lease_s * 1000:
+            if not math.isfinite(ttl_s) or not 0 <= ttl_s <= limits.max_pin_ttl_s:
                 raise InvalidRequestError(f"{path}.pin.ttl_s: {ttl_s} is not allowed; expected 0 "
-                                          f"(no expiry) or a positive number of seconds")
+                                          f"(no expiry) or 0..{limits.max_pin_ttl_s:.0f} seconds")
             ops.append(Pin(hashes(f"{path}.pin.chain", op.pin.chain, limits), ttl_s))
             total_hashes += len(op.pin.chain)
         elif kind == "unpin":
