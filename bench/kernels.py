@@ -210,9 +210,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--min-time-s", type=float, default=0.3, help="per measurement")
     parser.add_argument("--quick", action="store_true", help="first shape of each kernel only")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (1 gives stable figures on shared cores)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda"
     dtype = DTYPES[args.dtype or ("float16" if on_gpu else "float32")]
