@@ -27,7 +27,7 @@ class Limits:
 
     max_ops: int = 4096            # ops in one Apply
     max_chain: int = 16384         # hashes in one chain / release list
-    max_hashes: int = 262144       # hashes in one Apply, all ops together
+    max_hashes: int = 65536        # hashes in one Apply: bounds how long one script holds Redis
     max_lease_s: float = 86400.0
     max_pin_ttl_s: float = 30 * 86400.0
 

@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+import redis
 
 from prefix_index.client import PrefixIndexClient, PrefixIndexClientError
 from prefix_index.launch import IndexProcess
@@ -253,3 +254,20 @@ def test_cooled_blocks_are_unpinned(redis_server, engine_id):
 
     with IndexProcess(redis_server.url, args) as index:
         run(body(index.target))
+
+
+def test_scripts_reload_after_noscript(redis_server, index_server, engine_id):
+    """SCRIPT FLUSH (as after a Redis restart or failover): EVALSHA gets NOSCRIPT, the server
+    loads the script again and the call succeeds."""
+
+    async def body():
+        async with await _registered(index_server.target, engine_id) as c:
+            chain = make_chain("noscript", 2)
+            await c.apply(commit_ops(chain, 0))
+            with redis.Redis.from_url(redis_server.url) as raw:
+                raw.script_flush()
+                assert raw.script_exists("0" * 40) == [False]
+            [acq] = await c.apply([Acquire(chain)])
+            assert acq.block_ids == [0, 1]
+            assert await c.heartbeat() == pytest.approx(30.0)
+    run(body())

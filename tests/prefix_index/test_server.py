@@ -11,9 +11,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from prefix_index.client import PrefixIndexClient
+from prefix_index.config import IndexConfig
 from prefix_index.launch import IndexProcess
 from prefix_index.ops import Acquire
 from prefix_index.redis_process import free_port
+from prefix_index.server import IndexServer
 from tests.prefix_index.chains import commit_ops, make_chain
 from tests.prefix_index.conftest import INDEX_ARGS
 
@@ -54,3 +56,20 @@ def test_health_reflection_metrics_and_sigterm(redis_server, engine_id):
         assert time.monotonic() - started < 5
     finally:
         index.kill()
+
+
+def test_in_process_server(redis_server, engine_id):
+    """IndexServer runs inside the caller's event loop (for other components' tests)."""
+
+    async def body():
+        server = IndexServer(IndexConfig(redis_url=redis_server.url), port=0)
+        port = await server.start()
+        try:
+            async with PrefixIndexClient(f"127.0.0.1:{port}", 5.0) as c:
+                await c.register(engine_id, "m", 16, 8)
+                chain = make_chain("inproc", 1)
+                [ok, acq] = await c.apply(commit_ops(chain, 3) + [Acquire(chain)])
+                assert ok.ok and acq.block_ids == [3]
+        finally:
+            await server.stop(0.5)
+    asyncio.run(body())
