@@ -74,7 +74,8 @@ class PrefixIndexServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Extends the engine's lease. A lease that expires drops the engine's entries (NOT_FOUND).
+        """Extends the engine's lease (every Apply does too). A lease that expires drops the engine's
+        entries: later calls get NOT_FOUND until it registers again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
