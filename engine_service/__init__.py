@@ -1,6 +1,18 @@
-"""pagedgen's generation engine: `from engine_service import LLM, SamplingParams`."""
+"""pagedgen's generation engine: `from engine_service import LLM, SamplingParams`.
 
-from engine_service.llm import LLM
-from engine_service.sampling_params import SamplingParams
+Imported lazily, so light entry points (pagedgen-prepare-model) do not pay for torch.
+"""
 
 __all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from engine_service.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from engine_service.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'engine_service' has no attribute {name!r}")

@@ -214,10 +214,12 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        # Moves first, even in a step that runs no forward: a swap-out recorded by a
+        # preemption must reach the CPU pool before those device blocks are reused.
+        self.runner.apply_moves(sched.moves)
         if not sched.scheduled:
             return []
         self.num_steps += 1
-        self.runner.apply_moves(sched.moves)
         logits = self.runner.execute(sched.scheduled)
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens

@@ -169,12 +169,17 @@ class Scheduler:
         self.counters.num_recomputed += 1
         bisect.insort(self.waiting, group, key=_order_key)
 
+    def _watermark(self) -> int:
+        # With nothing running there is nobody to keep room for; a request that fits the
+        # whole pool must still be admitted.
+        return self._watermark_blocks if self.running else 0
+
     def _swap_in(self, out: SchedulerOutput) -> None:
         while self.swapped:
             group = self.swapped[0]
             seqs = group.live_seqs()
             needed = self.kv.blocks_to_swap_in(seqs)
-            if needed + self._watermark_blocks > self.kv.pool.num_free_blocks:
+            if needed + self._watermark() > self.kv.pool.num_free_blocks:
                 return
             self.swapped.popleft()
             self.kv.swap_in(seqs)
@@ -207,7 +212,7 @@ class Scheduler:
                 planned_budget -= num_new
             if len(plans) < len(seqs):
                 return  # not enough budget left for the whole group this step
-            if needed + self._watermark_blocks > self.kv.pool.num_free_blocks:
+            if needed + self._watermark() > self.kv.pool.num_free_blocks:
                 return
             self.waiting.pop(0)
             for seq, num_new, cached in plans:

@@ -49,7 +49,8 @@ def copy_blocks(
         return
     src = block_mapping[:, 0].long()
     dst = block_mapping[:, 1].long()
-    kv_caches[:, :, dst] = kv_caches[:, :, src]
+    # index_copy_ of an index_select: measured faster on CPU than advanced-index assignment.
+    kv_caches.index_copy_(2, dst, kv_caches.index_select(2, src))
 
 
 @dataclass
