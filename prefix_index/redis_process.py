@@ -47,6 +47,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def _is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_cluster_port(host: str = "127.0.0.1") -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    for _ in range(200):
+        port = free_port(host)
+        if port + 10000 <= 65535 and _is_free(host, port + 10000):
+            return port
+    raise OSError("no free port with a free cluster bus port (port + 10000)")
+
+
 def _answers_ping(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.2) as sock:
@@ -64,7 +82,9 @@ class RedisProcess:
                  extra_args: list[str] | None = None) -> None:
         self.host = host
         self.extra_args = list(extra_args or [])
-        self.port = port if port is not None else free_port(host)
+        self._cluster = "--cluster-enabled" in self.extra_args
+        self._pick_port = port is None  # a port we picked may be taken meanwhile: pick again
+        self.port = port if port is not None else self._free_port()
         self.binary = binary or find_redis_server()
         self.start_timeout_s = start_timeout_s
         self._workdir: tempfile.TemporaryDirectory | None = None
@@ -78,29 +98,52 @@ class RedisProcess:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def _free_port(self) -> int:
+        return free_cluster_port(self.host) if self._cluster else free_port(self.host)
+
     def start(self) -> RedisProcess:
         if self.running:
             return self
+        for attempt in range(3):
+            try:
+                self._start_once()
+                self._pick_port = False  # restart() comes back on this port, or fails
+                return self
+            except RuntimeError:
+                if not self._pick_port or attempt == 2:
+                    raise
+                self.port = self._free_port()
+        return self
+
+    def _start_once(self) -> RedisProcess:
         if self._workdir is None:
             self._workdir = tempfile.TemporaryDirectory(prefix="pagedgen-redis-")
         args = [
             self.binary, "--port", str(self.port), "--bind", self.host,
             "--save", "", "--appendonly", "no", "--dir", self._workdir.name,
-            "--daemonize", "no", "--loglevel", "warning", "--logfile", "",
+            "--daemonize", "no", "--loglevel", "warning", "--logfile", "redis.log",
             *self.extra_args,
         ]
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      cwd=self._workdir.name)
         deadline = time.monotonic() + self.start_timeout_s
         while not _answers_ping(self.host, self.port):
             if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
-                raise RuntimeError(f"redis-server exited with {self._proc.returncode}: {err}")
+                code, err = self._proc.returncode, self._log_tail()
+                self._proc = None
+                raise RuntimeError(f"redis-server on port {self.port} exited with {code}: {err}")
             if time.monotonic() > deadline:
                 self.kill()
                 raise TimeoutError(f"redis-server on port {self.port} not up after "
                                    f"{self.start_timeout_s}s")
             time.sleep(0.02)
         return self
+
+    def _log_tail(self) -> str:
+        log = Path(self._workdir.name) / "redis.log" if self._workdir else None
+        if log is None or not log.exists():
+            return ""
+        return log.read_text(errors="replace")[-2000:]
 
     def _wait_exit(self, sig: int, timeout_s: float) -> None:
         if self._proc is None:
@@ -154,6 +197,7 @@ class RedisClusterProcess:
 
     def __init__(self, num_nodes: int = 3, start_timeout_s: float = 20.0) -> None:
         self.start_timeout_s = start_timeout_s
+        # Nodes pick distinct ports (and bus ports = port + 10000) as they are created.
         self.nodes = [RedisProcess(extra_args=["--cluster-enabled", "yes",
                                                "--cluster-config-file", "nodes.conf",
                                                "--cluster-node-timeout", "2000"])
