@@ -50,7 +50,7 @@ class ReferenceIndex:
         self.clock += 1
         return self.clock
 
-    def _held_prefix(self, chain: list[bytes]) -> list[bytes]:
+    def held_prefix(self, chain: list[bytes]) -> list[bytes]:
         prefix = []
         for h in chain:
             if h not in self.blocks:
@@ -73,7 +73,7 @@ class ReferenceIndex:
     def apply(self, op: Op) -> OpResult:
         match op:
             case Acquire(chain=chain):
-                prefix = self._held_prefix(chain)
+                prefix = self.held_prefix(chain)
                 for h in prefix:
                     b = self.blocks[h]
                     b.refcount += 1
@@ -123,7 +123,7 @@ class ReferenceIndex:
                 self.evictions += len(evicted)
                 return OpResult(OpStatus.OK, evicted=evicted, count=len(evicted))
             case Pin(chain=chain):
-                prefix = self._held_prefix(chain)
+                prefix = self.held_prefix(chain)
                 new_pins = sum(1 for h in prefix if not self.blocks[h].pin)
                 if self._pinned() + new_pins > self.pin_budget:
                     return OpResult(OpStatus.PIN_BUDGET_EXCEEDED)

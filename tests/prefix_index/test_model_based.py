@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+import redis
+
 from prefix_index.client import PrefixIndexClient
+from prefix_index.keys import engine_keys
 from prefix_index.ops import Acquire, Commit, Evict, Op, OpResult, Pin, Release, Unpin
 from tests.prefix_index.chains import block_hash
 from tests.prefix_index.conftest import HOT_THRESHOLD
@@ -50,7 +54,8 @@ def _random_op(rng: random.Random, chains: list[list[bytes]], model: ReferenceIn
     if roll < 0.88:
         return Evict(rng.randint(0, 4))
     if roll < 0.95:
-        return Pin(chain[: rng.randint(1, len(chain))])
+        # TTLs far past the test: the expiry bookkeeping runs, nothing expires mid-test.
+        return Pin(chain[: rng.randint(1, len(chain))], ttl_s=rng.choice([0.0, 3600.0]))
     return Unpin(chain[: rng.randint(1, len(chain))])
 
 
@@ -58,9 +63,34 @@ def _comparable(r: OpResult) -> tuple:
     return (r.status, r.block_ids, [(e.hash, e.block_id) for e in r.evicted], r.count)
 
 
-def test_service_matches_the_reference_model(index_server, engine_id):
+def _check_raw_state(redis_url: str, engine_id: str, model: ReferenceIndex) -> None:
+    """What Redis holds, field by field, equals the model; no refcount is ever negative."""
+    meta, bid, own, ref, par, kids, _last, pin, _pinexp, _hot, free, lru = engine_keys(engine_id)
+    with redis.Redis.from_url(redis_url) as raw:
+        refs = {h: int(v) for h, v in raw.hgetall(ref).items()}
+        assert all(v >= 0 for v in refs.values())
+        assert refs == {h: b.refcount for h, b in model.blocks.items()}
+        assert {h: int(v) for h, v in raw.hgetall(bid).items()} == {
+            h: b.block_id for h, b in model.blocks.items()}
+        assert {int(b): h for b, h in raw.hgetall(own).items()} == {
+            b.block_id: h for h, b in model.blocks.items()}
+        assert raw.hgetall(par) == {h: b.parent for h, b in model.blocks.items()}
+        assert {h: v.decode() for h, v in raw.hgetall(pin).items()} == {
+            h: b.pin for h, b in model.blocks.items() if b.pin}
+        children = {}
+        for b in model.blocks.values():
+            if b.parent:
+                children[b.parent] = children.get(b.parent, 0) + 1
+        assert {h: int(v) for h, v in raw.hgetall(kids).items()} == children
+        evictable = {h for h, b in model.blocks.items() if b.refcount == 0 and not b.pin}
+        assert set(raw.zrange(free, 0, -1)) == evictable
+        assert set(raw.zrange(lru, 0, -1)) == {h for h in evictable if h not in children}
+
+
+@pytest.mark.parametrize("seed", [20240611, 7, 1234])
+def test_service_matches_the_reference_model(redis_server, index_server, engine_id, seed):
     async def body():
-        rng = random.Random(20240611)
+        rng = random.Random(seed)
         chains = _random_tree(rng)
         async with PrefixIndexClient(index_server.target, 10.0) as c:
             await c.register(engine_id, "m", 16, NUM_BLOCKS, 60)
@@ -83,8 +113,15 @@ def test_service_matches_the_reference_model(index_server, engine_id):
                     s = (await c.stats())[0]
                     service = {k: getattr(s, k) for k in model.counters()}
                     assert service == model.counters(), done
+                if rng.random() < 0.05:
+                    chain = rng.choice(chains)
+                    [mine] = [m for m in await c.lookup(chain) if m.engine_id == engine_id]
+                    assert mine.matched_blocks == len(model.held_prefix(chain))
+                if rng.random() < 0.02:
+                    _check_raw_state(redis_server.url, engine_id, model)
             # The run must have exercised every outcome, or it proves little.
             assert len(statuses) == 7, statuses
             s = (await c.stats())[0]
             assert {k: getattr(s, k) for k in model.counters()} == model.counters()
+            _check_raw_state(redis_server.url, engine_id, model)
     asyncio.run(body())
