@@ -34,6 +34,7 @@ from engine_service.sampling_params import SamplingParams
 # than 64 tokens. CPU cost per row of 49152 logits: topk(64) ~0.05 ms, topk(1024) ~0.3 ms,
 # topk(8192) ~1 ms, a full sort ~5 ms.
 NUCLEUS_CANDIDATES = (64, 1024, 8192)
+_CDF_BLOCK = 256  # entries per block of the two-level inverse-CDF draw
 
 
 @dataclass(slots=True)
@@ -77,18 +78,37 @@ def make_generator(seed: int, sequence_index: int, device: torch.device | str) -
 def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Index drawn per row with probability proportional to `weights` (>= 0, rows not all 0).
 
-    searchsorted(right=True) never lands on a zero-weight entry (its cdf equals its left
-    neighbour's); only u * total rounding up to total can run off the end (about 1 in 2^24),
-    and such a row takes its last entry with weight.
+    Wide rows go in two levels (block sums, then a cumsum inside the chosen block only): a
+    cumsum over the whole vocabulary is the slowest op of a draw on CPU.
     """
+    num_rows, width = weights.shape
+    if width <= 4 * _CDF_BLOCK:
+        return _searchsorted_positive(weights, uniform.unsqueeze(1) * weights.sum(-1, True))
+    num_blocks = -(-width // _CDF_BLOCK)
+    padded = torch.nn.functional.pad(weights, (0, num_blocks * _CDF_BLOCK - width))
+    blocks = padded.view(num_rows, num_blocks, _CDF_BLOCK)
+    block_weights = blocks.sum(dim=-1)
+    target = uniform.unsqueeze(1) * block_weights.sum(dim=-1, keepdim=True)
+    block, below = _searchsorted_positive(block_weights, target, with_below=True)
+    inner = blocks[torch.arange(num_rows, device=weights.device), block]
+    return block * _CDF_BLOCK + _searchsorted_positive(inner, target - below.unsqueeze(1))
+
+
+def _searchsorted_positive(weights: torch.Tensor, target: torch.Tensor, with_below=False):
+    """First index whose cumulative weight exceeds `target` [rows, 1], and optionally the
+    cumulative weight before it. right=True never lands on a zero-weight entry (its cdf
+    equals its left neighbour's); only rounding can run off the end, and such a row takes its
+    last entry with weight."""
     cdf = weights.cumsum(dim=-1)
-    target = uniform.unsqueeze(1) * cdf[:, -1:]
     index = torch.searchsorted(cdf, target, right=True).squeeze(1)
     off_end = (index >= weights.shape[1]).nonzero().flatten()
     if len(off_end):
         positive = weights[off_end] > 0
         index[off_end] = weights.shape[1] - 1 - positive.flip(-1).int().argmax(dim=-1)
-    return index
+    if not with_below:
+        return index
+    before = cdf.gather(1, (index - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
+    return index, torch.where(index > 0, before, torch.zeros_like(before))
 
 
 def _flat_positions(
@@ -151,6 +171,8 @@ class Sampler:
         min_tokens = [i for i, r in enumerate(rows) if _min_tokens_active(r)]
         if not penalized and not min_tokens and all(r.params.is_greedy for r in rows):
             token_ids = raw.argmax(dim=-1)  # the common fast path: one argmax, no copy
+        elif not penalized and not min_tokens:
+            token_ids = self._choose(raw, rows)  # nothing modifies the logits in place
         else:
             # Never modify the caller's logits (raw logprobs need them); contiguous for view(-1).
             processed = raw.clone(memory_format=torch.contiguous_format)
@@ -219,8 +241,9 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         vocab, device = logits.shape[1], logits.device
+        # Temperature is applied late, to the few values that need it: top-k candidates are
+        # the same before and after dividing by a positive number.
         temperature = torch.tensor([r.params.temperature for r in rows], device=device)
-        logits = logits.div_(temperature.unsqueeze(1))
         # One uniform per row, drawn up front so that no later widening of the candidates can
         # change how many a seeded row consumes.
         uniform = torch.empty(len(rows), device=device)
@@ -237,7 +260,10 @@ class Sampler:
         if len(ranked) < len(rows):
             full = [j for j, r in enumerate(rows) if not (r.params.top_k > 0 or r.params.top_p < 1)]
             token_ids[full] = self._sample_full(
-                _select_rows(logits, full), [rows[j] for j in full], uniform[full]
+                _select_rows(logits, full),
+                [rows[j] for j in full],
+                temperature[full],
+                uniform[full],
             )
         widths = [*NUCLEUS_CANDIDATES, vocab]
         for attempt, nucleus_width in enumerate(widths):
@@ -246,7 +272,11 @@ class Sampler:
             top_ks = [rows[j].params.top_k for j in ranked]
             width = min(vocab, max(k if k > 0 else nucleus_width for k in top_ks))
             chosen, overflow = self._sample_ranked(
-                _select_rows(logits, ranked), [rows[j] for j in ranked], width, uniform[ranked]
+                _select_rows(logits, ranked),
+                [rows[j] for j in ranked],
+                width,
+                temperature[ranked],
+                uniform[ranked],
             )
             token_ids[ranked] = chosen
             # Nuclei wider than the candidates: redo those rows with more.
@@ -254,19 +284,36 @@ class Sampler:
         return token_ids
 
     def _sample_full(
-        self, logits: torch.Tensor, rows: list[SamplingRow], uniform: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        temperature: torch.Tensor,
+        uniform: torch.Tensor,
     ) -> torch.Tensor:
         """Rows without top-k/top-p: min-p in vocabulary space, then a draw over all tokens."""
+        num_rows, vocab = logits.shape
+        # (logit - max) / T, written straight into a buffer padded to whole CDF blocks (zero
+        # weight there: never drawn); three in-place passes, no temporaries.
+        weights = torch.empty(num_rows, -(-vocab // _CDF_BLOCK) * _CDF_BLOCK, device=logits.device)
+        weights[:, vocab:] = 0.0
+        scaled = weights[:, :vocab]
+        torch.sub(logits, logits.amax(dim=-1, keepdim=True), out=scaled)
+        scaled.div_(temperature.unsqueeze(1))
         min_p = [r.params.min_p for r in rows]
         if any(p > 0 for p in min_p):
-            # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p); log(0) = -inf keeps all.
+            # p >= min_p * p_max  <=>  scaled logit - scaled max >= log(min_p); log(0) = -inf.
             log_min_p = torch.tensor(min_p, device=logits.device).log().unsqueeze(1)
-            floor = logits.amax(dim=-1, keepdim=True) + log_min_p
-            logits = logits.masked_fill(logits < floor, -math.inf)
-        return _inverse_cdf(logits.softmax(dim=-1), uniform)
+            scaled.masked_fill_(scaled < log_min_p, -math.inf)
+        scaled.exp_()  # normalizing is left to the draw
+        return _inverse_cdf(weights, uniform)
 
     def _sample_ranked(
-        self, logits: torch.Tensor, rows: list[SamplingRow], width: int, uniform: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        width: int,
+        temperature: torch.Tensor,
+        uniform: torch.Tensor,
     ) -> tuple[torch.Tensor, list[int]]:
         """Top-k / top-p / min-p over the `width` best candidates of each row.
 
@@ -275,6 +322,8 @@ class Sampler:
         """
         device, vocab = logits.device, logits.shape[1]
         values, token_idx = logits.topk(width, dim=-1)  # sorted, best first
+        unscaled_best = values[:, :1]
+        values = values / temperature.unsqueeze(1)
         top_k = torch.tensor(
             [min(r.params.top_k, width) if r.params.top_k > 0 else width for r in rows],
             device=device,
@@ -288,8 +337,8 @@ class Sampler:
         total = weights.sum(dim=-1)
         no_top_k = [k for k, r in enumerate(rows) if r.params.top_k <= 0]
         if no_top_k:
-            shifted = _select_rows(logits, no_top_k) - best[no_top_k]
-            total[no_top_k] = shifted.exp_().sum(dim=-1)
+            shifted = _select_rows(logits, no_top_k) - unscaled_best[no_top_k]
+            total[no_top_k] = shifted.div_(temperature[no_top_k].unsqueeze(1)).exp_().sum(-1)
         cumulative = weights.cumsum(dim=-1)
         top_p = torch.tensor([r.params.top_p for r in rows], device=device)
         keep &= (cumulative - weights) < (top_p * total).unsqueeze(1)  # the best is always kept
