@@ -51,6 +51,11 @@ class LLM:
         """Run every prompt to completion; outputs in the order of the prompts."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise ValueError(
+                "prompt must be a string, a dict or a list of them, "
+                f"got {type(prompts).__name__}: {str(prompts)[:80]!r}"
+            )
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -94,6 +94,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
         self.num_steps = 0
+        self.num_computed_tokens = 0  # tokens run through the model (prefill + decode)
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), device %s",
             mc.path,
@@ -192,6 +193,7 @@ class LLMEngine:
             params.stop,
             params.include_stop_str_in_output,
             params.skip_special_tokens,
+            min_tokens=params.min_tokens,
         )
         seq.logprobs = [] if params.logprobs is not None else None
         return seq
@@ -220,6 +222,7 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         self.num_steps += 1
+        self.num_computed_tokens += sched.num_batched_tokens
         logits = self.runner.execute(sched.scheduled)
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
