@@ -49,8 +49,9 @@ def epoch(value: int) -> int:
     return value
 
 
-def hashes(field: str, values: Sequence[bytes], limits: Limits, allow_empty: bool = True
-           ) -> list[bytes]:
+def hashes(field: str, values: Sequence[bytes], limits: Limits, allow_empty: bool = True,
+           chain: bool = False) -> list[bytes]:
+    """`chain`: the hashes are one chain, so none repeats (each hashes its parent's hash)."""
     if len(values) > limits.max_chain:
         raise InvalidRequestError(f"{field}: {len(values)} hashes is too many; at most "
                                   f"{limits.max_chain} per op")
@@ -58,6 +59,13 @@ def hashes(field: str, values: Sequence[bytes], limits: Limits, allow_empty: boo
         raise InvalidRequestError(f"{field}: empty; expected at least one {HASH_BYTES}-byte hash")
     for i, value in enumerate(values):
         one_hash(f"{field}[{i}]", value)
+    if chain and len(set(values)) != len(values):
+        seen: dict[bytes, int] = {}
+        for i, value in enumerate(values):
+            if value in seen:
+                raise InvalidRequestError(f"{field}[{i}]: repeats {field}[{seen[value]}] "
+                                          f"({value.hex()}); a chain never repeats a hash")
+            seen[value] = i
     return list(values)
 
 
@@ -102,7 +110,8 @@ def apply_ops(request: pb.ApplyRequest, limits: Limits) -> list[Op]:
         path = f"ops[{i}]"
         kind = op.WhichOneof("kind")
         if kind == "acquire":
-            ops.append(Acquire(hashes(f"{path}.acquire.chain", op.acquire.chain, limits)))
+            ops.append(Acquire(hashes(f"{path}.acquire.chain", op.acquire.chain, limits,
+                                      chain=True)))
             total_hashes += len(op.acquire.chain)
         elif kind == "commit":
             c = op.commit
@@ -127,7 +136,7 @@ def apply_ops(request: pb.ApplyRequest, limits: Limits) -> list[Op]:
             if not math.isfinite(ttl_s) or not 0 <= ttl_s <= limits.max_pin_ttl_s:
                 raise InvalidRequestError(f"{path}.pin.ttl_s: {ttl_s} is not allowed; expected 0 "
                                           f"(no expiry) or 0..{limits.max_pin_ttl_s:.0f} seconds")
-            ops.append(Pin(hashes(f"{path}.pin.chain", op.pin.chain, limits), ttl_s))
+            ops.append(Pin(hashes(f"{path}.pin.chain", op.pin.chain, limits, chain=True), ttl_s))
             total_hashes += len(op.pin.chain)
         elif kind == "unpin":
             ops.append(Unpin(hashes(f"{path}.unpin.chain", op.unpin.chain, limits)))

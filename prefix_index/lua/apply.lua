@@ -59,42 +59,59 @@ end
 local now = now_ms()
 expire_pins(now)
 
+-- The hashes of the held prefix of `chain` and their block ids (one HMGET per slice).
 local function held_prefix(chain)
-  local prefix = {}
-  for _, h in ipairs(chain) do
-    local b = redis.call('HGET', K.bid, h)
-    if not b then break end
-    prefix[#prefix + 1] = {h, tonumber(b)}
+  local ids = hmget(K.bid, chain)
+  local hashes, blocks = {}, {}
+  for i, h in ipairs(chain) do
+    if not ids[i] then break end
+    hashes[i], blocks[i] = h, tonumber(ids[i])
   end
-  return prefix
+  return hashes, blocks
 end
 
+-- Batched: a few calls per chain rather than a few per hash (chains run to thousands).
+-- Chains never repeat a hash (validated), so reading all refcounts first is exact.
 local function acquire(op)
-  local prefix = held_prefix(op.list)
-  local ids = {}
-  local pinned, budget = redis.call('HLEN', K.pin), pin_budget()
-  -- The clock is read once and written once: ticks stay unique, with fewer calls per hash.
-  local clock = num(K.meta, 'clock')
-  for i, entry in ipairs(prefix) do
-    local h = entry[1]
-    ids[i] = entry[2]
-    clock = clock + 1
-    redis.call('HSET', K.last, h, clock)
-    local was_free = redis.call('HINCRBY', K.ref, h, 1) == 1
-    if threshold > 0 and hot_estimate(h, now, window_ms, 1) >= threshold
-        and pinned < budget and redis.call('HSETNX', K.pin, h, 'a') == 1 then
-      pinned = pinned + 1
+  local hashes, blocks = held_prefix(op.list)
+  local n = #hashes
+  if n > 0 then
+    local refs = hmget(K.ref, hashes)
+    local clock = num(K.meta, 'clock')
+    local ref_args, last_args, now_used = {}, {}, {}
+    for i, h in ipairs(hashes) do
+      local ref = tonumber(refs[i] or '0') + 1
+      if ref == 1 then now_used[#now_used + 1] = h end  -- was evictable (or pinned)
+      ref_args[2 * i - 1], ref_args[2 * i] = h, ref
+      last_args[2 * i - 1], last_args[2 * i] = h, clock + i  -- ticks stay unique
     end
-    if was_free then
-      -- Refcount 0 -> 1: no longer evictable.
-      redis.call('ZREM', K.free, h)
-      redis.call('ZREM', K.lru, h)
+    call_sliced('HSET', K.ref, ref_args)
+    call_sliced('HSET', K.last, last_args)
+    redis.call('HSET', K.meta, 'clock', clock + n)
+    if #now_used > 0 then
+      call_sliced('ZREM', K.free, now_used)
+      call_sliced('ZREM', K.lru, now_used)
+    end
+    if threshold > 0 then
+      local hot, pins = hmget(K.hot, hashes), hmget(K.pin, hashes)
+      local pinned, budget = redis.call('HLEN', K.pin), pin_budget()
+      local hot_args, pin_args = {}, {}
+      for i, h in ipairs(hashes) do
+        local estimate, packed = hot_update(hot[i], now, window_ms, 1)
+        hot_args[2 * i - 1], hot_args[2 * i] = h, packed
+        if estimate >= threshold and not pins[i] and pinned < budget then
+          pin_args[#pin_args + 1] = h
+          pin_args[#pin_args + 1] = 'a'
+          pinned = pinned + 1
+        end
+      end
+      call_sliced('HSET', K.hot, hot_args)
+      if #pin_args > 0 then call_sliced('HSET', K.pin, pin_args) end
     end
   end
-  redis.call('HSET', K.meta, 'clock', clock)
   redis.call('HINCRBY', K.meta, 'queries', #op.list)
-  redis.call('HINCRBY', K.meta, 'hits', #ids)
-  return {OK, '', ids, {}, #ids}
+  redis.call('HINCRBY', K.meta, 'hits', n)
+  return {OK, '', blocks, {}, n}
 end
 
 local function commit(op)
@@ -183,18 +200,18 @@ local function evict(op)
 end
 
 local function pin(op)
-  local prefix = held_prefix(op.list)
+  local hashes = held_prefix(op.list)
+  local pins = hmget(K.pin, hashes)
   local new_pins = 0
-  for _, entry in ipairs(prefix) do
-    if redis.call('HEXISTS', K.pin, entry[1]) == 0 then new_pins = new_pins + 1 end
+  for i = 1, #hashes do
+    if not pins[i] then new_pins = new_pins + 1 end
   end
   local pinned, budget = redis.call('HLEN', K.pin), pin_budget()
   if pinned + new_pins > budget then
     return {PIN_BUDGET_EXCEEDED, 'pinning ' .. new_pins .. ' more blocks would pass the pin ' ..
       'budget of ' .. budget .. ' (' .. pinned .. ' pinned)', {}, {}, 0}
   end
-  for _, entry in ipairs(prefix) do
-    local h = entry[1]
+  for _, h in ipairs(hashes) do
     redis.call('HSET', K.pin, h, 'e')
     if op.ttl_ms > 0 then
       redis.call('ZADD', K.pinexp, fmt(now + op.ttl_ms), h)
@@ -203,7 +220,7 @@ local function pin(op)
     end
     settle(h)
   end
-  return {OK, '', {}, {}, #prefix}
+  return {OK, '', {}, {}, #hashes}
 end
 
 local function unpin_op(op)

@@ -89,13 +89,13 @@ end
 
 -- Sliding-window hit estimate: the previous window's hits weighted by how much of it still
 -- overlaps the window ending now, plus this window's hits. Windows start at a block's first hit.
--- One packed field per block keeps this at one read and one write.
-local function hot_estimate(h, now, window_ms, add)
-  local packed = redis.call('HGET', K.hot, h)
+-- State is one packed field per block; this takes and returns it (nil = never hit), so callers
+-- can read and write many blocks in one call each.
+local function hot_update(packed, now, window_ms, add)
   local w0, cur, prev
   if not packed then
     if add == 0 then
-      return 0
+      return 0, nil
     end
     w0, cur, prev = now, 0, 0
   else
@@ -109,8 +109,27 @@ local function hot_estimate(h, now, window_ms, add)
     end
   end
   cur = cur + add
-  redis.call('HSET', K.hot, h, fmt(w0) .. ' ' .. cur .. ' ' .. prev)
-  return prev * (1 - (now - w0) / window_ms) + cur
+  return prev * (1 - (now - w0) / window_ms) + cur, fmt(w0) .. ' ' .. cur .. ' ' .. prev
+end
+
+-- unpack() is bounded by Lua's C stack: long argument lists go in slices.
+local SLICE = 2000
+
+local function call_sliced(cmd, key, args)
+  for i = 1, #args, SLICE do
+    redis.call(cmd, key, unpack(args, i, math.min(i + SLICE - 1, #args)))
+  end
+end
+
+local function hmget(key, fields)
+  local values = {}
+  for i = 1, #fields, SLICE do
+    local part = redis.call('HMGET', key, unpack(fields, i, math.min(i + SLICE - 1, #fields)))
+    for j = 1, #part do
+      values[i + j - 1] = part[j]
+    end
+  end
+  return values
 end
 
 local function pin_budget()

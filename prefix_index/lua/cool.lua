@@ -10,9 +10,13 @@ local cooled = 0
 local pins = redis.call('HGETALL', K.pin)
 for i = 1, #pins, 2 do
   local h = pins[i]
-  if pins[i + 1] == 'a' and hot_estimate(h, now, window_ms, 0) < floor then
-    unpin(h)
-    cooled = cooled + 1
+  if pins[i + 1] == 'a' then
+    local estimate, packed = hot_update(redis.call('HGET', K.hot, h), now, window_ms, 0)
+    if packed then redis.call('HSET', K.hot, h, packed) end
+    if estimate < floor then
+      unpin(h)
+      cooled = cooled + 1
+    end
   end
 end
 local ttl = redis.call('PTTL', K.meta)

@@ -271,3 +271,23 @@ def test_scripts_reload_after_noscript(redis_server, index_server, engine_id):
             assert acq.block_ids == [0, 1]
             assert await c.heartbeat() == pytest.approx(30.0)
     run(body())
+
+
+def test_long_chains_past_the_script_slice_size(index_server, engine_id):
+    """Chains longer than the scripts' argument slices (2000) behave like short ones."""
+    async def body():
+        async with await _registered(index_server.target, engine_id, num_blocks=5000) as c:
+            chain = make_chain("long", 4500)
+            commits = commit_ops(chain, 0)              # at most 4096 ops per Apply
+            results = await c.apply(commits[:3000]) + await c.apply(commits[3000:])
+            assert all(r.ok for r in results)
+            [acq] = await c.apply([Acquire(chain + make_chain("tail", 3))])
+            assert acq.block_ids == list(range(4500))
+            [rel] = await c.apply([Release(chain[::-1])])
+            [rel2] = await c.apply([Release(chain[::-1])])
+            assert (rel.count, rel2.count) == (4500, 4500)
+            [ev] = await c.apply([Evict(2500)])
+            assert [e.block_id for e in ev.evicted] == list(range(4499, 1999, -1))
+            s = (await c.stats())[0]
+            assert (s.blocks, s.evictable, s.queries, s.hits) == (2000, 2000, 4503, 4500)
+    run(body())

@@ -31,6 +31,8 @@ def test_bad_ops_are_refused_with_the_field_named(index_server, engine_id):
             bad = grpc.StatusCode.INVALID_ARGUMENT
             await _expect(c.apply([Acquire([GOOD, b"short"])]), bad,
                           "ops[0].acquire.chain[1]", "5 bytes", "16-byte")
+            await _expect(c.apply([Acquire(make_chain("dup", 3) + [GOOD, GOOD])]), bad,
+                          "ops[0].acquire.chain[4]", "repeats ops[0].acquire.chain[3]")
             await _expect(c.apply([Release([GOOD]), Commit(b"x" * 17, b"", 0)]), bad,
                           "ops[1].commit.hash", "17 bytes")
             await _expect(c.apply([Commit(GOOD, b"p", 0)]), bad, "ops[0].commit.parent")
