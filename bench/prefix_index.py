@@ -149,6 +149,12 @@ async def run(redis_url: str, target: str, samples: int, duration_s: float) -> d
     return result
 
 
+def _has_hiredis() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("hiredis") is not None
+
+
 def print_table(result: dict) -> None:
     raw = result["raw_redis"]
     print(f"\nraw Redis PING round trip: p50 {raw['ping']['p50_us']:.0f} us, "
@@ -178,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--redis-url", default="", help="use this Redis (default: start one)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    load_before = os.getloadavg()
     with ExitStack() as stack:
         redis_url = args.redis_url or stack.enter_context(RedisProcess()).url
         index = stack.enter_context(IndexProcess(redis_url, ["--log-level", "WARNING"]))
@@ -189,11 +196,18 @@ def main(argv: list[str] | None = None) -> None:
         "machine": platform.machine(), "samples": args.samples,
         "duration_s": args.duration_s, "pool_blocks": NUM_BLOCKS,
         "unix_time": time.time(),
+        # The machine may be shared: the load average says how noisy these figures are.
+        "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
+        "hiredis": _has_hiredis(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)
-    print(f"\nwrote {args.out}")
+    setup = result["setup"]
+    print(f"\nload average (1 min) before/after: {setup['loadavg_1m_before_after'][0]:.1f} / "
+          f"{setup['loadavg_1m_before_after'][1]:.1f} on {setup['cpus']} CPUs; "
+          f"hiredis: {setup['hiredis']}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
