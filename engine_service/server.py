@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import logging
+import os
 import re
 import signal
 import socket
@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine_service.async_engine import AsyncEngine
 from engine_service.config import BLOCK_SIZES, DEVICES, PREEMPTION_MODES, EngineConfig
+from engine_service.index_link import connect_prefix_index
 from engine_service.llm_engine import LLMEngine
 from engine_service.metrics import EngineMetrics
 from engine_service.request_validation import RequestValidator
@@ -172,7 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-index", default="none",
                    help="HOST:PORT of the prefix index, or 'none' for a local LRU only")
     p.add_argument("--engine-id", default=None,
-                   help="this engine's id at the prefix index (default: HOSTNAME-PORT)")
+                   help="this engine's id at the prefix index (default: HOSTNAME-PORT, or -PID "
+                        "with --port 0)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--grace-s", type=float, default=30.0,
@@ -208,11 +210,6 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
     )
 
 
-async def _maybe_await(value: object) -> None:
-    if inspect.isawaitable(value):
-        await value
-
-
 async def serve(args: argparse.Namespace) -> None:
     model = args.model
     if model is None:
@@ -220,18 +217,16 @@ async def serve(args: argparse.Namespace) -> None:
 
         model = str(ensure_default_model())
     config = engine_config_from_args(args, model)
-    engine_id = args.engine_id or f"{socket.gethostname()}-{args.port}"
+    engine_id = args.engine_id or f"{socket.gethostname()}-{args.port or os.getpid()}"
     metrics = EngineMetrics()
-    policy, link = None, None
-    if args.prefix_index != "none":
-        # The index link (engine_service/index_policy.py) builds the policy the engine's pool
-        # consults, and reports `degraded` / `health_details()` for stats, health and metrics.
-        from engine_service.index_policy import make_prefix_policy
-
-        policy, link = make_prefix_policy(args.prefix_index, engine_id, metrics=metrics)
-    engine = LLMEngine(config, policy)
-    if link is not None and hasattr(link, "start"):
-        await _maybe_await(link.start(engine))
+    engine = LLMEngine(config)
+    # The prefix index link (engine_service/index_link.py) installs its policy in the engine's
+    # pool and reports `degraded` / `health_details()` for stats, health and metrics; None for
+    # --prefix-index none (the local LRU alone).
+    link = connect_prefix_index(
+        engine, args.prefix_index, engine_id,
+        on_rpc=lambda method, seconds: metrics.index_rpc_seconds.labels(method).observe(seconds),
+    )
     options = ServerOptions(args.host, args.port, args.metrics_port, args.metrics_host,
                             args.max_live_requests, engine_id)
     server = EngineServer(engine, options, link, metrics)
@@ -246,8 +241,8 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("draining (grace %.1fs, %d live requests)", args.grace_s,
              server.async_engine.num_live)
     await server.stop(args.grace_s)
-    if link is not None and hasattr(link, "close"):
-        await _maybe_await(link.close())
+    if link is not None:
+        await asyncio.to_thread(link.close)
     log.info("stopped")
 
 

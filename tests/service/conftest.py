@@ -1,0 +1,93 @@
+"""One engine server (a subprocess on the tiny Llama, loopback gRPC) shared by the service tests.
+
+When the prefix index link exists (engine_service/index_policy.py) the engine runs against a
+real redis-server and prefix index, as in production; otherwise with `--prefix-index none`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine_service.launch import EngineProcess
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+from prefix_index.launch import IndexProcess
+from prefix_index.redis_process import RedisProcess, free_port
+
+# 240 blocks of 16 tokens: room for 64 short concurrent requests, while a request that may
+# grow to the whole 4096-token context (256 blocks) can never fit (RESOURCE_EXHAUSTED).
+NUM_BLOCKS = 240
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 4096
+MAX_LIVE_REQUESTS = 200
+SERVICE = "pagedgen.generation.v1.Generation"
+
+
+def has_index_link() -> bool:
+    return importlib.util.find_spec("engine_service.index_link") is not None
+
+
+class EngineUnderTest:
+    def __init__(self, process: EngineProcess, metrics_port: int, log_path: Path) -> None:
+        self.process = process
+        self.metrics_port = metrics_port
+        self.log_path = log_path
+
+    @property
+    def target(self) -> str:
+        return self.process.target
+
+    def metrics_text(self) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return urllib.request.urlopen(url, timeout=5).read().decode()
+
+
+def engine_args(metrics_port: int, index_target: str | None) -> list[str]:
+    return [
+        "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-live-requests", str(MAX_LIVE_REQUESTS),
+        "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1",
+        "--prefix-index", index_target or "none", "--grace-s", "5", "--log-level", "WARNING",
+    ]
+
+
+@pytest.fixture(scope="session")
+def engine_server(tiny_llama_dir, tmp_path_factory) -> Iterator[EngineUnderTest]:
+    log_path = tmp_path_factory.mktemp("engine") / "engine.log"
+    metrics_port = free_port()
+    with ExitStack() as stack:
+        index_target = None
+        if has_index_link():
+            redis = stack.enter_context(RedisProcess())
+            index = stack.enter_context(IndexProcess(redis.url, ["--log-level", "WARNING"]))
+            index_target = index.target
+        process = EngineProcess(tiny_llama_dir, engine_args(metrics_port, index_target),
+                                log_path=log_path)
+        stack.enter_context(process)
+        yield EngineUnderTest(process, metrics_port, log_path)
+
+
+@pytest.fixture(scope="session")
+def channel(engine_server) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(engine_server.target) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="session")
+def stub(channel) -> pb_grpc.GenerationStub:
+    return pb_grpc.GenerationStub(channel)
+
+
+@pytest.fixture(scope="session")
+def offline_llm(tiny_llama_dir):
+    """The offline API on the same model and pool shape: the reference for server outputs."""
+    from engine_service import LLM
+
+    return LLM(model=str(tiny_llama_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+               max_model_len=MAX_MODEL_LEN)

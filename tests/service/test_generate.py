@@ -1,0 +1,135 @@
+"""Generation over real gRPC: the stream and the unary call agree, n>1 carries indices, and 64
+concurrent streams give the offline API's outputs token for token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from engine_service import SamplingParams
+from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+from tests.service.streams import assemble, from_unary
+
+REQUESTS = {
+    "greedy_text": pb.GenerateRequest(
+        text="The quick brown fox", sampling=pb.SamplingParams(temperature=0, max_tokens=10)),
+    "seeded_n3_logprobs": pb.GenerateRequest(
+        text="Once upon a time",
+        sampling=pb.SamplingParams(n=3, temperature=0.8, top_p=0.9, seed=7, max_tokens=8,
+                                   logprobs=2)),
+    "chat": pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[
+            pb.ChatMessage(role="system", content="You are terse."),
+            pb.ChatMessage(role="user", content="Name a colour."),
+        ]),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=6)),
+    "token_ids_stop_token": pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[1, 504, 3458, 2040, 30, 260]),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REQUESTS))
+def test_stream_and_unary_give_the_same_result(stub, name):
+    request = REQUESTS[name]
+    streamed = assemble(stub.GenerateStream(request, timeout=60))
+    unary = stub.Generate(request, timeout=60)
+    n = request.sampling.n if request.sampling.HasField("n") else 1
+    assert sorted(streamed.completions) == list(range(n))
+    assert streamed.completions == from_unary(unary)
+    assert streamed.num_finished_messages == 1
+    for c in streamed.completions.values():
+        assert c.num_finish_messages == 1  # a finish reason is sent once per completion
+        assert c.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+        assert 1 <= len(c.token_ids) <= request.sampling.max_tokens
+        if request.sampling.HasField("logprobs"):
+            assert len(c.logprobs) == len(c.token_ids)
+            for lp, token in zip(c.logprobs, c.token_ids, strict=True):
+                assert lp.token_id == token and lp.logprob <= 0 and lp.rank >= 1
+                assert len(lp.top) >= request.sampling.logprobs
+    usage = unary.usage
+    assert usage.prompt_tokens == streamed.usage.prompt_tokens > 0
+    assert usage.completion_tokens == streamed.usage.completion_tokens == sum(
+        len(c.token_ids) for c in streamed.completions.values())
+    # The second run finds the first one's full prompt blocks in the prefix cache.
+    assert usage.cached_tokens == usage.prompt_tokens // 16 * 16 - (
+        16 if usage.prompt_tokens % 16 == 0 else 0)
+
+
+def test_request_id_is_echoed_or_generated(stub):
+    params = pb.SamplingParams(temperature=0, max_tokens=2)
+    named = stub.Generate(pb.GenerateRequest(request_id="my-req.1", text="hi", sampling=params))
+    assert named.request_id == "my-req.1"
+    first = stub.Generate(pb.GenerateRequest(text="hi", sampling=params))
+    second = stub.Generate(pb.GenerateRequest(text="hi", sampling=params))
+    assert len(first.request_id) == 32 and first.request_id != second.request_id
+
+
+def test_stop_string_is_reported_and_not_in_text(stub, offline_llm):
+    probe = offline_llm.generate("Alpha beta gamma", SamplingParams(temperature=0, max_tokens=8))
+    text = probe[0].outputs[0].text
+    stop = text[len(text) // 2 :][:3]
+    assert stop.strip(), f"need a visible stop string in {text!r}"
+    reply = stub.Generate(pb.GenerateRequest(
+        text="Alpha beta gamma",
+        sampling=pb.SamplingParams(temperature=0, max_tokens=8, stop=[stop])))
+    [c] = reply.completions
+    assert c.finish_reason == pb.FINISH_REASON_STOP and c.stop_string == stop
+    assert c.text == text[: text.index(stop)]
+
+
+def test_tokenize_detokenize_and_model_info(stub, offline_llm):
+    tokenizer = offline_llm.get_tokenizer()
+    tokens = stub.Tokenize(pb.TokenizeRequest(text="Hello world"))
+    assert list(tokens.token_ids) == tokenizer.encode("Hello world")
+    chat = stub.Tokenize(pb.TokenizeRequest(chat=pb.ChatMessages(
+        messages=[pb.ChatMessage(role="user", content="Hi")])))
+    assert chat.prompt.endswith("<|im_start|>assistant\n")
+    assert list(chat.token_ids) == tokenizer.encode(chat.prompt, add_special_tokens=False)
+    text = stub.Detokenize(pb.DetokenizeRequest(token_ids=tokens.token_ids)).text
+    assert text == "Hello world"
+    info = stub.ModelInfo(pb.ModelInfoRequest())
+    assert (info.vocab_size, info.max_model_len, info.block_size, info.num_blocks) == (
+        49152, 4096, 16, 240)
+    assert info.architecture == "LlamaForCausalLM" and 2 in info.eos_token_ids
+
+
+PROMPT_TOPICS = ["rivers", "mountains", "the moon", "bread", "trains", "music", "chess", "rain"]
+
+
+def concurrent_prompts() -> list[tuple[str, int]]:
+    """64 distinct prompts, max_tokens varied so requests finish at different steps."""
+    return [
+        (f"Request {i}: write about {PROMPT_TOPICS[i % 8]} and number {i * 7}", 4 + i % 13)
+        for i in range(64)
+    ]
+
+
+async def _stream_all(target: str, prompts: list[tuple[str, int]]):
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+
+        async def one(text: str, max_tokens: int):
+            call = stub.GenerateStream(pb.GenerateRequest(
+                text=text, sampling=pb.SamplingParams(temperature=0, max_tokens=max_tokens)),
+                timeout=120)
+            return assemble([message async for message in call])
+
+        return await asyncio.gather(*(one(t, m) for t, m in prompts))
+
+
+def test_64_concurrent_streams_match_the_offline_api(engine_server, offline_llm):
+    prompts = concurrent_prompts()
+    streamed = asyncio.run(_stream_all(engine_server.target, prompts))
+    expected = offline_llm.generate(
+        [t for t, _ in prompts], [SamplingParams(temperature=0, max_tokens=m) for _, m in prompts])
+    assert len(streamed) == 64
+    for (text, _), got, want in zip(prompts, streamed, expected, strict=True):
+        [completion] = got.completions.values()
+        assert got.num_finished_messages == 1, text
+        assert completion.token_ids == want.outputs[0].token_ids, text
+        assert completion.text == want.outputs[0].text, text
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
