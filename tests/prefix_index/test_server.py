@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -51,11 +53,17 @@ def test_health_reflection_metrics_and_sigterm(redis_server, engine_id):
         assert "pagedgen_prefix_index_hit_blocks_total 2.0" in text
         assert 'pagedgen_prefix_index_rpcs_total{code="OK",method="Apply"} 1.0' in text
 
+        check = [sys.executable, "-m", "prefix_index.healthcheck", index.target,
+                 "--service", SERVICE]
+        assert subprocess.run(check, timeout=30).returncode == 0
+
         started = time.monotonic()
         assert index.terminate() == 0                # drains and exits cleanly on SIGTERM
         assert time.monotonic() - started < 5
     finally:
         index.kill()
+    gone = subprocess.run(check[:4] + ["--timeout-s", "0.3"], capture_output=True, timeout=30)
+    assert gone.returncode == 1 and b"not SERVING" in gone.stderr
 
 
 def test_in_process_server(redis_server, engine_id):
