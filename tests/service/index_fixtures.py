@@ -1,0 +1,107 @@
+"""Helpers for the engine <-> prefix index tests: real processes, an engine driven step by step.
+
+Not a conftest (tests/service/conftest.py belongs to the gRPC server tests): the test module
+imports what it needs from here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine_service import SamplingParams
+from engine_service.config import EngineConfig
+from engine_service.llm_engine import LLMEngine
+from engine_service.outputs import RequestOutput
+from prefix_index.client import PrefixIndexClient
+from prefix_index.ops import EngineStats
+
+BLOCK_SIZE = 8
+NUM_BLOCKS = 256  # large enough that nothing is evicted: runs with and without an index match
+# No automatic pins (stats stay exact); a short Redis timeout so an outage is seen fast.
+INDEX_ARGS = ["--hot-threshold", "0", "--log-level", "WARNING", "--grace-s", "0.5",
+              "--redis-timeout-s", "0.5", "--probe-interval-s", "0.2"]
+
+
+def engine_config(model_dir: object) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                        max_num_batched_tokens=256)
+
+
+def make_engine(model_dir: object) -> LLMEngine:
+    return LLMEngine(engine_config(model_dir))
+
+
+def prompt_ids(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 5000) for _ in range(length)]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@dataclass
+class Driver:
+    """Adds requests and steps the engine, keeping every output (no request may fail)."""
+
+    engine: LLMEngine
+    finished: dict[str, RequestOutput] = field(default_factory=dict)
+    num_steps: int = 0
+
+    def add(self, requests: dict[str, list[int]], params: SamplingParams = GREEDY) -> None:
+        for request_id, ids in requests.items():
+            self.engine.add_request(request_id, ids, params)
+
+    def step(self, times: int = 1) -> None:
+        for _ in range(times):
+            for output in self.engine.step():
+                if output.finished:
+                    self.finished[output.request_id] = output
+            self.num_steps += 1
+
+    def run_to_completion(self, max_steps: int = 2000) -> None:
+        while self.engine.has_unfinished_requests():
+            if self.num_steps >= max_steps:
+                raise AssertionError(f"requests still running after {max_steps} steps")
+            self.step()
+
+    def tokens(self) -> dict[str, list[int]]:
+        return {rid: out.outputs[0].token_ids for rid, out in sorted(self.finished.items())}
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Polls predicate; the seconds it took. Raises naming `what` on timeout."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"{what}: not within {timeout_s}s")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def index_stats(target: str, engine_id: str) -> EngineStats | None:
+    """The index's view of one engine (None when it holds nothing for it or is unreachable)."""
+
+    async def fetch() -> list[EngineStats]:
+        async with PrefixIndexClient(target, timeout_s=2.0) as client:
+            return await client.stats(engine_id)
+
+    try:
+        found = asyncio.run(fetch())
+    except Exception:  # noqa: BLE001 - unreachable reads as "no view"
+        return None
+    return found[0] if found else None
+
+
+def local_view(engine: LLMEngine) -> tuple[int, int]:
+    """(cached blocks, cached blocks with refcount 0) in the engine's own pool."""
+    cached = [b for b in engine.pool.blocks if b.block_hash is not None]
+    return len(cached), sum(1 for b in cached if b.ref_count == 0)
+
+
+def index_matches_pool(target: str, engine_id: str, engine: LLMEngine) -> bool:
+    stats = index_stats(target, engine_id)
+    return stats is not None and (stats.blocks, stats.evictable) == local_view(engine)

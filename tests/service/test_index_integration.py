@@ -1,0 +1,205 @@
+"""The engine's prefix cache steered by the prefix index: real redis-server, the real index server
+as a subprocess, the real engine on a tiny model, all over loopback. Nothing is mocked: outages
+are real SIGKILLs and restarts on the same port."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from engine_service.index_link import IndexLinkOptions, PrefixIndexLink, connect_prefix_index
+from prefix_index.client import PrefixIndexClient, PrefixIndexClientError
+from prefix_index.launch import IndexProcess
+from prefix_index.ops import Evict
+from prefix_index.redis_process import RedisProcess
+from tests.service.index_fixtures import (
+    BLOCK_SIZE,
+    INDEX_ARGS,
+    Driver,
+    index_matches_pool,
+    index_stats,
+    local_view,
+    make_engine,
+    prompt_ids,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+# Short lease: an idle link heartbeats every lease/3, so an outage is noticed within a second.
+OPTIONS = IndexLinkOptions(lease_s=2.0, rpc_timeout_s=1.0, retry_interval_s=0.2)
+SHARED = prompt_ids(seed=1, length=4 * BLOCK_SIZE)  # 4 full blocks every request starts with
+
+
+def wave(name: str, count: int, seed: int) -> dict[str, list[int]]:
+    """Requests sharing SHARED, each with its own tail (not block aligned)."""
+    return {f"{name}{i}": SHARED + prompt_ids(seed * 100 + i, 5 + i) for i in range(count)}
+
+
+@pytest.fixture
+def redis():
+    with RedisProcess() as server:
+        yield server
+
+
+@pytest.fixture
+def index(redis):
+    process = IndexProcess(redis.url, INDEX_ARGS).start()
+    yield process
+    process.kill()
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_llama_dir) -> dict[str, list[int]]:
+    """The outage script's outputs from an engine with no index (the local LRU only)."""
+    driver = Driver(make_engine(tiny_llama_dir))
+    driver.add(wave("a", 6, seed=2))
+    driver.step(4)
+    driver.add(wave("b", 4, seed=3))
+    driver.run_to_completion()
+    return driver.tokens()
+
+
+def connect(engine, index: IndexProcess, engine_id: str) -> PrefixIndexLink:
+    link = connect_prefix_index(engine, index.target, engine_id, OPTIONS)
+    assert link is not None
+    wait_until(lambda: not link.degraded, 10, "first registration")
+    return link
+
+
+def test_none_keeps_the_local_policy(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    policy = engine.pool.policy
+    assert connect_prefix_index(engine, "none", "engine-x") is None
+    assert engine.pool.policy is policy
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        connect_prefix_index(engine, "no-port", "engine-x")
+    with pytest.raises(ValueError, match="engine_id"):
+        connect_prefix_index(engine, "127.0.0.1:1", "bad id")
+
+
+def test_shared_prefix_is_served_through_the_index(tiny_llama_dir, index):
+    engine = make_engine(tiny_llama_dir)
+    link = connect(engine, index, "engine-hit")
+    try:
+        driver = Driver(engine)
+        first = SHARED + prompt_ids(10, 5)
+        second = SHARED + prompt_ids(11, 5)
+        driver.add({"first": first})
+        driver.run_to_completion()
+        wait_until(lambda: index_matches_pool(index.target, "engine-hit", engine), 5,
+                   "index holds the first request's blocks")
+        held_after_first = index_stats(index.target, "engine-hit")
+        assert held_after_first.blocks >= 4 and held_after_first.hits == 0
+
+        driver.add({"second": second})
+        driver.step()  # admission: the shared blocks are acquired (refcount 1 in the index)
+        wait_until(lambda: index_matches_pool(index.target, "engine-hit", engine), 5,
+                   "index mirrors the second request's acquire")
+        running = index_stats(index.target, "engine-hit")
+        assert running.evictable == local_view(engine)[1] < local_view(engine)[0]
+        driver.run_to_completion()
+
+        assert driver.finished["second"].num_cached_tokens == 4 * BLOCK_SIZE
+        assert driver.finished["first"].num_cached_tokens == 0
+        wait_until(lambda: index_matches_pool(index.target, "engine-hit", engine), 5,
+                   "index holds both requests' blocks, all idle")
+        stats = index_stats(index.target, "engine-hit")
+        # Each admission asks for the prompt's 4 cacheable blocks; the second finds all 4.
+        assert (stats.queries, stats.hits) == (8, 4)
+        assert link.stats().registrations == 1 and not link.degraded
+        assert link.policy.counters.mismatches == 0
+        assert link.stats().rpc_calls["Apply"] >= 2
+    finally:
+        link.close()
+    assert engine.check_block_invariants() == []
+
+
+@pytest.mark.parametrize("outage", ["redis", "index"])
+def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, reference_tokens,
+                                             outage):
+    engine = make_engine(tiny_llama_dir)
+    engine_id = f"engine-{outage}-outage"
+    link = connect(engine, index, engine_id)
+    replacement: IndexProcess | None = None
+    try:
+        first_epoch = link.epoch
+        driver = Driver(engine)
+        driver.add(wave("a", 6, seed=2))
+        driver.step(3)
+        assert engine.has_unfinished_requests()
+        if outage == "redis":
+            redis.kill()
+        else:
+            index.kill()
+        driver.step()
+        # The step never waits on the index: the link notices on its own thread.
+        wait_until(lambda: link.degraded, 10, f"degraded after the {outage} was killed")
+        assert link.health_details()["state"] == "degraded"
+        assert engine.has_unfinished_requests()
+
+        # New admissions while degraded still share the prefix through the local mirror.
+        driver.add(wave("b", 4, seed=3))
+        driver.run_to_completion()
+        assert link.degraded
+        assert driver.tokens() == reference_tokens
+        assert all(driver.finished[f"b{i}"].num_cached_tokens == 4 * BLOCK_SIZE
+                   for i in range(4))
+
+        if outage == "redis":
+            redis.start()
+        else:
+            replacement = IndexProcess(redis.url, INDEX_ARGS, port=index.port).start()
+        took = wait_until(lambda: not link.degraded, 15, f"recovery after the {outage} restart")
+        assert link.epoch > first_epoch
+        assert link.stats().registrations >= 2
+        # The re-sync gave the index every block the engine still caches, all idle.
+        wait_until(lambda: index_matches_pool(index.target, engine_id, engine), 5,
+                   "index re-synced with the pool")
+        assert local_view(engine)[0] > 0
+        assert took < 10
+    finally:
+        link.close()
+        if replacement is not None:
+            replacement.kill()
+    assert engine.check_block_invariants() == []
+
+
+def test_engine_restart_fences_the_old_epoch(tiny_llama_dir, index):
+    first_engine = make_engine(tiny_llama_dir)
+    first = connect(first_engine, index, "engine-restarted")
+    driver = Driver(first_engine)
+    driver.add({"before": SHARED + prompt_ids(20, 3)})
+    driver.run_to_completion()
+    wait_until(lambda: index_matches_pool(index.target, "engine-restarted", first_engine), 5,
+               "the first instance's blocks reach the index")
+    old_epoch = first.epoch
+    first.close()  # the process "dies"; a new instance comes up under the same id
+
+    second_engine = make_engine(tiny_llama_dir)
+    second = connect(second_engine, index, "engine-restarted")
+    try:
+        assert second.epoch > old_epoch
+        stats = index_stats(index.target, "engine-restarted")
+        assert stats.epoch == second.epoch
+        assert stats.blocks == 0  # never told it holds the blocks the old instance had
+
+        async def apply_with_old_epoch() -> None:
+            async with PrefixIndexClient(index.target, timeout_s=2.0) as client:
+                client.attach("engine-restarted", old_epoch)
+                await client.apply([Evict(0)])
+
+        with pytest.raises(PrefixIndexClientError) as refused:
+            asyncio.run(apply_with_old_epoch())
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+        driver = Driver(second_engine)
+        driver.add({"after": SHARED + prompt_ids(21, 3)})
+        driver.run_to_completion()
+        assert driver.finished["after"].num_cached_tokens == 0  # a fresh pool: nothing shared
+        wait_until(lambda: index_matches_pool(index.target, "engine-restarted", second_engine),
+                   5, "the second instance's blocks reach the index")
+    finally:
+        second.close()
