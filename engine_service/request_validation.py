@@ -132,7 +132,14 @@ class RequestValidator:
         try:
             self.engine.validate_request(token_ids, params)
         except RequestTooLargeError as error:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
+            pool = self.engine.pool.num_blocks
+            block_size = self.engine.config.block_size
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"prompt + sampling.max_tokens must fit in this engine's KV pool ({pool} blocks "
+                f"of {block_size} tokens), got {num_prompt} + {params.max_tokens} tokens: "
+                f"{error}",
+            ) from None
         except ValueError as error:
             raise _invalid(str(error)) from None
 
