@@ -74,6 +74,8 @@ class BlockPool:
         if block.ref_count <= 0:
             raise RuntimeError(f"fork of block {block_id} with refcount {block.ref_count}")
         block.ref_count += 1
+        if block.block_hash is not None:
+            self.policy.on_acquire(block.block_hash, False)
 
     def commit(self, block_id: int, block_hash: bytes, parent: bytes | None, tokens: tuple) -> bool:
         """Register a full block in the prefix cache. False when the hash is already cached
@@ -99,6 +101,19 @@ class BlockPool:
                 self.policy.on_release(block.block_hash, block.ref_count == 0)
             elif block.ref_count == 0:
                 self._free_ids.append(block_id)
+
+    def uncache(self, block_hash: bytes) -> bool:
+        """Forget a cached block (the policy already dropped it, e.g. the prefix index evicted
+        it): an idle block returns to the free list; one in use stays with its users as a
+        private block. False when the hash is not cached."""
+        block = self._cached.pop(block_hash, None)
+        if block is None:
+            return False
+        block.block_hash = None
+        block.token_ids = None
+        if block.ref_count == 0:
+            self._free_ids.append(block.block_id)
+        return True
 
     def reset_prefix_cache(self) -> None:
         """Forget every evictable cached block (e.g. after the index fenced our epoch)."""

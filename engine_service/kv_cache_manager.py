@@ -107,6 +107,11 @@ class KVCacheManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[Block]) -> None:
         """Give seq the blocks for num_new_tokens more tokens (check blocks_needed first)."""
+        if self.enable_prefix_caching and not seq.block_table and seq.num_computed_tokens == 0:
+            # An admission: the policy sees the whole query (the prefix index counts it and
+            # acquires the held prefix in one batched op) before the hits are acquired.
+            max_blocks = (seq.num_tokens - 1) // self.block_size
+            self.pool.policy.on_prefix_query(seq.block_hashes[:max_blocks], len(cached))
         if cached and not seq.block_table:
             for block in cached:
                 self.pool.acquire(block)

@@ -215,6 +215,16 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        # The policy hooks bracket every step: a prefix-index policy applies the victims the
+        # index chose before scheduling and sends the step's batched ops after it.
+        policy = self.pool.policy
+        policy.begin_step()
+        try:
+            return self._step()
+        finally:
+            policy.end_step()
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         # Moves first, even in a step that runs no forward: a swap-out recorded by a
         # preemption must reach the CPU pool before those device blocks are reused.

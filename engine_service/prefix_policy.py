@@ -25,6 +25,16 @@ class PrefixPolicy(Protocol):
     def pick_victims(self, num_blocks: int) -> list[bytes]:
         """Up to num_blocks evictable hashes to reclaim, removed from the policy."""
 
+    def on_prefix_query(self, chain: list[bytes], num_hit_blocks: int) -> None:
+        """An admission looked up `chain` (the prompt's cacheable full blocks) and is about to
+        acquire its first num_hit_blocks (the on_acquire calls that follow)."""
+
+    def begin_step(self) -> None:
+        """Called by the engine thread before scheduling a step."""
+
+    def end_step(self) -> None:
+        """Called by the engine thread after a step (also one that ran no forward)."""
+
 
 class LocalLRUPolicy:
     """Least recently released first. The pool releases a sequence's blocks tail first, so
@@ -53,3 +63,12 @@ class LocalLRUPolicy:
         while self._evictable and len(victims) < num_blocks:
             victims.append(self._evictable.popitem(last=False)[0])
         return victims
+
+    def on_prefix_query(self, chain: list[bytes], num_hit_blocks: int) -> None:
+        pass
+
+    def begin_step(self) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
