@@ -18,7 +18,7 @@ def test_smollm2_batch_matches_hf_generate(smollm2_llm, smollm2_dir):
         assert out.outputs[0].token_ids == ref, f"prompt of {len(prompt)} tokens diverged"
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_tiny_models_match_hf_at_block_sizes(kind, block_size, make_llm, request):
     model_dir = request.getfixturevalue(f"tiny_{kind}_dir")

@@ -40,9 +40,19 @@ def test_request_larger_than_pool_is_refused(tiny_llama_dir, make_llm):
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
-        ("n", 0), ("max_tokens", 0), ("min_tokens", -1), ("presence_penalty", 3.0),
-        ("repetition_penalty", 0.0), ("logprobs", 100), ("stop", [""]), ("seed", "x"),
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("n", 0),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("presence_penalty", 3.0),
+        ("repetition_penalty", 0.0),
+        ("logprobs", 100),
+        ("stop", [""]),
+        ("seed", "x"),
     ],
 )
 def test_bad_sampling_value_names_field_and_value(field, value):
@@ -58,9 +68,13 @@ def test_mismatched_params_list(llm):
 
 
 def test_bad_engine_args_name_the_field(tiny_llama_dir):
-    for args, field in [({"block_size": 12}, "block_size"), ({"device": "tpu"}, "device"),
-                        ({"preemption_mode": "drop"}, "preemption_mode"),
-                        ({"num_blocks": 1}, "num_blocks"), ({"kernel_backend": "x"}, "kernel")]:
+    for args, field in [
+        ({"block_size": 12}, "block_size"),
+        ({"device": "tpu"}, "device"),
+        ({"preemption_mode": "drop"}, "preemption_mode"),
+        ({"num_blocks": 1}, "num_blocks"),
+        ({"kernel_backend": "x"}, "kernel"),
+    ]:
         with pytest.raises(ValueError, match=field):
             LLM(model=str(tiny_llama_dir), **args)
     with pytest.raises(ValueError, match="does not exist"):

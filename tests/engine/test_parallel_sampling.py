@@ -33,8 +33,11 @@ def test_seeded_request_is_independent_of_batch(make_llm, tiny_llama_dir):
     alone = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, seeded)[0].outputs[0].token_ids
     others = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
     batch = llm.generate(
-        [{"prompt_token_ids": [9, 10, 11]}, {"prompt_token_ids": [5, 6, 7, 8]},
-         {"prompt_token_ids": list(range(50, 90))}],
+        [
+            {"prompt_token_ids": [9, 10, 11]},
+            {"prompt_token_ids": [5, 6, 7, 8]},
+            {"prompt_token_ids": list(range(50, 90))},
+        ],
         [others, seeded, others],
     )
     assert batch[1].outputs[0].token_ids == alone
