@@ -45,7 +45,7 @@ class IndexLinkOptions:
     retry_interval_s: float = 0.5  # between re-registration attempts while degraded
     max_ops_per_apply: int = 1024  # the index allows 4096
     max_hashes_per_apply: int = 16384  # the index allows 65536
-    low_water: LowWaterMark | None = None  # default: LowWaterMark.for_pool(num_blocks)
+    low_water: LowWaterMark | None = None  # default: LowWaterMark.for_pool (one step's blocks)
 
 
 @dataclass(slots=True)
@@ -89,7 +89,11 @@ def connect_prefix_index(
             f"{pool.num_cached_blocks} blocks"
         )
     options = options or IndexLinkOptions()
-    policy = IndexPolicy(pool, options.low_water)
+    config = engine.config
+    low_water = options.low_water or LowWaterMark.for_pool(
+        pool.num_blocks, config.max_num_batched_tokens // config.block_size
+    )
+    policy = IndexPolicy(pool, low_water)
     pool.policy = policy
     identity = f"{engine.model_config.identity}:{engine.config.dtype}"  # as the seed hash
     link = PrefixIndexLink(

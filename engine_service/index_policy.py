@@ -71,17 +71,20 @@ class LowWaterMark:
     high: int
 
     @classmethod
-    def for_pool(cls, num_blocks: int, fraction: float = 0.05, minimum: int = 4) -> LowWaterMark:
-        low = min(num_blocks // 2, max(minimum, int(num_blocks * fraction)))
-        return cls(low=low, high=min(num_blocks, 2 * low))
+    def for_pool(cls, num_blocks: int, blocks_per_step: int) -> LowWaterMark:
+        """Victims arrive a step after they are asked for, so keep about one step's worth of
+        new blocks (token budget / block size) free, but never more than a quarter of the pool:
+        the rest stays prefix cache."""
+        low = max(1, min(num_blocks // 4, max(4, blocks_per_step)))
+        return cls(low=low, high=min(num_blocks // 2, 2 * low))
 
 
 class IndexPolicy:
     """PrefixPolicy for one engine whose prefix cache the prefix index steers."""
 
-    def __init__(self, pool: BlockPool, low_water: LowWaterMark | None = None) -> None:
+    def __init__(self, pool: BlockPool, low_water: LowWaterMark) -> None:
         self.pool = pool
-        self.low_water = low_water or LowWaterMark.for_pool(pool.num_blocks)
+        self.low_water = low_water
         # One lock for everything below: the engine thread's hooks and the link thread's
         # take/resync/results calls all hold it briefly, never across an RPC.
         self._lock = threading.Lock()

@@ -26,13 +26,9 @@ INDEX_ARGS = ["--hot-threshold", "0", "--log-level", "WARNING", "--grace-s", "0.
               "--redis-timeout-s", "0.5", "--probe-interval-s", "0.2"]
 
 
-def engine_config(model_dir: object) -> EngineConfig:
-    return EngineConfig(model=str(model_dir), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
-                        max_num_batched_tokens=256)
-
-
-def make_engine(model_dir: object) -> LLMEngine:
-    return LLMEngine(engine_config(model_dir))
+def make_engine(model_dir: object, **overrides: object) -> LLMEngine:
+    args: dict = dict(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_batched_tokens=256)
+    return LLMEngine(EngineConfig(model=str(model_dir), **(args | overrides)))
 
 
 def prompt_ids(seed: int, length: int) -> list[int]:

@@ -9,6 +9,7 @@ import asyncio
 import grpc
 import pytest
 
+from engine_service import SamplingParams
 from engine_service.index_link import IndexLinkOptions, PrefixIndexLink, connect_prefix_index
 from prefix_index.client import PrefixIndexClient, PrefixIndexClientError
 from prefix_index.launch import IndexProcess
@@ -167,6 +168,41 @@ def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, refe
     assert engine.check_block_invariants() == []
 
 
+SMALL_POOL = dict(num_blocks=64, max_num_batched_tokens=64)  # low-water mark 8, high 16
+
+
+def eviction_script(driver: Driver) -> None:
+    """16 distinct 30-token prompts in waves of 4: ~75 blocks cached into a 64-block pool."""
+    for w in range(4):
+        driver.add({f"e{w}{i}": prompt_ids(500 + 10 * w + i, 30) for i in range(4)},
+                   SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+        driver.run_to_completion()
+
+
+def test_index_chooses_the_victims_ahead_of_need(tiny_llama_dir, index):
+    reference = Driver(make_engine(tiny_llama_dir, **SMALL_POOL))
+    eviction_script(reference)
+
+    engine = make_engine(tiny_llama_dir, **SMALL_POOL)
+    link = connect(engine, index, "engine-evict")
+    try:
+        driver = Driver(engine)
+        eviction_script(driver)
+        assert driver.tokens() == reference.tokens()
+        counters = link.policy.counters
+        assert counters.index_victims_applied > 0
+        wait_until(lambda: index_matches_pool(index.target, "engine-evict", engine), 5,
+                   "index and pool agree after the evictions")
+        stats = index_stats(index.target, "engine-evict")
+        assert stats.evictions >= counters.index_victims_applied
+        # Victims came ahead of need: the local LRU never had to pick (no re-sync needed).
+        assert counters.local_evictions == 0
+        assert link.stats().registrations == 1
+    finally:
+        link.close()
+    assert engine.check_block_invariants() == []
+
+
 def test_engine_restart_fences_the_old_epoch(tiny_llama_dir, index):
     first_engine = make_engine(tiny_llama_dir)
     first = connect(first_engine, index, "engine-restarted")
@@ -203,3 +239,39 @@ def test_engine_restart_fences_the_old_epoch(tiny_llama_dir, index):
                    5, "the second instance's blocks reach the index")
     finally:
         second.close()
+
+
+def test_grpc_server_reports_cached_tokens_through_the_index(tiny_llama_dir, index, tmp_path):
+    """End to end: pagedgen-engine --prefix-index HOST:PORT, two Generate calls sharing a
+    prefix; the second's usage counts the shared blocks and the index counts the hit."""
+    from engine_service.launch import EngineProcess
+    from pagedgen_api import generation_pb2 as gen_pb
+    from pagedgen_api import generation_pb2_grpc as gen_grpc
+
+    args = ["--num-blocks", "64", "--block-size", "16", "--max-model-len", "512",
+            "--prefix-index", index.target, "--engine-id", "engine-e2e", "--log-level",
+            "WARNING", "--grace-s", "1"]
+    shared = prompt_ids(seed=30, length=32)  # 2 full blocks of 16
+    params = gen_pb.SamplingParams(temperature=0, max_tokens=4)
+    with EngineProcess(tiny_llama_dir, args, log_path=tmp_path / "engine.log") as engine:
+        with grpc.insecure_channel(engine.target) as channel:
+            stub = gen_grpc.GenerationStub(channel)
+            replies = [
+                stub.Generate(gen_pb.GenerateRequest(
+                    token_ids=gen_pb.TokenIds(ids=shared + prompt_ids(seed, 7)),
+                    sampling=params), timeout=60)
+                for seed in (31, 32)
+            ]
+            assert [r.usage.cached_tokens for r in replies] == [0, 32]
+
+            def index_hits() -> int:
+                held = index_stats(index.target, "engine-e2e")
+                return -1 if held is None else held.hits
+
+            wait_until(lambda: index_hits() == 2, 10,
+                       "the index counts the second request's 2 shared blocks")
+            stats = stub.EngineStats(gen_pb.EngineStatsRequest(), timeout=10)
+            assert not stats.degraded
+            assert stats.index_details["state"] == "ok"
+            assert int(stats.index_details["epoch"]) == index_stats(
+                index.target, "engine-e2e").epoch
