@@ -106,3 +106,28 @@ class EngineProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.terminate()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m engine_service.launch --check HOST:PORT`: exit 0 when the gRPC server there
+    reports SERVING (container healthchecks; works for the engine and the prefix index)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m engine_service.launch")
+    p.add_argument("--check", required=True, metavar="HOST:PORT")
+    p.add_argument("--timeout-s", type=float, default=3.0)
+    args = p.parse_args(argv)
+    try:
+        with grpc.insecure_channel(args.check) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=args.timeout_s)
+    except grpc.RpcError as error:
+        print(f"{args.check}: {error.code().name}", file=sys.stderr)
+        sys.exit(1)
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.check}: {status}")
+    sys.exit(0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""compose.yaml is valid against the Compose spec and wires the stack the way DESIGN.md says."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine_service.server import parse_args as engine_args
+from prefix_index.server import parse_args as index_args
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose.yaml"
+
+
+@pytest.fixture(scope="module")
+def services() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())["services"]
+
+
+def test_compose_matches_the_compose_spec():
+    binary = shutil.which("check-jsonschema")
+    assert binary, "check-jsonschema is not installed (pip install check-jsonschema)"
+    done = subprocess.run([binary, "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_dependencies_healthchecks_and_gpu(services):
+    assert services["redis"]["healthcheck"]["test"][-1] == "ping"
+    index = services["prefix-index"]
+    assert index["depends_on"]["redis"] == {"condition": "service_healthy"}
+    assert "localhost:50061" in index["healthcheck"]["test"]
+    gpu, cpu = services["engine"], services["engine-cpu"]
+    assert gpu["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]
+    [device] = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
+    assert "--device=cuda" in gpu["command"] and "deploy" not in cpu
+    for engine in (gpu, cpu):
+        assert engine["depends_on"]["prefix-index"] == {"condition": "service_healthy"}
+        assert engine["depends_on"]["prepare-model"] == {
+            "condition": "service_completed_successfully"}
+        assert any(v.startswith("pagedgen-cache:/cache") for v in engine["volumes"])
+        assert "localhost:50051" in engine["healthcheck"]["test"]
+    for name in ("prefix-index", "prepare-model", "engine", "engine-cpu"):
+        assert services[name]["build"]["dockerfile"] == "docker/Dockerfile"
+        assert (ROOT / services[name]["build"]["dockerfile"]).exists()
+
+
+def test_commands_parse_with_the_real_console_scripts(services):
+    """The flags in compose.yaml are ones the servers accept (argparse exits on a bad one)."""
+    for name in ("engine", "engine-cpu"):
+        script, *argv = services[name]["command"]
+        assert script == "pagedgen-engine"
+        args = engine_args(argv)
+        assert args.prefix_index == "prefix-index:50061" and args.port == 50051
+    script, *argv = services["prefix-index"]["command"]
+    assert script == "pagedgen-prefix-index"
+    assert index_args(argv).redis_url == "redis://redis:6379/0"
+
+
+def test_healthcheck_probe_reports_serving(engine_server):
+    done = subprocess.run(["python", "-m", "engine_service.launch", "--check",
+                           engine_server.target], capture_output=True, text=True, timeout=30,
+                          cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip().endswith("SERVING"), done
