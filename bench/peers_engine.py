@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from bench.memory import kv_slot_usage
 from bench.metrics import RequestRecord, run_duration
 from bench.peers_hf import PeerRun
 from bench.workloads import Workload, poisson_arrivals
@@ -37,19 +38,10 @@ class EngineRun(PeerRun):
 
 
 def sample_kv(engine, t: float) -> KVSample:
-    """Slots holding real tokens vs slots allocated, counting each physical block once (shared
-    prefix blocks are held by several sequences)."""
-    block_size = engine.config.block_size
-    filled: dict[int, int] = {}
-    num_seqs = 0
-    for group in engine.scheduler.running:
-        for seq in group.live_seqs():
-            num_seqs += 1
-            for i, block_id in enumerate(seq.block_table):
-                n = min(block_size, max(0, seq.num_computed_tokens - i * block_size))
-                filled[block_id] = max(filled.get(block_id, 0), n)
-    in_use = sum(1 for b in engine.pool.blocks if b.ref_count > 0)
-    return KVSample(t, sum(filled.values()), in_use * block_size, num_seqs)
+    used, allocated, num_seqs = kv_slot_usage(
+        engine.scheduler, engine.pool, engine.config.block_size
+    )
+    return KVSample(t, used, allocated, num_seqs)
 
 
 def kv_utilization(samples: list[KVSample]) -> float:

@@ -1,0 +1,301 @@
+"""pagedgen-bench: one command for every figure of the benchmark (issue #6).
+
+    pagedgen-bench                 # full run, SmolLM2-135M fp32 (~10-15 min on 2 CPU cores)
+    pagedgen-bench --quick         # 2-3 minute smoke run, same sections, tiny sizes
+    pagedgen-bench --model DIR --out DIR --skip hf,grpc
+
+Sections: roofline peaks; throughput peers on one workload (HF static generate, HF
+generate_batch, our engine offline, our engine over gRPC) at full concurrency and at batch 1;
+serving latency under Poisson arrivals (engine offline and gRPC); KV memory (simulation with
+the engine's real block manager and scheduler vs contiguous reservation); prefix caching
+(shared-prefix workload, cache on/off; zero-hit cost); prefix-index overhead. Writes
+<out>/bench.json, PNG plots and <out>/../README_results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.metadata import machine_metadata
+from bench.metrics import summarize
+from bench.peers_hf import PeerRun
+from bench.workloads import Workload, fixed_random, shared_prefix, sharegpt_like
+
+SECTIONS = ("roofline", "engine", "hf", "grpc", "memory", "prefix", "index")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    num_prompts: int  # throughput workload
+    output_len: int
+    batch1_prompts: int
+    serving_prompts: int
+    serving_scale: float  # ShareGPT-like lengths scaled down for a CPU
+    prefix_tenants: int
+    prefix_per_tenant: int
+    prefix_system_len: int
+    prefix_output_len: int
+    memory_requests: int
+    zero_hit_repeats: int
+
+
+FULL = Sizes(32, 64, 4, 32, 0.2, 4, 4, 1024, 16, 300, 2)
+QUICK = Sizes(8, 16, 2, 8, 0.1, 2, 2, 256, 8, 60, 1)
+
+
+def _summary(run: PeerRun) -> dict:
+    return {"name": run.name, **asdict(summarize(run.records, run.duration_s))}
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="pagedgen-bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="2-3 minute smoke run")
+    p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
+    p.add_argument("--skip", default="", help=f"comma-separated sections from {SECTIONS}")
+    p.add_argument("--rate", type=float, default=2.0, help="Poisson rate of the serving run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-report", action="store_true", help="do not write README_results.md")
+    args = p.parse_args(argv)
+    skip = {s for s in args.skip.split(",") if s}
+    if unknown := skip - set(SECTIONS):
+        p.error(f"--skip takes sections from {SECTIONS}, got {sorted(unknown)}")
+    logging.basicConfig(level=logging.WARNING)
+    if args.model is None:
+        from engine_service.prepare_model import ensure_default_model
+
+        args.model = str(ensure_default_model())
+    sizes = QUICK if args.quick else FULL
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = run_all(args.model, sizes, skip, args.rate, args.seed)
+    results["meta"]["command"] = "pagedgen-bench" + (" --quick" if args.quick else "")
+    write_outputs(results, args.out, report=not args.no_report)
+
+
+def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int) -> dict:
+    from bench.roofline import achieved, measure_peaks, model_cost
+
+    results: dict = {"meta": machine_metadata(model), "sizes": asdict(sizes), "peers": {}}
+    throughput = fixed_random(sizes.num_prompts, 16, 200, sizes.output_len, seed)
+    batch1 = fixed_random(sizes.batch1_prompts, 16, 200, sizes.output_len, seed + 1)
+    serving = sharegpt_like(sizes.serving_prompts, 2048, seed + 2, scale=sizes.serving_scale)
+    results["workloads"] = {
+        w.name if w is not batch1 else "batch1": _workload_info(w)
+        for w in (throughput, batch1, serving)
+    }
+    cost = model_cost(model)
+    results["model_cost"] = asdict(cost)
+    peaks = None
+    if "roofline" not in skip:
+        _log("roofline: matmul FLOP/s and memory bandwidth")
+        peaks = measure_peaks(quick=sizes is QUICK)
+        results["peaks"] = asdict(peaks)
+    runs: dict[str, PeerRun] = {}
+
+    def make_engine(**overrides):
+        from engine_service import LLM
+
+        return LLM(model=model, **overrides).llm_engine
+
+    if "engine" not in skip:
+        runs.update(_engine_peers(make_engine, throughput, batch1, serving, rate, seed))
+    if "hf" not in skip:
+        runs.update(_hf_peers(model, throughput, batch1))
+    if "grpc" not in skip:
+        runs.update(_grpc_peers(model, throughput, batch1, serving, rate, seed))
+    for name, run in runs.items():
+        entry = _summary(run)
+        stats = getattr(run, "stats", None)
+        if stats:
+            entry["engine_stats"] = stats
+        if peaks is not None and stats:
+            entry["roofline"] = asdict(
+                achieved(run.records, run.duration_s, stats["num_steps"], cost, peaks)
+            )
+        if getattr(run, "kv_samples", None):
+            from bench.peers_engine import kv_utilization
+
+            entry["kv_utilization"] = kv_utilization(run.kv_samples)
+        results["peers"][name] = entry
+    results["ratios"] = _ratios(results["peers"])
+    if peaks is not None:
+        results["roofline"] = {
+            "compute_bound_tok_s": peaks.matmul_flops / cost.flops_per_token(),
+            "batch1_bound_tok_s": peaks.read_bandwidth / cost.weight_bytes_per_step,
+        }
+    if "memory" not in skip:
+        results["memory"] = _memory(sizes, seed, cost)
+    if "prefix" not in skip:
+        results["prefix"] = _prefix(make_engine, sizes, throughput, seed)
+    if "index" not in skip:
+        from bench.index_overhead import index_overhead
+
+        _log("prefix index overhead: index-steered vs local LRU")
+        workload = _shared_prefix_workload(sizes, seed)
+        results["index_overhead"] = index_overhead(make_engine, workload)
+    results["meta"]["finished"] = machine_metadata(model, light=True)
+    return results
+
+
+def _workload_info(w: Workload) -> dict:
+    return {
+        "name": w.name,
+        "seed": w.seed,
+        "num_requests": len(w.requests),
+        "num_prompt_tokens": w.num_prompt_tokens,
+        "num_output_tokens": w.num_output_tokens,
+    }
+
+
+def _shared_prefix_workload(sizes: Sizes, seed: int) -> Workload:
+    return shared_prefix(
+        sizes.prefix_tenants,
+        sizes.prefix_per_tenant,
+        sizes.prefix_system_len,
+        output_len=sizes.prefix_output_len,
+        seed=seed + 3,
+    )
+
+
+def _engine_peers(make_engine, throughput, batch1, serving, rate, seed) -> dict[str, PeerRun]:
+    from bench.peers_engine import drive, warm_up
+    from engine_service.sampling_params import SamplingParams
+
+    _log("engine (offline API): load")
+    engine = make_engine()
+    warm_up(engine, SamplingParams)
+    runs = {
+        "engine_offline": drive(engine, throughput, "engine_offline"),
+        "engine_offline_b1": drive(engine, batch1, "engine_offline_b1", max_concurrency=1),
+        "engine_offline_serving": drive(
+            engine, serving, "engine_offline_serving", rate=rate, seed=seed
+        ),
+    }
+    del engine
+    gc.collect()
+    return runs
+
+
+def _hf_peers(model: str, throughput: Workload, batch1: Workload) -> dict[str, PeerRun]:
+    from bench.peers_hf import load_hf_model, run_generate_batch, run_static_generate
+
+    _log("HF transformers: load")
+    hf = load_hf_model(model)
+    runs = {
+        "hf_generate_static": run_static_generate(hf, throughput, len(throughput.requests)),
+        "hf_generate_batch": run_generate_batch(hf, throughput),
+        "hf_generate_b1": run_static_generate(hf, batch1, 1),
+    }
+    del hf
+    gc.collect()
+    return runs
+
+
+def _grpc_peers(model, throughput, batch1, serving, rate, seed) -> dict[str, PeerRun]:
+    from bench.peers_grpc import run_grpc
+    from engine_service.launch import EngineProcess
+
+    _log("engine over gRPC: start pagedgen-engine")
+    args = ["--prefix-index", "none", "--log-level", "WARNING"]
+    with EngineProcess(model, args) as server:
+        run_grpc(server.target, batch1, "grpc_warmup", progress=False)
+        return {
+            "engine_grpc": run_grpc(server.target, throughput, "engine_grpc"),
+            "engine_grpc_b1": run_grpc(server.target, batch1, "engine_grpc_b1", max_concurrency=1),
+            "engine_grpc_serving": run_grpc(
+                server.target, serving, "engine_grpc_serving", rate=rate, seed=seed
+            ),
+        }
+
+
+def _ratios(peers: dict) -> dict:
+    """Output-token throughput of our engine over each peer, on the same workload."""
+    ratios = {}
+    pairs = [
+        ("engine_offline", "hf_generate_static"),
+        ("engine_offline", "hf_generate_batch"),
+        ("engine_grpc", "hf_generate_static"),
+        ("engine_grpc", "hf_generate_batch"),
+        ("engine_grpc", "engine_offline"),
+        ("engine_offline_b1", "hf_generate_b1"),
+        ("engine_grpc_b1", "engine_offline_b1"),
+    ]
+    for ours, peer in pairs:
+        if ours in peers and peer in peers:
+            ratios[f"{ours}/{peer}"] = (
+                peers[ours]["output_throughput"] / peers[peer]["output_throughput"]
+            )
+    return ratios
+
+
+def _memory(sizes: Sizes, seed: int, cost) -> dict:
+    from bench.memory import memory_comparison
+    from engine_service.config import DEFAULT_CPU_KV_CACHE_BYTES
+
+    _log("KV memory: paged (real block manager + scheduler, no model) vs contiguous")
+    workload = sharegpt_like(sizes.memory_requests, 2048, seed + 4)
+    budget_slots = DEFAULT_CPU_KV_CACHE_BYTES // cost.kv_bytes_per_token
+    runs = memory_comparison(workload, budget_slots)
+    return {
+        "workload": _workload_info(workload),
+        "budget_bytes": DEFAULT_CPU_KV_CACHE_BYTES,
+        "budget_slots": budget_slots,
+        "max_model_len": 2048,
+        "runs": [asdict(r) for r in runs],
+    }
+
+
+def _prefix(make_engine, sizes: Sizes, throughput: Workload, seed: int) -> dict:
+    from bench.prefix import prefix_benefit, zero_hit_cost
+
+    _log("prefix caching: shared-prefix workload, cache on vs off")
+    figures, _ = prefix_benefit(make_engine, _shared_prefix_workload(sizes, seed))
+    _log("prefix caching: zero-hit cost on unique prompts")
+    zero = zero_hit_cost(make_engine, throughput, repeats=sizes.zero_hit_repeats)
+    return {"shared_prefix": asdict(figures), "zero_hit": zero}
+
+
+def write_outputs(results: dict, out: Path, report: bool = True) -> None:
+    import json
+
+    from bench.plots import make_plots
+
+    path = out / "bench.json"
+    path.write_text(json.dumps(_finite(results), indent=2, allow_nan=False) + "\n")
+    _log(f"wrote {path}")
+    for png in make_plots(results, out):
+        _log(f"wrote {png}")
+    if report:
+        from bench.report import render_report
+
+        md = out.parent / "README_results.md"
+        md.write_text(render_report(results, out))
+        _log(f"wrote {md}")
+
+
+def _finite(value):
+    """Strict JSON: an infinite rate is written "inf", a missing figure (NaN) null."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""PNG plots from a results dict (bench.json): throughput by peer against the roofline,
+latency percentiles, KV memory, prefix caching, and a roofline chart. Each plot is skipped when
+its section was not run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+THROUGHPUT_PEERS = ("hf_generate_static", "hf_generate_batch", "engine_offline", "engine_grpc")
+BATCH1_PEERS = ("hf_generate_b1", "engine_offline_b1", "engine_grpc_b1")
+SERVING_PEERS = ("engine_offline_serving", "engine_grpc_serving")
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _bars(ax, labels, values, title, ylabel):
+    bars = ax.bar(range(len(values)), values, color="tab:blue")
+    ax.set_xticks(range(len(values)), labels, rotation=20, ha="right", fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(ylabel)
+    for bar, v in zip(bars, values, strict=True):
+        ax.annotate(
+            f"{v:.1f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8
+        )
+
+
+def plot_throughput(results: dict, out: Path) -> Path | None:
+    peers = results.get("peers", {})
+    groups = [
+        (
+            [p for p in THROUGHPUT_PEERS if p in peers],
+            "all requests at once",
+            "compute_bound_tok_s",
+        ),
+        ([p for p in BATCH1_PEERS if p in peers], "batch 1", "batch1_bound_tok_s"),
+    ]
+    groups = [g for g in groups if g[0]]
+    if not groups:
+        return None
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4), squeeze=False)
+    roofline = results.get("roofline", {})
+    for ax, (names, title, bound_key) in zip(axes[0], groups, strict=True):
+        _bars(
+            ax,
+            names,
+            [peers[n]["output_throughput"] for n in names],
+            f"Output throughput, {title}",
+            "output tokens / s",
+        )
+        if bound_key in roofline:
+            bound = roofline[bound_key]
+            ax.axhline(bound, color="tab:red", ls="--", lw=1, label=f"bound {bound:.0f}")
+            ax.axhline(
+                bound * (0.5 if "compute" in bound_key else 0.6),
+                color="tab:orange",
+                ls=":",
+                lw=1,
+                label="target",
+            )
+            ax.legend(fontsize=8)
+    return _save(fig, out / "throughput.png")
+
+
+def plot_latency(results: dict, out: Path) -> Path | None:
+    peers = results.get("peers", {})
+    names = [p for p in SERVING_PEERS + THROUGHPUT_PEERS if p in peers]
+    if not names:
+        return None
+    metrics = ("ttft", "tpot", "itl", "e2el")
+    fig, axes = plt.subplots(1, len(metrics), figsize=(16, 4))
+    width = 0.8 / len(names)
+    for ax, metric in zip(axes, metrics, strict=True):
+        for i, name in enumerate(names):
+            d = peers[name][metric]
+            values = [d.get(f"p{q}_ms") or 0.0 for q in (50, 90, 99)]
+            ax.bar([x + i * width for x in range(3)], values, width, label=name)
+        ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(3)], ["p50", "p90", "p99"])
+        ax.set_title(metric.upper(), fontsize=10)
+        ax.set_ylabel("ms")
+        ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
+    return _save(fig, out / "latency.png")
+
+
+def plot_memory(results: dict, out: Path) -> Path | None:
+    memory = results.get("memory")
+    if not memory:
+        return None
+    runs = memory["runs"]
+    labels = [
+        f"paged bs{r['block_size']}" if r["allocator"] == "paged" else r["allocator"] for r in runs
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    _bars(
+        axes[0],
+        labels,
+        [100 * r["utilization"] for r in runs],
+        "KV utilization (real token slots / allocated)",
+        "%",
+    )
+    _bars(
+        axes[1],
+        labels,
+        [r["saturated_concurrent_seqs"] for r in runs],
+        "Concurrent sequences while requests wait",
+        "sequences",
+    )
+    for r, label in zip(runs, labels, strict=True):
+        if label in ("paged bs16", "contiguous-max", "contiguous-oracle"):
+            steps = [t[0] for t in r["trace"]]
+            axes[2].plot(steps, [t[3] for t in r["trace"]], label=label, lw=1)
+    axes[2].set_title("Running sequences over the run (same KV budget)", fontsize=10)
+    axes[2].set_xlabel("step")
+    axes[2].legend(fontsize=8)
+    return _save(fig, out / "kv_memory.png")
+
+
+def plot_prefix(results: dict, out: Path) -> Path | None:
+    prefix = results.get("prefix")
+    if not prefix:
+        return None
+    sp = prefix["shared_prefix"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    qs = ("p50", "p90", "p99")
+    for i, (key, label) in enumerate((("uncached", "cache off"), ("cached", "cache on"))):
+        values = [sp[key]["ttft"][f"{q}_ms"] for q in qs]
+        axes[0].bar([x + i * 0.4 for x in range(3)], values, 0.4, label=label)
+    axes[0].set_xticks([x + 0.2 for x in range(3)], qs)
+    axes[0].set_ylabel("TTFT, ms")
+    axes[0].set_title(f"Shared prefix: TTFT (p50 {sp['ttft_p50_speedup']:.1f}x lower)", fontsize=10)
+    axes[0].legend(fontsize=8)
+    _bars(
+        axes[1],
+        ["cache off", "cache on"],
+        [sp["prefill_tokens_uncached"], sp["prefill_tokens_cached"]],
+        f"Prefill tokens computed (hit rate {100 * sp['hit_rate']:.0f}%)",
+        "tokens",
+    )
+    return _save(fig, out / "prefix_cache.png")
+
+
+def plot_roofline(results: dict, out: Path) -> Path | None:
+    peaks = results.get("peaks")
+    peers = results.get("peers", {})
+    points = [(n, e["roofline"]) for n, e in peers.items() if "roofline" in e]
+    if not peaks or not points:
+        return None
+    flops, bw = peaks["matmul_flops"], peaks["read_bandwidth"]
+    ridge = flops / bw
+    fig, ax = plt.subplots(figsize=(7, 5))
+    xs = [ridge / 100, ridge, ridge * 100]
+    ax.plot(
+        xs,
+        [min(flops, x * bw) / 1e9 for x in xs],
+        color="black",
+        lw=1.5,
+        label=f"roofline: {flops / 1e9:.0f} GFLOP/s, {bw / 1e9:.1f} GB/s",
+    )
+    for name, r in points:
+        intensity = r["achieved_flops"] / r["achieved_bytes_per_s"]
+        ax.scatter(intensity, r["achieved_flops"] / 1e9, s=30)
+        ax.annotate(
+            name,
+            (intensity, r["achieved_flops"] / 1e9),
+            fontsize=7,
+            textcoords="offset points",
+            xytext=(4, 4),
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (model FLOPs / byte moved)")
+    ax.set_ylabel("achieved model GFLOP/s")
+    ax.set_title("Roofline (this machine, measured in the same run)", fontsize=10)
+    ax.legend(fontsize=8)
+    return _save(fig, out / "roofline.png")
+
+
+def make_plots(results: dict, out: Path) -> list[Path]:
+    plotters = (plot_throughput, plot_latency, plot_memory, plot_prefix, plot_roofline)
+    return [path for plot in plotters if (path := plot(results, out)) is not None]

@@ -1,0 +1,115 @@
+"""The benchmark harness's pure parts: deterministic workloads, percentile math, the KV memory
+simulation on tiny numbers, and the report/plots rendering. Behaviour only, no timings."""
+
+import math
+
+import pytest
+
+from bench.memory import reservation_len, simulate_contiguous, simulate_paged
+from bench.metrics import RequestRecord, percentile, summarize
+from bench.workloads import (
+    alpaca_like,
+    fixed_random,
+    poisson_arrivals,
+    shared_prefix,
+    sharegpt_like,
+)
+
+
+def test_workloads_are_deterministic_by_seed():
+    for make in (
+        lambda s: sharegpt_like(20, seed=s),
+        lambda s: alpaca_like(20, seed=s),
+        lambda s: fixed_random(10, 16, 200, 64, seed=s),
+        lambda s: shared_prefix(3, 2, 64, seed=s),
+    ):
+        assert make(1) == make(1)
+        assert make(1) != make(2)
+    assert poisson_arrivals(5, 2.0, seed=3) == poisson_arrivals(5, 2.0, seed=3)
+    assert poisson_arrivals(3, math.inf) == [0.0, 0.0, 0.0]
+
+
+def test_workload_shapes():
+    w = fixed_random(50, 16, 200, 64, seed=0)
+    assert all(16 <= r.prompt_len <= 200 and r.output_len == 64 for r in w.requests)
+    sg = sharegpt_like(400, max_model_len=2048, seed=0)
+    assert all(r.prompt_len + r.output_len <= 2048 for r in sg.requests)
+    # ShareGPT is several times longer than Alpaca on average (the paper: 8.4x in, 5.8x out).
+    al = alpaca_like(400, seed=0)
+    assert sg.num_prompt_tokens > 4 * al.num_prompt_tokens
+    sp = shared_prefix(num_tenants=3, requests_per_tenant=2, system_prompt_len=64, seed=0)
+    assert len({r.cache_salt for r in sp.requests}) == 3
+    assert len({r.prompt_token_ids[:64] for r in sp.requests}) == 1
+    with pytest.raises(ValueError, match="rate"):
+        poisson_arrivals(3, 0.0)
+
+
+def test_percentiles_and_summary():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert percentile(list(range(101)), 90) == 90
+    assert math.isnan(percentile([], 50))
+    records = [
+        RequestRecord(prompt_len=10, arrival=0.0, token_times=[1.0, 1.5, 2.0], finish=2.0),
+        RequestRecord(prompt_len=20, arrival=1.0, token_times=[2.0, 3.0], finish=3.0),
+    ]
+    s = summarize(records, duration_s=3.0)
+    assert s.num_output_tokens == 5
+    assert s.output_throughput == pytest.approx(5 / 3)
+    assert s.total_token_throughput == pytest.approx(35 / 3)
+    assert s.ttft["p50_ms"] == pytest.approx(1000.0)
+    assert s.tpot["mean_ms"] == pytest.approx(750.0)  # (500 + 1000) / 2
+    assert s.itl["p50_ms"] == pytest.approx(500.0)  # gaps 500, 500, 1000
+    assert s.e2el["p99_ms"] == pytest.approx(2000.0)
+
+
+def test_reservations():
+    assert reservation_len("max", 10, 20, 2048) == 2048
+    assert reservation_len("pow2", 10, 20, 2048) == 32
+    assert reservation_len("oracle", 10, 20, 2048) == 30
+    with pytest.raises(ValueError, match="reservation"):
+        reservation_len("exact", 1, 1, 8)
+
+
+def test_memory_simulation_on_tiny_numbers():
+    w = fixed_random(12, 20, 40, 24, seed=0)
+    budget = 512  # token slots: a max-length reservation of 256 admits only 2 at a time
+    paged = simulate_paged(w, budget, block_size=8, max_num_batched_tokens=128)
+    contiguous = simulate_contiguous(w, budget, "max", max_model_len=256)
+    # Paged: only the last block of a sequence can be partly empty.
+    assert paged.utilization > 0.85
+    assert contiguous.max_concurrent_seqs == 2
+    assert contiguous.utilization < 0.3
+    assert paged.saturated_concurrent_seqs > 3 * contiguous.saturated_concurrent_seqs
+    assert paged.trace and contiguous.trace
+
+
+def test_report_and_plots_render(tmp_path):
+    from bench.plots import make_plots
+    from bench.report import render_report
+
+    w = fixed_random(6, 8, 16, 16, seed=0)
+    mem = [simulate_paged(w, 256, 8), simulate_contiguous(w, 256, "max", 64)]
+    from dataclasses import asdict
+
+    results = {
+        "meta": {
+            "model": "/m/tiny",
+            "cpu": "cpu",
+            "num_cpus": 2,
+            "torch_num_threads": 2,
+            "versions": {"torch": "t", "transformers": "x"},
+            "time_utc": "now",
+            "load_average_1_5_15": [0.1, 0.2, 0.3],
+        },
+        "memory": {
+            "workload": {"num_requests": 6},
+            "budget_bytes": 2**30,
+            "budget_slots": 256,
+            "max_model_len": 64,
+            "runs": [asdict(r) for r in mem],
+        },
+    }
+    text = render_report(results, tmp_path)
+    assert "contiguous-max" in text and "### KV memory" in text
+    assert [p.name for p in make_plots(results, tmp_path)] == ["kv_memory.png"]
