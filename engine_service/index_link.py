@@ -178,8 +178,12 @@ class PrefixIndexLink:
         return self
 
     def _wake_soon(self) -> None:
-        if not self._closing:
+        if self._closing:
+            return
+        try:
             self._loop.call_soon_threadsafe(self._wake.set)
+        except RuntimeError:
+            pass  # closed between the check and the call: nothing is listening any more
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send what is pending (best effort), then stop the thread."""
@@ -192,6 +196,10 @@ class PrefixIndexLink:
             self._thread.join(timeout_s)
         if not self._thread.is_alive():
             self._loop.close()
+        # The policy stays in the engine as a plain local LRU: nothing is recorded any more.
+        self.policy.stop_recording()
+        self._stats.degraded = True
+        self.last_error = "closed"
 
     # ---- the loop (link thread) ---------------------------------------------------------------
     async def _run(self) -> None:
@@ -313,6 +321,8 @@ class PrefixIndexLink:
     async def pin_prefix(self, chain: list[bytes], ttl_s: float, unpin: bool) -> int:
         """Pins (or unpins) the held prefix of `chain` in the index and the mirror; how many
         blocks it changed. IndexUnavailableError while degraded."""
+        if self._closing:
+            raise IndexUnavailableError(f"prefix index {self.target}: the link is closed")
         future = asyncio.run_coroutine_threadsafe(self._pin(chain, ttl_s, unpin), self._loop)
         return await asyncio.wrap_future(future)
 

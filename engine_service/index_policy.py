@@ -115,10 +115,11 @@ class IndexPolicy:
                 self._evictable[block_hash] = None
             if self._recording:
                 self._pending.append(PendingOp(Commit(block_hash, parent, block_id)))
-                # The index starts a commit at refcount 1: match the pool's count.
-                if ref_count > 1:
-                    self._pending.append(PendingOp(Acquire([block_hash] * (ref_count - 1))))
-                elif ref_count == 0:
+                # The index starts a commit at refcount 1: match the pool's count, one acquire
+                # per extra user (a chain never repeats a hash).
+                for _ in range(ref_count - 1):
+                    self._pending.append(PendingOp(Acquire([block_hash]), local_hits=1))
+                if ref_count == 0:
                     self._record_release(block_hash)
 
     def on_acquire(self, block_hash: bytes, was_evictable: bool) -> None:
@@ -275,9 +276,14 @@ class IndexPolicy:
             idle_order = [h for h in self._evictable] + [h for h in idle if h in self._idle_pinned]
             for i in range(0, len(idle_order), MAX_HASHES_PER_OP):
                 ops.append(PendingOp(Release(idle_order[i : i + MAX_HASHES_PER_OP])))
-            for h, entry in self._mirror.items():
-                if entry.ref_count > 1:
-                    ops.append(PendingOp(Acquire([h] * (entry.ref_count - 1))))
+            # Refcounts above 1: acquire level by level (a chain never repeats a hash, and every
+            # hash of it is held, so each gets +1).
+            level = 2
+            while shared := [h for h, e in self._mirror.items() if e.ref_count >= level]:
+                for i in range(0, len(shared), MAX_HASHES_PER_OP):
+                    chunk = shared[i : i + MAX_HASHES_PER_OP]
+                    ops.append(PendingOp(Acquire(chunk), local_hits=len(chunk)))
+                level += 1
             now = time.monotonic()
             for h, expiry in self._pins.items():
                 ttl = 0.0 if math.isinf(expiry) else max(0.001, expiry - now)
@@ -285,6 +291,8 @@ class IndexPolicy:
             self._recording = True
             self._needs_resync = False
             self._pending = []
+            self._victims = []
+            self._victims_in_flight = 0
             self._covered_acquires = 0
             return ops
 
@@ -327,7 +335,7 @@ class IndexPolicy:
                 if rest and self._recording:
                     self._pending.append(PendingOp(Release(rest)))
         elif isinstance(op, Commit):
-            if result.status == OpStatus.NOT_HELD:
+            if result.status == OpStatus.NOT_HELD and self._recording:
                 # Its parent was evicted meanwhile: the block is unreachable, forget it here.
                 self._victims.append(EvictedBlock(op.hash, op.block_id))
             elif result.status in (OpStatus.HASH_EXISTS, OpStatus.BLOCK_IN_USE):

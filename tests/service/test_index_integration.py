@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from engine_service import SamplingParams
+from engine_service.block_hash import extend_block_hashes
 from engine_service.index_link import IndexLinkOptions, PrefixIndexLink, connect_prefix_index
 from prefix_index.client import PrefixIndexClient, PrefixIndexClientError
 from prefix_index.launch import IndexProcess
@@ -165,6 +166,54 @@ def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, refe
         link.close()
         if replacement is not None:
             replacement.kill()
+    assert engine.check_block_invariants() == []
+
+
+def test_forks_and_pins_stay_mirrored(tiny_llama_dir, index):
+    """n=3 sampling shares blocks by fork (refcounts the index must follow); a pinned prefix
+    survives a local eviction of everything idle and the re-sync that eviction causes."""
+    engine = make_engine(tiny_llama_dir)
+    link = connect(engine, index, "engine-pins")
+    try:
+        driver = Driver(engine)
+        driver.add({"filler": prompt_ids(41, 30)})
+        driver.run_to_completion()
+        driver.add({"forked": SHARED + prompt_ids(40, 8)},
+                   SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12))
+        driver.step()
+        wait_until(lambda: index_matches_pool(index.target, "engine-pins", engine), 5,
+                   "index follows the forked refcounts")
+        # Evicting the filler's idle blocks locally forces a re-sync while the forks hold the
+        # prompt blocks 3 times: the re-sync must carry those refcounts.
+        engine.pool.reset_prefix_cache()
+        driver.run_to_completion()
+        assert len(driver.finished["forked"].outputs) == 3
+        wait_until(lambda: link.stats().registrations == 2, 5, "re-sync after local evictions")
+        wait_until(lambda: index_matches_pool(index.target, "engine-pins", engine), 5,
+                   "every fork released in the index")
+        assert link.policy.counters.mismatches == 0
+
+        chain: list[bytes] = []  # the shared prefix's hashes, as the servicer computes them
+        extend_block_hashes(chain, SHARED, BLOCK_SIZE, engine.seed_hash, None)
+        assert asyncio.run(link.pin_prefix(chain, 0.0, False)) == 4
+        engine.pool.reset_prefix_cache()  # the local LRU evicts every idle block but the pins
+        assert engine.pool.num_cached_blocks == 4
+        assert [engine.pool.lookup(h, tuple(SHARED[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]))
+                is not None for i, h in enumerate(chain)] == [True] * 4
+        engine.step()  # idle step: tells the link its index state is stale
+        wait_until(lambda: link.stats().registrations == 3, 5, "re-sync after local evictions")
+
+        def held() -> tuple[int, int, int]:
+            stats = index_stats(index.target, "engine-pins")
+            return (-1, -1, -1) if stats is None else (stats.blocks, stats.pinned, stats.evictable)
+
+        # Pinned idle blocks are not evictable in the index either.
+        wait_until(lambda: held() == (4, 4, 0), 5, "index re-synced to the 4 pinned blocks")
+        assert asyncio.run(link.pin_prefix(chain, 0.0, True)) == 4
+        engine.pool.reset_prefix_cache()
+        assert engine.pool.num_cached_blocks == 0
+    finally:
+        link.close()
     assert engine.check_block_invariants() == []
 
 
