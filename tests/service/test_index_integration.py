@@ -119,7 +119,7 @@ def test_shared_prefix_is_served_through_the_index(tiny_llama_dir, index):
     assert engine.check_block_invariants() == []
 
 
-@pytest.mark.parametrize("outage", ["redis", "index"])
+@pytest.mark.parametrize("outage", ["redis", "redis-hang", "index"])
 def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, reference_tokens,
                                              outage):
     engine = make_engine(tiny_llama_dir)
@@ -134,6 +134,8 @@ def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, refe
         assert engine.has_unfinished_requests()
         if outage == "redis":
             redis.kill()
+        elif outage == "redis-hang":
+            redis.pause()  # SIGSTOP: sockets open, no answers; calls hit their deadlines
         else:
             index.kill()
         driver.step()
@@ -152,6 +154,8 @@ def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, refe
 
         if outage == "redis":
             redis.start()
+        elif outage == "redis-hang":
+            redis.resume()
         else:
             replacement = IndexProcess(redis.url, INDEX_ARGS, port=index.port).start()
         took = wait_until(lambda: not link.degraded, 15, f"recovery after the {outage} restart")
@@ -164,6 +168,7 @@ def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, refe
         assert took < 10
     finally:
         link.close()
+        redis.resume()
         if replacement is not None:
             replacement.kill()
     assert engine.check_block_invariants() == []
