@@ -1,0 +1,42 @@
+"""PinPrefix over gRPC is forwarded to the prefix index, and validated like everything else."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pagedgen_api import generation_pb2 as pb
+
+PROMPT = [(i * 37) % 4000 + 100 for i in range(40)]  # 2 full blocks of 16 and a partial one
+
+
+def test_pin_prefix_pins_the_held_blocks(stub):
+    reply = stub.Generate(pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=PROMPT), cache_salt="pin-test",
+        sampling=pb.SamplingParams(temperature=0, max_tokens=2)))
+    assert reply.usage.completion_tokens == 2
+    pinned = stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=PROMPT),
+                                                cache_salt="pin-test", ttl_s=60))
+    assert (pinned.num_blocks, pinned.num_pinned) == (2, 2)
+    # Another salt names other blocks, which this engine never held.
+    other = stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=PROMPT),
+                                               cache_salt="someone-else"))
+    assert (other.num_blocks, other.num_pinned) == (2, 0)
+    unpinned = stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=PROMPT),
+                                                  cache_salt="pin-test", unpin=True))
+    assert unpinned.num_pinned == 2
+
+
+@pytest.mark.parametrize(("request_", "message"), [
+    (pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=PROMPT), ttl_s=-1),
+     "ttl_s must be in [0, 2592000] seconds (0 = no TTL), got -1.0"),
+    (pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=PROMPT[:10])),
+     "prompt must hold at least one full block (16 tokens) to pin, got 10 tokens"),
+    (pb.PinPrefixRequest(text=""), "text must be a non-empty string, got ''"),
+    (pb.PinPrefixRequest(), "input must be one of text, token_ids or chat, got none of them"),
+])
+def test_pin_prefix_validation(stub, request_, message):
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.PinPrefix(request_)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == message
