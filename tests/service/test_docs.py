@@ -22,8 +22,8 @@ def code_blocks(language: str) -> list[str]:
 
 
 def grpcurl_commands() -> list[str]:
-    [block] = code_blocks("sh")
-    return [line for line in block.splitlines() if line.startswith("grpcurl ")]
+    return [line for block in code_blocks("sh") for line in block.splitlines()
+            if line.startswith("grpcurl ")]
 
 
 def run_grpcurl(command: str, target: str) -> str:
