@@ -127,6 +127,7 @@ class PrefixIndexLink:
         self.last_error = "not registered yet"
         self._degraded_since = time.monotonic()
         self._registered = False
+        self._channel_failed = False
         self._closing = False
         self._last_rpc = 0.0
         self._loop = asyncio.new_event_loop()
@@ -244,6 +245,7 @@ class PrefixIndexLink:
     def _on_failure(self, error: Exception) -> None:
         self.policy.stop_recording()
         self._registered = False
+        self._channel_failed = True
         self._stats.rpc_errors += 1
         self.last_error = str(error)
         if not self._stats.degraded:
@@ -255,8 +257,9 @@ class PrefixIndexLink:
     async def _register_and_resync(self) -> None:
         assert self._client is not None
         self.policy.stop_recording()
-        if self._stats.degraded and self._stats.registrations:
+        if self._channel_failed:
             # A fresh channel connects at once; the old one may sit in its reconnect backoff.
+            self._channel_failed = False
             await self._client.close()
             self._client = PrefixIndexClient(self.target, self.options.rpc_timeout_s)
         self._registered = False

@@ -15,7 +15,7 @@ from engine_service.index_link import IndexLinkOptions, PrefixIndexLink, connect
 from prefix_index.client import PrefixIndexClient, PrefixIndexClientError
 from prefix_index.launch import IndexProcess
 from prefix_index.ops import Evict
-from prefix_index.redis_process import RedisProcess
+from prefix_index.redis_process import RedisProcess, free_port
 from tests.service.index_fixtures import (
     BLOCK_SIZE,
     INDEX_ARGS,
@@ -219,6 +219,31 @@ def test_forks_and_pins_stay_mirrored(tiny_llama_dir, index):
         assert engine.pool.num_cached_blocks == 0
     finally:
         link.close()
+    assert engine.check_block_invariants() == []
+
+
+def test_engine_started_before_the_index_serves_then_registers(tiny_llama_dir, redis):
+    engine = make_engine(tiny_llama_dir)
+    port = free_port()
+    link = connect_prefix_index(engine, f"127.0.0.1:{port}", "engine-early", OPTIONS)
+    index: IndexProcess | None = None
+    try:
+        driver = Driver(engine)
+        for request_id, ids in wave("early", 2, seed=50).items():
+            driver.add({request_id: ids})
+            driver.run_to_completion()
+        assert link.degraded and link.epoch == 0
+        assert link.health_details()["state"] == "degraded"
+        # The local LRU shares the prefix meanwhile.
+        assert driver.finished["early1"].num_cached_tokens == 4 * BLOCK_SIZE
+        index = IndexProcess(redis.url, INDEX_ARGS, port=port).start()
+        wait_until(lambda: not link.degraded, 10, "registration once the index is up")
+        wait_until(lambda: index_matches_pool(index.target, "engine-early", engine), 5,
+                   "the blocks cached while degraded reach the index")
+    finally:
+        link.close()
+        if index is not None:
+            index.kill()
     assert engine.check_block_invariants() == []
 
 
