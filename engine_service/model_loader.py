@@ -8,6 +8,7 @@ from safetensors import safe_open
 
 from engine_service.model_config import ModelConfig
 from engine_service.models.llama import LlamaForCausalLM
+from engine_service.models.packed_linear import can_pack, pack_linear_layers
 
 log = logging.getLogger(__name__)
 
@@ -70,4 +71,6 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.eval().requires_grad_(False)
+    if can_pack(device, dtype):
+        pack_linear_layers(model)
     return model
