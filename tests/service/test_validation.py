@@ -4,6 +4,7 @@ disturbs a good request running at the same time."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -178,7 +179,11 @@ def test_duplicate_live_request_id_is_already_exists(engine_server, stub):
     code, details = asyncio.run(body())
     assert code == grpc.StatusCode.ALREADY_EXISTS
     assert details == "request_id must be unique among live requests, got 'dup-1'"
-    # Once the first one is gone the id is free again.
+    # Once the server has seen the cancellation, the id is free again.
+    deadline = time.monotonic() + 5
+    while stub.EngineStats(pb.EngineStatsRequest()).num_live_requests:
+        assert time.monotonic() < deadline, "the cancelled request stayed live"
+        time.sleep(0.01)
     reply = stub.Generate(pb.GenerateRequest(request_id="dup-1", text="again",
                                              sampling=pb.SamplingParams(max_tokens=2)))
     assert reply.request_id == "dup-1"
