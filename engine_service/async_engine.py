@@ -179,6 +179,18 @@ class AsyncEngine:
             log.exception("engine thread failed")
             self._dead = error
             self._post(self._fail_all, error)
+            self._fail_pending_calls(error)
+
+    def _fail_pending_calls(self, error: BaseException) -> None:
+        """Calls still queued would wait forever on a dead thread: fail them now."""
+        dead = EngineDeadError(f"the engine stopped after an error: {error!r}")
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Call):
+                self._post(self._resolve, command.future, None, dead)
 
     def _apply_commands(self) -> bool:
         """Runs the queued commands in order; False when told to stop."""
