@@ -18,6 +18,7 @@ import argparse
 import gc
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ class Sizes:
 
 
 FULL = Sizes(32, 64, 4, 32, 0.2, 4, 4, 1024, 16, 300, 2)
-QUICK = Sizes(8, 16, 2, 8, 0.1, 2, 2, 256, 8, 60, 1)
+QUICK = Sizes(8, 16, 2, 8, 0.1, 2, 3, 256, 8, 100, 1)
 
 
 def _summary(run: PeerRun) -> dict:
@@ -55,7 +56,8 @@ def _summary(run: PeerRun) -> dict:
 
 
 def _log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    load = os.getloadavg()[0]
+    print(f"[bench {time.strftime('%H:%M:%S')} load {load:.2f}] {msg}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,12 +68,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip", default="", help=f"comma-separated sections from {SECTIONS}")
     p.add_argument("--rate", type=float, default=2.0, help="Poisson rate of the serving run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for every peer, the gRPC server included (default: torch's)",
+    )
     p.add_argument("--no-report", action="store_true", help="do not write README_results.md")
     args = p.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
     if unknown := skip - set(SECTIONS):
         p.error(f"--skip takes sections from {SECTIONS}, got {sorted(unknown)}")
     logging.basicConfig(level=logging.WARNING)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the gRPC server subprocess
     if args.model is None:
         from engine_service.prepare_model import ensure_default_model
 
@@ -79,7 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     sizes = QUICK if args.quick else FULL
     args.out.mkdir(parents=True, exist_ok=True)
     results = run_all(args.model, sizes, skip, args.rate, args.seed)
-    results["meta"]["command"] = "pagedgen-bench" + (" --quick" if args.quick else "")
+    command = "pagedgen-bench" + (" --quick" if args.quick else "")
+    if args.threads is not None:
+        command += f" --threads {args.threads}"
+    results["meta"]["command"] = command
     write_outputs(results, args.out, report=not args.no_report)
 
 
@@ -143,7 +159,9 @@ def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int) ->
 
         _log("prefix index overhead: index-steered vs local LRU")
         workload = _shared_prefix_workload(sizes, seed)
-        results["index_overhead"] = index_overhead(make_engine, workload)
+        results["index_overhead"] = index_overhead(
+            make_engine, workload, max_concurrency=sizes.prefix_tenants
+        )
     results["meta"]["finished"] = machine_metadata(model, light=True)
     return results
 
@@ -260,7 +278,11 @@ def _prefix(make_engine, sizes: Sizes, throughput: Workload, seed: int) -> dict:
     from bench.prefix import prefix_benefit, zero_hit_cost
 
     _log("prefix caching: shared-prefix workload, cache on vs off")
-    figures, _ = prefix_benefit(make_engine, _shared_prefix_workload(sizes, seed))
+    # As many in flight as tenants: the first wave computes each tenant's prefix, later
+    # waves can hit it.
+    figures, _ = prefix_benefit(
+        make_engine, _shared_prefix_workload(sizes, seed), max_concurrency=sizes.prefix_tenants
+    )
     _log("prefix caching: zero-hit cost on unique prompts")
     zero = zero_hit_cost(make_engine, throughput, repeats=sizes.zero_hit_repeats)
     return {"shared_prefix": asdict(figures), "zero_hit": zero}

@@ -247,7 +247,8 @@ def render_report(r: dict, out: Path) -> str:
             f"Shared-prefix workload: {wl['prefix_tenants']} tenants x {wl['prefix_per_tenant']} "
             f"requests, a {wl['prefix_system_len']}-token system prompt + 16-48 token user turn, "
             f"{wl['prefix_output_len']} output tokens, each tenant its own `cache_salt`; "
-            "4 requests in flight (closed loop), a fresh engine per configuration.",
+            f"{wl['prefix_tenants']} requests in flight (closed loop), a fresh engine per "
+            "configuration.",
             "",
             "| | TTFT p50 ms | TTFT p90 ms | prefill tokens computed | output tok/s |",
             "|---|---:|---:|---:|---:|",
