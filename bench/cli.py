@@ -135,9 +135,9 @@ def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int) ->
         stats = getattr(run, "stats", None)
         if stats:
             entry["engine_stats"] = stats
-        if peaks is not None and stats:
+        if peaks is not None and run.num_forward_passes:
             entry["roofline"] = asdict(
-                achieved(run.records, run.duration_s, stats["num_steps"], cost, peaks)
+                achieved(run.records, run.duration_s, run.num_forward_passes, cost, peaks)
             )
         if getattr(run, "kv_samples", None):
             from bench.peers_engine import kv_utilization

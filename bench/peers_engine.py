@@ -136,4 +136,11 @@ def drive(
         "rate": rate,
         "max_concurrency": max_concurrency,
     }
-    return EngineRun(name, records, run_duration(records), kv_samples=samples, stats=stats)
+    return EngineRun(
+        name,
+        records,
+        run_duration(records),
+        num_forward_passes=stats["num_steps"],
+        kv_samples=samples,
+        stats=stats,
+    )

@@ -45,7 +45,7 @@ async def _run(
     max_concurrency: int | None,
     seed: int,
     progress: bool,
-) -> list[RequestRecord]:
+) -> tuple[list[RequestRecord], int]:
     requests = workload.requests
     records = [RequestRecord(prompt_len=r.prompt_len) for r in requests]
     offsets = poisson_arrivals(len(requests), rate, seed)
@@ -53,6 +53,7 @@ async def _run(
     bar = tqdm(total=len(requests), desc=name, disable=not progress)
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
+        steps_before = (await stub.EngineStats(pb.EngineStatsRequest())).num_steps
         start = time.monotonic()
 
         async def send(index: int) -> None:
@@ -62,8 +63,9 @@ async def _run(
             bar.update(1)
 
         await asyncio.gather(*(send(i) for i in range(len(requests))))
+        steps_after = (await stub.EngineStats(pb.EngineStatsRequest())).num_steps
     bar.close()
-    return records
+    return records, steps_after - steps_before
 
 
 def run_grpc(
@@ -75,5 +77,7 @@ def run_grpc(
     seed: int = 0,
     progress: bool = True,
 ) -> PeerRun:
-    records = asyncio.run(_run(target, workload, name, rate, max_concurrency, seed, progress))
-    return PeerRun(name, records, run_duration(records))
+    records, num_steps = asyncio.run(
+        _run(target, workload, name, rate, max_concurrency, seed, progress)
+    )
+    return PeerRun(name, records, run_duration(records), num_forward_passes=num_steps)

@@ -24,7 +24,8 @@ class PeerRun:
     name: str
     records: list[RequestRecord]
     duration_s: float
-    notes: str = ""
+    # Model forward passes the run made, where the peer exposes it (for the roofline's bytes).
+    num_forward_passes: int | None = None
 
 
 class _StepClock(LogitsProcessor):
@@ -67,6 +68,7 @@ def run_static_generate(
     for rec in records:
         rec.arrival = start
     batches = range(0, len(requests), batch_size)
+    num_forward_passes = 0
     for first in tqdm(batches, desc=f"hf generate (batch {batch_size})", disable=not progress):
         batch = requests[first : first + batch_size]
         width = max(r.prompt_len for r in batch)
@@ -76,6 +78,7 @@ def run_static_generate(
             input_ids[row, width - r.prompt_len :] = torch.tensor(r.prompt_token_ids)
             attention_mask[row, width - r.prompt_len :] = 1
         max_new = max(r.output_len for r in batch)
+        num_forward_passes += max_new
         clock = _StepClock()
         with torch.inference_mode():
             model.generate(
@@ -90,7 +93,9 @@ def run_static_generate(
             rec.token_times = clock.times[: r.output_len]
             rec.output_len = len(rec.token_times)
             rec.finish = end
-    return PeerRun(f"hf_generate_static_b{batch_size}", records, run_duration(records))
+    return PeerRun(
+        f"hf_generate_static_b{batch_size}", records, run_duration(records), num_forward_passes
+    )
 
 
 def run_generate_batch(

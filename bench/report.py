@@ -83,7 +83,7 @@ def _targets(r: dict) -> list[str]:
             )
         real = peers.get("engine_offline", {}).get("kv_utilization")
         if real is not None:
-            add("KV utilization >= 98% (paged, real SmolLM2 run)", _pct(real), real >= 0.98)
+            add("KV utilization >= 98% (paged, real model run, block 16)", _pct(real), real >= 0.98)
         if paged16 and cmax:
             ratio = paged16["saturated_concurrent_seqs"] / cmax["saturated_concurrent_seqs"]
             add(
