@@ -1,5 +1,5 @@
-"""docs/grpc.md works as written: every grpcurl command and the Python client, against the
-test server (its address in place of localhost:50051)."""
+"""The README's gRPC section works as written: every grpcurl command and the Python client,
+against the test server (its address in place of localhost:50051)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "grpc.md"
+DOC = Path(__file__).resolve().parents[2] / "README.md"
 DOC_TARGET = "localhost:50051"
 
 
@@ -22,8 +22,12 @@ def code_blocks(language: str) -> list[str]:
 
 
 def grpcurl_commands() -> list[str]:
-    return [line for block in code_blocks("sh") for line in block.splitlines()
-            if line.startswith("grpcurl ")]
+    return [
+        line
+        for block in code_blocks("sh")
+        for line in block.splitlines()
+        if line.startswith("grpcurl ")
+    ]
 
 
 def run_grpcurl(command: str, target: str) -> str:
@@ -62,8 +66,16 @@ def test_grpcurl_list_and_describe(grpcurl_outputs):
     listed = output_of(grpcurl_outputs, " list").split()
     assert {"pagedgen.generation.v1.Generation", "grpc.health.v1.Health"} <= set(listed)
     described = output_of(grpcurl_outputs, "describe pagedgen.generation.v1.Generation")
-    for rpc in ("GenerateStream", "Generate", "Abort", "Tokenize", "Detokenize", "ModelInfo",
-                "EngineStats", "PinPrefix"):
+    for rpc in (
+        "GenerateStream",
+        "Generate",
+        "Abort",
+        "Tokenize",
+        "Detokenize",
+        "ModelInfo",
+        "EngineStats",
+        "PinPrefix",
+    ):
         assert f"rpc {rpc} (" in described
     assert "returns ( stream .pagedgen.generation.v1.GenerateStreamResponse )" in described
 
@@ -76,8 +88,9 @@ def test_grpcurl_health_and_generate(grpcurl_outputs, offline_llm):
     stream = json_messages(output_of(grpcurl_outputs, "Generation/GenerateStream"))
     assert len(stream) >= 2 and stream[-1]["finished"] is True
     text = "".join(c.get("text", "") for m in stream for c in m.get("choices", []))
-    [want] = offline_llm.generate("The capital of France is",
-                                  SamplingParams(temperature=0, max_tokens=8))
+    [want] = offline_llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=8)
+    )
     assert text == want.outputs[0].text
     [unary] = json_messages(output_of(grpcurl_outputs, "Generation/Generate"))
     [completion] = unary["completions"]
@@ -87,11 +100,14 @@ def test_grpcurl_health_and_generate(grpcurl_outputs, offline_llm):
 
 
 def test_python_client_from_the_doc(engine_server):
-    [client] = code_blocks("python")
-    done = subprocess.run([sys.executable, "-c", client.replace(DOC_TARGET,
-                                                                engine_server.target)],
-                          capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])
+    [client] = [b for b in code_blocks("python") if "pagedgen_api" in b]
+    done = subprocess.run(
+        [sys.executable, "-c", client.replace(DOC_TARGET, engine_server.target)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert done.returncode == 0, done.stderr
     # The streamed deltas, the usage line, then the unary reply: the same text twice.
     match = re.fullmatch(r"(.*)\n\[(\d+) tokens, (\d+) cached\]\n(.*)\n", done.stdout, re.S)
