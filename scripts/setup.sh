@@ -10,7 +10,12 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0
 fi
-if ! "$PY" -c "import engine_service, prefix_index, pytest, grpc_health, triton" 2>/dev/null \
+# Where the installed console scripts import the project from (checked outside this folder, so
+# the current directory does not shadow it): must be this checkout, not an older clone.
+installed_root=$(cd / && "$PY" -c "import engine_service, pathlib; \
+print(pathlib.Path(engine_service.__file__).resolve().parent.parent)" 2>/dev/null || true)
+if [ "$installed_root" != "$(pwd -P)" ] \
+    || ! "$PY" -c "import pytest, grpc_health, triton, hiredis, yaml" 2>/dev/null \
     || [ pyproject.toml -nt .cache/installed.stamp ]; then
     "$PY" -m pip install -q -e ".[dev]"
     mkdir -p .cache && touch .cache/installed.stamp
