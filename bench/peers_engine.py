@@ -50,13 +50,15 @@ def kv_utilization(samples: list[KVSample]) -> float:
     return sum(s.used_slots for s in samples) / allocated if allocated else math.nan
 
 
-def warm_up(engine, params_cls, num_tokens: int = 4) -> None:
-    """One short request: the first forward pays one-off costs (allocator, thread pools)."""
-    engine.add_request(
-        "warmup",
-        list(range(100, 132)),
-        params_cls(temperature=0, max_tokens=num_tokens, ignore_eos=True),
-    )
+def warm_up(engine, params_cls, num_prompts: int = 8, prompt_len: int = 256) -> None:
+    """Untimed: one full token-budget prefill and a few decode steps, so one-off costs of the
+    first large forward (allocator growth, thread pools) do not land on the first measured
+    run (vLLM's engine does a profile run at start for the same reason). Its prompts share no
+    block with the benchmark workloads, so it leaves nothing in the prefix cache to hit."""
+    params = params_cls(temperature=0, max_tokens=4, ignore_eos=True)
+    for i in range(num_prompts):
+        tokens = [100 + (i * prompt_len + j) % 30000 for j in range(prompt_len)]
+        engine.add_request(f"warmup-{i}", tokens, params)
     while engine.has_unfinished_requests():
         engine.step()
 
