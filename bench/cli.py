@@ -160,7 +160,7 @@ def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int) ->
         _log("prefix index overhead: index-steered vs local LRU")
         workload = _shared_prefix_workload(sizes, seed)
         results["index_overhead"] = index_overhead(
-            make_engine, workload, max_concurrency=sizes.prefix_tenants
+            make_engine, workload, sizes.prefix_tenants, repeats=sizes.zero_hit_repeats
         )
     results["meta"]["finished"] = machine_metadata(model, light=True)
     return results
@@ -206,10 +206,16 @@ def _engine_peers(make_engine, throughput, batch1, serving, rate, seed) -> dict[
 
 
 def _hf_peers(model: str, throughput: Workload, batch1: Workload) -> dict[str, PeerRun]:
-    from bench.peers_hf import load_hf_model, run_generate_batch, run_static_generate
+    from bench.peers_hf import (
+        load_hf_model,
+        run_generate_batch,
+        run_static_generate,
+        warm_up_hf,
+    )
 
     _log("HF transformers: load")
     hf = load_hf_model(model)
+    warm_up_hf(hf)
     runs = {
         "hf_generate_static": run_static_generate(hf, throughput, len(throughput.requests)),
         "hf_generate_batch": run_generate_batch(hf, throughput),

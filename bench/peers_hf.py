@@ -46,6 +46,17 @@ def load_hf_model(model_path: str):
     return model
 
 
+def warm_up_hf(model, batch_size: int = 4, prompt_len: int = 256) -> None:
+    """Untimed, as for our engine: one-off costs of the first large forward."""
+    input_ids = torch.arange(batch_size * prompt_len).reshape(batch_size, prompt_len) + 100
+    with torch.inference_mode():
+        model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            generation_config=_greedy_no_eos(4, 0),
+        )
+
+
 def _greedy_no_eos(max_new_tokens: int, pad_token_id: int) -> GenerationConfig:
     # eos_token_id None: generation runs to max_new_tokens without masking EOS, like ignore_eos.
     return GenerationConfig(

@@ -284,7 +284,11 @@ def render_report(r: dict, out: Path) -> str:
             f"| prefix index | {_f(io['index']['output_throughput'])} "
             f"| {_f(io['index']['ttft']['p50_ms'], 0)} |",
             "",
-            f"Throughput ratio index / local **{io['throughput_ratio']:.3f}**; link: "
+            "Runs (alternating, best of each compared): local "
+            + ", ".join(_f(x) for x in io.get("output_throughput_local", []))
+            + " tok/s, index "
+            + ", ".join(_f(x) for x in io.get("output_throughput_index", []))
+            + f" tok/s. Throughput ratio index / local **{io['throughput_ratio']:.3f}**; link: "
             f"{link.get('applies', 'n/a')} Apply RPCs, {link.get('ops_sent', 'n/a')} ops, "
             f"{link.get('rpc_errors', 'n/a')} errors, degraded at end: "
             f"{link.get('degraded', 'n/a')}; mean RPC ms "
