@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,30 +13,16 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prefix_index.redis_process import free_port
+from prefix_index.server_process import ServerProcess, wait_serving
 
 
 def wait_engine_serving(target: str, timeout_s: float, proc: subprocess.Popen | None = None,
                         log_path: Path | None = None) -> None:
     """Blocks until the engine's health service at `target` reports SERVING."""
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if proc is not None and proc.poll() is not None:
-                tail = log_path.read_text()[-3000:] if log_path and log_path.exists() else ""
-                raise RuntimeError(f"engine exited with {proc.returncode} before serving:\n{tail}")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine at {target} not SERVING after {timeout_s}s")
-            time.sleep(0.05)
+    wait_serving(target, timeout_s, name="engine", proc=proc, log_path=log_path)
 
 
-class EngineProcess:
+class EngineProcess(ServerProcess):
     """`pagedgen-engine` (or `python -m engine_service.server`) as a child process; its stderr
     goes to `log_path` when given (kept for errors), else is inherited."""
 
@@ -54,10 +37,6 @@ class EngineProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
-    @property
-    def target(self) -> str:
-        return f"{self.host}:{self.port}"
-
     def command(self) -> list[str]:
         script = shutil.which("pagedgen-engine")
         base = [script] if script else [sys.executable, "-m", "engine_service.server"]
@@ -65,14 +44,7 @@ class EngineProcess:
                        *self.extra_args]
 
     def start(self) -> EngineProcess:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        stderr = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115
-        try:
-            self.proc = subprocess.Popen(self.command(), env=env, stdout=subprocess.DEVNULL,
-                                         stderr=stderr)
-        finally:
-            if stderr is not None:
-                stderr.close()  # the child holds its own descriptor
+        self.spawn(self.command(), self.log_path)
         try:
             wait_engine_serving(self.target, self.start_timeout_s, self.proc, self.log_path)
         except BaseException:
@@ -82,30 +54,7 @@ class EngineProcess:
 
     def terminate(self, timeout_s: float = 30.0) -> int:
         """SIGTERM (drain, then exit); returns the exit code."""
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        code = self.proc.returncode
-        self.proc = None
-        return code
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def __enter__(self) -> EngineProcess:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.terminate()
+        return super().terminate(timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,91 @@
+"""A gRPC server run as a child process, ready once its health service says SERVING.
+
+Shared by the prefix index and engine launchers (tests, benchmarks, pagedgen-stack).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def wait_serving(target: str, timeout_s: float, *, name: str = "server", service: str = "",
+                 proc: subprocess.Popen | None = None, log_path: Path | None = None) -> None:
+    """Blocks until the health service at `target` reports SERVING; fails early if `proc`
+    exits first (with the tail of its log, when there is one)."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if proc is not None and proc.poll() is not None:
+                tail = log_path.read_text()[-3000:] if log_path and log_path.exists() else ""
+                raise RuntimeError(f"{name} exited with {proc.returncode} before serving:\n{tail}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=0.5)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} at {target} not SERVING after {timeout_s}s")
+            time.sleep(0.05)
+
+
+class ServerProcess:
+    """Lifecycle of one child server: start (subclasses), SIGTERM drain, kill, `with`."""
+
+    name = "server"
+    proc: subprocess.Popen | None = None
+    host: str
+    port: int
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def spawn(self, command: list[str], log_path: Path | None = None) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        stderr = open(log_path, "wb") if log_path else None  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                                         stderr=stderr)
+        finally:
+            if stderr is not None:
+                stderr.close()  # the child holds its own descriptor
+        return self.proc
+
+    def start(self) -> ServerProcess:
+        raise NotImplementedError
+
+    def terminate(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM (drain, then exit); returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        code = self.proc.returncode
+        self.proc = None
+        return code
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.terminate()
