@@ -309,8 +309,12 @@ def write_outputs(results: dict, out: Path, report: bool = True) -> None:
         from bench.report import render_report
 
         md = out.parent / "README_results.md"
-        md.write_text(render_report(results, out))
+        text = render_report(results, out)
+        md.write_text(text)
         _log(f"wrote {md}")
+        # The targets table on the console too: the one thing to read after a run.
+        start = text.find("### Targets")
+        print(text[start : text.find("###", start + 3)], flush=True)
 
 
 def _finite(value):
