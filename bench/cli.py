@@ -75,10 +75,20 @@ def main(argv: list[str] | None = None) -> None:
         help="torch threads for every peer, the gRPC server included (default: torch's)",
     )
     p.add_argument("--no-report", action="store_true", help="do not write README_results.md")
+    p.add_argument(
+        "--render-only",
+        action="store_true",
+        help="re-render the plots and README_results.md from <out>/bench.json, run nothing",
+    )
     args = p.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
     if unknown := skip - set(SECTIONS):
         p.error(f"--skip takes sections from {SECTIONS}, got {sorted(unknown)}")
+    if args.render_only:
+        import json
+
+        write_outputs(json.loads((args.out / "bench.json").read_text()), args.out)
+        return
     logging.basicConfig(level=logging.WARNING)
     if args.threads is not None:
         import torch
