@@ -66,7 +66,10 @@ class AttentionPlan:
     prefill_seqs: torch.Tensor  # [num_prefill] int64
     prefill_token_index: torch.Tensor  # [num_prefill, max_query_len] int64 (clamped for padding)
     prefill_token_valid: torch.Tensor  # [num_prefill, max_query_len] bool
-    prefill_mask: torch.Tensor  # [num_prefill, 1, max_query_len, prefill_ctx] bool, True = attend
+    # [num_prefill, 1, max_query_len, prefill_ctx] bool, True = attend; None when every prefill
+    # starts at position 0, where a plain causal mask is exact and lets the kernel skip the
+    # upper triangle (padded query rows past a sequence's end are dropped).
+    prefill_mask: torch.Tensor | None
     decode_mask: torch.Tensor  # [num_decode, 1, 1, decode_ctx] bool
     decode_num_blocks: int
     prefill_num_blocks: int
@@ -113,13 +116,16 @@ def build_attention_plan(
     prefill_mask = k_pos[None, None, :] <= abs_q_pos[:, :, None]
     # Padded query rows attend to key 0 only, so they stay finite (their output is dropped).
     prefill_mask = prefill_mask & token_valid[:, :, None] | (k_pos == 0)[None, None, :]
+    prefill_mask = prefill_mask[:, None]
+    if bool((p_seq_lens == p_query_lens).all()):
+        prefill_mask = None
     return AttentionPlan(
         decode_seqs=decode_seqs,
         decode_tokens=query_start_loc[decode_seqs].long(),
         prefill_seqs=prefill_seqs,
         prefill_token_index=token_index,
         prefill_token_valid=token_valid,
-        prefill_mask=prefill_mask[:, None],
+        prefill_mask=prefill_mask,
         decode_mask=decode_mask,
         decode_num_blocks=decode_num_blocks,
         prefill_num_blocks=prefill_num_blocks,
@@ -178,7 +184,8 @@ def paged_attention(
         v = _gather_context(value_cache, plan.prefill_tables).to(query.dtype)
         q = query[plan.prefill_token_index].transpose(1, 2)  # [S, H, Qmax, D]
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=plan.prefill_mask, scale=scale, enable_gqa=gqa
+            q, k, v, attn_mask=plan.prefill_mask, scale=scale, enable_gqa=gqa,
+            is_causal=plan.prefill_mask is None,
         )
         o = o.transpose(1, 2)  # [S, Qmax, H, D]
         valid = plan.prefill_token_valid
