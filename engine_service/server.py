@@ -16,8 +16,10 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -62,12 +64,15 @@ class EngineServer:
         options: ServerOptions,
         index_link: IndexLink | None = None,
         metrics: EngineMetrics | None = None,
+        step_on_caller: bool = False,
     ) -> None:
         from transformers import AutoTokenizer
 
         self.options = options
         self.metrics = metrics or EngineMetrics()
-        self.async_engine = AsyncEngine(engine, on_step=self._on_step)
+        # step_on_caller: the engine is stepped by whoever calls async_engine.run() (main()).
+        self.async_engine = AsyncEngine(engine, on_step=self._on_step,
+                                        own_thread=not step_on_caller)
         mc = engine.model_config
         # The servicer tokenizes on the event loop thread while the engine thread detokenizes:
         # two tokenizer objects, since HF fast tokenizers are not safe across threads.
@@ -210,7 +215,48 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
     )
 
 
-async def serve(args: argparse.Namespace) -> None:
+@dataclass
+class _LoopState:
+    """What the main thread needs from the event-loop thread."""
+
+    ready: threading.Event = field(default_factory=threading.Event)
+    server: EngineServer | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    stopping: asyncio.Event | None = None
+    error: BaseException | None = None
+
+    def request_stop(self, *_: object) -> None:
+        if self.loop is not None and self.stopping is not None:
+            self.loop.call_soon_threadsafe(self.stopping.set)
+
+
+async def _serve(make_server: Callable[[], EngineServer], args: argparse.Namespace,
+                 link: IndexLink | None, state: _LoopState) -> None:
+    try:
+        # Built on this thread: grpc.aio and the health servicer bind to the running loop.
+        server = state.server = make_server()
+        port = await server.start()
+    except BaseException as error:
+        state.error = error
+        state.ready.set()
+        raise
+    # One line on stdout that launchers read to learn the port (--port 0).
+    print(f"engine listening on {args.host}:{port}", flush=True)
+    state.loop = asyncio.get_running_loop()
+    state.stopping = asyncio.Event()
+    state.ready.set()
+    await state.stopping.wait()
+    log.info("draining (grace %.1fs, %d live requests)", args.grace_s,
+             server.async_engine.num_live)
+    await server.stop(args.grace_s)
+    if link is not None:
+        await asyncio.to_thread(link.close)
+    log.info("stopped")
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Build the engine, serve gRPC from an event-loop thread, and step the engine on this
+    (the main) thread until SIGTERM / SIGINT has drained the server."""
     model = args.model
     if model is None:
         from engine_service.prepare_model import ensure_default_model
@@ -229,21 +275,24 @@ async def serve(args: argparse.Namespace) -> None:
     )
     options = ServerOptions(args.host, args.port, args.metrics_port, args.metrics_host,
                             args.max_live_requests, engine_id)
-    server = EngineServer(engine, options, link, metrics)
-    port = await server.start()
-    # One line on stdout that launchers read to learn the port (--port 0).
-    print(f"engine listening on {args.host}:{port}", flush=True)
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
+    state = _LoopState()
+
+    def make_server() -> EngineServer:
+        return EngineServer(engine, options, link, metrics, step_on_caller=True)
+
+    loop_thread = threading.Thread(
+        target=asyncio.run, args=(_serve(make_server, args, link, state),), name="grpc-loop"
+    )
+    # Signals reach the main thread; the drain itself runs on the event loop.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
-    await stopping.wait()
-    log.info("draining (grace %.1fs, %d live requests)", args.grace_s,
-             server.async_engine.num_live)
-    await server.stop(args.grace_s)
-    if link is not None:
-        await asyncio.to_thread(link.close)
-    log.info("stopped")
+        signal.signal(sig, state.request_stop)
+    loop_thread.start()
+    state.ready.wait()
+    if state.error is None:
+        state.server.async_engine.run()
+    loop_thread.join()
+    if state.error is not None:
+        raise state.error
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -252,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level, stream=sys.stderr,
         format="%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
     try:
-        asyncio.run(serve(args))
+        serve(args)
     except ValueError as error:  # a bad model path or engine setting: say it, no traceback
         log.error("%s", error)
         sys.exit(2)
