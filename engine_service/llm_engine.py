@@ -355,7 +355,9 @@ class LLMEngine:
     # ---- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:
         pool = self.pool
-        in_use = sum(1 for b in pool.blocks if b.ref_count > 0)
+        # Free blocks are exactly those with refcount 0 (uncached or evictable), so this is
+        # O(1) instead of a scan of the pool (the server refreshes its gauges while stepping).
+        in_use = pool.num_blocks - pool.num_free_blocks
         return EngineStats(
             num_blocks=pool.num_blocks,
             num_free_blocks=pool.num_free_blocks,
