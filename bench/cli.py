@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the gRPC server subprocess
     if args.model is None:
-        from engine_service.prepare_model import ensure_default_model
+        from engine_service.tools.prepare_model import ensure_default_model
 
         args.model = str(ensure_default_model())
     sizes = QUICK if args.quick else FULL
@@ -198,7 +198,7 @@ def _shared_prefix_workload(sizes: Sizes, seed: int) -> Workload:
 
 def _engine_peers(make_engine, throughput, batch1, serving, rate, seed) -> dict[str, PeerRun]:
     from bench.peers_engine import drive, warm_up
-    from engine_service.sampling_params import SamplingParams
+    from engine_service.model.sampling_params import SamplingParams
 
     _log("engine (offline API): load")
     engine = make_engine()
@@ -238,7 +238,7 @@ def _hf_peers(model: str, throughput: Workload, batch1: Workload) -> dict[str, P
 
 def _grpc_peers(model, throughput, batch1, serving, rate, seed) -> dict[str, PeerRun]:
     from bench.peers_grpc import run_grpc
-    from engine_service.launch import EngineProcess
+    from engine_service.tools.launch import EngineProcess
 
     _log("engine over gRPC: start pagedgen-engine")
     args = ["--prefix-index", "none", "--log-level", "WARNING"]
@@ -276,7 +276,7 @@ def _ratios(peers: dict) -> dict:
 
 def _memory(sizes: Sizes, seed: int, cost) -> dict:
     from bench.memory import memory_comparison
-    from engine_service.config import DEFAULT_CPU_KV_CACHE_BYTES
+    from engine_service.core.config import DEFAULT_CPU_KV_CACHE_BYTES
 
     _log("KV memory: paged (real block manager + scheduler, no model) vs contiguous")
     workload = sharegpt_like(sizes.memory_requests, 2048, seed + 4)

@@ -24,8 +24,8 @@ def _drive_once(
     max_concurrency: int | None,
     progress: bool,
 ) -> tuple[EngineRun, dict]:
-    from engine_service.index_link import connect_prefix_index
-    from engine_service.sampling_params import SamplingParams
+    from engine_service.index.link import connect_prefix_index
+    from engine_service.model.sampling_params import SamplingParams
 
     engine = make_engine(enable_prefix_caching=True)
     link = connect_prefix_index(engine, target, engine_id) if target else None
@@ -63,8 +63,8 @@ def index_overhead(
 ) -> dict:
     """Alternates local / index runs `repeats` times (a fresh engine each) and compares the
     best of each side, which discounts interference from other work on the machine."""
-    from prefix_index.launch import IndexProcess
-    from prefix_index.redis_process import RedisProcess
+    from prefix_index.tools.launch import IndexProcess
+    from prefix_index.tools.redis_process import RedisProcess
 
     local_runs, index_runs, link_stats = [], [], {}
     with ExitStack() as stack:

@@ -69,11 +69,11 @@ def simulate_paged(
     max_num_seqs: int = 1024,
     max_num_batched_tokens: int = 2048,
 ) -> MemoryRun:
-    from engine_service.block_pool import BlockPool
-    from engine_service.kv_cache_manager import KVCacheManager
-    from engine_service.sampling_params import SamplingParams
-    from engine_service.scheduler import Scheduler, SchedulerConfig
-    from engine_service.sequence import Sequence, SequenceGroup, SequenceStatus
+    from engine_service.core.block_pool import BlockPool
+    from engine_service.core.kv_cache_manager import KVCacheManager
+    from engine_service.core.scheduler import Scheduler, SchedulerConfig
+    from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
+    from engine_service.model.sampling_params import SamplingParams
 
     pool = BlockPool(budget_slots // block_size)
     # Prefix caching off: the workload's prompts are unique, and utilization should measure

@@ -73,7 +73,7 @@ def drive(
     track_kv: bool = True,
     progress: bool = True,
 ) -> EngineRun:
-    from engine_service.sampling_params import SamplingParams
+    from engine_service.model.sampling_params import SamplingParams
 
     requests = workload.requests
     offsets = poisson_arrivals(len(requests), rate, seed)

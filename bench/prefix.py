@@ -38,7 +38,7 @@ def _run(
     rate: float,
     progress: bool,
 ) -> tuple[EngineRun, RunSummary]:
-    from engine_service.sampling_params import SamplingParams
+    from engine_service.model.sampling_params import SamplingParams
 
     engine = make_engine(enable_prefix_caching=enable_prefix_caching)
     warm_up(engine, SamplingParams)

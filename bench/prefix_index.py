@@ -25,12 +25,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.asyncio import Redis
 from tqdm import tqdm
 
-from prefix_index.client import PrefixIndexClient
-from prefix_index.config import PinPolicy
-from prefix_index.launch import IndexProcess
-from prefix_index.ops import Acquire, Commit, Release
-from prefix_index.redis_process import RedisProcess
-from prefix_index.store import IndexStore
+from prefix_index.api.client import PrefixIndexClient
+from prefix_index.api.ops import Acquire, Commit, Release
+from prefix_index.server.config import PinPolicy
+from prefix_index.server.store import IndexStore
+from prefix_index.tools.launch import IndexProcess
+from prefix_index.tools.redis_process import RedisProcess
 
 CHAIN_LENGTHS = (1, 16, 128)
 CONCURRENCY = (1, 8, 32)

@@ -82,7 +82,7 @@ def measure_peaks(quick: bool = False) -> MachinePeaks:
 def model_cost(model_path: str, dtype_bytes: int = 4) -> ModelCost:
     from safetensors import safe_open
 
-    from engine_service.model_config import load_model_config
+    from engine_service.model.config import load_model_config
 
     mc = load_model_config(model_path)
     num_params = 0

@@ -12,7 +12,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from engine_service.sampling_params import SamplingParams
+        from engine_service.model.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'engine_service' has no attribute {name!r}")

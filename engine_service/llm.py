@@ -5,10 +5,10 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from engine_service.config import EngineConfig
-from engine_service.llm_engine import LLMEngine
-from engine_service.outputs import RequestOutput
-from engine_service.sampling_params import SamplingParams
+from engine_service.core.config import EngineConfig
+from engine_service.core.engine import LLMEngine
+from engine_service.core.outputs import RequestOutput
+from engine_service.model.sampling_params import SamplingParams
 
 Prompt = str | dict
 
@@ -19,7 +19,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         if model is None:
-            from engine_service.prepare_model import ensure_default_model
+            from engine_service.tools.prepare_model import ensure_default_model
 
             model = str(ensure_default_model())
         self.llm_engine = LLMEngine(EngineConfig(model=str(model), **engine_args))

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec python3 -m engine_service.stack "$@"
+exec python3 -m engine_service.tools.stack "$@"

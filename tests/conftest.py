@@ -14,7 +14,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from engine_service.prepare_model import ensure_default_model  # noqa: E402
+from engine_service.tools.prepare_model import ensure_default_model  # noqa: E402
 from tests.support.tiny_models import make_tiny_model  # noqa: E402
 
 

@@ -10,8 +10,8 @@ import pytest
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from engine_service.model_paths import default_gguf_path, default_model_dir
-from engine_service.prepare_model import (
+from engine_service.model.paths import default_gguf_path, default_model_dir
+from engine_service.tools.prepare_model import (
     MARKER_FILENAME,
     GgufFingerprint,
     ensure_default_model,

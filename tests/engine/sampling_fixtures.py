@@ -11,7 +11,7 @@ import random
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from engine_service.model_paths import default_gguf_path, default_model_dir
+from engine_service.model.paths import default_gguf_path, default_model_dir
 
 
 @functools.cache

@@ -5,7 +5,7 @@ import random
 import pytest
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from engine_service.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
+from engine_service.model.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
 from tests.engine.sampling_fixtures import (
     build_sentencepiece_style_tokenizer,
     load_smollm2_tokenizer,

@@ -3,7 +3,7 @@
 import pytest
 
 from engine_service import LLM, SamplingParams
-from engine_service.llm_engine import RequestTooLargeError
+from engine_service.core.engine import RequestTooLargeError
 
 
 @pytest.fixture(scope="module")

@@ -111,7 +111,7 @@ def test_rope_scaled_llama_matches_hf(make_llm, tmp_path, smollm2_dir):
 
 
 def test_gguf_file_loads_and_matches_converted_dir(make_llm, smollm2_dir, smollm2_llm):
-    from engine_service.model_paths import default_gguf_path
+    from engine_service.model.paths import default_gguf_path
 
     gguf_llm = make_llm(default_gguf_path(), num_blocks=64)
     prompt = {"prompt_token_ids": smollm2_llm.get_tokenizer().encode("The capital of France is")}

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from engine_service.sampler import NUCLEUS_CANDIDATES, Sampler, SamplingRow, make_generator
-from engine_service.sampling_params import SamplingParams
+from engine_service.model.sampler import NUCLEUS_CANDIDATES, Sampler, SamplingRow, make_generator
+from engine_service.model.sampling_params import SamplingParams
 
 EOS = 0
 

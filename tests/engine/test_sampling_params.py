@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from engine_service.sampling_params import (
+from engine_service.model.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_STOP_STRING_CHARS,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import xxhash
 
-from prefix_index.ops import Commit
+from prefix_index.api.ops import Commit
 
 
 def block_hash(parent: bytes, label: str) -> bytes:

@@ -6,8 +6,8 @@ import uuid
 
 import pytest
 
-from prefix_index.launch import IndexProcess
-from prefix_index.redis_process import RedisProcess
+from prefix_index.tools.launch import IndexProcess
+from prefix_index.tools.redis_process import RedisProcess
 
 # The policy the tests (and the reference model) assume: a window far longer than any test, so
 # a block's hit estimate is exactly its hit count.

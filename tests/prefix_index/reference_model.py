@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefix_index.ops import (
+from prefix_index.api.ops import (
     Acquire,
     Commit,
     Evict,

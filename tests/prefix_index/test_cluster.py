@@ -9,11 +9,11 @@ import shutil
 import pytest
 from redis.crc import key_slot
 
-from prefix_index.client import PrefixIndexClient
-from prefix_index.keys import engine_keys
-from prefix_index.launch import IndexProcess
-from prefix_index.ops import Acquire, Evict, Release
-from prefix_index.redis_process import RedisClusterProcess
+from prefix_index.api.client import PrefixIndexClient
+from prefix_index.api.ops import Acquire, Evict, Release
+from prefix_index.server.keys import engine_keys
+from prefix_index.tools.launch import IndexProcess
+from prefix_index.tools.redis_process import RedisClusterProcess
 from tests.prefix_index.chains import commit_ops, make_chain
 from tests.prefix_index.conftest import INDEX_ARGS
 

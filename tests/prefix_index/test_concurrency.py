@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from prefix_index.client import PrefixIndexClient
-from prefix_index.ops import Acquire, Evict, OpStatus, Release
+from prefix_index.api.client import PrefixIndexClient
+from prefix_index.api.ops import Acquire, Evict, OpStatus, Release
 from tests.prefix_index.chains import commit_ops, make_chain
 
 CLIENTS = 8

@@ -9,9 +9,9 @@ import random
 import pytest
 import redis
 
-from prefix_index.client import PrefixIndexClient
-from prefix_index.keys import engine_keys
-from prefix_index.ops import Acquire, Commit, Evict, Op, OpResult, Pin, Release, Unpin
+from prefix_index.api.client import PrefixIndexClient
+from prefix_index.api.ops import Acquire, Commit, Evict, Op, OpResult, Pin, Release, Unpin
+from prefix_index.server.keys import engine_keys
 from tests.prefix_index.chains import block_hash
 from tests.prefix_index.conftest import HOT_THRESHOLD
 from tests.prefix_index.reference_model import ReferenceIndex

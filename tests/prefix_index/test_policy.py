@@ -10,9 +10,9 @@ import grpc
 import pytest
 import redis
 
-from prefix_index.client import PrefixIndexClient, PrefixIndexClientError
-from prefix_index.launch import IndexProcess
-from prefix_index.ops import Acquire, Commit, Evict, OpStatus, Pin, Release, Unpin
+from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
+from prefix_index.api.ops import Acquire, Commit, Evict, OpStatus, Pin, Release, Unpin
+from prefix_index.tools.launch import IndexProcess
 from tests.prefix_index.chains import commit_ops, make_chain
 from tests.prefix_index.conftest import HOT_THRESHOLD
 

@@ -10,10 +10,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prefix_index.client import PrefixIndexClient, PrefixIndexClientError
-from prefix_index.launch import IndexProcess
-from prefix_index.ops import Acquire, Evict, Release
-from prefix_index.redis_process import RedisProcess
+from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
+from prefix_index.api.ops import Acquire, Evict, Release
+from prefix_index.tools.launch import IndexProcess
+from prefix_index.tools.redis_process import RedisProcess
 from tests.prefix_index.chains import commit_ops, make_chain
 from tests.prefix_index.conftest import INDEX_ARGS
 

@@ -12,12 +12,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from prefix_index.client import PrefixIndexClient
-from prefix_index.config import IndexConfig
-from prefix_index.launch import IndexProcess
-from prefix_index.ops import Acquire
-from prefix_index.redis_process import free_port
-from prefix_index.server import IndexServer
+from prefix_index.api.client import PrefixIndexClient
+from prefix_index.api.ops import Acquire
+from prefix_index.server.config import IndexConfig
+from prefix_index.server.main import IndexServer
+from prefix_index.tools.launch import IndexProcess
+from prefix_index.tools.redis_process import free_port
 from tests.prefix_index.chains import commit_ops, make_chain
 from tests.prefix_index.conftest import INDEX_ARGS
 
@@ -53,7 +53,7 @@ def test_health_reflection_metrics_and_sigterm(redis_server, engine_id):
         assert "pagedgen_prefix_index_hit_blocks_total 2.0" in text
         assert 'pagedgen_prefix_index_rpcs_total{code="OK",method="Apply"} 1.0' in text
 
-        check = [sys.executable, "-m", "prefix_index.healthcheck", index.target,
+        check = [sys.executable, "-m", "prefix_index.tools.healthcheck", index.target,
                  "--service", SERVICE]
         assert subprocess.run(check, timeout=30).returncode == 0
 

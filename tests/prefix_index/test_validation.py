@@ -9,8 +9,8 @@ import pytest
 
 from pagedgen_api import prefix_index_pb2 as pb
 from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
-from prefix_index.client import PrefixIndexClient, PrefixIndexClientError
-from prefix_index.ops import Acquire, Commit, Evict, Pin, Release
+from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
+from prefix_index.api.ops import Acquire, Commit, Evict, Pin, Release
 from tests.prefix_index.chains import commit_ops, make_chain
 
 GOOD = make_chain("good", 1)[0]

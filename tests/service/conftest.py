@@ -1,6 +1,6 @@
 """One engine server (a subprocess on the tiny Llama, loopback gRPC) shared by the service tests.
 
-When the prefix index link exists (engine_service/index_policy.py) the engine runs against a
+When the prefix index link exists (engine_service/index/policy.py) the engine runs against a
 real redis-server and prefix index, as in production; otherwise with `--prefix-index none`.
 """
 
@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine_service.launch import EngineProcess
+from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2_grpc as pb_grpc
-from prefix_index.launch import IndexProcess
-from prefix_index.redis_process import RedisProcess, free_port
+from prefix_index.tools.launch import IndexProcess
+from prefix_index.tools.redis_process import RedisProcess, free_port
 
 # 240 blocks of 16 tokens: room for 64 short concurrent requests, while a request that may
 # grow to the whole 4096-token context (256 blocks) can never fit (RESOURCE_EXHAUSTED).
@@ -30,7 +30,7 @@ SERVICE = "pagedgen.generation.v1.Generation"
 
 
 def has_index_link() -> bool:
-    return importlib.util.find_spec("engine_service.index_link") is not None
+    return importlib.util.find_spec("engine_service.index.link") is not None
 
 
 class EngineUnderTest:

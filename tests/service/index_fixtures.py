@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_service import SamplingParams
-from engine_service.config import EngineConfig
-from engine_service.llm_engine import LLMEngine
-from engine_service.outputs import RequestOutput
-from prefix_index.client import PrefixIndexClient
-from prefix_index.ops import EngineStats
+from engine_service.core.config import EngineConfig
+from engine_service.core.engine import LLMEngine
+from engine_service.core.outputs import RequestOutput
+from prefix_index.api.client import PrefixIndexClient
+from prefix_index.api.ops import EngineStats
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 256  # large enough that nothing is evicted: runs with and without an index match

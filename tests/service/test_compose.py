@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine_service.server import parse_args as engine_args
-from prefix_index.server import parse_args as index_args
+from engine_service.serving.server import parse_args as engine_args
+from prefix_index.server.main import parse_args as index_args
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -63,7 +63,7 @@ def test_commands_parse_with_the_real_console_scripts(services):
 
 
 def test_healthcheck_probe_reports_serving(engine_server):
-    done = subprocess.run(["python", "-m", "engine_service.launch", "--check",
+    done = subprocess.run(["python", "-m", "engine_service.tools.launch", "--check",
                            engine_server.target], capture_output=True, text=True, timeout=30,
                           cwd=ROOT)
     assert done.returncode == 0 and done.stdout.strip().endswith("SERVING"), done

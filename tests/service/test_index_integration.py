@@ -10,12 +10,12 @@ import grpc
 import pytest
 
 from engine_service import SamplingParams
-from engine_service.block_hash import extend_block_hashes
-from engine_service.index_link import IndexLinkOptions, PrefixIndexLink, connect_prefix_index
-from prefix_index.client import PrefixIndexClient, PrefixIndexClientError
-from prefix_index.launch import IndexProcess
-from prefix_index.ops import Evict
-from prefix_index.redis_process import RedisProcess, free_port
+from engine_service.core.block_hash import extend_block_hashes
+from engine_service.index.link import IndexLinkOptions, PrefixIndexLink, connect_prefix_index
+from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
+from prefix_index.api.ops import Evict
+from prefix_index.tools.launch import IndexProcess
+from prefix_index.tools.redis_process import RedisProcess, free_port
 from tests.service.index_fixtures import (
     BLOCK_SIZE,
     INDEX_ARGS,
@@ -323,7 +323,7 @@ def test_engine_restart_fences_the_old_epoch(tiny_llama_dir, index):
 def test_grpc_server_reports_cached_tokens_through_the_index(tiny_llama_dir, index, tmp_path):
     """End to end: pagedgen-engine --prefix-index HOST:PORT, two Generate calls sharing a
     prefix; the second's usage counts the shared blocks and the index counts the hit."""
-    from engine_service.launch import EngineProcess
+    from engine_service.tools.launch import EngineProcess
     from pagedgen_api import generation_pb2 as gen_pb
     from pagedgen_api import generation_pb2_grpc as gen_grpc
 

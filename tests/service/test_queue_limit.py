@@ -7,9 +7,9 @@ import asyncio
 
 import grpc
 
-from engine_service.config import EngineConfig
-from engine_service.llm_engine import LLMEngine
-from engine_service.server import EngineServer, ServerOptions
+from engine_service.core.config import EngineConfig
+from engine_service.core.engine import LLMEngine
+from engine_service.serving.server import EngineServer, ServerOptions
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 

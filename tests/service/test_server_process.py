@@ -11,7 +11,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_service.launch import EngineProcess
+from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from tests.service.conftest import has_index_link

@@ -15,7 +15,7 @@ PROMPT = "Name three colours."
 
 def test_stack_streams_a_completion_and_stops_cleanly(smollm2_dir, tmp_path):
     script = shutil.which("pagedgen-stack")
-    command = [script] if script else [sys.executable, "-m", "engine_service.stack"]
+    command = [script] if script else [sys.executable, "-m", "engine_service.tools.stack"]
     done = subprocess.run(
         command + ["--prompt", PROMPT, "--max-tokens", "16", "--log-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300)

@@ -113,7 +113,7 @@ def _copy_tokenizer(tokenizer_dir: Path, out_dir: Path) -> None:
         if not source.is_file():
             raise FileNotFoundError(
                 f"tokenizer file {filename} missing from {tokenizer_dir}; "
-                "pass the prepared SmolLM2 directory (engine_service.prepare_model)"
+                "pass the prepared SmolLM2 directory (engine_service.tools.prepare_model)"
             )
         shutil.copy2(source, out_dir / filename)
 

@@ -1,0 +1,388 @@
+"""The engine: requests in, one scheduled forward + sampling per step, outputs out."""
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine_service.core.block_hash import model_seed_hash
+from engine_service.core.block_pool import BlockPool
+from engine_service.core.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine_service.core.kv_cache_manager import KVCacheManager, blocks_for
+from engine_service.core.outputs import CompletionOutput, RequestOutput
+from engine_service.core.prefix_policy import PrefixPolicy
+from engine_service.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine_service.model.config import DTYPES, ModelConfig, load_model_config
+from engine_service.model.detokenizer import IncrementalDetokenizer
+from engine_service.model.runner import ModelRunner, kv_bytes_per_block
+from engine_service.model.sampler import Sampler, SamplingRow, make_generator
+from engine_service.model.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RequestTooLargeError(ValueError):
+    """The request can never fit in this engine's KV pool or context."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    kv_cache_usage: float  # fraction of blocks held by running sequences
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of those, served from the cache
+    num_preemptions: int
+    num_steps: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, policy: PrefixPolicy | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device must be 'cpu' on this machine: CUDA is not available")
+        self.config = config
+        self.model_config: ModelConfig = load_model_config(config.model)
+        mc = self.model_config
+        self.tokenizer = AutoTokenizer.from_pretrained(mc.path, gguf_file=mc.gguf_file)
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        dtype = DTYPES[config.dtype]
+        block_bytes = kv_bytes_per_block(mc, config.block_size, dtype)
+        num_blocks = config.num_blocks or self._blocks_from_budget(block_bytes)
+        num_cpu_blocks = config.swap_space // block_bytes if config.preemption_mode == "swap" else 0
+        self.runner = ModelRunner(
+            mc,
+            dtype=config.dtype,
+            device=config.device,
+            kernel_backend=config.kernel_backend,
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            max_model_len=self.max_model_len,
+        )
+        self.seed_hash = model_seed_hash(f"{mc.identity}:{config.dtype}", config.block_size)
+        self.pool = BlockPool(num_blocks, policy)
+        self.kv = KVCacheManager(
+            self.pool,
+            config.block_size,
+            self.seed_hash,
+            config.enable_prefix_caching,
+            num_cpu_blocks,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.max_num_batched_tokens, config.max_num_seqs, config.preemption_mode
+            ),
+            self.kv,
+        )
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self.sampler = Sampler(mc.vocab_size, eos, seed=config.seed)
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._groups: dict[str, SequenceGroup] = {}
+        self.num_steps = 0
+        self.num_computed_tokens = 0  # tokens run through the model (prefill + decode)
+        log.info(
+            "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), device %s",
+            mc.path,
+            num_blocks,
+            config.block_size,
+            num_blocks * block_bytes / 2**20,
+            config.device,
+        )
+
+    def _blocks_from_budget(self, block_bytes: int) -> int:
+        budget = self.config.kv_cache_memory
+        if budget is None and self.config.device == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+            budget = int(free * self.config.gpu_memory_utilization) - (1 << 30)
+        if budget is None:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // block_bytes
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory must hold at least 2 blocks ({2 * block_bytes} "
+                f"bytes), got {budget}"
+            )
+        return num_blocks
+
+    # ---- requests -----------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (RequestTooLargeError when it can never fit) naming the problem."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token, got an empty prompt")
+        vocab = self.model_config.vocab_size
+        bad = next(
+            (t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None
+        )
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids must be ints in [0, {vocab}), got {bad!r}")
+        params.check_for_model(vocab)
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestTooLargeError(
+                f"prompt has {len(prompt_token_ids)} tokens; the context allows at most "
+                f"{self.max_model_len - 1} so one token can be generated"
+            )
+        if (
+            params.max_tokens is not None
+            and len(prompt_token_ids) + params.max_tokens > self.max_model_len
+        ):
+            raise RequestTooLargeError(
+                f"max_tokens is {params.max_tokens} but the prompt "
+                f"({len(prompt_token_ids)} tokens) "
+                f"leaves room for at most {self.max_model_len - len(prompt_token_ids)} in the "
+                f"{self.max_model_len}-token context"
+            )
+        max_len = len(prompt_token_ids) + (params.max_tokens or self.max_model_len)
+        needed = blocks_for(min(max_len, self.max_model_len), self.config.block_size)
+        if needed > self.pool.num_blocks:
+            raise RequestTooLargeError(
+                f"request needs up to {needed} KV blocks but the pool has {self.pool.num_blocks}"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        if request_id in self._groups:
+            raise ValueError(f"request_id must be unique among live requests, got {request_id!r}")
+        self.validate_request(prompt_token_ids, params)
+        seq = self._new_sequence(list(prompt_token_ids), 0, params)
+        group = SequenceGroup(
+            request_id=request_id,
+            seqs=[seq],
+            params=params,
+            prompt=prompt,
+            cache_salt=cache_salt,
+            priority=priority,
+            arrival_order=next(self._arrivals),
+        )
+        self._groups[request_id] = group
+        self.scheduler.add(group)
+
+    def _new_sequence(self, token_ids: list[int], index: int, params: SamplingParams) -> Sequence:
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            index=index,
+            token_ids=token_ids,
+            num_prompt_tokens=len(token_ids),
+        )
+        if params.seed is not None:
+            seq.generator = make_generator(params.seed, index, self.runner.device)
+        seq.detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            token_ids,
+            params.stop,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
+            min_tokens=params.min_tokens,
+        )
+        seq.logprobs = [] if params.logprobs is not None else None
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; its final output, or None if unknown."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return None
+        self.scheduler.abort(request_id)
+        for seq in group.seqs:
+            if not seq.is_finished:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+        return self._make_output(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        # The policy hooks bracket every step: a prefix-index policy applies the victims the
+        # index chose before scheduling and sends the step's batched ops after it.
+        policy = self.pool.policy
+        policy.begin_step()
+        try:
+            return self._step()
+        finally:
+            policy.end_step()
+
+    def _step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        # Moves first, even in a step that runs no forward: a swap-out recorded by a
+        # preemption must reach the CPU pool before those device blocks are reused.
+        self.runner.apply_moves(sched.moves)
+        if not sched.scheduled:
+            return []
+        self.num_steps += 1
+        self.num_computed_tokens += sched.num_batched_tokens
+        logits = self.runner.execute(sched.scheduled)
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.kv.commit_full_blocks(item.seq, item.group.cache_salt)
+        self._sample(logits, [s for s in sched.scheduled if s.samples])
+        touched = {id(s.group): s.group for s in sched.scheduled}
+        outputs = [self._make_output(g) for g in touched.values()]
+        for group in self.scheduler.remove_finished():
+            self._groups.pop(group.request_id, None)
+        return outputs
+
+    def _sample(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> None:
+        rows: list[SamplingRow] = []
+        row_seqs: list[tuple[Sequence, SequenceGroup]] = []
+        logit_rows: list[int] = []
+        for i, item in enumerate(items):
+            seqs = [item.seq]
+            if item.group.params.n > 1 and not item.group.has_forked:
+                seqs += self._fork(item.group, item.seq)
+            for seq in seqs:
+                rows.append(
+                    SamplingRow(
+                        item.group.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator
+                    )
+                )
+                row_seqs.append((seq, item.group))
+                logit_rows.append(i)
+        if not rows:
+            return
+        if len(logit_rows) != len(items):
+            logits = logits[torch.tensor(logit_rows, device=logits.device)]
+        result = self.sampler(logits, rows)
+        now = time.monotonic()
+        for (seq, group), token, logprob in zip(
+            row_seqs, result.token_ids, result.logprobs, strict=True
+        ):
+            group.first_token_time = group.first_token_time or now
+            seq.token_ids.append(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprob)
+            self._check_stop(seq, group, token)
+            if seq.is_finished:
+                self.kv.free(seq)
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
+        """Parallel sampling: n-1 children share every block of the computed prompt."""
+        group.has_forked = True
+        children = []
+        for index in range(1, group.params.n):
+            child = self._new_sequence(list(parent.token_ids), index, group.params)
+            child.num_prompt_tokens = parent.num_prompt_tokens
+            child.status = SequenceStatus.RUNNING
+            self.kv.fork(parent, child)
+            children.append(child)
+        group.seqs.extend(children)
+        return children
+
+    def _check_stop(self, seq: Sequence, group: SequenceGroup, token: int) -> None:
+        params = group.params
+        delta = seq.detokenizer.add_token(token)
+        del delta  # text is read from the detokenizer when building outputs
+        reason = None
+        stop_reason = None
+        num_out = seq.num_output_tokens
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                reason = "stop"
+            elif token in params.stop_token_ids:
+                reason, stop_reason = "stop", token
+            elif seq.detokenizer.matched_stop is not None:
+                reason, stop_reason = "stop", seq.detokenizer.matched_stop
+        if reason is None and params.max_tokens is not None and num_out >= params.max_tokens:
+            reason = "length"
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            seq.detokenizer.finish()
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+            seq.stop_reason = stop_reason
+
+    def _make_output(self, group: SequenceGroup) -> RequestOutput:
+        completions = []
+        for seq in sorted(group.seqs, key=lambda s: s.index):
+            out_ids = seq.output_token_ids
+            new = out_ids[seq.num_streamed_tokens :]
+            text = seq.detokenizer.text
+            text_delta = text[seq.num_streamed_chars :]
+            lp_delta = None
+            if seq.logprobs is not None:
+                lp_delta = seq.logprobs[seq.num_streamed_tokens :]
+            seq.num_streamed_tokens = len(out_ids)
+            seq.num_streamed_chars = len(text)
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(out_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=seq.logprobs,
+                    text_delta=text_delta,
+                    token_ids_delta=new,
+                    logprobs_delta=lp_delta,
+                )
+            )
+        finished = group.is_finished
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.seqs[0].prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=group.num_cached_tokens or 0,
+            arrival_time=group.arrival_time,
+            first_token_time=group.first_token_time,
+            finished_time=time.monotonic() if finished else None,
+        )
+
+    # ---- introspection ------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        pool = self.pool
+        # Free blocks are exactly those with refcount 0 (uncached or evictable), so this is
+        # O(1) instead of a scan of the pool (the server refreshes its gauges while stepping).
+        in_use = pool.num_blocks - pool.num_free_blocks
+        return EngineStats(
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            kv_cache_usage=in_use / pool.num_blocks,
+            num_running=self.scheduler.num_running_seqs(),
+            num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped),
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+            num_preemptions=self.scheduler.counters.num_preemptions,
+            num_steps=self.num_steps,
+        )
+
+    def check_block_invariants(self) -> list[str]:
+        """Problems with the pool when no request is live: every block free, no negative refs."""
+        problems = [
+            f"block {b.block_id} has refcount {b.ref_count}"
+            for b in self.pool.blocks
+            if b.ref_count != 0
+        ]
+        if self.pool.num_free_blocks != self.pool.num_blocks:
+            problems.append(f"{self.pool.num_free_blocks} of {self.pool.num_blocks} blocks free")
+        if self.kv.num_free_cpu_blocks != self.kv.num_cpu_blocks:
+            problems.append(
+                f"{self.kv.num_free_cpu_blocks} of {self.kv.num_cpu_blocks} CPU blocks free"
+            )
+        return problems

@@ -1,0 +1,352 @@
+"""The engine's connection to the prefix index: one background thread running an asyncio loop.
+
+It registers, sends the ops each step recorded (engine_service/index/policy.py) as batched
+Applies, heartbeats when idle, and never lets a failure reach the engine: any error flips
+`degraded` (the engine keeps serving on its local LRU), then it re-registers (new epoch) and
+re-syncs the mirror on its own every `retry_interval_s` until the index answers again.
+
+    link = connect_prefix_index(engine, "127.0.0.1:50061", "engine-0")  # None for "none"
+    ...
+    link.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine_service.index.policy import IndexPolicy, LowWaterMark, PendingOp
+from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
+from prefix_index.api.ops import Acquire, Pin, Release, Unpin
+
+if TYPE_CHECKING:
+    from engine_service.core.engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+TARGET = re.compile(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:.]+\]:\d{1,5}")
+
+
+class IndexUnavailableError(ConnectionError):
+    """The prefix index cannot be reached now (the engine runs degraded on its local LRU)."""
+
+
+@dataclass(slots=True)
+class IndexLinkOptions:
+    lease_s: float = 30.0  # the index drops our entries if we are silent this long
+    rpc_timeout_s: float = 1.0  # deadline of every call: a hung index degrades us fast
+    retry_interval_s: float = 0.5  # between re-registration attempts while degraded
+    max_ops_per_apply: int = 1024  # the index allows 4096
+    max_hashes_per_apply: int = 16384  # the index allows 65536
+    low_water: LowWaterMark | None = None  # default: LowWaterMark.for_pool (one step's blocks)
+
+
+@dataclass(slots=True)
+class IndexLinkStats:
+    """Counters for metrics (monotonic totals) and the link's state."""
+
+    degraded: bool = True
+    epoch: int = 0
+    registrations: int = 0  # first one included: every later one re-synced the mirror
+    applies: int = 0
+    ops_sent: int = 0
+    rpc_errors: int = 0
+    rpc_seconds: dict[str, float] = field(default_factory=dict)  # method -> total latency
+    rpc_calls: dict[str, int] = field(default_factory=dict)  # method -> calls
+
+
+def _check_target(target: str) -> None:
+    if not TARGET.fullmatch(target):
+        raise ValueError(f"prefix index target must be HOST:PORT or 'none', got {target!r}")
+
+
+def connect_prefix_index(
+    engine: LLMEngine,
+    target: str | None,
+    engine_id: str,
+    options: IndexLinkOptions | None = None,
+    on_rpc: Callable[[str, float], None] | None = None,
+) -> PrefixIndexLink | None:
+    """Steer `engine`'s prefix cache by the index at `target` (HOST:PORT); None or "none" keeps
+    the local LRU and returns None. Call before the engine has cached anything. `on_rpc(method,
+    seconds)` observes each call's latency (for a metrics histogram)."""
+    if target is None or target == "none":
+        return None
+    _check_target(target)
+    if not ENGINE_ID.fullmatch(engine_id):
+        raise ValueError(f"engine_id must match [A-Za-z0-9._:-]{{1,128}}, got {engine_id!r}")
+    pool = engine.pool
+    if pool.num_cached_blocks:
+        raise ValueError(
+            f"connect the prefix index before serving: the pool already caches "
+            f"{pool.num_cached_blocks} blocks"
+        )
+    options = options or IndexLinkOptions()
+    config = engine.config
+    low_water = options.low_water or LowWaterMark.for_pool(
+        pool.num_blocks, config.max_num_batched_tokens // config.block_size
+    )
+    policy = IndexPolicy(pool, low_water)
+    pool.policy = policy
+    identity = f"{engine.model_config.identity}:{engine.config.dtype}"  # as the seed hash
+    link = PrefixIndexLink(
+        policy, target, engine_id, identity, engine.config.block_size, pool.num_blocks,
+        options, on_rpc,
+    )
+    return link.start()
+
+
+class PrefixIndexLink:
+    def __init__(
+        self,
+        policy: IndexPolicy,
+        target: str,
+        engine_id: str,
+        model_identity: str,
+        block_size: int,
+        num_blocks: int,
+        options: IndexLinkOptions,
+        on_rpc: Callable[[str, float], None] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.target = target
+        self.engine_id = engine_id
+        self.model_identity = model_identity
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.options = options
+        self._on_rpc = on_rpc
+        self._stats = IndexLinkStats()
+        self.last_error = "not registered yet"
+        self._degraded_since = time.monotonic()
+        self._registered = False
+        self._channel_failed = False
+        self._closing = False
+        self._last_rpc = 0.0
+        self._loop = asyncio.new_event_loop()
+        self._wake = asyncio.Event()
+        self._send_lock = asyncio.Lock()  # one Apply at a time keeps the ops in order
+        self._client: PrefixIndexClient | None = None
+        self._thread = threading.Thread(
+            target=self._loop.run_until_complete, args=(self._run(),),
+            name=f"prefix-index-link-{engine_id}", daemon=True,
+        )
+
+    # ---- state (any thread: plain attribute reads) --------------------------------------------
+    @property
+    def degraded(self) -> bool:
+        return self._stats.degraded
+
+    @property
+    def epoch(self) -> int:
+        return self._stats.epoch
+
+    def stats(self) -> IndexLinkStats:
+        s = self._stats
+        return IndexLinkStats(
+            s.degraded, s.epoch, s.registrations, s.applies, s.ops_sent, s.rpc_errors,
+            dict(s.rpc_seconds), dict(s.rpc_calls),
+        )
+
+    def health_details(self) -> dict[str, str]:
+        s = self._stats
+        mirror = self.policy.counters
+        details = {
+            "index": self.target,
+            "state": "degraded" if s.degraded else "ok",
+            "epoch": str(s.epoch),
+            "registrations": str(s.registrations),
+            "local_evictions": str(mirror.local_evictions),
+            "index_victims_applied": str(mirror.index_victims_applied),
+            "mismatches": str(mirror.mismatches),
+        }
+        if s.degraded:
+            details["degraded_for_s"] = f"{time.monotonic() - self._degraded_since:.1f}"
+            details["last_error"] = self.last_error
+        return details
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> PrefixIndexLink:
+        self.policy.wake = self._wake_soon
+        self._thread.start()
+        return self
+
+    def _wake_soon(self) -> None:
+        if self._closing:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._wake.set)
+        except RuntimeError:
+            pass  # closed between the check and the call: nothing is listening any more
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is pending (best effort), then stop the thread."""
+        if self._closing:
+            return
+        self._closing = True
+        self.policy.wake = lambda: None
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._wake.set)
+            self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._loop.close()
+        # The policy stays in the engine as a plain local LRU: nothing is recorded any more.
+        self.policy.stop_recording()
+        self._stats.degraded = True
+        self.last_error = "closed"
+
+    # ---- the loop (link thread) ---------------------------------------------------------------
+    async def _run(self) -> None:
+        self._client = PrefixIndexClient(self.target, self.options.rpc_timeout_s)
+        heartbeat_every = max(0.05, self.options.lease_s / 3)
+        try:
+            while not self._closing:
+                self._wake.clear()
+                try:
+                    if not self._registered or self.policy.needs_resync:
+                        await self._register_and_resync()
+                    await self._flush()
+                    if time.monotonic() - self._last_rpc > heartbeat_every:
+                        await self._timed("Heartbeat", self._client.heartbeat())
+                except Exception as error:  # noqa: BLE001 - the engine must never see it
+                    self._on_failure(error)
+                    await self._sleep(self.options.retry_interval_s)
+                    continue
+                try:
+                    await asyncio.wait_for(self._wake.wait(), heartbeat_every)
+                except TimeoutError:
+                    pass
+            if self._registered:
+                try:
+                    await self._flush()
+                except Exception as error:  # noqa: BLE001 - shutting down anyway
+                    log.info("prefix index: final flush failed: %s", error)
+        finally:
+            await self._client.close()
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._closing_wait(), seconds)
+        except TimeoutError:
+            pass
+
+    async def _closing_wait(self) -> None:
+        while not self._closing:
+            await self._wake.wait()
+            self._wake.clear()
+
+    def _on_failure(self, error: Exception) -> None:
+        self.policy.stop_recording()
+        self._registered = False
+        self._channel_failed = True
+        self._stats.rpc_errors += 1
+        self.last_error = str(error)
+        if not self._stats.degraded:
+            self._stats.degraded = True
+            self._degraded_since = time.monotonic()
+            log.warning("prefix index %s: degraded, serving on the local LRU: %s",
+                        self.target, error)
+
+    async def _register_and_resync(self) -> None:
+        assert self._client is not None
+        self.policy.stop_recording()
+        if self._channel_failed:
+            # A fresh channel connects at once; the old one may sit in its reconnect backoff.
+            self._channel_failed = False
+            await self._client.close()
+            self._client = PrefixIndexClient(self.target, self.options.rpc_timeout_s)
+        self._registered = False
+        epoch = await self._timed("Register", self._client.register(
+            self.engine_id, self.model_identity, self.block_size, self.num_blocks,
+            self.options.lease_s))
+        self._stats.epoch = epoch
+        self._stats.registrations += 1
+        async with self._send_lock:
+            await self._send(self.policy.resync_ops())
+        self._registered = True
+        if self._stats.degraded:
+            log.info("prefix index %s: registered, epoch %d, mirror re-synced",
+                     self.target, epoch)
+        self._stats.degraded = False
+
+    async def _flush(self) -> None:
+        async with self._send_lock:
+            # Results can queue corrective ops (a release to retry): send until none is left.
+            while pending := self.policy.take_pending():
+                await self._send(pending)
+
+    async def _send(self, pending: list[PendingOp]) -> None:
+        assert self._client is not None
+        for chunk in self._chunks(pending):
+            results = await self._timed("Apply", self._client.apply([p.op for p in chunk]))
+            self._stats.applies += 1
+            self._stats.ops_sent += len(chunk)
+            self.policy.on_results(chunk, results)
+
+    def _chunks(self, pending: list[PendingOp]) -> list[list[PendingOp]]:
+        chunks: list[list[PendingOp]] = []
+        current: list[PendingOp] = []
+        hashes = 0
+        for p in pending:
+            size = len(p.op.chain) if isinstance(p.op, Acquire | Pin | Unpin) else (
+                len(p.op.hashes) if isinstance(p.op, Release) else 1)
+            if current and (len(current) >= self.options.max_ops_per_apply
+                            or hashes + size > self.options.max_hashes_per_apply):
+                chunks.append(current)
+                current, hashes = [], 0
+            current.append(p)
+            hashes += size
+        if current:
+            chunks.append(current)
+        return chunks
+
+    async def _timed(self, method: str, call):
+        start = time.monotonic()
+        try:
+            return await call
+        finally:
+            seconds = time.monotonic() - start
+            self._last_rpc = time.monotonic()
+            s = self._stats
+            s.rpc_seconds[method] = s.rpc_seconds.get(method, 0.0) + seconds
+            s.rpc_calls[method] = s.rpc_calls.get(method, 0) + 1
+            if self._on_rpc is not None:
+                self._on_rpc(method, seconds)
+
+    # ---- pins (called from another event loop, e.g. the gRPC servicer's) ----------------------
+    async def pin_prefix(self, chain: list[bytes], ttl_s: float, unpin: bool) -> int:
+        """Pins (or unpins) the held prefix of `chain` in the index and the mirror; how many
+        blocks it changed. IndexUnavailableError while degraded."""
+        if self._closing:
+            raise IndexUnavailableError(f"prefix index {self.target}: the link is closed")
+        future = asyncio.run_coroutine_threadsafe(self._pin(chain, ttl_s, unpin), self._loop)
+        return await asyncio.wrap_future(future)
+
+    async def _pin(self, chain: list[bytes], ttl_s: float, unpin: bool) -> int:
+        if not self._registered or self._client is None:
+            raise IndexUnavailableError(f"prefix index {self.target}: {self.last_error}")
+        op = Unpin(list(chain)) if unpin else Pin(list(chain), ttl_s)
+        try:
+            async with self._send_lock:
+                # The chain's commits may still be pending: send them first.
+                while pending := self.policy.take_pending():
+                    await self._send(pending)
+                [result] = await self._timed("Apply", self._client.apply([op]))
+        except PrefixIndexClientError as error:
+            self._on_failure(error)
+            self._wake.set()
+            raise IndexUnavailableError(f"prefix index {self.target}: {error}") from None
+        if not result.ok:
+            return 0
+        if unpin:
+            self.policy.unpin_locally(chain)
+        else:
+            self.policy.pin_locally(chain[: result.count], ttl_s)
+        return result.count

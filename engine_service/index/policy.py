@@ -1,0 +1,349 @@
+"""A prefix policy steered by the prefix index service (DESIGN "Prefix index", "Failure").
+
+The engine thread never waits on the index. Each hook updates a local mirror of this engine's
+cached blocks (hash -> parent, block id, refcount) and its LRU, and records the matching index
+op; after each step the link (engine_service/index/link.py) sends what was recorded as one
+batched Apply from its own thread. Victims are asked for ahead of need (a low-water mark on
+never-used free blocks) and applied at the start of a later step, if still cached.
+
+While the index or Redis is down nothing is recorded and the mirror's LRU serves alone
+(degraded); on reconnect the link re-registers (new epoch) and sends the mirror as a re-sync.
+A block evicted locally while registered leaves the index with a stale entry, so it asks for a
+re-sync too (rare: the low-water mark keeps free blocks ahead of the allocations).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prefix_index.api.ops import (
+    Acquire,
+    Commit,
+    Evict,
+    EvictedBlock,
+    Op,
+    OpResult,
+    OpStatus,
+    Pin,
+    Release,
+)
+
+if TYPE_CHECKING:
+    from engine_service.core.block_pool import BlockPool
+
+MAX_HASHES_PER_OP = 4096  # the index allows 16384 per chain; smaller ops keep Applies even
+
+
+@dataclass(slots=True)
+class MirroredBlock:
+    parent: bytes  # b"" for the first block of a chain
+    block_id: int
+    ref_count: int
+
+
+@dataclass(slots=True)
+class PendingOp:
+    op: Op
+    local_hits: int = 0  # acquire: how many of the chain the engine took from its own cache
+
+
+@dataclass(slots=True)
+class MirrorCounters:
+    """Where the index and the local mirror disagreed, and what the policy did locally."""
+
+    index_victims_applied: int = 0  # blocks the index chose that left the local cache
+    local_evictions: int = 0  # blocks the local LRU picked (degraded, or the index lagged)
+    mismatches: int = 0  # index results that did not match the mirror (races; self-healing)
+
+
+@dataclass(slots=True)
+class LowWaterMark:
+    """Ask the index for victims when fewer than `low` never-used blocks are free; ask for
+    enough to get back to `high`."""
+
+    low: int
+    high: int
+
+    @classmethod
+    def for_pool(cls, num_blocks: int, blocks_per_step: int) -> LowWaterMark:
+        """Victims arrive a step after they are asked for, so keep about one step's worth of
+        new blocks (token budget / block size) free, but never more than a quarter of the pool:
+        the rest stays prefix cache."""
+        low = max(1, min(num_blocks // 4, max(4, blocks_per_step)))
+        return cls(low=low, high=min(num_blocks // 2, 2 * low))
+
+
+class IndexPolicy:
+    """PrefixPolicy for one engine whose prefix cache the prefix index steers."""
+
+    def __init__(self, pool: BlockPool, low_water: LowWaterMark) -> None:
+        self.pool = pool
+        self.low_water = low_water
+        # One lock for everything below: the engine thread's hooks and the link thread's
+        # take/resync/results calls all hold it briefly, never across an RPC.
+        self._lock = threading.Lock()
+        self._mirror: dict[bytes, MirroredBlock] = {}
+        self._evictable: OrderedDict[bytes, None] = OrderedDict()  # refcount 0, unpinned; LRU
+        self._pins: dict[bytes, float] = {}  # hash -> monotonic expiry (inf: until unpinned)
+        self._idle_pinned: set[bytes] = set()  # refcount 0 but pinned: not evictable
+        self._pending: list[PendingOp] = []
+        self._recording = False  # registered: hooks record ops for the index
+        self._covered_acquires = 0  # on_acquire calls an admission's Acquire op already counts
+        self._victims: list[EvictedBlock] = []  # chosen by the index, applied at begin_step
+        self._victims_in_flight = 0
+        self._needs_resync = False
+        self.counters = MirrorCounters()
+        self.wake: Callable[[], None] = lambda: None  # set by the link: "ops are waiting"
+
+    # ---- PrefixPolicy (engine thread) -------------------------------------------------------
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def on_commit(self, block_hash: bytes, parent_hash: bytes | None, block_id: int) -> None:
+        parent = parent_hash or b""
+        ref_count = self.pool.blocks[block_id].ref_count
+        with self._lock:
+            self._mirror[block_hash] = MirroredBlock(parent, block_id, ref_count)
+            if ref_count == 0:
+                self._evictable[block_hash] = None
+            if self._recording:
+                self._pending.append(PendingOp(Commit(block_hash, parent, block_id)))
+                # The index starts a commit at refcount 1: match the pool's count, one acquire
+                # per extra user (a chain never repeats a hash).
+                for _ in range(ref_count - 1):
+                    self._pending.append(PendingOp(Acquire([block_hash]), local_hits=1))
+                if ref_count == 0:
+                    self._record_release(block_hash)
+
+    def on_acquire(self, block_hash: bytes, was_evictable: bool) -> None:
+        with self._lock:
+            self._mirror[block_hash].ref_count += 1
+            if was_evictable:
+                self._evictable.pop(block_hash, None)
+                self._idle_pinned.discard(block_hash)
+            if self._covered_acquires:
+                self._covered_acquires -= 1
+            elif self._recording:
+                # A fork sharing a block (or a re-admission): one more user in the index too.
+                self._pending.append(PendingOp(Acquire([block_hash]), local_hits=1))
+
+    def on_release(self, block_hash: bytes, now_evictable: bool) -> None:
+        with self._lock:
+            self._mirror[block_hash].ref_count -= 1
+            if now_evictable:
+                if block_hash in self._pins:
+                    self._idle_pinned.add(block_hash)
+                else:
+                    self._evictable[block_hash] = None
+            if self._recording:
+                self._record_release(block_hash)
+
+    def _record_release(self, block_hash: bytes) -> None:
+        # Consecutive releases (a sequence's blocks, tail first) share one op.
+        last = self._pending[-1].op if self._pending else None
+        if isinstance(last, Release) and len(last.hashes) < MAX_HASHES_PER_OP:
+            last.hashes.append(block_hash)
+        else:
+            self._pending.append(PendingOp(Release([block_hash])))
+
+    def pick_victims(self, num_blocks: int) -> list[bytes]:
+        """The local LRU's choice: while degraded, or when the index's victims lagged."""
+        with self._lock:
+            victims = []
+            while self._evictable and len(victims) < num_blocks:
+                block_hash = self._evictable.popitem(last=False)[0]
+                del self._mirror[block_hash]
+                victims.append(block_hash)
+            self.counters.local_evictions += len(victims)
+            if victims and self._recording:
+                # The index still maps these block ids to the old hashes: start over.
+                self._needs_resync = True
+                self._stop_recording()
+        if victims:
+            self.wake()
+        return victims
+
+    def on_prefix_query(self, chain: list[bytes], num_hit_blocks: int) -> None:
+        with self._lock:
+            self._covered_acquires = num_hit_blocks
+            if self._recording and chain:
+                self._pending.append(PendingOp(Acquire(list(chain)), local_hits=num_hit_blocks))
+
+    def begin_step(self) -> None:
+        """Apply the victims the index chose (only those still cached in the same block) and
+        drop pins whose TTL ran out."""
+        now = time.monotonic()
+        with self._lock:
+            victims, self._victims = self._victims, []
+            for victim in victims:
+                entry = self._mirror.get(victim.hash)
+                if entry is None or entry.block_id != victim.block_id:
+                    self.counters.mismatches += 1
+                    continue
+                del self._mirror[victim.hash]
+                self._evictable.pop(victim.hash, None)
+                self._idle_pinned.discard(victim.hash)
+                self._pins.pop(victim.hash, None)
+                # A block in use stays with its users, privately: the index forgot it.
+                self.pool.uncache(victim.hash)
+                self.counters.index_victims_applied += 1
+            for block_hash in [h for h, expiry in self._pins.items() if expiry <= now]:
+                self._unpin_locally(block_hash)
+
+    def end_step(self) -> None:
+        with self._lock:
+            if self._recording:
+                self._ask_for_victims()
+            waiting = bool(self._pending) or self._needs_resync
+        if waiting:
+            self.wake()
+
+    def _ask_for_victims(self) -> None:
+        free_now = self.pool.num_free_blocks - len(self._evictable)
+        coming = self._victims_in_flight + len(self._victims)
+        if free_now + coming >= self.low_water.low:
+            return
+        k = min(self.low_water.high - free_now - coming, len(self._evictable) - coming)
+        if k > 0:
+            self._pending.append(PendingOp(Evict(k)))
+            self._victims_in_flight += k
+
+    # ---- pins (any thread) ------------------------------------------------------------------
+    def pin_locally(self, chain: list[bytes], ttl_s: float) -> int:
+        """Pins the cached prefix of chain in the mirror (never evicted locally); its length."""
+        expiry = time.monotonic() + ttl_s if ttl_s > 0 else math.inf
+        with self._lock:
+            count = 0
+            for block_hash in chain:
+                if block_hash not in self._mirror:
+                    break
+                self._pins[block_hash] = expiry
+                if block_hash in self._evictable:
+                    del self._evictable[block_hash]
+                    self._idle_pinned.add(block_hash)
+                count += 1
+            return count
+
+    def unpin_locally(self, chain: list[bytes]) -> int:
+        with self._lock:
+            return sum(self._unpin_locally(h) for h in chain if h in self._pins)
+
+    def _unpin_locally(self, block_hash: bytes) -> bool:
+        del self._pins[block_hash]
+        if block_hash in self._idle_pinned:
+            self._idle_pinned.discard(block_hash)
+            self._evictable[block_hash] = None
+        return True
+
+    # ---- the link's side (link thread) ------------------------------------------------------
+    @property
+    def needs_resync(self) -> bool:
+        return self._needs_resync
+
+    def take_pending(self) -> list[PendingOp]:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            return pending
+
+    def stop_recording(self) -> None:
+        """The index is unreachable or fenced us: its state is unknown until a re-sync."""
+        with self._lock:
+            self._stop_recording()
+
+    def _stop_recording(self) -> None:
+        self._recording = False
+        self._pending = []
+        self._victims = []  # chosen for a registration that is gone
+        self._victims_in_flight = 0
+
+    def resync_ops(self) -> list[PendingOp]:
+        """The mirror as ops for a fresh registration (parents first, refcounts as they are,
+        idle blocks released in LRU order so the index's LRU matches ours); recording resumes
+        from here, so nothing is lost between the snapshot and the next step's ops."""
+        with self._lock:
+            ops = [
+                PendingOp(Commit(h, self._mirror[h].parent, self._mirror[h].block_id))
+                for h in self._parents_first()
+            ]
+            idle = [h for h in self._mirror if self._mirror[h].ref_count == 0]
+            idle_order = [h for h in self._evictable] + [h for h in idle if h in self._idle_pinned]
+            for i in range(0, len(idle_order), MAX_HASHES_PER_OP):
+                ops.append(PendingOp(Release(idle_order[i : i + MAX_HASHES_PER_OP])))
+            # Refcounts above 1: acquire level by level (a chain never repeats a hash, and every
+            # hash of it is held, so each gets +1).
+            level = 2
+            while shared := [h for h, e in self._mirror.items() if e.ref_count >= level]:
+                for i in range(0, len(shared), MAX_HASHES_PER_OP):
+                    chunk = shared[i : i + MAX_HASHES_PER_OP]
+                    ops.append(PendingOp(Acquire(chunk), local_hits=len(chunk)))
+                level += 1
+            now = time.monotonic()
+            for h, expiry in self._pins.items():
+                ttl = 0.0 if math.isinf(expiry) else max(0.001, expiry - now)
+                ops.append(PendingOp(Pin([h], ttl)))
+            self._recording = True
+            self._needs_resync = False
+            self._pending = []
+            self._victims = []
+            self._victims_in_flight = 0
+            self._covered_acquires = 0
+            return ops
+
+    def _parents_first(self) -> list[bytes]:
+        depth: dict[bytes, int] = {}
+        for block_hash in self._mirror:
+            chain = []
+            h = block_hash
+            while h in self._mirror and h not in depth:
+                chain.append(h)
+                h = self._mirror[h].parent
+            base = depth.get(h, -1)
+            for offset, node in enumerate(reversed(chain), start=1):
+                depth[node] = base + offset
+        return sorted(self._mirror, key=depth.__getitem__)
+
+    def on_results(self, sent: list[PendingOp], results: list[OpResult]) -> None:
+        """Reconcile one Apply's results with the mirror."""
+        with self._lock:
+            for pending, result in zip(sent, results, strict=True):
+                self._reconcile(pending, result)
+
+    def _reconcile(self, pending: PendingOp, result: OpResult) -> None:
+        op = pending.op
+        if isinstance(op, Evict):
+            self._victims_in_flight = max(0, self._victims_in_flight - op.k)
+            if self._recording:
+                self._victims.extend(result.evicted)
+        elif isinstance(op, Acquire):
+            held = len(result.block_ids)
+            if held > pending.local_hits and self._recording:
+                # The index held more than the engine could verify: give the extra back.
+                self._pending.append(PendingOp(Release(op.chain[pending.local_hits : held])))
+            if held != pending.local_hits:
+                self.counters.mismatches += 1
+        elif isinstance(op, Release):
+            if not result.ok:
+                self.counters.mismatches += 1
+                rest = op.hashes[result.count + 1 :]
+                if rest and self._recording:
+                    self._pending.append(PendingOp(Release(rest)))
+        elif isinstance(op, Commit):
+            if result.status == OpStatus.NOT_HELD and self._recording:
+                # Its parent was evicted meanwhile: the block is unreachable, forget it here.
+                self._victims.append(EvictedBlock(op.hash, op.block_id))
+            elif result.status in (OpStatus.HASH_EXISTS, OpStatus.BLOCK_IN_USE):
+                self.counters.mismatches += 1
+                self._needs_resync = True
+                self._stop_recording()
+        elif isinstance(op, Pin) and not result.ok:
+            for block_hash in op.chain:
+                if block_hash in self._pins:
+                    self._unpin_locally(block_hash)
+

@@ -1,0 +1,76 @@
+"""Load HF Llama-family weights (safetensors directory or GGUF file) into our model."""
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine_service.model.config import ModelConfig
+from engine_service.model.models.llama import LlamaForCausalLM
+from engine_service.model.models.packed_linear import can_pack, pack_linear_layers
+
+log = logging.getLogger(__name__)
+
+# (our fused parameter, the HF parameters concatenated into it along dim 0)
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def _read_hf_tensors(config: ModelConfig) -> dict[str, torch.Tensor]:
+    if config.gguf_file is not None:
+        # GGUF weights are quantized: let transformers dequantize them, then take its tensors.
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            config.path, gguf_file=config.gguf_file, dtype=torch.float32
+        )
+        return dict(hf_model.state_dict())
+    files = sorted(Path(config.path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {str(config.path)!r} has no *.safetensors files")
+    tensors = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head") else "model." + name
+
+
+def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    hf = _read_hf_tensors(config)
+    state = {}
+    for name, param in model.named_parameters():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name == "lm_head.weight" and "lm_head.weight" not in hf:
+            raise ValueError("model has untied embeddings but no lm_head.weight")
+        fused = next((f for f in _FUSED if f"{f}." in name), None)
+        if fused is None:
+            parts = [_hf_name(name)]
+        else:
+            parts = [_hf_name(name.replace(fused, part)) for part in _FUSED[fused]]
+        missing = [p for p in parts if p not in hf]
+        if missing:
+            raise ValueError(f"weights for {name} not found in the checkpoint (missing {missing})")
+        tensor = torch.cat([hf[p] for p in parts], dim=0) if len(parts) > 1 else hf[parts[0]]
+        if tensor.shape != param.shape:
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}"
+            )
+        state[name] = tensor.to(dtype=dtype, device=device)
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.eval().requires_grad_(False)
+    if can_pack(device, dtype):
+        pack_linear_layers(model)
+    return model

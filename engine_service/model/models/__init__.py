@@ -1,0 +1,1 @@
+"""Our Llama-family forward over the paged KV cache."""

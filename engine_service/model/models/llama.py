@@ -1,0 +1,163 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+
+Plain PyTorch: q/k/v and gate/up projections are fused into one matmul each (fewer, larger
+GEMMs are what the CPU path needs); attention goes through the kernel backend.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_service.model.config import ModelConfig
+from kernels import KernelBackend
+
+
+@dataclass(slots=True)
+class StepContext:
+    """Per-step inputs shared by every layer."""
+
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    attention_plan: object | None
+    cos: torch.Tensor  # [num_tokens, head_dim]
+    sin: torch.Tensor  # [num_tokens, head_dim]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as HF (normalize in fp32, then scale) for token-exact output.
+        dtype = x.dtype
+        x32 = x.float()
+        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Row scaling through the transposed views: the same products, but a [T, 1] operand
+        # broadcast along the contiguous dim is ~6x slower on CPU than along the outer one.
+        x32 = (x32.t() * inv_rms.t()).t()
+        return (self.weight * x32.to(dtype)).contiguous()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_cos_sin_cache(
+    config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim], computed exactly as HF's rotary embedding
+    (so every rope_scaling type HF supports statically is supported here)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config.hf_config)
+    inv_freq = rotary.inv_freq.float()
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = (emb.cos() * rotary.attention_scaling).to(dtype=dtype, device=device)
+    sin = (emb.sin() * rotary.attention_scaling).to(dtype=dtype, device=device)
+    return cos, sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = config.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor, kernels: KernelBackend
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = ctx.cos[:, None, :], ctx.sin[:, None, :]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping)
+        out = kernels.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            ctx.block_tables,
+            ctx.seq_lens,
+            ctx.query_start_loc,
+            self.scale,
+            plan=ctx.attention_plan,
+        )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor, kernels: KernelBackend
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, kv_cache, kernels)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        ctx: StepContext,
+        kv_caches: torch.Tensor,
+        kernels: KernelBackend,
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm."""
+        x = self.embed_tokens(input_ids)
+        for layer_index, layer in enumerate(self.layers):
+            x = layer(x, ctx, kv_caches[layer_index], kernels)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,105 @@
+"""Prometheus metrics of the engine server, named in the spirit of vLLM's, on their own registry
+(no module-global state). Gauges and engine counters are refreshed by the engine thread; latency
+histograms are observed by the servicer, which sees a request from arrival to last token."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from engine_service.core.engine import EngineStats
+
+PREFIX = "pagedgen_engine_"
+# Latency buckets from 1 ms (a decode step of a tiny model) to a minute (a long CPU prefill).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+INDEX_RPC_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5)
+# Engine-wide gauges cost a pass over the pool: refresh them at most this often while busy.
+REFRESH_INTERVAL_S = 0.1
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.kv_cache_usage = Gauge(
+            PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks held by running sequences.",
+            registry=r)
+        self.num_blocks = Gauge(PREFIX + "kv_blocks", "KV blocks in the pool.", registry=r)
+        self.num_free_blocks = Gauge(
+            PREFIX + "kv_free_blocks", "KV blocks not held by a sequence.", registry=r)
+        self.num_running = Gauge(
+            PREFIX + "num_requests_running", "Sequences in the running batch.", registry=r)
+        self.num_waiting = Gauge(
+            PREFIX + "num_requests_waiting", "Requests waiting for admission.", registry=r)
+        self.num_swapped = Gauge(
+            PREFIX + "num_requests_swapped", "Requests swapped out to CPU blocks.", registry=r)
+        self.prefix_cache_queries = Counter(
+            PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            registry=r)
+        self.prefix_cache_hits = Counter(
+            PREFIX + "prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+            registry=r)
+        self.num_preemptions = Counter(
+            PREFIX + "num_preemptions", "Sequence groups preempted.", registry=r)
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Arrival to last token.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.requests_finished = Counter(
+            PREFIX + "requests_finished", "Requests finished, by finish reason.",
+            ["finish_reason"], registry=r)
+        self.requests_rejected = Counter(
+            PREFIX + "requests_rejected", "Requests refused before admission, by status code.",
+            ["code"], registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens admitted.",
+                                     registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.",
+                                         registry=r)
+        # Observed by the prefix index link (engine_service/index/policy.py) around its RPCs.
+        self.index_rpc_seconds = Histogram(
+            PREFIX + "index_rpc_seconds", "Latency of calls to the prefix index, by method.",
+            ["method"], buckets=INDEX_RPC_BUCKETS, registry=r)
+        self.degraded = Gauge(
+            PREFIX + "prefix_index_degraded",
+            "1 while the prefix index is unreachable and the engine runs on its local LRU.",
+            registry=r)
+        self._last = EngineStats(0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0)
+        self._last_refresh = 0.0
+
+    def watch_degraded(self, is_degraded: Callable[[], bool]) -> None:
+        """Read at scrape time from the index link (a plain attribute read: thread-safe)."""
+        self.degraded.set_function(lambda: 1.0 if is_degraded() else 0.0)
+
+    def refresh(self, stats_fn: Callable[[], EngineStats], force: bool = False) -> None:
+        """Called on the engine thread after a step (force when going idle)."""
+        now = time.monotonic()
+        if not force and now - self._last_refresh < REFRESH_INTERVAL_S:
+            return
+        self._last_refresh = now
+        self.record(stats_fn())
+
+    def record(self, stats: EngineStats) -> None:
+        last = self._last
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.num_blocks.set(stats.num_blocks)
+        self.num_free_blocks.set(stats.num_free_blocks)
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.num_swapped.set(stats.num_swapped)
+        # The engine keeps running totals; Prometheus counters take the increments.
+        queried = stats.prefix_cache_queries - last.prefix_cache_queries
+        self.prefix_cache_queries.inc(max(0, queried))
+        self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
+        self.num_preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self._last = stats
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=host, registry=self.registry)

@@ -1,0 +1,311 @@
+"""pagedgen-engine: the generation gRPC server (grpc.aio) with health, reflection and metrics.
+
+    pagedgen-engine --model PATH --port 50051 --device cpu --prefix-index 127.0.0.1:50061
+
+SIGTERM (or SIGINT) drains: health goes NOT_SERVING, new requests get UNAVAILABLE, in-flight
+requests finish (up to --grace-s), then the server stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from engine_service.core.config import BLOCK_SIZES, DEVICES, PREEMPTION_MODES, EngineConfig
+from engine_service.core.engine import LLMEngine
+from engine_service.index.link import connect_prefix_index
+from engine_service.serving.async_engine import AsyncEngine
+from engine_service.serving.metrics import EngineMetrics
+from engine_service.serving.servicer import GenerationServicer, IndexLink
+from engine_service.serving.validation import RequestValidator
+from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+
+log = logging.getLogger("engine_service.serving.server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+_BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+@dataclass(slots=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = any free port
+    metrics_port: int = 0  # 0 = no metrics endpoint
+    metrics_host: str = "0.0.0.0"
+    max_live_requests: int = 1024
+    engine_id: str = ""
+
+
+class EngineServer:
+    """The gRPC server around one engine: started and drained together. Usable in-process or
+    from main(). `index_link` (with the policy it steers already inside the engine) is optional:
+    without it the engine runs on its local LRU."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        options: ServerOptions,
+        index_link: IndexLink | None = None,
+        metrics: EngineMetrics | None = None,
+        step_on_caller: bool = False,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.options = options
+        self.metrics = metrics or EngineMetrics()
+        # step_on_caller: the engine is stepped by whoever calls async_engine.run() (main()).
+        self.async_engine = AsyncEngine(engine, on_step=self._on_step,
+                                        own_thread=not step_on_caller)
+        mc = engine.model_config
+        # The servicer tokenizes on the event loop thread while the engine thread detokenizes:
+        # two tokenizer objects, since HF fast tokenizers are not safe across threads.
+        tokenizer = AutoTokenizer.from_pretrained(mc.path, gguf_file=mc.gguf_file)
+        self.servicer = GenerationServicer(
+            self.async_engine,
+            RequestValidator(engine, tokenizer, options.max_live_requests),
+            self.metrics,
+            options.engine_id,
+            index_link,
+        )
+        if index_link is not None:
+            self.metrics.watch_degraded(lambda: index_link.degraded)
+        self.health = health_aio.HealthServicer()
+        self.server = grpc.aio.server()
+        self.port = 0
+
+    def _on_step(self, engine: LLMEngine, outputs: list) -> None:
+        # On the engine thread: refresh the gauges while busy (throttled) and when going idle.
+        self.metrics.refresh(engine.stats, force=not outputs)
+
+    async def start(self) -> int:
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            self.server,
+        )
+        address = f"{self.options.host}:{self.options.port}"
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind {address}")
+        self.async_engine.start()
+        await self.server.start()
+        if self.options.metrics_port:
+            self.metrics.serve(self.options.metrics_port, self.options.metrics_host)
+        await self._set_health(SERVING)
+        log.info("engine serving on %s:%d", self.options.host, self.port)
+        return self.port
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float = 30.0) -> None:
+        """Health NOT_SERVING and new requests refused first; in-flight requests get up to
+        grace_s to finish; what is left is cancelled (and aborted in the engine)."""
+        deadline = time.monotonic() + grace_s
+        self.servicer.draining = True
+        await self._set_health(NOT_SERVING)
+        while self.async_engine.num_live and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.async_engine.num_live:
+            log.warning("%d requests still live after %.1fs: cancelling them",
+                        self.async_engine.num_live, grace_s)
+        await self.server.stop(max(0.5, deadline - time.monotonic()))
+        await self.async_engine.stop()
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512MiB', '1G' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected bytes like 1073741824, 512MiB or 1G, "
+                                         f"got {text!r}")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    d = EngineConfig(model="")
+    p = argparse.ArgumentParser(prog="pagedgen-engine", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None,
+                   help="local HF directory or GGUF file (default: SmolLM2-135M-Instruct, "
+                        "prepared into the cache)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
+    p.add_argument("--device", default=d.device, choices=DEVICES)
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--kernel-backend", default=d.kernel_backend,
+                   choices=["auto", "torch", "triton"])
+    p.add_argument("--block-size", type=int, default=d.block_size, choices=BLOCK_SIZES)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="KV pool size in bytes (512MiB, 2G, ...)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--preemption-mode", default=d.preemption_mode, choices=PREEMPTION_MODES)
+    p.add_argument("--swap-space", type=parse_bytes, default=d.swap_space,
+                   help="CPU KV bytes for swapped-out sequences (swap mode)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--max-live-requests", type=int, default=ServerOptions().max_live_requests,
+                   help="requests accepted and unfinished before RESOURCE_EXHAUSTED")
+    p.add_argument("--prefix-index", default="none",
+                   help="HOST:PORT of the prefix index, or 'none' for a local LRU only")
+    p.add_argument("--engine-id", default=None,
+                   help="this engine's id at the prefix index (default: HOSTNAME-PORT, or -PID "
+                        "with --port 0)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
+    p.add_argument("--metrics-host", default="0.0.0.0")
+    p.add_argument("--grace-s", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests get to finish")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = p.parse_args(argv)
+    if args.max_live_requests < 1:
+        p.error(f"--max-live-requests must be >= 1, got {args.max_live_requests}")
+    if args.grace_s < 0:
+        p.error(f"--grace-s must be >= 0, got {args.grace_s}")
+    if args.prefix_index != "none" and not re.fullmatch(r"[^\s:]+:\d{1,5}", args.prefix_index):
+        p.error(f"--prefix-index must be HOST:PORT or none, got {args.prefix_index!r}")
+    return args
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
+    return EngineConfig(
+        model=model,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        device=args.device,
+        dtype=args.dtype,
+        kernel_backend=args.kernel_backend,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
+        seed=args.seed,
+    )
+
+
+@dataclass
+class _LoopState:
+    """What the main thread needs from the event-loop thread."""
+
+    ready: threading.Event = field(default_factory=threading.Event)
+    server: EngineServer | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    stopping: asyncio.Event | None = None
+    error: BaseException | None = None
+
+    def request_stop(self, *_: object) -> None:
+        if self.loop is not None and self.stopping is not None:
+            self.loop.call_soon_threadsafe(self.stopping.set)
+
+
+async def _serve(make_server: Callable[[], EngineServer], args: argparse.Namespace,
+                 link: IndexLink | None, state: _LoopState) -> None:
+    try:
+        # Built on this thread: grpc.aio and the health servicer bind to the running loop.
+        server = state.server = make_server()
+        port = await server.start()
+    except BaseException as error:
+        state.error = error
+        state.ready.set()
+        raise
+    # One line on stdout that launchers read to learn the port (--port 0).
+    print(f"engine listening on {args.host}:{port}", flush=True)
+    state.loop = asyncio.get_running_loop()
+    state.stopping = asyncio.Event()
+    state.ready.set()
+    await state.stopping.wait()
+    log.info("draining (grace %.1fs, %d live requests)", args.grace_s,
+             server.async_engine.num_live)
+    await server.stop(args.grace_s)
+    if link is not None:
+        await asyncio.to_thread(link.close)
+    log.info("stopped")
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Build the engine, serve gRPC from an event-loop thread, and step the engine on this
+    (the main) thread until SIGTERM / SIGINT has drained the server."""
+    model = args.model
+    if model is None:
+        from engine_service.tools.prepare_model import ensure_default_model
+
+        model = str(ensure_default_model())
+    config = engine_config_from_args(args, model)
+    engine_id = args.engine_id or f"{socket.gethostname()}-{args.port or os.getpid()}"
+    metrics = EngineMetrics()
+    engine = LLMEngine(config)
+    # The prefix index link (engine_service/index/link.py) installs its policy in the engine's
+    # pool and reports `degraded` / `health_details()` for stats, health and metrics; None for
+    # --prefix-index none (the local LRU alone).
+    link = connect_prefix_index(
+        engine, args.prefix_index, engine_id,
+        on_rpc=lambda method, seconds: metrics.index_rpc_seconds.labels(method).observe(seconds),
+    )
+    options = ServerOptions(args.host, args.port, args.metrics_port, args.metrics_host,
+                            args.max_live_requests, engine_id)
+    state = _LoopState()
+
+    def make_server() -> EngineServer:
+        return EngineServer(engine, options, link, metrics, step_on_caller=True)
+
+    loop_thread = threading.Thread(
+        target=asyncio.run, args=(_serve(make_server, args, link, state),), name="grpc-loop"
+    )
+    # Signals reach the main thread; the drain itself runs on the event loop.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, state.request_stop)
+    loop_thread.start()
+    state.ready.wait()
+    if state.error is None:
+        state.server.async_engine.run()
+    loop_thread.join()
+    if state.error is not None:
+        raise state.error
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr,
+        format="%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+    try:
+        serve(args)
+    except ValueError as error:  # a bad model path or engine setting: say it, no traceback
+        log.error("%s", error)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

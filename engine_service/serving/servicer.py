@@ -1,0 +1,322 @@
+"""The Generation gRPC servicer: validates, submits to the async engine, streams outputs back.
+
+Every way a request can end early (client cancellation, deadline, Abort, server drain) aborts it
+in the engine, which frees its KV blocks at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import grpc
+
+from engine_service.core.block_hash import extend_block_hashes
+from engine_service.core.engine import EngineStats
+from engine_service.core.outputs import CompletionOutput, RequestOutput
+from engine_service.model.sampling_params import MAX_LOGPROBS, MAX_N
+from engine_service.serving.async_engine import AsyncEngine, EngineDeadError
+from engine_service.serving.metrics import EngineMetrics
+from engine_service.serving.validation import RequestError, RequestValidator, ValidRequest
+from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+
+class IndexLink(Protocol):
+    """What the servicer needs from the prefix index link (engine_service/index/policy.py)."""
+
+    @property
+    def degraded(self) -> bool: ...
+
+    def health_details(self) -> dict[str, str]: ...
+
+    async def pin_prefix(self, chain: list[bytes], ttl_s: float, unpin: bool) -> int:
+        """Pins (or unpins) the held prefix of `chain`; how many blocks it changed."""
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        validator: RequestValidator,
+        metrics: EngineMetrics,
+        engine_id: str,
+        index_link: IndexLink | None = None,
+    ) -> None:
+        self.engine = engine
+        self.validator = validator
+        self.metrics = metrics
+        self.engine_id = engine_id
+        self.index_link = index_link
+        self.draining = False
+
+    # ---- generation -------------------------------------------------------------------------
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        valid = await self._admit(request, context)
+        finished_indices: set[int] = set()
+        async with contextlib.aclosing(self._run(valid, context)) as outputs:
+            async for output in outputs:
+                choices = []
+                for c in output.outputs:
+                    # A finish reason is sent once, with the completion's last delta.
+                    newly_finished = _newly_finished(c, finished_indices)
+                    if c.token_ids_delta or c.text_delta or newly_finished:
+                        choices.append(_completion(c, delta=True))
+                yield pb.GenerateStreamResponse(
+                    request_id=valid.request_id,
+                    choices=choices,
+                    usage=_usage(output),
+                    finished=output.finished,
+                )
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateResponse:
+        valid = await self._admit(request, context)
+        last = None
+        async with contextlib.aclosing(self._run(valid, context)) as outputs:
+            async for output in outputs:
+                last = output
+        assert last is not None and last.finished
+        return pb.GenerateResponse(
+            request_id=valid.request_id,
+            completions=[_completion(c, delta=False) for c in last.outputs],
+            usage=_usage(last),
+        )
+
+    async def _admit(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> ValidRequest:
+        if self.draining:
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE,
+                               "the engine is draining (shutting down): retry on another one")
+        try:
+            return self.validator.generate(request, self.engine.is_live, self.engine.num_live)
+        except RequestError as error:
+            await self._refuse(context, error.code, error.message)
+        raise AssertionError("unreachable: context.abort raises")
+
+    async def _refuse(self, context, code: grpc.StatusCode, message: str) -> None:
+        self.metrics.requests_rejected.labels(code.name).inc()
+        await context.abort(code, message)
+
+    async def _run(
+        self, valid: ValidRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until the last; aborts it in the engine on any early exit."""
+        arrival = time.monotonic()
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else arrival + remaining
+        try:
+            outputs = self.engine.add(
+                valid.request_id,
+                valid.prompt.token_ids,
+                valid.params,
+                prompt=valid.prompt.text,
+                cache_salt=valid.cache_salt,
+                priority=valid.priority,
+            )
+        except EngineDeadError as error:
+            await context.abort(grpc.StatusCode.INTERNAL, str(error))
+        self.metrics.prompt_tokens.inc(len(valid.prompt.token_ids))
+        finished = False
+        first_token_at = None
+        num_tokens = 0
+        try:
+            while not finished:
+                try:
+                    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    item = await asyncio.wait_for(outputs.get(), timeout)
+                except TimeoutError:
+                    self.engine.abort(valid.request_id)
+                    finished = True  # the abort above is enough; do not send a second one
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"deadline exceeded after {time.monotonic() - arrival:.3f}s and "
+                        f"{num_tokens} generated tokens; the request was aborted",
+                    )
+                if isinstance(item, EngineDeadError):
+                    finished = True
+                    await context.abort(grpc.StatusCode.INTERNAL, str(item))
+                if isinstance(item, BaseException):
+                    finished = True
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+                finished = item.finished
+                new_tokens = sum(len(c.token_ids_delta) for c in item.outputs)
+                if new_tokens and first_token_at is None:
+                    first_token_at = time.monotonic()
+                    self.metrics.time_to_first_token.observe(first_token_at - arrival)
+                num_tokens += new_tokens
+                self.metrics.generation_tokens.inc(new_tokens)
+                if finished:
+                    self._observe_finished(item, arrival, first_token_at, num_tokens)
+                yield item
+        finally:
+            if not finished:
+                # Cancelled by the client, or the server is stopping: free the blocks now.
+                self.engine.abort(valid.request_id)
+                self.metrics.requests_finished.labels("abort").inc()
+
+    def _observe_finished(
+        self, output: RequestOutput, arrival: float, first_token_at: float | None,
+        num_tokens: int,
+    ) -> None:
+        now = time.monotonic()
+        self.metrics.e2e_request_latency.observe(now - arrival)
+        if first_token_at is not None and num_tokens > len(output.outputs):
+            per_seq = num_tokens / len(output.outputs)
+            self.metrics.time_per_output_token.observe((now - first_token_at) / (per_seq - 1))
+        for completion in output.outputs:
+            self.metrics.requests_finished.labels(completion.finish_reason or "abort").inc()
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+
+    # ---- tokenizer --------------------------------------------------------------------------
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        try:
+            prompt = self.validator.prompt(request, "input")
+        except RequestError as error:
+            await context.abort(error.code, error.message)
+        return pb.TokenizeResponse(token_ids=prompt.token_ids, prompt=prompt.text or "")
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        try:
+            ids = self.validator.token_ids("token_ids", request.token_ids, allow_empty=True)
+        except RequestError as error:
+            await context.abort(error.code, error.message)
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return pb.DetokenizeResponse(
+            text=self.validator.tokenizer.decode(ids, skip_special_tokens=skip)
+        )
+
+    # ---- introspection ----------------------------------------------------------------------
+    async def ModelInfo(self, request: pb.ModelInfoRequest, context) -> pb.ModelInfoResponse:
+        engine = self.engine.engine
+        mc, config = engine.model_config, engine.config
+        return pb.ModelInfoResponse(
+            model_path=str(mc.path),
+            model_identity=mc.identity,
+            architecture=mc.architecture,
+            vocab_size=mc.vocab_size,
+            max_model_len=engine.max_model_len,
+            eos_token_ids=sorted(engine.eos_token_ids),
+            block_size=config.block_size,
+            num_blocks=engine.pool.num_blocks,
+            dtype=config.dtype,
+            device=config.device,
+            max_n=MAX_N,
+            max_logprobs=MAX_LOGPROBS,
+            engine_id=self.engine_id,
+        )
+
+    async def EngineStats(self, request: pb.EngineStatsRequest, context) -> pb.EngineStatsResponse:
+        try:
+            stats: EngineStats = await self.engine.call(lambda e: e.stats())
+        except EngineDeadError as error:
+            await context.abort(grpc.StatusCode.INTERNAL, str(error))
+        link = self.index_link
+        queries = stats.prefix_cache_queries
+        return pb.EngineStatsResponse(
+            num_blocks=stats.num_blocks,
+            num_free_blocks=stats.num_free_blocks,
+            num_cached_blocks=stats.num_cached_blocks,
+            kv_cache_usage=stats.kv_cache_usage,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_swapped=stats.num_swapped,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            prefix_cache_hit_rate=stats.prefix_cache_hits / queries if queries else 0.0,
+            num_preemptions=stats.num_preemptions,
+            num_steps=stats.num_steps,
+            num_live_requests=self.engine.num_live,
+            degraded=bool(link is not None and link.degraded),
+            draining=self.draining,
+            index_details=link.health_details() if link is not None else {"index": "none"},
+        )
+
+    async def PinPrefix(self, request: pb.PinPrefixRequest, context) -> pb.PinPrefixResponse:
+        if self.index_link is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "PinPrefix needs a prefix index: this engine runs with --prefix-index none",
+            )
+        try:
+            prompt = self.validator.prompt(request, "input")
+            salt = self.validator.cache_salt(request.cache_salt)
+            ttl_s = self.validator.ttl_s(request.ttl_s)
+        except RequestError as error:
+            await context.abort(error.code, error.message)
+        engine = self.engine.engine
+        chain: list[bytes] = []
+        extend_block_hashes(
+            chain, prompt.token_ids, engine.config.block_size, engine.seed_hash, salt
+        )
+        if not chain:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt must hold at least one full block ({engine.config.block_size} tokens) "
+                f"to pin, got {len(prompt.token_ids)} tokens",
+            )
+        try:
+            changed = await self.index_link.pin_prefix(chain, ttl_s, request.unpin)
+        except (ConnectionError, TimeoutError, grpc.RpcError) as error:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"the prefix index did not answer: {error}"
+            )
+        return pb.PinPrefixResponse(num_blocks=len(chain), num_pinned=changed)
+
+
+def _newly_finished(completion: CompletionOutput, finished_indices: set[int]) -> bool:
+    if completion.finish_reason is None or completion.index in finished_indices:
+        return False
+    finished_indices.add(completion.index)
+    return True
+
+
+def _completion(c: CompletionOutput, delta: bool) -> pb.Completion:
+    logprobs = c.logprobs_delta if delta else c.logprobs
+    message = pb.Completion(
+        index=c.index,
+        text=c.text_delta if delta else c.text,
+        token_ids=c.token_ids_delta if delta else c.token_ids,
+        logprobs=[
+            pb.TokenLogprob(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                rank=lp.rank,
+                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()],
+            )
+            for lp in logprobs or ()
+        ],
+        finish_reason=FINISH_REASONS[c.finish_reason],
+    )
+    if isinstance(c.stop_reason, str):
+        message.stop_string = c.stop_reason
+    elif isinstance(c.stop_reason, int):
+        message.stop_token_id = c.stop_reason
+    return message
+
+
+def _usage(output: RequestOutput) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=len(output.prompt_token_ids),
+        completion_tokens=sum(len(c.token_ids) for c in output.outputs),
+        cached_tokens=output.num_cached_tokens,
+    )

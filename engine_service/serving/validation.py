@@ -1,0 +1,244 @@
+"""Every check on a client's request, in one place, each mapped to a gRPC status code.
+
+Messages read "<field> must be <allowed>, got <value>" so a user can act on them. Prompt and
+parameter mistakes are INVALID_ARGUMENT; a request that could never fit in this engine's KV pool,
+or one over the live-request limit, is RESOURCE_EXHAUSTED; a live request id is ALREADY_EXISTS.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from engine_service.core.engine import LLMEngine, RequestTooLargeError
+from engine_service.model.sampling_params import SamplingParams
+from pagedgen_api import generation_pb2 as pb
+
+CHAT_ROLES = ("system", "user", "assistant")
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+MAX_CACHE_SALT_CHARS = 256
+MAX_CHAT_MESSAGES = 256
+MAX_TTL_S = 30 * 24 * 3600.0
+# A token is rarely more than a few characters; more characters than this per context token
+# can never fit, and refusing them early keeps us from tokenizing megabytes.
+CHARS_PER_CONTEXT_TOKEN = 32
+_SAMPLING_FIELDS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "ignore_eos",
+    "logprobs", "include_stop_str_in_output", "skip_special_tokens",
+)
+
+
+class RequestError(Exception):
+    """A request refused before it reached the engine: the status code and a message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(str(value))} chars)"
+
+
+@dataclass(slots=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # the text that was tokenized (rendered template for chat), if any
+
+
+@dataclass(slots=True)
+class ValidRequest:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    cache_salt: str | None
+    priority: int
+
+
+class RequestValidator:
+    """Checks requests against one engine (its vocabulary, context and pool).
+
+    `tokenizer` is the servicer's own copy: the engine thread uses the engine's, and HF fast
+    tokenizers must not be used from two threads at once."""
+
+    def __init__(self, engine: LLMEngine, tokenizer, max_live_requests: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.vocab_size = engine.model_config.vocab_size
+        self.max_model_len = engine.max_model_len
+        self.max_prompt_chars = CHARS_PER_CONTEXT_TOKEN * engine.max_model_len
+        self.max_live_requests = max_live_requests
+
+    # ---- Generate / GenerateStream --------------------------------------------------------
+    def generate(
+        self, req: pb.GenerateRequest, is_live: Callable[[str], bool], num_live: int
+    ) -> ValidRequest:
+        request_id = req.request_id or uuid.uuid4().hex
+        if not REQUEST_ID_PATTERN.fullmatch(request_id):
+            raise _invalid(
+                f"request_id must be 1 to 128 characters of [A-Za-z0-9._:-] (or empty for a "
+                f"generated one), got {_shown(request_id)}"
+            )
+        cache_salt = self.cache_salt(req.cache_salt)
+        prompt = self.prompt(req, "input")
+        params = self.sampling_params(req.sampling)
+        self.check_fits(prompt.token_ids, params)
+        if is_live(request_id):
+            raise RequestError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id must be unique among live requests, got {request_id!r}",
+            )
+        if num_live >= self.max_live_requests:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"live requests must be at most {self.max_live_requests} (the queue limit), "
+                f"got {num_live + 1}: retry later",
+            )
+        return ValidRequest(request_id, prompt, params, cache_salt, req.priority)
+
+    def cache_salt(self, salt: str) -> str | None:
+        if len(salt) > MAX_CACHE_SALT_CHARS:
+            raise _invalid(
+                f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, "
+                f"got {len(salt)}"
+            )
+        return salt or None
+
+    def check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+        num_prompt = len(token_ids)
+        if num_prompt >= self.max_model_len:
+            raise _invalid(
+                f"prompt must be at most {self.max_model_len - 1} tokens (the "
+                f"{self.max_model_len}-token context keeps one for the output), "
+                f"got {num_prompt} tokens"
+            )
+        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
+            raise _invalid(
+                f"sampling.max_tokens must be at most {self.max_model_len - num_prompt} for "
+                f"this {num_prompt}-token prompt (context {self.max_model_len}), "
+                f"got {params.max_tokens}"
+            )
+        try:
+            self.engine.validate_request(token_ids, params)
+        except RequestTooLargeError as error:
+            pool = self.engine.pool.num_blocks
+            block_size = self.engine.config.block_size
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"prompt + sampling.max_tokens must fit in this engine's KV pool ({pool} blocks "
+                f"of {block_size} tokens), got {num_prompt} + {params.max_tokens} tokens: "
+                f"{error}",
+            ) from None
+        except ValueError as error:
+            raise _invalid(str(error)) from None
+
+    # ---- prompts --------------------------------------------------------------------------
+    def prompt(self, req, oneof: str) -> Prompt:
+        """The token ids of a request's `text` | `token_ids` | `chat` input."""
+        which = req.WhichOneof(oneof)
+        if which is None:
+            raise _invalid("input must be one of text, token_ids or chat, got none of them")
+        if which == "text":
+            return self.text_prompt(req.text)
+        if which == "token_ids":
+            return Prompt(self.token_ids("token_ids.ids", req.token_ids.ids), None)
+        return self.chat_prompt(req.chat)
+
+    def text_prompt(self, text: str) -> Prompt:
+        if not text:
+            raise _invalid("text must be a non-empty string, got ''")
+        if len(text) > self.max_prompt_chars:
+            raise _invalid(
+                f"text must be at most {self.max_prompt_chars} characters, got {len(text)}"
+            )
+        return Prompt(self.tokenizer.encode(text), text)
+
+    def token_ids(self, field: str, ids, allow_empty: bool = False) -> list[int]:
+        if not ids and not allow_empty:
+            raise _invalid(f"{field} must hold at least one token id, got []")
+        if len(ids) > self.max_model_len and not allow_empty:
+            raise _invalid(
+                f"prompt must be at most {self.max_model_len - 1} tokens (the "
+                f"{self.max_model_len}-token context keeps one for the output), "
+                f"got {len(ids)} tokens"
+            )
+        for position, token_id in enumerate(ids):
+            if not 0 <= token_id < self.vocab_size:
+                raise _invalid(
+                    f"{field} must be in [0, {self.vocab_size}) (the vocabulary), "
+                    f"got {token_id} at position {position}"
+                )
+        return list(ids)
+
+    def chat_prompt(self, chat: pb.ChatMessages) -> Prompt:
+        messages = chat.messages
+        if not messages:
+            raise _invalid("chat.messages must hold at least one message, got []")
+        if len(messages) > MAX_CHAT_MESSAGES:
+            raise _invalid(
+                f"chat.messages must hold at most {MAX_CHAT_MESSAGES} messages, "
+                f"got {len(messages)}"
+            )
+        total_chars = 0
+        for i, message in enumerate(messages):
+            if message.role not in CHAT_ROLES:
+                raise _invalid(
+                    f"chat.messages[{i}].role must be one of {CHAT_ROLES}, "
+                    f"got {_shown(message.role)}"
+                )
+            total_chars += len(message.content)
+        if total_chars > self.max_prompt_chars:
+            raise _invalid(
+                f"chat.messages content must be at most {self.max_prompt_chars} characters in "
+                f"all, got {total_chars}"
+            )
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as error:  # noqa: BLE001 - templates raise whatever they like
+            raise _invalid(
+                f"chat.messages must be accepted by the model's chat template, got an error: "
+                f"{error}"
+            ) from None
+        # The template already holds the special tokens (the offline LLM.chat does the same).
+        return Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
+
+    # ---- sampling ---------------------------------------------------------------------------
+    def sampling_params(self, msg: pb.SamplingParams) -> SamplingParams:
+        kwargs = {}
+        for name in _SAMPLING_FIELDS:
+            # Fields with presence (proto3 optional) only when set: unset takes the default.
+            if msg.DESCRIPTOR.fields_by_name[name].has_presence and not msg.HasField(name):
+                continue
+            kwargs[name] = getattr(msg, name)
+        if msg.stop:
+            kwargs["stop"] = list(msg.stop)
+        if msg.stop_token_ids:
+            kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+        try:
+            params = SamplingParams(**kwargs)
+            params.check_for_model(self.vocab_size)
+        except ValueError as error:
+            # SamplingParams names the field in its message already.
+            raise _invalid(f"sampling.{error}") from None
+        return params
+
+    # ---- other RPCs -------------------------------------------------------------------------
+    def ttl_s(self, ttl_s: float) -> float:
+        if not 0 <= ttl_s <= MAX_TTL_S:
+            raise _invalid(f"ttl_s must be in [0, {MAX_TTL_S:.0f}] seconds (0 = no TTL), "
+                           f"got {ttl_s}")
+        return ttl_s

@@ -1,0 +1,103 @@
+"""Async client of the prefix index (what the generation engine uses).
+
+    client = PrefixIndexClient("127.0.0.1:50061", timeout_s=1.0)
+    epoch = await client.register("engine-0", "smollm2-135m@main/float32", 16, 4096, 30.0)
+    [hit] = await client.apply([Acquire(chain)])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from pagedgen_api import prefix_index_pb2 as pb
+from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
+from prefix_index.api import wire
+from prefix_index.api.ops import EngineMatch, EngineStats, Op, OpResult
+
+
+class PrefixIndexClientError(Exception):
+    """Any failed call; `code` is the grpc.StatusCode (UNAVAILABLE: index or Redis down,
+    FAILED_PRECONDITION: stale epoch, NOT_FOUND: not registered / lease expired, ...).
+
+    After UNAVAILABLE or DEADLINE_EXCEEDED from apply() the outcome is unknown (a hung Redis
+    may still run the script once); the engine should re-register and re-sync its blocks."""
+
+    def __init__(self, method: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{method}: {code.name}: {details}")
+        self.method = method
+        self.code = code
+        self.details = details
+
+
+class PrefixIndexClient:
+    """One engine's session with the index: register once, then heartbeat / apply with the
+    epoch it got. Every call has a deadline of `timeout_s`."""
+
+    def __init__(self, target: str, timeout_s: float = 1.0) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = pb_grpc.PrefixIndexStub(self._channel)
+        self.engine_id = ""
+        self.epoch = 0
+        self.lease_s = 0.0
+        self.pin_budget = 0
+
+    async def _call(self, method: str, request):
+        try:
+            return await getattr(self._stub, method)(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise PrefixIndexClientError(method, exc.code(), exc.details() or "") from None
+
+    def _require_registered(self) -> None:
+        if not self.epoch:
+            raise PrefixIndexClientError("client", grpc.StatusCode.FAILED_PRECONDITION,
+                                         "call register() first")
+
+    async def register(self, engine_id: str, model_identity: str, block_size: int,
+                       num_blocks: int, lease_s: float = 0.0) -> int:
+        reply = await self._call("Register", pb.RegisterRequest(
+            engine_id=engine_id, model_identity=model_identity, block_size=block_size,
+            num_blocks=num_blocks, lease_s=lease_s))
+        self.engine_id, self.epoch = engine_id, reply.epoch
+        self.lease_s, self.pin_budget = reply.lease_s, reply.pin_budget
+        return reply.epoch
+
+    def attach(self, engine_id: str, epoch: int) -> None:
+        """Act for an engine registered elsewhere (another worker of the same engine)."""
+        self.engine_id, self.epoch = engine_id, epoch
+
+    async def heartbeat(self) -> float:
+        self._require_registered()
+        reply = await self._call("Heartbeat", pb.HeartbeatRequest(
+            engine_id=self.engine_id, epoch=self.epoch))
+        return reply.lease_s
+
+    async def apply(self, ops: Sequence[Op]) -> list[OpResult]:
+        """Runs the ops in order, atomically; one result per op."""
+        self._require_registered()
+        reply = await self._call("Apply", pb.ApplyRequest(
+            engine_id=self.engine_id, epoch=self.epoch, ops=wire.ops_to_proto(ops)))
+        return [wire.result_from_proto(r) for r in reply.results]
+
+    async def lookup(self, chain: Sequence[bytes], model_identity: str = "") -> list[EngineMatch]:
+        reply = await self._call("Lookup", pb.LookupRequest(chain=list(chain),
+                                                            model_identity=model_identity))
+        return [wire.match_from_proto(m) for m in reply.engines]
+
+    async def stats(self, engine_id: str | None = None) -> list[EngineStats]:
+        """Stats of `engine_id` (default: this client's engine; "" = all engines)."""
+        eid = self.engine_id if engine_id is None else engine_id
+        reply = await self._call("Stats", pb.StatsRequest(engine_id=eid))
+        return [wire.stats_from_proto(s) for s in reply.engines]
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> PrefixIndexClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

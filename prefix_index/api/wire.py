@@ -1,0 +1,78 @@
+"""Conversions between the plain data in ops.py and the proto messages."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedgen_api import prefix_index_pb2 as pb
+from prefix_index.api.ops import (
+    Acquire,
+    Commit,
+    EngineMatch,
+    EngineStats,
+    Evict,
+    EvictedBlock,
+    Op,
+    OpResult,
+    OpStatus,
+    Pin,
+    Release,
+    Unpin,
+)
+
+
+def op_to_proto(op: Op) -> pb.Op:
+    match op:
+        case Acquire(chain=chain):
+            return pb.Op(acquire=pb.AcquireOp(chain=chain))
+        case Commit(hash=h, parent=parent, block_id=block_id):
+            return pb.Op(commit=pb.CommitOp(hash=h, parent=parent, block_id=block_id))
+        case Release(hashes=hashes):
+            return pb.Op(release=pb.ReleaseOp(hashes=hashes))
+        case Evict(k=k):
+            return pb.Op(evict=pb.EvictOp(k=k))
+        case Pin(chain=chain, ttl_s=ttl_s):
+            return pb.Op(pin=pb.PinOp(chain=chain, ttl_s=ttl_s))
+        case Unpin(chain=chain):
+            return pb.Op(unpin=pb.UnpinOp(chain=chain))
+    raise TypeError(f"not an op: {op!r}")
+
+
+def result_to_proto(result: OpResult) -> pb.OpResult:
+    return pb.OpResult(
+        status=int(result.status), detail=result.detail, block_ids=result.block_ids,
+        evicted=[pb.EvictedBlock(hash=e.hash, block_id=e.block_id) for e in result.evicted],
+        count=result.count)
+
+
+def result_from_proto(msg: pb.OpResult) -> OpResult:
+    return OpResult(OpStatus(msg.status), msg.detail, list(msg.block_ids),
+                    [EvictedBlock(e.hash, e.block_id) for e in msg.evicted], msg.count)
+
+
+def match_to_proto(m: EngineMatch) -> pb.EngineMatch:
+    return pb.EngineMatch(engine_id=m.engine_id, matched_blocks=m.matched_blocks,
+                          num_blocks=m.num_blocks, held_blocks=m.held_blocks,
+                          evictable_blocks=m.evictable_blocks)
+
+
+def match_from_proto(msg: pb.EngineMatch) -> EngineMatch:
+    return EngineMatch(msg.engine_id, msg.matched_blocks, msg.num_blocks, msg.held_blocks,
+                       msg.evictable_blocks)
+
+
+_STATS_FIELDS = ("engine_id", "epoch", "model_identity", "block_size", "num_blocks", "blocks",
+                 "evictable", "pinned", "auto_pinned", "pin_budget", "queries", "hits",
+                 "evictions", "lease_remaining_s")
+
+
+def stats_to_proto(s: EngineStats) -> pb.EngineStats:
+    return pb.EngineStats(**{name: getattr(s, name) for name in _STATS_FIELDS})
+
+
+def stats_from_proto(msg: pb.EngineStats) -> EngineStats:
+    return EngineStats(**{name: getattr(msg, name) for name in _STATS_FIELDS})
+
+
+def ops_to_proto(ops: Sequence[Op]) -> list[pb.Op]:
+    return [op_to_proto(op) for op in ops]

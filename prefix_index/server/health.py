@@ -1,0 +1,75 @@
+"""Health of the index = health of its Redis: a background probe flips grpc.health.v1."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
+from redis.exceptions import RedisError
+
+from prefix_index.server.metrics import IndexMetrics
+from prefix_index.server.store import IndexStore
+
+log = logging.getLogger("prefix_index.server.health")
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class RedisHealth:
+    """Owns the serving status of the service names; NOT_SERVING for good once draining."""
+
+    def __init__(self, store: IndexStore, servicer: health_aio.HealthServicer,
+                 service_names: list[str], metrics: IndexMetrics, probe_interval_s: float,
+                 probe_timeout_s: float) -> None:
+        self.store = store
+        self.servicer = servicer
+        self.service_names = service_names
+        self.metrics = metrics
+        self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.redis_up: bool | None = None  # None until the first probe
+        self.draining = False
+
+    async def _publish(self, up: bool) -> None:
+        status = SERVING if up and not self.draining else NOT_SERVING
+        for name in self.service_names:
+            await self.servicer.set(name, status)
+        self.metrics.redis_up.set(1 if up else 0)
+
+    async def set_redis_up(self, up: bool) -> None:
+        if up == self.redis_up:
+            return
+        if not up:
+            # Pooled connections point at a dead server: drop them so the next call dials anew.
+            await self.store.reset_connections()
+        if up:
+            log.info("redis reachable: serving")
+        else:
+            log.warning("redis unreachable: not serving")
+        self.redis_up = up
+        await self._publish(up)
+
+    async def probe_once(self) -> bool:
+        try:
+            async with asyncio.timeout(self.probe_timeout_s):
+                up = await self.store.ping()
+        except (RedisError, OSError, TimeoutError):
+            up = False
+        await self.set_redis_up(up)
+        return up
+
+    async def run(self) -> None:
+        while True:
+            await self.probe_once()
+            await asyncio.sleep(self.probe_interval_s)
+
+    async def drain_off(self) -> None:
+        """NOT_SERVING until the first probe answers."""
+        self.draining = False
+        await self._publish(False)
+
+    async def drain(self) -> None:
+        self.draining = True
+        await self._publish(False)

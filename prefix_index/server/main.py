@@ -1,0 +1,185 @@
+"""pagedgen-prefix-index: the prefix index gRPC server (grpc.aio), with health and reflection.
+
+    pagedgen-prefix-index --redis-url redis://127.0.0.1:6379/0 --port 50061
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from pagedgen_api import prefix_index_pb2 as pb
+from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
+from prefix_index.server.config import IndexConfig, Limits, PinPolicy
+from prefix_index.server.health import RedisHealth
+from prefix_index.server.metrics import IndexMetrics
+from prefix_index.server.servicer import PrefixIndexServicer
+from prefix_index.server.store import IndexStore
+from prefix_index.server.sweeper import run_sweeper
+
+log = logging.getLogger("prefix_index.server.main")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixIndex"].full_name
+
+
+def connect_redis(url: str, timeout_s: float, cluster: bool = False) -> Redis | RedisCluster:
+    """Short socket timeouts and no retries: a dead Redis shows up as an error at once; the
+    caller retries, not us (a blind retry of a script whose reply was lost would apply it
+    twice)."""
+    if cluster:
+        # Every script touches one engine's keys, which share a hash tag: one slot, one node.
+        return RedisCluster.from_url(url, socket_connect_timeout=timeout_s,
+                                     socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+    return Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                          retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+
+class IndexServer:
+    """The gRPC server, its Redis, its health probe and its sweeper, started and stopped
+    together. Usable in-process (tests) or from main()."""
+
+    def __init__(self, config: IndexConfig, host: str = "127.0.0.1", port: int = 0,
+                 metrics_port: int = 0, metrics_host: str = "0.0.0.0") -> None:
+        self.config = config
+        self.host = host
+        self.requested_port = port
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.port = 0
+        self.metrics = IndexMetrics()
+        self.redis = connect_redis(config.redis_url, config.redis_timeout_s,
+                                   config.redis_cluster)
+        self.store = IndexStore(self.redis, config.pin_policy)
+        self.health_servicer = health_aio.HealthServicer()
+        self.health = RedisHealth(self.store, self.health_servicer, ["", SERVICE_NAME],
+                                  self.metrics, config.probe_interval_s, config.redis_timeout_s)
+        self.server = grpc.aio.server()
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> int:
+        servicer = PrefixIndexServicer(self.store, self.config, self.health, self.metrics)
+        pb_grpc.add_PrefixIndexServicer_to_server(servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, self.server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME], self.server)
+        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {self.host}:{self.requested_port}")
+        await self.health.drain_off()
+        await self.health.probe_once()
+        await self.server.start()
+        if self.metrics_port:
+            self.metrics.serve(self.metrics_port, self.metrics_host)
+        self._tasks = [asyncio.create_task(self.health.run()),
+                       asyncio.create_task(run_sweeper(
+                           self.store, self.metrics, self.config.pin_policy.sweep_interval_s))]
+        log.info("prefix index serving on %s:%d (redis %s)", self.host, self.port,
+                 self.config.redis_url)
+        return self.port
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Health NOT_SERVING first (load balancers stop sending), then drain with grace."""
+        await self.health.drain()
+        await self.server.stop(grace_s)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.redis.aclose()
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults, policy, limits = IndexConfig(), PinPolicy(), Limits()
+    p = argparse.ArgumentParser(prog="pagedgen-prefix-index", description=__doc__.split("\n")[0])
+    p.add_argument("--redis-url", default=defaults.redis_url)
+    p.add_argument("--redis-cluster", action="store_true",
+                   help="--redis-url names one node of a Redis Cluster")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=50061, help="gRPC port (0 = any free port)")
+    p.add_argument("--lease-s", type=float, default=defaults.default_lease_s,
+                   help="lease granted when Register asks for 0")
+    p.add_argument("--hot-threshold", type=int, default=policy.hot_threshold,
+                   help="hits within a window that pin a block automatically (0 = off)")
+    p.add_argument("--hot-window-s", type=float, default=policy.window_s)
+    p.add_argument("--cool-fraction", type=float, default=policy.cool_fraction,
+                   help="unpin an automatic pin below threshold * this")
+    p.add_argument("--pin-budget-fraction", type=float, default=policy.budget_fraction,
+                   help="pins allowed per engine, as a share of its pool")
+    p.add_argument("--sweep-interval-s", type=float, default=policy.sweep_interval_s)
+    p.add_argument("--redis-timeout-s", type=float, default=defaults.redis_timeout_s)
+    p.add_argument("--probe-interval-s", type=float, default=defaults.probe_interval_s)
+    p.add_argument("--max-ops", type=int, default=limits.max_ops)
+    p.add_argument("--max-chain", type=int, default=limits.max_chain)
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
+    p.add_argument("--metrics-host", default="0.0.0.0")
+    p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
+    p.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = p.parse_args(argv)
+    if args.hot_window_s <= 0:
+        p.error(f"--hot-window-s: {args.hot_window_s} is not allowed; expected > 0")
+    if not 0 <= args.pin_budget_fraction <= 1:
+        p.error(f"--pin-budget-fraction: {args.pin_budget_fraction} is not allowed; "
+                "expected 0..1")
+    if not 0 <= args.cool_fraction <= 1:
+        p.error(f"--cool-fraction: {args.cool_fraction} is not allowed; expected 0..1")
+    for name in ("lease_s", "sweep_interval_s", "redis_timeout_s", "probe_interval_s"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')}: {getattr(args, name)} is not allowed; "
+                    "expected > 0")
+    return args
+
+
+def config_from_args(args: argparse.Namespace) -> IndexConfig:
+    return IndexConfig(
+        redis_url=args.redis_url, redis_cluster=args.redis_cluster,
+        default_lease_s=args.lease_s,
+        redis_timeout_s=args.redis_timeout_s, probe_interval_s=args.probe_interval_s,
+        pin_policy=PinPolicy(hot_threshold=args.hot_threshold, window_s=args.hot_window_s,
+                             cool_fraction=args.cool_fraction,
+                             budget_fraction=args.pin_budget_fraction,
+                             sweep_interval_s=args.sweep_interval_s),
+        limits=Limits(max_ops=args.max_ops, max_chain=args.max_chain))
+
+
+async def serve(args: argparse.Namespace) -> None:
+    server = IndexServer(config_from_args(args), args.host, args.port, args.metrics_port,
+                         args.metrics_host)
+    port = await server.start()
+    # One line on stdout that launchers read to learn the port (--port 0).
+    print(f"prefix-index listening on {args.host}:{port}", flush=True)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    log.info("draining (grace %.1fs)", args.grace_s)
+    await server.stop(args.grace_s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr,
+        format="%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The PrefixIndex gRPC servicer: validate, run one store call, map errors to status codes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from pagedgen_api import prefix_index_pb2 as pb
+from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
+from prefix_index.api import wire
+from prefix_index.server import validate
+from prefix_index.server.config import IndexConfig
+from prefix_index.server.errors import (
+    EngineNotFoundError,
+    InvalidRequestError,
+    StaleEpochError,
+)
+from prefix_index.server.health import RedisHealth
+from prefix_index.server.metrics import IndexMetrics
+from prefix_index.server.store import IndexStore
+
+log = logging.getLogger("prefix_index.server.servicer")
+T = TypeVar("T")
+
+_REQUEST_ERRORS = {
+    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    EngineNotFoundError: grpc.StatusCode.NOT_FOUND,
+    StaleEpochError: grpc.StatusCode.FAILED_PRECONDITION,
+}
+_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+# Redis error replies that mean "not now" (loading, failover, busy script), not "wrong".
+_REDIS_TRANSIENT = ("LOADING", "BUSY", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN",
+                    "MOVED", "ASK")
+
+
+class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
+    def __init__(self, store: IndexStore, config: IndexConfig, health: RedisHealth,
+                 metrics: IndexMetrics) -> None:
+        self.store = store
+        self.config = config
+        self.health = health
+        self.metrics = metrics
+
+    async def _call(self, method: str, context: grpc.aio.ServicerContext,
+                    work: Callable[[], Awaitable[T]]) -> T:
+        """Runs `work` within the caller's deadline and the Redis timeout; never hangs past
+        either. Aborts the RPC with the status code the error maps to."""
+        started = time.perf_counter()
+        code, message = grpc.StatusCode.OK, ""
+        remaining = context.time_remaining()
+        redis_budget = 2 * self.config.redis_timeout_s
+        budget = redis_budget if remaining is None else min(remaining, redis_budget)
+        try:
+            async with asyncio.timeout(budget):
+                result = await work()
+            if self.health.redis_up is False:
+                await self.health.set_redis_up(True)  # back before the next probe noticed
+            return result
+        except tuple(_REQUEST_ERRORS) as exc:
+            code, message = _REQUEST_ERRORS[type(exc)], str(exc)
+        except TimeoutError:
+            if remaining is not None and remaining <= redis_budget:
+                code, message = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed"
+            else:
+                code, message = grpc.StatusCode.UNAVAILABLE, "redis did not answer in time"
+                await self.health.set_redis_up(False)
+        except _REDIS_DOWN as exc:
+            code, message = grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}"
+            await self.health.set_redis_up(False)
+        except ResponseError as exc:
+            transient = str(exc).startswith(_REDIS_TRANSIENT)
+            code = grpc.StatusCode.UNAVAILABLE if transient else grpc.StatusCode.INTERNAL
+            message = f"redis refused the call: {exc}"
+            log.error("%s: %s", method, message)
+        finally:
+            self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
+            self.metrics.rpcs.labels(method, code.name).inc()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            log.warning("%s: %s", method, message)
+        await context.abort(code, message)
+        raise AssertionError("unreachable: context.abort raises")
+
+    async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
+        args = None
+
+        async def work():
+            nonlocal args
+            args = validate.register(request, self.config.limits, self.config.default_lease_s)
+            return await self.store.register(args.engine_id, args.model_identity,
+                                             args.block_size, args.num_blocks, args.lease_s)
+
+        reg = await self._call("Register", context, work)
+        log.info("registered engine %s epoch %d (%d blocks, lease %.1fs)", args.engine_id,
+                 reg.epoch, args.num_blocks, reg.lease_s)
+        return pb.RegisterResponse(epoch=reg.epoch, lease_s=reg.lease_s,
+                                   pin_budget=reg.pin_budget)
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        async def work():
+            validate.engine_id(request.engine_id)
+            validate.epoch(request.epoch)
+            return await self.store.heartbeat(request.engine_id, request.epoch)
+
+        return pb.HeartbeatResponse(lease_s=await self._call("Heartbeat", context, work))
+
+    async def Apply(self, request: pb.ApplyRequest, context) -> pb.ApplyResponse:
+        ops = []
+
+        async def work():
+            ops.extend(validate.apply_ops(request, self.config.limits))
+            return await self.store.apply(request.engine_id, request.epoch, ops)
+
+        results = await self._call("Apply", context, work)
+        self.metrics.record_ops(ops, results)
+        return pb.ApplyResponse(results=[wire.result_to_proto(r) for r in results])
+
+    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        async def work():
+            chain = validate.hashes("chain", request.chain, self.config.limits)
+            return await self.store.lookup(chain, request.model_identity)
+
+        matches = await self._call("Lookup", context, work)
+        return pb.LookupResponse(engines=[wire.match_to_proto(m) for m in matches])
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        async def work():
+            if request.engine_id:
+                validate.engine_id(request.engine_id)
+            return await self.store.stats(request.engine_id)
+
+        stats = await self._call("Stats", context, work)
+        return pb.StatsResponse(engines=[wire.stats_to_proto(s) for s in stats])

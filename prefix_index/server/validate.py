@@ -1,0 +1,150 @@
+"""Request validation, in one place: proto request -> checked plain data, or an
+InvalidRequestError whose message names the field, the value received and what is allowed."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedgen_api import prefix_index_pb2 as pb
+from prefix_index.api.ops import HASH_BYTES, Acquire, Commit, Evict, Op, Pin, Release, Unpin
+from prefix_index.server.config import Limits
+from prefix_index.server.errors import InvalidRequestError
+
+# No braces: the id goes inside the Redis Cluster hash tag {engine_id}.
+_ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_BLOCK_SIZE = 1 << 16
+MAX_NUM_BLOCKS = (1 << 31) - 1
+MAX_MODEL_IDENTITY = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterArgs:
+    engine_id: str
+    model_identity: str
+    block_size: int
+    num_blocks: int
+    lease_s: float
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def engine_id(value: str, field: str = "engine_id") -> str:
+    if not _ENGINE_ID.fullmatch(value):
+        raise InvalidRequestError(
+            f"{field}: {_short(value)} is not allowed; expected 1-128 characters of "
+            "A-Z a-z 0-9 . _ : -")
+    return value
+
+
+def epoch(value: int) -> int:
+    if value <= 0:
+        raise InvalidRequestError(f"epoch: {value} is not allowed; pass the epoch that Register "
+                                  "returned (a positive number)")
+    return value
+
+
+def hashes(field: str, values: Sequence[bytes], limits: Limits, allow_empty: bool = True,
+           chain: bool = False) -> list[bytes]:
+    """`chain`: the hashes are one chain, so none repeats (each hashes its parent's hash)."""
+    if len(values) > limits.max_chain:
+        raise InvalidRequestError(f"{field}: {len(values)} hashes is too many; at most "
+                                  f"{limits.max_chain} per op")
+    if not values and not allow_empty:
+        raise InvalidRequestError(f"{field}: empty; expected at least one {HASH_BYTES}-byte hash")
+    for i, value in enumerate(values):
+        one_hash(f"{field}[{i}]", value)
+    if chain and len(set(values)) != len(values):
+        seen: dict[bytes, int] = {}
+        for i, value in enumerate(values):
+            if value in seen:
+                raise InvalidRequestError(f"{field}[{i}]: repeats {field}[{seen[value]}] "
+                                          f"({value.hex()}); a chain never repeats a hash")
+            seen[value] = i
+    return list(values)
+
+
+def one_hash(field: str, value: bytes) -> bytes:
+    if len(value) != HASH_BYTES:
+        raise InvalidRequestError(f"{field}: {len(value)} bytes ({value[:20].hex()}); "
+                                  f"expected a {HASH_BYTES}-byte block hash")
+    return value
+
+
+def register(request: pb.RegisterRequest, limits: Limits, default_lease_s: float
+             ) -> RegisterArgs:
+    engine_id(request.engine_id)
+    if not request.model_identity or len(request.model_identity) > MAX_MODEL_IDENTITY:
+        raise InvalidRequestError(f"model_identity: {_short(request.model_identity)} is not "
+                                  f"allowed; expected 1-{MAX_MODEL_IDENTITY} characters")
+    if not 1 <= request.block_size <= MAX_BLOCK_SIZE:
+        raise InvalidRequestError(f"block_size: {request.block_size} is not allowed; expected "
+                                  f"1..{MAX_BLOCK_SIZE} tokens")
+    if not 1 <= request.num_blocks <= MAX_NUM_BLOCKS:
+        raise InvalidRequestError(f"num_blocks: {request.num_blocks} is not allowed; expected "
+                                  f"1..{MAX_NUM_BLOCKS}")
+    lease_s = request.lease_s or default_lease_s
+    if not math.isfinite(lease_s) or not 0.01 <= lease_s <= limits.max_lease_s:
+        raise InvalidRequestError(f"lease_s: {request.lease_s} is not allowed; expected 0 (the "
+                                  f"default, {default_lease_s}s) or 0.01..{limits.max_lease_s}")
+    return RegisterArgs(request.engine_id, request.model_identity, request.block_size,
+                        request.num_blocks, lease_s)
+
+
+def apply_ops(request: pb.ApplyRequest, limits: Limits) -> list[Op]:
+    """The ops of an Apply, checked. Pool-size bounds (block ids, k) are checked by the Lua
+    script, which knows the registered pool, before it writes anything."""
+    engine_id(request.engine_id)
+    epoch(request.epoch)
+    if len(request.ops) > limits.max_ops:
+        raise InvalidRequestError(f"ops: {len(request.ops)} ops is too many; at most "
+                                  f"{limits.max_ops} per Apply")
+    ops: list[Op] = []
+    total_hashes = 0
+    for i, op in enumerate(request.ops):
+        path = f"ops[{i}]"
+        kind = op.WhichOneof("kind")
+        if kind == "acquire":
+            ops.append(Acquire(hashes(f"{path}.acquire.chain", op.acquire.chain, limits,
+                                      chain=True)))
+            total_hashes += len(op.acquire.chain)
+        elif kind == "commit":
+            c = op.commit
+            one_hash(f"{path}.commit.hash", c.hash)
+            if c.parent:  # empty = the first block of a chain
+                one_hash(f"{path}.commit.parent", c.parent)
+            if c.block_id < 0:
+                raise InvalidRequestError(f"{path}.commit.block_id: {c.block_id} is negative; "
+                                          "expected 0..num_blocks-1")
+            ops.append(Commit(c.hash, c.parent, c.block_id))
+            total_hashes += 2
+        elif kind == "release":
+            ops.append(Release(hashes(f"{path}.release.hashes", op.release.hashes, limits)))
+            total_hashes += len(op.release.hashes)
+        elif kind == "evict":
+            if op.evict.k < 0:
+                raise InvalidRequestError(f"{path}.evict.k: {op.evict.k} is negative; expected "
+                                          "0..num_blocks")
+            ops.append(Evict(op.evict.k))
+        elif kind == "pin":
+            ttl_s = op.pin.ttl_s
+            if not math.isfinite(ttl_s) or not 0 <= ttl_s <= limits.max_pin_ttl_s:
+                raise InvalidRequestError(f"{path}.pin.ttl_s: {ttl_s} is not allowed; expected 0 "
+                                          f"(no expiry) or 0..{limits.max_pin_ttl_s:.0f} seconds")
+            ops.append(Pin(hashes(f"{path}.pin.chain", op.pin.chain, limits, chain=True), ttl_s))
+            total_hashes += len(op.pin.chain)
+        elif kind == "unpin":
+            ops.append(Unpin(hashes(f"{path}.unpin.chain", op.unpin.chain, limits)))
+            total_hashes += len(op.unpin.chain)
+        else:
+            raise InvalidRequestError(f"{path}: no op set; expected one of acquire, commit, "
+                                      "release, evict, pin, unpin")
+        if total_hashes > limits.max_hashes:
+            raise InvalidRequestError(f"ops: more than {limits.max_hashes} hashes in one Apply "
+                                      f"(passed at {path})")
+    return ops

@@ -1,0 +1,1 @@
+"""Launchers: a throwaway Redis, the index as a subprocess, health checks."""

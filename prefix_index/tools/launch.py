@@ -1,0 +1,52 @@
+"""Run pagedgen-prefix-index as a subprocess on a free port and wait for health SERVING
+(tests, benchmarks, the stack launcher)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from prefix_index.tools.redis_process import free_port
+from prefix_index.tools.server_process import ServerProcess
+from prefix_index.tools.server_process import wait_serving as wait_until_serving
+
+
+def wait_serving(target: str, timeout_s: float, service: str = "",
+                 proc: subprocess.Popen | None = None) -> None:
+    """Blocks until the prefix index at `target` reports SERVING."""
+    wait_until_serving(target, timeout_s, name="prefix index", service=service, proc=proc)
+
+
+class IndexProcess(ServerProcess):
+    """`pagedgen-prefix-index` (or `python -m prefix_index.server.main`) as a child process."""
+
+    name = "prefix index"
+
+    def __init__(self, redis_url: str, extra_args: Sequence[str] = (), port: int | None = None,
+                 host: str = "127.0.0.1", start_timeout_s: float = 20.0,
+                 wait_for_redis: bool = True) -> None:
+        self.redis_url = redis_url
+        self.extra_args = list(extra_args)
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.start_timeout_s = start_timeout_s
+        self.wait_for_redis = wait_for_redis
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        script = shutil.which("pagedgen-prefix-index")
+        base = [script] if script else [sys.executable, "-m", "prefix_index.server.main"]
+        return base + ["--redis-url", self.redis_url, "--host", self.host,
+                       "--port", str(self.port), *self.extra_args]
+
+    def start(self) -> IndexProcess:
+        self.spawn(self.command())
+        if self.wait_for_redis:
+            try:
+                wait_serving(self.target, self.start_timeout_s, proc=self.proc)
+            except BaseException:
+                self.kill()
+                raise
+        return self
