@@ -50,7 +50,7 @@ def kv_slot_usage(scheduler, pool, block_size: int) -> tuple[int, int, int]:
     for group in scheduler.running:
         for seq in group.live_seqs():
             num_seqs += 1
-            for i, block_id in enumerate(seq.block_table):
+            for i, block_id in enumerate(scheduler.kv.block_table(seq)):
                 n = min(block_size, max(0, seq.num_computed_tokens - i * block_size))
                 filled[block_id] = max(filled.get(block_id, 0), n)
     in_use = pool.num_blocks - pool.num_free_blocks
@@ -69,6 +69,7 @@ def simulate_paged(
     max_num_seqs: int = 1024,
     max_num_batched_tokens: int = 2048,
 ) -> MemoryRun:
+    from engine_service.core.block_hash import BlockHasher
     from engine_service.core.block_pool import BlockPool
     from engine_service.core.kv_cache_manager import KVCacheManager
     from engine_service.core.scheduler import Scheduler, SchedulerConfig
@@ -78,7 +79,8 @@ def simulate_paged(
     pool = BlockPool(budget_slots // block_size)
     # Prefix caching off: the workload's prompts are unique, and utilization should measure
     # allocation, not sharing (sharing would only raise it).
-    kv = KVCacheManager(pool, block_size, b"\0" * 16, enable_prefix_caching=False)
+    hasher = BlockHasher("simulation", "none", block_size)
+    kv = KVCacheManager(pool, hasher, enable_prefix_caching=False)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens, max_num_seqs, "recompute"), kv)
     targets: dict[int, int] = {}
     for i, r in enumerate(workload.requests):
@@ -93,9 +95,7 @@ def simulate_paged(
         kv.take_moves()
         if not out.scheduled:
             raise RuntimeError(f"simulation stalled at step {step}: nothing schedulable")
-        for item in out.scheduled:
-            seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
+        scheduler.after_forward(out)
         used, allocated, running = kv_slot_usage(scheduler, pool, block_size)
         trace.append((step, used, allocated, running, len(scheduler.waiting)))
         for item in out.scheduled:
@@ -104,7 +104,7 @@ def simulate_paged(
                 seq.token_ids.append(DUMMY_TOKEN)
                 if seq.num_output_tokens >= targets[seq.seq_id]:
                     seq.status = SequenceStatus.FINISHED
-                    kv.free(seq)
+                    kv.forget(seq)
         scheduler.remove_finished()
         step += 1
     return _finish("paged", block_size, budget_slots, trace, scheduler.counters.num_preemptions)

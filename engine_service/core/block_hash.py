@@ -49,3 +49,31 @@ def extend_block_hashes(
         extra = salt_bytes(cache_salt) if block_index == 0 else b""
         start = block_index * block_size
         hashes.append(hash_block(parent, token_ids[start : start + block_size], extra))
+
+
+def hash_identity(model_identity: str, dtype: str) -> str:
+    """What a chain is tied to besides the block size: the model and the dtype of its KV (the
+    same tokens in another dtype are other bytes)."""
+    return f"{model_identity}:{dtype}"
+
+
+class BlockHasher:
+    """The one place an engine's block-hash chain is computed: the KV cache, PinPrefix, the
+    prefix-index link and the router all use this, so they agree on every hash."""
+
+    __slots__ = ("identity", "block_size", "seed_hash")
+
+    def __init__(self, model_identity: str, dtype: str, block_size: int) -> None:
+        self.identity = hash_identity(model_identity, dtype)
+        self.block_size = block_size
+        self.seed_hash = model_seed_hash(self.identity, block_size)
+
+    def extend(self, hashes: list[bytes], token_ids: list[int], cache_salt: str | None) -> None:
+        """Append the hashes of token_ids' full blocks that `hashes` does not cover yet."""
+        extend_block_hashes(hashes, token_ids, self.block_size, self.seed_hash, cache_salt)
+
+    def chain(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
+        """The hashes of every full block of token_ids."""
+        hashes: list[bytes] = []
+        self.extend(hashes, token_ids, cache_salt)
+        return hashes

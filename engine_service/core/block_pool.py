@@ -36,6 +36,14 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    def free_block_ids(self) -> list[int]:
+        """Never-used (uncached, refcount 0) blocks, for invariant checks."""
+        return list(self._free_ids)
+
+    def cached_items(self) -> list[tuple[bytes, Block]]:
+        """(hash, block) for every cached block, for invariant checks."""
+        return list(self._cached.items())
+
     def allocate(self, num_blocks: int) -> list[Block]:
         if num_blocks > self.num_free_blocks:
             raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")

@@ -25,6 +25,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space: int = 1 << 30  # bytes of CPU blocks for swapped-out sequences (swap mode)
     seed: int = 0
+    # Serve token ids only: no tokenizer is loaded, text input is refused, outputs carry ids.
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, value: object, allowed: str) -> None:

@@ -1,31 +1,43 @@
-"""The engine: requests in, one scheduled forward + sampling per step, outputs out."""
+"""The engine: requests in, one scheduled forward + sampling per step, outputs out.
+
+One thread owns an LLMEngine and is the only writer of its state (scheduler queues, KV cache
+manager, block pool, the prefix policy's mirror). Other threads send commands with `post`;
+they run between two steps. Readers use `snapshot`, the stats the engine publishes each step.
+"""
 
 import itertools
 import logging
+import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from engine_service.core.block_hash import model_seed_hash
+from engine_service.core.block_hash import BlockHasher
 from engine_service.core.block_pool import BlockPool
 from engine_service.core.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine_service.core.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    RequestTooLargeError,
+)
 from engine_service.core.kv_cache_manager import KVCacheManager, blocks_for
 from engine_service.core.outputs import CompletionOutput, RequestOutput
 from engine_service.core.prefix_policy import PrefixPolicy
-from engine_service.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from engine_service.core.scheduler import Scheduler, SchedulerConfig
+from engine_service.core.scheduler_output import ScheduledSeq
 from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine_service.model.config import DTYPES, ModelConfig, load_model_config
 from engine_service.model.detokenizer import IncrementalDetokenizer
 from engine_service.model.runner import ModelRunner, kv_bytes_per_block
 from engine_service.model.sampler import Sampler, SamplingRow, make_generator
 from engine_service.model.sampling_params import SamplingParams
+from engine_service.model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-
-class RequestTooLargeError(ValueError):
-    """The request can never fit in this engine's KV pool or context."""
+__all__ = ["EngineStats", "LLMEngine", "RequestTooLargeError"]
 
 
 @dataclass(slots=True)
@@ -41,18 +53,21 @@ class EngineStats:
     prefix_cache_hits: int  # of those, served from the cache
     num_preemptions: int
     num_steps: int
+    num_pinned_blocks: int = 0  # idle blocks the prefix policy keeps from eviction
+    num_pins_released: int = 0  # pinned blocks unpinned so a lone request could run
+
+
+Command = Callable[["LLMEngine"], None]
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, policy: PrefixPolicy | None = None) -> None:
-        from transformers import AutoTokenizer
-
         if config.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device must be 'cpu' on this machine: CUDA is not available")
         self.config = config
         self.model_config: ModelConfig = load_model_config(config.model)
         mc = self.model_config
-        self.tokenizer = AutoTokenizer.from_pretrained(mc.path, gguf_file=mc.gguf_file)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(mc)
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
@@ -70,14 +85,11 @@ class LLMEngine:
             num_cpu_blocks=num_cpu_blocks,
             max_model_len=self.max_model_len,
         )
-        self.seed_hash = model_seed_hash(f"{mc.identity}:{config.dtype}", config.block_size)
+        # The one block-hash chain of this engine: the cache, PinPrefix and the index link.
+        self.hasher = BlockHasher(mc.identity, config.dtype, config.block_size)
         self.pool = BlockPool(num_blocks, policy)
         self.kv = KVCacheManager(
-            self.pool,
-            config.block_size,
-            self.seed_hash,
-            config.enable_prefix_caching,
-            num_cpu_blocks,
+            self.pool, self.hasher, config.enable_prefix_caching, num_cpu_blocks
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -86,7 +98,7 @@ class LLMEngine:
             self.kv,
         )
         eos = set(mc.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.sampler = Sampler(mc.vocab_size, eos, seed=config.seed)
@@ -95,6 +107,11 @@ class LLMEngine:
         self._groups: dict[str, SequenceGroup] = {}
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model (prefill + decode)
+        # Commands from other threads, run by the engine thread between steps; `wake` tells
+        # whoever drives the engine that one is waiting (the async front sets it).
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self.wake: Callable[[], None] = lambda: None
+        self.snapshot: EngineStats = self.stats()
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), device %s",
             mc.path,
@@ -121,37 +138,68 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (RequestTooLargeError when it can never fit) naming the problem."""
+        """Raise InvalidRequestError (RequestTooLargeError when it can never fit) naming the
+        field. Reads only this engine's fixed limits: safe from any thread."""
         if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token, got an empty prompt")
+            raise InvalidRequestError(
+                "prompt", "prompt must contain at least one token, got an empty prompt"
+            )
         vocab = self.model_config.vocab_size
         bad = next(
             (t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None
         )
         if bad is not None:
-            raise ValueError(f"prompt_token_ids must be ints in [0, {vocab}), got {bad!r}")
-        params.check_for_model(vocab)
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestTooLargeError(
-                f"prompt has {len(prompt_token_ids)} tokens; the context allows at most "
-                f"{self.max_model_len - 1} so one token can be generated"
+            raise InvalidRequestError(
+                "prompt", f"prompt_token_ids must be ints in [0, {vocab}), got {bad!r}"
             )
-        if (
-            params.max_tokens is not None
-            and len(prompt_token_ids) + params.max_tokens > self.max_model_len
-        ):
-            raise RequestTooLargeError(
-                f"max_tokens is {params.max_tokens} but the prompt "
-                f"({len(prompt_token_ids)} tokens) "
-                f"leaves room for at most {self.max_model_len - len(prompt_token_ids)} in the "
-                f"{self.max_model_len}-token context"
+        try:
+            params.check_for_model(vocab)
+        except ValueError as error:
+            raise InvalidRequestError("stop_token_ids", str(error)) from None
+        if self.tokenizer is None and params.stop:
+            raise InvalidRequestError(
+                "stop", f"stop must be empty when the engine has no tokenizer "
+                f"(skip_tokenizer_init), got {params.stop!r}: use stop_token_ids"
             )
-        max_len = len(prompt_token_ids) + (params.max_tokens or self.max_model_len)
-        needed = blocks_for(min(max_len, self.max_model_len), self.config.block_size)
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise RequestTooLargeError(
+                "prompt",
+                f"prompt must be at most {self.max_model_len - 1} tokens (the "
+                f"{self.max_model_len}-token context keeps one for the output), "
+                f"got {num_prompt} tokens",
+            )
+        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
+            raise RequestTooLargeError(
+                "max_tokens",
+                f"max_tokens must be at most {self.max_model_len - num_prompt} for this "
+                f"{num_prompt}-token prompt (context {self.max_model_len}), "
+                f"got {params.max_tokens}",
+            )
+        if params.n > self.config.max_num_seqs:
+            raise RequestTooLargeError(
+                "n", f"n must be at most {self.config.max_num_seqs} (max_num_seqs: the "
+                f"sequences one step runs), got {params.n}"
+            )
+        needed = self.blocks_for_request(num_prompt, params)
         if needed > self.pool.num_blocks:
+            shared = num_prompt // self.config.block_size if params.n > 1 else 0
             raise RequestTooLargeError(
-                f"request needs up to {needed} KV blocks but the pool has {self.pool.num_blocks}"
+                "max_tokens",
+                f"max_tokens and n must fit this engine's KV pool: the request needs up to "
+                f"{needed} KV blocks but the pool has {self.pool.num_blocks} blocks of "
+                f"{self.config.block_size} tokens ({params.n} sequences of {num_prompt} prompt "
+                f"tokens + max_tokens, {shared} full prompt blocks shared); got "
+                f"max_tokens={params.max_tokens}, n={params.n}: lower max_tokens or n",
             )
+
+    def blocks_for_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The most blocks the request's group ever holds: its n sequences share the prompt's
+        full blocks and hold the rest (the partial prompt block copied on write) each."""
+        max_len = num_prompt_tokens + (params.max_tokens or self.max_model_len)
+        per_seq = blocks_for(min(max_len, self.max_model_len), self.config.block_size)
+        shared = num_prompt_tokens // self.config.block_size if params.n > 1 else 0
+        return shared + params.n * (per_seq - shared)
 
     def add_request(
         self,
@@ -163,7 +211,9 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         if request_id in self._groups:
-            raise ValueError(f"request_id must be unique among live requests, got {request_id!r}")
+            raise DuplicateRequestError(
+                "request_id", f"request_id must be unique among live requests, got {request_id!r}"
+            )
         self.validate_request(prompt_token_ids, params)
         seq = self._new_sequence(list(prompt_token_ids), 0, params)
         group = SequenceGroup(
@@ -187,14 +237,15 @@ class LLMEngine:
         )
         if params.seed is not None:
             seq.generator = make_generator(params.seed, index, self.runner.device)
-        seq.detokenizer = IncrementalDetokenizer(
-            self.tokenizer,
-            token_ids,
-            params.stop,
-            params.include_stop_str_in_output,
-            params.skip_special_tokens,
-            min_tokens=params.min_tokens,
-        )
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+                min_tokens=params.min_tokens,
+            )
         seq.logprobs = [] if params.logprobs is not None else None
         return seq
 
@@ -213,16 +264,37 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- commands from other threads ---------------------------------------------------
+    def post(self, command: Command) -> None:
+        """Run command(engine) on the engine thread between two steps (any thread may call)."""
+        self._commands.put(command)
+        self.wake()
+
+    def run_commands(self) -> None:
+        """Run the commands posted so far (the engine thread calls this between steps)."""
+        ran = False
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            command(self)
+            ran = True
+        if ran:
+            self.snapshot = self.stats()
+
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        # The policy hooks bracket every step: a prefix-index policy applies the victims the
-        # index chose before scheduling and sends the step's batched ops after it.
+        self.run_commands()
+        # The policy hooks bracket every step: a prefix-index policy applies what the index
+        # decided before scheduling and records the step's ops after it.
         policy = self.pool.policy
         policy.begin_step()
         try:
             return self._step()
         finally:
             policy.end_step()
+            self.snapshot = self.stats()
 
     def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
@@ -234,9 +306,7 @@ class LLMEngine:
         self.num_steps += 1
         self.num_computed_tokens += sched.num_batched_tokens
         logits = self.runner.execute(sched.scheduled)
-        for item in sched.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.kv.commit_full_blocks(item.seq, item.group.cache_salt)
+        self.scheduler.after_forward(sched)
         self._sample(logits, [s for s in sched.scheduled if s.samples])
         touched = {id(s.group): s.group for s in sched.scheduled}
         outputs = [self._make_output(g) for g in touched.values()]
@@ -275,7 +345,7 @@ class LLMEngine:
                 seq.logprobs.append(logprob)
             self._check_stop(seq, group, token)
             if seq.is_finished:
-                self.kv.free(seq)
+                self.kv.forget(seq)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
         """Parallel sampling: n-1 children share every block of the computed prompt."""
@@ -284,6 +354,7 @@ class LLMEngine:
         for index in range(1, group.params.n):
             child = self._new_sequence(list(parent.token_ids), index, group.params)
             child.num_prompt_tokens = parent.num_prompt_tokens
+            child.num_computed_tokens = parent.num_computed_tokens
             child.status = SequenceStatus.RUNNING
             self.kv.fork(parent, child)
             children.append(child)
@@ -292,8 +363,9 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, group: SequenceGroup, token: int) -> None:
         params = group.params
-        delta = seq.detokenizer.add_token(token)
-        del delta  # text is read from the detokenizer when building outputs
+        detokenizer = seq.detokenizer
+        if detokenizer is not None:
+            detokenizer.add_token(token)  # text is read from it when building outputs
         reason = None
         stop_reason = None
         num_out = seq.num_output_tokens
@@ -302,14 +374,15 @@ class LLMEngine:
                 reason = "stop"
             elif token in params.stop_token_ids:
                 reason, stop_reason = "stop", token
-            elif seq.detokenizer.matched_stop is not None:
-                reason, stop_reason = "stop", seq.detokenizer.matched_stop
+            elif detokenizer is not None and detokenizer.matched_stop is not None:
+                reason, stop_reason = "stop", detokenizer.matched_stop
         if reason is None and params.max_tokens is not None and num_out >= params.max_tokens:
             reason = "length"
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            seq.detokenizer.finish()
+            if detokenizer is not None:
+                detokenizer.finish()
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
             seq.stop_reason = stop_reason
@@ -319,7 +392,7 @@ class LLMEngine:
         for seq in sorted(group.seqs, key=lambda s: s.index):
             out_ids = seq.output_token_ids
             new = out_ids[seq.num_streamed_tokens :]
-            text = seq.detokenizer.text
+            text = seq.detokenizer.text if seq.detokenizer is not None else ""
             text_delta = text[seq.num_streamed_chars :]
             lp_delta = None
             if seq.logprobs is not None:
@@ -370,19 +443,24 @@ class LLMEngine:
             prefix_cache_hits=self.kv.stats.hits,
             num_preemptions=self.scheduler.counters.num_preemptions,
             num_steps=self.num_steps,
+            num_pinned_blocks=pool.policy.num_pinned_idle,
+            num_pins_released=self.scheduler.counters.num_pins_released,
         )
 
     def check_block_invariants(self) -> list[str]:
-        """Problems with the pool when no request is live: every block free, no negative refs."""
-        problems = [
-            f"block {b.block_id} has refcount {b.ref_count}"
-            for b in self.pool.blocks
-            if b.ref_count != 0
-        ]
-        if self.pool.num_free_blocks != self.pool.num_blocks:
-            problems.append(f"{self.pool.num_free_blocks} of {self.pool.num_blocks} blocks free")
-        if self.kv.num_free_cpu_blocks != self.kv.num_cpu_blocks:
-            problems.append(
-                f"{self.kv.num_free_cpu_blocks} of {self.kv.num_cpu_blocks} CPU blocks free"
-            )
+        """Problems with the pool and the tables (engine_service/core/invariants.py); when no
+        request is live, also every block not free."""
+        from engine_service.core.invariants import block_problems
+
+        problems = block_problems(self)
+        if not self._groups:
+            if self.pool.num_free_blocks + self.pool.policy.num_pinned_idle != self.pool.num_blocks:
+                problems.append(
+                    f"no request is live but only {self.pool.num_free_blocks} of "
+                    f"{self.pool.num_blocks} blocks are free"
+                )
+            if self.kv.num_free_cpu_blocks != self.kv.num_cpu_blocks:
+                problems.append(
+                    f"{self.kv.num_free_cpu_blocks} of {self.kv.num_cpu_blocks} CPU blocks free"
+                )
         return problems

@@ -25,6 +25,16 @@ class PrefixPolicy(Protocol):
     def pick_victims(self, num_blocks: int) -> list[bytes]:
         """Up to num_blocks evictable hashes to reclaim, removed from the policy."""
 
+    @property
+    def num_pinned_idle(self) -> int:
+        """Cached blocks with refcount 0 that a pin keeps out of the evictable set."""
+
+    def release_pins(self, num_blocks: int) -> int:
+        """Unpin up to num_blocks idle pinned blocks (they become evictable); how many."""
+
+    def evictable_hashes(self) -> list[bytes]:
+        """The evictable set, eviction end first (for invariant checks)."""
+
     def on_prefix_query(self, chain: list[bytes], num_hit_blocks: int) -> None:
         """An admission looked up `chain` (the prompt's cacheable full blocks) and is about to
         acquire its first num_hit_blocks (the on_acquire calls that follow)."""
@@ -63,6 +73,16 @@ class LocalLRUPolicy:
         while self._evictable and len(victims) < num_blocks:
             victims.append(self._evictable.popitem(last=False)[0])
         return victims
+
+    @property
+    def num_pinned_idle(self) -> int:
+        return 0
+
+    def release_pins(self, num_blocks: int) -> int:
+        return 0
+
+    def evictable_hashes(self) -> list[bytes]:
+        return list(self._evictable)
 
     def on_prefix_query(self, chain: list[bytes], num_hit_blocks: int) -> None:
         pass

@@ -4,14 +4,21 @@ Each sequence has num_computed_tokens catching up with num_tokens; a step gives 
 sequence what it still needs (a decode token, or a prefill chunk) within the token budget, then
 admits waiting requests. Chunked prefill and prefix caching fall out of that rule. When blocks
 run out, the latest arrival is preempted (its whole sequence group) by recompute or swap.
+
+Every block count here is exact (the KV cache manager counts a group's shared blocks once), so a
+group whose peak footprint fits the pool always makes progress once it runs alone.
 """
 
 import bisect
+import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine_service.core.kv_cache_manager import BlockMoves, KVCacheManager
+from engine_service.core.kv_cache_manager import KVCacheManager
+from engine_service.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -25,29 +32,11 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    group: SequenceGroup
-    num_new_tokens: int
-    samples: bool  # this chunk reaches the end of the sequence: sample a token from it
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    moves: BlockMoves = field(default_factory=BlockMoves)
-    preempted: list[SequenceGroup] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-
-@dataclass(slots=True)
 class SchedulerCounters:
     num_preemptions: int = 0
     num_swapped_out: int = 0
     num_recomputed: int = 0
+    num_pins_released: int = 0  # idle pinned blocks unpinned so a lone request could run
 
 
 def _order_key(group: SequenceGroup) -> tuple[int, int]:
@@ -91,12 +80,9 @@ class Scheduler:
         return None
 
     def free_group(self, group: SequenceGroup) -> None:
-        swapped = [s for s in group.seqs if s.status == SequenceStatus.SWAPPED]
-        if swapped:
-            self.kv.free_cpu(swapped)
+        self.kv.free_cpu([s for s in group.seqs if s.status == SequenceStatus.SWAPPED])
         for seq in group.seqs:
-            if seq.status != SequenceStatus.SWAPPED:
-                self.kv.free(seq)
+            self.kv.forget(seq)
 
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -104,33 +90,59 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
-            self._swap_in(out)
+            self._swap_in()
             if not self.swapped:
                 self._admit_waiting(out, budget)
         out.moves = self.kv.take_moves()
+        for item in out.scheduled:
+            item.block_table = self.kv.block_table(item.seq)
         return out
 
-    def _plan(self, seq: Sequence, budget: int) -> int:
-        return min(seq.num_tokens - seq.num_computed_tokens, budget)
+    def after_forward(self, out: SchedulerOutput) -> None:
+        """The step's tokens are in the cache: advance, commit full blocks, and let parked
+        sequences share their leader's recomputed prompt (before anyone can finish and free)."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.kv.commit_full_blocks(item.seq, item.group.cache_salt)
+        for group in {id(s.group): s.group for s in out.scheduled}.values():
+            self._unpark(group)
+
+    def _unpark(self, group: SequenceGroup) -> None:
+        parked = [s for s in group.seqs if s.status == SequenceStatus.PARKED]
+        if not parked:
+            return
+        shared = group.num_shared_prompt_blocks(self.kv.block_size)
+        leader = self._leader(group)
+        if leader.num_computed_tokens < shared * self.kv.block_size:
+            return
+        for seq in parked:
+            self.kv.share_prefix(leader, seq, shared)
+            seq.num_computed_tokens = shared * self.kv.block_size
+            seq.status = SequenceStatus.RUNNING
+
+    @staticmethod
+    def _leader(group: SequenceGroup) -> Sequence:
+        return next(s for s in group.seqs if s.status == SequenceStatus.RUNNING)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             group = self.running[index]
-            seqs = group.live_seqs()
-            plans = []
-            for seq in seqs:
-                num_new = self._plan(seq, budget - sum(n for _, n in plans))
+            plans: list[tuple[Sequence, int]] = []
+            left = budget
+            for seq in group.seqs:
+                if seq.status != SequenceStatus.RUNNING:
+                    continue
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, left)
                 if num_new > 0:
                     plans.append((seq, num_new))
+                    left -= num_new
             if not plans:
                 index += 1
                 continue
             # All-or-nothing per group: preempt the latest arrivals until it fits.
-            while (
-                sum(self.kv.blocks_needed(s, n, []) for s, n in plans)
-                > self.kv.pool.num_free_blocks
-            ):
+            needed = self.kv.blocks_to_grow(plans)
+            while needed > self._free_for(needed, alone=self.running == [group]):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is group:
@@ -138,7 +150,7 @@ class Scheduler:
             if group not in self.running:
                 break
             for seq, num_new in plans:
-                self.kv.allocate(seq, num_new, [])
+                self.kv.grow(seq, num_new)
                 out.scheduled.append(
                     ScheduledSeq(
                         seq, group, num_new, seq.num_computed_tokens + num_new == seq.num_tokens
@@ -157,7 +169,8 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(seqs):
             self.kv.swap_out(seqs)
             for seq in seqs:
-                seq.status = SequenceStatus.SWAPPED
+                if seq.status == SequenceStatus.RUNNING:
+                    seq.status = SequenceStatus.SWAPPED
             self.swapped.append(group)
             self.counters.num_swapped_out += 1
             return
@@ -174,57 +187,64 @@ class Scheduler:
         # whole pool must still be admitted.
         return self._watermark_blocks if self.running else 0
 
-    def _swap_in(self, out: SchedulerOutput) -> None:
+    def _swap_in(self) -> None:
         while self.swapped:
             group = self.swapped[0]
             seqs = group.live_seqs()
             needed = self.kv.blocks_to_swap_in(seqs)
-            if needed + self._watermark() > self.kv.pool.num_free_blocks:
+            if needed + self._watermark() > self._free_for(needed, not self.running):
                 return
             self.swapped.popleft()
             self.kv.swap_in(seqs)
             for seq in seqs:
-                seq.status = SequenceStatus.RUNNING
+                if seq.status == SequenceStatus.SWAPPED:
+                    seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, group, key=_order_key)
 
+    def _free_for(self, needed: int, alone: bool) -> int:
+        """Free blocks; for a request that would run alone, idle pinned blocks are unpinned when
+        it cannot fit otherwise (a pin must never stall the engine)."""
+        pool = self.kv.pool
+        free = pool.num_free_blocks
+        if needed > free and alone:
+            released = pool.policy.release_pins(needed - free)
+            if released:
+                self.counters.num_pins_released += released
+                log.warning("unpinned %d idle blocks: the next request needs %d blocks and "
+                            "only %d were free", released, needed, free)
+            free = pool.num_free_blocks
+        return free
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting groups in order while they fit. A group (re-)enters through one
+        sequence, its leader: the leader's cache hits are acquired before anything is allocated;
+        the other sequences of a re-admitted forked group share the leader's prompt blocks at
+        once when they are cached, or park until the leader has recomputed them."""
         while self.waiting and budget > 0:
             group = self.waiting[0]
             seqs = group.live_seqs()
-            num_seqs = max(len(seqs), group.params.n if not group.has_forked else 0)
+            num_seqs = len(seqs) if group.has_forked else group.params.n
             if self.num_running_seqs() + num_seqs > self.config.max_num_seqs:
                 return
-            plans = []
-            needed = 0
-            planned_budget = budget
-            for seq in seqs:
-                cached = self.kv.find_cached_prefix(seq, group.cache_salt)
-                num_computed = len(cached) * self.kv.block_size
-                num_new = min(seq.num_tokens - num_computed, planned_budget)
-                if num_new <= 0:
-                    break
-                # blocks_needed counts from the sequence's own (empty) table plus the hits.
-                saved = seq.num_computed_tokens
-                seq.num_computed_tokens = num_computed
-                needed += self.kv.blocks_needed(seq, num_new, cached)
-                seq.num_computed_tokens = saved
-                plans.append((seq, num_new, cached))
-                planned_budget -= num_new
-            if len(plans) < len(seqs):
-                return  # not enough budget left for the whole group this step
-            if needed + self._watermark() > self.kv.pool.num_free_blocks:
+            leader, followers = seqs[0], seqs[1:]
+            hits = self.kv.cached_prefix(leader, group.cache_salt)
+            num_cached = len(hits) * self.kv.block_size
+            num_new = min(leader.num_tokens - num_cached, budget)
+            needed = self.kv.blocks_to_admit(leader, hits, num_new)
+            if needed + self._watermark() > self._free_for(needed, not self.running):
                 return
             self.waiting.pop(0)
-            for seq, num_new, cached in plans:
-                self.kv.allocate(seq, num_new, cached)
-                seq.status = SequenceStatus.RUNNING
-                if group.num_cached_tokens is None:
-                    group.num_cached_tokens = seq.num_computed_tokens
-                    self.kv.record_query(seq.num_prompt_tokens, seq.num_computed_tokens)
-                out.scheduled.append(
-                    ScheduledSeq(
-                        seq, group, num_new, seq.num_computed_tokens + num_new == seq.num_tokens
-                    )
-                )
-                budget -= num_new
+            self.kv.admit(leader, hits, num_new, group.cache_salt)
+            leader.num_computed_tokens = num_cached
+            leader.status = SequenceStatus.RUNNING
+            if group.num_cached_tokens is None:
+                group.num_cached_tokens = num_cached
+                self.kv.record_query(leader.num_prompt_tokens, num_cached)
+            for seq in followers:
+                seq.status = SequenceStatus.PARKED
+            self._unpark(group)
+            out.scheduled.append(
+                ScheduledSeq(leader, group, num_new, num_cached + num_new == leader.num_tokens)
+            )
+            budget -= num_new
             bisect.insort(self.running, group, key=_order_key)

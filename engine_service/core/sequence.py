@@ -1,4 +1,7 @@
-"""Sequences (one stream of tokens) and sequence groups (one request: n sequences)."""
+"""Sequences (one stream of tokens) and sequence groups (one request: n sequences).
+
+A sequence carries its tokens and its progress; its KV blocks belong to the KV cache manager.
+"""
 
 import enum
 import time
@@ -12,6 +15,9 @@ from engine_service.model.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not yet admitted, or preempted by recompute
     RUNNING = "running"
+    # In a running group re-admitted after recompute: holds nothing until its leader has
+    # recomputed the prompt blocks the group shares, then shares them (so they exist once).
+    PARKED = "parked"
     SWAPPED = "swapped"  # preempted by swapping its blocks to the CPU pool
     FINISHED = "finished"
 
@@ -25,11 +31,6 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     # Tokens whose K/V are in the cache; the scheduler catches this up with len(token_ids).
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    # Chained hashes of the full blocks of token_ids (grown as blocks fill).
-    block_hashes: list[bytes] = field(default_factory=list)
-    # How many leading blocks of block_table are registered in the prefix cache.
-    num_committed_blocks: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
@@ -87,3 +88,7 @@ class SequenceGroup:
     @property
     def num_prompt_tokens(self) -> int:
         return self.seqs[0].num_prompt_tokens
+
+    def num_shared_prompt_blocks(self, block_size: int) -> int:
+        """Full prompt blocks every sequence of a forked group holds in common."""
+        return self.num_prompt_tokens // block_size if self.has_forked else 0

@@ -1,9 +1,13 @@
 """The engine's connection to the prefix index: one background thread running an asyncio loop.
 
-It registers, sends the ops each step recorded (engine_service/index/policy.py) as batched
-Applies, heartbeats when idle, and never lets a failure reach the engine: any error flips
+It registers, sends the op batches each step recorded (engine_service/index/policy.py) as
+batched Applies, heartbeats when idle, and never lets a failure reach the engine: any error flips
 `degraded` (the engine keeps serving on its local LRU), then it re-registers (new epoch) and
 re-syncs the mirror on its own every `retry_interval_s` until the index answers again.
+
+The link never touches the policy's state: it reads the policy's outbox, and everything that
+changes the mirror (results, the re-sync snapshot, pins) is posted to the engine thread's command
+queue and runs there between two steps.
 
     link = connect_prefix_index(engine, "127.0.0.1:50061", "engine-0")  # None for "none"
     ...
@@ -13,7 +17,9 @@ re-syncs the mirror on its own every `retry_interval_s` until the index answers 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import queue
 import re
 import threading
 import time
@@ -21,9 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine_service.index.policy import IndexPolicy, LowWaterMark, PendingOp
+import grpc
+
+from engine_service.index.policy import IndexPolicy, LowWaterMark, OpBatch, PendingOp
 from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
-from prefix_index.api.ops import Acquire, Pin, Release, Unpin
+from prefix_index.api.ops import Acquire, OpStatus, Pin, Release, Unpin
 
 if TYPE_CHECKING:
     from engine_service.core.engine import LLMEngine
@@ -36,6 +44,15 @@ TARGET = re.compile(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:.]+\]:\d{1,5}")
 
 class IndexUnavailableError(ConnectionError):
     """The prefix index cannot be reached now (the engine runs degraded on its local LRU)."""
+
+
+class PinRefusedError(Exception):
+    """The index answered and refused the pin: `reason` is "invalid" (a bad request) or
+    "budget" (the pin budget is full); the link itself is fine."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -95,10 +112,10 @@ def connect_prefix_index(
     )
     policy = IndexPolicy(pool, low_water)
     pool.policy = policy
-    identity = f"{engine.model_config.identity}:{engine.config.dtype}"  # as the seed hash
+    identity = engine.hasher.identity  # what seeds the engine's block-hash chain
     link = PrefixIndexLink(
         policy, target, engine_id, identity, engine.config.block_size, pool.num_blocks,
-        options, on_rpc,
+        options, on_rpc, post=engine.post,
     )
     return link.start()
 
@@ -114,8 +131,11 @@ class PrefixIndexLink:
         num_blocks: int,
         options: IndexLinkOptions,
         on_rpc: Callable[[str, float], None] | None = None,
+        post: Callable[[Callable], None] | None = None,
     ) -> None:
         self.policy = policy
+        # How the link runs something on the engine thread (LLMEngine.post).
+        self._post = post or (lambda command: command(None))
         self.target = target
         self.engine_id = engine_id
         self.model_identity = model_identity
@@ -127,6 +147,7 @@ class PrefixIndexLink:
         self.last_error = "not registered yet"
         self._degraded_since = time.monotonic()
         self._registered = False
+        self._generation: int | None = None  # the policy generation being sent; None: none
         self._channel_failed = False
         self._closing = False
         self._last_rpc = 0.0
@@ -198,7 +219,7 @@ class PrefixIndexLink:
         if not self._thread.is_alive():
             self._loop.close()
         # The policy stays in the engine as a plain local LRU: nothing is recorded any more.
-        self.policy.stop_recording()
+        self._post(lambda _engine: self.policy.stop_recording())
         self._stats.degraded = True
         self.last_error = "closed"
 
@@ -243,7 +264,8 @@ class PrefixIndexLink:
             self._wake.clear()
 
     def _on_failure(self, error: Exception) -> None:
-        self.policy.stop_recording()
+        self._post(lambda _engine: self.policy.stop_recording())
+        self._generation = None
         self._registered = False
         self._channel_failed = True
         self._stats.rpc_errors += 1
@@ -254,9 +276,23 @@ class PrefixIndexLink:
             log.warning("prefix index %s: degraded, serving on the local LRU: %s",
                         self.target, error)
 
+    async def _on_engine(self, fn: Callable[[], object]) -> object:
+        """fn() run on the engine thread between two steps; its result."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command(_engine: object) -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as error:  # noqa: BLE001 - handed to the awaiting link
+                done.set_exception(error)
+
+        self._post(command)
+        # A stalled engine thread must not hang the link forever.
+        return await asyncio.wait_for(asyncio.wrap_future(done), 10 * self.options.rpc_timeout_s)
+
     async def _register_and_resync(self) -> None:
         assert self._client is not None
-        self.policy.stop_recording()
+        self._generation = None
         if self._channel_failed:
             # A fresh channel connects at once; the old one may sit in its reconnect backoff.
             self._channel_failed = False
@@ -269,7 +305,9 @@ class PrefixIndexLink:
         self._stats.epoch = epoch
         self._stats.registrations += 1
         async with self._send_lock:
-            await self._send(self.policy.resync_ops())
+            batch: OpBatch = await self._on_engine(self.policy.resync_ops)
+            self._generation = batch.generation
+            await self._send(batch)
         self._registered = True
         if self._stats.degraded:
             log.info("prefix index %s: registered, epoch %d, mirror re-synced",
@@ -278,17 +316,23 @@ class PrefixIndexLink:
 
     async def _flush(self) -> None:
         async with self._send_lock:
-            # Results can queue corrective ops (a release to retry): send until none is left.
-            while pending := self.policy.take_pending():
-                await self._send(pending)
+            while True:
+                try:
+                    batch = self.policy.outbox.get_nowait()
+                except queue.Empty:
+                    return
+                if batch.generation == self._generation:
+                    await self._send(batch)  # others belong to a registration that is gone
 
-    async def _send(self, pending: list[PendingOp]) -> None:
+    async def _send(self, batch: OpBatch) -> None:
         assert self._client is not None
-        for chunk in self._chunks(pending):
+        for chunk in self._chunks(batch.ops):
             results = await self._timed("Apply", self._client.apply([p.op for p in chunk]))
             self._stats.applies += 1
             self._stats.ops_sent += len(chunk)
-            self.policy.on_results(chunk, results)
+            sent = OpBatch(batch.generation, chunk)
+            self._post(lambda _engine, sent=sent, results=results:
+                       self.policy.on_results(sent, results))
 
     def _chunks(self, pending: list[PendingOp]) -> list[list[PendingOp]]:
         chunks: list[list[PendingOp]] = []
@@ -334,19 +378,22 @@ class PrefixIndexLink:
             raise IndexUnavailableError(f"prefix index {self.target}: {self.last_error}")
         op = Unpin(list(chain)) if unpin else Pin(list(chain), ttl_s)
         try:
+            await self._flush()  # the chain's commits may still be waiting: send them first
             async with self._send_lock:
-                # The chain's commits may still be pending: send them first.
-                while pending := self.policy.take_pending():
-                    await self._send(pending)
                 [result] = await self._timed("Apply", self._client.apply([op]))
         except PrefixIndexClientError as error:
+            if error.code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise PinRefusedError("invalid", f"the prefix index refused the pin: "
+                                                 f"{error.details}") from None
             self._on_failure(error)
             self._wake.set()
             raise IndexUnavailableError(f"prefix index {self.target}: {error}") from None
+        if result.status == OpStatus.PIN_BUDGET_EXCEEDED:
+            raise PinRefusedError("budget", f"the prefix index refused the pin: {result.detail}")
         if not result.ok:
-            return 0
+            return 0  # nothing of the chain is cached here: nothing to pin
         if unpin:
-            self.policy.unpin_locally(chain)
+            await self._on_engine(lambda: self.policy.unpin_locally(chain))
         else:
-            self.policy.pin_locally(chain[: result.count], ttl_s)
+            await self._on_engine(lambda: self.policy.pin_locally(chain[: result.count], ttl_s))
         return result.count

@@ -1,21 +1,22 @@
 """A prefix policy steered by the prefix index service (DESIGN "Prefix index", "Failure").
 
-The engine thread never waits on the index. Each hook updates a local mirror of this engine's
-cached blocks (hash -> parent, block id, refcount) and its LRU, and records the matching index
-op; after each step the link (engine_service/index/link.py) sends what was recorded as one
-batched Apply from its own thread. Victims are asked for ahead of need (a low-water mark on
-never-used free blocks) and applied at the start of a later step, if still cached.
+Everything here runs on the engine thread, the only writer of the policy's state: a local mirror
+of this engine's cached blocks (hash -> parent, block id, refcount), its LRU, the pins. Each hook
+records the matching index op; at the end of a step the recorded ops go to `outbox` as one batch
+for the link thread (engine_service/index/link.py), which sends it as batched Applies and posts
+the results back through the engine's command queue (`on_results`, run between two steps).
+Victims are asked for ahead of need (a low-water mark on never-used free blocks) and applied at
+the start of a later step, if still cached.
 
 While the index or Redis is down nothing is recorded and the mirror's LRU serves alone
-(degraded); on reconnect the link re-registers (new epoch) and sends the mirror as a re-sync.
-A block evicted locally while registered leaves the index with a stale entry, so it asks for a
-re-sync too (rare: the low-water mark keeps free blocks ahead of the allocations).
+(degraded); on reconnect the link re-registers (new epoch) and asks for the mirror as a re-sync.
+Each registration is a new generation: batches and results of an older one are dropped.
 """
 
 from __future__ import annotations
 
 import math
-import threading
+import queue
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from prefix_index.api.ops import (
     OpStatus,
     Pin,
     Release,
+    Unpin,
 )
 
 if TYPE_CHECKING:
@@ -54,12 +56,21 @@ class PendingOp:
 
 
 @dataclass(slots=True)
+class OpBatch:
+    """Ops recorded by one step (or a re-sync), for the registration `generation`."""
+
+    generation: int
+    ops: list[PendingOp]
+
+
+@dataclass(slots=True)
 class MirrorCounters:
     """Where the index and the local mirror disagreed, and what the policy did locally."""
 
     index_victims_applied: int = 0  # blocks the index chose that left the local cache
     local_evictions: int = 0  # blocks the local LRU picked (degraded, or the index lagged)
     mismatches: int = 0  # index results that did not match the mirror (races; self-healing)
+    pins_released: int = 0  # idle pinned blocks unpinned so a request could run
 
 
 @dataclass(slots=True)
@@ -80,70 +91,74 @@ class LowWaterMark:
 
 
 class IndexPolicy:
-    """PrefixPolicy for one engine whose prefix cache the prefix index steers."""
+    """PrefixPolicy for one engine whose prefix cache the prefix index steers. Every method
+    runs on the engine thread; the link reads only `outbox`, `needs_resync` and `generation`."""
 
     def __init__(self, pool: BlockPool, low_water: LowWaterMark) -> None:
         self.pool = pool
         self.low_water = low_water
-        # One lock for everything below: the engine thread's hooks and the link thread's
-        # take/resync/results calls all hold it briefly, never across an RPC.
-        self._lock = threading.Lock()
         self._mirror: dict[bytes, MirroredBlock] = {}
         self._evictable: OrderedDict[bytes, None] = OrderedDict()  # refcount 0, unpinned; LRU
         self._pins: dict[bytes, float] = {}  # hash -> monotonic expiry (inf: until unpinned)
         self._idle_pinned: set[bytes] = set()  # refcount 0 but pinned: not evictable
-        self._pending: list[PendingOp] = []
+        self._pending: list[PendingOp] = []  # recorded since the last batch
+        self.outbox: queue.SimpleQueue[OpBatch] = queue.SimpleQueue()  # to the link thread
+        self.generation = 0  # of the registration being recorded for
         self._recording = False  # registered: hooks record ops for the index
         self._covered_acquires = 0  # on_acquire calls an admission's Acquire op already counts
         self._victims: list[EvictedBlock] = []  # chosen by the index, applied at begin_step
         self._victims_in_flight = 0
-        self._needs_resync = False
+        self.needs_resync = False
         self.counters = MirrorCounters()
-        self.wake: Callable[[], None] = lambda: None  # set by the link: "ops are waiting"
+        self.wake: Callable[[], None] = lambda: None  # set by the link: "a batch is waiting"
 
-    # ---- PrefixPolicy (engine thread) -------------------------------------------------------
+    # ---- PrefixPolicy -------------------------------------------------------------------------
     @property
     def num_evictable(self) -> int:
         return len(self._evictable)
 
+    @property
+    def num_pinned_idle(self) -> int:
+        return len(self._idle_pinned)
+
+    def evictable_hashes(self) -> list[bytes]:
+        return list(self._evictable)
+
     def on_commit(self, block_hash: bytes, parent_hash: bytes | None, block_id: int) -> None:
         parent = parent_hash or b""
         ref_count = self.pool.blocks[block_id].ref_count
-        with self._lock:
-            self._mirror[block_hash] = MirroredBlock(parent, block_id, ref_count)
+        self._mirror[block_hash] = MirroredBlock(parent, block_id, ref_count)
+        if ref_count == 0:
+            self._evictable[block_hash] = None
+        if self._recording:
+            self._pending.append(PendingOp(Commit(block_hash, parent, block_id)))
+            # The index starts a commit at refcount 1: match the pool's count, one acquire per
+            # extra user (a chain never repeats a hash).
+            for _ in range(ref_count - 1):
+                self._pending.append(PendingOp(Acquire([block_hash]), local_hits=1))
             if ref_count == 0:
-                self._evictable[block_hash] = None
-            if self._recording:
-                self._pending.append(PendingOp(Commit(block_hash, parent, block_id)))
-                # The index starts a commit at refcount 1: match the pool's count, one acquire
-                # per extra user (a chain never repeats a hash).
-                for _ in range(ref_count - 1):
-                    self._pending.append(PendingOp(Acquire([block_hash]), local_hits=1))
-                if ref_count == 0:
-                    self._record_release(block_hash)
+                self._record_release(block_hash)
 
     def on_acquire(self, block_hash: bytes, was_evictable: bool) -> None:
-        with self._lock:
-            self._mirror[block_hash].ref_count += 1
-            if was_evictable:
-                self._evictable.pop(block_hash, None)
-                self._idle_pinned.discard(block_hash)
-            if self._covered_acquires:
-                self._covered_acquires -= 1
-            elif self._recording:
-                # A fork sharing a block (or a re-admission): one more user in the index too.
-                self._pending.append(PendingOp(Acquire([block_hash]), local_hits=1))
+        self._mirror[block_hash].ref_count += 1
+        if was_evictable:
+            self._evictable.pop(block_hash, None)
+            self._idle_pinned.discard(block_hash)
+        if self._covered_acquires:
+            self._covered_acquires -= 1
+        elif self._recording:
+            # A fork sharing a block (or a re-admission): one more user in the index too.
+            self._pending.append(PendingOp(Acquire([block_hash]), local_hits=1))
 
     def on_release(self, block_hash: bytes, now_evictable: bool) -> None:
-        with self._lock:
-            self._mirror[block_hash].ref_count -= 1
-            if now_evictable:
-                if block_hash in self._pins:
-                    self._idle_pinned.add(block_hash)
-                else:
-                    self._evictable[block_hash] = None
-            if self._recording:
-                self._record_release(block_hash)
+        self._mirror[block_hash].ref_count -= 1
+        if now_evictable:
+            if block_hash in self._pins:
+                self._idle_pinned.add(block_hash)
+            else:
+                self._evictable[block_hash] = None
+        if self._recording:
+            self._record_release(block_hash)
 
     def _record_release(self, block_hash: bytes) -> None:
         # Consecutive releases (a sequence's blocks, tail first) share one op.
@@ -155,54 +170,65 @@ class IndexPolicy:
 
     def pick_victims(self, num_blocks: int) -> list[bytes]:
         """The local LRU's choice: while degraded, or when the index's victims lagged."""
-        with self._lock:
-            victims = []
-            while self._evictable and len(victims) < num_blocks:
-                block_hash = self._evictable.popitem(last=False)[0]
-                del self._mirror[block_hash]
-                victims.append(block_hash)
-            self.counters.local_evictions += len(victims)
-            if victims and self._recording:
-                # The index still maps these block ids to the old hashes: start over.
-                self._needs_resync = True
-                self._stop_recording()
-        if victims:
-            self.wake()
+        victims = []
+        while self._evictable and len(victims) < num_blocks:
+            block_hash = self._evictable.popitem(last=False)[0]
+            del self._mirror[block_hash]
+            victims.append(block_hash)
+        self.counters.local_evictions += len(victims)
+        if victims and self._recording:
+            # The index still maps these block ids to the old hashes: start over.
+            self._ask_for_resync()
         return victims
 
+    def release_pins(self, num_blocks: int) -> int:
+        """Unpin up to num_blocks idle pinned blocks, oldest pin first (a lone request needs
+        the room); the index is told."""
+        released = list(self._idle_pinned)[:num_blocks]
+        for block_hash in released:
+            self._unpin_locally(block_hash)
+        if released and self._recording:
+            self._pending.append(PendingOp(Unpin(released)))
+            self._send_pending()
+        self.counters.pins_released += len(released)
+        return len(released)
+
     def on_prefix_query(self, chain: list[bytes], num_hit_blocks: int) -> None:
-        with self._lock:
-            self._covered_acquires = num_hit_blocks
-            if self._recording and chain:
-                self._pending.append(PendingOp(Acquire(list(chain)), local_hits=num_hit_blocks))
+        self._covered_acquires = num_hit_blocks
+        if self._recording and chain:
+            self._pending.append(PendingOp(Acquire(list(chain)), local_hits=num_hit_blocks))
 
     def begin_step(self) -> None:
         """Apply the victims the index chose (only those still cached in the same block) and
         drop pins whose TTL ran out."""
+        victims, self._victims = self._victims, []
+        for victim in victims:
+            entry = self._mirror.get(victim.hash)
+            if entry is None or entry.block_id != victim.block_id:
+                self.counters.mismatches += 1
+                continue
+            del self._mirror[victim.hash]
+            self._evictable.pop(victim.hash, None)
+            self._idle_pinned.discard(victim.hash)
+            self._pins.pop(victim.hash, None)
+            # A block in use stays with its users, privately: the index forgot it.
+            self.pool.uncache(victim.hash)
+            self.counters.index_victims_applied += 1
         now = time.monotonic()
-        with self._lock:
-            victims, self._victims = self._victims, []
-            for victim in victims:
-                entry = self._mirror.get(victim.hash)
-                if entry is None or entry.block_id != victim.block_id:
-                    self.counters.mismatches += 1
-                    continue
-                del self._mirror[victim.hash]
-                self._evictable.pop(victim.hash, None)
-                self._idle_pinned.discard(victim.hash)
-                self._pins.pop(victim.hash, None)
-                # A block in use stays with its users, privately: the index forgot it.
-                self.pool.uncache(victim.hash)
-                self.counters.index_victims_applied += 1
-            for block_hash in [h for h, expiry in self._pins.items() if expiry <= now]:
-                self._unpin_locally(block_hash)
+        for block_hash in [h for h, expiry in self._pins.items() if expiry <= now]:
+            self._unpin_locally(block_hash)
 
     def end_step(self) -> None:
-        with self._lock:
-            if self._recording:
-                self._ask_for_victims()
-            waiting = bool(self._pending) or self._needs_resync
-        if waiting:
+        if self._recording:
+            self._ask_for_victims()
+        self._send_pending()
+
+    def _send_pending(self) -> None:
+        if self._pending and self._recording:
+            self.outbox.put(OpBatch(self.generation, self._pending))
+            self._pending = []
+            self.wake()
+        elif self.needs_resync:
             self.wake()
 
     def _ask_for_victims(self) -> None:
@@ -215,25 +241,27 @@ class IndexPolicy:
             self._pending.append(PendingOp(Evict(k)))
             self._victims_in_flight += k
 
-    # ---- pins (any thread) ------------------------------------------------------------------
+    def _ask_for_resync(self) -> None:
+        self.needs_resync = True
+        self.stop_recording()
+
+    # ---- pins ---------------------------------------------------------------------------------
     def pin_locally(self, chain: list[bytes], ttl_s: float) -> int:
         """Pins the cached prefix of chain in the mirror (never evicted locally); its length."""
         expiry = time.monotonic() + ttl_s if ttl_s > 0 else math.inf
-        with self._lock:
-            count = 0
-            for block_hash in chain:
-                if block_hash not in self._mirror:
-                    break
-                self._pins[block_hash] = expiry
-                if block_hash in self._evictable:
-                    del self._evictable[block_hash]
-                    self._idle_pinned.add(block_hash)
-                count += 1
-            return count
+        count = 0
+        for block_hash in chain:
+            if block_hash not in self._mirror:
+                break
+            self._pins[block_hash] = expiry
+            if block_hash in self._evictable:
+                del self._evictable[block_hash]
+                self._idle_pinned.add(block_hash)
+            count += 1
+        return count
 
     def unpin_locally(self, chain: list[bytes]) -> int:
-        with self._lock:
-            return sum(self._unpin_locally(h) for h in chain if h in self._pins)
+        return sum(self._unpin_locally(h) for h in chain if h in self._pins)
 
     def _unpin_locally(self, block_hash: bytes) -> bool:
         del self._pins[block_hash]
@@ -242,59 +270,45 @@ class IndexPolicy:
             self._evictable[block_hash] = None
         return True
 
-    # ---- the link's side (link thread) ------------------------------------------------------
-    @property
-    def needs_resync(self) -> bool:
-        return self._needs_resync
-
-    def take_pending(self) -> list[PendingOp]:
-        with self._lock:
-            pending, self._pending = self._pending, []
-            return pending
-
+    # ---- what the link asks for (posted to the engine thread) ---------------------------------
     def stop_recording(self) -> None:
         """The index is unreachable or fenced us: its state is unknown until a re-sync."""
-        with self._lock:
-            self._stop_recording()
-
-    def _stop_recording(self) -> None:
         self._recording = False
         self._pending = []
         self._victims = []  # chosen for a registration that is gone
         self._victims_in_flight = 0
+        self.generation += 1  # batches already in the outbox are stale now
 
-    def resync_ops(self) -> list[PendingOp]:
+    def resync_ops(self) -> OpBatch:
         """The mirror as ops for a fresh registration (parents first, refcounts as they are,
         idle blocks released in LRU order so the index's LRU matches ours); recording resumes
-        from here, so nothing is lost between the snapshot and the next step's ops."""
-        with self._lock:
-            ops = [
-                PendingOp(Commit(h, self._mirror[h].parent, self._mirror[h].block_id))
-                for h in self._parents_first()
-            ]
-            idle = [h for h in self._mirror if self._mirror[h].ref_count == 0]
-            idle_order = [h for h in self._evictable] + [h for h in idle if h in self._idle_pinned]
-            for i in range(0, len(idle_order), MAX_HASHES_PER_OP):
-                ops.append(PendingOp(Release(idle_order[i : i + MAX_HASHES_PER_OP])))
-            # Refcounts above 1: acquire level by level (a chain never repeats a hash, and every
-            # hash of it is held, so each gets +1).
-            level = 2
-            while shared := [h for h, e in self._mirror.items() if e.ref_count >= level]:
-                for i in range(0, len(shared), MAX_HASHES_PER_OP):
-                    chunk = shared[i : i + MAX_HASHES_PER_OP]
-                    ops.append(PendingOp(Acquire(chunk), local_hits=len(chunk)))
-                level += 1
-            now = time.monotonic()
-            for h, expiry in self._pins.items():
-                ttl = 0.0 if math.isinf(expiry) else max(0.001, expiry - now)
-                ops.append(PendingOp(Pin([h], ttl)))
-            self._recording = True
-            self._needs_resync = False
-            self._pending = []
-            self._victims = []
-            self._victims_in_flight = 0
-            self._covered_acquires = 0
-            return ops
+        from here under a new generation, so nothing is lost between this snapshot and the
+        next step's ops."""
+        self.stop_recording()
+        ops = [
+            PendingOp(Commit(h, self._mirror[h].parent, self._mirror[h].block_id))
+            for h in self._parents_first()
+        ]
+        idle = [h for h in self._mirror if self._mirror[h].ref_count == 0]
+        idle_order = list(self._evictable) + [h for h in idle if h in self._idle_pinned]
+        for i in range(0, len(idle_order), MAX_HASHES_PER_OP):
+            ops.append(PendingOp(Release(idle_order[i : i + MAX_HASHES_PER_OP])))
+        # Refcounts above 1: acquire level by level (a chain never repeats a hash, and every
+        # hash of it is held, so each gets +1).
+        level = 2
+        while shared := [h for h, e in self._mirror.items() if e.ref_count >= level]:
+            for i in range(0, len(shared), MAX_HASHES_PER_OP):
+                chunk = shared[i : i + MAX_HASHES_PER_OP]
+                ops.append(PendingOp(Acquire(chunk), local_hits=len(chunk)))
+            level += 1
+        now = time.monotonic()
+        for h, expiry in self._pins.items():
+            ttl = 0.0 if math.isinf(expiry) else max(0.001, expiry - now)
+            ops.append(PendingOp(Pin([h], ttl)))
+        self._recording = True
+        self.needs_resync = False
+        self._covered_acquires = 0
+        return OpBatch(self.generation, ops)
 
     def _parents_first(self) -> list[bytes]:
         depth: dict[bytes, int] = {}
@@ -309,11 +323,14 @@ class IndexPolicy:
                 depth[node] = base + offset
         return sorted(self._mirror, key=depth.__getitem__)
 
-    def on_results(self, sent: list[PendingOp], results: list[OpResult]) -> None:
-        """Reconcile one Apply's results with the mirror."""
-        with self._lock:
-            for pending, result in zip(sent, results, strict=True):
-                self._reconcile(pending, result)
+    def on_results(self, batch: OpBatch, results: list[OpResult]) -> None:
+        """Reconcile one Apply's results with the mirror (results of an older registration
+        are dropped: a re-sync replaced everything they could correct)."""
+        if batch.generation != self.generation:
+            return
+        for pending, result in zip(batch.ops, results, strict=True):
+            self._reconcile(pending, result)
+        self._send_pending()
 
     def _reconcile(self, pending: PendingOp, result: OpResult) -> None:
         op = pending.op
@@ -340,10 +357,8 @@ class IndexPolicy:
                 self._victims.append(EvictedBlock(op.hash, op.block_id))
             elif result.status in (OpStatus.HASH_EXISTS, OpStatus.BLOCK_IN_USE):
                 self.counters.mismatches += 1
-                self._needs_resync = True
-                self._stop_recording()
+                self._ask_for_resync()
         elif isinstance(op, Pin) and not result.ok:
             for block_hash in op.chain:
                 if block_hash in self._pins:
                     self._unpin_locally(block_hash)
-

@@ -2,8 +2,7 @@
 
 import torch
 
-from engine_service.core.kv_cache_manager import BlockMoves
-from engine_service.core.scheduler import ScheduledSeq
+from engine_service.core.scheduler_output import BlockMoves, ScheduledSeq
 from engine_service.model.config import DTYPES, ModelConfig
 from engine_service.model.loader import load_model
 from engine_service.model.models.llama import StepContext, rope_cos_sin_cache
@@ -79,7 +78,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_start_loc = [0]
         sample_rows: list[int] = []
-        max_blocks = max(len(s.seq.block_table) for s in scheduled)
+        max_blocks = max(len(s.block_table) for s in scheduled)
         block_tables = []
         for item in scheduled:
             seq = item.seq
@@ -87,7 +86,7 @@ class ModelRunner:
             end = start + item.num_new_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            table = seq.block_table
+            table = item.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)

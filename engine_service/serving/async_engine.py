@@ -1,56 +1,33 @@
-"""The engine's asyncio front: one background thread owns the LLMEngine and steps it.
+"""The engine's asyncio front: one thread owns the LLMEngine and steps it.
 
-LLMEngine is single-threaded, so every call into it happens on that thread. Callers on the event
-loop submit work through a thread-safe queue and get each request's outputs on their own
-asyncio.Queue, fed with loop.call_soon_threadsafe. The thread sleeps on an Event when there is
-nothing to do, so an idle server costs no CPU. An abort is handled between two steps, i.e. within
-one forward, and frees the request's blocks there and then.
+LLMEngine has one writer, the engine thread. Callers on the event loop (adds, aborts, calls) and
+other threads (the prefix-index link) send commands through the engine's command queue
+(`LLMEngine.post`); the engine thread runs them between two steps. Each request's outputs come
+back on its own asyncio.Queue, fed with loop.call_soon_threadsafe. The thread sleeps on an Event
+when there is nothing to do, so an idle server costs no CPU. An abort takes effect between two
+steps, i.e. within one forward, and frees the request's blocks there and then.
+
+If the engine thread dies, every live stream gets EngineDeadError, every later call is refused
+with it, and `on_dead` runs (the server turns NOT_SERVING and the process exits non-zero).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from engine_service.core.engine import LLMEngine
+from engine_service.core.errors import EngineDeadError, RequestError
 from engine_service.core.outputs import RequestOutput
 from engine_service.model.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-
-class EngineDeadError(RuntimeError):
-    """The engine thread hit an unexpected error; the request cannot continue."""
-
-
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None
-    cache_salt: str | None
-    priority: int
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(slots=True)
-class _Call:
-    fn: Callable[[LLMEngine], Any]
-    future: asyncio.Future
-
-
-_STOP = object()
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 class AsyncEngine:
@@ -61,21 +38,25 @@ class AsyncEngine:
         engine: LLMEngine,
         on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
         own_thread: bool = True,
+        on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self._on_step = on_step
+        self._on_dead = on_dead
         # own_thread=False: the owner steps the engine by calling run() on its own thread.
         # pagedgen-engine does that on the main thread, where torch's CPU kernels measured
         # 25 ms per batch-1 step against 37 ms on a second thread.
         self._own_thread = own_thread
         self._finished = threading.Event()
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
+        engine.wake = self._wake.set
+        self._stopping = False
         # request id -> its output queue; only touched on the loop thread.
         self._streams: dict[str, asyncio.Queue] = {}
+        self._calls: set[asyncio.Future] = set()  # awaiting a result from the engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._dead: BaseException | None = None
+        self.dead: BaseException | None = None
 
     # ---- event loop side ----------------------------------------------------------------
     def start(self) -> None:
@@ -88,7 +69,8 @@ class AsyncEngine:
         """Aborts whatever is live, then ends the thread."""
         for request_id in list(self._streams):
             self.abort(request_id)
-        self._send(_STOP)
+        self._stopping = True
+        self._wake.set()
         await asyncio.to_thread(self._finished.wait)
         self._thread = None
 
@@ -98,6 +80,10 @@ class AsyncEngine:
 
     def is_live(self, request_id: str) -> bool:
         return request_id in self._streams
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self.dead!r}")
 
     def add(
         self,
@@ -110,13 +96,20 @@ class AsyncEngine:
     ) -> asyncio.Queue:
         """Submits a validated request; its RequestOutputs (the last one `finished`), or an
         exception, arrive on the returned queue. The caller checked the id is not live."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
+        self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id must be unique among live requests, got {request_id!r}")
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = outputs
-        self._send(_Add(request_id, prompt_token_ids, params, prompt, cache_salt, priority))
+
+        def add(engine: LLMEngine) -> None:
+            try:
+                engine.add_request(request_id, prompt_token_ids, params, prompt=prompt,
+                                   cache_salt=cache_salt, priority=priority)
+            except RequestError as error:
+                self._post(self._deliver, request_id, error)
+
+        self.engine.post(add)
         return outputs
 
     def abort(self, request_id: str) -> bool:
@@ -124,20 +117,33 @@ class AsyncEngine:
         final output (finish reason "abort") still arrives on its queue."""
         if request_id not in self._streams:
             return False
-        self._send(_Abort(request_id))
+
+        def abort(engine: LLMEngine) -> None:
+            output = engine.abort_request(request_id)
+            if output is not None:
+                self._post(self._deliver, request_id, output)
+
+        self.engine.post(abort)
         return True
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs fn(engine) on the engine thread between two steps (a consistent view)."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
+        self._check_alive()
         future = asyncio.get_running_loop().create_future()
-        self._send(_Call(fn, future))
-        return await future
+        self._calls.add(future)
 
-    def _send(self, command: object) -> None:
-        self._commands.put(command)
-        self._wake.set()
+        def call(engine: LLMEngine) -> None:
+            try:
+                result, error = fn(engine), None
+            except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
+                result, error = None, exc
+            self._post(self._resolve, future, result, error)
+
+        self.engine.post(call)
+        try:
+            return await future
+        finally:
+            self._calls.discard(future)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         outputs = self._streams.get(request_id)
@@ -165,7 +171,7 @@ class AsyncEngine:
             pass
 
     def run(self) -> None:
-        """The step loop; returns when stop() is called (or the engine fails)."""
+        """The step loop; returns when stop() is called or the engine fails."""
         try:
             self._run()
         finally:
@@ -174,9 +180,8 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         try:
-            while True:
-                if not self._apply_commands():
-                    return
+            while not self._stopping:
+                engine.run_commands()
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
                     for output in outputs:
@@ -188,57 +193,17 @@ class AsyncEngine:
                         self._on_step(engine, [])
                     self._wake.wait()
                     self._wake.clear()
+            engine.run_commands()  # the aborts stop() sent
         except BaseException as error:  # noqa: BLE001 - every waiter must hear about it
             log.exception("engine thread failed")
-            self._dead = error
+            self.dead = error
             self._post(self._fail_all, error)
-            self._fail_pending_calls(error)
-
-    def _fail_pending_calls(self, error: BaseException) -> None:
-        """Calls still queued would wait forever on a dead thread: fail them now."""
-        dead = EngineDeadError(f"the engine stopped after an error: {error!r}")
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(command, _Call):
-                self._post(self._resolve, command.future, None, dead)
-
-    def _apply_commands(self) -> bool:
-        """Runs the queued commands in order; False when told to stop."""
-        engine = self.engine
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-            if command is _STOP:
-                return False
-            if isinstance(command, _Add):
-                try:
-                    engine.add_request(
-                        command.request_id,
-                        command.prompt_token_ids,
-                        command.params,
-                        prompt=command.prompt,
-                        cache_salt=command.cache_salt,
-                        priority=command.priority,
-                    )
-                except ValueError as error:
-                    self._post(self._deliver, command.request_id, error)
-            elif isinstance(command, _Abort):
-                output = engine.abort_request(command.request_id)
-                if output is not None:
-                    self._post(self._deliver, command.request_id, output)
-            elif isinstance(command, _Call):
-                try:
-                    result, error = command.fn(engine), None
-                except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
-                    result, error = None, exc
-                self._post(self._resolve, command.future, result, error)
+            if self._on_dead is not None:
+                self._on_dead(error)
 
     def _fail_all(self, error: BaseException) -> None:
         dead = EngineDeadError(f"the engine stopped after an error: {error!r}")
         for request_id in list(self._streams):
             self._deliver(request_id, dead)
+        for future in list(self._calls):
+            self._resolve(future, None, dead)

@@ -3,7 +3,9 @@
     pagedgen-engine --model PATH --port 50051 --device cpu --prefix-index 127.0.0.1:50061
 
 SIGTERM (or SIGINT) drains: health goes NOT_SERVING, new requests get UNAVAILABLE, in-flight
-requests finish (up to --grace-s), then the server stops.
+requests finish (up to --grace-s), then the server stops. If the engine thread dies, health
+goes NOT_SERVING at once, live streams end with INTERNAL, and the process exits with status 1
+(so an orchestrator restarts it).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from engine_service.core.config import BLOCK_SIZES, DEVICES, PREEMPTION_MODES, EngineConfig
 from engine_service.core.engine import LLMEngine
 from engine_service.index.link import connect_prefix_index
+from engine_service.model.tokenizer import load_tokenizer
 from engine_service.serving.async_engine import AsyncEngine
 from engine_service.serving.metrics import EngineMetrics
 from engine_service.serving.servicer import GenerationServicer, IndexLink
@@ -66,17 +69,14 @@ class EngineServer:
         metrics: EngineMetrics | None = None,
         step_on_caller: bool = False,
     ) -> None:
-        from transformers import AutoTokenizer
-
         self.options = options
         self.metrics = metrics or EngineMetrics()
         # step_on_caller: the engine is stepped by whoever calls async_engine.run() (main()).
         self.async_engine = AsyncEngine(engine, on_step=self._on_step,
-                                        own_thread=not step_on_caller)
-        mc = engine.model_config
+                                        own_thread=not step_on_caller, on_dead=self._on_dead)
         # The servicer tokenizes on the event loop thread while the engine thread detokenizes:
         # two tokenizer objects, since HF fast tokenizers are not safe across threads.
-        tokenizer = AutoTokenizer.from_pretrained(mc.path, gguf_file=mc.gguf_file)
+        tokenizer = None if engine.tokenizer is None else load_tokenizer(engine.model_config)
         self.servicer = GenerationServicer(
             self.async_engine,
             RequestValidator(engine, tokenizer, options.max_live_requests),
@@ -89,6 +89,22 @@ class EngineServer:
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server()
         self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.engine_failed = asyncio.Event()  # set (on the loop) when the engine thread died
+
+    def _on_dead(self, error: BaseException) -> None:
+        """On the dying engine thread: NOT_SERVING at once, so load balancers stop sending."""
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._mark_failed)
+            except RuntimeError:
+                pass  # the loop is gone: the process is stopping anyway
+
+    def _mark_failed(self) -> None:
+        self.servicer.draining = True
+        self.engine_failed.set()
+        self._loop.create_task(self._set_health(NOT_SERVING))
+        log.error("the engine thread died: health NOT_SERVING, stopping")
 
     def _on_step(self, engine: LLMEngine, outputs: list) -> None:
         # On the engine thread: refresh the gauges while busy (throttled) and when going idle.
@@ -109,6 +125,7 @@ class EngineServer:
         self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"could not bind {address}")
+        self._loop = asyncio.get_running_loop()
         self.async_engine.start()
         await self.server.start()
         if self.options.metrics_port:
@@ -173,6 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--swap-space", type=parse_bytes, default=d.swap_space,
                    help="CPU KV bytes for swapped-out sequences (swap mode)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer: token-id input and output only")
     p.add_argument("--max-live-requests", type=int, default=ServerOptions().max_live_requests,
                    help="requests accepted and unfinished before RESOURCE_EXHAUSTED")
     p.add_argument("--prefix-index", default="none",
@@ -212,6 +231,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
         seed=args.seed,
+        skip_tokenizer_init=args.skip_tokenizer_init,
     )
 
 
@@ -245,7 +265,11 @@ async def _serve(make_server: Callable[[], EngineServer], args: argparse.Namespa
     state.loop = asyncio.get_running_loop()
     state.stopping = asyncio.Event()
     state.ready.set()
-    await state.stopping.wait()
+    stopping = asyncio.ensure_future(state.stopping.wait())
+    failed = asyncio.ensure_future(server.engine_failed.wait())
+    await asyncio.wait([stopping, failed], return_when=asyncio.FIRST_COMPLETED)
+    for waiter in (stopping, failed):
+        waiter.cancel()
     log.info("draining (grace %.1fs, %d live requests)", args.grace_s,
              server.async_engine.num_live)
     await server.stop(args.grace_s)
@@ -290,9 +314,15 @@ def serve(args: argparse.Namespace) -> None:
     state.ready.wait()
     if state.error is None:
         state.server.async_engine.run()
+    # run() returned: drained by a signal, or the engine thread died.
+    dead = state.server is not None and state.server.async_engine.dead is not None
+    if dead:
+        state.request_stop()
     loop_thread.join()
     if state.error is not None:
         raise state.error
+    if dead:
+        sys.exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,13 +15,15 @@ from typing import Protocol
 
 import grpc
 
-from engine_service.core.block_hash import extend_block_hashes
 from engine_service.core.engine import EngineStats
+from engine_service.core.errors import EngineDeadError, RequestError
 from engine_service.core.outputs import CompletionOutput, RequestOutput
+from engine_service.index.link import IndexUnavailableError, PinRefusedError
 from engine_service.model.sampling_params import MAX_LOGPROBS, MAX_N
-from engine_service.serving.async_engine import AsyncEngine, EngineDeadError
+from engine_service.serving.async_engine import AsyncEngine
 from engine_service.serving.metrics import EngineMetrics
-from engine_service.serving.validation import RequestError, RequestValidator, ValidRequest
+from engine_service.serving.status import RequestRejected, status_for
+from engine_service.serving.validation import RequestValidator, ValidRequest
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 
@@ -107,8 +109,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                "the engine is draining (shutting down): retry on another one")
         try:
             return self.validator.generate(request, self.engine.is_live, self.engine.num_live)
-        except RequestError as error:
-            await self._refuse(context, error.code, error.message)
+        except (RequestRejected, RequestError) as error:
+            await self._refuse(context, *status_for(error))
         raise AssertionError("unreachable: context.abort raises")
 
     async def _refuse(self, context, code: grpc.StatusCode, message: str) -> None:
@@ -132,7 +134,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 priority=valid.priority,
             )
         except EngineDeadError as error:
-            await context.abort(grpc.StatusCode.INTERNAL, str(error))
+            await context.abort(*status_for(error))
         self.metrics.prompt_tokens.inc(len(valid.prompt.token_ids))
         finished = False
         first_token_at = None
@@ -150,12 +152,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         f"deadline exceeded after {time.monotonic() - arrival:.3f}s and "
                         f"{num_tokens} generated tokens; the request was aborted",
                     )
-                if isinstance(item, EngineDeadError):
-                    finished = True
-                    await context.abort(grpc.StatusCode.INTERNAL, str(item))
                 if isinstance(item, BaseException):
                     finished = True
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+                    await context.abort(*status_for(item))
                 finished = item.finished
                 new_tokens = sum(len(c.token_ids_delta) for c in item.outputs)
                 if new_tokens and first_token_at is None:
@@ -191,15 +190,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         try:
             prompt = self.validator.prompt(request, "input")
-        except RequestError as error:
-            await context.abort(error.code, error.message)
+        except RequestRejected as error:
+            await context.abort(*status_for(error))
         return pb.TokenizeResponse(token_ids=prompt.token_ids, prompt=prompt.text or "")
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         try:
+            self.validator.need_tokenizer("Detokenize")
             ids = self.validator.token_ids("token_ids", request.token_ids, allow_empty=True)
-        except RequestError as error:
-            await context.abort(error.code, error.message)
+        except RequestRejected as error:
+            await context.abort(*status_for(error))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         return pb.DetokenizeResponse(
             text=self.validator.tokenizer.decode(ids, skip_special_tokens=skip)
@@ -226,10 +226,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
     async def EngineStats(self, request: pb.EngineStatsRequest, context) -> pb.EngineStatsResponse:
-        try:
-            stats: EngineStats = await self.engine.call(lambda e: e.stats())
-        except EngineDeadError as error:
-            await context.abort(grpc.StatusCode.INTERNAL, str(error))
+        if self.engine.dead is not None:
+            await context.abort(*status_for(EngineDeadError(
+                f"the engine stopped after an error: {self.engine.dead!r}")))
+        stats: EngineStats = self.engine.engine.snapshot  # published by the engine thread
         link = self.index_link
         queries = stats.prefix_cache_queries
         return pb.EngineStatsResponse(
@@ -261,13 +261,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             prompt = self.validator.prompt(request, "input")
             salt = self.validator.cache_salt(request.cache_salt)
             ttl_s = self.validator.ttl_s(request.ttl_s)
-        except RequestError as error:
-            await context.abort(error.code, error.message)
+        except RequestRejected as error:
+            await context.abort(*status_for(error))
         engine = self.engine.engine
-        chain: list[bytes] = []
-        extend_block_hashes(
-            chain, prompt.token_ids, engine.config.block_size, engine.seed_hash, salt
-        )
+        chain = engine.hasher.chain(prompt.token_ids, salt)
         if not chain:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -276,6 +273,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             )
         try:
             changed = await self.index_link.pin_prefix(chain, ttl_s, request.unpin)
+        except (PinRefusedError, IndexUnavailableError) as error:
+            await context.abort(*status_for(error))
         except (ConnectionError, TimeoutError, grpc.RpcError) as error:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"the prefix index did not answer: {error}"

@@ -1,8 +1,10 @@
 """Every check on a client's request, in one place, each mapped to a gRPC status code.
 
-Messages read "<field> must be <allowed>, got <value>" so a user can act on them. Prompt and
-parameter mistakes are INVALID_ARGUMENT; a request that could never fit in this engine's KV pool,
-or one over the live-request limit, is RESOURCE_EXHAUSTED; a live request id is ALREADY_EXISTS.
+Messages read "<field> must be <allowed>, got <value>" so a user can act on them. What the wire
+format alone decides (the input oneof, chat roles, the request id's shape) is checked here and
+refused with RequestRejected; what the engine decides (context, pool, vocabulary) it checks
+itself and raises typed errors (engine_service/core/errors.py). engine_service/serving/status.py
+maps both to status codes.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine_service.core.engine import LLMEngine, RequestTooLargeError
+from engine_service.core.engine import LLMEngine
+from engine_service.core.errors import DuplicateRequestError, QueueFullError
 from engine_service.model.sampling_params import SamplingParams
+from engine_service.serving.status import RequestRejected
 from pagedgen_api import generation_pb2 as pb
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -33,17 +37,10 @@ _SAMPLING_FIELDS = (
 )
 
 
-class RequestError(Exception):
-    """A request refused before it reached the engine: the status code and a message."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
-def _invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def _invalid(message: str) -> RequestRejected:
+    return RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def _shown(value: object, limit: int = 60) -> str:
@@ -95,13 +92,12 @@ class RequestValidator:
         params = self.sampling_params(req.sampling)
         self.check_fits(prompt.token_ids, params)
         if is_live(request_id):
-            raise RequestError(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id must be unique among live requests, got {request_id!r}",
+            raise DuplicateRequestError(
+                "request_id", f"request_id must be unique among live requests, got {request_id!r}"
             )
         if num_live >= self.max_live_requests:
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise QueueFullError(
+                "request",
                 f"live requests must be at most {self.max_live_requests} (the queue limit), "
                 f"got {num_live + 1}: retry later",
             )
@@ -116,32 +112,9 @@ class RequestValidator:
         return salt or None
 
     def check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
-        num_prompt = len(token_ids)
-        if num_prompt >= self.max_model_len:
-            raise _invalid(
-                f"prompt must be at most {self.max_model_len - 1} tokens (the "
-                f"{self.max_model_len}-token context keeps one for the output), "
-                f"got {num_prompt} tokens"
-            )
-        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
-            raise _invalid(
-                f"sampling.max_tokens must be at most {self.max_model_len - num_prompt} for "
-                f"this {num_prompt}-token prompt (context {self.max_model_len}), "
-                f"got {params.max_tokens}"
-            )
-        try:
-            self.engine.validate_request(token_ids, params)
-        except RequestTooLargeError as error:
-            pool = self.engine.pool.num_blocks
-            block_size = self.engine.config.block_size
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"prompt + sampling.max_tokens must fit in this engine's KV pool ({pool} blocks "
-                f"of {block_size} tokens), got {num_prompt} + {params.max_tokens} tokens: "
-                f"{error}",
-            ) from None
-        except ValueError as error:
-            raise _invalid(str(error)) from None
+        """The engine's own checks (context, pool, vocabulary): reads only its fixed limits,
+        so it is safe on the event loop thread; raises the engine's typed errors."""
+        self.engine.validate_request(token_ids, params)
 
     # ---- prompts --------------------------------------------------------------------------
     def prompt(self, req, oneof: str) -> Prompt:
@@ -155,7 +128,15 @@ class RequestValidator:
             return Prompt(self.token_ids("token_ids.ids", req.token_ids.ids), None)
         return self.chat_prompt(req.chat)
 
+    def need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise _invalid(
+                f"{what} needs a tokenizer, but this engine serves token ids only "
+                f"(--skip-tokenizer-init): send token_ids"
+            )
+
     def text_prompt(self, text: str) -> Prompt:
+        self.need_tokenizer("text input")
         if not text:
             raise _invalid("text must be a non-empty string, got ''")
         if len(text) > self.max_prompt_chars:
@@ -182,6 +163,7 @@ class RequestValidator:
         return list(ids)
 
     def chat_prompt(self, chat: pb.ChatMessages) -> Prompt:
+        self.need_tokenizer("chat input")
         messages = chat.messages
         if not messages:
             raise _invalid("chat.messages must hold at least one message, got []")

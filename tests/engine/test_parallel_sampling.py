@@ -12,11 +12,11 @@ def test_n4_shares_prompt_blocks_and_is_reproducible(make_llm, tiny_llama_dir):
     engine.step()  # prefill + fork + first sampled tokens
     group = engine.scheduler.running[0]
     assert len(group.seqs) == 4
-    tables = [s.block_table for s in group.seqs]
+    tables = [engine.kv.block_table(s) for s in group.seqs]
     assert all(t[:2] == tables[0][:2] for t in tables)
     assert [engine.pool.blocks[b].ref_count for b in tables[0][:2]] == [4, 4]
     engine.step()  # each sample writes into the shared partial block: copy-on-write
-    last_blocks = {s.block_table[2] for s in group.seqs}
+    last_blocks = {engine.kv.block_table(s)[2] for s in group.seqs}
     assert len(last_blocks) == 4
     while engine.has_unfinished_requests():
         outputs = engine.step()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,10 +69,17 @@ class Driver:
         return {rid: out.outputs[0].token_ids for rid, out in sorted(self.finished.items())}
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Polls predicate; the seconds it took. Raises naming `what` on timeout."""
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str,
+               engine: LLMEngine | None = None) -> float:
+    """Polls predicate; the seconds it took. Raises naming `what` on timeout. With `engine`,
+    the test thread is that engine's thread: it runs the commands other threads (the index
+    link) post to it while it waits, as the serving loop does between steps."""
     start = time.monotonic()
-    while not predicate():
+    while True:
+        if engine is not None:
+            engine.run_commands()
+        if predicate():
+            break
         if time.monotonic() - start > timeout_s:
             raise AssertionError(f"{what}: not within {timeout_s}s")
         time.sleep(0.02)
@@ -99,5 +107,28 @@ def local_view(engine: LLMEngine) -> tuple[int, int]:
 
 
 def index_matches_pool(target: str, engine_id: str, engine: LLMEngine) -> bool:
+    """The index's view of this engine equals the pool (the caller is the engine's thread:
+    the link's results are applied first)."""
+    engine.run_commands()
     stats = index_stats(target, engine_id)
     return stats is not None and (stats.blocks, stats.evictable) == local_view(engine)
+
+
+def call_pumping(engine: LLMEngine, fn: Callable[[], object], timeout_s: float = 10.0) -> object:
+    """fn() on another thread (as the servicer calls the link) while this thread, the engine's,
+    runs the commands it posts; fn's result."""
+    result: list[object] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as error:  # noqa: BLE001 - re-raised on the test thread
+            errors.append(error)
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    wait_until(lambda: not worker.is_alive(), timeout_s, "the call", engine=engine)
+    if errors:
+        raise errors[0]
+    return result[0]

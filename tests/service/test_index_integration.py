@@ -10,7 +10,6 @@ import grpc
 import pytest
 
 from engine_service import SamplingParams
-from engine_service.core.block_hash import extend_block_hashes
 from engine_service.index.link import IndexLinkOptions, PrefixIndexLink, connect_prefix_index
 from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
 from prefix_index.api.ops import Evict
@@ -20,6 +19,7 @@ from tests.service.index_fixtures import (
     BLOCK_SIZE,
     INDEX_ARGS,
     Driver,
+    call_pumping,
     index_matches_pool,
     index_stats,
     local_view,
@@ -67,7 +67,7 @@ def reference_tokens(tiny_llama_dir) -> dict[str, list[int]]:
 def connect(engine, index: IndexProcess, engine_id: str) -> PrefixIndexLink:
     link = connect_prefix_index(engine, index.target, engine_id, OPTIONS)
     assert link is not None
-    wait_until(lambda: not link.degraded, 10, "first registration")
+    wait_until(lambda: not link.degraded, 10, "first registration", engine=engine)
     return link
 
 
@@ -140,7 +140,8 @@ def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, refe
             index.kill()
         driver.step()
         # The step never waits on the index: the link notices on its own thread.
-        wait_until(lambda: link.degraded, 10, f"degraded after the {outage} was killed")
+        wait_until(lambda: link.degraded, 10, f"degraded after the {outage} was killed",
+                   engine=engine)
         assert link.health_details()["state"] == "degraded"
         assert engine.has_unfinished_requests()
 
@@ -158,7 +159,8 @@ def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, refe
             redis.resume()
         else:
             replacement = IndexProcess(redis.url, INDEX_ARGS, port=index.port).start()
-        took = wait_until(lambda: not link.degraded, 15, f"recovery after the {outage} restart")
+        took = wait_until(lambda: not link.degraded, 15, f"recovery after the {outage} restart",
+                   engine=engine)
         assert link.epoch > first_epoch
         assert link.stats().registrations >= 2
         # The re-sync gave the index every block the engine still caches, all idle.
@@ -193,28 +195,30 @@ def test_forks_and_pins_stay_mirrored(tiny_llama_dir, index):
         engine.pool.reset_prefix_cache()
         driver.run_to_completion()
         assert len(driver.finished["forked"].outputs) == 3
-        wait_until(lambda: link.stats().registrations == 2, 5, "re-sync after local evictions")
+        wait_until(lambda: link.stats().registrations == 2, 5, "re-sync after local evictions",
+                   engine=engine)
         wait_until(lambda: index_matches_pool(index.target, "engine-pins", engine), 5,
                    "every fork released in the index")
         assert link.policy.counters.mismatches == 0
 
-        chain: list[bytes] = []  # the shared prefix's hashes, as the servicer computes them
-        extend_block_hashes(chain, SHARED, BLOCK_SIZE, engine.seed_hash, None)
-        assert asyncio.run(link.pin_prefix(chain, 0.0, False)) == 4
+        chain = engine.hasher.chain(SHARED, None)  # as the servicer computes them
+        assert call_pumping(engine, lambda: asyncio.run(link.pin_prefix(chain, 0.0, False))) == 4
         engine.pool.reset_prefix_cache()  # the local LRU evicts every idle block but the pins
         assert engine.pool.num_cached_blocks == 4
         assert [engine.pool.lookup(h, tuple(SHARED[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]))
                 is not None for i, h in enumerate(chain)] == [True] * 4
         engine.step()  # idle step: tells the link its index state is stale
-        wait_until(lambda: link.stats().registrations == 3, 5, "re-sync after local evictions")
+        wait_until(lambda: link.stats().registrations == 3, 5, "re-sync after local evictions",
+                   engine=engine)
 
         def held() -> tuple[int, int, int]:
             stats = index_stats(index.target, "engine-pins")
             return (-1, -1, -1) if stats is None else (stats.blocks, stats.pinned, stats.evictable)
 
         # Pinned idle blocks are not evictable in the index either.
-        wait_until(lambda: held() == (4, 4, 0), 5, "index re-synced to the 4 pinned blocks")
-        assert asyncio.run(link.pin_prefix(chain, 0.0, True)) == 4
+        wait_until(lambda: held() == (4, 4, 0), 5, "index re-synced to the 4 pinned blocks",
+                   engine=engine)
+        assert call_pumping(engine, lambda: asyncio.run(link.pin_prefix(chain, 0.0, True))) == 4
         engine.pool.reset_prefix_cache()
         assert engine.pool.num_cached_blocks == 0
     finally:
@@ -237,7 +241,8 @@ def test_engine_started_before_the_index_serves_then_registers(tiny_llama_dir, r
         # The local LRU shares the prefix meanwhile.
         assert driver.finished["early1"].num_cached_tokens == 4 * BLOCK_SIZE
         index = IndexProcess(redis.url, INDEX_ARGS, port=port).start()
-        wait_until(lambda: not link.degraded, 10, "registration once the index is up")
+        wait_until(lambda: not link.degraded, 10, "registration once the index is up",
+                   engine=engine)
         wait_until(lambda: index_matches_pool(index.target, "engine-early", engine), 5,
                    "the blocks cached while degraded reach the index")
     finally:

@@ -113,7 +113,7 @@ def bad_cases() -> list[BadCase]:
         # 10 + 3900 tokens need 245 blocks of 16; the pool has 240: it can never run.
         BadCase("can never fit in the KV pool", pb.GenerateRequest(
             token_ids=pb.TokenIds(ids=[7] * 10), sampling=sampling(max_tokens=3900)),
-            EXHAUSTED, "request needs up to 245 KV blocks but the pool has 240"),
+            INVALID, "request needs up to 245 KV blocks but the pool has 240"),
     ]
     return cases
 

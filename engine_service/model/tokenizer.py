@@ -1,0 +1,39 @@
+"""Loading a model's tokenizer, with an error that says what is missing.
+
+Without tokenizer files transformers tries to convert a slow tokenizer and fails with a message
+about sentencepiece or tiktoken, which tells a user nothing about their directory. We look for
+the files first. `skip_tokenizer_init` (as in vLLM) serves token ids only.
+"""
+
+from pathlib import Path
+
+from engine_service.model.config import ModelConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+class TokenizerNotFoundError(ValueError):
+    pass
+
+
+def load_tokenizer(model_config: ModelConfig):
+    """The model's HF tokenizer (a GGUF file carries its own)."""
+    from transformers import AutoTokenizer
+
+    path = Path(model_config.path)
+    if model_config.gguf_file is None:
+        present = [name for name in TOKENIZER_FILES if (path / name).is_file()]
+        # tokenizer_config.json alone names a class but holds no vocabulary.
+        if not [name for name in present if name != "tokenizer_config.json"]:
+            raise TokenizerNotFoundError(
+                f"model directory {path} has no tokenizer: looked for "
+                f"{', '.join(TOKENIZER_FILES[:3])}; add the tokenizer files, or serve token ids "
+                f"only with skip_tokenizer_init=True (--skip-tokenizer-init)"
+            )
+    try:
+        return AutoTokenizer.from_pretrained(path, gguf_file=model_config.gguf_file)
+    except (OSError, ValueError) as error:
+        raise TokenizerNotFoundError(
+            f"could not load the tokenizer of {path / (model_config.gguf_file or '')}: {error}; "
+            f"or serve token ids only with skip_tokenizer_init=True (--skip-tokenizer-init)"
+        ) from None

@@ -1,0 +1,64 @@
+"""Which gRPC status each kind of error becomes: the one table the servicer uses.
+
+The engine raises typed errors (engine_service/core/errors.py); the servicer's own checks of the
+wire request raise RequestRejected with a code already chosen. Nothing else picks status codes.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from engine_service.core.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from engine_service.index.link import IndexUnavailableError, PinRefusedError
+from engine_service.model.tokenizer import TokenizerNotFoundError
+
+# Most specific first: the first matching type wins.
+STATUS_FOR_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),  # incl. RequestTooLargeError
+    (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
+    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TokenizerNotFoundError, grpc.StatusCode.INVALID_ARGUMENT),
+    (EngineDeadError, grpc.StatusCode.INTERNAL),
+    (IndexUnavailableError, grpc.StatusCode.UNAVAILABLE),
+)
+# A refused pin: the index answered, the link is fine.
+STATUS_FOR_PIN_REFUSAL = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "budget": grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+SAMPLING_FIELDS = frozenset({
+    "n", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "stop",
+    "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output",
+    "skip_special_tokens",
+})
+
+
+class RequestRejected(Exception):
+    """A wire request the servicer refuses before the engine sees it: code and message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a client gets for `error`."""
+    if isinstance(error, RequestRejected):
+        return error.code, error.message
+    if isinstance(error, PinRefusedError):
+        return STATUS_FOR_PIN_REFUSAL[error.reason], str(error)
+    message = str(error)
+    field = getattr(error, "field", None)
+    if field in SAMPLING_FIELDS and message.startswith(field):
+        message = f"sampling.{message}"  # the wire name of the field
+    for error_type, code in STATUS_FOR_ERROR:
+        if isinstance(error, error_type):
+            return code, message
+    return grpc.StatusCode.INTERNAL, message
