@@ -73,6 +73,7 @@ class LLMEngine:
         )
         dtype = DTYPES[config.dtype]
         block_bytes = kv_bytes_per_block(mc, config.block_size, dtype)
+        self.kv_bytes_per_block = block_bytes
         num_blocks = config.num_blocks or self._blocks_from_budget(block_bytes)
         num_cpu_blocks = config.swap_space // block_bytes if config.preemption_mode == "swap" else 0
         self.runner = ModelRunner(

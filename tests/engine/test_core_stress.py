@@ -1,0 +1,206 @@
+"""Seeded random pressure on the engine core, with the block invariants checked after every step.
+
+Each seed draws an engine (block size, a pool small enough to preempt, recompute or swap, the
+local LRU or the prefix index over a real Redis) and a stream of requests (n = 1..4, shared
+prefixes with and without salts, greedy and seeded sampling), adds them at random steps, aborts
+some at random steps and, with the index, pins and unpins prefixes from another thread. After
+every step engine_service/core/invariants.py must find nothing; the run must end within a step
+bound (no livelock) with every block free and every request answered with n completions.
+
+A failure names its seed; replay it with
+    PAGEDGEN_STRESS_SEEDS=17 pytest tests/engine/test_core_stress.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from engine_service import SamplingParams
+from engine_service.core.config import EngineConfig
+from engine_service.core.engine import LLMEngine
+from engine_service.index.link import (
+    IndexLinkOptions,
+    IndexUnavailableError,
+    PinRefusedError,
+    connect_prefix_index,
+)
+from prefix_index.tools.launch import IndexProcess
+from prefix_index.tools.redis_process import RedisProcess
+from tests.service.index_fixtures import wait_until
+
+LOCAL_SEEDS = list(range(12))
+INDEX_SEEDS = list(range(100, 104))
+OVERRIDE = os.environ.get("PAGEDGEN_STRESS_SEEDS")
+if OVERRIDE:
+    LOCAL_SEEDS = INDEX_SEEDS = [int(s) for s in OVERRIDE.split(",")]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@dataclass(slots=True)
+class Draw:
+    """One request of a seed's stream."""
+
+    arrival_step: int
+    prompt: list[int]
+    params: SamplingParams
+    salt: str | None
+    abort_at_step: int | None
+
+
+def draw_requests(rng: random.Random, block_size: int, max_prompt: int) -> list[Draw]:
+    prefixes = [[rng.randrange(5, 2000) for _ in range(rng.randrange(1, 4) * block_size)]
+                for _ in range(3)]
+    draws = []
+    for _ in range(rng.randrange(6, 14)):
+        tail = [rng.randrange(5, 2000) for _ in range(rng.randrange(1, 2 * block_size))]
+        prompt = (rng.choice(prefixes) + tail if rng.random() < 0.7 else tail)[:max_prompt]
+        n = rng.choice([1, 1, 2, 3, 4])
+        greedy = rng.random() < 0.4
+        params = SamplingParams(
+            n=n, temperature=0.0 if greedy else 1.0, seed=None if greedy else rng.randrange(99),
+            max_tokens=rng.randrange(1, 3 * block_size), ignore_eos=True,
+        )
+        draws.append(Draw(
+            arrival_step=rng.randrange(0, 12),
+            prompt=prompt,
+            params=params,
+            salt=rng.choice([None, None, "tenant-a", "tenant-b"]),
+            abort_at_step=rng.randrange(1, 40) if rng.random() < 0.2 else None,
+        ))
+    return draws
+
+
+def build_engine(rng: random.Random, model_dir, draws_for,
+                 probes: dict[int, LLMEngine]) -> tuple[LLMEngine, list[Draw]]:
+    block_size = rng.choice([8, 16])
+    draws = draws_for(block_size)
+    probe = probes[block_size]
+    # Just above the largest request's footprint: two requests rarely fit side by side, so
+    # the scheduler preempts all the time.
+    biggest = max(probe.blocks_for_request(len(d.prompt), d.params) for d in draws)
+    config = EngineConfig(
+        model=str(model_dir), block_size=block_size, num_blocks=biggest + rng.randrange(0, 6),
+        preemption_mode=rng.choice(["recompute", "swap"]),
+        # Room for a few blocks or for many: a full CPU pool falls back to recompute.
+        swap_space=rng.choice([4, 64]) * probe.kv_bytes_per_block,
+        max_num_batched_tokens=rng.choice([16, 64, 2048]),
+        enable_prefix_caching=rng.random() < 0.85,
+        seed=rng.randrange(1000),
+    )
+    return LLMEngine(config), draws
+
+
+def run_stream(engine: LLMEngine, draws: list[Draw], seed: int,
+               after_step=lambda step: None) -> dict[str, object]:
+    finished: dict[str, object] = {}
+    pending = sorted(enumerate(draws), key=lambda item: item[1].arrival_step)
+    aborts: dict[int, list[str]] = {}
+    step = 0
+    max_steps = 3000
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][1].arrival_step <= step:
+            index, draw = pending.pop(0)
+            request_id = f"r{index}"
+            engine.add_request(request_id, draw.prompt, draw.params, cache_salt=draw.salt)
+            if draw.abort_at_step is not None:
+                aborts.setdefault(step + draw.abort_at_step, []).append(request_id)
+        for request_id in aborts.pop(step, []):
+            output = engine.abort_request(request_id)
+            if output is not None:
+                finished[request_id] = output
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        problems = engine.check_block_invariants()
+        assert problems == [], f"seed {seed}, step {step}: {problems}"
+        after_step(step)
+        step += 1
+        assert step < max_steps, (f"seed {seed}: still running after {max_steps} steps "
+                                  f"(livelock?): {engine.snapshot}")
+    assert engine.check_block_invariants() == [], f"seed {seed}: blocks left behind"
+    for index, draw in enumerate(draws):
+        output = finished[f"r{index}"]
+        assert len(output.outputs) in (1, draw.params.n), f"seed {seed}: r{index}"
+        for completion in output.outputs:
+            assert completion.finish_reason in ("length", "abort"), f"seed {seed}: r{index}"
+            if completion.finish_reason == "length":
+                assert len(completion.token_ids) == draw.params.max_tokens
+    return finished
+
+
+@pytest.fixture(scope="module")
+def probes(tiny_llama_dir) -> dict[int, LLMEngine]:
+    """An engine per block size, only to ask how many blocks a request can need."""
+    return {bs: LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=bs, num_blocks=2))
+            for bs in (8, 16)}
+
+
+@pytest.mark.parametrize("seed", LOCAL_SEEDS)
+def test_random_pressure_local_policy(seed, tiny_llama_dir, probes):
+    rng = random.Random(seed)
+    engine, draws = build_engine(rng, tiny_llama_dir, lambda bs: draw_requests(rng, bs, 120),
+                                 probes)
+    run_stream(engine, draws, seed)
+    counters = engine.scheduler.counters
+    print(f"seed {seed}: {engine.num_steps} steps, {counters}")
+
+
+@pytest.fixture(scope="module")
+def index_target():
+    # The shipped defaults (automatic pinning on): no test-only --hot-threshold 0 here.
+    with RedisProcess() as redis:
+        index = IndexProcess(redis.url, ["--log-level", "WARNING", "--grace-s", "0.5"]).start()
+        try:
+            yield index.target
+        finally:
+            index.kill()
+
+
+class Pinner:
+    """Pins and unpins random prefixes from its own thread, as PinPrefix calls do."""
+
+    def __init__(self, link, chains: list[list[bytes]], seed: int) -> None:
+        self.link, self.chains = link, chains
+        self.rng = random.Random(seed)
+        self.stop = threading.Event()
+        self.calls = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.005):
+            chain = self.rng.choice(self.chains)
+            unpin = self.rng.random() < 0.4
+            try:
+                asyncio.run(self.link.pin_prefix(chain, self.rng.choice([0.0, 0.05]), unpin))
+            except (IndexUnavailableError, PinRefusedError, TimeoutError):
+                pass  # degraded for a moment or over budget: both are fine here
+            self.calls += 1
+
+
+@pytest.mark.parametrize("seed", INDEX_SEEDS)
+def test_random_pressure_index_policy_with_pins(seed, tiny_llama_dir, index_target, probes):
+    rng = random.Random(seed)
+    engine, draws = build_engine(rng, tiny_llama_dir, lambda bs: draw_requests(rng, bs, 120),
+                                 probes)
+    options = IndexLinkOptions(lease_s=5.0, rpc_timeout_s=1.0, retry_interval_s=0.2)
+    link = connect_prefix_index(engine, index_target, f"stress-{seed}", options)
+    wait_until(lambda: not link.degraded, 10, "registration", engine=engine)
+    chains = [engine.hasher.chain(d.prompt, d.salt) for d in draws]
+    pinner = Pinner(link, [c for c in chains if c] or [[b"\0" * 16]], seed)
+    pinner.thread.start()
+    try:
+        run_stream(engine, draws, seed)
+    finally:
+        pinner.stop.set()
+        pinner.thread.join(10)
+        link.close()
+    assert pinner.calls > 0
+    print(f"seed {seed}: {engine.num_steps} steps, {pinner.calls} pin calls, "
+          f"{engine.scheduler.counters}, {link.policy.counters}")
