@@ -7,6 +7,7 @@ from tqdm import tqdm
 
 from engine_service.core.config import EngineConfig
 from engine_service.core.engine import LLMEngine
+from engine_service.core.errors import InvalidRequestError
 from engine_service.core.outputs import RequestOutput
 from engine_service.model.sampling_params import SamplingParams
 
@@ -28,7 +29,19 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def _need_tokenizer(self, what: str):
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "prompt", f"prompt must be token ids ({{'prompt_token_ids': [...]}}) when the "
+                f"engine has no tokenizer (skip_tokenizer_init=True), got {what}"
+            )
+        return tokenizer
+
     def _token_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in
+                                       prompt and "prompt" in prompt):
+            self._need_tokenizer("text")
         if isinstance(prompt, str):
             return self.llm_engine.tokenizer.encode(prompt), prompt
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -117,7 +130,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.llm_engine.tokenizer
+        tokenizer = self._need_tokenizer("chat messages")
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(

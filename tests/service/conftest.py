@@ -21,7 +21,7 @@ from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess, free_port
 
 # 240 blocks of 16 tokens: room for 64 short concurrent requests, while a request that may
-# grow to the whole 4096-token context (256 blocks) can never fit (RESOURCE_EXHAUSTED).
+# grow to the whole 4096-token context (256 blocks) can never fit (INVALID_ARGUMENT).
 NUM_BLOCKS = 240
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 4096

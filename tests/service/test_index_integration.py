@@ -10,7 +10,12 @@ import grpc
 import pytest
 
 from engine_service import SamplingParams
-from engine_service.index.link import IndexLinkOptions, PrefixIndexLink, connect_prefix_index
+from engine_service.index.link import (
+    IndexLinkOptions,
+    PinRefusedError,
+    PrefixIndexLink,
+    connect_prefix_index,
+)
 from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
 from prefix_index.api.ops import Evict
 from prefix_index.tools.launch import IndexProcess
@@ -219,6 +224,14 @@ def test_forks_and_pins_stay_mirrored(tiny_llama_dir, index):
         wait_until(lambda: held() == (4, 4, 0), 5, "index re-synced to the 4 pinned blocks",
                    engine=engine)
         assert call_pumping(engine, lambda: asyncio.run(link.pin_prefix(chain, 0.0, True))) == 4
+        # The index refusing a pin is an answer, not an outage: no degraded link, no re-sync.
+        registrations = link.stats().registrations
+        for bad_chain, ttl_s in ((chain, 31 * 86400.0), ([b"short"], 0.0)):
+            with pytest.raises(PinRefusedError, match="refused the pin") as refused:
+                call_pumping(engine, lambda c=bad_chain, t=ttl_s:
+                             asyncio.run(link.pin_prefix(c, t, False)))
+            assert refused.value.reason == "invalid"
+        assert not link.degraded and link.stats().registrations == registrations
         engine.pool.reset_prefix_cache()
         assert engine.pool.num_cached_blocks == 0
     finally:

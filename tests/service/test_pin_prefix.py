@@ -40,3 +40,22 @@ def test_pin_prefix_validation(stub, request_, message):
         stub.PinPrefix(request_)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details() == message
+
+
+def test_pin_over_the_index_budget_is_resource_exhausted(stub):
+    """The index refuses pins past its budget (10% of 240 blocks = 24): the client hears it,
+    instead of OK with nothing pinned."""
+    prompt = [(i * 53) % 4000 + 100 for i in range(30 * 16 + 3)]  # 30 full blocks
+    stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), cache_salt="budget",
+                                     sampling=pb.SamplingParams(temperature=0, max_tokens=1)))
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=prompt),
+                                           cache_salt="budget"))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "pin budget of 24" in caught.value.details()
+    # The link is fine: a pin within the budget still works right after.
+    small = stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=prompt[:32]),
+                                               cache_salt="budget", ttl_s=1))
+    assert small.num_pinned == 2
+    stats = stub.EngineStats(pb.EngineStatsRequest())
+    assert not stats.degraded

@@ -1,0 +1,99 @@
+"""When the engine thread dies the server must stop attracting traffic and get restarted:
+health NOT_SERVING at once, live streams end with INTERNAL, the process exits non-zero."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine_service.core.config import EngineConfig
+from engine_service.core.engine import LLMEngine
+from engine_service.serving.server import EngineServer, ServerOptions
+from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+from prefix_index.tools.redis_process import free_port
+
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def test_dead_engine_thread_turns_not_serving_and_fails_live_streams(tiny_llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_blocks=64))
+
+    async def body():
+        server = EngineServer(engine, ServerOptions(port=0))
+        port = await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                stub = pb_grpc.GenerationStub(channel)
+                before = (await health.Check(health_pb2.HealthCheckRequest())).status
+                stream = stub.GenerateStream(pb.GenerateRequest(
+                    text="a long one", sampling=pb.SamplingParams(max_tokens=500,
+                                                                  ignore_eos=True)))
+                await stream.read()  # it is running
+
+                def crash(_engine: LLMEngine) -> None:
+                    raise RuntimeError("injected: the engine thread dies here")
+
+                engine.post(crash)
+                crashed_at = time.monotonic()
+                while (await health.Check(health_pb2.HealthCheckRequest())).status != NOT_SERVING:
+                    assert time.monotonic() - crashed_at < 1.0, "still SERVING after 1 s"
+                    await asyncio.sleep(0.01)
+                not_serving_after = time.monotonic() - crashed_at
+                try:
+                    while True:
+                        await stream.read()
+                except grpc.aio.AioRpcError as error:
+                    stream_error = (error.code(), error.details())
+                try:
+                    await stub.Generate(pb.GenerateRequest(text="after"))
+                    later = None
+                except grpc.aio.AioRpcError as error:
+                    later = error.code()
+                return before, not_serving_after, stream_error, later
+        finally:
+            await server.stop(1.0)
+
+    before, not_serving_after, stream_error, later = asyncio.run(body())
+    assert before == SERVING
+    assert not_serving_after < 1.0
+    assert stream_error[0] == grpc.StatusCode.INTERNAL
+    assert "injected: the engine thread dies here" in stream_error[1]
+    assert later in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+
+
+def test_engine_process_exits_non_zero_when_its_engine_thread_dies(tiny_llama_dir, tmp_path):
+    port = free_port()
+    log_path = tmp_path / "engine.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.crashing_engine", "--crash-at-step", "3",
+             "--model", str(tiny_llama_dir), "--port", str(port), "--num-blocks", "64",
+             "--log-level", "INFO", "--grace-s", "2"],
+            stdout=subprocess.PIPE, stderr=log, text=True,
+        )
+    try:
+        assert "engine listening" in proc.stdout.readline()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            try:
+                list(stub.GenerateStream(pb.GenerateRequest(
+                    text="x", sampling=pb.SamplingParams(max_tokens=50, ignore_eos=True)),
+                    timeout=30))
+                code = None
+            except grpc.RpcError as error:
+                code = error.code()
+        returncode = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == grpc.StatusCode.INTERNAL
+    assert returncode == 1, log_path.read_text()[-2000:]
+    assert "injected engine failure at step 3" in log_path.read_text()
