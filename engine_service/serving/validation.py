@@ -73,7 +73,6 @@ class RequestValidator:
         self.engine = engine
         self.tokenizer = tokenizer
         self.vocab_size = engine.model_config.vocab_size
-        self.max_model_len = engine.max_model_len
         self.max_prompt_chars = CHARS_PER_CONTEXT_TOKEN * engine.max_model_len
         self.max_live_requests = max_live_requests
 
@@ -148,12 +147,6 @@ class RequestValidator:
     def token_ids(self, field: str, ids, allow_empty: bool = False) -> list[int]:
         if not ids and not allow_empty:
             raise _invalid(f"{field} must hold at least one token id, got []")
-        if len(ids) > self.max_model_len and not allow_empty:
-            raise _invalid(
-                f"prompt must be at most {self.max_model_len - 1} tokens (the "
-                f"{self.max_model_len}-token context keeps one for the output), "
-                f"got {len(ids)} tokens"
-            )
         for position, token_id in enumerate(ids):
             if not 0 <= token_id < self.vocab_size:
                 raise _invalid(
@@ -211,8 +204,7 @@ class RequestValidator:
         if msg.stop_token_ids:
             kwargs["stop_token_ids"] = list(msg.stop_token_ids)
         try:
-            params = SamplingParams(**kwargs)
-            params.check_for_model(self.vocab_size)
+            params = SamplingParams(**kwargs)  # the model-specific checks are the engine's
         except ValueError as error:
             # SamplingParams names the field in its message already.
             raise _invalid(f"sampling.{error}") from None
