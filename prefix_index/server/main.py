@@ -36,9 +36,11 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixIndex"].full_name
 def connect_redis(url: str, timeout_s: float, cluster: bool = False) -> Redis | RedisCluster:
     """Short socket timeouts and no retries: a dead Redis shows up as an error at once; the
     caller retries, not us (a blind retry of a script whose reply was lost would apply it
-    twice)."""
+    twice; the engine retries with its Apply sequence number, which makes that safe)."""
     if cluster:
         # Every script touches one engine's keys, which share a hash tag: one slot, one node.
+        # redis>=6: this `retry` (0 retries) is also what the cluster client's command loop
+        # obeys on a timeout or a lost connection (pinned in pyproject.toml).
         return RedisCluster.from_url(url, socket_connect_timeout=timeout_s,
                                      socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
     return Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
