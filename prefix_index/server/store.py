@@ -184,40 +184,30 @@ class IndexStore:
                     ) -> ApplyResult:
         args = encode_ops(ops)
         digest = ops_digest(args) if seq else ""
-        raw_results, raw_changes, replayed = await self._run(
-            "apply", engine_id, [str(epoch), str(seq), digest, *self._hot_args(), *args])
+        raw_results, raw_changes, replayed, view_writes = await self._run(
+            "apply", engine_id, [str(epoch), str(seq), digest, *self._hot_args(),
+                                 self.view_ttl_ms // 2, *args])
         result = ApplyResult([decode_result(r) for r in raw_results],
                              decode_pin_changes(raw_changes), bool(replayed))
-        await self._update_view(engine_id, epoch, ops, result.results)
+        await self._write_view(engine_id, epoch, view_writes)
         return result
 
-    async def _update_view(self, engine_id: str, epoch: int, ops: Sequence[Op],
-                           results: Sequence[OpResult]) -> None:
-        """Lookup's view after an Apply: committed and admission-hit hashes in (and their TTL
-        renewed), evicted and forgotten ones out. Best effort: it runs after the Apply has
-        happened (another slot, so not in its script); Lookup checks what it reads against
-        each engine's own state, and the next commit or hit repairs a missed write."""
-        member = view_member(engine_id, epoch)
-        held: list[bytes] = []
-        gone: list[bytes] = []
-        for op, result in zip(ops, results, strict=True):
-            match op:
-                case Commit(hash=h) if result.ok:
-                    held.append(h)
-                case Acquire(chain=chain, kind=AcquireKind.ADMISSION):
-                    held.extend(chain[: len(result.block_ids)])
-                case Evict():
-                    gone.extend(e.hash for e in result.evicted)
-                case Forget(hash=h) if result.ok:
-                    gone.append(h)
-        if not held and not gone:
+    async def _write_view(self, engine_id: str, epoch: int, writes: list) -> None:
+        """Lookup's view after an Apply, in the order the script made the changes: '+' adds
+        (or renews) the engine's entry for a hash, '-' removes it. Best effort: it runs after
+        the Apply happened (other slots, so not in its script); Lookup checks what it reads
+        against each engine's own state, and the next commit or hit repairs a lost write."""
+        if not writes:
             return
+        member = view_member(engine_id, epoch)
         pipe = self.redis.pipeline(transaction=False)
-        for h in held:
-            pipe.sadd(view_key(h), member)
-            pipe.pexpire(view_key(h), self.view_ttl_ms)
-        for h in gone:
-            pipe.srem(view_key(h), member)
+        for i in range(0, len(writes), 2):
+            key = view_key(bytes(writes[i + 1]))
+            if writes[i] == b"+":
+                pipe.sadd(key, member)
+                pipe.pexpire(key, self.view_ttl_ms)
+            else:
+                pipe.srem(key, member)
         try:
             await pipe.execute()
         except (RedisError, OSError) as exc:

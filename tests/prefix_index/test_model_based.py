@@ -91,8 +91,8 @@ def _comparable(r: OpResult) -> tuple:
 
 def _check_raw_state(redis_url: str, engine_id: str, model: ReferenceIndex) -> None:
     """What Redis holds, field by field, equals the model; no refcount is ever negative."""
-    (meta, bid, own, ref, par, kids, _last, pin, _pinexp, hot, free, lru, hage,
-     _pinchg) = engine_keys(engine_id)
+    (_meta, bid, own, ref, par, kids, _last, pin, _pinexp, hot, free, lru, hage, _pinchg,
+     vref) = engine_keys(engine_id)
     with redis.Redis.from_url(redis_url) as raw:
         refs = {h: int(v) for h, v in raw.hgetall(ref).items()}
         assert all(v >= 0 for v in refs.values())
@@ -117,6 +117,8 @@ def _check_raw_state(redis_url: str, engine_id: str, model: ReferenceIndex) -> N
         assert uses == {h: e.uses for h, e in model.history.items()}
         assert raw.zrange(hage, 0, -1) == sorted(model.history,
                                                    key=lambda h: model.history[h].tick)
+        # Lookup's view is written for held blocks only (their write times kept beside).
+        assert set(raw.hkeys(vref)) == set(model.blocks)
 
 
 @pytest.mark.parametrize("seed", [20240611, 7, 1234])

@@ -1,10 +1,14 @@
 -- ARGV: epoch, seq (0 = unchecked), digest of the ops (with seq), hot_threshold (0 = no
--- automatic pins, no hit history), window_ms, then the ops, each a code and its arguments:
+-- automatic pins, no hit history), window_ms, view_refresh_ms, then the ops, each a code and
+-- its arguments:
 --   A admit n h1..hn | C h parent block_id | R n h1..hn | E k | P ttl_ms n h1..hn |
 --   U n h1..hn | F h block_id          (admit: 1 = admission, 0 = fork / re-sync)
--- Returns {results, pin_changes, replayed}: one {status, detail, block_ids, evicted (hash, id,
--- ...), count} per op (status numbers are the proto's OpStatus), then the pin changes since
--- the previous Apply as (hash, state, block_id, ...), then 1 when seq was already applied.
+-- Returns {results, pin_changes, replayed, view_writes}: one {status, detail, block_ids,
+-- evicted (hash, id, ...), count} per op (status numbers are the proto's OpStatus), the pin
+-- changes since the previous Apply as (hash, state, block_id, ...), 1 when seq was already
+-- applied, and the writes due to Lookup's view, in order, as ('+' | '-', hash, ...): '+' for a
+-- block committed, or hit while its entry was last written view_refresh_ms ago or more (the
+-- view's TTL is twice that); '-' for a block dropped.
 local OK, NOT_HELD, REFCOUNT_ZERO, BLOCK_IN_USE, HASH_EXISTS, ALREADY_COMMITTED,
   PIN_BUDGET_EXCEEDED, BLOCK_MISMATCH = 0, 1, 2, 3, 4, 5, 6, 7
 
@@ -13,6 +17,7 @@ if err then return err end
 local seq, digest = tonumber(ARGV[2]), ARGV[3]
 local threshold = tonumber(ARGV[4])
 local window_ms = tonumber(ARGV[5])
+local view_refresh_ms = tonumber(ARGV[6])
 local num_blocks = num(K.meta, 'num_blocks')
 
 -- The sequence number lives in meta, with the data it counts: a Redis that lost the last
@@ -22,7 +27,7 @@ if seq > 0 then
   if seq == last and redis.call('HGET', K.meta, 'seq_digest') == digest then
     local stored = cmsgpack.unpack(redis.call('HGET', K.meta, 'seq_reply'))
     refresh_ttl(num(K.meta, 'lease_ms'))
-    return {stored[1], stored[2], 1}
+    return {stored[1], stored[2], 1, stored[3]}  -- writing the view again is harmless
   end
   if seq ~= last + 1 then
     local why
@@ -61,7 +66,7 @@ end
 
 -- Parse and check every op before the first write: a refused batch changes nothing.
 local ops = {}
-local pos = 6
+local pos = 7
 while pos <= #ARGV do
   local code = ARGV[pos]
   local op = {code = code}
@@ -99,6 +104,12 @@ end
 
 local now = now_ms()
 expire_pins(now)
+local view_writes = {}
+
+local function view_write(sign, h)
+  view_writes[#view_writes + 1] = sign
+  view_writes[#view_writes + 1] = h
+end
 
 -- The hashes of the held prefix of `chain` and their block ids (one HMGET per slice).
 local function held_prefix(chain)
@@ -170,6 +181,19 @@ local function acquire(op)
       call_sliced('ZREM', K.lru, now_used)
     end
   end
+  if n > 0 then
+    -- Renew the view entries of the hit blocks, at most once per view_refresh_ms each.
+    local written = hmget(K.vref, hashes)
+    local due = {}
+    for i, h in ipairs(hashes) do
+      if not written[i] or now - tonumber(written[i]) >= view_refresh_ms then
+        view_write('+', h)
+        due[#due + 1] = h
+        due[#due + 1] = fmt(now)
+      end
+    end
+    if #due > 0 then call_sliced('HSET', K.vref, due) end
+  end
   if op.admit then
     if threshold > 0 then
       local estimates = count_uses(op.list)
@@ -208,6 +232,8 @@ local function commit(op)
   redis.call('HSET', K.ref, h, 1)
   redis.call('HSET', K.par, h, parent)
   redis.call('HSET', K.last, h, tick())
+  redis.call('HSET', K.vref, h, fmt(now))
+  view_write('+', h)
   if parent ~= '' then
     redis.call('HINCRBY', K.kids, parent, 1)
     settle(parent)
@@ -247,13 +273,14 @@ local function drop(h)
   if redis.call('HEXISTS', K.pin, h) == 1 then
     redis.call('HSET', K.pinchg, h, '-')
   end
-  for _, key in ipairs({K.bid, K.ref, K.par, K.last, K.pin}) do
+  for _, key in ipairs({K.bid, K.ref, K.par, K.last, K.pin, K.vref}) do
     redis.call('HDEL', key, h)
   end
   redis.call('HDEL', K.own, block)
   redis.call('ZREM', K.free, h)
   redis.call('ZREM', K.lru, h)
   redis.call('ZREM', K.pinexp, h)
+  view_write('-', h)
   if parent and parent ~= '' then
     if redis.call('HINCRBY', K.kids, parent, -1) <= 0 then
       redis.call('HDEL', K.kids, parent)
@@ -347,7 +374,7 @@ redis.call('DEL', K.pinchg)
 
 if seq > 0 then
   redis.call('HSET', K.meta, 'seq', fmt(seq), 'seq_digest', digest,
-    'seq_reply', cmsgpack.pack({results, changes}))
+    'seq_reply', cmsgpack.pack({results, changes, view_writes}))
 end
 refresh_ttl(num(K.meta, 'lease_ms'))
-return {results, changes, 0}
+return {results, changes, 0, view_writes}

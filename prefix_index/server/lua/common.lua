@@ -19,12 +19,13 @@ local K = {
   lru = KEYS[12],    -- zset: the eviction candidates = free and no held children
   hage = KEYS[13],   -- zset: the history's hashes by last use (a history tick): trim order
   pinchg = KEYS[14], -- hash -> pin state now ('e', 'a', '-'): changes the next Apply reports
+  vref = KEYS[15],   -- hash -> when (ms) its entry in Lookup's view was last written
 }
 local ALL_KEYS = {K.meta, K.bid, K.own, K.ref, K.par, K.kids, K.last, K.pin, K.pinexp,
-                  K.hot, K.free, K.lru, K.hage, K.pinchg}
+                  K.hot, K.free, K.lru, K.hage, K.pinchg, K.vref}
 -- What Register drops: the blocks and their pins; not the hit history (hot, hage).
 local BLOCK_KEYS = {K.meta, K.bid, K.own, K.ref, K.par, K.kids, K.last, K.pin, K.pinexp,
-                    K.free, K.lru, K.pinchg}
+                    K.free, K.lru, K.pinchg, K.vref}
 
 -- Redis turns Lua numbers into strings with %.14g; epochs and times need every digit.
 local function fmt(x)
