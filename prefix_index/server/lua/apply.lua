@@ -197,8 +197,15 @@ local function acquire(op)
   if op.admit then
     if threshold > 0 then
       local estimates = count_uses(op.list)
+      -- maybe_auto_pin per held hash, with one read of the pins for the whole prefix.
+      local pins = hmget(K.pin, hashes)
+      local pinned, budget = redis.call('HLEN', K.pin), pin_budget()
       for i = 1, n do
-        maybe_auto_pin(hashes[i], estimates[i])
+        if estimates[i] >= threshold and not pins[i] and pinned < budget then
+          set_pin(hashes[i], 'a')
+          settle(hashes[i])
+          pinned = pinned + 1
+        end
       end
     end
     redis.call('HINCRBY', K.meta, 'queries', #op.list)
