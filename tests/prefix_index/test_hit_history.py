@@ -5,6 +5,7 @@ Only admissions count: forks and re-sync acquires are not uses."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from prefix_index.api.client import PrefixIndexClient
 from prefix_index.api.ops import Acquire, AcquireKind, Pin, PinState, Release
@@ -125,3 +126,23 @@ def test_pinning_keeps_the_hot_prefix_where_lru_keeps_none(redis_server, engine_
     assert lru == 0.0
     assert auto == (VISITS - PinPolicy().hot_threshold) / VISITS >= 0.9
     assert pinned == (VISITS - 1) / VISITS
+
+
+def test_history_decays_and_the_sweeper_drops_what_is_left(redis_server, engine_id):
+    """Uses fade with the window: two windows without a use and an entry is worth nothing,
+    so the sweeper drops it (the cap bounds the history; decay empties it when idle)."""
+    args = ["--hot-threshold", "3", "--hot-window-s", "0.3", "--sweep-interval-s", "0.1",
+            "--log-level", "WARNING"]
+
+    async def body(target):
+        async with PrefixIndexClient(target, 5.0) as c:
+            await c.register(engine_id, "m", 16, 16, 30)
+            await c.apply([Acquire(make_chain("faded", 5))])
+            assert (await c.stats())[0].history == 5
+            deadline = time.monotonic() + 5
+            while (await c.stats())[0].history and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert (await c.stats())[0].history == 0
+
+    with IndexProcess(redis_server.url, args) as index:
+        asyncio.run(body(index.target))
