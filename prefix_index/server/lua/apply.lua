@@ -149,7 +149,8 @@ local function count_uses(chain)
   return estimates
 end
 
--- Automatic pin of a held block whose use estimate reached the threshold, within the budget.
+-- Automatic pin of a held block whose use estimate reached the threshold, within the budget
+-- (one block; acquire does the same for a whole prefix with one read of the pins).
 local function maybe_auto_pin(h, estimate)
   if threshold > 0 and estimate >= threshold and redis.call('HEXISTS', K.pin, h) == 0
       and redis.call('HLEN', K.pin) < pin_budget() then
@@ -180,8 +181,6 @@ local function acquire(op)
       call_sliced('ZREM', K.free, now_used)
       call_sliced('ZREM', K.lru, now_used)
     end
-  end
-  if n > 0 then
     -- Renew the view entries of the hit blocks, at most once per view_refresh_ms each.
     local written = hmget(K.vref, hashes)
     local due = {}
