@@ -1,6 +1,6 @@
 """Prefix index benchmark: acquire latency over gRPC on loopback by chain length, throughput by
-number of concurrent clients, and the raw Redis round trip measured in the same run, so the
-service's overhead reads as a ratio.
+number of concurrent clients, Lookup latency by number of registered engines, and the raw Redis
+round trip measured in the same run, so the service's overhead reads as a ratio.
 
     python -m bench.prefix_index [--samples 2000] [--duration-s 3] [--redis-url URL]
 
@@ -35,6 +35,9 @@ from prefix_index.tools.redis_process import RedisProcess
 CHAIN_LENGTHS = (1, 16, 128)
 CONCURRENCY = (1, 8, 32)
 THROUGHPUT_CHAIN = 16
+LOOKUP_ENGINES = (1, 10, 100)
+LOOKUP_CHAIN = 16
+LOOKUP_HOLDERS = 1   # engines holding the looked-up chain; the others hold other chains
 NUM_BLOCKS = 4096
 RESULTS = Path(__file__).resolve().parent / "results" / "prefix_index.json"
 
@@ -100,6 +103,46 @@ async def _throughput(target: str, engine_id: str, epoch: int, chain: list[bytes
             "seconds": elapsed}
 
 
+async def _scan_every_engine(store: IndexStore, engine_ids: list[str], chain: list[bytes]
+                             ) -> list:
+    """The Lookup the index had before its view: one script per registered engine."""
+    return await asyncio.gather(*(store._run("lookup", e, chain) for e in engine_ids))
+
+
+async def _lookup_latency(target: str, store: IndexStore, samples: int) -> list[dict]:
+    """Lookup of one chain with 1, 10, 100 engines registered, LOOKUP_HOLDERS of them holding
+    it: over gRPC, and beside it (same run) the old per-engine scan called on the store."""
+    rows = []
+    chain = _chain("lookup", LOOKUP_CHAIN)
+    client = PrefixIndexClient(target, timeout_s=10.0)
+    registered: list[str] = []
+    for engines in LOOKUP_ENGINES:
+        while len(registered) < engines:
+            engine_id = f"bench-lookup-{len(registered)}"
+            await client.register(engine_id, "bench", 16, 256, 600)
+            held = chain if len(registered) < LOOKUP_HOLDERS else _chain(engine_id, 64)
+            await client.apply([Commit(h, held[i - 1] if i else b"", i)
+                                for i, h in enumerate(held)] + [Release(held)])
+            registered.append(engine_id)
+        matches = await client.lookup(chain)
+        if [m.matched_blocks for m in matches] != [LOOKUP_CHAIN] * LOOKUP_HOLDERS:
+            raise RuntimeError(f"wrong Lookup answer at {engines} engines: {matches}")
+        n = min(samples, 500)
+        via_view = await _timed(lambda: client.lookup(chain), n, f"gRPC Lookup, {engines} eng")
+        scan = await _timed(lambda: _scan_every_engine(store, registered, chain), n,
+                            f"per-engine scan, {engines} eng")
+        rows.append({"registered_engines": engines, "holders": LOOKUP_HOLDERS,
+                     "chain": LOOKUP_CHAIN, "grpc_lookup": via_view,
+                     "per_engine_scan_direct": scan})
+    await client.close()
+    base = rows[0]["grpc_lookup"]["p50_us"]
+    for row in rows:
+        row["ratio_p50_to_1_engine"] = row["grpc_lookup"]["p50_us"] / base
+        row["ratio_scan_to_view_p50"] = (row["per_engine_scan_direct"]["p50_us"]
+                                         / row["grpc_lookup"]["p50_us"])
+    return rows
+
+
 async def run(redis_url: str, target: str, samples: int, duration_s: float) -> dict:
     redis = Redis.from_url(redis_url)
     store = IndexStore(redis, PinPolicy())
@@ -137,6 +180,7 @@ async def run(redis_url: str, target: str, samples: int, duration_s: float) -> d
         result["throughput"].append(await _throughput(
             target, "bench-grpc", client.epoch, longest[:THROUGHPUT_CHAIN], clients, duration_s))
     await client.close()
+    result["lookup"] = await _lookup_latency(target, store, samples)
     await redis.aclose()
 
     ping = result["raw_redis"]["ping"]["p50_us"]
@@ -175,6 +219,15 @@ def print_table(result: dict) -> None:
     for t in result["throughput"]:
         print(f"{t['clients']:>8} {t['rpcs_per_s']:>9.0f} {t['ops_per_s']:>9.0f} "
               f"{t['hashes_per_s']:>10.0f}")
+    print(f"\nLookup of a {LOOKUP_CHAIN}-block chain held by {LOOKUP_HOLDERS} engine(s), by "
+          "engines registered (scan = the old one-script-per-engine Lookup, no gRPC):")
+    print(f"{'engines':>8} {'p50 us':>8} {'p99 us':>8} {'x 1 eng':>8} {'scan p50 us':>12} "
+          f"{'scan/view':>10}")
+    for row in result["lookup"]:
+        lat, scan = row["grpc_lookup"], row["per_engine_scan_direct"]
+        print(f"{row['registered_engines']:>8} {lat['p50_us']:>8.0f} {lat['p99_us']:>8.0f} "
+              f"{row['ratio_p50_to_1_engine']:>8.2f} {scan['p50_us']:>12.0f} "
+              f"{row['ratio_scan_to_view_p50']:>10.2f}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AcquireKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACQUIRE_KIND_ADMISSION: _ClassVar[AcquireKind]
+    ACQUIRE_KIND_FORK: _ClassVar[AcquireKind]
+    ACQUIRE_KIND_RESYNC: _ClassVar[AcquireKind]
+
 class OpStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OP_STATUS_OK: _ClassVar[OpStatus]
@@ -16,6 +22,16 @@ class OpStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OP_STATUS_HASH_EXISTS: _ClassVar[OpStatus]
     OP_STATUS_ALREADY_COMMITTED: _ClassVar[OpStatus]
     OP_STATUS_PIN_BUDGET_EXCEEDED: _ClassVar[OpStatus]
+    OP_STATUS_BLOCK_MISMATCH: _ClassVar[OpStatus]
+
+class PinState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PIN_STATE_NONE: _ClassVar[PinState]
+    PIN_STATE_EXPLICIT: _ClassVar[PinState]
+    PIN_STATE_AUTOMATIC: _ClassVar[PinState]
+ACQUIRE_KIND_ADMISSION: AcquireKind
+ACQUIRE_KIND_FORK: AcquireKind
+ACQUIRE_KIND_RESYNC: AcquireKind
 OP_STATUS_OK: OpStatus
 OP_STATUS_NOT_HELD: OpStatus
 OP_STATUS_REFCOUNT_ZERO: OpStatus
@@ -23,20 +39,26 @@ OP_STATUS_BLOCK_IN_USE: OpStatus
 OP_STATUS_HASH_EXISTS: OpStatus
 OP_STATUS_ALREADY_COMMITTED: OpStatus
 OP_STATUS_PIN_BUDGET_EXCEEDED: OpStatus
+OP_STATUS_BLOCK_MISMATCH: OpStatus
+PIN_STATE_NONE: PinState
+PIN_STATE_EXPLICIT: PinState
+PIN_STATE_AUTOMATIC: PinState
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("engine_id", "model_identity", "block_size", "num_blocks", "lease_s")
+    __slots__ = ("engine_id", "model_identity", "block_size", "num_blocks", "lease_s", "nonce")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model_identity: str
     block_size: int
     num_blocks: int
     lease_s: float
-    def __init__(self, engine_id: _Optional[str] = ..., model_identity: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    nonce: str
+    def __init__(self, engine_id: _Optional[str] = ..., model_identity: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_s: _Optional[float] = ..., nonce: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("epoch", "lease_s", "pin_budget")
@@ -63,10 +85,12 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_s: _Optional[float] = ...) -> None: ...
 
 class AcquireOp(_message.Message):
-    __slots__ = ("chain",)
+    __slots__ = ("chain", "kind")
     CHAIN_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     chain: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, chain: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    kind: AcquireKind
+    def __init__(self, chain: _Optional[_Iterable[bytes]] = ..., kind: _Optional[_Union[AcquireKind, str]] = ...) -> None: ...
 
 class CommitOp(_message.Message):
     __slots__ = ("hash", "parent", "block_id")
@@ -104,31 +128,43 @@ class UnpinOp(_message.Message):
     chain: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, chain: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
+class ForgetOp(_message.Message):
+    __slots__ = ("hash", "block_id")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    block_id: int
+    def __init__(self, hash: _Optional[bytes] = ..., block_id: _Optional[int] = ...) -> None: ...
+
 class Op(_message.Message):
-    __slots__ = ("acquire", "commit", "release", "evict", "pin", "unpin")
+    __slots__ = ("acquire", "commit", "release", "evict", "pin", "unpin", "forget")
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
     UNPIN_FIELD_NUMBER: _ClassVar[int]
+    FORGET_FIELD_NUMBER: _ClassVar[int]
     acquire: AcquireOp
     commit: CommitOp
     release: ReleaseOp
     evict: EvictOp
     pin: PinOp
     unpin: UnpinOp
-    def __init__(self, acquire: _Optional[_Union[AcquireOp, _Mapping]] = ..., commit: _Optional[_Union[CommitOp, _Mapping]] = ..., release: _Optional[_Union[ReleaseOp, _Mapping]] = ..., evict: _Optional[_Union[EvictOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ...) -> None: ...
+    forget: ForgetOp
+    def __init__(self, acquire: _Optional[_Union[AcquireOp, _Mapping]] = ..., commit: _Optional[_Union[CommitOp, _Mapping]] = ..., release: _Optional[_Union[ReleaseOp, _Mapping]] = ..., evict: _Optional[_Union[EvictOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., forget: _Optional[_Union[ForgetOp, _Mapping]] = ...) -> None: ...
 
 class ApplyRequest(_message.Message):
-    __slots__ = ("engine_id", "epoch", "ops")
+    __slots__ = ("engine_id", "epoch", "ops", "seq")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: int
     ops: _containers.RepeatedCompositeFieldContainer[Op]
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ...) -> None: ...
+    seq: int
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class EvictedBlock(_message.Message):
     __slots__ = ("hash", "block_id")
@@ -152,11 +188,25 @@ class OpResult(_message.Message):
     count: int
     def __init__(self, status: _Optional[_Union[OpStatus, str]] = ..., detail: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., evicted: _Optional[_Iterable[_Union[EvictedBlock, _Mapping]]] = ..., count: _Optional[int] = ...) -> None: ...
 
+class PinChange(_message.Message):
+    __slots__ = ("hash", "block_id", "state")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    block_id: int
+    state: PinState
+    def __init__(self, hash: _Optional[bytes] = ..., block_id: _Optional[int] = ..., state: _Optional[_Union[PinState, str]] = ...) -> None: ...
+
 class ApplyResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "pin_changes", "replayed")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    PIN_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[OpResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ...) -> None: ...
+    pin_changes: _containers.RepeatedCompositeFieldContainer[PinChange]
+    replayed: bool
+    def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., pin_changes: _Optional[_Iterable[_Union[PinChange, _Mapping]]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("chain", "model_identity")
@@ -193,7 +243,7 @@ class StatsRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("engine_id", "epoch", "model_identity", "block_size", "num_blocks", "blocks", "evictable", "pinned", "auto_pinned", "pin_budget", "queries", "hits", "evictions", "lease_remaining_s")
+    __slots__ = ("engine_id", "epoch", "model_identity", "block_size", "num_blocks", "blocks", "evictable", "pinned", "auto_pinned", "pin_budget", "queries", "hits", "evictions", "lease_remaining_s", "forgets", "history")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +258,8 @@ class EngineStats(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    FORGETS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: int
     model_identity: str
@@ -222,7 +274,9 @@ class EngineStats(_message.Message):
     hits: int
     evictions: int
     lease_remaining_s: float
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_identity: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., blocks: _Optional[int] = ..., evictable: _Optional[int] = ..., pinned: _Optional[int] = ..., auto_pinned: _Optional[int] = ..., pin_budget: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ...) -> None: ...
+    forgets: int
+    history: int
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_identity: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., blocks: _Optional[int] = ..., evictable: _Optional[int] = ..., pinned: _Optional[int] = ..., auto_pinned: _Optional[int] = ..., pin_budget: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., forgets: _Optional[int] = ..., history: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("engines",)

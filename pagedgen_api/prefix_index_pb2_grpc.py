@@ -65,9 +65,11 @@ class PrefixIndexServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Register(self, request, context):
-        """Registers (or re-registers) an engine: drops whatever the index held for it and returns a
-        new epoch. Every later call must carry that epoch; an older one is refused with
-        FAILED_PRECONDITION so a restarted engine is never told it holds blocks it lost.
+        """Registers (or re-registers) an engine: drops the blocks the index held for it (the hit
+        history stays) and returns a new epoch. Every later call must carry that epoch; an older
+        one is refused with FAILED_PRECONDITION so a restarted engine is never told it holds blocks
+        it lost. While another process (a different nonce) holds a live lease on the engine id,
+        Register is refused with ALREADY_EXISTS and a message saying when that lease expires.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,14 +84,18 @@ class PrefixIndexServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Apply(self, request, context):
-        """Applies many ops to one engine's state, in order, atomically (one Lua script).
+        """Applies many ops to one engine's state, in order, atomically (one Lua script). With a
+        sequence number (ApplyRequest.seq) the index applies each write exactly once and refuses a
+        gap or a replay with ABORTED: the engine must register again and re-sync.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
-        """Read-only, across engines: the longest held prefix of a chain per engine (for routing).
+        """Read-only, across engines: the longest held prefix of a chain per engine that holds at
+        least its first block (for routing). Its cost follows the chain and the engines holding
+        it, not the number of engines registered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

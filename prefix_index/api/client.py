@@ -1,8 +1,12 @@
 """Async client of the prefix index (what the generation engine uses).
 
     client = PrefixIndexClient("127.0.0.1:50061", timeout_s=1.0)
-    epoch = await client.register("engine-0", "smollm2-135m@main/float32", 16, 4096, 30.0)
+    epoch = await client.register("engine-0", "smollm2-135m@main/float32", 16, 4096, 30.0,
+                                  nonce=uuid.uuid4().hex)
     [hit] = await client.apply([Acquire(chain)])
+    # Exactly-once writes and pin state: number the Applies 1, 2, ... after each register.
+    reply = await client.apply_batch([Acquire(chain)], seq=1)
+    reply.results, reply.pin_changes, reply.replayed
 """
 
 from __future__ import annotations
@@ -14,15 +18,18 @@ import grpc
 from pagedgen_api import prefix_index_pb2 as pb
 from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
 from prefix_index.api import wire
-from prefix_index.api.ops import EngineMatch, EngineStats, Op, OpResult
+from prefix_index.api.ops import ApplyResult, EngineMatch, EngineStats, Op, OpResult
 
 
 class PrefixIndexClientError(Exception):
     """Any failed call; `code` is the grpc.StatusCode (UNAVAILABLE: index or Redis down,
-    FAILED_PRECONDITION: stale epoch, NOT_FOUND: not registered / lease expired, ...).
+    FAILED_PRECONDITION: stale epoch, NOT_FOUND: not registered / lease expired,
+    ALREADY_EXISTS: another process holds the engine id's lease, ABORTED: the Apply sequence
+    number shows lost or duplicated writes, ...).
 
     After UNAVAILABLE or DEADLINE_EXCEEDED from apply() the outcome is unknown (a hung Redis
-    may still run the script once); the engine should re-register and re-sync its blocks."""
+    may still run the script once): with a sequence number, send the same ops with the same
+    seq again (applied exactly once); without one, re-register and re-sync."""
 
     def __init__(self, method: str, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{method}: {code.name}: {details}")
@@ -57,10 +64,12 @@ class PrefixIndexClient:
                                          "call register() first")
 
     async def register(self, engine_id: str, model_identity: str, block_size: int,
-                       num_blocks: int, lease_s: float = 0.0) -> int:
+                       num_blocks: int, lease_s: float = 0.0, nonce: str = "") -> int:
+        """`nonce`: a token unique to this process (the same on every re-register); while
+        another nonce holds a live lease on engine_id the call fails with ALREADY_EXISTS."""
         reply = await self._call("Register", pb.RegisterRequest(
             engine_id=engine_id, model_identity=model_identity, block_size=block_size,
-            num_blocks=num_blocks, lease_s=lease_s))
+            num_blocks=num_blocks, lease_s=lease_s, nonce=nonce))
         self.engine_id, self.epoch = engine_id, reply.epoch
         self.lease_s, self.pin_budget = reply.lease_s, reply.pin_budget
         return reply.epoch
@@ -75,12 +84,18 @@ class PrefixIndexClient:
             engine_id=self.engine_id, epoch=self.epoch))
         return reply.lease_s
 
-    async def apply(self, ops: Sequence[Op]) -> list[OpResult]:
-        """Runs the ops in order, atomically; one result per op."""
+    async def apply(self, ops: Sequence[Op], seq: int = 0) -> list[OpResult]:
+        """Runs the ops in order, atomically; one result per op (see apply_batch)."""
+        return (await self.apply_batch(ops, seq)).results
+
+    async def apply_batch(self, ops: Sequence[Op], seq: int = 0) -> ApplyResult:
+        """Runs the ops in order, atomically: per-op results, the pin changes since this
+        engine's previous Apply, and `replayed` when `seq` had been applied already.
+        `seq` 0 = unchecked; else 1, 2, ... after each register (ABORTED on a gap/replay)."""
         self._require_registered()
         reply = await self._call("Apply", pb.ApplyRequest(
-            engine_id=self.engine_id, epoch=self.epoch, ops=wire.ops_to_proto(ops)))
-        return [wire.result_from_proto(r) for r in reply.results]
+            engine_id=self.engine_id, epoch=self.epoch, ops=wire.ops_to_proto(ops), seq=seq))
+        return wire.apply_result_from_proto(reply)
 
     async def lookup(self, chain: Sequence[bytes], model_identity: str = "") -> list[EngineMatch]:
         reply = await self._call("Lookup", pb.LookupRequest(chain=list(chain),

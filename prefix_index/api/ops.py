@@ -18,13 +18,32 @@ class OpStatus(enum.IntEnum):
     HASH_EXISTS = 4
     ALREADY_COMMITTED = 5
     PIN_BUDGET_EXCEEDED = 6
+    BLOCK_MISMATCH = 7
+
+
+class AcquireKind(enum.IntEnum):
+    """Why an acquire is sent; only admissions count in the hit history (proto AcquireKind)."""
+
+    ADMISSION = 0
+    FORK = 1
+    RESYNC = 2
+
+
+class PinState(enum.IntEnum):
+    """A block's pin state (proto PinState)."""
+
+    NONE = 0
+    EXPLICIT = 1
+    AUTOMATIC = 2
 
 
 @dataclass(frozen=True, slots=True)
 class Acquire:
-    """Longest held prefix of `chain`; refcount +1 on each of its blocks."""
+    """Longest held prefix of `chain`; refcount +1 on each of its blocks. An admission also
+    counts a use of every hash of the chain in the hit history."""
 
     chain: list[bytes]
+    kind: AcquireKind = AcquireKind.ADMISSION
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +76,15 @@ class Unpin:
     chain: list[bytes]
 
 
-Op = Acquire | Commit | Release | Evict | Pin | Unpin
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """The engine evicted `block_id` (holding `hash`) on its own: drop exactly that entry."""
+
+    hash: bytes
+    block_id: int
+
+
+Op = Acquire | Commit | Release | Evict | Pin | Unpin | Forget
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +104,25 @@ class OpResult:
     @property
     def ok(self) -> bool:
         return self.status == OpStatus.OK
+
+
+@dataclass(frozen=True, slots=True)
+class PinChange:
+    """A hash whose pin state changed; `block_id` -1 when it is no longer held."""
+
+    hash: bytes
+    block_id: int
+    state: PinState
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    """What one Apply returned: per-op results, the pin changes since the engine's previous
+    Apply, and whether this was a retry of an Apply already applied (seq)."""
+
+    results: list[OpResult]
+    pin_changes: list[PinChange] = field(default_factory=list)
+    replayed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,3 +157,5 @@ class EngineStats:
     hits: int
     evictions: int
     lease_remaining_s: float
+    forgets: int = 0
+    history: int = 0

@@ -7,15 +7,19 @@ from collections.abc import Sequence
 from pagedgen_api import prefix_index_pb2 as pb
 from prefix_index.api.ops import (
     Acquire,
+    ApplyResult,
     Commit,
     EngineMatch,
     EngineStats,
     Evict,
     EvictedBlock,
+    Forget,
     Op,
     OpResult,
     OpStatus,
     Pin,
+    PinChange,
+    PinState,
     Release,
     Unpin,
 )
@@ -23,8 +27,8 @@ from prefix_index.api.ops import (
 
 def op_to_proto(op: Op) -> pb.Op:
     match op:
-        case Acquire(chain=chain):
-            return pb.Op(acquire=pb.AcquireOp(chain=chain))
+        case Acquire(chain=chain, kind=kind):
+            return pb.Op(acquire=pb.AcquireOp(chain=chain, kind=int(kind)))
         case Commit(hash=h, parent=parent, block_id=block_id):
             return pb.Op(commit=pb.CommitOp(hash=h, parent=parent, block_id=block_id))
         case Release(hashes=hashes):
@@ -35,6 +39,8 @@ def op_to_proto(op: Op) -> pb.Op:
             return pb.Op(pin=pb.PinOp(chain=chain, ttl_s=ttl_s))
         case Unpin(chain=chain):
             return pb.Op(unpin=pb.UnpinOp(chain=chain))
+        case Forget(hash=h, block_id=block_id):
+            return pb.Op(forget=pb.ForgetOp(hash=h, block_id=block_id))
     raise TypeError(f"not an op: {op!r}")
 
 
@@ -50,6 +56,22 @@ def result_from_proto(msg: pb.OpResult) -> OpResult:
                     [EvictedBlock(e.hash, e.block_id) for e in msg.evicted], msg.count)
 
 
+def pin_change_to_proto(c: PinChange) -> pb.PinChange:
+    return pb.PinChange(hash=c.hash, block_id=c.block_id, state=int(c.state))
+
+
+def apply_result_to_proto(r: ApplyResult) -> pb.ApplyResponse:
+    return pb.ApplyResponse(results=[result_to_proto(x) for x in r.results],
+                            pin_changes=[pin_change_to_proto(c) for c in r.pin_changes],
+                            replayed=r.replayed)
+
+
+def apply_result_from_proto(msg: pb.ApplyResponse) -> ApplyResult:
+    return ApplyResult([result_from_proto(r) for r in msg.results],
+                       [PinChange(c.hash, c.block_id, PinState(c.state))
+                        for c in msg.pin_changes], msg.replayed)
+
+
 def match_to_proto(m: EngineMatch) -> pb.EngineMatch:
     return pb.EngineMatch(engine_id=m.engine_id, matched_blocks=m.matched_blocks,
                           num_blocks=m.num_blocks, held_blocks=m.held_blocks,
@@ -63,7 +85,7 @@ def match_from_proto(msg: pb.EngineMatch) -> EngineMatch:
 
 _STATS_FIELDS = ("engine_id", "epoch", "model_identity", "block_size", "num_blocks", "blocks",
                  "evictable", "pinned", "auto_pinned", "pin_budget", "queries", "hits",
-                 "evictions", "lease_remaining_s")
+                 "evictions", "lease_remaining_s", "forgets", "history")
 
 
 def stats_to_proto(s: EngineStats) -> pb.EngineStats:

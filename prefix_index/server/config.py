@@ -15,10 +15,16 @@ class PinPolicy:
     cool_fraction: float = 0.5     # unpin when the estimate falls below threshold * this
     budget_fraction: float = 0.1   # pins (explicit + automatic) allowed, as a share of the pool
     sweep_interval_s: float = 5.0  # how often auto pins are re-checked for cooling
+    # Hit history per engine, in block hashes per pool block: it must outlast the cold blocks
+    # that pass through the pool between two visits of a hot prefix.
+    history_per_block: float = 4.0
 
     def budget(self, num_blocks: int) -> int:
         # The epsilon keeps 0.29 * 100 at 29, not 28.999... -> 28.
         return int(math.floor(self.budget_fraction * num_blocks + 1e-9))
+
+    def history_cap(self, num_blocks: int) -> int:
+        return max(1, int(math.floor(self.history_per_block * num_blocks + 1e-9)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,5 +45,8 @@ class IndexConfig:
     default_lease_s: float = 30.0
     redis_timeout_s: float = 1.0       # socket connect/read timeout: fail fast when Redis is gone
     probe_interval_s: float = 0.5      # health probe of Redis
+    # Lookup's block hash -> engines view: an entry not refreshed (commit or admission hit) for
+    # this long leaves the view, so the entries of engines that died do not pile up.
+    view_ttl_s: float = 3600.0
     pin_policy: PinPolicy = PinPolicy()
     limits: Limits = Limits()

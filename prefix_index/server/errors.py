@@ -17,3 +17,11 @@ class EngineNotFoundError(IndexRequestError):
 
 class StaleEpochError(IndexRequestError):
     """The request carries an epoch older than the engine's current one (FAILED_PRECONDITION)."""
+
+
+class EngineIdTakenError(IndexRequestError):
+    """Another process (another nonce) holds a live lease on the engine id (ALREADY_EXISTS)."""
+
+
+class SequenceError(IndexRequestError):
+    """An Apply's sequence number shows lost or duplicated writes (ABORTED): register again."""

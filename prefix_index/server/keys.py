@@ -4,11 +4,29 @@ from __future__ import annotations
 
 # The order is the KEYS layout of lua/common.lua.
 ENGINE_KEY_SUFFIXES = ("meta", "bid", "own", "ref", "par", "kids", "last", "pin", "pinexp",
-                       "hot", "free", "lru")
+                       "hot", "free", "lru", "hage", "pinchg", "vref")
 
-# Directory of engine ids (its own slot); lookup and stats walk it and prune the gone ones.
+# Directory of engine ids (its own slot); lookup, stats and the sweeper prune the gone ones.
 ENGINES_KEY = "pi:engines"
 
 
 def engine_keys(engine_id: str) -> list[str]:
     return [f"pi:{{{engine_id}}}:{suffix}" for suffix in ENGINE_KEY_SUFFIXES]
+
+
+def view_key(block_hash: bytes) -> str:
+    """The set of `engine_id@epoch` holding this block hash: the routing view Lookup reads.
+    Tagged by the hash itself, so the view spreads over every cluster slot."""
+    return f"pi:view:{{{block_hash.hex()}}}"
+
+
+def view_member(engine_id: str, epoch: int) -> str:
+    # '@' never occurs in an engine id; the epoch makes an old registration's entries tell
+    # themselves apart from the current one's.
+    return f"{engine_id}@{epoch}"
+
+
+def parse_view_member(member: bytes | str) -> tuple[str, int]:
+    text = member.decode() if isinstance(member, bytes) else member
+    engine_id, _, epoch = text.rpartition("@")
+    return engine_id, int(epoch)

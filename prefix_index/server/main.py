@@ -36,9 +36,11 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixIndex"].full_name
 def connect_redis(url: str, timeout_s: float, cluster: bool = False) -> Redis | RedisCluster:
     """Short socket timeouts and no retries: a dead Redis shows up as an error at once; the
     caller retries, not us (a blind retry of a script whose reply was lost would apply it
-    twice)."""
+    twice; the engine retries with its Apply sequence number, which makes that safe)."""
     if cluster:
         # Every script touches one engine's keys, which share a hash tag: one slot, one node.
+        # redis>=6: this `retry` (0 retries) is also what the cluster client's command loop
+        # obeys on a timeout or a lost connection (pinned in pyproject.toml).
         return RedisCluster.from_url(url, socket_connect_timeout=timeout_s,
                                      socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
     return Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
@@ -60,7 +62,7 @@ class IndexServer:
         self.metrics = IndexMetrics()
         self.redis = connect_redis(config.redis_url, config.redis_timeout_s,
                                    config.redis_cluster)
-        self.store = IndexStore(self.redis, config.pin_policy)
+        self.store = IndexStore(self.redis, config.pin_policy, config.view_ttl_s)
         self.health_servicer = health_aio.HealthServicer()
         self.health = RedisHealth(self.store, self.health_servicer, ["", SERVICE_NAME],
                                   self.metrics, config.probe_interval_s, config.redis_timeout_s)
@@ -121,7 +123,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="unpin an automatic pin below threshold * this")
     p.add_argument("--pin-budget-fraction", type=float, default=policy.budget_fraction,
                    help="pins allowed per engine, as a share of its pool")
-    p.add_argument("--sweep-interval-s", type=float, default=policy.sweep_interval_s)
+    p.add_argument("--sweep-interval-s", type=float, default=policy.sweep_interval_s,
+                   help="how often pins cool, TTLs expire and gone engines are pruned")
+    p.add_argument("--history-per-block", type=float, default=policy.history_per_block,
+                   help="hit history kept per engine, in block hashes per pool block")
+    p.add_argument("--view-ttl-s", type=float, default=defaults.view_ttl_s,
+                   help="Lookup's view forgets a block not committed or hit for this long")
     p.add_argument("--redis-timeout-s", type=float, default=defaults.redis_timeout_s)
     p.add_argument("--probe-interval-s", type=float, default=defaults.probe_interval_s)
     p.add_argument("--max-ops", type=int, default=limits.max_ops)
@@ -139,7 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "expected 0..1")
     if not 0 <= args.cool_fraction <= 1:
         p.error(f"--cool-fraction: {args.cool_fraction} is not allowed; expected 0..1")
-    for name in ("lease_s", "sweep_interval_s", "redis_timeout_s", "probe_interval_s"):
+    for name in ("lease_s", "sweep_interval_s", "redis_timeout_s", "probe_interval_s",
+                 "history_per_block", "view_ttl_s"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')}: {getattr(args, name)} is not allowed; "
                     "expected > 0")
@@ -151,10 +159,12 @@ def config_from_args(args: argparse.Namespace) -> IndexConfig:
         redis_url=args.redis_url, redis_cluster=args.redis_cluster,
         default_lease_s=args.lease_s,
         redis_timeout_s=args.redis_timeout_s, probe_interval_s=args.probe_interval_s,
+        view_ttl_s=args.view_ttl_s,
         pin_policy=PinPolicy(hot_threshold=args.hot_threshold, window_s=args.hot_window_s,
                              cool_fraction=args.cool_fraction,
                              budget_fraction=args.pin_budget_fraction,
-                             sweep_interval_s=args.sweep_interval_s),
+                             sweep_interval_s=args.sweep_interval_s,
+                             history_per_block=args.history_per_block),
         limits=Limits(max_ops=args.max_ops, max_chain=args.max_chain))
 
 

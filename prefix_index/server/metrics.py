@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from prefix_index.api.ops import Op, OpResult
+from prefix_index.api.ops import AcquireKind, Op, OpResult
 
 
 class IndexMetrics:
@@ -27,6 +27,15 @@ class IndexMetrics:
                                       "Blocks evicted.", registry=r)
         self.cooled_pins = Counter("pagedgen_prefix_index_cooled_pins",
                                    "Automatic pins dropped because the block cooled.", registry=r)
+        self.pruned_engines = Counter("pagedgen_prefix_index_pruned_engines",
+                                      "Engines whose lease ran out, pruned from the directory.",
+                                      registry=r)
+        self.forgotten_blocks = Counter("pagedgen_prefix_index_forgotten_blocks",
+                                        "Blocks dropped because their engine evicted them "
+                                        "on its own (forget).", registry=r)
+        self.replayed_applies = Counter("pagedgen_prefix_index_replayed_applies",
+                                        "Retried Applies answered from the stored result.",
+                                        registry=r)
         self.redis_up = Gauge("pagedgen_prefix_index_redis_up",
                               "1 when the last Redis probe answered.", registry=r)
 
@@ -34,11 +43,13 @@ class IndexMetrics:
         for op, result in zip(ops, results, strict=True):
             kind = type(op).__name__.lower()
             self.ops.labels(kind, result.status.name).inc()
-            if kind == "acquire":
+            if kind == "acquire" and op.kind == AcquireKind.ADMISSION:  # as Stats counts
                 self.queried_blocks.inc(len(op.chain))
                 self.hit_blocks.inc(len(result.block_ids))
             elif kind == "evict":
                 self.evicted_blocks.inc(len(result.evicted))
+            elif kind == "forget":
+                self.forgotten_blocks.inc(result.count)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.registry)

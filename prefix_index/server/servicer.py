@@ -19,8 +19,10 @@ from prefix_index.api import wire
 from prefix_index.server import validate
 from prefix_index.server.config import IndexConfig
 from prefix_index.server.errors import (
+    EngineIdTakenError,
     EngineNotFoundError,
     InvalidRequestError,
+    SequenceError,
     StaleEpochError,
 )
 from prefix_index.server.health import RedisHealth
@@ -34,6 +36,10 @@ _REQUEST_ERRORS = {
     InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
     EngineNotFoundError: grpc.StatusCode.NOT_FOUND,
     StaleEpochError: grpc.StatusCode.FAILED_PRECONDITION,
+    EngineIdTakenError: grpc.StatusCode.ALREADY_EXISTS,
+    # gRPC's own guidance: ABORTED is for a failed sequencer check; the client must restart
+    # from a higher level (register and re-sync), not retry the same call.
+    SequenceError: grpc.StatusCode.ABORTED,
 }
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 # Redis error replies that mean "not now" (loading, failover, busy script), not "wrong".
@@ -95,7 +101,8 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
             nonlocal args
             args = validate.register(request, self.config.limits, self.config.default_lease_s)
             return await self.store.register(args.engine_id, args.model_identity,
-                                             args.block_size, args.num_blocks, args.lease_s)
+                                             args.block_size, args.num_blocks, args.lease_s,
+                                             args.nonce)
 
         reg = await self._call("Register", context, work)
         log.info("registered engine %s epoch %d (%d blocks, lease %.1fs)", args.engine_id,
@@ -116,11 +123,14 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
 
         async def work():
             ops.extend(validate.apply_ops(request, self.config.limits))
-            return await self.store.apply(request.engine_id, request.epoch, ops)
+            return await self.store.apply(request.engine_id, request.epoch, ops, request.seq)
 
-        results = await self._call("Apply", context, work)
-        self.metrics.record_ops(ops, results)
-        return pb.ApplyResponse(results=[wire.result_to_proto(r) for r in results])
+        result = await self._call("Apply", context, work)
+        if result.replayed:
+            self.metrics.replayed_applies.inc()
+        else:
+            self.metrics.record_ops(ops, result.results)
+        return wire.apply_result_to_proto(result)
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         async def work():

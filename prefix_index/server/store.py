@@ -3,42 +3,65 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
+import time
 from collections.abc import Sequence
 
 from redis.asyncio import Redis, RedisCluster
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from prefix_index.api.ops import (
     Acquire,
+    AcquireKind,
+    ApplyResult,
     Commit,
     EngineMatch,
     EngineStats,
     Evict,
     EvictedBlock,
+    Forget,
     Op,
     OpResult,
     OpStatus,
     Pin,
+    PinChange,
+    PinState,
     Registration,
     Release,
     Unpin,
 )
 from prefix_index.server.config import PinPolicy
 from prefix_index.server.errors import (
+    EngineIdTakenError,
     EngineNotFoundError,
     IndexRequestError,
     InvalidRequestError,
+    SequenceError,
     StaleEpochError,
 )
-from prefix_index.server.keys import ENGINES_KEY, engine_keys
+from prefix_index.server.keys import (
+    ENGINES_KEY,
+    engine_keys,
+    parse_view_member,
+    view_key,
+    view_member,
+)
 from prefix_index.server.scripts import load_scripts
+
+log = logging.getLogger("prefix_index.server.store")
 
 # Error prefixes the Lua scripts use (common.lua `fail`), mapped to our exceptions.
 _SCRIPT_ERRORS: dict[str, type[IndexRequestError]] = {
     "NOT_FOUND": EngineNotFoundError,
     "STALE_EPOCH": StaleEpochError,
     "INVALID": InvalidRequestError,
+    "SEQUENCE": SequenceError,
 }
+_PIN_STATES = {b"e": PinState.EXPLICIT, b"a": PinState.AUTOMATIC, b"-": PinState.NONE}
+# Lookup reads the view this many chain hashes per round trip, stopping at the first hash
+# nobody holds.
+_VIEW_CHUNK = 64
 
 
 def _script_error(exc: ResponseError, engine_id: str) -> Exception:
@@ -57,8 +80,8 @@ def encode_ops(ops: Sequence[Op]) -> list[bytes | str | int]:
     args: list[bytes | str | int] = []
     for op in ops:
         match op:
-            case Acquire(chain=chain):
-                args += ["A", len(chain), *chain]
+            case Acquire(chain=chain, kind=kind):
+                args += ["A", int(kind == AcquireKind.ADMISSION), len(chain), *chain]
             case Commit(hash=h, parent=parent, block_id=block_id):
                 args += ["C", h, parent, block_id]
             case Release(hashes=hashes):
@@ -69,9 +92,27 @@ def encode_ops(ops: Sequence[Op]) -> list[bytes | str | int]:
                 args += ["P", round(ttl_s * 1000), len(chain), *chain]
             case Unpin(chain=chain):
                 args += ["U", len(chain), *chain]
+            case Forget(hash=h, block_id=block_id):
+                args += ["F", h, block_id]
             case _:
                 raise TypeError(f"not an op: {op!r}")
     return args
+
+
+def ops_digest(args: Sequence[bytes | str | int]) -> str:
+    """Tells a retried Apply (same ops) from another one carrying the same sequence number."""
+    digest = hashlib.blake2b(digest_size=16)
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        digest.update(len(data).to_bytes(4, "little"))
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def decode_pin_changes(flat: list) -> list[PinChange]:
+    changes = [PinChange(bytes(flat[i]), int(flat[i + 2]), _PIN_STATES[bytes(flat[i + 1])])
+               for i in range(0, len(flat), 3)]
+    return sorted(changes, key=lambda c: c.hash)  # Redis hash order is no order at all
 
 
 def decode_result(raw: list) -> OpResult:
@@ -85,10 +126,13 @@ def decode_result(raw: list) -> OpResult:
 class IndexStore:
     """Async access to the index in Redis. Connection errors propagate (the caller maps them)."""
 
-    def __init__(self, redis: Redis | RedisCluster, pin_policy: PinPolicy) -> None:
+    def __init__(self, redis: Redis | RedisCluster, pin_policy: PinPolicy,
+                 view_ttl_s: float = 3600.0) -> None:
         self.redis = redis
         self.pin_policy = pin_policy
+        self.view_ttl_ms = round(view_ttl_s * 1000)
         self._scripts = load_scripts()
+        self.view_write_errors = 0  # view writes that failed after their Apply succeeded
 
     async def _run(self, name: str, engine_id: str, args: list) -> object:
         try:
@@ -111,57 +155,135 @@ class IndexStore:
             await pool.disconnect()
 
     async def register(self, engine_id: str, model_identity: str, block_size: int,
-                       num_blocks: int, lease_s: float) -> Registration:
-        budget = self.pin_policy.budget(num_blocks)
+                       num_blocks: int, lease_s: float, nonce: str = "") -> Registration:
+        policy = self.pin_policy
+        budget = policy.budget(num_blocks)
         # The directory lives in another slot, so it cannot join the script's transaction. It
-        # is added before (lookup never misses a live engine) and again after; heartbeats
+        # is added before (stats never misses a live engine) and again after; heartbeats
         # re-add it, which heals a prune that raced this registration.
         await self.redis.sadd(ENGINES_KEY, engine_id)
-        epoch = await self._run("register", engine_id, [
-            model_identity, block_size, num_blocks, round(lease_s * 1000), budget])
+        reply = await self._run("register", engine_id, [
+            model_identity, block_size, num_blocks, round(lease_s * 1000), budget, nonce,
+            policy.history_cap(num_blocks)])
+        if int(reply[0]) == 0:
+            remaining_s = max(int(reply[1]), 0) / 1000.0
+            until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + remaining_s))
+            raise EngineIdTakenError(
+                f"engine_id {engine_id!r} is held by another live process (another nonce); "
+                f"its lease expires in {remaining_s:.1f}s (at {until}) unless it heartbeats. "
+                "Stop the other process, or give this one another engine id")
         await self.redis.sadd(ENGINES_KEY, engine_id)
-        return Registration(int(epoch), lease_s, budget)
+        return Registration(int(reply[0]), lease_s, budget)
 
     async def heartbeat(self, engine_id: str, epoch: int) -> float:
         lease_ms = await self._run("heartbeat", engine_id, [str(epoch)])
         await self.redis.sadd(ENGINES_KEY, engine_id)
         return int(lease_ms) / 1000.0
 
-    async def apply(self, engine_id: str, epoch: int, ops: Sequence[Op]) -> list[OpResult]:
-        raw = await self._run("apply", engine_id,
-                              [str(epoch), *self._hot_args(), *encode_ops(ops)])
-        return [decode_result(r) for r in raw]
+    async def apply(self, engine_id: str, epoch: int, ops: Sequence[Op], seq: int = 0
+                    ) -> ApplyResult:
+        args = encode_ops(ops)
+        digest = ops_digest(args) if seq else ""
+        raw_results, raw_changes, replayed, view_writes = await self._run(
+            "apply", engine_id, [str(epoch), str(seq), digest, *self._hot_args(),
+                                 self.view_ttl_ms // 2, *args])
+        result = ApplyResult([decode_result(r) for r in raw_results],
+                             decode_pin_changes(raw_changes), bool(replayed))
+        await self._write_view(engine_id, epoch, view_writes)
+        return result
 
-    async def cool(self, engine_id: str) -> int:
+    async def _write_view(self, engine_id: str, epoch: int, writes: list) -> None:
+        """Lookup's view after an Apply, in the order the script made the changes: '+' adds
+        (or renews) the engine's entry for a hash, '-' removes it. Best effort: it runs after
+        the Apply happened (other slots, so not in its script); Lookup checks what it reads
+        against each engine's own state, and the next commit or hit repairs a lost write."""
+        if not writes:
+            return
+        member = view_member(engine_id, epoch)
+        pipe = self.redis.pipeline(transaction=False)
+        for i in range(0, len(writes), 2):
+            key = view_key(bytes(writes[i + 1]))
+            if writes[i] == b"+":
+                pipe.sadd(key, member)
+                pipe.pexpire(key, self.view_ttl_ms)
+            else:
+                pipe.srem(key, member)
+        try:
+            await pipe.execute()
+        except (RedisError, OSError) as exc:
+            self.view_write_errors += 1
+            log.warning("engine %s: lookup view not updated (%s); it heals on the next "
+                        "commit or hit", engine_id, exc)
+
+    async def sweep(self, engine_id: str) -> int | None:
+        """Cools automatic pins, drops expired explicit pins and decayed history; None when
+        the engine is gone (then it leaves the directory)."""
         policy = self.pin_policy
-        if policy.hot_threshold <= 0:
-            return 0
-        return int(await self._run("cool", engine_id,
-                                   [*self._hot_args(), policy.cool_fraction]))
+        cooled = int(await self._run("cool", engine_id,
+                                     [*self._hot_args(), policy.cool_fraction]))
+        if cooled < 0:
+            await self._prune_engine(engine_id)
+            return None
+        return cooled
 
     async def engine_ids(self) -> list[str]:
         return sorted(m.decode() for m in await self.redis.smembers(ENGINES_KEY))
 
-    async def _forget(self, engine_id: str) -> None:
+    async def _prune_engine(self, engine_id: str) -> None:
         # Only when the engine is really gone: a register racing this re-adds itself.
         if not await self.redis.exists(engine_keys(engine_id)[0]):
             await self.redis.srem(ENGINES_KEY, engine_id)
 
+    async def _view_claims(self, chain: Sequence[bytes]) -> dict[bytes, int]:
+        """view member -> how many leading hashes of the chain the view says it holds."""
+        claims: dict[bytes, int] = {}
+        active: set[bytes] | None = None
+        for start in range(0, len(chain), _VIEW_CHUNK):
+            pipe = self.redis.pipeline(transaction=False)
+            for h in chain[start:start + _VIEW_CHUNK]:
+                pipe.smembers(view_key(h))
+            for members in await pipe.execute():
+                active = set(members) if active is None else active & set(members)
+                if not active:
+                    return claims
+                for member in active:
+                    claims[member] = claims.get(member, 0) + 1
+        return claims
+
     async def lookup(self, chain: Sequence[bytes], model_identity: str = "") -> list[EngineMatch]:
-        ids = await self.engine_ids()
-        rows = await asyncio.gather(*(self._run("lookup", e, list(chain)) for e in ids))
-        matches = []
-        for engine_id, row in zip(ids, rows, strict=True):
-            if not row:
-                await self._forget(engine_id)
+        """Engines holding a prefix of the chain, from the view (cost: the chain and the
+        engines holding it, not the engines registered), each checked against that engine's
+        own state: the answer is exact even when a view write was lost."""
+        claims = await self._view_claims(chain)
+        candidates = [(member, *parse_view_member(member)) for member in claims]
+        rows = await asyncio.gather(*(self._run("lookup", engine_id, list(chain))
+                                      for _, engine_id, _ in candidates))
+        matches: dict[str, EngineMatch] = {}
+        stale: list[bytes] = []
+        for (member, engine_id, epoch), row in zip(candidates, rows, strict=True):
+            if not row or int(row[0]) != epoch:
+                stale.append(member)  # the engine is gone or registered again since
                 continue
             _epoch, model, num_blocks, held, evictable, matched = row
-            if model_identity and model.decode() != model_identity:
+            if int(matched) == 0 or (model_identity and model.decode() != model_identity):
                 continue
-            matches.append(EngineMatch(engine_id, int(matched), int(num_blocks), int(held),
-                                       int(evictable)))
-        matches.sort(key=lambda m: (-m.matched_blocks, m.engine_id))
-        return matches
+            matches[engine_id] = EngineMatch(engine_id, int(matched), int(num_blocks),
+                                             int(held), int(evictable))
+        if stale:
+            await self._drop_stale(chain, claims, stale)
+        return sorted(matches.values(), key=lambda m: (-m.matched_blocks, m.engine_id))
+
+    async def _drop_stale(self, chain: Sequence[bytes], claims: dict[bytes, int],
+                          stale: list[bytes]) -> None:
+        # Entries of an old epoch are never written again, so removing them races nothing.
+        pipe = self.redis.pipeline(transaction=False)
+        for member in stale:
+            for h in chain[: claims[member]]:
+                pipe.srem(view_key(h), member)
+        try:
+            await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.debug("stale view entries kept for now: %s", exc)
 
     async def stats(self, engine_id: str = "") -> list[EngineStats]:
         ids = [engine_id] if engine_id else await self.engine_ids()
@@ -172,12 +294,13 @@ class IndexStore:
                 if engine_id:
                     raise EngineNotFoundError(
                         f"engine_id {engine_id!r}: engine is not registered or its lease expired")
-                await self._forget(eid)
+                await self._prune_engine(eid)
                 continue
             (epoch, model, block_size, num_blocks, blocks, evictable, pinned, auto, budget,
-             queries, hits, evictions, pttl) = row
+             queries, hits, evictions, pttl, forgets, history) = row
             out.append(EngineStats(eid, int(epoch), model.decode(), int(block_size),
                                    int(num_blocks), int(blocks), int(evictable), int(pinned),
                                    int(auto), int(budget), int(queries), int(hits),
-                                   int(evictions), max(int(pttl), 0) / 1000.0))
+                                   int(evictions), max(int(pttl), 0) / 1000.0, int(forgets),
+                                   int(history)))
         return out

@@ -1,9 +1,11 @@
-"""Background cooling of automatic pins: re-checks each engine's hot blocks every interval."""
+"""Background sweep of every engine: cools automatic pins, drops expired explicit pins and
+decayed hit history, and prunes engines whose lease ran out from the directory."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
@@ -13,20 +15,32 @@ from prefix_index.server.store import IndexStore
 log = logging.getLogger("prefix_index.server.sweeper")
 
 
-async def cool_all(store: IndexStore, metrics: IndexMetrics) -> int:
-    cooled = 0
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    cooled_pins: int
+    pruned_engines: int
+
+
+async def sweep_all(store: IndexStore, metrics: IndexMetrics) -> SweepResult:
+    cooled = pruned = 0
     for engine_id in await store.engine_ids():
-        cooled += await store.cool(engine_id)
+        unpinned = await store.sweep(engine_id)
+        if unpinned is None:
+            pruned += 1
+        else:
+            cooled += unpinned
     metrics.cooled_pins.inc(cooled)
-    return cooled
+    metrics.pruned_engines.inc(pruned)
+    return SweepResult(cooled, pruned)
 
 
 async def run_sweeper(store: IndexStore, metrics: IndexMetrics, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         try:
-            cooled = await cool_all(store, metrics)
-            if cooled:
-                log.info("unpinned %d cooled blocks", cooled)
+            result = await sweep_all(store, metrics)
+            if result.cooled_pins or result.pruned_engines:
+                log.info("unpinned %d cooled blocks, pruned %d gone engines",
+                         result.cooled_pins, result.pruned_engines)
         except (RedisError, OSError, TimeoutError) as exc:
             log.debug("sweep skipped: %s", exc)  # the health probe reports Redis being down

@@ -9,7 +9,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedgen_api import prefix_index_pb2 as pb
-from prefix_index.api.ops import HASH_BYTES, Acquire, Commit, Evict, Op, Pin, Release, Unpin
+from prefix_index.api.ops import (
+    HASH_BYTES,
+    Acquire,
+    AcquireKind,
+    Commit,
+    Evict,
+    Forget,
+    Op,
+    Pin,
+    Release,
+    Unpin,
+)
 from prefix_index.server.config import Limits
 from prefix_index.server.errors import InvalidRequestError
 
@@ -18,6 +29,9 @@ _ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_BLOCK_SIZE = 1 << 16
 MAX_NUM_BLOCKS = (1 << 31) - 1
 MAX_MODEL_IDENTITY = 1024
+MAX_NONCE = 128
+# Sequence numbers travel through Lua, whose numbers are doubles: exact up to 2^53.
+MAX_SEQ = 1 << 53
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +41,7 @@ class RegisterArgs:
     block_size: int
     num_blocks: int
     lease_s: float
+    nonce: str = ""
 
 
 def _short(value: object) -> str:
@@ -92,8 +107,18 @@ def register(request: pb.RegisterRequest, limits: Limits, default_lease_s: float
     if not math.isfinite(lease_s) or not 0.01 <= lease_s <= limits.max_lease_s:
         raise InvalidRequestError(f"lease_s: {request.lease_s} is not allowed; expected 0 (the "
                                   f"default, {default_lease_s}s) or 0.01..{limits.max_lease_s}")
+    if len(request.nonce) > MAX_NONCE:
+        raise InvalidRequestError(f"nonce: {len(request.nonce)} characters "
+                                  f"({_short(request.nonce)}) is too long; at most {MAX_NONCE}")
     return RegisterArgs(request.engine_id, request.model_identity, request.block_size,
-                        request.num_blocks, lease_s)
+                        request.num_blocks, lease_s, request.nonce)
+
+
+def seq(value: int) -> int:
+    if value >= MAX_SEQ:
+        raise InvalidRequestError(f"seq: {value} is not allowed; expected 0 (unchecked) or "
+                                  f"1..{MAX_SEQ - 1}")
+    return value
 
 
 def apply_ops(request: pb.ApplyRequest, limits: Limits) -> list[Op]:
@@ -101,6 +126,7 @@ def apply_ops(request: pb.ApplyRequest, limits: Limits) -> list[Op]:
     script, which knows the registered pool, before it writes anything."""
     engine_id(request.engine_id)
     epoch(request.epoch)
+    seq(request.seq)
     if len(request.ops) > limits.max_ops:
         raise InvalidRequestError(f"ops: {len(request.ops)} ops is too many; at most "
                                   f"{limits.max_ops} per Apply")
@@ -110,8 +136,12 @@ def apply_ops(request: pb.ApplyRequest, limits: Limits) -> list[Op]:
         path = f"ops[{i}]"
         kind = op.WhichOneof("kind")
         if kind == "acquire":
+            if op.acquire.kind not in AcquireKind.__members__.values():
+                raise InvalidRequestError(
+                    f"{path}.acquire.kind: {op.acquire.kind} is not allowed; expected "
+                    + ", ".join(f"{k.value} ({k.name})" for k in AcquireKind))
             ops.append(Acquire(hashes(f"{path}.acquire.chain", op.acquire.chain, limits,
-                                      chain=True)))
+                                      chain=True), AcquireKind(op.acquire.kind)))
             total_hashes += len(op.acquire.chain)
         elif kind == "commit":
             c = op.commit
@@ -141,9 +171,17 @@ def apply_ops(request: pb.ApplyRequest, limits: Limits) -> list[Op]:
         elif kind == "unpin":
             ops.append(Unpin(hashes(f"{path}.unpin.chain", op.unpin.chain, limits)))
             total_hashes += len(op.unpin.chain)
+        elif kind == "forget":
+            f = op.forget
+            one_hash(f"{path}.forget.hash", f.hash)
+            if f.block_id < 0:
+                raise InvalidRequestError(f"{path}.forget.block_id: {f.block_id} is negative; "
+                                          "expected 0..num_blocks-1")
+            ops.append(Forget(f.hash, f.block_id))
+            total_hashes += 1
         else:
             raise InvalidRequestError(f"{path}: no op set; expected one of acquire, commit, "
-                                      "release, evict, pin, unpin")
+                                      "release, evict, pin, unpin, forget")
         if total_hashes > limits.max_hashes:
             raise InvalidRequestError(f"ops: more than {limits.max_hashes} hashes in one Apply "
                                       f"(passed at {path})")

@@ -13,8 +13,10 @@ from prefix_index.tools.redis_process import RedisProcess
 # a block's hit estimate is exactly its hit count.
 HOT_THRESHOLD = 3
 PIN_BUDGET_FRACTION = 0.25
+HISTORY_PER_BLOCK = 2  # small, so the model-based test sees the history trimmed
 INDEX_ARGS = ["--hot-threshold", str(HOT_THRESHOLD), "--hot-window-s", "3600",
-              "--pin-budget-fraction", str(PIN_BUDGET_FRACTION), "--log-level", "WARNING",
+              "--pin-budget-fraction", str(PIN_BUDGET_FRACTION),
+              "--history-per-block", str(HISTORY_PER_BLOCK), "--log-level", "WARNING",
               "--grace-s", "1"]
 
 

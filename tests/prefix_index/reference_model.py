@@ -3,8 +3,15 @@
 Same rules, written the obvious way (linear scans, no Redis): acquire takes the held prefix,
 commit refuses reused block ids / existing hashes / missing parents, release stops at the first
 bad hash, evict takes the least recently used block with refcount 0, no pin and no held
-children, pins count against the budget, and a block pins itself once its hits reach the
-threshold (the model assumes the hit window never rolls over during a test).
+children, forget drops exactly the named (hash, block), pins count against the budget.
+
+Hit history: an admission counts one use of every hash of its chain, held or not, and the
+counts outlive eviction; the history keeps the `history_cap` hashes used most recently (a
+chain's leaf counts as used before its root). A held block pins itself once its uses reach
+the threshold (at the admission, or when it is committed again). The model assumes the hit
+window never rolls over during a test, so a use estimate is a plain count.
+
+Every pin state transition is recorded; apply_batch hands them over like ApplyResponse.
 """
 
 from __future__ import annotations
@@ -13,16 +20,22 @@ from dataclasses import dataclass
 
 from prefix_index.api.ops import (
     Acquire,
+    AcquireKind,
     Commit,
     Evict,
     EvictedBlock,
+    Forget,
     Op,
     OpResult,
     OpStatus,
     Pin,
+    PinChange,
+    PinState,
     Release,
     Unpin,
 )
+
+_STATE = {"": PinState.NONE, "e": PinState.EXPLICIT, "a": PinState.AUTOMATIC}
 
 
 @dataclass(slots=True)
@@ -32,19 +45,31 @@ class ModelBlock:
     refcount: int = 1
     last_use: int = 0
     pin: str = ""  # "", "e" (explicit) or "a" (automatic)
-    hits: int = 0
+
+
+@dataclass(slots=True)
+class HistoryEntry:
+    uses: int
+    tick: int  # trim order: the smallest goes first
 
 
 class ReferenceIndex:
-    def __init__(self, num_blocks: int, pin_budget: int, hot_threshold: int) -> None:
+    def __init__(self, num_blocks: int, pin_budget: int, hot_threshold: int,
+                 history_cap: int) -> None:
         self.num_blocks = num_blocks
         self.pin_budget = pin_budget
         self.hot_threshold = hot_threshold
+        self.history_cap = history_cap
         self.blocks: dict[bytes, ModelBlock] = {}
+        self.history: dict[bytes, HistoryEntry] = {}
+        self.pin_changes: dict[bytes, str] = {}
         self.clock = 0
+        self.history_clock = 0
         self.queries = 0
         self.hits = 0
         self.evictions = 0
+        self.forgets = 0
+        self.trimmed = 0  # history entries dropped at the cap
 
     def _tick(self) -> int:
         self.clock += 1
@@ -70,21 +95,52 @@ class ReferenceIndex:
                 return h
         return None
 
+    def _set_pin(self, h: bytes, pin: str) -> None:
+        if self.blocks[h].pin != pin:
+            self.blocks[h].pin = pin
+            self.pin_changes[h] = pin
+
+    def _maybe_auto_pin(self, h: bytes, uses: int) -> None:
+        if (self.hot_threshold > 0 and uses >= self.hot_threshold and not self.blocks[h].pin
+                and self._pinned() < self.pin_budget):
+            self._set_pin(h, "a")
+
+    def _count_uses(self, chain: list[bytes]) -> list[int]:
+        n = len(chain)
+        counts = []
+        for i, h in enumerate(chain):
+            entry = self.history.setdefault(h, HistoryEntry(0, 0))
+            entry.uses += 1
+            entry.tick = self.history_clock + n - i
+            counts.append(entry.uses)
+        self.history_clock += n
+        while len(self.history) > self.history_cap:
+            oldest = min(self.history, key=lambda k: self.history[k].tick)
+            del self.history[oldest]
+            self.trimmed += 1
+        return counts
+
+    def _drop(self, h: bytes) -> ModelBlock:
+        block = self.blocks.pop(h)
+        if block.pin:
+            self.pin_changes[h] = ""
+        return block
+
     def apply(self, op: Op) -> OpResult:
         match op:
-            case Acquire(chain=chain):
+            case Acquire(chain=chain, kind=kind):
                 prefix = self.held_prefix(chain)
                 for h in prefix:
                     b = self.blocks[h]
                     b.refcount += 1
                     b.last_use = self._tick()
+                if kind == AcquireKind.ADMISSION:
                     if self.hot_threshold > 0:
-                        b.hits += 1
-                        if (b.hits >= self.hot_threshold and not b.pin
-                                and self._pinned() < self.pin_budget):
-                            b.pin = "a"
-                self.queries += len(chain)
-                self.hits += len(prefix)
+                        uses = self._count_uses(chain)
+                        for i, h in enumerate(prefix):
+                            self._maybe_auto_pin(h, uses[i])
+                    self.queries += len(chain)
+                    self.hits += len(prefix)
                 ids = [self.blocks[h].block_id for h in prefix]
                 return OpResult(OpStatus.OK, block_ids=ids, count=len(ids))
             case Commit(hash=h, parent=parent, block_id=block_id):
@@ -98,6 +154,8 @@ class ReferenceIndex:
                 if self.owner_of(block_id) is not None:
                     return OpResult(OpStatus.BLOCK_IN_USE)
                 self.blocks[h] = ModelBlock(block_id, parent, last_use=self._tick())
+                entry = self.history.get(h)
+                self._maybe_auto_pin(h, entry.uses if entry else 0)
                 return OpResult(OpStatus.OK, block_ids=[block_id], count=1)
             case Release(hashes=hashes):
                 count = 0
@@ -119,26 +177,47 @@ class ReferenceIndex:
                     if not candidates:
                         break
                     _, h = min(candidates)
-                    evicted.append(EvictedBlock(h, self.blocks.pop(h).block_id))
+                    evicted.append(EvictedBlock(h, self._drop(h).block_id))
                 self.evictions += len(evicted)
                 return OpResult(OpStatus.OK, evicted=evicted, count=len(evicted))
+            case Forget(hash=h, block_id=block_id):
+                b = self.blocks.get(h)
+                if b is None:
+                    return OpResult(OpStatus.NOT_HELD)
+                if b.block_id != block_id:
+                    return OpResult(OpStatus.BLOCK_MISMATCH, block_ids=[b.block_id])
+                self._drop(h)
+                self.forgets += 1
+                return OpResult(OpStatus.OK, block_ids=[block_id], count=1)
             case Pin(chain=chain):
                 prefix = self.held_prefix(chain)
                 new_pins = sum(1 for h in prefix if not self.blocks[h].pin)
                 if self._pinned() + new_pins > self.pin_budget:
                     return OpResult(OpStatus.PIN_BUDGET_EXCEEDED)
                 for h in prefix:
-                    self.blocks[h].pin = "e"
+                    self._set_pin(h, "e")
                 return OpResult(OpStatus.OK, count=len(prefix))
             case Unpin(chain=chain):
                 count = 0
                 for h in chain:
                     b = self.blocks.get(h)
                     if b is not None and b.pin:
-                        b.pin = ""
+                        self._set_pin(h, "")
                         count += 1
                 return OpResult(OpStatus.OK, count=count)
         raise TypeError(f"not an op: {op!r}")
+
+    def apply_batch(self, ops: list[Op]) -> tuple[list[OpResult], list[PinChange]]:
+        """Like one Apply: the results, then the pin changes since the previous batch."""
+        results = [self.apply(op) for op in ops]
+        return results, self.take_pin_changes()
+
+    def take_pin_changes(self) -> list[PinChange]:
+        changes = [PinChange(h, self.blocks[h].block_id if h in self.blocks else -1,
+                             _STATE[state])
+                   for h, state in sorted(self.pin_changes.items())]
+        self.pin_changes.clear()
+        return changes
 
     def counters(self) -> dict[str, int]:
         return {
@@ -149,4 +228,6 @@ class ReferenceIndex:
             "queries": self.queries,
             "hits": self.hits,
             "evictions": self.evictions,
+            "forgets": self.forgets,
+            "history": len(self.history),
         }

@@ -10,7 +10,7 @@ import pytest
 from pagedgen_api import prefix_index_pb2 as pb
 from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
 from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
-from prefix_index.api.ops import Acquire, Commit, Evict, Pin, Release
+from prefix_index.api.ops import Acquire, Commit, Evict, Forget, Pin, Release
 from tests.prefix_index.chains import commit_ops, make_chain
 
 GOOD = make_chain("good", 1)[0]
@@ -90,4 +90,27 @@ def test_bad_registration_and_unknown_engines(index_server, engine_id):
 
         async with PrefixIndexClient(index_server.target, 5.0) as c:  # still serving
             assert await c.register(engine_id, "m", 16, 8) > 0
+    asyncio.run(body())
+
+
+def test_new_fields_are_checked(index_server, engine_id):
+    """forget, acquire kind and seq: refused with the field, the value and what is allowed."""
+    async def body():
+        async with PrefixIndexClient(index_server.target, 5.0) as c:
+            await c.register(engine_id, "m", 16, 8, 30)
+            bad = grpc.StatusCode.INVALID_ARGUMENT
+            await _expect(c.apply([Forget(b"x" * 3, 0)]), bad, "ops[0].forget.hash", "3 bytes")
+            await _expect(c.apply([Forget(GOOD, -2)]), bad, "ops[0].forget.block_id", "-2")
+            await _expect(c.apply([Forget(GOOD, 8)]), bad, "ops[0].forget.block_id", "8",
+                          "0..7")
+            await _expect(c.apply([Evict(0)], seq=1 << 53), bad, "seq", str(1 << 53))
+        async with grpc.aio.insecure_channel(index_server.target) as channel:
+            stub = pb_grpc.PrefixIndexStub(channel)
+            op = pb.Op(acquire=pb.AcquireOp(chain=[GOOD], kind=7))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Apply(pb.ApplyRequest(engine_id=engine_id, epoch=c.epoch, ops=[op]),
+                                 timeout=5)
+            assert err.value.code() == bad
+            assert "ops[0].acquire.kind: 7" in err.value.details()
+            assert "0 (ADMISSION)" in err.value.details()
     asyncio.run(body())

@@ -1,15 +1,48 @@
--- ARGV: epoch, hot_threshold (0 = no automatic pins), window_ms, then the ops, each a code and
--- its arguments:  A n h1..hn | C h parent block_id | R n h1..hn | E k | P ttl_ms n h1..hn |
--- U n h1..hn.  Returns one {status, detail, block_ids, evicted (hash, id, ...), count} per op;
--- status numbers are the proto's OpStatus.
+-- ARGV: epoch, seq (0 = unchecked), digest of the ops (with seq), hot_threshold (0 = no
+-- automatic pins, no hit history), window_ms, view_refresh_ms, then the ops, each a code and
+-- its arguments:
+--   A admit n h1..hn | C h parent block_id | R n h1..hn | E k | P ttl_ms n h1..hn |
+--   U n h1..hn | F h block_id          (admit: 1 = admission, 0 = fork / re-sync)
+-- Returns {results, pin_changes, replayed, view_writes}: one {status, detail, block_ids,
+-- evicted (hash, id, ...), count} per op (status numbers are the proto's OpStatus), the pin
+-- changes since the previous Apply as (hash, state, block_id, ...), 1 when seq was already
+-- applied, and the writes due to Lookup's view, in order, as ('+' | '-', hash, ...): '+' for a
+-- block committed, or hit while its entry was last written view_refresh_ms ago or more (the
+-- view's TTL is twice that); '-' for a block dropped.
 local OK, NOT_HELD, REFCOUNT_ZERO, BLOCK_IN_USE, HASH_EXISTS, ALREADY_COMMITTED,
-  PIN_BUDGET_EXCEEDED = 0, 1, 2, 3, 4, 5, 6
+  PIN_BUDGET_EXCEEDED, BLOCK_MISMATCH = 0, 1, 2, 3, 4, 5, 6, 7
 
 local err = check_epoch(ARGV[1])
 if err then return err end
-local threshold = tonumber(ARGV[2])
-local window_ms = tonumber(ARGV[3])
+local seq, digest = tonumber(ARGV[2]), ARGV[3]
+local threshold = tonumber(ARGV[4])
+local window_ms = tonumber(ARGV[5])
+local view_refresh_ms = tonumber(ARGV[6])
 local num_blocks = num(K.meta, 'num_blocks')
+
+-- The sequence number lives in meta, with the data it counts: a Redis that lost the last
+-- writes (failover, restore) also lost their numbers, so the engine's next number is a gap.
+if seq > 0 then
+  local last = num(K.meta, 'seq')
+  if seq == last and redis.call('HGET', K.meta, 'seq_digest') == digest then
+    local stored = cmsgpack.unpack(redis.call('HGET', K.meta, 'seq_reply'))
+    refresh_ttl(num(K.meta, 'lease_ms'))
+    return {stored[1], stored[2], 1, stored[3]}  -- writing the view again is harmless
+  end
+  if seq ~= last + 1 then
+    local why
+    if seq > last + 1 then
+      why = 'skips ahead of the last applied seq ' .. fmt(last) .. ': writes were lost ' ..
+        '(a Redis failover or restore)'
+    elseif seq == last then
+      why = 'was applied already with other ops: a duplicated or mixed-up write'
+    else
+      why = 'is older than the last applied seq ' .. fmt(last) .. ': a replayed write'
+    end
+    return fail('SEQUENCE', 'apply seq ' .. fmt(seq) .. ' ' .. why ..
+      '; register again and re-sync (seq restarts at 1)')
+  end
+end
 
 local function hex(h)
   return (h:gsub('.', function(c) return string.format('%02x', c:byte()) end))
@@ -24,22 +57,35 @@ local function take_list(pos)
   return list, pos + n + 1
 end
 
+local function check_block(path, field, block)
+  if tonumber(block) >= num_blocks then
+    return fail('INVALID', path .. field .. ': ' .. block .. ' is out of range; allowed 0..' ..
+      (num_blocks - 1) .. ' (the pool size registered)')
+  end
+end
+
 -- Parse and check every op before the first write: a refused batch changes nothing.
 local ops = {}
-local pos = 4
+local pos = 7
 while pos <= #ARGV do
   local code = ARGV[pos]
   local op = {code = code}
   local path = 'ops[' .. #ops .. ']'
-  if code == 'A' or code == 'R' or code == 'U' then
+  if code == 'A' then
+    op.admit = ARGV[pos + 1] == '1'
+    op.list, pos = take_list(pos + 2)
+  elseif code == 'R' or code == 'U' then
     op.list, pos = take_list(pos + 1)
   elseif code == 'C' then
     op.h, op.parent, op.block = ARGV[pos + 1], ARGV[pos + 2], tonumber(ARGV[pos + 3])
+    local bad = check_block(path, '.commit.block_id', ARGV[pos + 3])
+    if bad then return bad end
     pos = pos + 4
-    if op.block >= num_blocks then
-      return fail('INVALID', path .. '.commit.block_id: ' .. ARGV[pos - 1] ..
-        ' is out of range; allowed 0..' .. (num_blocks - 1) .. ' (the pool size registered)')
-    end
+  elseif code == 'F' then
+    op.h, op.block = ARGV[pos + 1], tonumber(ARGV[pos + 2])
+    local bad = check_block(path, '.forget.block_id', ARGV[pos + 2])
+    if bad then return bad end
+    pos = pos + 3
   elseif code == 'E' then
     op.k = tonumber(ARGV[pos + 1])
     pos = pos + 2
@@ -58,6 +104,12 @@ end
 
 local now = now_ms()
 expire_pins(now)
+local view_writes = {}
+
+local function view_write(sign, h)
+  view_writes[#view_writes + 1] = sign
+  view_writes[#view_writes + 1] = h
+end
 
 -- The hashes of the held prefix of `chain` and their block ids (one HMGET per slice).
 local function held_prefix(chain)
@@ -68,6 +120,43 @@ local function held_prefix(chain)
     hashes[i], blocks[i] = h, tonumber(ids[i])
   end
   return hashes, blocks
+end
+
+-- One more use of every hash of an admitted chain, held or not; returns the estimates. The
+-- chain's leaf gets the oldest history tick, so trimming drops leaves before shared roots.
+local function count_uses(chain)
+  local n = #chain
+  local packed = hmget(K.hot, chain)
+  local clock = num(K.meta, 'hclock')
+  local estimates, hot_args, age_args = {}, {}, {}
+  for i, h in ipairs(chain) do
+    local estimate, state = hot_update(packed[i], now, window_ms, 1)
+    estimates[i] = estimate
+    hot_args[2 * i - 1], hot_args[2 * i] = h, state
+    age_args[2 * i - 1], age_args[2 * i] = clock + n - i + 1, h
+  end
+  call_sliced('HSET', K.hot, hot_args)
+  call_sliced('ZADD', K.hage, age_args)
+  redis.call('HSET', K.meta, 'hclock', clock + n)
+  -- Bounded: past the cap, the hashes used longest ago leave the history.
+  local over = redis.call('ZCARD', K.hage) - num(K.meta, 'history_cap')
+  if over > 0 then
+    local gone = redis.call('ZPOPMIN', K.hage, over)
+    local names = {}
+    for i = 1, #gone, 2 do names[#names + 1] = gone[i] end
+    call_sliced('HDEL', K.hot, names)
+  end
+  return estimates
+end
+
+-- Automatic pin of a held block whose use estimate reached the threshold, within the budget
+-- (one block; acquire does the same for a whole prefix with one read of the pins).
+local function maybe_auto_pin(h, estimate)
+  if threshold > 0 and estimate >= threshold and redis.call('HEXISTS', K.pin, h) == 0
+      and redis.call('HLEN', K.pin) < pin_budget() then
+    set_pin(h, 'a')
+    settle(h)
+  end
 end
 
 -- Batched: a few calls per chain rather than a few per hash (chains run to thousands).
@@ -92,25 +181,35 @@ local function acquire(op)
       call_sliced('ZREM', K.free, now_used)
       call_sliced('ZREM', K.lru, now_used)
     end
+    -- Renew the view entries of the hit blocks, at most once per view_refresh_ms each.
+    local written = hmget(K.vref, hashes)
+    local due = {}
+    for i, h in ipairs(hashes) do
+      if not written[i] or now - tonumber(written[i]) >= view_refresh_ms then
+        view_write('+', h)
+        due[#due + 1] = h
+        due[#due + 1] = fmt(now)
+      end
+    end
+    if #due > 0 then call_sliced('HSET', K.vref, due) end
+  end
+  if op.admit then
     if threshold > 0 then
-      local hot, pins = hmget(K.hot, hashes), hmget(K.pin, hashes)
+      local estimates = count_uses(op.list)
+      -- maybe_auto_pin per held hash, with one read of the pins for the whole prefix.
+      local pins = hmget(K.pin, hashes)
       local pinned, budget = redis.call('HLEN', K.pin), pin_budget()
-      local hot_args, pin_args = {}, {}
-      for i, h in ipairs(hashes) do
-        local estimate, packed = hot_update(hot[i], now, window_ms, 1)
-        hot_args[2 * i - 1], hot_args[2 * i] = h, packed
-        if estimate >= threshold and not pins[i] and pinned < budget then
-          pin_args[#pin_args + 1] = h
-          pin_args[#pin_args + 1] = 'a'
+      for i = 1, n do
+        if estimates[i] >= threshold and not pins[i] and pinned < budget then
+          set_pin(hashes[i], 'a')
+          settle(hashes[i])
           pinned = pinned + 1
         end
       end
-      call_sliced('HSET', K.hot, hot_args)
-      if #pin_args > 0 then call_sliced('HSET', K.pin, pin_args) end
     end
+    redis.call('HINCRBY', K.meta, 'queries', #op.list)
+    redis.call('HINCRBY', K.meta, 'hits', n)
   end
-  redis.call('HINCRBY', K.meta, 'queries', #op.list)
-  redis.call('HINCRBY', K.meta, 'hits', n)
   return {OK, '', blocks, {}, n}
 end
 
@@ -139,11 +238,18 @@ local function commit(op)
   redis.call('HSET', K.ref, h, 1)
   redis.call('HSET', K.par, h, parent)
   redis.call('HSET', K.last, h, tick())
+  redis.call('HSET', K.vref, h, fmt(now))
+  view_write('+', h)
   if parent ~= '' then
     redis.call('HINCRBY', K.kids, parent, 1)
     settle(parent)
   end
   settle(h)
+  -- A block that keeps coming back is pinned as soon as it is held again, even though LRU
+  -- dropped it between its visits: its uses outlived the eviction.
+  if threshold > 0 then
+    maybe_auto_pin(h, hot_update(redis.call('HGET', K.hot, h), now, window_ms, 0))
+  end
   return {OK, '', {block}, {}, 1}
 end
 
@@ -165,16 +271,22 @@ local function release(op)
   return {OK, '', {}, {}, count}
 end
 
+-- Drops one block. Its hit history stays, and so does its count of held children (only a
+-- forgotten block can have some): a re-commit of it then finds the count right.
 local function drop(h)
   local block = redis.call('HGET', K.bid, h)
   local parent = redis.call('HGET', K.par, h)
-  for _, key in ipairs({K.bid, K.ref, K.par, K.kids, K.last, K.pin, K.hot}) do
+  if redis.call('HEXISTS', K.pin, h) == 1 then
+    redis.call('HSET', K.pinchg, h, '-')
+  end
+  for _, key in ipairs({K.bid, K.ref, K.par, K.last, K.pin, K.vref}) do
     redis.call('HDEL', key, h)
   end
   redis.call('HDEL', K.own, block)
   redis.call('ZREM', K.free, h)
   redis.call('ZREM', K.lru, h)
   redis.call('ZREM', K.pinexp, h)
+  view_write('-', h)
   if parent and parent ~= '' then
     if redis.call('HINCRBY', K.kids, parent, -1) <= 0 then
       redis.call('HDEL', K.kids, parent)
@@ -199,6 +311,20 @@ local function evict(op)
   return {OK, '', {}, victims, count}
 end
 
+local function forget(op)
+  local existing = redis.call('HGET', K.bid, op.h)
+  if not existing then
+    return {NOT_HELD, 'hash ' .. hex(op.h) .. ' is not held', {}, {}, 0}
+  end
+  if tonumber(existing) ~= op.block then
+    return {BLOCK_MISMATCH, 'hash ' .. hex(op.h) .. ' is held in block ' .. existing ..
+      ', not ' .. op.block .. '; nothing dropped', {tonumber(existing)}, {}, 0}
+  end
+  drop(op.h)
+  redis.call('HINCRBY', K.meta, 'forgets', 1)
+  return {OK, '', {op.block}, {}, 1}
+end
+
 local function pin(op)
   local hashes = held_prefix(op.list)
   local pins = hmget(K.pin, hashes)
@@ -212,7 +338,7 @@ local function pin(op)
       'budget of ' .. budget .. ' (' .. pinned .. ' pinned)', {}, {}, 0}
   end
   for _, h in ipairs(hashes) do
-    redis.call('HSET', K.pin, h, 'e')
+    set_pin(h, 'e')
     if op.ttl_ms > 0 then
       redis.call('ZADD', K.pinexp, fmt(now + op.ttl_ms), h)
     else
@@ -234,10 +360,27 @@ local function unpin_op(op)
   return {OK, '', {}, {}, count}
 end
 
-local handlers = {A = acquire, C = commit, R = release, E = evict, P = pin, U = unpin_op}
+local handlers = {A = acquire, C = commit, R = release, E = evict, P = pin, U = unpin_op,
+                  F = forget}
 local results = {}
 for i, op in ipairs(ops) do
   results[i] = handlers[op.code](op)
 end
+
+-- Hand over the pin changes since the previous Apply (this one's included), once each.
+local changes = {}
+local pending = redis.call('HGETALL', K.pinchg)
+for i = 1, #pending, 2 do
+  local h = pending[i]
+  changes[#changes + 1] = h
+  changes[#changes + 1] = pending[i + 1]
+  changes[#changes + 1] = tonumber(redis.call('HGET', K.bid, h) or '-1')
+end
+redis.call('DEL', K.pinchg)
+
+if seq > 0 then
+  redis.call('HSET', K.meta, 'seq', fmt(seq), 'seq_digest', digest,
+    'seq_reply', cmsgpack.pack({results, changes, view_writes}))
+end
 refresh_ttl(num(K.meta, 'lease_ms'))
-return results
+return {results, changes, 0, view_writes}

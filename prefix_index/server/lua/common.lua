@@ -2,7 +2,8 @@
 -- KEYS: the state of one engine; all share the hash tag {engine_id} so a script stays in one
 -- Redis Cluster slot. Per-block data are Redis hashes keyed by the 16-byte block hash.
 local K = {
-  meta = KEYS[1],    -- epoch, model, block_size, num_blocks, lease_ms, pin_budget, counters
+  meta = KEYS[1],    -- epoch, nonce, model, block_size, num_blocks, lease_ms, pin_budget,
+                     -- history_cap, seq (last applied) + its request digest and reply, counters
   bid = KEYS[2],     -- hash -> block id
   own = KEYS[3],     -- block id -> hash (a block id maps to at most one live hash)
   ref = KEYS[4],     -- hash -> refcount
@@ -11,12 +12,20 @@ local K = {
   last = KEYS[7],    -- hash -> logical time of last use (acquire, commit, release)
   pin = KEYS[8],     -- hash -> 'e' (explicit) or 'a' (automatic, hot)
   pinexp = KEYS[9],  -- zset: explicit pins with a TTL, score = expiry (ms)
-  hot = KEYS[10],    -- hash -> 'window_start_ms hits_this_window hits_previous_window'
+  -- Hit history, kept past a block's eviction (and across Register): hash ->
+  -- 'window_start_ms uses_this_window uses_previous_window'; admissions count the uses.
+  hot = KEYS[10],
   free = KEYS[11],   -- zset: refcount 0 and not pinned, score = last use
   lru = KEYS[12],    -- zset: the eviction candidates = free and no held children
+  hage = KEYS[13],   -- zset: the history's hashes by last use (a history tick): trim order
+  pinchg = KEYS[14], -- hash -> pin state now ('e', 'a', '-'): changes the next Apply reports
+  vref = KEYS[15],   -- hash -> when (ms) its entry in Lookup's view was last written
 }
 local ALL_KEYS = {K.meta, K.bid, K.own, K.ref, K.par, K.kids, K.last, K.pin, K.pinexp,
-                  K.hot, K.free, K.lru}
+                  K.hot, K.free, K.lru, K.hage, K.pinchg, K.vref}
+-- What Register drops: the blocks and their pins; not the hit history (hot, hage).
+local BLOCK_KEYS = {K.meta, K.bid, K.own, K.ref, K.par, K.kids, K.last, K.pin, K.pinexp,
+                    K.free, K.lru, K.pinchg, K.vref}
 
 -- Redis turns Lua numbers into strings with %.14g; epochs and times need every digit.
 local function fmt(x)
@@ -74,8 +83,18 @@ local function settle(h)
   end
 end
 
+-- Every pin state change goes through these two, so the next Apply can report it.
+local function set_pin(h, kind)
+  if redis.call('HGET', K.pin, h) ~= kind then
+    redis.call('HSET', K.pin, h, kind)
+    redis.call('HSET', K.pinchg, h, kind)
+  end
+end
+
 local function unpin(h)
-  redis.call('HDEL', K.pin, h)
+  if redis.call('HDEL', K.pin, h) == 1 then
+    redis.call('HSET', K.pinchg, h, '-')
+  end
   redis.call('ZREM', K.pinexp, h)
   settle(h)
 end

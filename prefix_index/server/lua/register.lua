@@ -1,13 +1,31 @@
--- ARGV: model_identity, block_size, num_blocks, lease_ms, pin_budget
--- Drops whatever the engine held and returns a new epoch: max(old + 1, now in microseconds),
--- so epochs keep rising even when Redis lost its data (a restart without persistence).
+-- ARGV: model_identity, block_size, num_blocks, lease_ms, pin_budget, nonce, history_cap
+-- Returns {epoch}, or {0, lease_remaining_ms} when another process (a different, non-empty
+-- nonce) holds a live lease on this engine id: then nothing changes.
+-- Otherwise drops the engine's blocks and pins (not its hit history) and returns a new epoch:
+-- max(old + 1, now in microseconds), so epochs keep rising even when Redis lost its data.
+local nonce = ARGV[6]
+local holder = redis.call('HGET', K.meta, 'nonce')
+if holder and holder ~= '' and holder ~= nonce then
+  return {0, redis.call('PTTL', K.meta)}
+end
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local old = tonumber(redis.call('HGET', K.meta, 'epoch') or '0')
 local epoch = math.max(old + 1, now_us)
-redis.call('DEL', unpack(ALL_KEYS))
-redis.call('HSET', K.meta, 'epoch', fmt(epoch), 'model', ARGV[1], 'block_size', ARGV[2],
-  'num_blocks', ARGV[3], 'lease_ms', ARGV[4], 'pin_budget', ARGV[5], 'clock', 0,
-  'queries', 0, 'hits', 0, 'evictions', 0)
-redis.call('PEXPIRE', K.meta, ARGV[4])
-return fmt(epoch)
+-- The history's trim order continues where it was.
+local hclock = num(K.meta, 'hclock')
+redis.call('DEL', unpack(BLOCK_KEYS))
+redis.call('HSET', K.meta, 'epoch', fmt(epoch), 'nonce', nonce, 'model', ARGV[1],
+  'block_size', ARGV[2], 'num_blocks', ARGV[3], 'lease_ms', ARGV[4], 'pin_budget', ARGV[5],
+  'history_cap', ARGV[7], 'clock', 0, 'hclock', fmt(hclock), 'seq', 0,
+  'queries', 0, 'hits', 0, 'evictions', 0, 'forgets', 0)
+-- A smaller pool than before: trim the kept history to the new cap at once.
+local over = redis.call('ZCARD', K.hage) - tonumber(ARGV[7])
+if over > 0 then
+  local gone = redis.call('ZPOPMIN', K.hage, over)
+  local names = {}
+  for i = 1, #gone, 2 do names[#names + 1] = gone[i] end
+  call_sliced('HDEL', K.hot, names)
+end
+refresh_ttl(tonumber(ARGV[4]))
+return {fmt(epoch)}

@@ -1,0 +1,91 @@
+"""Lookup from the block-hash -> engines view (answers correct over 100 registered engines; the
+timing is in bench/prefix_index.py), and the sweeper pruning engines whose lease ran out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis
+
+from prefix_index.api.client import PrefixIndexClient
+from prefix_index.api.ops import Evict, Forget, Release
+from prefix_index.server.keys import ENGINES_KEY, view_key
+from prefix_index.tools.launch import IndexProcess
+from tests.prefix_index.chains import commit_ops, make_chain
+
+ENGINES = 100
+
+
+def test_lookup_over_100_registered_engines(index_server, engine_id):
+    async def body():
+        chain = make_chain(f"routing-{engine_id}", 6)
+        async with PrefixIndexClient(index_server.target, 10.0) as c:
+            ids = [f"{engine_id}-{i:03d}" for i in range(ENGINES)]
+            for i, eid in enumerate(ids):
+                await c.register(eid, "m" if i % 10 else "other-model", 16, 16, 30)
+                # Engine i holds the first i % 7 blocks (0: none of the chain).
+                await c.apply(commit_ops(chain[: i % 7], 0) + [Release(chain[: i % 7])])
+            expected = sorted(((eid, i % 7) for i, eid in enumerate(ids) if i % 7),
+                              key=lambda m: (-m[1], m[0]))
+            got = [(m.engine_id, m.matched_blocks) for m in await c.lookup(chain)]
+            assert got == expected
+            filtered = [m.engine_id for m in await c.lookup(chain, model_identity="m")]
+            assert filtered == [eid for eid, _ in expected if int(eid[-3:]) % 10]
+            [m] = [m for m in await c.lookup(chain) if m.engine_id == ids[13]]
+            assert (m.num_blocks, m.held_blocks, m.evictable_blocks) == (16, 6, 6)
+
+            # The view follows evictions and forgets, and an engine that registered again
+            # (new epoch, nothing held) drops out at once.
+            c.attach(ids[6], (await c.stats(ids[6]))[0].epoch)
+            [ev] = await c.apply([Evict(2)])
+            assert [e.hash for e in ev.evicted] == chain[5:3:-1]
+            await c.apply([Forget(chain[3], 3)])
+            await c.register(ids[13], "m", 16, 16, 30)
+            matches = {m.engine_id: m.matched_blocks for m in await c.lookup(chain)}
+            assert matches[ids[6]] == 3 and ids[13] not in matches
+            assert matches[ids[20]] == 6
+    asyncio.run(body())
+
+
+def test_lookup_is_exact_when_the_view_lost_a_write(redis_server, index_server, engine_id):
+    """The view is written after each Apply, outside its script. A lost removal must not make
+    Lookup claim blocks the engine no longer holds: each candidate is checked."""
+    async def body():
+        chain = make_chain(f"lost-{engine_id}", 3)
+        async with PrefixIndexClient(index_server.target, 5.0) as c:
+            await c.register(engine_id, "m", 16, 8, 30)
+            await c.apply(commit_ops(chain, 0) + [Release(chain)])
+            member = f"{engine_id}@{c.epoch}".encode()
+            with redis.Redis.from_url(redis_server.url) as raw:
+                snapshot = [raw.smembers(view_key(h)) for h in chain]
+                await c.apply([Evict(2)])
+                for h, members in zip(chain, snapshot, strict=True):  # removals "lost"
+                    raw.sadd(view_key(h), *members)
+                assert all(member in raw.smembers(view_key(h)) for h in chain)
+            [m] = [m for m in await c.lookup(chain) if m.engine_id == engine_id]
+            assert m.matched_blocks == 1
+    asyncio.run(body())
+
+
+def test_the_sweeper_prunes_engines_whose_lease_ran_out(redis_server, engine_id):
+    args = ["--sweep-interval-s", "0.1", "--log-level", "WARNING"]
+
+    async def body(target):
+        async with PrefixIndexClient(target, 5.0) as c:
+            await c.register(engine_id + "-dead", "m", 16, 8, 0.3)
+            await c.register(engine_id + "-alive", "m", 16, 8, 30)
+            with redis.Redis.from_url(redis_server.url) as raw:
+                assert {engine_id + "-dead", engine_id + "-alive"} <= {
+                    m.decode() for m in raw.smembers(ENGINES_KEY)}
+                # No Lookup or Stats call: the sweeper alone notices the lease ran out.
+                deadline = time.monotonic() + 5
+                while (raw.sismember(ENGINES_KEY, engine_id + "-dead")
+                       and time.monotonic() < deadline):
+                    await asyncio.sleep(0.1)
+                members = {m.decode() for m in raw.smembers(ENGINES_KEY)}
+            assert engine_id + "-dead" not in members
+            assert engine_id + "-alive" in members
+
+    with IndexProcess(redis_server.url, args) as index:
+        asyncio.run(body(index.target))
