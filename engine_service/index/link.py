@@ -21,6 +21,7 @@ import concurrent.futures
 import logging
 import queue
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ import grpc
 
 from engine_service.index.policy import IndexPolicy, LowWaterMark, OpBatch, PendingOp
 from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
-from prefix_index.api.ops import Acquire, OpStatus, Pin, Release, Unpin
+from prefix_index.api.ops import Acquire, ApplyResult, OpStatus, Pin, Release, Unpin
 
 if TYPE_CHECKING:
     from engine_service.core.engine import LLMEngine
@@ -147,6 +148,11 @@ class PrefixIndexLink:
         self.last_error = "not registered yet"
         self._degraded_since = time.monotonic()
         self._registered = False
+        # This process's token at the index: a second live process with our engine id is
+        # refused (ALREADY_EXISTS) instead of each wiping the other's state.
+        self.nonce = secrets.token_hex(12)
+        self.refused = False  # another live process holds our engine id
+        self._seq = 0  # of the last Apply the index acknowledged, since our registration
         self._generation: int | None = None  # the policy generation being sent; None: none
         self._channel_failed = False
         self._closing = False
@@ -181,12 +187,15 @@ class PrefixIndexLink:
         mirror = self.policy.counters
         details = {
             "index": self.target,
-            "state": "degraded" if s.degraded else "ok",
+            # "refused": another live process holds our engine id (we do not fight it).
+            "state": "refused" if self.refused else "degraded" if s.degraded else "ok",
             "epoch": str(s.epoch),
             "registrations": str(s.registrations),
             "local_evictions": str(mirror.local_evictions),
             "index_victims_applied": str(mirror.index_victims_applied),
             "mismatches": str(mirror.mismatches),
+            "forgets_sent": str(mirror.forgets_sent),
+            "index_pins": str(mirror.index_pins),
         }
         if s.degraded:
             details["degraded_for_s"] = f"{time.monotonic() - self._degraded_since:.1f}"
@@ -238,7 +247,9 @@ class PrefixIndexLink:
                         await self._timed("Heartbeat", self._client.heartbeat())
                 except Exception as error:  # noqa: BLE001 - the engine must never see it
                     self._on_failure(error)
-                    await self._sleep(self.options.retry_interval_s)
+                    # Refused: the other process's lease must lapse first; no point hammering.
+                    await self._sleep(max(self.options.retry_interval_s, self.options.lease_s / 3)
+                                      if self.refused else self.options.retry_interval_s)
                     continue
                 try:
                     await asyncio.wait_for(self._wake.wait(), heartbeat_every)
@@ -270,6 +281,13 @@ class PrefixIndexLink:
         self._channel_failed = True
         self._stats.rpc_errors += 1
         self.last_error = str(error)
+        refused = (isinstance(error, PrefixIndexClientError)
+                   and error.code == grpc.StatusCode.ALREADY_EXISTS)
+        if refused and not self.refused:
+            log.error("prefix index %s: engine id %r is held by another live process; serving "
+                      "on the local LRU and retrying: %s", self.target, self.engine_id,
+                      error.details)
+        self.refused = refused
         if not self._stats.degraded:
             self._stats.degraded = True
             self._degraded_since = time.monotonic()
@@ -301,7 +319,9 @@ class PrefixIndexLink:
         self._registered = False
         epoch = await self._timed("Register", self._client.register(
             self.engine_id, self.model_identity, self.block_size, self.num_blocks,
-            self.options.lease_s))
+            self.options.lease_s, nonce=self.nonce))
+        self.refused = False
+        self._seq = 0
         self._stats.epoch = epoch
         self._stats.registrations += 1
         async with self._send_lock:
@@ -327,12 +347,31 @@ class PrefixIndexLink:
     async def _send(self, batch: OpBatch) -> None:
         assert self._client is not None
         for chunk in self._chunks(batch.ops):
-            results = await self._timed("Apply", self._client.apply([p.op for p in chunk]))
-            self._stats.applies += 1
+            reply = await self._apply([p.op for p in chunk])
             self._stats.ops_sent += len(chunk)
             sent = OpBatch(batch.generation, chunk)
-            self._post(lambda _engine, sent=sent, results=results:
-                       self.policy.on_results(sent, results))
+            self._post(lambda _engine, sent=sent, reply=reply:
+                       self.policy.on_results(sent, reply.results, reply.pin_changes))
+
+    async def _apply(self, ops: list) -> ApplyResult:
+        """One Apply with the next sequence number. A timeout or an unreachable index leaves
+        its outcome unknown: it is sent once more with the same number, which the index applies
+        at most once; a gap or a replay (ABORTED: the index lost or repeated our writes) fails,
+        and the caller re-registers and re-syncs."""
+        assert self._client is not None
+        seq = self._seq + 1
+        for attempt in (1, 2):
+            try:
+                reply = await self._timed("Apply", self._client.apply_batch(ops, seq))
+                break
+            except PrefixIndexClientError as error:
+                transient = error.code in (grpc.StatusCode.UNAVAILABLE,
+                                           grpc.StatusCode.DEADLINE_EXCEEDED)
+                if attempt == 2 or not transient:
+                    raise
+        self._seq = seq
+        self._stats.applies += 1
+        return reply
 
     def _chunks(self, pending: list[PendingOp]) -> list[list[PendingOp]]:
         chunks: list[list[PendingOp]] = []
@@ -380,7 +419,12 @@ class PrefixIndexLink:
         try:
             await self._flush()  # the chain's commits may still be waiting: send them first
             async with self._send_lock:
-                [result] = await self._timed("Apply", self._client.apply([op]))
+                reply = await self._apply([op])
+                [result] = reply.results
+                if reply.pin_changes:
+                    # Not tied to a batch: changes concern blocks, whatever generation.
+                    self._post(lambda _engine, c=reply.pin_changes:
+                               self.policy.on_pin_changes(c))
         except PrefixIndexClientError as error:
             if error.code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise PinRefusedError("invalid", f"the prefix index refused the pin: "

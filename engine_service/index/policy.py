@@ -8,6 +8,11 @@ the results back through the engine's command queue (`on_results`, run between t
 Victims are asked for ahead of need (a low-water mark on never-used free blocks) and applied at
 the start of a later step, if still cached.
 
+The index decides: its victims are applied, and the pins it reports in every Apply reply
+(automatic hot-prefix pins and explicit ones) are mirrored, so a pinned block is never counted
+free nor evicted locally. When the engine must evict on its own (degraded, or the index's victims
+came late) it tells the index which block with a Forget op, instead of a full re-sync.
+
 While the index or Redis is down nothing is recorded and the mirror's LRU serves alone
 (degraded); on reconnect the link re-registers (new epoch) and asks for the mirror as a re-sync.
 Each registration is a new generation: batches and results of an older one are dropped.
@@ -25,13 +30,17 @@ from typing import TYPE_CHECKING
 
 from prefix_index.api.ops import (
     Acquire,
+    AcquireKind,
     Commit,
     Evict,
     EvictedBlock,
+    Forget,
     Op,
     OpResult,
     OpStatus,
     Pin,
+    PinChange,
+    PinState,
     Release,
     Unpin,
 )
@@ -69,6 +78,8 @@ class MirrorCounters:
 
     index_victims_applied: int = 0  # blocks the index chose that left the local cache
     local_evictions: int = 0  # blocks the local LRU picked (degraded, or the index lagged)
+    forgets_sent: int = 0  # local evictions reported to the index one block at a time
+    index_pins: int = 0  # pins the index reported (automatic or explicit) and we mirrored
     mismatches: int = 0  # index results that did not match the mirror (races; self-healing)
     pins_released: int = 0  # idle pinned blocks unpinned so a request could run
 
@@ -83,11 +94,11 @@ class LowWaterMark:
 
     @classmethod
     def for_pool(cls, num_blocks: int, blocks_per_step: int) -> LowWaterMark:
-        """Victims arrive a step after they are asked for, so keep about one step's worth of
-        new blocks (token budget / block size) free, but never more than a quarter of the pool:
-        the rest stays prefix cache."""
-        low = max(1, min(num_blocks // 4, max(4, blocks_per_step)))
-        return cls(low=low, high=min(num_blocks // 2, 2 * low))
+        """Victims arrive a step after they are asked for, so keep about one step's new blocks
+        free, but at most 1/32 of the pool: a free block is a cached block lost, and when the
+        index's victims come late the engine evicts locally (and says so with Forget)."""
+        low = max(1, min(blocks_per_step, num_blocks // 32))
+        return cls(low=low, high=max(low + 1, min(2 * low, num_blocks // 16)))
 
 
 class IndexPolicy:
@@ -100,6 +111,7 @@ class IndexPolicy:
         self._mirror: dict[bytes, MirroredBlock] = {}
         self._evictable: OrderedDict[bytes, None] = OrderedDict()  # refcount 0, unpinned; LRU
         self._pins: dict[bytes, float] = {}  # hash -> monotonic expiry (inf: until unpinned)
+        self._auto_pins: set[bytes] = set()  # of _pins, those the index pinned as hot
         self._idle_pinned: set[bytes] = set()  # refcount 0 but pinned: not evictable
         self._pending: list[PendingOp] = []  # recorded since the last batch
         self.outbox: queue.SimpleQueue[OpBatch] = queue.SimpleQueue()  # to the link thread
@@ -135,7 +147,8 @@ class IndexPolicy:
             # The index starts a commit at refcount 1: match the pool's count, one acquire per
             # extra user (a chain never repeats a hash).
             for _ in range(ref_count - 1):
-                self._pending.append(PendingOp(Acquire([block_hash]), local_hits=1))
+                self._pending.append(
+                    PendingOp(Acquire([block_hash], AcquireKind.FORK), local_hits=1))
             if ref_count == 0:
                 self._record_release(block_hash)
 
@@ -147,8 +160,9 @@ class IndexPolicy:
         if self._covered_acquires:
             self._covered_acquires -= 1
         elif self._recording:
-            # A fork sharing a block (or a re-admission): one more user in the index too.
-            self._pending.append(PendingOp(Acquire([block_hash]), local_hits=1))
+            # A fork sharing a block: one more user in the index too, but no admission (only
+            # admissions count as hits in the index's history).
+            self._pending.append(PendingOp(Acquire([block_hash], AcquireKind.FORK), local_hits=1))
 
     def on_release(self, block_hash: bytes, now_evictable: bool) -> None:
         self._mirror[block_hash].ref_count -= 1
@@ -173,12 +187,14 @@ class IndexPolicy:
         victims = []
         while self._evictable and len(victims) < num_blocks:
             block_hash = self._evictable.popitem(last=False)[0]
-            del self._mirror[block_hash]
+            entry = self._mirror.pop(block_hash)
             victims.append(block_hash)
+            if self._recording:
+                # The index must drop exactly this entry before the block id is committed
+                # again (ops are applied in order, and the commit comes later).
+                self._pending.append(PendingOp(Forget(block_hash, entry.block_id)))
+                self.counters.forgets_sent += 1
         self.counters.local_evictions += len(victims)
-        if victims and self._recording:
-            # The index still maps these block ids to the old hashes: start over.
-            self._ask_for_resync()
         return victims
 
     def release_pins(self, num_blocks: int) -> int:
@@ -201,6 +217,12 @@ class IndexPolicy:
     def begin_step(self) -> None:
         """Apply the victims the index chose (only those still cached in the same block) and
         drop pins whose TTL ran out."""
+        self._apply_victims()
+        now = time.monotonic()
+        for block_hash in [h for h, expiry in self._pins.items() if expiry <= now]:
+            self._unpin_locally(block_hash)
+
+    def _apply_victims(self) -> None:
         victims, self._victims = self._victims, []
         for victim in victims:
             entry = self._mirror.get(victim.hash)
@@ -214,9 +236,6 @@ class IndexPolicy:
             # A block in use stays with its users, privately: the index forgot it.
             self.pool.uncache(victim.hash)
             self.counters.index_victims_applied += 1
-        now = time.monotonic()
-        for block_hash in [h for h, expiry in self._pins.items() if expiry <= now]:
-            self._unpin_locally(block_hash)
 
     def end_step(self) -> None:
         if self._recording:
@@ -265,6 +284,7 @@ class IndexPolicy:
 
     def _unpin_locally(self, block_hash: bytes) -> bool:
         del self._pins[block_hash]
+        self._auto_pins.discard(block_hash)
         if block_hash in self._idle_pinned:
             self._idle_pinned.discard(block_hash)
             self._evictable[block_hash] = None
@@ -299,8 +319,12 @@ class IndexPolicy:
         while shared := [h for h, e in self._mirror.items() if e.ref_count >= level]:
             for i in range(0, len(shared), MAX_HASHES_PER_OP):
                 chunk = shared[i : i + MAX_HASHES_PER_OP]
-                ops.append(PendingOp(Acquire(chunk), local_hits=len(chunk)))
+                ops.append(PendingOp(Acquire(chunk, AcquireKind.RESYNC), local_hits=len(chunk)))
             level += 1
+        # Automatic pins come back by themselves (the index keeps the hit history); explicit
+        # ones do not survive a registration: send them again.
+        for block_hash in list(self._auto_pins):
+            self._unpin_locally(block_hash)
         now = time.monotonic()
         for h, expiry in self._pins.items():
             ttl = 0.0 if math.isinf(expiry) else max(0.001, expiry - now)
@@ -323,14 +347,38 @@ class IndexPolicy:
                 depth[node] = base + offset
         return sorted(self._mirror, key=depth.__getitem__)
 
-    def on_results(self, batch: OpBatch, results: list[OpResult]) -> None:
-        """Reconcile one Apply's results with the mirror (results of an older registration
-        are dropped: a re-sync replaced everything they could correct)."""
+    def on_results(self, batch: OpBatch, results: list[OpResult],
+                   pin_changes: list[PinChange] = ()) -> None:
+        """Reconcile one Apply's results and pin changes with the mirror (an older
+        registration's are dropped: a re-sync replaced everything they could correct)."""
         if batch.generation != self.generation:
             return
         for pending, result in zip(batch.ops, results, strict=True):
             self._reconcile(pending, result)
+        self.on_pin_changes(pin_changes)
+        # Between two steps (this runs as an engine command): the victims can go now, so the
+        # next step's allocations find them free instead of evicting on their own.
+        self._apply_victims()
         self._send_pending()
+
+    def on_pin_changes(self, changes: list[PinChange]) -> None:
+        """The index pinned or unpinned these hashes: a pinned block leaves the evictable set
+        (never evicted locally, never counted free) while we still hold that block."""
+        for change in changes:
+            entry = self._mirror.get(change.hash)
+            if change.state == PinState.NONE:
+                if change.hash in self._pins:
+                    self._unpin_locally(change.hash)
+                continue
+            if entry is None or entry.block_id != change.block_id:
+                continue  # we no longer hold that block: nothing to keep
+            if change.hash not in self._pins:
+                self.pin_locally([change.hash], 0.0)
+                self.counters.index_pins += 1
+            if change.state == PinState.AUTOMATIC:
+                self._auto_pins.add(change.hash)
+            else:
+                self._auto_pins.discard(change.hash)
 
     def _reconcile(self, pending: PendingOp, result: OpResult) -> None:
         op = pending.op
@@ -358,6 +406,8 @@ class IndexPolicy:
             elif result.status in (OpStatus.HASH_EXISTS, OpStatus.BLOCK_IN_USE):
                 self.counters.mismatches += 1
                 self._ask_for_resync()
+        elif isinstance(op, Forget) and not result.ok:
+            self.counters.mismatches += 1  # the index had dropped or moved it already
         elif isinstance(op, Pin) and not result.ok:
             for block_hash in op.chain:
                 if block_hash in self._pins:

@@ -107,11 +107,14 @@ def local_view(engine: LLMEngine) -> tuple[int, int]:
 
 
 def index_matches_pool(target: str, engine_id: str, engine: LLMEngine) -> bool:
-    """The index's view of this engine equals the pool (the caller is the engine's thread:
-    the link's results are applied first)."""
+    """The index's view of this engine equals the pool: the same cached blocks, and the same
+    evictable ones (idle and not pinned). The caller is the engine's thread: the link's results
+    are applied first."""
     engine.run_commands()
     stats = index_stats(target, engine_id)
-    return stats is not None and (stats.blocks, stats.evictable) == local_view(engine)
+    cached = local_view(engine)[0]
+    return stats is not None and (stats.blocks, stats.evictable) == (
+        cached, engine.pool.policy.num_evictable)
 
 
 def call_pumping(engine: LLMEngine, fn: Callable[[], object], timeout_s: float = 10.0) -> object:

@@ -182,8 +182,9 @@ def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, refe
 
 
 def test_forks_and_pins_stay_mirrored(tiny_llama_dir, index):
-    """n=3 sampling shares blocks by fork (refcounts the index must follow); a pinned prefix
-    survives a local eviction of everything idle and the re-sync that eviction causes."""
+    """n=3 sampling shares blocks by fork (refcounts the index must follow); blocks evicted
+    locally are reported one by one (Forget), with no re-sync; a pinned prefix survives a local
+    eviction of everything idle."""
     engine = make_engine(tiny_llama_dir)
     link = connect(engine, index, "engine-pins")
     try:
@@ -195,15 +196,15 @@ def test_forks_and_pins_stay_mirrored(tiny_llama_dir, index):
         driver.step()
         wait_until(lambda: index_matches_pool(index.target, "engine-pins", engine), 5,
                    "index follows the forked refcounts")
-        # Evicting the filler's idle blocks locally forces a re-sync while the forks hold the
-        # prompt blocks 3 times: the re-sync must carry those refcounts.
+        # Evicting the filler's idle blocks locally while the forks hold the prompt blocks 3
+        # times: the index forgets exactly those blocks and keeps the forks' refcounts.
         engine.pool.reset_prefix_cache()
         driver.run_to_completion()
         assert len(driver.finished["forked"].outputs) == 3
-        wait_until(lambda: link.stats().registrations == 2, 5, "re-sync after local evictions",
-                   engine=engine)
         wait_until(lambda: index_matches_pool(index.target, "engine-pins", engine), 5,
                    "every fork released in the index")
+        assert link.policy.counters.forgets_sent > 0
+        assert link.stats().registrations == 1
         assert link.policy.counters.mismatches == 0
 
         chain = engine.hasher.chain(SHARED, None)  # as the servicer computes them
@@ -212,17 +213,16 @@ def test_forks_and_pins_stay_mirrored(tiny_llama_dir, index):
         assert engine.pool.num_cached_blocks == 4
         assert [engine.pool.lookup(h, tuple(SHARED[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]))
                 is not None for i, h in enumerate(chain)] == [True] * 4
-        engine.step()  # idle step: tells the link its index state is stale
-        wait_until(lambda: link.stats().registrations == 3, 5, "re-sync after local evictions",
-                   engine=engine)
+        engine.step()  # idle step: sends the Forget ops of that eviction
 
         def held() -> tuple[int, int, int]:
             stats = index_stats(index.target, "engine-pins")
             return (-1, -1, -1) if stats is None else (stats.blocks, stats.pinned, stats.evictable)
 
         # Pinned idle blocks are not evictable in the index either.
-        wait_until(lambda: held() == (4, 4, 0), 5, "index re-synced to the 4 pinned blocks",
+        wait_until(lambda: held() == (4, 4, 0), 5, "index forgot all but the 4 pinned blocks",
                    engine=engine)
+        assert link.stats().registrations == 1
         assert call_pumping(engine, lambda: asyncio.run(link.pin_prefix(chain, 0.0, True))) == 4
         # The index refusing a pin is an answer, not an outage: no degraded link, no re-sync.
         registrations = link.stats().registrations
