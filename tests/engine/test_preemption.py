@@ -58,7 +58,7 @@ GROUP_SAMPLING = {
 def roomy_group_outputs(tiny_llama_dir):
     from engine_service import LLM
 
-    llm = LLM(str(tiny_llama_dir), block_size=8, num_blocks=1024)
+    llm = LLM(str(tiny_llama_dir), block_size=8, num_blocks=1024, dtype="float32")
     return {name: [[c.token_ids for c in o.outputs] for o in llm.generate(GROUP_PROMPTS, p)]
             for name, p in GROUP_SAMPLING.items()}
 
@@ -71,8 +71,9 @@ def test_n4_groups_preempted_often_match_a_roomy_pool(mode, sampling, make_llm, 
     preempt each other over and over, are re-admitted (recompute: the shared prompt counted
     once, the other samples park until it is recomputed) and still give exactly the outputs of
     a pool where nothing is preempted. This hung (recompute) or mixed up KV (seeded) before."""
+    # float32: outputs must not depend on which rows share a batch (they do not, in fp32).
     llm = make_llm(tiny_llama_dir, block_size=8, num_blocks=28, preemption_mode=mode,
-                   swap_space=16 * llm_block_bytes(tiny_llama_dir))
+                   swap_space=16 * llm_block_bytes(tiny_llama_dir), dtype="float32")
     outputs = llm.generate(GROUP_PROMPTS, GROUP_SAMPLING[sampling])
     assert [[c.token_ids for c in o.outputs] for o in outputs] == roomy_group_outputs[sampling]
     counters = llm.llm_engine.scheduler.counters

@@ -38,9 +38,10 @@ def test_missing_tokenizer_names_the_directory_and_the_files(no_tokenizer_dir):
 
 
 def test_skip_tokenizer_init_serves_token_ids(no_tokenizer_dir, tiny_llama_dir, make_llm):
-    ids_only = make_llm(no_tokenizer_dir, num_blocks=32, skip_tokenizer_init=True)
+    ids_only = make_llm(no_tokenizer_dir, num_blocks=32, skip_tokenizer_init=True,
+                        dtype="float32")
     [out] = ids_only.generate({"prompt_token_ids": [5, 6, 7, 8]}, GREEDY)
-    reference = make_llm(tiny_llama_dir, num_blocks=32)
+    reference = make_llm(tiny_llama_dir, num_blocks=32, dtype="float32")
     [want] = reference.generate({"prompt_token_ids": [5, 6, 7, 8]}, GREEDY)
     assert out.outputs[0].token_ids == want.outputs[0].token_ids
     assert out.outputs[0].text == ""
