@@ -70,7 +70,8 @@ class LLMEngine:
         )
         # After the weights: the pool gets what they and a profiled forward leave; then every
         # kernel variant is warmed up, so the server goes SERVING only once nothing compiles.
-        num_blocks = setup_kv_cache(self.runner, config, num_cpu_blocks, self.max_model_len)
+        self.kv_setup = setup_kv_cache(self.runner, config, num_cpu_blocks, self.max_model_len)
+        num_blocks = self.kv_setup.num_blocks
         self.seed_hash = model_seed_hash(f"{mc.identity}:{config.dtype}", config.block_size)
         self.pool = BlockPool(num_blocks, policy)
         self.kv = KVCacheManager(

@@ -10,6 +10,7 @@ is `kv_cache_memory` or 1 GiB.
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -21,9 +22,16 @@ from engine_service.model.memory_plan import (
     plan_kv_cache,
 )
 from engine_service.model.runner import ModelRunner, kv_bytes_per_block
-from engine_service.model.warmup import warm_up
+from engine_service.model.warmup import WarmupReport, warm_up
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class KVCacheSetup:
+    num_blocks: int
+    plan: MemoryPlan | None  # None when the size was given (or on the CPU)
+    warmup: WarmupReport
 
 
 def profile_memory_plan(
@@ -49,7 +57,7 @@ def profile_memory_plan(
     # Used on the device but not by torch's allocator: CUDA context, library workspaces,
     # other processes.
     non_torch_bytes = max(0, total_bytes - free_bytes - torch.cuda.memory_reserved(device))
-    return plan_kv_cache(
+    plan = plan_kv_cache(
         total_bytes=total_bytes,
         utilization=utilization,
         weights_bytes=weights_bytes,
@@ -58,13 +66,16 @@ def profile_memory_plan(
         block_bytes=block_bytes,
         margin_bytes=margin_bytes,
     )
+    log.info("%s", plan.describe())
+    return plan
 
 
 def setup_kv_cache(
     runner: ModelRunner, config: EngineConfig, num_cpu_blocks: int, max_model_len: int
-) -> int:
-    """Size the pool, allocate it in the runner, warm up; returns the number of blocks."""
+) -> KVCacheSetup:
+    """Size the pool, allocate it in the runner, and warm up."""
     block_bytes = kv_bytes_per_block(runner.config, config.block_size, runner.dtype)
+    plan = None
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     elif config.kv_cache_memory is not None:
@@ -76,10 +87,9 @@ def setup_kv_cache(
             block_bytes,
             lambda: runner.profile_run(config.max_num_batched_tokens, config.max_num_seqs),
         )
-        log.info("%s", plan.describe())
         num_blocks = plan.num_blocks
     else:
         num_blocks = blocks_in(DEFAULT_CPU_KV_CACHE_BYTES, block_bytes)
     runner.allocate_kv_cache(num_blocks, num_cpu_blocks)
-    warm_up(runner, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
-    return num_blocks
+    report = warm_up(runner, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+    return KVCacheSetup(num_blocks, plan, report)
