@@ -297,7 +297,11 @@ def paged_attention(
     queries_per_kv = num_heads // num_kv_heads
     decode_only = num_tokens == num_seqs
     # Decode rows hold one token each, so a bigger tile would only add masked rows.
-    block_m = max(MIN_DOT_ROWS if decode_only else 64, triton.next_power_of_2(queries_per_kv))
+    # fp32 ("ieee") dots run on the FMA units with every operand in registers: a 64-row
+    # mixed-batch tile needs over 255 registers per thread and spills, 32 rows do not.
+    mixed_rows = 32 if query.dtype == torch.float32 else 64
+    block_m = max(MIN_DOT_ROWS if decode_only else mixed_rows,
+                  triton.next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
     head_pad = max(16, triton.next_power_of_2(head_size))
     num_q_tiles = num_tokens // block_q + num_seqs  # upper bound, see module docstring
@@ -330,6 +334,7 @@ def paged_attention(
         NUM_SPLITS=num_kv_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=INTERPRETED and torch.bfloat16 in (query.dtype, key_cache.dtype),
+        num_warps=_num_warps(query.dtype, head_pad),
     )
     if num_kv_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
@@ -337,6 +342,16 @@ def paged_attention(
             HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_kv_splits,
         )
     return out
+
+
+def _num_warps(dtype: torch.dtype, head_pad: int) -> int:
+    """16-bit tiles run their dots on tensor cores and fit 4 warps. fp32 tiles hold their dot
+    operands in registers: spread over 8 warps, or 16 from 128 padded dims, no variant spills
+    (measured with ptxas for sm_80 and sm_90; tests/kernels/test_kernel_cuda_compile.py checks
+    every variant)."""
+    if dtype != torch.float32:
+        return 4
+    return 16 if head_pad >= 128 else 8
 
 
 def _check_inputs(

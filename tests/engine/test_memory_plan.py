@@ -17,8 +17,8 @@ from engine_service.model.kv_cache_setup import profile_memory_plan
 from engine_service.model.loader import model_weight_bytes
 from engine_service.model.memory_plan import (
     GiB,
-    MiB,
     InsufficientDeviceMemoryError,
+    MiB,
     blocks_in,
     plan_kv_cache,
 )
