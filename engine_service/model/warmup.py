@@ -27,6 +27,8 @@ CPU_WARMUP_TOKENS = 32  # enough for a multi-block prefill, small enough to take
 class WarmupReport:
     steps: list[str] = field(default_factory=list)  # what ran, in order
     seconds: float = 0.0
+    # Triton only: compiled variants per kernel after the warm-up (all 0 in the interpreter).
+    compiled_variants: dict[str, int] = field(default_factory=dict)
 
 
 @torch.inference_mode()
@@ -64,8 +66,13 @@ def warm_up(
         report.steps += _warm_attention_splits(runner, max_num_seqs, max_model_len)
     if on_cuda:
         torch.cuda.synchronize(runner.device)
+    if runner.kernels.name == "triton":
+        from kernels.triton_backend import compiled_variant_counts
+
+        report.compiled_variants = compiled_variant_counts()
     report.seconds = time.perf_counter() - start
-    log.info("warm-up done in %.2f s: %s", report.seconds, "; ".join(report.steps))
+    log.info("warm-up done in %.2f s: %s; compiled kernel variants: %s", report.seconds,
+             "; ".join(report.steps), report.compiled_variants or "none (no Triton)")
     return report
 
 
