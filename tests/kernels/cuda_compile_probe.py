@@ -10,7 +10,11 @@ then specialized the way Triton's JITFunction.run does it (its binder: integer v
 multiples of 16, 16-byte pointer alignment, minus do_not_specialize), the distinct variants are
 compiled for the target with triton.compile, and ptxas -v reports registers and spills.
 
-Prints one JSON object: {scenario: {"variants": [...], "launches": [...]}} on the last line.
+The wrappers' own host work is counted too (tests/support/step_ops.py): on CUDA they must
+neither wait for the device nor upload host data, since they run once per layer and step.
+
+Prints one JSON object on the last line:
+{scenario: {"variants": [...], "host_syncs": [...], "host_uploads": [...]}}.
 """
 
 import json
@@ -33,6 +37,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from kernels import triton_attention, triton_cache_ops  # noqa: E402
+from tests.support.step_ops import StepOps, count_ops  # noqa: E402
 
 KERNELS = {
     "attention": triton_attention.paged_attention_kernel,
@@ -55,8 +60,9 @@ def capture_launches() -> list[tuple[str, tuple, dict]]:
     return launches
 
 
-def drive(scenario: dict) -> None:
-    """Call the host wrappers with the scenario's shapes, as the model runner would."""
+def drive(scenario: dict, host_ops: StepOps) -> None:
+    """Call the host wrappers with the scenario's shapes, as the model runner would; what the
+    wrappers themselves ask of the device (syncs, uploads) is counted into host_ops."""
     dtype, cache_dtype = DTYPES[scenario["dtype"]], DTYPES[scenario["cache_dtype"]]
     heads, kv_heads, head = scenario["num_heads"], scenario["num_kv_heads"], scenario["head_size"]
     block_size, num_blocks = scenario["block_size"], 64
@@ -77,12 +83,14 @@ def drive(scenario: dict) -> None:
         seq_lens = torch.full((num_seqs,), max_blocks * block_size, dtype=torch.int32)
         query_start_loc = torch.tensor(starts, dtype=torch.int32)
         slots = torch.arange(num_tokens, dtype=torch.int64)
-        triton_cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
-        triton_attention.paged_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-            head**-0.5, num_kv_splits=step.get("num_kv_splits"),
-        )
-    triton_cache_ops.copy_blocks(kv_caches, torch.tensor([[0, 1], [2, 3]]))
+        mapping = torch.tensor([[0, 1], [2, 3]])
+        with count_ops(host_ops):
+            triton_cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+            triton_attention.paged_attention(
+                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                head**-0.5, num_kv_splits=step.get("num_kv_splits"),
+            )
+            triton_cache_ops.copy_blocks(kv_caches, mapping)
 
 
 def ptxas_report(ptx: str, arch: int) -> dict:
@@ -141,8 +149,13 @@ def main() -> None:
     for scenario in json.loads(sys.argv[1]):
         launches.clear()
         try:
-            drive(scenario)
-            report[scenario["id"]] = {"variants": compile_variants(launches, scenario["arch"])}
+            host_ops = StepOps()
+            drive(scenario, host_ops)
+            report[scenario["id"]] = {
+                "variants": compile_variants(launches, scenario["arch"]),
+                "host_syncs": host_ops.get("step").syncs,
+                "host_uploads": host_ops.get("step").uploads,
+            }
         except Exception:
             report[scenario["id"]] = {"error": traceback.format_exc()[-4000:]}
     print(json.dumps(report))

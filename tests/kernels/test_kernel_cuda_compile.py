@@ -89,6 +89,14 @@ def test_every_variant_compiles_without_spills(compile_report: dict, case: dict)
             f"spill stores, {variant['spill_load_bytes']} bytes spill loads")
 
 
+@pytest.mark.parametrize("case", SCENARIOS, ids=[s["id"] for s in SCENARIOS])
+def test_host_wrappers_never_wait_for_the_device(compile_report: dict, case: dict) -> None:
+    """reshape_and_cache, paged_attention and copy_blocks run per layer and step: their host
+    code reads shapes only (no .item(), no nonzero) and uploads nothing."""
+    report = compile_report[case["id"]]
+    assert report["host_syncs"] == [] and report["host_uploads"] == []
+
+
 def _distinct_attention_modes(steps: list) -> int:
     """Variants the attention kernel needs for these steps: decode-only or mixed (tile
     height), times the split count; nothing else that changes per step may add one."""

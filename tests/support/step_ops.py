@@ -53,6 +53,7 @@ class PhaseCounts:
 @dataclass
 class StepOps:
     phases: dict[str, PhaseCounts] = field(default_factory=dict)
+    kernel_calls: Counter = field(default_factory=Counter)  # kernel-backend function -> calls
     _stack: list[str] = field(default_factory=lambda: ["step"])
 
     def current(self) -> PhaseCounts:
@@ -114,11 +115,19 @@ class _Function(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _mark(ops: StepOps, phase: str, fn: Callable) -> Callable:
+def _mark(ops: StepOps, name: str, fn: Callable) -> Callable:
     def marked(*args, **kwargs):
-        with ops.phase(phase):
+        ops.kernel_calls[name] += 1
+        with ops.phase("kernel"):
             return fn(*args, **kwargs)
     return marked
+
+
+@contextmanager
+def count_ops(ops: StepOps) -> Iterator[StepOps]:
+    """Count the ops of whatever runs inside into ops (phase "step" unless marked)."""
+    with _Function(ops), _Dispatch(ops):
+        yield ops
 
 
 @contextmanager
@@ -135,12 +144,12 @@ def count_step_ops(runner) -> Iterator[StepOps]:
     pre = model.register_forward_pre_hook(enter_forward)
     post = model.register_forward_hook(leave_forward)
     runner.kernels = replace(original_kernels, **{
-        f.name: _mark(ops, "kernel", getattr(original_kernels, f.name))
+        f.name: _mark(ops, f.name, getattr(original_kernels, f.name))
         for f in fields(original_kernels)
         if f.name != "name" and getattr(original_kernels, f.name) is not None
     })
     try:
-        with _Function(ops), _Dispatch(ops):
+        with count_ops(ops):
             yield ops
     finally:
         runner.kernels = original_kernels
