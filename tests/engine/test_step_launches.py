@@ -14,6 +14,7 @@ path by tests/kernels/test_kernel_cuda_compile.py; the torch attention here is t
 """
 
 import pytest
+import torch
 
 from engine_service.core.config import EngineConfig
 from engine_service.core.engine import LLMEngine
@@ -85,3 +86,16 @@ def test_sampled_step_with_every_feature_waits_once(engine: LLMEngine) -> None:
         # Sampling uploads its per-row parameters and the token histories (penalties).
         assert len(step.uploads) <= MAX_STEP_UPLOADS + 7, (phase, step.uploads)
     assert not engine.has_unfinished_requests()
+
+
+def test_step_inputs_upload_as_aligned_views(engine: LLMEngine) -> None:
+    """Each input is a view of one upload, starting on a 16-byte boundary whatever the batch:
+    Triton specializes pointers on that alignment, so a shifting one would compile again."""
+    runner = engine.runner
+    for lengths in ([1], [3, 1, 2], [5, 7, 1, 1, 9]):
+        parts = tuple(list(range(n)) for n in lengths)
+        for dtype in (torch.int64, torch.int32):
+            views = runner._upload(parts, dtype)
+            assert [v.tolist() for v in views] == [list(p) for p in parts]
+            assert len({v.untyped_storage().data_ptr() for v in views}) == 1  # one copy
+            assert all(v.data_ptr() % 16 == 0 for v in views), [v.data_ptr() for v in views]
