@@ -44,7 +44,11 @@ def _find_sequence(
     return lo
 
 
-@jit
+# Per-step integers: a variant compiled for one value must serve every step (see triton_jit).
+ATTENTION_PER_STEP_ARGS = ("num_seqs", "stride_table_seq")
+
+
+@jit(do_not_specialize=ATTENTION_PER_STEP_ARGS)
 def paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_size]                (NUM_SPLITS == 1)
     partial_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_PAD] fp32 (NUM_SPLITS > 1)
@@ -210,6 +214,36 @@ def _combine_splits_kernel(
     )
 
 
+def kv_splits_for(num_seqs: int, num_kv_heads: int, max_context_bound: int, num_sms: int) -> int:
+    """Splits per sequence of a decode batch: they grow until the grid has about two programs
+    per SM or each split would see fewer than MIN_KEYS_PER_SPLIT keys."""
+    programs = max(1, num_seqs * num_kv_heads)
+    splits = 1
+    while (
+        splits < MAX_KV_SPLITS
+        and programs * splits * 2 <= 2 * num_sms
+        and max_context_bound // (splits * 2) >= MIN_KEYS_PER_SPLIT
+    ):
+        splits *= 2
+    return splits
+
+
+def reachable_kv_splits(
+    max_num_seqs: int, num_kv_heads: int, max_context_bound: int, num_sms: int
+) -> list[int]:
+    """Every split count `kv_splits_for` can return for batches of 1..max_num_seqs sequences
+    and context bounds up to max_context_bound: the NUM_SPLITS variants a warm-up compiles.
+
+    Fewer sequences never mean fewer splits, and the count only grows with the context bound,
+    so one sequence at each bound where a doubling starts to pass covers every value.
+    """
+    bounds = [MIN_KEYS_PER_SPLIT * 2 * s for s in range(1, MAX_KV_SPLITS + 1)]
+    bounds = [b for b in bounds if b <= max_context_bound] + [max_context_bound]
+    found = {kv_splits_for(1, num_kv_heads, b, num_sms) for b in bounds}
+    found |= {kv_splits_for(max_num_seqs, num_kv_heads, max_context_bound, num_sms), 1}
+    return sorted(found)
+
+
 def choose_num_kv_splits(
     num_seqs: int,
     num_tokens: int,
@@ -220,21 +254,12 @@ def choose_num_kv_splits(
     """Splits per sequence for split-KV, from host-known shapes only (no device sync).
 
     Only decode batches split (prefill tiles already give enough parallelism) and only on a
-    GPU (in the interpreter, more programs just cost more time). Splits grow until the grid has
-    about two programs per SM or each split would see fewer than MIN_KEYS_PER_SPLIT keys.
+    GPU (in the interpreter, more programs just cost more time).
     """
     if device.type != "cuda" or num_tokens != num_seqs:
         return 1
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    programs = max(1, num_seqs * num_kv_heads)
-    splits = 1
-    while (
-        splits < MAX_KV_SPLITS
-        and programs * splits * 2 <= 2 * num_sms
-        and max_context_bound // (splits * 2) >= MIN_KEYS_PER_SPLIT
-    ):
-        splits *= 2
-    return splits
+    return kv_splits_for(num_seqs, num_kv_heads, max_context_bound, num_sms)
 
 
 def paged_attention(
@@ -272,7 +297,11 @@ def paged_attention(
     queries_per_kv = num_heads // num_kv_heads
     decode_only = num_tokens == num_seqs
     # Decode rows hold one token each, so a bigger tile would only add masked rows.
-    block_m = max(MIN_DOT_ROWS if decode_only else 64, triton.next_power_of_2(queries_per_kv))
+    # fp32 ("ieee") dots run on the FMA units with every operand in registers: a 64-row
+    # mixed-batch tile needs over 255 registers per thread and spills, 32 rows do not.
+    mixed_rows = 32 if query.dtype == torch.float32 else 64
+    block_m = max(MIN_DOT_ROWS if decode_only else mixed_rows,
+                  triton.next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
     head_pad = max(16, triton.next_power_of_2(head_size))
     num_q_tiles = num_tokens // block_q + num_seqs  # upper bound, see module docstring
@@ -305,6 +334,7 @@ def paged_attention(
         NUM_SPLITS=num_kv_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=INTERPRETED and torch.bfloat16 in (query.dtype, key_cache.dtype),
+        num_warps=_num_warps(query.dtype, head_pad),
     )
     if num_kv_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
@@ -312,6 +342,16 @@ def paged_attention(
             HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_kv_splits,
         )
     return out
+
+
+def _num_warps(dtype: torch.dtype, head_pad: int) -> int:
+    """16-bit tiles run their dots on tensor cores and fit 4 warps. fp32 tiles hold their dot
+    operands in registers: spread over 8 warps, or 16 from 128 padded dims, no variant spills
+    (measured with ptxas for sm_80 and sm_90; tests/kernels/test_kernel_cuda_compile.py checks
+    every variant)."""
+    if dtype != torch.float32:
+        return 4
+    return 16 if head_pad >= 128 else 8
 
 
 def _check_inputs(

@@ -10,7 +10,7 @@ ROWS_PER_PROGRAM = 16  # (token, kv head) rows written by one reshape_and_cache 
 MAX_COPY_CHUNK = 4096  # elements of one block copied by one copy_blocks program
 
 
-@jit
+@jit(do_not_specialize=["num_rows"])  # changes every step (see triton_jit)
 def reshape_and_cache_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_size]
     value_ptr,  # [num_tokens, num_kv_heads, head_size]

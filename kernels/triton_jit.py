@@ -10,6 +10,10 @@ Triton's own standard library (`tl.max`, `tl.sum`, `tl.cdiv`) is made of jit fun
 at that first import, so in compiled mode they refuse to run in the interpreter. The kernels
 therefore reduce with the builtin `tl.reduce` and the standard combine functions (which the
 interpreter maps to numpy in both modes) and write ceil-division out.
+
+Integer arguments that change from step to step (sequence and row counts, the block-table row
+stride) are listed in each kernel's `do_not_specialize`: Triton otherwise compiles a separate
+variant for a value of 1 and for multiples of 16, so new variants would compile while serving.
 """
 
 from collections.abc import Callable
@@ -26,11 +30,16 @@ MAX_COMBINE = tl.standard._elementwise_max
 SUM_COMBINE = tl.standard._sum_combine
 
 
-def jit(fn: Callable[..., Any]) -> Any:
-    """Define a Triton kernel or device function: compiled on CUDA, interpreted otherwise."""
+def jit(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
+    """Define a Triton kernel or device function: compiled on CUDA, interpreted otherwise.
+
+    Used bare (`@jit`) or with triton.jit's options (`@jit(do_not_specialize=[...])`).
+    """
+    if fn is None:
+        return lambda f: jit(f, **options)
     if not INTERPRETED:
-        return triton.jit(fn)
+        return triton.jit(fn, **options)
     # Scoped, so that kernels other modules define later keep their own choice.
     with triton.knobs.runtime.scope():
         triton.knobs.runtime.interpret = True
-        return triton.jit(fn)
+        return triton.jit(fn, **options)

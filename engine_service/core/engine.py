@@ -16,7 +16,7 @@ import torch
 
 from engine_service.core.block_hash import BlockHasher
 from engine_service.core.block_pool import BlockPool
-from engine_service.core.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine_service.core.config import EngineConfig
 from engine_service.core.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -30,6 +30,7 @@ from engine_service.core.scheduler_output import ScheduledSeq
 from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine_service.model.config import DTYPES, ModelConfig, load_model_config
 from engine_service.model.detokenizer import IncrementalDetokenizer
+from engine_service.model.kv_cache_setup import setup_kv_cache
 from engine_service.model.runner import ModelRunner, kv_bytes_per_block
 from engine_service.model.sampler import Sampler, SamplingRow, make_generator
 from engine_service.model.sampling_params import SamplingParams
@@ -74,7 +75,6 @@ class LLMEngine:
         dtype = DTYPES[config.dtype]
         block_bytes = kv_bytes_per_block(mc, config.block_size, dtype)
         self.kv_bytes_per_block = block_bytes
-        num_blocks = config.num_blocks or self._blocks_from_budget(block_bytes)
         num_cpu_blocks = config.swap_space // block_bytes if config.preemption_mode == "swap" else 0
         self.runner = ModelRunner(
             mc,
@@ -82,10 +82,12 @@ class LLMEngine:
             device=config.device,
             kernel_backend=config.kernel_backend,
             block_size=config.block_size,
-            num_blocks=num_blocks,
-            num_cpu_blocks=num_cpu_blocks,
             max_model_len=self.max_model_len,
         )
+        # After the weights: the pool gets what they and a profiled forward leave; then every
+        # kernel variant is warmed up, so the server goes SERVING only once nothing compiles.
+        self.kv_setup = setup_kv_cache(self.runner, config, num_cpu_blocks, self.max_model_len)
+        num_blocks = self.kv_setup.num_blocks
         # The one block-hash chain of this engine: the cache, PinPrefix and the index link.
         self.hasher = BlockHasher(mc.identity, config.dtype, config.block_size)
         self.pool = BlockPool(num_blocks, policy)
@@ -121,21 +123,6 @@ class LLMEngine:
             num_blocks * block_bytes / 2**20,
             config.device,
         )
-
-    def _blocks_from_budget(self, block_bytes: int) -> int:
-        budget = self.config.kv_cache_memory
-        if budget is None and self.config.device == "cuda":
-            free, _ = torch.cuda.mem_get_info()
-            budget = int(free * self.config.gpu_memory_utilization) - (1 << 30)
-        if budget is None:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = budget // block_bytes
-        if num_blocks < 2:
-            raise ValueError(
-                f"kv_cache_memory must hold at least 2 blocks ({2 * block_bytes} "
-                f"bytes), got {budget}"
-            )
-        return num_blocks
 
     # ---- requests -----------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

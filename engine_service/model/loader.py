@@ -74,3 +74,13 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
     if can_pack(device, dtype):
         pack_linear_layers(model)
     return model
+
+
+def model_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes the model's parameters take in `dtype` (tied weights once), from a meta-device
+    instance: known before anything is read or allocated."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    unique = {id(p): p for p in model.parameters()}.values()
+    element = torch.empty((), dtype=dtype).element_size()
+    return sum(p.numel() for p in unique) * element

@@ -4,8 +4,10 @@ import torch
 
 from engine_service.core.scheduler_output import BlockMoves, ScheduledSeq
 from engine_service.model.config import DTYPES, ModelConfig
-from engine_service.model.loader import load_model
+from engine_service.model.loader import load_model, model_weight_bytes
+from engine_service.model.memory_plan import check_weights_fit
 from engine_service.model.models.llama import StepContext, rope_cos_sin_cache
+from engine_service.model.step_inputs import StepInputs, prefill_batch
 from kernels import get_kernel_backend
 
 
@@ -23,26 +25,34 @@ class ModelRunner:
         device: str,
         kernel_backend: str,
         block_size: int,
-        num_blocks: int,
-        num_cpu_blocks: int,
         max_model_len: int,
     ) -> None:
+        """Loads the weights; the KV pool comes later (`allocate_kv_cache`), sized from the
+        memory the weights and a profiling forward leave (engine_service/model/kv_cache_setup)."""
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
         self.kernels = get_kernel_backend(kernel_backend, self.device)
+        if self.device.type == "cuda":
+            # Refuse a model too large for the device here, not by an OOM halfway through.
+            free, total = torch.cuda.mem_get_info(self.device)
+            check_weights_fit(model_weight_bytes(model_config, self.dtype), free, total)
         self.model = load_model(model_config, self.dtype, self.device)
-        shape = (
-            model_config.num_layers,
-            2,
-            num_blocks,
-            block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-        )
         # kv_caches[layer] = (key_cache, value_cache), each
         # [num_blocks, block_size, num_kv_heads, head_size]
+        self.kv_caches = torch.empty(0)
+        self.cpu_kv_caches: torch.Tensor | None = None
+        self.cos, self.sin = rope_cos_sin_cache(
+            model_config, max_model_len, self.dtype, self.device
+        )
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        c = self.config
+        return (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+
+    def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        shape = self.kv_cache_shape(num_blocks)
         self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
         cpu_shape = (shape[0], 2, num_cpu_blocks) + shape[3:]
         self.cpu_kv_caches = (
@@ -50,9 +60,24 @@ class ModelRunner:
             if num_cpu_blocks
             else None
         )
-        self.cos, self.sin = rope_cos_sin_cache(
-            model_config, max_model_len, self.dtype, self.device
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_seqs: int) -> int:
+        """One forward of `num_tokens` prompt tokens over `num_seqs` sequences (the largest
+        step the scheduler can issue), through a scratch KV pool just large enough, which is
+        freed after. Returns the scratch pool's bytes (to leave out of the activation peak)."""
+        # No sequence longer than the context (the RoPE tables end there).
+        num_seqs = max(num_seqs, -(-num_tokens // self.cos.shape[0]))
+        batch = prefill_batch(num_tokens, num_seqs, self.block_size)
+        self.kv_caches = torch.zeros(
+            self.kv_cache_shape(batch.num_blocks), dtype=self.dtype, device=self.device
         )
+        scratch_bytes = self.kv_caches.numel() * self.kv_caches.element_size()
+        try:
+            self.run_batch(batch.inputs)
+        finally:
+            self.kv_caches = torch.empty(0)
+        return scratch_bytes
 
     def apply_moves(self, moves: BlockMoves) -> None:
         """Swap out, then swap in, then copy-on-write copies (the order the scheduler assumes)."""
@@ -94,19 +119,31 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(query_start_loc[-1] - 1)
 
-        dev = self.device
-        positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        block_tables_t = torch.tensor(block_tables, dtype=torch.int32, device=dev)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-        query_start_loc_t = torch.tensor(query_start_loc, dtype=torch.int32, device=dev)
+        return self.run_batch(
+            StepInputs(input_ids, positions, slots, seq_lens, query_start_loc, block_tables,
+                       sample_rows)
+        )
+
+    def run_batch(self, inputs: StepInputs) -> torch.Tensor:
+        """Upload one step's host-side lists (two copies, pinned and non-blocking on CUDA),
+        run the model over them, and return the logits of the sampling rows."""
+        int64_parts = (inputs.input_ids, inputs.positions, inputs.slots, inputs.sample_rows)
+        int32_parts = (
+            inputs.seq_lens,
+            inputs.query_start_loc,
+            [b for row in inputs.block_tables for b in row],
+        )
+        input_ids_t, positions_t, slots_t, rows_t = self._upload(int64_parts, torch.int64)
+        seq_lens_t, query_start_loc_t, tables_flat = self._upload(int32_parts, torch.int32)
+        block_tables_t = tables_flat.view(len(inputs.block_tables), -1)
         plan = None
         if self.kernels.build_attention_plan is not None:
             plan = self.kernels.build_attention_plan(
-                block_tables_t, seq_lens_t, query_start_loc_t, bs
+                block_tables_t, seq_lens_t, query_start_loc_t, self.block_size
             )
         ctx = StepContext(
             positions=positions_t,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=slots_t,
             block_tables=block_tables_t,
             seq_lens=seq_lens_t,
             query_start_loc=query_start_loc_t,
@@ -114,13 +151,27 @@ class ModelRunner:
             cos=self.cos[positions_t],
             sin=self.sin[positions_t],
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            ctx,
-            self.kv_caches,
-            self.kernels,
-        )
-        if not sample_rows:
+        hidden = self.model(input_ids_t, ctx, self.kv_caches, self.kernels)
+        if not inputs.sample_rows:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
-        return self.model.compute_logits(hidden[rows])
+        return self.model.compute_logits(hidden[rows_t])
+
+    def _upload(self, parts: tuple[list[int], ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        """The lists as one host tensor, copied to the device in one transfer; views of it.
+
+        On CUDA the host tensor is pinned, so the copy is asynchronous (no wait for the GPU to
+        drain) and the forward's kernels queue behind it on the same stream. Every view starts
+        on a 16-byte boundary: Triton specializes pointer arguments on that alignment, and a
+        view whose alignment changed with the batch would compile another kernel variant.
+        """
+        per_16_bytes = 16 // torch.empty((), dtype=dtype).element_size()
+        flat: list[int] = []
+        starts = []
+        for part in parts:
+            starts.append(len(flat))
+            flat.extend(part)
+            flat.extend([0] * (-len(part) % per_16_bytes))
+        on_cuda = self.device.type == "cuda"
+        host = torch.tensor(flat, dtype=dtype, pin_memory=on_cuda)
+        device_flat = host.to(self.device, non_blocking=True) if on_cuda else host
+        return [device_flat[s : s + len(part)] for s, part in zip(starts, parts, strict=True)]

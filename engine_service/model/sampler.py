@@ -23,7 +23,6 @@ on the rest of the batch or on which path was taken.
 import hashlib
 import math
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
 
@@ -98,28 +97,30 @@ def _searchsorted_positive(weights: torch.Tensor, target: torch.Tensor, with_bel
     """First index whose cumulative weight exceeds `target` [rows, 1], and optionally the
     cumulative weight before it. right=True never lands on a zero-weight entry (its cdf
     equals its left neighbour's); only rounding can run off the end, and such a row takes its
-    last entry with weight."""
+    last entry with weight. That fallback is computed for every row: picking out the rows
+    that need it would wait for the device (nonzero)."""
     cdf = weights.cumsum(dim=-1)
     index = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    off_end = (index >= weights.shape[1]).nonzero().flatten()
-    if len(off_end):
-        positive = weights[off_end] > 0
-        index[off_end] = weights.shape[1] - 1 - positive.flip(-1).int().argmax(dim=-1)
+    width = weights.shape[1]
+    last_positive = width - 1 - (weights > 0).flip(-1).int().argmax(dim=-1)
+    index = torch.where(index >= width, last_positive, index)
     if not with_below:
         return index
     before = cdf.gather(1, (index - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
     return index, torch.where(index > 0, before, torch.zeros_like(before))
 
 
-def _flat_positions(
-    lists: list[list[int]], rows: list[int], vocab: int, device: torch.device
-) -> torch.Tensor:
-    """Positions `row * vocab + token` in a flattened [rows, vocab] tensor, for every token of
-    every list (list k belongs to row rows[k]); repeats kept."""
-    lengths = torch.tensor([len(t) for t in lists], device=device)
-    starts = torch.repeat_interleave(torch.tensor(rows, device=device) * vocab, lengths)
-    tokens = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long, device=device)
-    return starts + tokens
+def _token_counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(lists), vocab] float: how often each token occurs in each list. Dense, built by a
+    scatter from one padded upload: no step of it depends on device data (unique or
+    repeat_interleave would make the host wait for the device)."""
+    width = max((len(t) for t in lists), default=0)
+    # Padding points at an extra column that is dropped.
+    padded = torch.tensor([t + [vocab] * (width - len(t)) for t in lists], dtype=torch.long,
+                          device=device).view(len(lists), width)
+    counts = torch.zeros(len(lists), vocab + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
 
 
 def _select_rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
@@ -169,49 +170,76 @@ class Sampler:
 
         penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
         min_tokens = [i for i, r in enumerate(rows) if _min_tokens_active(r)]
-        if not penalized and not min_tokens and all(r.params.is_greedy for r in rows):
-            token_ids = raw.argmax(dim=-1)  # the common fast path: one argmax, no copy
-        elif not penalized and not min_tokens:
-            token_ids = self._choose(raw, rows)  # nothing modifies the logits in place
-        else:
+        if penalized or min_tokens:
             # Never modify the caller's logits (raw logprobs need them); contiguous for view(-1).
             processed = raw.clone(memory_format=torch.contiguous_format)
             if penalized:
                 self._apply_penalties(processed, rows, penalized)
             if min_tokens:
                 self._mask_stop_tokens(processed, rows, min_tokens)
-            token_ids = self._choose(processed, rows)
+        else:
+            processed = raw  # nothing modifies the logits in place
+        draw = None
+        if all(r.params.is_greedy for r in rows):
+            token_ids = processed.argmax(dim=-1)  # the common fast path: one argmax
+        else:
+            draw = self._choose(processed, rows)
+            token_ids = draw.token_ids
 
-        token_list = token_ids.tolist()
-        if not want_logprobs:
+        # Everything the host needs from this step comes back in one transfer (one wait for
+        # the device): the tokens, whether any top-p nucleus overflowed its candidates, and
+        # the logprobs asked for.
+        while True:
+            parts = [token_ids]
+            if draw is not None:
+                parts.append(draw.overflow)
+            lp_parts = self._logprob_tensors(raw, rows, token_ids) if want_logprobs else None
+            if lp_parts is not None:
+                parts += lp_parts.flat()
+            host = torch.cat([t.reshape(-1).double() for t in parts]).tolist()
+            n = len(rows)
+            token_list = [int(t) for t in host[:n]]
+            offset = n
+            if draw is not None:
+                redo = [i for i, flag in enumerate(host[n : 2 * n]) if flag]
+                offset = 2 * n
+                if redo:  # rare: redone with more candidates (costs more transfers)
+                    token_ids = self._widen(draw, redo)
+                    draw = None
+                    continue
+            break
+        if lp_parts is None:
             return SamplerOutput(token_ids=token_list, logprobs=[None] * len(rows))
-        return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw, rows, token_ids))
+        return SamplerOutput(
+            token_ids=token_list, logprobs=lp_parts.unpack(host[offset:], rows, token_list)
+        )
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]):
-        """vLLM's penalties, touching only the logits of tokens that occur (sparse, in place):
-        repetition over prompt + output tokens, then frequency (x count) and presence over
-        output tokens."""
+        """vLLM's penalties, in place on rows idx: repetition over prompt + output tokens,
+        then frequency (x count) and presence over output tokens. Dense over the vocabulary
+        (an untouched token gets exactly its own logit back), so nothing waits for the
+        device."""
         device, vocab = logits.device, logits.shape[1]
-        flat = logits.view(-1)  # processed logits are a fresh contiguous clone
-        per_row = [[1.0] * len(rows), [0.0] * len(rows), [0.0] * len(rows)]
-        for i in idx:
-            p = rows[i].params
-            per_row[0][i] = p.repetition_penalty
-            per_row[1][i] = p.frequency_penalty
-            per_row[2][i] = p.presence_penalty
-        repetition, frequency, presence = torch.tensor(per_row, device=device)
-        outputs = _flat_positions([rows[i].output_token_ids for i in idx], idx, vocab, device)
-        in_output, counts = torch.unique(outputs, return_counts=True)
-
-        if any(rows[i].params.repetition_penalty != 1.0 for i in idx):
-            prompts = _flat_positions([rows[i].prompt_token_ids for i in idx], idx, vocab, device)
-            seen = torch.unique(torch.cat([prompts, in_output]))
-            values = flat[seen]
-            factor = repetition[seen // vocab]
+        params = [rows[i].params for i in idx]
+        repetition, frequency, presence = torch.tensor(
+            [[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+             [p.presence_penalty for p in params]], device=device,
+        ).unsqueeze(-1)
+        selected = _select_rows(logits, idx)
+        out_counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, device)
+        in_output = out_counts > 0
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = in_output | (
+                _token_counts([rows[i].prompt_token_ids for i in idx], vocab, device) > 0
+            )
             # Positive logits shrink, negative ones grow: both make the token less likely.
-            flat[seen] = torch.where(values > 0, values / factor, values * factor)
-        owner = in_output // vocab
-        flat[in_output] -= frequency[owner] * counts + presence[owner]
+            penalized = torch.where(selected > 0, selected / repetition, selected * repetition)
+            selected = torch.where(seen, penalized, selected)
+        selected = selected - (frequency * out_counts + presence * in_output)
+        if len(idx) == logits.shape[0]:
+            logits.copy_(selected)
+        else:
+            logits.index_copy_(0, torch.tensor(idx, device=device), selected)
 
     def _mask_stop_tokens(self, logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]):
         vocab = logits.shape[1]
@@ -228,60 +256,82 @@ class Sampler:
         if col_idx:
             logits[row_idx, col_idx] = -math.inf
 
-    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> "_Draw":
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        overflow = torch.zeros(len(rows), dtype=torch.bool, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if greedy:
             token_ids[greedy] = _select_rows(logits, greedy).argmax(dim=-1)
+        draw = _Draw(token_ids, overflow, logits, rows, None, None)
         if sampled:
-            sampled_logits = _select_rows(logits, sampled)
-            token_ids[sampled] = self._sample(sampled_logits, [rows[i] for i in sampled])
-        return token_ids
+            self._sample(draw, sampled)
+        return draw
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        vocab, device = logits.shape[1], logits.device
+    def _sample(self, draw: "_Draw", sampled: list[int]) -> None:
+        """Draw tokens for rows `sampled` of the batch into draw.token_ids. Rows whose top-p
+        nucleus may be wider than the first candidates are flagged in draw.overflow (their
+        token is not valid) for `_widen`: deciding here would wait for the device."""
+        logits = draw.logits
+        rows = draw.rows
+        device = logits.device
         # Temperature is applied late, to the few values that need it: top-k candidates are
         # the same before and after dividing by a positive number.
-        temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+        temperature = torch.zeros(len(rows), device=device)
+        temperature[sampled] = torch.tensor(
+            [rows[j].params.temperature for j in sampled], device=device
+        )
         # One uniform per row, drawn up front so that no later widening of the candidates can
         # change how many a seeded row consumes.
-        uniform = torch.empty(len(rows), device=device)
-        shared = [j for j, r in enumerate(rows) if r.generator is None]
+        uniform = torch.zeros(len(rows), device=device)
+        shared = [j for j in sampled if rows[j].generator is None]
         if shared:
             generator = self.shared_generator(device)
             uniform[shared] = torch.rand(len(shared), device=device, generator=generator)
-        for j, r in enumerate(rows):
-            if r.generator is not None:
-                uniform[j] = torch.rand(1, device=device, generator=r.generator)[0]
+        for j in sampled:
+            if rows[j].generator is not None:
+                uniform[j] = torch.rand(1, device=device, generator=rows[j].generator)[0]
+        draw.temperature, draw.uniform = temperature, uniform
 
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
-        ranked = [j for j, r in enumerate(rows) if r.params.top_k > 0 or r.params.top_p < 1]
-        if len(ranked) < len(rows):
-            full = [j for j, r in enumerate(rows) if not (r.params.top_k > 0 or r.params.top_p < 1)]
-            token_ids[full] = self._sample_full(
-                _select_rows(logits, full),
-                [rows[j] for j in full],
-                temperature[full],
+        ranked = [j for j in sampled if rows[j].params.top_k > 0 or rows[j].params.top_p < 1]
+        full = [j for j in sampled if not (rows[j].params.top_k > 0 or rows[j].params.top_p < 1)]
+        if full:
+            draw.token_ids[full] = self._sample_full(
+                _select_rows(logits, full), [rows[j] for j in full], temperature[full],
                 uniform[full],
             )
-        widths = [*NUCLEUS_CANDIDATES, vocab]
+        if ranked:
+            self._sample_ranked_rows(draw, ranked, NUCLEUS_CANDIDATES[0])
+
+    def _sample_ranked_rows(self, draw: "_Draw", ranked: list[int], nucleus_width: int) -> None:
+        rows, vocab = draw.rows, draw.logits.shape[1]
+        top_ks = [rows[j].params.top_k for j in ranked]
+        width = min(vocab, max(k if k > 0 else nucleus_width for k in top_ks))
+        chosen, short = self._sample_ranked(
+            _select_rows(draw.logits, ranked),
+            [rows[j] for j in ranked],
+            width,
+            draw.temperature[ranked],
+            draw.uniform[ranked],
+        )
+        draw.token_ids[ranked] = chosen
+        draw.overflow[ranked] = short
+
+    def _widen(self, draw: "_Draw", redo: list[int]) -> torch.Tensor:
+        """Redo rows whose nucleus overflowed with more candidates, then the whole vocabulary
+        (each widening waits for the device to learn which rows still overflow)."""
+        vocab = draw.logits.shape[1]
+        widths = [*NUCLEUS_CANDIDATES[1:], vocab]
         for attempt, nucleus_width in enumerate(widths):
-            if not ranked:
+            draw.overflow.zero_()
+            self._sample_ranked_rows(draw, redo, nucleus_width)
+            if attempt + 1 == len(widths):
                 break
-            top_ks = [rows[j].params.top_k for j in ranked]
-            width = min(vocab, max(k if k > 0 else nucleus_width for k in top_ks))
-            chosen, overflow = self._sample_ranked(
-                _select_rows(logits, ranked),
-                [rows[j] for j in ranked],
-                width,
-                temperature[ranked],
-                uniform[ranked],
-            )
-            token_ids[ranked] = chosen
-            # Nuclei wider than the candidates: redo those rows with more.
-            ranked = [ranked[k] for k in overflow] if attempt + 1 < len(widths) else []
-        return token_ids
+            flags = draw.overflow[redo].tolist()
+            redo = [j for j, flag in zip(redo, flags, strict=True) if flag]
+            if not redo:
+                break
+        return draw.token_ids
 
     def _sample_full(
         self,
@@ -314,11 +364,11 @@ class Sampler:
         width: int,
         temperature: torch.Tensor,
         uniform: torch.Tensor,
-    ) -> tuple[torch.Tensor, list[int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k / top-p / min-p over the `width` best candidates of each row.
 
-        Returns the tokens and the positions of rows whose top-p nucleus did not fit in
-        `width` candidates (their token is not valid; redo them with more).
+        Returns the tokens and a bool per row: True where the top-p nucleus did not fit in
+        `width` candidates (that token is not valid; redo the row with more).
         """
         device, vocab = logits.device, logits.shape[1]
         values, token_idx = logits.topk(width, dim=-1)  # sorted, best first
@@ -343,42 +393,73 @@ class Sampler:
         top_p = torch.tensor([r.params.top_p for r in rows], device=device)
         keep &= (cumulative - weights) < (top_p * total).unsqueeze(1)  # the best is always kept
 
-        overflow: list[int] = []
+        short = torch.zeros(len(rows), dtype=torch.bool, device=device)
         if width < vocab and no_top_k:
             # Every candidate kept and still short of top_p: the nucleus may be wider.
             short = keep[:, -1] & (cumulative[:, -1] < top_p * total)
             short[[k for k, r in enumerate(rows) if r.params.top_k > 0]] = False
-            overflow = short.nonzero().flatten().tolist()
 
         min_p = [r.params.min_p for r in rows]
         if any(p > 0 for p in min_p):
             log_min_p = torch.tensor(min_p, device=device).log().unsqueeze(1)
             keep &= values >= best + log_min_p
         choice = _inverse_cdf(weights.masked_fill_(~keep, 0.0), uniform)
-        return token_idx.gather(1, choice.unsqueeze(1)).squeeze(1), overflow
+        return token_idx.gather(1, choice.unsqueeze(1)).squeeze(1), short
 
-    def _logprobs(
+    def _logprob_tensors(
         self, raw: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor
-    ) -> list[TokenLogprobs | None]:
-        token_list = token_ids.tolist()
+    ) -> "_LogprobTensors | None":
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not wanted:
+            return None
         logprobs = _select_rows(raw, wanted).log_softmax(dim=-1)
-        chosen = token_ids[wanted].unsqueeze(1)
-        chosen_lp = logprobs.gather(1, chosen)
-        ranks = ((logprobs > chosen_lp).sum(dim=-1) + 1).tolist()
-        chosen_list = chosen_lp.squeeze(1).tolist()
+        chosen = _select_rows(token_ids, wanted).unsqueeze(1)
+        chosen_lp = logprobs.gather(1, chosen).squeeze(1)
+        ranks = (logprobs > chosen_lp.unsqueeze(1)).sum(dim=-1) + 1
         num_top = max(rows[i].params.logprobs for i in wanted)
-        top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
-        top_values_list = top_values.tolist() if top_values is not None else None
-        top_ids_list = top_ids.tolist() if top_ids is not None else None
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        return _LogprobTensors(wanted, chosen_lp, ranks, top_values, top_ids)
 
+
+@dataclass(slots=True)
+class _Draw:
+    """A sampled batch in progress, kept so that overflowing rows can be redone."""
+
+    token_ids: torch.Tensor  # [rows] long
+    overflow: torch.Tensor  # [rows] bool: the row's top-p nucleus may exceed its candidates
+    logits: torch.Tensor  # [rows, vocab] processed
+    rows: list[SamplingRow]
+    temperature: torch.Tensor | None  # [rows]
+    uniform: torch.Tensor | None  # [rows], the one uniform each row uses this step
+
+
+@dataclass(slots=True)
+class _LogprobTensors:
+    wanted: list[int]  # batch rows that asked for logprobs
+    chosen: torch.Tensor  # [wanted] logprob of the sampled token
+    ranks: torch.Tensor  # [wanted]
+    top_values: torch.Tensor  # [wanted, num_top]
+    top_ids: torch.Tensor  # [wanted, num_top]
+
+    def flat(self) -> list[torch.Tensor]:
+        return [self.chosen, self.ranks, self.top_values, self.top_ids]
+
+    def unpack(
+        self, host: list[float], rows: list[SamplingRow], token_list: list[int]
+    ) -> list[TokenLogprobs | None]:
+        """TokenLogprobs from the host copy of `flat()` (token ids and ranks are exact in
+        float64)."""
+        num_wanted, num_top = self.top_values.shape
+        chosen = host[:num_wanted]
+        ranks = host[num_wanted : 2 * num_wanted]
+        values_at = 2 * num_wanted
+        ids_at = values_at + num_wanted * num_top
         result: list[TokenLogprobs | None] = [None] * len(rows)
-        for k, i in enumerate(wanted):
+        for k, i in enumerate(self.wanted):
             n = rows[i].params.logprobs
-            token = token_list[i]
-            top = {}
-            if n and top_ids_list is not None and top_values_list is not None:
-                top = dict(zip(top_ids_list[k][:n], top_values_list[k][:n], strict=True))
-            top[token] = chosen_list[k]
-            result[i] = TokenLogprobs(token, chosen_list[k], top, ranks[k])
+            row_values = host[values_at + k * num_top : values_at + k * num_top + n]
+            row_ids = host[ids_at + k * num_top : ids_at + k * num_top + n]
+            top = {int(t): v for t, v in zip(row_ids, row_values, strict=True)}
+            top[token_list[i]] = chosen[k]
+            result[i] = TokenLogprobs(token_list[i], chosen[k], top, int(ranks[k]))
         return result

@@ -1,4 +1,5 @@
-"""A tiny Llama end to end through the Triton kernels (interpreted on CPU) vs the torch path.
+"""A tiny Llama end to end through the Triton kernels vs the torch path, on this machine's device
+(CUDA when there is one: compiled kernels; CPU otherwise: the Triton interpreter).
 
 Same greedy tokens, token for token. A small token budget makes the scheduler chunk the long
 prompts, so steps mix decode tokens with prefill chunks that attend to an already cached
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine_service import LLM, SamplingParams
+from tests.kernels.conftest import DEVICE
 
 SHARED_PREFIX = list(range(100, 132))  # two full blocks of 16
 PROMPTS = [
@@ -27,7 +29,7 @@ def _generate(model_dir: Path, kernel_backend: str) -> list[list[int]]:
         model=str(model_dir),
         block_size=16,
         num_blocks=64,
-        device="cpu",
+        device=DEVICE.type,
         kernel_backend=kernel_backend,
         max_num_batched_tokens=24,
     )
