@@ -134,7 +134,9 @@ class LLMEngine:
             )
         vocab = self.model_config.vocab_size
         bad = next(
-            (t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None
+            (t for t in prompt_token_ids
+             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab),
+            None,
         )
         if bad is not None:
             raise InvalidRequestError(
@@ -168,6 +170,14 @@ class LLMEngine:
             raise RequestTooLargeError(
                 "n", f"n must be at most {self.config.max_num_seqs} (max_num_seqs: the "
                 f"sequences one step runs), got {params.n}"
+            )
+        prompt_blocks = blocks_for(num_prompt + 1, self.config.block_size)
+        if prompt_blocks > self.pool.num_blocks:
+            raise RequestTooLargeError(
+                "prompt",
+                f"prompt must fit this engine's KV pool of {self.pool.num_blocks} blocks of "
+                f"{self.config.block_size} tokens with one output token "
+                f"({prompt_blocks} blocks), got {num_prompt} tokens",
             )
         needed = self.blocks_for_request(num_prompt, params)
         if needed > self.pool.num_blocks:

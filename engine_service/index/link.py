@@ -295,18 +295,27 @@ class PrefixIndexLink:
                         self.target, error)
 
     async def _on_engine(self, fn: Callable[[], object]) -> object:
-        """fn() run on the engine thread between two steps; its result."""
+        """fn() run on the engine thread between two steps; its result. A slow step is no index
+        outage: this waits as long as the engine takes, unless the link closes (as it does when
+        the engine thread dies). The command never raises on the engine thread."""
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def command(_engine: object) -> None:
+            if not done.set_running_or_notify_cancel():
+                return  # the link gave up waiting (closing): nothing to hand back
             try:
                 done.set_result(fn())
-            except BaseException as error:  # noqa: BLE001 - handed to the awaiting link
+            except Exception as error:  # noqa: BLE001 - handed to the awaiting link
                 done.set_exception(error)
 
         self._post(command)
-        # A stalled engine thread must not hang the link forever.
-        return await asyncio.wait_for(asyncio.wrap_future(done), 10 * self.options.rpc_timeout_s)
+        waiting = asyncio.wrap_future(done)
+        while not self._closing:
+            finished, _ = await asyncio.wait([waiting], timeout=0.5)
+            if finished:
+                return waiting.result()
+        waiting.cancel()
+        raise IndexUnavailableError(f"prefix index {self.target}: the link is closed")
 
     async def _register_and_resync(self) -> None:
         assert self._client is not None
@@ -418,6 +427,11 @@ class PrefixIndexLink:
         op = Unpin(list(chain)) if unpin else Pin(list(chain), ttl_s)
         try:
             await self._flush()  # the chain's commits may still be waiting: send them first
+        except Exception as error:  # noqa: BLE001 - the step batches' failure, not the pin's
+            self._on_failure(error)
+            self._wake.set()
+            raise IndexUnavailableError(f"prefix index {self.target}: {error}") from None
+        try:
             async with self._send_lock:
                 reply = await self._apply([op])
                 [result] = reply.results

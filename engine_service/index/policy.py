@@ -112,7 +112,8 @@ class IndexPolicy:
         self._evictable: OrderedDict[bytes, None] = OrderedDict()  # refcount 0, unpinned; LRU
         self._pins: dict[bytes, float] = {}  # hash -> monotonic expiry (inf: until unpinned)
         self._auto_pins: set[bytes] = set()  # of _pins, those the index pinned as hot
-        self._idle_pinned: set[bytes] = set()  # refcount 0 but pinned: not evictable
+        # Refcount 0 but pinned (not evictable), in pinning order: release_pins takes the oldest.
+        self._idle_pinned: dict[bytes, None] = {}
         self._pending: list[PendingOp] = []  # recorded since the last batch
         self.outbox: queue.SimpleQueue[OpBatch] = queue.SimpleQueue()  # to the link thread
         self.generation = 0  # of the registration being recorded for
@@ -156,7 +157,7 @@ class IndexPolicy:
         self._mirror[block_hash].ref_count += 1
         if was_evictable:
             self._evictable.pop(block_hash, None)
-            self._idle_pinned.discard(block_hash)
+            self._idle_pinned.pop(block_hash, None)
         if self._covered_acquires:
             self._covered_acquires -= 1
         elif self._recording:
@@ -168,7 +169,7 @@ class IndexPolicy:
         self._mirror[block_hash].ref_count -= 1
         if now_evictable:
             if block_hash in self._pins:
-                self._idle_pinned.add(block_hash)
+                self._idle_pinned[block_hash] = None
             else:
                 self._evictable[block_hash] = None
         if self._recording:
@@ -231,7 +232,7 @@ class IndexPolicy:
                 continue
             del self._mirror[victim.hash]
             self._evictable.pop(victim.hash, None)
-            self._idle_pinned.discard(victim.hash)
+            self._idle_pinned.pop(victim.hash, None)
             self._pins.pop(victim.hash, None)
             # A block in use stays with its users, privately: the index forgot it.
             self.pool.uncache(victim.hash)
@@ -275,7 +276,7 @@ class IndexPolicy:
             self._pins[block_hash] = expiry
             if block_hash in self._evictable:
                 del self._evictable[block_hash]
-                self._idle_pinned.add(block_hash)
+                self._idle_pinned[block_hash] = None
             count += 1
         return count
 
@@ -286,7 +287,7 @@ class IndexPolicy:
         del self._pins[block_hash]
         self._auto_pins.discard(block_hash)
         if block_hash in self._idle_pinned:
-            self._idle_pinned.discard(block_hash)
+            self._idle_pinned.pop(block_hash, None)
             self._evictable[block_hash] = None
         return True
 

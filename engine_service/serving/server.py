@@ -104,6 +104,10 @@ class EngineServer:
         self.servicer.draining = True
         self.engine_failed.set()
         self._loop.create_task(self._set_health(NOT_SERVING))
+        link = self.servicer.index_link
+        if link is not None and hasattr(link, "close"):
+            # Stop heartbeating: the index must not keep crediting blocks nobody can serve.
+            self._loop.create_task(asyncio.to_thread(link.close))
         log.error("the engine thread died: health NOT_SERVING, stopping")
 
     def _on_step(self, engine: LLMEngine, outputs: list) -> None:

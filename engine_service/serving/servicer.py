@@ -211,7 +211,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         mc, config = engine.model_config, engine.config
         return pb.ModelInfoResponse(
             model_path=str(mc.path),
-            model_identity=mc.identity,
+            model_identity=engine.hasher.identity,  # what seeds the block-hash chain
             architecture=mc.architecture,
             vocab_size=mc.vocab_size,
             max_model_len=engine.max_model_len,
@@ -252,6 +252,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
     async def PinPrefix(self, request: pb.PinPrefixRequest, context) -> pb.PinPrefixResponse:
+        if self.engine.dead is not None:
+            await context.abort(*status_for(EngineDeadError(
+                f"the engine stopped after an error: {self.engine.dead!r}")))
         if self.index_link is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,

@@ -79,3 +79,17 @@ def test_bad_engine_args_name_the_field(tiny_llama_dir):
             LLM(model=str(tiny_llama_dir), **args)
     with pytest.raises(ValueError, match="does not exist"):
         LLM(model="/nonexistent/model")
+
+
+def test_prompt_that_alone_overflows_the_pool_names_the_prompt(tiny_llama_dir, make_llm):
+    small = make_llm(tiny_llama_dir, block_size=8, num_blocks=4)
+    with pytest.raises(RequestTooLargeError, match=r"^prompt must fit this engine's KV pool of 4 "
+                                                   r"blocks .* got 40 tokens") as caught:
+        small.generate({"prompt_token_ids": list(range(40))}, SamplingParams(max_tokens=1))
+    assert caught.value.field == "prompt"
+
+
+def test_bool_token_ids_are_refused(tiny_llama_dir, make_llm):
+    llm = make_llm(tiny_llama_dir, num_blocks=16)
+    with pytest.raises(ValueError, match="prompt_token_ids must be ints .* got True"):
+        llm.generate({"prompt_token_ids": [True, 6, 7]}, SamplingParams(max_tokens=1))
