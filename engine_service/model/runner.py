@@ -4,7 +4,8 @@ import torch
 
 from engine_service.core.kv_cache_manager import BlockMoves
 from engine_service.core.scheduler import ScheduledSeq
-from engine_service.model.config import DTYPES, ModelConfig
+from engine_service.model.config import ModelConfig
+from engine_service.model.dtype import DTYPES
 from engine_service.model.loader import load_model
 from engine_service.model.models.llama import StepContext, rope_cos_sin_cache
 from kernels import get_kernel_backend
