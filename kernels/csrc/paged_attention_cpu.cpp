@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -61,34 +62,56 @@ inline void widen(const scalar_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+// exp(x) for x <= 0 (scores minus their running max), in a form the compiler vectorizes:
+// libm's expf is a scalar call, and it was most of the kernel's time. 2^n * p(r) with
+// x = n ln2 + r, |r| <= ln2/2, p the degree-6 Taylor polynomial: relative error < 2e-7.
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;  // below this, exp underflows float32 anyway
+  // Round to nearest by the 1.5 * 2^23 trick: roundf is a libm call that blocks vectorizing.
+  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits;
+  __builtin_memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  __builtin_memcpy(&p, &bits, sizeof p);
+  return p;
 }
 
 // One (sequence, KV head, query tile): rows are (token, query head of the group) pairs.
-template <typename scalar_t>
+// Each K/V block is read from the pool once and used by every row. kHead is the head size as
+// a compile-time constant (0: runtime), so the head-size loops unroll into whole vector
+// registers and a row's accumulator stays in registers across a block's keys.
+template <typename scalar_t, int64_t kBlock, int64_t kHead>
 void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
                  const scalar_t* key_cache, const scalar_t* value_cache, scalar_t* out,
                  std::vector<float>& scratch) {
-  const int64_t d = p.head_size, bs = p.block_size, group = p.group;
+  const int64_t d = kHead ? kHead : p.head_size;
+  const int64_t group = p.group;
   const int64_t num_rows = (w.token_end - w.token_begin) * group;
   const int64_t query_start = p.query_start_loc[w.seq];
   const int64_t query_len = p.query_start_loc[w.seq + 1] - query_start;
   const int64_t context_start = p.seq_lens[w.seq] - query_len;  // position of query token 0
   const int64_t num_keys = context_start + w.token_end;  // keys the last token of the tile sees
 
-  scratch.resize(static_cast<size_t>(2 * num_rows * d + 2 * num_rows + num_rows * bs +
-                                     2 * bs * d));
-  float* q = scratch.data();    // [rows, d], pre-scaled
+  // Many rows (a prefill tile) share each block's keys: transposing them once to [d, kBlock]
+  // makes a row's scores kBlock-wide vector FMAs. A decode item has only `group` rows, too few
+  // to pay for the transpose: its scores are dot products over the head dimension.
+  const bool transpose_keys = num_rows >= kBlock;
+  scratch.resize(static_cast<size_t>(2 * num_rows * d + 2 * num_rows + 3 * kBlock * d));
+  float* q = scratch.data();      // [rows, d], pre-scaled
   float* acc = q + num_rows * d;  // [rows, d]
   float* row_max = acc + num_rows * d;
   float* row_sum = row_max + num_rows;
-  float* scores = row_sum + num_rows;  // [rows, bs]
-  float* key_buf = scores + num_rows * bs;  // [bs, d] widened keys (bf16/fp16 caches)
-  float* value_buf = key_buf + bs * d;
+  float* keys = row_sum + num_rows;     // [kBlock, d] this block's keys as float
+  float* values = keys + kBlock * d;    // [kBlock, d] its values as float
+  float* keys_t = values + kBlock * d;  // [d, kBlock] the keys transposed (prefill tiles)
 
   for (int64_t t = w.token_begin; t < w.token_end; ++t) {
     const scalar_t* src = query + (query_start + t) * p.q_stride_token + w.kv_head * group * d;
@@ -102,57 +125,114 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
   std::fill(row_sum, row_sum + num_rows, 0.f);
 
   const int32_t* table = p.block_tables + w.seq * p.max_blocks;
-  const int64_t num_blocks = (num_keys + bs - 1) / bs;
+  const int64_t num_blocks = (num_keys + kBlock - 1) / kBlock;
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t first_key = b * bs;
-    const int64_t keys_here = std::min(bs, num_keys - first_key);
+    const int64_t first_key = b * kBlock;
+    const int64_t keys_here = std::min(kBlock, num_keys - first_key);
     const int64_t offset = static_cast<int64_t>(table[b]) * p.kv_stride_block +
                            w.kv_head * p.kv_stride_head;
-    const float* keys;
-    const float* values;
-    int64_t key_stride;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      keys = key_cache + offset;
-      values = value_cache + offset;
-      key_stride = p.kv_stride_token;
-    } else {
-      for (int64_t j = 0; j < keys_here; ++j) {
-        widen(key_cache + offset + j * p.kv_stride_token, key_buf + j * d, d);
-        widen(value_cache + offset + j * p.kv_stride_token, value_buf + j * d, d);
+    if (b + 1 < num_blocks) {
+      // Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next one:
+      // ask for it now, and its loads overlap this block's math (measured: the copy below was
+      // most of the kernel's time, stalled on memory).
+      const int64_t next = static_cast<int64_t>(table[b + 1]) * p.kv_stride_block +
+                           w.kv_head * p.kv_stride_head;
+      const int64_t row_bytes = d * static_cast<int64_t>(sizeof(scalar_t));
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const char* k = reinterpret_cast<const char*>(key_cache + next + j * p.kv_stride_token);
+        const char* v = reinterpret_cast<const char*>(value_cache + next + j * p.kv_stride_token);
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+          __builtin_prefetch(k + byte);
+          __builtin_prefetch(v + byte);
+        }
       }
-      keys = key_buf;
-      values = value_buf;
-      key_stride = d;
+    }
+    // The one read of this block's K/V for this item: into dense float rows (a copy for fp32,
+    // a widening for bf16/fp16), so every loop below has compile-time strides.
+    for (int64_t j = 0; j < keys_here; ++j) {
+      widen(key_cache + offset + j * p.kv_stride_token, keys + j * d, d);
+      widen(value_cache + offset + j * p.kv_stride_token, values + j * d, d);
+    }
+    if (transpose_keys) {
+      for (int64_t j = 0; j < kBlock; ++j) {
+        for (int64_t i = 0; i < d; ++i) keys_t[i * kBlock + j] = j < keys_here ? keys[j * d + i]
+                                                                                : 0.f;
+      }
     }
     for (int64_t r = 0; r < num_rows; ++r) {
       // Causal: token t sits at context_start + t and sees keys up to that position.
       const int64_t position = context_start + w.token_begin + r / group;
       const int64_t visible = std::min(keys_here, position - first_key + 1);
       if (visible <= 0) continue;
-      float* s = scores + r * bs;
       const float* q_row = q + r * d;
-      float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < visible; ++j) {
-        s[j] = dot(q_row, keys + j * key_stride, d);
-        block_max = std::max(block_max, s[j]);
+      float s[kBlock];
+      if (transpose_keys) {
+        // Four partial sums over interleaved head dims: four independent FMA chains instead
+        // of one chain of d dependent FMAs (latency-bound).
+        float part[4][kBlock] = {};
+        int64_t i = 0;
+        for (; i + 4 <= d; i += 4) {
+          for (int64_t u = 0; u < 4; ++u) {
+            const float qi = q_row[i + u];
+            const float* kt = keys_t + (i + u) * kBlock;
+#pragma omp simd
+            for (int64_t j = 0; j < kBlock; ++j) part[u][j] += qi * kt[j];
+          }
+        }
+        for (; i < d; ++i) {
+          const float qi = q_row[i];
+          const float* kt = keys_t + i * kBlock;
+#pragma omp simd
+          for (int64_t j = 0; j < kBlock; ++j) part[0][j] += qi * kt[j];
+        }
+#pragma omp simd
+        for (int64_t j = 0; j < kBlock; ++j) s[j] = (part[0][j] + part[1][j]) + (part[2][j] +
+                                                                                  part[3][j]);
+      } else {
+        for (int64_t j = 0; j < visible; ++j) {
+          const float* k = keys + j * d;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < d; ++i) dot += q_row[i] * k[i];
+          s[j] = dot;
+        }
       }
+      float block_max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < visible; ++j) block_max = std::max(block_max, s[j]);
       const float new_max = std::max(row_max[r], block_max);
-      const float correction = std::exp(row_max[r] - new_max);  // 0 on the first block
+      const float correction = exp_nonpositive(row_max[r] - new_max);  // ~0 on the first block
       float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
       for (int64_t j = 0; j < visible; ++j) {
-        s[j] = std::exp(s[j] - new_max);
+        s[j] = exp_nonpositive(s[j] - new_max);
         block_sum += s[j];
       }
       row_max[r] = new_max;
       row_sum[r] = row_sum[r] * correction + block_sum;
       float* acc_row = acc + r * d;
+      if constexpr (kHead > 0) {
+        // The row's accumulator in registers across the block's keys: d / vector-width
+        // independent FMA chains, one pass over the values.
+        float a[kHead];
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) acc_row[i] *= correction;
-      for (int64_t j = 0; j < visible; ++j) {
-        const float weight = s[j];
-        const float* v = values + j * key_stride;
+        for (int64_t i = 0; i < kHead; ++i) a[i] = acc_row[i] * correction;
+        for (int64_t j = 0; j < visible; ++j) {
+          const float weight = s[j];
+          const float* v = values + j * kHead;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) acc_row[i] += weight * v[i];
+          for (int64_t i = 0; i < kHead; ++i) a[i] += weight * v[i];
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < kHead; ++i) acc_row[i] = a[i];
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) acc_row[i] *= correction;
+        for (int64_t j = 0; j < visible; ++j) {
+          const float weight = s[j];
+          const float* v = values + j * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) acc_row[i] += weight * v[i];
+        }
       }
     }
   }
@@ -164,6 +244,36 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
     const float inv_sum = 1.f / row_sum[r];  // every row sees at least key 0
     const float* acc_row = acc + r * d;
     for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<scalar_t>(acc_row[i] * inv_sum);
+  }
+}
+
+template <typename scalar_t, int64_t kBlock>
+void attend_block_size(const Problem& p, const WorkItem& w, const scalar_t* query,
+                       const scalar_t* key_cache, const scalar_t* value_cache, scalar_t* out,
+                       std::vector<float>& scratch) {
+  switch (p.head_size) {  // the common head sizes unrolled, any other at runtime
+    case 64: return attend_tile<scalar_t, kBlock, 64>(p, w, query, key_cache, value_cache, out,
+                                                       scratch);
+    case 128: return attend_tile<scalar_t, kBlock, 128>(p, w, query, key_cache, value_cache,
+                                                         out, scratch);
+    default: return attend_tile<scalar_t, kBlock, 0>(p, w, query, key_cache, value_cache, out,
+                                                      scratch);
+  }
+}
+
+template <typename scalar_t>
+void attend(const Problem& p, const WorkItem& w, const scalar_t* query, const scalar_t* key_cache,
+            const scalar_t* value_cache, scalar_t* out, std::vector<float>& scratch) {
+  // The block size as a compile-time constant too (checked to be one of these up front).
+  switch (p.block_size) {
+    case 8: return attend_block_size<scalar_t, 8>(p, w, query, key_cache, value_cache, out,
+                                                  scratch);
+    case 16: return attend_block_size<scalar_t, 16>(p, w, query, key_cache, value_cache, out,
+                                                    scratch);
+    case 32: return attend_block_size<scalar_t, 32>(p, w, query, key_cache, value_cache, out,
+                                                    scratch);
+    default: return attend_block_size<scalar_t, 64>(p, w, query, key_cache, value_cache, out,
+                                                    scratch);
   }
 }
 
@@ -189,6 +299,9 @@ void check_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor
                   out.stride(1) == out.size(2) && key_cache.stride(3) == 1,
               "paged_attention_cpu: heads of query/out and the cache's head_size must be dense");
   TORCH_CHECK(query.size(2) == key_cache.size(3), "paged_attention_cpu: head_size mismatch");
+  const int64_t block_size = key_cache.size(1);
+  TORCH_CHECK(block_size == 8 || block_size == 16 || block_size == 32 || block_size == 64,
+              "paged_attention_cpu: block_size must be 8, 16, 32 or 64, got ", block_size);
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0,
               "paged_attention_cpu: num_heads must be a multiple of num_kv_heads");
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc}) {
@@ -258,7 +371,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
           std::vector<float> scratch;
           for (int64_t worker = begin; worker < end; ++worker) {
             for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-              attend_tile<scalar_t>(p, items[i], q, k, v, o, scratch);
+              attend<scalar_t>(p, items[i], q, k, v, o, scratch);
             }
           }
         });
