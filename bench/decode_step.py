@@ -48,19 +48,26 @@ class StepResult:
     split: StepSplit
 
 
+def step_clock() -> Callable[[], float]:
+    """With one torch thread all the work runs on this thread, so its CPU time measures the
+    step without the time a shared machine keeps it descheduled; otherwise wall time."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
 class _Timer:
-    """Accumulates wall time of the calls it wraps."""
+    """Accumulates the time of the calls it wraps."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.clock = step_clock()
 
     def wrap(self, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                self.seconds += self.clock() - start
 
         return timed
 
@@ -91,11 +98,12 @@ def _running(engine):
 
 
 def _timed_steps(engine, steps: int) -> list[float]:
+    clock = step_clock()
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = clock()
         engine.step()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return times
 
 
@@ -153,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backends", default="auto", help="kernel backends, e.g. auto,torch")
     p.add_argument("--context", type=int, default=256, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (1: timed in thread CPU time, robust to a busy machine)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
@@ -160,8 +170,11 @@ def main(argv: list[str] | None = None) -> None:
         from engine_service.tools.prepare_model import ensure_default_model
 
         args.model = str(ensure_default_model())
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     results = []
-    print(f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
+    clock = "thread CPU time" if torch.get_num_threads() == 1 else "wall time"
+    print(f"clock: {clock}; load {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
           f"torch threads {torch.get_num_threads()}", flush=True)
     for dtype, batch, backend in itertools.product(
         args.dtypes.split(","), [int(b) for b in args.batches.split(",")],
