@@ -38,11 +38,10 @@ TORCH_BACKEND = KernelBackend(
 def _cpu_backend() -> KernelBackend:
     from kernels import cpu_attention  # the op itself is registered by loading the extension
 
-    # Cache writes and block copies stay on torch: index_copy_ by slot already touches each
-    # byte once; only attention needed a kernel of its own.
+    # Block copies stay on torch: one index_copy_ per step already touches each byte once.
     return KernelBackend(
         name="cpu",
-        reshape_and_cache=reference.reshape_and_cache,
+        reshape_and_cache=cpu_attention.reshape_and_cache,
         paged_attention=cpu_attention.paged_attention,
         copy_blocks=reference.copy_blocks,
         build_attention_plan=None,

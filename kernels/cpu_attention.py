@@ -1,7 +1,24 @@
-"""The CPU paged-attention kernel (kernels/csrc/paged_attention_cpu.cpp) behind the same call
-signature as kernels.reference.paged_attention, which stays its test oracle."""
+"""The CPU kernels (kernels/csrc/paged_attention_cpu.cpp) behind the same call signatures as
+kernels.reference, which stays their test oracle."""
 
 import torch
+
+from kernels import reference
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding (skipped)
+) -> None:
+    """Write each token's K/V into its slot of the paged cache."""
+    if key.dtype != key_cache.dtype or slot_mapping.dtype != torch.int64:
+        # A conversion on the way in: the torch path handles it (the engine never needs it).
+        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return
+    torch.ops.pagedgen_cpu.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(

@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -378,12 +379,71 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
       });
 }
 
+// Writes each new token's K and V into its slot (block * block_size + offset; -1 = padding,
+// skipped). One op per layer where the torch path takes five (a padding check that syncs,
+// index conversions, two index_copy_): at batch 1 those small ops were a visible share of
+// the step.
+void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key_cache.dim() == 4 &&
+                  key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.strides() == value_cache.strides(),
+              "reshape_and_cache_cpu: key/value [tokens, kv_heads, head_size], caches "
+              "[blocks, block_size, kv_heads, head_size]");
+  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3),
+              "reshape_and_cache_cpu: key/value heads do not match the cache's");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
+                  value.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "reshape_and_cache_cpu: key, value and caches must share one dtype");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1 &&
+                  key.stride(1) == key.size(2) && value.stride(1) == value.size(2),
+              "reshape_and_cache_cpu: head_size must be the dense dimension");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == key.size(0),
+              "reshape_and_cache_cpu: slot_mapping must be contiguous int64 [tokens]");
+  const int64_t num_tokens = key.size(0), kv_heads = key.size(1), head = key.size(2);
+  const int64_t block_size = key_cache.size(1), num_slots = key_cache.size(0) * block_size;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t element = key.element_size();
+  const bool dense_token = key_cache.stride(2) == head;  // a token's heads are contiguous
+  auto copy = [&](const at::Tensor& src, at::Tensor& cache) {
+    const char* from = static_cast<const char*>(src.data_ptr());
+    char* to = static_cast<char*>(cache.data_ptr());
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      TORCH_CHECK(slot < num_slots, "reshape_and_cache_cpu: slot ", slot, " is past the pool's ",
+                  num_slots, " slots");
+      char* dst = to + ((slot / block_size) * cache.stride(0) +
+                        (slot % block_size) * cache.stride(1)) * element;
+      const char* row = from + t * src.stride(0) * element;
+      if (dense_token) {
+        std::memcpy(dst, row, kv_heads * head * element);
+      } else {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          std::memcpy(dst + h * cache.stride(2) * element, row + h * head * element,
+                      head * element);
+        }
+      }
+    }
+  };
+  copy(key, key_cache);
+  copy(value, value_cache);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedgen_cpu, m) {
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedgen_cpu, CPU, m) { m.impl("paged_attention", &paged_attention_cpu); }
+TORCH_LIBRARY_IMPL(pagedgen_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("reshape_and_cache", &reshape_and_cache_cpu);
+}

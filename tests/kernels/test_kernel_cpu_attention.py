@@ -103,3 +103,24 @@ def test_falls_back_to_torch_with_one_log_line_without_a_compiler(tmp_path) -> N
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["torch", "torch"]
     assert done.stderr.count("CPU paged-attention kernel unavailable") == 1, done.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reshape_and_cache_matches_reference(dtype) -> None:
+    """Slots in random blocks, a padding slot (-1) skipped, non-contiguous key rows (the
+    engine's k is a view into the fused q/k tensor), caches as views of one pool."""
+    gen = torch.Generator().manual_seed(5)
+    num_blocks, block_size, kvh, d = 9, 16, 3, 64
+    pool = torch.randn(2, 2, num_blocks, block_size, kvh, d, generator=gen).to(dtype)
+    pools = [pool.clone(), pool.clone()]
+    fused = torch.randn(7, 9 + kvh, d, generator=gen).to(dtype)
+    key = fused[:, 9:]  # stride(0) = 12 * d: not contiguous
+    value = torch.randn(7, kvh, d, generator=gen).to(dtype)
+    slots = torch.tensor([3 * 16 + 5, 8 * 16 + 15, -1, 0, 4 * 16, 4 * 16 + 1, 7 * 16 + 9])
+    reference.reshape_and_cache(key, value, pools[0][1, 0], pools[0][1, 1], slots)
+    cpu_attention.reshape_and_cache(key, value, pools[1][1, 0], pools[1][1, 1], slots)
+    assert torch.equal(pools[0], pools[1])
+    assert torch.equal(pools[1][1, 0, 8, 15], key[1])  # and it did write
+    with pytest.raises(RuntimeError, match="past the pool"):
+        cpu_attention.reshape_and_cache(key[:1], value[:1], pools[1][1, 0], pools[1][1, 1],
+                                        torch.tensor([num_blocks * block_size]))
