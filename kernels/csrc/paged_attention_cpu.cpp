@@ -41,7 +41,8 @@ constexpr int64_t kTileTokens = 16;
 
 struct WorkItem {
   int64_t seq;
-  int64_t kv_head;
+  int64_t kv_head;  // first KV head of the item
+  int64_t num_kv_heads;  // KV heads it covers (consecutive)
   int64_t token_begin;  // first query token of the tile, relative to the sequence's query
   int64_t token_end;
   int64_t cost;  // rows x keys, to hand out the big items first
@@ -85,8 +86,10 @@ inline float exp_nonpositive(float x) {
   return p;
 }
 
-// One (sequence, KV head, query tile): rows are (token, query head of the group) pairs.
-// Each K/V block is read from the pool once and used by every row. kHead is the head size as
+// One (sequence, KV heads, query tile): rows are (token, query head) pairs for the query
+// heads of those KV heads. Each K/V block is read from the pool once and used by every row;
+// an item covering all KV heads reads each block as one contiguous run, which the hardware
+// prefetcher streams (one head's rows are strided). kHead is the head size as
 // a compile-time constant (0: runtime), so the head-size loops unroll into whole vector
 // registers and a row's accumulator stays in registers across a block's keys.
 template <typename scalar_t, int64_t kBlock, int64_t kHead>
@@ -95,7 +98,10 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
                  std::vector<float>& scratch) {
   const int64_t d = kHead ? kHead : p.head_size;
   const int64_t group = p.group;
-  const int64_t num_rows = (w.token_end - w.token_begin) * group;
+  const int64_t heads = w.num_kv_heads;
+  const int64_t row_heads = heads * group;  // rows per query token
+  const int64_t kv_width = heads * d;  // floats per token in the key/value buffers
+  const int64_t num_rows = (w.token_end - w.token_begin) * row_heads;
   const int64_t query_start = p.query_start_loc[w.seq];
   const int64_t query_len = p.query_start_loc[w.seq + 1] - query_start;
   const int64_t context_start = p.seq_lens[w.seq] - query_len;  // position of query token 0
@@ -104,22 +110,22 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
   // Many rows (a prefill tile) share each block's keys: transposing them once to [d, kBlock]
   // makes a row's scores kBlock-wide vector FMAs. A decode item has only `group` rows, too few
   // to pay for the transpose: its scores are dot products over the head dimension.
-  const bool transpose_keys = num_rows >= kBlock;
-  scratch.resize(static_cast<size_t>(2 * num_rows * d + 2 * num_rows + 3 * kBlock * d));
+  const bool transpose_keys = (w.token_end - w.token_begin) * group >= kBlock;
+  scratch.resize(static_cast<size_t>(2 * num_rows * d + 2 * num_rows + 3 * kBlock * kv_width));
   float* q = scratch.data();      // [rows, d], pre-scaled
   float* acc = q + num_rows * d;  // [rows, d]
   float* row_max = acc + num_rows * d;
   float* row_sum = row_max + num_rows;
-  float* keys = row_sum + num_rows;     // [kBlock, d] this block's keys as float
-  float* values = keys + kBlock * d;    // [kBlock, d] its values as float
-  float* keys_t = values + kBlock * d;  // [d, kBlock] the keys transposed (prefill tiles)
+  float* keys = row_sum + num_rows;            // [kBlock, heads, d] this block's keys as float
+  float* values = keys + kBlock * kv_width;    // [kBlock, heads, d] its values as float
+  float* keys_t = values + kBlock * kv_width;  // [heads, d, kBlock] keys transposed (prefill)
 
   for (int64_t t = w.token_begin; t < w.token_end; ++t) {
     const scalar_t* src = query + (query_start + t) * p.q_stride_token + w.kv_head * group * d;
-    float* dst = q + (t - w.token_begin) * group * d;
-    widen(src, dst, group * d);
+    float* dst = q + (t - w.token_begin) * row_heads * d;
+    widen(src, dst, row_heads * d);
 #pragma omp simd
-    for (int64_t i = 0; i < group * d; ++i) dst[i] *= p.scale;
+    for (int64_t i = 0; i < row_heads * d; ++i) dst[i] *= p.scale;
   }
   std::fill(acc, acc + num_rows * d, 0.f);
   std::fill(row_max, row_max + num_rows, -std::numeric_limits<float>::infinity());
@@ -138,7 +144,8 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
       // most of the kernel's time, stalled on memory).
       const int64_t next = static_cast<int64_t>(table[b + 1]) * p.kv_stride_block +
                            w.kv_head * p.kv_stride_head;
-      const int64_t row_bytes = d * static_cast<int64_t>(sizeof(scalar_t));
+      const int64_t row_bytes =
+          ((heads - 1) * p.kv_stride_head + d) * static_cast<int64_t>(sizeof(scalar_t));
       for (int64_t j = 0; j < kBlock; ++j) {
         const char* k = reinterpret_cast<const char*>(key_cache + next + j * p.kv_stride_token);
         const char* v = reinterpret_cast<const char*>(value_cache + next + j * p.kv_stride_token);
@@ -151,21 +158,37 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
     // The one read of this block's K/V for this item: into dense float rows (a copy for fp32,
     // a widening for bf16/fp16), so every loop below has compile-time strides.
     for (int64_t j = 0; j < keys_here; ++j) {
-      widen(key_cache + offset + j * p.kv_stride_token, keys + j * d, d);
-      widen(value_cache + offset + j * p.kv_stride_token, values + j * d, d);
+      const int64_t row = offset + j * p.kv_stride_token;
+      if (p.kv_stride_head == d) {  // the item's heads are one contiguous run per token
+        widen(key_cache + row, keys + j * kv_width, kv_width);
+        widen(value_cache + row, values + j * kv_width, kv_width);
+      } else {
+        for (int64_t h = 0; h < heads; ++h) {
+          widen(key_cache + row + h * p.kv_stride_head, keys + j * kv_width + h * d, d);
+          widen(value_cache + row + h * p.kv_stride_head, values + j * kv_width + h * d, d);
+        }
+      }
     }
     if (transpose_keys) {
-      for (int64_t j = 0; j < kBlock; ++j) {
-        for (int64_t i = 0; i < d; ++i) keys_t[i * kBlock + j] = j < keys_here ? keys[j * d + i]
-                                                                                : 0.f;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* kt = keys_t + h * d * kBlock;
+        for (int64_t j = 0; j < kBlock; ++j) {
+          for (int64_t i = 0; i < d; ++i) {
+            kt[i * kBlock + j] = j < keys_here ? keys[j * kv_width + h * d + i] : 0.f;
+          }
+        }
       }
     }
     for (int64_t r = 0; r < num_rows; ++r) {
       // Causal: token t sits at context_start + t and sees keys up to that position.
-      const int64_t position = context_start + w.token_begin + r / group;
+      const int64_t position = context_start + w.token_begin + r / row_heads;
       const int64_t visible = std::min(keys_here, position - first_key + 1);
       if (visible <= 0) continue;
+      const int64_t kv = (r % row_heads) / group;  // this row's KV head within the item
       const float* q_row = q + r * d;
+      const float* head_keys = keys + kv * d;  // token j at head_keys + j * kv_width
+      const float* head_values = values + kv * d;
+      const float* head_keys_t = keys_t + kv * d * kBlock;
       float s[kBlock];
       if (transpose_keys) {
         // Four partial sums over interleaved head dims: four independent FMA chains instead
@@ -175,14 +198,14 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
         for (; i + 4 <= d; i += 4) {
           for (int64_t u = 0; u < 4; ++u) {
             const float qi = q_row[i + u];
-            const float* kt = keys_t + (i + u) * kBlock;
+            const float* kt = head_keys_t + (i + u) * kBlock;
 #pragma omp simd
             for (int64_t j = 0; j < kBlock; ++j) part[u][j] += qi * kt[j];
           }
         }
         for (; i < d; ++i) {
           const float qi = q_row[i];
-          const float* kt = keys_t + i * kBlock;
+          const float* kt = head_keys_t + i * kBlock;
 #pragma omp simd
           for (int64_t j = 0; j < kBlock; ++j) part[0][j] += qi * kt[j];
         }
@@ -191,7 +214,7 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
                                                                                   part[3][j]);
       } else {
         for (int64_t j = 0; j < visible; ++j) {
-          const float* k = keys + j * d;
+          const float* k = head_keys + j * kv_width;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t i = 0; i < d; ++i) dot += q_row[i] * k[i];
@@ -219,7 +242,7 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
         for (int64_t i = 0; i < kHead; ++i) a[i] = acc_row[i] * correction;
         for (int64_t j = 0; j < visible; ++j) {
           const float weight = s[j];
-          const float* v = values + j * kHead;
+          const float* v = head_values + j * kv_width;
 #pragma omp simd
           for (int64_t i = 0; i < kHead; ++i) a[i] += weight * v[i];
         }
@@ -230,7 +253,7 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
         for (int64_t i = 0; i < d; ++i) acc_row[i] *= correction;
         for (int64_t j = 0; j < visible; ++j) {
           const float weight = s[j];
-          const float* v = values + j * d;
+          const float* v = head_values + j * kv_width;
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) acc_row[i] += weight * v[i];
         }
@@ -239,8 +262,8 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
   }
 
   for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t t = w.token_begin + r / group;
-    const int64_t head = w.kv_head * group + r % group;
+    const int64_t t = w.token_begin + r / row_heads;
+    const int64_t head = w.kv_head * group + r % row_heads;
     scalar_t* dst = out + (query_start + t) * p.out_stride_token + head * d;
     const float inv_sum = 1.f / row_sum[r];  // every row sees at least key 0
     const float* acc_row = acc + r * d;
@@ -338,6 +361,16 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   p.query_start_loc = query_start_loc.data_ptr<int32_t>();
 
   const int64_t num_seqs = seq_lens.size(0);
+  // Enough (sequence, tile) pairs to keep every thread busy: one item per pair, covering all
+  // KV heads (contiguous block reads). Otherwise (batch 1, a few long prefills) one item per
+  // KV head too, so the threads share the work.
+  int64_t num_tiles = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    num_tiles += (p.query_start_loc[s + 1] - p.query_start_loc[s] + kTileTokens - 1) /
+                 kTileTokens;
+  }
+  const int64_t heads_per_item =
+      num_tiles >= 4 * static_cast<int64_t>(at::get_num_threads()) ? p.num_kv_heads : 1;
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t query_len = p.query_start_loc[s + 1] - p.query_start_loc[s];
@@ -348,8 +381,9 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                 " and context length ", p.seq_lens[s], ", which its block table cannot hold");
     for (int64_t t = 0; t < query_len; t += kTileTokens) {
       const int64_t end = std::min(query_len, t + kTileTokens);
-      for (int64_t h = 0; h < p.num_kv_heads; ++h) {
-        items.push_back({s, h, t, end, (end - t) * (context_start + end)});
+      for (int64_t h = 0; h < p.num_kv_heads; h += heads_per_item) {
+        items.push_back({s, h, heads_per_item, t, end,
+                         heads_per_item * (end - t) * (context_start + end)});
       }
     }
   }
