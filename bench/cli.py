@@ -120,7 +120,8 @@ def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int,
             dtypes: list[str] = ("float32",)) -> dict:
     from bench.roofline import achieved, measure_peaks, model_cost
 
-    results: dict = {"meta": machine_metadata(model), "sizes": asdict(sizes), "peers": {}}
+    results: dict = {"meta": machine_metadata(model), "sizes": asdict(sizes), "peers": {},
+                     "dtypes": list(dtypes)}
     throughput = fixed_random(sizes.num_prompts, 16, 200, sizes.output_len, seed)
     batch1 = fixed_random(sizes.batch1_prompts, 16, 200, sizes.output_len, seed + 1)
     serving = sharegpt_like(sizes.serving_prompts, 2048, seed + 2, scale=sizes.serving_scale)

@@ -214,7 +214,9 @@ def render_report(r: dict, out: Path) -> str:
         f"{' / '.join(f'{x:.2f}' for x in meta['load_average_1_5_15'])}, at end "
         f"{' / '.join(f'{x:.2f}' for x in meta.get('finished', {}).get('load_average_1_5_15', []))}"
         " (1 / 5 / 15 min; the machine is shared, so figures move with the load).",
-        f"Model: `{Path(meta['model']).name}` float32. Greedy, `ignore_eos`: every peer produces "
+        f"Model: `{Path(meta['model']).name}` in {' and '.join(r.get('dtypes', ['float32']))} "
+        "(peer names without a suffix are float32, `_bf16` bfloat16). Greedy, `ignore_eos`: "
+        "every peer produces "
         "exactly the same number of tokens for the same prompts.",
         "",
         "### Targets (issue #6)",
