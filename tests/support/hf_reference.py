@@ -93,8 +93,17 @@ def hf_greedy_top_logprobs(
     model_dir: Path | str, prompt: list[int], max_new_tokens: int, dtype: torch.dtype, k: int = 5
 ) -> list[tuple[int, dict[int, float]]]:
     """An ignore-EOS greedy run of the HF model in `dtype`: per generated token, (token id,
-    {top-k token id: logprob}), logprobs from the raw logits (log-softmax in float32)."""
-    model = load_hf_model(str(Path(model_dir).resolve()), dtype)
+    {top-k token id: logprob}), logprobs from the raw logits (log-softmax in float32).
+    Cached per process: tests at several block sizes ask for the same reference."""
+    key = str(Path(model_dir).resolve())
+    return _greedy_top_logprobs(key, tuple(prompt), max_new_tokens, dtype, k)
+
+
+@functools.lru_cache(maxsize=1024)
+def _greedy_top_logprobs(
+    model_dir: str, prompt: tuple[int, ...], max_new_tokens: int, dtype: torch.dtype, k: int
+) -> list[tuple[int, dict[int, float]]]:
+    model = load_hf_model(model_dir, dtype)
     base = model.generation_config
     generation_config = GenerationConfig(
         do_sample=False,
@@ -102,15 +111,15 @@ def hf_greedy_top_logprobs(
         eos_token_id=[],
         pad_token_id=base.pad_token_id if base.pad_token_id is not None else base.eos_token_id,
         bos_token_id=base.bos_token_id,
+        output_logits=True,  # raw logits, before any logits processor
+        return_dict_in_generate=True,
     )
-    input_ids = torch.tensor([prompt], dtype=torch.long)
+    input_ids = torch.tensor([list(prompt)], dtype=torch.long)
     with torch.inference_mode():
         out = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
             generation_config=generation_config,
-            output_logits=True,
-            return_dict_in_generate=True,
         )
     tokens = out.sequences[0, len(prompt) :].tolist()
     steps = []
