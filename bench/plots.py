@@ -11,9 +11,17 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-THROUGHPUT_PEERS = ("hf_generate_static", "hf_generate_batch", "engine_offline", "engine_grpc")
-BATCH1_PEERS = ("hf_generate_b1", "engine_offline_b1", "engine_grpc_b1")
-SERVING_PEERS = ("engine_offline_serving", "engine_grpc_serving")
+
+def _with_dtypes(names: tuple[str, ...]) -> tuple[str, ...]:
+    """Each peer in float32 (no suffix), then in bf16: the two dtypes side by side."""
+    return tuple(f"{n}{sfx}" for sfx in ("", "_bf16") for n in names)
+
+
+THROUGHPUT_PEERS = _with_dtypes(
+    ("hf_generate_static", "hf_generate_batch", "engine_offline", "engine_grpc")
+)
+BATCH1_PEERS = _with_dtypes(("hf_generate_b1", "engine_offline_b1", "engine_grpc_b1"))
+SERVING_PEERS = _with_dtypes(("engine_offline_serving", "engine_grpc_serving"))
 
 
 def _save(fig, path: Path) -> Path:

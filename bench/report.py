@@ -121,6 +121,55 @@ def _targets(r: dict) -> list[str]:
     return rows
 
 
+def _cpu_dtype_targets(r: dict) -> list[str]:
+    """Issue #13's targets: bf16 against fp32, HF and llama.cpp in the same dtype."""
+    peers, ratios, roof = r.get("peers", {}), r.get("ratios", {}), r.get("roofline", {})
+    rows = ["| target | measured | verdict |", "|---|---|---|"]
+
+    def add(target: str, measured: str, ok: bool | None) -> None:
+        rows.append(f"| {target} | {measured} | {_verdict(ok)} |")
+
+    for key, goal, what in (
+        ("engine_offline_bf16/engine_offline", 2, "engine bf16 >= 2x engine fp32 (32 concurrent)"),
+        ("engine_offline_bf16/hf_generate_static_bf16", 4, "engine bf16 >= 4x HF static bf16"),
+        ("engine_offline/hf_generate_static", 4, "engine fp32 >= 4x HF static fp32"),
+    ):
+        if key in ratios:
+            add(what, f"{_f(ratios[key], 2)}x", ratios[key] >= goal)
+    b1 = peers.get("engine_offline_b1_bf16", {}).get("output_throughput")
+    bound = roof.get("batch1_bound_tok_s_bf16")
+    if b1 is not None and bound:
+        add("batch 1 bf16 >= 60% of its weights-over-bandwidth bound",
+            f"{_f(b1)} tok/s = {_pct(b1 / bound)} of {_f(bound)}", b1 / bound >= 0.6)
+    llama = r.get("llamacpp", {})
+    for run in llama.get("runs", []):
+        sfx = "_bf16" if run["dtype"] == "bf16" else ""
+        ours = "engine_offline_b1" if run["parallel"] == 1 else "engine_offline"
+        mine = peers.get(ours + sfx, {}).get("output_throughput")
+        if mine is None:
+            continue
+        goal = 1.0 if run["parallel"] == 1 else 1.5
+        ratio = mine / run["decode_tok_s"]
+        add(f"engine {run['dtype']} >= {goal}x llama.cpp decode at {run['parallel']} sequences",
+            f"{_f(ratio, 2)}x ({_f(mine)} vs {_f(run['decode_tok_s'])} tok/s)", ratio >= goal)
+    if "skipped" in llama:
+        add("llama.cpp peer", f"skipped: {llama['skipped']}", None)
+    return rows
+
+
+def _decode_split_table(r: dict) -> list[str]:
+    rows = ["| dtype | batch | context | attention kernel | step ms | tok/s | matmul | attention "
+            "| other |", "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for x in r.get("decode_step", []):
+        s = x["split"]
+        rows.append(
+            f"| {x['dtype']} | {x['batch']} | {x['context']} | {x['kernel_backend']} | "
+            f"{_f(s['step_ms'])} | {_f(s['tokens_per_s'])} | {_pct(s['matmul_frac'])} | "
+            f"{_pct(s['attention_frac'])} | {_pct(s['other_frac'])} |"
+        )
+    return rows
+
+
 def _fragmentation_note(workloads: dict, block_size: int) -> str:
     """What last-block fragmentation alone predicts: a sequence wastes (block_size - 1) / 2
     slots on average while it holds prompt + output / 2 tokens on average."""
@@ -165,7 +214,9 @@ def render_report(r: dict, out: Path) -> str:
         f"{' / '.join(f'{x:.2f}' for x in meta['load_average_1_5_15'])}, at end "
         f"{' / '.join(f'{x:.2f}' for x in meta.get('finished', {}).get('load_average_1_5_15', []))}"
         " (1 / 5 / 15 min; the machine is shared, so figures move with the load).",
-        f"Model: `{Path(meta['model']).name}` float32. Greedy, `ignore_eos`: every peer produces "
+        f"Model: `{Path(meta['model']).name}` in {' and '.join(r.get('dtypes', ['float32']))} "
+        "(peer names without a suffix are float32, `_bf16` bfloat16). Greedy, `ignore_eos`: "
+        "every peer produces "
         "exactly the same number of tokens for the same prompts.",
         "",
         "### Targets (issue #6)",
@@ -173,6 +224,16 @@ def render_report(r: dict, out: Path) -> str:
         *_targets(r),
         "",
     ]
+    if any(k.endswith("_bf16") for k in r.get("ratios", {})) or r.get("decode_step"):
+        lines += ["### CPU dtypes (issue #13)", "", *_cpu_dtype_targets(r), ""]
+    if r.get("decode_step"):
+        lines += [
+            "Where a decode step's time goes (each linear and attention call timed; other = "
+            "norms, RoPE, activations, tensor building, sampling, scheduling):",
+            "",
+            *_decode_split_table(r),
+            "",
+        ]
     w = r.get("workloads", {})
     if peers:
         lines += [
@@ -191,19 +252,24 @@ def render_report(r: dict, out: Path) -> str:
             *_peer_table(
                 peers,
                 [
-                    "hf_generate_static",
-                    "hf_generate_batch",
-                    "engine_offline",
-                    "engine_grpc",
-                    "hf_generate_b1",
-                    "engine_offline_b1",
-                    "engine_grpc_b1",
+                    f"{name}{sfx}"
+                    for sfx in ("", "_bf16", "_fp16")
+                    for name in (
+                        "hf_generate_static",
+                        "hf_generate_batch",
+                        "engine_offline",
+                        "engine_grpc",
+                        "hf_generate_b1",
+                        "engine_offline_b1",
+                        "engine_grpc_b1",
+                    )
+                    if f"{name}{sfx}" in peers
                 ],
             ),
             "",
             "Serving: ShareGPT-like lengths (scaled down for a CPU), Poisson arrivals:",
             "",
-            *_peer_table(peers, ["engine_offline_serving", "engine_grpc_serving"]),
+            *_peer_table(peers, [n for n in peers if "_serving" in n]),
             "",
             "Ratios of output throughput: "
             + ", ".join(f"{k} **{v:.2f}x**" for k, v in r.get("ratios", {}).items())

@@ -1,7 +1,9 @@
-"""Paged KV-cache kernels: a torch path (CPU, reference) and a Triton path (CUDA).
+"""Paged KV-cache kernels: a C++ kernel for the CPU, a Triton path for CUDA, and the torch
+path that is the reference both are tested against (and the CPU fallback).
 
-`get_kernel_backend(name, device)` returns the set of functions the model runner calls, so the
-engine picks Triton on CUDA and torch on CPU through one interface ("auto"), or is forced to one.
+`get_kernel_backend(name, device)` returns the set of functions the model runner calls: "auto"
+picks Triton on CUDA and, on the CPU, the C++ paged attention when it builds here (else torch);
+"torch" and "triton" force one.
 """
 
 from collections.abc import Callable
@@ -33,13 +35,31 @@ TORCH_BACKEND = KernelBackend(
 )
 
 
+def _cpu_backend() -> KernelBackend:
+    from kernels import cpu_attention  # the op itself is registered by loading the extension
+
+    # Block copies stay on torch: one index_copy_ per step already touches each byte once.
+    return KernelBackend(
+        name="cpu",
+        reshape_and_cache=cpu_attention.reshape_and_cache,
+        paged_attention=cpu_attention.paged_attention,
+        copy_blocks=reference.copy_blocks,
+        build_attention_plan=None,
+    )
+
+
 def get_kernel_backend(name: str, device: torch.device | str) -> KernelBackend:
-    """The kernels to use: "auto" means Triton on CUDA, torch elsewhere."""
+    """The kernels to use: "auto" means Triton on CUDA, the C++ kernel (or, when it cannot be
+    built here, torch) on the CPU."""
     if name not in KERNEL_BACKENDS:
         raise ValueError(f"kernel backend must be one of {KERNEL_BACKENDS}, got {name!r}")
     device = torch.device(device)
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    if name == "torch":
         return TORCH_BACKEND
+    if name == "auto" and device.type != "cuda":
+        from kernels.cpu_extension import cpu_attention_available
+
+        return _cpu_backend() if cpu_attention_available() else TORCH_BACKEND
     from kernels.triton_backend import TRITON_BACKEND  # imported lazily: needs triton
 
     return TRITON_BACKEND

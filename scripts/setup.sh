@@ -36,3 +36,6 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 # Convert the default model once into the cache (no-op when it is already there).
 "$PY" -m engine_service.tools.prepare_model --quiet
+# Compile the CPU paged-attention kernel once into ~/.cache/pagedgen/extensions (no-op when this
+# source, torch and CPU already have a build; never fails set-up: the engine then uses torch).
+"$PY" -m kernels.cpu_extension

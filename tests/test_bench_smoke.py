@@ -113,3 +113,36 @@ def test_report_and_plots_render(tmp_path):
     text = render_report(results, tmp_path)
     assert "contiguous-max" in text and "### KV memory" in text
     assert [p.name for p in make_plots(results, tmp_path)] == ["kv_memory.png"]
+
+
+def test_report_renders_the_cpu_dtype_section(tmp_path):
+    from bench.report import render_report
+
+    summary = {"output_throughput": 0.0, "total_token_throughput": 1.0,
+               "request_throughput": 1.0, "ttft": {"p50_ms": 1, "p99_ms": 2},
+               "tpot": {"p50_ms": 1}, "itl": {"p50_ms": 1, "p99_ms": 2},
+               "e2el": {"p50_ms": 3}}
+    peers = {name: dict(summary, output_throughput=tok_s) for name, tok_s in (
+        ("engine_offline", 100.0), ("engine_offline_bf16", 250.0),
+        ("hf_generate_static_bf16", 50.0), ("engine_offline_b1_bf16", 40.0))}
+    split = {"step_ms": 20.0, "tokens_per_s": 50.0, "matmul_frac": 0.6,
+             "attention_frac": 0.1, "other_frac": 0.3}
+    results = {
+        "meta": {"model": "/m/tiny", "cpu": "cpu", "num_cpus": 2, "torch_num_threads": 2,
+                 "versions": {"torch": "t", "transformers": "x"}, "time_utc": "now",
+                 "load_average_1_5_15": [0.1, 0.2, 0.3]},
+        "peers": peers,
+        "ratios": {"engine_offline_bf16/engine_offline": 2.5,
+                   "engine_offline_bf16/hf_generate_static_bf16": 5.0},
+        "roofline": {"batch1_bound_tok_s_bf16": 100.0},
+        "decode_step": [{"dtype": "bfloat16", "batch": 1, "context": 128,
+                         "kernel_backend": "cpu", "split": split}],
+        "llamacpp": {"skipped": "building llama.cpp needs `cmake` on PATH"},
+    }
+    text = render_report(results, tmp_path)
+    assert "### CPU dtypes (issue #13)" in text
+    assert "| engine bf16 >= 2x engine fp32 (32 concurrent) | 2.50x | met |" in text
+    assert "batch 1 bf16 >= 60% of its weights-over-bandwidth bound | 40.0 tok/s = 40.0%" in text
+    assert "**not met**" in text  # 40% < 60%
+    assert "| bfloat16 | 1 | 128 | cpu | 20.0 | 50.0 | 60.0% | 10.0% | 30.0% |" in text
+    assert "skipped: building llama.cpp needs `cmake` on PATH" in text

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from engine_service.model.dtype import DTYPE_CHOICES, resolve_dtype
+
 BLOCK_SIZES = (8, 16, 32, 64)
 PREEMPTION_MODES = ("recompute", "swap")
 DEVICES = ("cpu", "cuda")
@@ -16,7 +18,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # KV pool size in bytes
     gpu_memory_utilization: float = 0.9  # CUDA only, when neither of the above is given
     device: str = "cpu"
-    dtype: str = "float32"
+    # "auto" is resolved in __post_init__ (engine_service/model/dtype.py): after construction
+    # dtype is always a concrete name, the one the engine runs, reports and hashes blocks with.
+    dtype: str = "auto"
     kernel_backend: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -53,12 +57,8 @@ class EngineConfig:
             "in (0, 1]",
         )
         need(self.device in DEVICES, "device", self.device, f"one of {DEVICES}")
-        need(
-            self.dtype in ("float32", "float16", "bfloat16"),
-            "dtype",
-            self.dtype,
-            "one of ('float32', 'float16', 'bfloat16')",
-        )
+        need(self.dtype in DTYPE_CHOICES, "dtype", self.dtype, f"one of {DTYPE_CHOICES}")
+        self.dtype = resolve_dtype(self.dtype, self.device, self.model)
         need(
             self.kernel_backend in ("auto", "torch", "triton"),
             "kernel_backend",

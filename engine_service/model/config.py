@@ -3,10 +3,9 @@
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from engine_service.model.dtype import DTYPES  # noqa: F401  (re-exported: core/engine.py)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(slots=True)

@@ -3,7 +3,8 @@
 import torch
 
 from engine_service.core.scheduler_output import BlockMoves, ScheduledSeq
-from engine_service.model.config import DTYPES, ModelConfig
+from engine_service.model.config import ModelConfig
+from engine_service.model.dtype import DTYPES
 from engine_service.model.loader import load_model, model_weight_bytes
 from engine_service.model.memory_plan import check_weights_fit
 from engine_service.model.models.llama import StepContext, rope_cos_sin_cache

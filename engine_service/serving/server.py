@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from engine_service.core.config import BLOCK_SIZES, DEVICES, PREEMPTION_MODES, EngineConfig
 from engine_service.core.engine import LLMEngine
 from engine_service.index.link import connect_prefix_index
+from engine_service.model.dtype import DTYPE_CHOICES
 from engine_service.model.tokenizer import load_tokenizer
 from engine_service.serving.async_engine import AsyncEngine
 from engine_service.serving.metrics import EngineMetrics
@@ -178,7 +179,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
     p.add_argument("--device", default=d.device, choices=DEVICES)
-    p.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="auto: bfloat16 on CPUs with native bf16 matmul, else float32; on CUDA "
+                        "the checkpoint's dtype")
     p.add_argument("--kernel-backend", default=d.kernel_backend,
                    choices=["auto", "torch", "triton"])
     p.add_argument("--block-size", type=int, default=d.block_size, choices=BLOCK_SIZES)

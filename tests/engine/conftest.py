@@ -17,6 +17,9 @@ def make_llm(live_llms: list[LLM]):
     created: list[LLM] = []
 
     def factory(model, **engine_args) -> LLM:
+        # float32 unless a test asks otherwise: these tests compare tokens with HF float32 (or
+        # across batch shapes), which is exact only in float32; "auto" may pick bfloat16.
+        engine_args.setdefault("dtype", "float32")
         llm = LLM(model=str(model), **engine_args)
         created.append(llm)
         return llm
@@ -28,7 +31,7 @@ def make_llm(live_llms: list[LLM]):
 
 @pytest.fixture(scope="module")
 def smollm2_llm(smollm2_dir, live_llms: list[LLM]) -> LLM:
-    llm = LLM(model=str(smollm2_dir), block_size=16, num_blocks=1024)
+    llm = LLM(model=str(smollm2_dir), block_size=16, num_blocks=1024, dtype="float32")
     live_llms.append(llm)
     yield llm
     live_llms.remove(llm)

@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_backend_selection() -> None:
-    assert get_kernel_backend("auto", "cpu") is TORCH_BACKEND
+    assert get_kernel_backend("auto", "cpu").name in ("cpu", "torch")  # torch: no C++ build
     assert get_kernel_backend("torch", "cpu") is TORCH_BACKEND
     assert get_kernel_backend("triton", "cpu") is TRITON_BACKEND
     assert TRITON_BACKEND.name == "triton"
@@ -30,7 +30,7 @@ def test_torch_path_does_not_import_triton() -> None:
     code = (
         "import sys, torch, kernels\n"
         "b = kernels.get_kernel_backend('auto', 'cpu')\n"
-        "assert b.name == 'torch', b.name\n"
+        "assert b.name in ('cpu', 'torch'), b.name\n"
         "assert 'kernels.triton_backend' not in sys.modules\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,

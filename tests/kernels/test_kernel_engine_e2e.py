@@ -30,6 +30,7 @@ def _generate(model_dir: Path, kernel_backend: str) -> list[list[int]]:
         block_size=16,
         num_blocks=64,
         device=DEVICE.type,
+        dtype="float32",  # token-exact comparison across backends
         kernel_backend=kernel_backend,
         max_num_batched_tokens=24,
     )

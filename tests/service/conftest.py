@@ -54,6 +54,9 @@ def engine_args(metrics_port: int, index_target: str | None) -> list[str]:
         "--max-model-len", str(MAX_MODEL_LEN), "--max-live-requests", str(MAX_LIVE_REQUESTS),
         "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1",
         "--prefix-index", index_target or "none", "--grace-s", "5", "--log-level", "WARNING",
+        # Server outputs are compared token for token with the offline API under other batch
+        # shapes: exact in float32 only ("auto" may pick bfloat16).
+        "--dtype", "float32",
     ]
 
 
@@ -90,4 +93,4 @@ def offline_llm(tiny_llama_dir):
     from engine_service import LLM
 
     return LLM(model=str(tiny_llama_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-               max_model_len=MAX_MODEL_LEN)
+               max_model_len=MAX_MODEL_LEN, dtype="float32")

@@ -28,7 +28,9 @@ INDEX_ARGS = ["--hot-threshold", "0", "--log-level", "WARNING", "--grace-s", "0.
 
 
 def make_engine(model_dir: object, **overrides: object) -> LLMEngine:
-    args: dict = dict(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_batched_tokens=256)
+    # float32: runs with and without the index are compared token for token.
+    args: dict = dict(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_batched_tokens=256,
+                      dtype="float32")
     return LLMEngine(EngineConfig(model=str(model_dir), **(args | overrides)))
 
 

@@ -95,6 +95,7 @@ def test_tokenize_detokenize_and_model_info(stub, offline_llm):
     assert (info.vocab_size, info.max_model_len, info.block_size, info.num_blocks) == (
         49152, 4096, 16, 240)
     assert info.architecture == "LlamaForCausalLM" and 2 in info.eos_token_ids
+    assert info.dtype == "float32"  # what the server was started with (--dtype float32)
 
 
 PROMPT_TOPICS = ["rivers", "mountains", "the moon", "bread", "trains", "music", "chess", "rain"]

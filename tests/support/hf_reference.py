@@ -13,10 +13,11 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 
 @functools.lru_cache(maxsize=4)
-def load_hf_model(model_dir: str) -> PreTrainedModel:
-    """The float32 HF model in model_dir, in eval mode (cached: at most a few live at once)."""
+def load_hf_model(model_dir: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The HF model in model_dir (float32 unless asked), in eval mode (cached: at most a few
+    live at once)."""
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+        model_dir, dtype=dtype, attn_implementation="sdpa"
     )
     return model.eval()
 
@@ -86,3 +87,44 @@ def hf_greedy_logit_margins(
         logits = model(full).logits[0, len(prompt) - 1 : -1]
     top2 = logits.topk(2, dim=-1).values
     return (top2[:, 0] - top2[:, 1]).tolist()
+
+
+def hf_greedy_top_logprobs(
+    model_dir: Path | str, prompt: list[int], max_new_tokens: int, dtype: torch.dtype, k: int = 5
+) -> list[tuple[int, dict[int, float]]]:
+    """An ignore-EOS greedy run of the HF model in `dtype`: per generated token, (token id,
+    {top-k token id: logprob}), logprobs from the raw logits (log-softmax in float32).
+    Cached per process: tests at several block sizes ask for the same reference."""
+    key = str(Path(model_dir).resolve())
+    return _greedy_top_logprobs(key, tuple(prompt), max_new_tokens, dtype, k)
+
+
+@functools.lru_cache(maxsize=1024)
+def _greedy_top_logprobs(
+    model_dir: str, prompt: tuple[int, ...], max_new_tokens: int, dtype: torch.dtype, k: int
+) -> list[tuple[int, dict[int, float]]]:
+    model = load_hf_model(model_dir, dtype)
+    base = model.generation_config
+    generation_config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=[],
+        pad_token_id=base.pad_token_id if base.pad_token_id is not None else base.eos_token_id,
+        bos_token_id=base.bos_token_id,
+        output_logits=True,  # raw logits, before any logits processor
+        return_dict_in_generate=True,
+    )
+    input_ids = torch.tensor([list(prompt)], dtype=torch.long)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            generation_config=generation_config,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    steps = []
+    for token, logits in zip(tokens, out.logits, strict=True):
+        logprobs = torch.log_softmax(logits[0].float(), dim=-1)
+        top = logprobs.topk(k)
+        steps.append((token, dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))))
+    return steps

@@ -1,0 +1,196 @@
+"""One engine decode step, timed and split into matmul / attention / other.
+
+    python -m bench.decode_step                          # fp32 and bf16, batch 1 and 32
+    python -m bench.decode_step --dtypes bfloat16 --batches 1 --backends auto,torch --profile
+
+`batch` sequences with `context`-token prompts are prefilled, then `steps` pure decode steps are
+timed (each produces one token per sequence). The split is taken in a second pass in which every
+linear layer and every attention call is wrapped in a perf_counter timer (torch CPU ops are
+synchronous, so the wall time around a call is its cost): matmul = the linears (LM head
+included), attention = K/V cache writes + paged attention, other = the rest of the step
+(norms, RoPE, activations, embedding, tensor building, sampling, scheduling). The timers add
+about a microsecond per call; the split is reported as fractions of that pass's step time.
+`pagedgen-bench` records this split next to its throughput figures, so a ratio that moves
+between machines can be explained from the results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(slots=True)
+class StepSplit:
+    step_ms: float  # median of the untimed pass
+    tokens_per_s: float  # batch / step time
+    matmul_frac: float
+    attention_frac: float
+    other_frac: float
+
+
+@dataclass(slots=True)
+class StepResult:
+    dtype: str
+    batch: int
+    context: int
+    kernel_backend: str  # the backend the runner really used ("cpu", "torch", ...)
+    split: StepSplit
+
+
+def step_clock() -> Callable[[], float]:
+    """With one torch thread all the work runs on this thread, so its CPU time measures the
+    step without the time a shared machine keeps it descheduled; otherwise wall time."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+class _Timer:
+    """Accumulates the time of the calls it wraps."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.clock = step_clock()
+
+    def wrap(self, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = self.clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += self.clock() - start
+
+        return timed
+
+
+def _linear_modules(model: nn.Module) -> list[nn.Module]:
+    from engine_service.model.models.packed_linear import PackedLinear
+
+    return [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+
+
+def _fill(engine, batch: int, context: int, steps: int) -> None:
+    from engine_service.model.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
+    for i in range(batch):
+        # Distinct prompts (no prefix-cache hits), ids well inside every vocabulary we run.
+        tokens = [100 + (i * 7919 + j * 31) % 20000 for j in range(context)]
+        engine.add_request(f"decode-step-{i}", tokens, params)
+    # Prefill until every sequence decodes one token per step.
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.num_tokens - 1 for s in _running(engine)
+    ):
+        engine.step()
+
+
+def _running(engine):
+    return [seq for group in engine._groups.values() for seq in group.seqs]
+
+
+def _timed_steps(engine, steps: int) -> list[float]:
+    clock = step_clock()
+    times = []
+    for _ in range(steps):
+        start = clock()
+        engine.step()
+        times.append(clock() - start)
+    return times
+
+
+def measure(model: str, dtype: str, batch: int, context: int, steps: int,
+            kernel_backend: str = "auto", profile: bool = False) -> StepResult:
+    from engine_service import LLM
+
+    engine = LLM(model=model, dtype=dtype, kernel_backend=kernel_backend,
+                 max_num_seqs=max(batch, 1), enable_prefix_caching=False).llm_engine
+    runner = engine.runner
+    _fill(engine, batch, context, 2 * steps + 2)
+    _timed_steps(engine, 2)  # warm
+    step_s = statistics.median(_timed_steps(engine, steps))
+
+    # Second pass with timers around the linears and the attention calls.
+    matmul, attention = _Timer(), _Timer()
+    linears = _linear_modules(runner.model)
+    for module in linears:
+        module.forward = matmul.wrap(module.forward)
+    plain_kernels = runner.kernels
+    runner.kernels = dataclasses.replace(
+        plain_kernels,
+        paged_attention=attention.wrap(plain_kernels.paged_attention),
+        reshape_and_cache=attention.wrap(plain_kernels.reshape_and_cache),
+    )
+    timed_total = sum(_timed_steps(engine, steps))
+    for module in linears:
+        del module.forward  # back to the class's forward
+    runner.kernels = plain_kernels
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            _timed_steps(engine, min(steps, 5))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    for request_id in list(engine._groups):
+        engine.abort_request(request_id)
+    split = StepSplit(
+        step_ms=step_s * 1e3,
+        tokens_per_s=batch / step_s,
+        matmul_frac=matmul.seconds / timed_total,
+        attention_frac=attention.seconds / timed_total,
+        other_frac=1 - (matmul.seconds + attention.seconds) / timed_total,
+    )
+    return StepResult(dtype, batch, context, plain_kernels.name, split)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.decode_step", description=__doc__.split(
+        "\n\n")[0])
+    p.add_argument("--model", default=None, help="HF directory (default: SmolLM2-135M)")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--backends", default="auto", help="kernel backends, e.g. auto,torch")
+    p.add_argument("--context", type=int, default=256, help="prompt tokens per sequence")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (1: timed in thread CPU time, robust to a busy machine)")
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = p.parse_args(argv)
+    if args.model is None:
+        from engine_service.tools.prepare_model import ensure_default_model
+
+        args.model = str(ensure_default_model())
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    results = []
+    clock = "thread CPU time" if torch.get_num_threads() == 1 else "wall time"
+    print(f"clock: {clock}; load {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
+          f"torch threads {torch.get_num_threads()}", flush=True)
+    for dtype, batch, backend in itertools.product(
+        args.dtypes.split(","), [int(b) for b in args.batches.split(",")],
+        args.backends.split(","),
+    ):
+        r = measure(args.model, dtype, batch, args.context, args.steps, backend, args.profile)
+        results.append(r)
+        s = r.split
+        print(f"{dtype:9} batch {batch:3} ctx {args.context} backend {r.kernel_backend:6} "
+              f"step {s.step_ms:7.2f} ms  {s.tokens_per_s:7.1f} tok/s  matmul "
+              f"{s.matmul_frac:5.1%} attention {s.attention_frac:5.1%} other "
+              f"{s.other_frac:5.1%}", flush=True)
+    print(f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
+
+
+if __name__ == "__main__":
+    main()

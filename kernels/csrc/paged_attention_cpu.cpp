@@ -1,0 +1,483 @@
+// Paged attention for the CPU: every query token of a mixed batch (prefill chunks and decode
+// tokens) attends over its sequence's context by walking the block table in place.
+//
+// Why a kernel of our own instead of torch ops: the torch path gathers each sequence's whole
+// K/V through the block table into contiguous tensors, then SDPA reads them again, so the cache
+// crosses memory two to three times per step. Here each K/V block of a (sequence, KV head) is
+// read once, straight from the pool, and used by every query row that needs it: the query heads
+// sharing that KV head (GQA without repeating K/V) times the tokens of a query tile.
+//
+// Plain C++ loops compiled with -O3 -march=native and `omp simd` hints: the compiler
+// vectorizes them for the build machine's ISA (AVX2, AVX-512, NEON) with no intrinsics to keep
+// per ISA. Math is float32 with an online softmax; bf16/fp16 K/V blocks are widened once into a
+// small float buffer.
+//
+// Layouts (shared with kernels/reference.py):
+//   out, query       [num_tokens, num_heads, head_size]
+//   key/value_cache  [num_blocks, block_size, num_kv_heads, head_size] (any strides, last = 1)
+//   block_tables     [num_seqs, max_blocks_per_seq] int32
+//   seq_lens         [num_seqs] int32            context length including the new tokens
+//   query_start_loc  [num_seqs + 1] int32        cumulative query lengths
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// Query tokens per work item. With a GQA group of g the item has up to kTileTokens * g query
+// rows sharing each K/V block read; 16 keeps the float accumulators (rows x head_size) in L1/L2.
+constexpr int64_t kTileTokens = 16;
+
+struct WorkItem {
+  int64_t seq;
+  int64_t kv_head;  // first KV head of the item
+  int64_t num_kv_heads;  // KV heads it covers (consecutive)
+  int64_t token_begin;  // first query token of the tile, relative to the sequence's query
+  int64_t token_end;
+  int64_t cost;  // rows x keys, to hand out the big items first
+};
+
+struct Problem {
+  int64_t num_heads, num_kv_heads, group, head_size, block_size, max_blocks;
+  int64_t q_stride_token, out_stride_token;
+  int64_t kv_stride_block, kv_stride_token, kv_stride_head;
+  float scale;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+};
+
+template <typename scalar_t>
+inline void widen(const scalar_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// exp(x) for x <= 0 (scores minus their running max), in a form the compiler vectorizes:
+// libm's expf is a scalar call, and it was most of the kernel's time. 2^n * p(r) with
+// x = n ln2 + r, |r| <= ln2/2, p the degree-6 Taylor polynomial: relative error < 2e-7.
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;  // below this, exp underflows float32 anyway
+  // Round to nearest by the 1.5 * 2^23 trick: roundf is a libm call that blocks vectorizing.
+  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits;
+  __builtin_memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  __builtin_memcpy(&p, &bits, sizeof p);
+  return p;
+}
+
+// One (sequence, KV heads, query tile): rows are (token, query head) pairs for the query
+// heads of those KV heads. Each K/V block is read from the pool once and used by every row;
+// an item covering all KV heads reads each block as one contiguous run, which the hardware
+// prefetcher streams (one head's rows are strided). kHead is the head size as
+// a compile-time constant (0: runtime), so the head-size loops unroll into whole vector
+// registers and a row's accumulator stays in registers across a block's keys.
+template <typename scalar_t, int64_t kBlock, int64_t kHead>
+void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
+                 const scalar_t* key_cache, const scalar_t* value_cache, scalar_t* out,
+                 std::vector<float>& scratch) {
+  const int64_t d = kHead ? kHead : p.head_size;
+  const int64_t group = p.group;
+  const int64_t heads = w.num_kv_heads;
+  const int64_t row_heads = heads * group;  // rows per query token
+  const int64_t kv_width = heads * d;  // floats per token in the key/value buffers
+  const int64_t num_rows = (w.token_end - w.token_begin) * row_heads;
+  const int64_t query_start = p.query_start_loc[w.seq];
+  const int64_t query_len = p.query_start_loc[w.seq + 1] - query_start;
+  const int64_t context_start = p.seq_lens[w.seq] - query_len;  // position of query token 0
+  const int64_t num_keys = context_start + w.token_end;  // keys the last token of the tile sees
+
+  // Many rows (a prefill tile) share each block's keys: transposing them once to [d, kBlock]
+  // makes a row's scores kBlock-wide vector FMAs. A decode item has only `group` rows, too few
+  // to pay for the transpose: its scores are dot products over the head dimension.
+  const bool transpose_keys = (w.token_end - w.token_begin) * group >= kBlock;
+  scratch.resize(static_cast<size_t>(2 * num_rows * d + 2 * num_rows + 3 * kBlock * kv_width));
+  float* q = scratch.data();      // [rows, d], pre-scaled
+  float* acc = q + num_rows * d;  // [rows, d]
+  float* row_max = acc + num_rows * d;
+  float* row_sum = row_max + num_rows;
+  float* keys = row_sum + num_rows;            // [kBlock, heads, d] this block's keys as float
+  float* values = keys + kBlock * kv_width;    // [kBlock, heads, d] its values as float
+  float* keys_t = values + kBlock * kv_width;  // [heads, d, kBlock] keys transposed (prefill)
+
+  for (int64_t t = w.token_begin; t < w.token_end; ++t) {
+    const scalar_t* src = query + (query_start + t) * p.q_stride_token + w.kv_head * group * d;
+    float* dst = q + (t - w.token_begin) * row_heads * d;
+    widen(src, dst, row_heads * d);
+#pragma omp simd
+    for (int64_t i = 0; i < row_heads * d; ++i) dst[i] *= p.scale;
+  }
+  std::fill(acc, acc + num_rows * d, 0.f);
+  std::fill(row_max, row_max + num_rows, -std::numeric_limits<float>::infinity());
+  std::fill(row_sum, row_sum + num_rows, 0.f);
+
+  const int32_t* table = p.block_tables + w.seq * p.max_blocks;
+  const int64_t num_blocks = (num_keys + kBlock - 1) / kBlock;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t first_key = b * kBlock;
+    const int64_t keys_here = std::min(kBlock, num_keys - first_key);
+    const int64_t offset = static_cast<int64_t>(table[b]) * p.kv_stride_block +
+                           w.kv_head * p.kv_stride_head;
+    if (b + 1 < num_blocks) {
+      // Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next one:
+      // ask for it now, and its loads overlap this block's math (measured: the copy below was
+      // most of the kernel's time, stalled on memory).
+      const int64_t next = static_cast<int64_t>(table[b + 1]) * p.kv_stride_block +
+                           w.kv_head * p.kv_stride_head;
+      const int64_t row_bytes =
+          ((heads - 1) * p.kv_stride_head + d) * static_cast<int64_t>(sizeof(scalar_t));
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const char* k = reinterpret_cast<const char*>(key_cache + next + j * p.kv_stride_token);
+        const char* v = reinterpret_cast<const char*>(value_cache + next + j * p.kv_stride_token);
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+          __builtin_prefetch(k + byte);
+          __builtin_prefetch(v + byte);
+        }
+      }
+    }
+    // The one read of this block's K/V for this item: into dense float rows (a copy for fp32,
+    // a widening for bf16/fp16), so every loop below has compile-time strides.
+    for (int64_t j = 0; j < keys_here; ++j) {
+      const int64_t row = offset + j * p.kv_stride_token;
+      if (p.kv_stride_head == d) {  // the item's heads are one contiguous run per token
+        widen(key_cache + row, keys + j * kv_width, kv_width);
+        widen(value_cache + row, values + j * kv_width, kv_width);
+      } else {
+        for (int64_t h = 0; h < heads; ++h) {
+          widen(key_cache + row + h * p.kv_stride_head, keys + j * kv_width + h * d, d);
+          widen(value_cache + row + h * p.kv_stride_head, values + j * kv_width + h * d, d);
+        }
+      }
+    }
+    if (transpose_keys) {
+      for (int64_t h = 0; h < heads; ++h) {
+        float* kt = keys_t + h * d * kBlock;
+        for (int64_t j = 0; j < kBlock; ++j) {
+          for (int64_t i = 0; i < d; ++i) {
+            kt[i * kBlock + j] = j < keys_here ? keys[j * kv_width + h * d + i] : 0.f;
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; r < num_rows; ++r) {
+      // Causal: token t sits at context_start + t and sees keys up to that position.
+      const int64_t position = context_start + w.token_begin + r / row_heads;
+      const int64_t visible = std::min(keys_here, position - first_key + 1);
+      if (visible <= 0) continue;
+      const int64_t kv = (r % row_heads) / group;  // this row's KV head within the item
+      const float* q_row = q + r * d;
+      const float* head_keys = keys + kv * d;  // token j at head_keys + j * kv_width
+      const float* head_values = values + kv * d;
+      const float* head_keys_t = keys_t + kv * d * kBlock;
+      float s[kBlock];
+      if (transpose_keys) {
+        // Four partial sums over interleaved head dims: four independent FMA chains instead
+        // of one chain of d dependent FMAs (latency-bound).
+        float part[4][kBlock] = {};
+        int64_t i = 0;
+        for (; i + 4 <= d; i += 4) {
+          for (int64_t u = 0; u < 4; ++u) {
+            const float qi = q_row[i + u];
+            const float* kt = head_keys_t + (i + u) * kBlock;
+#pragma omp simd
+            for (int64_t j = 0; j < kBlock; ++j) part[u][j] += qi * kt[j];
+          }
+        }
+        for (; i < d; ++i) {
+          const float qi = q_row[i];
+          const float* kt = head_keys_t + i * kBlock;
+#pragma omp simd
+          for (int64_t j = 0; j < kBlock; ++j) part[0][j] += qi * kt[j];
+        }
+#pragma omp simd
+        for (int64_t j = 0; j < kBlock; ++j) s[j] = (part[0][j] + part[1][j]) + (part[2][j] +
+                                                                                  part[3][j]);
+      } else {
+        for (int64_t j = 0; j < visible; ++j) {
+          const float* k = head_keys + j * kv_width;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < d; ++i) dot += q_row[i] * k[i];
+          s[j] = dot;
+        }
+      }
+      float block_max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < visible; ++j) block_max = std::max(block_max, s[j]);
+      const float new_max = std::max(row_max[r], block_max);
+      const float correction = exp_nonpositive(row_max[r] - new_max);  // ~0 on the first block
+      float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+      for (int64_t j = 0; j < visible; ++j) {
+        s[j] = exp_nonpositive(s[j] - new_max);
+        block_sum += s[j];
+      }
+      row_max[r] = new_max;
+      row_sum[r] = row_sum[r] * correction + block_sum;
+      float* acc_row = acc + r * d;
+      if constexpr (kHead > 0) {
+        // The row's accumulator in registers across the block's keys: d / vector-width
+        // independent FMA chains, one pass over the values.
+        float a[kHead];
+#pragma omp simd
+        for (int64_t i = 0; i < kHead; ++i) a[i] = acc_row[i] * correction;
+        for (int64_t j = 0; j < visible; ++j) {
+          const float weight = s[j];
+          const float* v = head_values + j * kv_width;
+#pragma omp simd
+          for (int64_t i = 0; i < kHead; ++i) a[i] += weight * v[i];
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < kHead; ++i) acc_row[i] = a[i];
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) acc_row[i] *= correction;
+        for (int64_t j = 0; j < visible; ++j) {
+          const float weight = s[j];
+          const float* v = head_values + j * kv_width;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) acc_row[i] += weight * v[i];
+        }
+      }
+    }
+  }
+
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t t = w.token_begin + r / row_heads;
+    const int64_t head = w.kv_head * group + r % row_heads;
+    scalar_t* dst = out + (query_start + t) * p.out_stride_token + head * d;
+    const float inv_sum = 1.f / row_sum[r];  // every row sees at least key 0
+    const float* acc_row = acc + r * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<scalar_t>(acc_row[i] * inv_sum);
+  }
+}
+
+template <typename scalar_t, int64_t kBlock>
+void attend_block_size(const Problem& p, const WorkItem& w, const scalar_t* query,
+                       const scalar_t* key_cache, const scalar_t* value_cache, scalar_t* out,
+                       std::vector<float>& scratch) {
+  switch (p.head_size) {  // the common head sizes unrolled, any other at runtime
+    case 64: return attend_tile<scalar_t, kBlock, 64>(p, w, query, key_cache, value_cache, out,
+                                                       scratch);
+    case 128: return attend_tile<scalar_t, kBlock, 128>(p, w, query, key_cache, value_cache,
+                                                         out, scratch);
+    default: return attend_tile<scalar_t, kBlock, 0>(p, w, query, key_cache, value_cache, out,
+                                                      scratch);
+  }
+}
+
+template <typename scalar_t>
+void attend(const Problem& p, const WorkItem& w, const scalar_t* query, const scalar_t* key_cache,
+            const scalar_t* value_cache, scalar_t* out, std::vector<float>& scratch) {
+  // The block size as a compile-time constant too (checked to be one of these up front).
+  switch (p.block_size) {
+    case 8: return attend_block_size<scalar_t, 8>(p, w, query, key_cache, value_cache, out,
+                                                  scratch);
+    case 16: return attend_block_size<scalar_t, 16>(p, w, query, key_cache, value_cache, out,
+                                                    scratch);
+    case 32: return attend_block_size<scalar_t, 32>(p, w, query, key_cache, value_cache, out,
+                                                    scratch);
+    default: return attend_block_size<scalar_t, 64>(p, w, query, key_cache, value_cache, out,
+                                                    scratch);
+  }
+}
+
+void check_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                const at::Tensor& value_cache, const at::Tensor& block_tables,
+                const at::Tensor& seq_lens, const at::Tensor& query_start_loc) {
+  for (const at::Tensor* t : {&out, &query, &key_cache, &value_cache, &block_tables, &seq_lens,
+                              &query_start_loc}) {
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention_cpu: every tensor must be on the CPU");
+  }
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
+              "paged_attention_cpu: query and out must be [num_tokens, num_heads, head_size]");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.strides() == value_cache.strides(),
+              "paged_attention_cpu: key/value caches must be alike "
+              "[num_blocks, block_size, num_kv_heads, head_size]");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
+                  query.scalar_type() == out.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "paged_attention_cpu: query, caches and out must share one dtype, got ",
+              query.scalar_type(), " and ", key_cache.scalar_type());
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
+                  out.stride(1) == out.size(2) && key_cache.stride(3) == 1,
+              "paged_attention_cpu: heads of query/out and the cache's head_size must be dense");
+  TORCH_CHECK(query.size(2) == key_cache.size(3), "paged_attention_cpu: head_size mismatch");
+  const int64_t block_size = key_cache.size(1);
+  TORCH_CHECK(block_size == 8 || block_size == 16 || block_size == 32 || block_size == 64,
+              "paged_attention_cpu: block_size must be 8, 16, 32 or 64, got ", block_size);
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0,
+              "paged_attention_cpu: num_heads must be a multiple of num_kv_heads");
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
+                "paged_attention_cpu: block_tables, seq_lens, query_start_loc must be "
+                "contiguous int32");
+  }
+  TORCH_CHECK(block_tables.dim() == 2 && seq_lens.size(0) == block_tables.size(0) &&
+                  query_start_loc.size(0) == seq_lens.size(0) + 1,
+              "paged_attention_cpu: block_tables [S, B], seq_lens [S], query_start_loc [S + 1]");
+}
+
+void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_tables,
+                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                         double scale) {
+  check_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
+  Problem p;
+  p.num_heads = query.size(1);
+  p.num_kv_heads = key_cache.size(2);
+  p.group = p.num_heads / p.num_kv_heads;
+  p.head_size = query.size(2);
+  p.block_size = key_cache.size(1);
+  p.max_blocks = block_tables.size(1);
+  p.q_stride_token = query.stride(0);
+  p.out_stride_token = out.stride(0);
+  p.kv_stride_block = key_cache.stride(0);
+  p.kv_stride_token = key_cache.stride(1);
+  p.kv_stride_head = key_cache.stride(2);
+  p.scale = static_cast<float>(scale);
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+
+  const int64_t num_seqs = seq_lens.size(0);
+  // Enough (sequence, tile) pairs to keep every thread busy: one item per pair, covering all
+  // KV heads (contiguous block reads). Otherwise (batch 1, a few long prefills) one item per
+  // KV head too, so the threads share the work.
+  int64_t num_tiles = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    num_tiles += (p.query_start_loc[s + 1] - p.query_start_loc[s] + kTileTokens - 1) /
+                 kTileTokens;
+  }
+  const int64_t heads_per_item =
+      num_tiles >= 4 * static_cast<int64_t>(at::get_num_threads()) ? p.num_kv_heads : 1;
+  std::vector<WorkItem> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t query_len = p.query_start_loc[s + 1] - p.query_start_loc[s];
+    const int64_t context_start = p.seq_lens[s] - query_len;
+    TORCH_CHECK(query_len >= 0 && context_start >= 0 &&
+                    (p.seq_lens[s] + p.block_size - 1) / p.block_size <= p.max_blocks,
+                "paged_attention_cpu: sequence ", s, " has query length ", query_len,
+                " and context length ", p.seq_lens[s], ", which its block table cannot hold");
+    for (int64_t t = 0; t < query_len; t += kTileTokens) {
+      const int64_t end = std::min(query_len, t + kTileTokens);
+      for (int64_t h = 0; h < p.num_kv_heads; h += heads_per_item) {
+        items.push_back({s, h, heads_per_item, t, end,
+                         heads_per_item * (end - t) * (context_start + end)});
+      }
+    }
+  }
+  // Largest first, handed out one by one from a shared counter: a long prefill chunk and many
+  // short decodes in one step still keep every thread busy to the end.
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  if (num_items == 0) return;
+  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  std::atomic<int64_t> next{0};
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
+        const scalar_t* q = query.data_ptr<scalar_t>();
+        const scalar_t* k = key_cache.data_ptr<scalar_t>();
+        const scalar_t* v = value_cache.data_ptr<scalar_t>();
+        scalar_t* o = out.data_ptr<scalar_t>();
+        at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
+          std::vector<float> scratch;
+          for (int64_t worker = begin; worker < end; ++worker) {
+            for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+              attend<scalar_t>(p, items[i], q, k, v, o, scratch);
+            }
+          }
+        });
+      });
+}
+
+// Writes each new token's K and V into its slot (block * block_size + offset; -1 = padding,
+// skipped). One op per layer where the torch path takes five (a padding check that syncs,
+// index conversions, two index_copy_): at batch 1 those small ops were a visible share of
+// the step.
+void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key_cache.dim() == 4 &&
+                  key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.strides() == value_cache.strides(),
+              "reshape_and_cache_cpu: key/value [tokens, kv_heads, head_size], caches "
+              "[blocks, block_size, kv_heads, head_size]");
+  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3),
+              "reshape_and_cache_cpu: key/value heads do not match the cache's");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
+                  value.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "reshape_and_cache_cpu: key, value and caches must share one dtype");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1 &&
+                  key.stride(1) == key.size(2) && value.stride(1) == value.size(2),
+              "reshape_and_cache_cpu: head_size must be the dense dimension");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == key.size(0),
+              "reshape_and_cache_cpu: slot_mapping must be contiguous int64 [tokens]");
+  const int64_t num_tokens = key.size(0), kv_heads = key.size(1), head = key.size(2);
+  const int64_t block_size = key_cache.size(1), num_slots = key_cache.size(0) * block_size;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t element = key.element_size();
+  const bool dense_token = key_cache.stride(2) == head;  // a token's heads are contiguous
+  auto copy = [&](const at::Tensor& src, at::Tensor& cache) {
+    const char* from = static_cast<const char*>(src.data_ptr());
+    char* to = static_cast<char*>(cache.data_ptr());
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      TORCH_CHECK(slot < num_slots, "reshape_and_cache_cpu: slot ", slot, " is past the pool's ",
+                  num_slots, " slots");
+      char* dst = to + ((slot / block_size) * cache.stride(0) +
+                        (slot % block_size) * cache.stride(1)) * element;
+      const char* row = from + t * src.stride(0) * element;
+      if (dense_token) {
+        std::memcpy(dst, row, kv_heads * head * element);
+      } else {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          std::memcpy(dst + h * cache.stride(2) * element, row + h * head * element,
+                      head * element);
+        }
+      }
+    }
+  };
+  copy(key, key_cache);
+  copy(value, value_cache);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedgen_cpu, m) {
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedgen_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("reshape_and_cache", &reshape_and_cache_cpu);
+}

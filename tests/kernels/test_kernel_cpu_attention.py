@@ -1,0 +1,126 @@
+"""The C++ CPU paged attention (kernels/csrc/paged_attention_cpu.cpp) against the torch
+reference, over random block tables: mixed prefill/decode batches, GQA groups 1/3/4, head sizes
+64/128, block sizes 8/16/32, float32 and bfloat16, odd sequence lengths."""
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_attention, get_kernel_backend, reference
+from kernels.cpu_extension import cpu_attention_available
+from tests.kernels.conftest import TOLERANCES, PagedBatch, make_paged_batch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    not cpu_attention_available(), reason="the C++ kernel does not build on this machine"
+)
+
+# (query_len, context_len): decodes at a block edge and past it, prefill chunks that start at
+# position 0 or after a cached prefix, chunks longer than one 16-token tile, odd lengths.
+MIXED = [(1, 1), (5, 15), (1, 15), (17, 17), (1, 16), (16, 333), (1, 17), (40, 40), (1, 333),
+         (3, 3), (33, 97)]
+
+
+def _check(batch: PagedBatch) -> None:
+    out = cpu_attention.paged_attention(*batch.args())
+    expected = reference.paged_attention(*batch.args_in_float32())
+    assert out.dtype == batch.query.dtype and out.shape == batch.query.shape
+    torch.testing.assert_close(out.float(), expected, **TOLERANCES[batch.query.dtype])
+
+
+@pytest.mark.parametrize(
+    ("group", "head_size", "block_size", "dtype"),
+    list(itertools.product((1, 3, 4), (64, 128), (8, 16, 32), (torch.float32, torch.bfloat16))),
+    ids=lambda v: str(v).replace("torch.", ""),
+)
+def test_mixed_batch_matches_reference(group, head_size, block_size, dtype) -> None:
+    num_kv_heads = 2
+    batch = make_paged_batch(
+        [q for q, _ in MIXED], [c for _, c in MIXED], num_heads=group * num_kv_heads,
+        num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size, dtype=dtype,
+        seed=group * 1000 + head_size + block_size,
+    )
+    _check(batch)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_batches(seed: int) -> None:
+    """Random decode/prefill mixes and lengths, SmolLM2's head layout (9 heads on 3 KV heads)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = int(torch.randint(1, 12, (), generator=gen))
+    context_lens = torch.randint(1, 300, (num_seqs,), generator=gen).tolist()
+    query_lens = [
+        c if int(torch.randint(0, 3, (), generator=gen)) == 0
+        else (1 if int(torch.randint(0, 2, (), generator=gen)) else
+              int(torch.randint(1, c + 1, (), generator=gen)))
+        for c in context_lens
+    ]
+    dtype = (torch.float32, torch.bfloat16)[seed % 2]
+    _check(make_paged_batch(query_lens, context_lens, num_heads=9, num_kv_heads=3,
+                            block_size=(8, 16, 32)[seed % 3], dtype=dtype, seed=seed))
+
+
+def test_cache_views_of_the_engine_pool() -> None:
+    """The engine passes kv_caches[layer, 0] / [layer, 1]: strided views of one pool."""
+    batch = make_paged_batch([1, 7, 1], [30, 7, 64], num_heads=6, num_kv_heads=2)
+    pool = torch.stack([torch.stack([batch.key_cache, batch.value_cache])] * 2)
+    view = PagedBatch(batch.query, pool[1, 0], pool[1, 1], batch.block_tables, batch.seq_lens,
+                      batch.query_start_loc, batch.scale)
+    _check(view)
+
+
+def test_dtype_mismatch_is_refused() -> None:
+    batch = make_paged_batch([1], [5])
+    with pytest.raises(RuntimeError, match="must share one dtype"):
+        cpu_attention.paged_attention(batch.query.bfloat16(), *batch.args()[1:])
+
+
+def test_auto_backend_uses_the_kernel_on_cpu() -> None:
+    backend = get_kernel_backend("auto", "cpu")
+    assert backend.name == "cpu"
+    assert backend.paged_attention is cpu_attention.paged_attention
+    assert get_kernel_backend("torch", "cpu").name == "torch"
+
+
+def test_falls_back_to_torch_with_one_log_line_without_a_compiler(tmp_path) -> None:
+    """A fresh cache and no usable compiler: the engine's backend is torch, and it says so."""
+    code = (
+        "import logging; logging.basicConfig(level=logging.WARNING)\n"
+        "from kernels import get_kernel_backend\n"
+        "print(get_kernel_backend('auto', 'cpu').name)\n"
+        "print(get_kernel_backend('auto', 'cpu').name)\n"
+    )
+    env = dict(os.environ, PAGEDGEN_CACHE_DIR=str(tmp_path), CXX=str(tmp_path / "no-such-c++"),
+               PYTHONPATH=str(REPO_ROOT))
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["torch", "torch"]
+    assert done.stderr.count("CPU paged-attention kernel unavailable") == 1, done.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reshape_and_cache_matches_reference(dtype) -> None:
+    """Slots in random blocks, a padding slot (-1) skipped, non-contiguous key rows (the
+    engine's k is a view into the fused q/k tensor), caches as views of one pool."""
+    gen = torch.Generator().manual_seed(5)
+    num_blocks, block_size, kvh, d = 9, 16, 3, 64
+    pool = torch.randn(2, 2, num_blocks, block_size, kvh, d, generator=gen).to(dtype)
+    pools = [pool.clone(), pool.clone()]
+    fused = torch.randn(7, 9 + kvh, d, generator=gen).to(dtype)
+    key = fused[:, 9:]  # stride(0) = 12 * d: not contiguous
+    value = torch.randn(7, kvh, d, generator=gen).to(dtype)
+    slots = torch.tensor([3 * 16 + 5, 8 * 16 + 15, -1, 0, 4 * 16, 4 * 16 + 1, 7 * 16 + 9])
+    reference.reshape_and_cache(key, value, pools[0][1, 0], pools[0][1, 1], slots)
+    cpu_attention.reshape_and_cache(key, value, pools[1][1, 0], pools[1][1, 1], slots)
+    assert torch.equal(pools[0], pools[1])
+    assert torch.equal(pools[1][1, 0, 8, 15], key[1])  # and it did write
+    with pytest.raises(RuntimeError, match="past the pool"):
+        cpu_attention.reshape_and_cache(key[:1], value[:1], pools[1][1, 0], pools[1][1, 1],
+                                        torch.tensor([num_blocks * block_size]))
