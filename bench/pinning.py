@@ -210,8 +210,20 @@ def _index_view(target: str, engine_id: str) -> dict:
     if not found:
         return {}
     s = found[0]
-    return {k: getattr(s, k) for k in ("blocks", "evictable", "pinned", "auto_pinned",
-                                       "pin_budget", "queries", "hits", "evictions", "forgets")}
+    return {
+        k: getattr(s, k)
+        for k in (
+            "blocks",
+            "evictable",
+            "pinned",
+            "auto_pinned",
+            "pin_budget",
+            "queries",
+            "hits",
+            "evictions",
+            "forgets",
+        )
+    }
 
 
 def run_policy(
@@ -244,8 +256,9 @@ def run_policy(
         if link is None:
             return
         start = time.monotonic()
-        if not _pump_until(engine, lambda: _index_matches_pool(target, engine_id, engine),
-                           shape.sync_timeout_s):
+        if not _pump_until(
+            engine, lambda: _index_matches_pool(target, engine_id, engine), shape.sync_timeout_s
+        ):
             run.sync_timeouts += 1
         run.sync_wait_s += time.monotonic() - start
 
@@ -284,8 +297,12 @@ def run_policy(
         if link is not None:
             run.counters = asdict(link.policy.counters)
             s = link.stats()
-            run.counters |= {"degraded": s.degraded, "registrations": s.registrations,
-                             "applies": s.applies, "rpc_errors": s.rpc_errors}
+            run.counters |= {
+                "degraded": s.degraded,
+                "registrations": s.registrations,
+                "applies": s.applies,
+                "rpc_errors": s.rpc_errors,
+            }
             run.index_view = _index_view(target, engine_id)
         else:
             run.counters = {"local_evictions": local_evictions()}
@@ -295,8 +312,6 @@ def run_policy(
     finally:
         if link is not None:
             link.close()
-        del engine
-        gc.collect()
     run.load_end = _load()
     return run
 
@@ -307,8 +322,9 @@ def _warm_up(engine, params_cls, shape: PinningShape) -> None:
     params = params_cls(temperature=0, max_tokens=2, ignore_eos=True)
     length = shape.cold_blocks * shape.block_size
     for i in range(2):
-        engine.add_request(f"warmup-{i}", [7 + (i * length + j) % 90 for j in range(length)],
-                           params)
+        engine.add_request(
+            f"warmup-{i}", [7 + (i * length + j) % 90 for j in range(length)], params
+        )
         while engine.has_unfinished_requests():
             engine.step()
 
@@ -379,16 +395,16 @@ def _targets(policies: dict) -> dict:
     lru, auto = policies["local_lru"], policies["index_autopin"]
     out = {}
     for stat in ("median", "best"):
-        ttft_ratio = (lru["hot_ttft_settled_p50_ms"][stat]
-                      / auto["hot_ttft_settled_p50_ms"][stat])
+        ttft_ratio = lru["hot_ttft_settled_p50_ms"][stat] / auto["hot_ttft_settled_p50_ms"][stat]
         tput_ratio = auto["output_throughput"][stat] / lru["output_throughput"][stat]
         out[stat] = {
             "autopin_hit_rate_settled": auto["hot_hit_rate_settled"][stat],
             "lru_hit_rate_settled": lru["hot_hit_rate_settled"][stat],
             "hot_ttft_p50_lru_over_autopin": ttft_ratio,
             "output_throughput_autopin_over_lru": tput_ratio,
-            "prompt_throughput_autopin_over_lru": (auto["prompt_throughput"][stat]
-                                                   / lru["prompt_throughput"][stat]),
+            "prompt_throughput_autopin_over_lru": (
+                auto["prompt_throughput"][stat] / lru["prompt_throughput"][stat]
+            ),
         }
     m = out["median"]
     out["met"] = {
@@ -429,10 +445,17 @@ def pinning_under_pressure(
             for policy in policies:
                 index = targets[policy]
                 run = run_policy(
-                    make_engine, shape, policy, index.target if index else None,
-                    f"pinning-{policy}-{repeat}-{tag}", repeat, seed, progress,
+                    make_engine,
+                    shape,
+                    policy,
+                    index.target if index else None,
+                    f"pinning-{policy}-{repeat}-{tag}",
+                    repeat,
+                    seed,
+                    progress,
                 )
                 runs[policy].append(summarize_run(run, shape))
+                gc.collect()  # the run's engine, before the next one loads
     aggregated = {p: _aggregate(rs) for p, rs in runs.items()}
     result = {
         "shape": asdict(shape) | {"hot_prefix_len": shape.hot_prefix_len},
