@@ -141,12 +141,9 @@ def _load() -> list[float]:
     return list(os.getloadavg())
 
 
-def _index_matches_pool(target: str, engine_id: str, engine) -> bool:
-    """The index's view of this engine equals the pool: the same cached blocks and the same
-    evictable ones. Runs the link's posted results first (we are the engine thread)."""
+def _index_stats(target: str, engine_id: str):
+    """The index's EngineStats of this engine; None when it has none or is unreachable."""
     from prefix_index.api.client import PrefixIndexClient
-
-    engine.run_commands()
 
     async def fetch():
         async with PrefixIndexClient(target, timeout_s=2.0) as client:
@@ -154,12 +151,20 @@ def _index_matches_pool(target: str, engine_id: str, engine) -> bool:
 
     try:
         found = asyncio.run(fetch())
-    except Exception:  # noqa: BLE001 - unreachable reads as "not yet"
-        return False
-    if not found:
-        return False
-    cached = engine.pool.num_cached_blocks
-    return (found[0].blocks, found[0].evictable) == (cached, engine.pool.policy.num_evictable)
+    except Exception:  # noqa: BLE001 - unreachable reads as "no view"
+        return None
+    return found[0] if found else None
+
+
+def _index_matches_pool(target: str, engine_id: str, engine) -> bool:
+    """The index's view of this engine equals the pool: the same cached blocks and the same
+    evictable ones. Runs the link's posted results first (we are the engine thread)."""
+    engine.run_commands()
+    stats = _index_stats(target, engine_id)
+    return stats is not None and (stats.blocks, stats.evictable) == (
+        engine.pool.num_cached_blocks,
+        engine.pool.policy.num_evictable,
+    )
 
 
 def _pump_until(engine, done: Callable[[], bool], timeout_s: float) -> bool:
@@ -211,30 +216,21 @@ def _count_local_evictions(policy) -> Callable[[], int]:
 
 
 def _index_view(target: str, engine_id: str) -> dict:
-    from prefix_index.api.client import PrefixIndexClient
-
-    async def fetch():
-        async with PrefixIndexClient(target, timeout_s=2.0) as client:
-            return await client.stats(engine_id)
-
-    found = asyncio.run(fetch())
-    if not found:
+    stats = _index_stats(target, engine_id)
+    if stats is None:
         return {}
-    s = found[0]
-    return {
-        k: getattr(s, k)
-        for k in (
-            "blocks",
-            "evictable",
-            "pinned",
-            "auto_pinned",
-            "pin_budget",
-            "queries",
-            "hits",
-            "evictions",
-            "forgets",
-        )
-    }
+    keys = (
+        "blocks",
+        "evictable",
+        "pinned",
+        "auto_pinned",
+        "pin_budget",
+        "queries",
+        "hits",
+        "evictions",
+        "forgets",
+    )
+    return {k: getattr(stats, k) for k in keys}
 
 
 def run_policy(
