@@ -3,13 +3,15 @@
     pagedgen-bench                 # full run, SmolLM2-135M fp32 (~10-15 min on 2 CPU cores)
     pagedgen-bench --quick         # 2-3 minute smoke run, same sections, tiny sizes
     pagedgen-bench --model DIR --out DIR --skip hf,grpc
+    pagedgen-bench --only pinning,index   # re-take sections, merged into <out>/bench.json
 
 Sections: roofline peaks; throughput peers on one workload (HF static generate, HF
 generate_batch, our engine offline, our engine over gRPC) at full concurrency and at batch 1;
 serving latency under Poisson arrivals (engine offline and gRPC); KV memory (simulation with
 the engine's real block manager and scheduler vs contiguous reservation); prefix caching
-(shared-prefix workload, cache on/off; zero-hit cost); prefix-index overhead. Writes
-<out>/bench.json, PNG plots and <out>/../README_results.md.
+(shared-prefix workload, cache on/off; zero-hit cost); prefix-index overhead; pinning under
+pressure (bench/pinning.py, also written to <out>/pinning.json). Writes <out>/bench.json, PNG
+plots and <out>/../README_results.md.
 """
 
 from __future__ import annotations
@@ -28,9 +30,18 @@ from bench.metrics import summarize
 from bench.peers_hf import PeerRun
 from bench.workloads import Workload, fixed_random, shared_prefix, sharegpt_like
 
-SECTIONS = ("roofline", "split", "engine", "hf", "grpc", "llamacpp", "memory", "prefix", "index")
+SECTIONS = ("roofline", "split", "engine", "hf", "grpc", "llamacpp", "memory", "prefix", "index",
+            "pinning")
 # Peer names carry the dtype as a suffix; float32 keeps the historical names.
 DTYPE_SUFFIX = {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}
+# Sections that stand alone (no ratio or roofline depends on them): `--only` re-takes them and
+# merges them into an existing bench.json, each with its own machine, load and commit.
+STANDALONE = {
+    "memory": "memory",
+    "prefix": "prefix",
+    "index": "index_overhead",
+    "pinning": "pinning",
+}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -47,10 +58,11 @@ class Sizes:
     prefix_output_len: int
     memory_requests: int
     zero_hit_repeats: int
+    pinning_repeats: int  # runs of each pinning policy, alternated
 
 
-FULL = Sizes(32, 64, 4, 32, 0.2, 4, 4, 1024, 16, 300, 2)
-QUICK = Sizes(8, 16, 2, 8, 0.1, 2, 3, 256, 8, 100, 1)
+FULL = Sizes(32, 64, 4, 32, 0.2, 4, 4, 1024, 16, 300, 2, 2)
+QUICK = Sizes(8, 16, 2, 8, 0.1, 2, 3, 256, 8, 100, 1, 1)
 
 
 def _summary(run: PeerRun) -> dict:
@@ -68,6 +80,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     p.add_argument("--skip", default="", help=f"comma-separated sections from {SECTIONS}")
+    p.add_argument(
+        "--only",
+        default="",
+        help=f"comma-separated sections from {tuple(STANDALONE)}: run only these and merge "
+        "them into <out>/bench.json (the other sections' figures are kept)",
+    )
     p.add_argument("--rate", type=float, default=2.0, help="Poisson rate of the serving run")
     p.add_argument("--dtypes", default="float32,bfloat16",
                    help="dtypes the engine and HF peers run in, comma-separated")
@@ -91,6 +109,13 @@ def main(argv: list[str] | None = None) -> None:
     dtypes = [d for d in args.dtypes.split(",") if d]
     if not dtypes or set(dtypes) - set(DTYPE_SUFFIX):
         p.error(f"--dtypes takes dtypes from {tuple(DTYPE_SUFFIX)}, got {args.dtypes!r}")
+    only = {s for s in args.only.split(",") if s}
+    if unknown := only - set(STANDALONE):
+        p.error(f"--only takes sections from {tuple(STANDALONE)}, got {sorted(unknown)}")
+    if only and skip:
+        p.error("--only and --skip do not go together")
+    if only:
+        skip = set(SECTIONS) - only
     if args.render_only:
         import json
 
@@ -112,8 +137,34 @@ def main(argv: list[str] | None = None) -> None:
     command = "pagedgen-bench" + (" --quick" if args.quick else "")
     if args.threads is not None:
         command += f" --threads {args.threads}"
-    results["meta"]["command"] = command
+    if only:
+        command += f" --only {','.join(sorted(only))}"
+        results = _merge(results, args.out / "bench.json", only, command)
+    else:
+        results["meta"]["command"] = command
     write_outputs(results, args.out, report=not args.no_report)
+
+
+def _merge(taken: dict, path: Path, only: set[str], command: str) -> dict:
+    """The sections just taken, each stamped with its own run's metadata, over the figures
+    already in bench.json (a fresh file when there is none)."""
+    import json
+
+    merged = (
+        json.loads(path.read_text())
+        if path.exists()
+        else {k: taken[k] for k in ("meta", "sizes", "workloads", "model_cost")}
+    )
+    meta = {
+        k: taken["meta"][k]
+        for k in ("time_utc", "load_average_1_5_15", "git_commit", "torch_num_threads", "finished")
+        if k in taken["meta"]
+    }
+    for section in only:
+        key = STANDALONE[section]
+        merged[key] = taken[key] | {"meta": meta | {"command": command}}
+    merged.setdefault("meta", taken["meta"]).setdefault("command", "pagedgen-bench")
+    return merged
 
 
 def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int,
@@ -204,6 +255,16 @@ def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int,
         workload = _shared_prefix_workload(sizes, seed)
         results["index_overhead"] = index_overhead(
             make_engine, workload, sizes.prefix_tenants, repeats=sizes.zero_hit_repeats
+        )
+    if "pinning" not in skip:
+        from bench.pinning import FULL_SHAPE, QUICK_SHAPE, pinning_under_pressure
+
+        _log("pinning under pressure: small pool, hot prefix between cold prompts, 4 policies")
+        results["pinning"] = pinning_under_pressure(
+            make_engine,
+            QUICK_SHAPE if sizes is QUICK else FULL_SHAPE,
+            repeats=sizes.pinning_repeats,
+            seed=seed,
         )
     results["meta"]["finished"] = machine_metadata(model, light=True)
     return results
@@ -374,6 +435,13 @@ def write_outputs(results: dict, out: Path, report: bool = True) -> None:
     path = out / "bench.json"
     path.write_text(json.dumps(_finite(results), indent=2, allow_nan=False) + "\n")
     _log(f"wrote {path}")
+    if "pinning" in results:
+        pinning = results["pinning"] | {
+            "machine": {k: results["meta"].get(k) for k in ("model", "cpu", "num_cpus", "versions")}
+        }
+        path = out / "pinning.json"
+        path.write_text(json.dumps(_finite(pinning), indent=2, allow_nan=False) + "\n")
+        _log(f"wrote {path}")
     for png in make_plots(results, out):
         _log(f"wrote {png}")
     if report:

@@ -193,6 +193,54 @@ def plot_roofline(results: dict, out: Path) -> Path | None:
     return _save(fig, out / "roofline.png")
 
 
+PINNING_LABELS = {
+    "local_lru": "local LRU",
+    "index_no_autopin": "index, auto pins off",
+    "index_autopin": "index, shipped defaults",
+    "index_explicit_pin": "index + PinPrefix",
+}
+
+
+def plot_pinning(results: dict, out: Path) -> Path | None:
+    """Per hot visit, each policy's first run: share of the hot prefix cached, and TTFT."""
+    pinning = results.get("pinning")
+    if not pinning:
+        return None
+    warm_up = pinning["shape"]["warm_up_visits"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (policy, runs) in enumerate(pinning["runs"].items()):
+        run = runs[0]
+        label = PINNING_LABELS.get(policy, policy)
+        visits = range(1, len(run["hot_hit_rate_per_visit"]) + 1)
+        # Offset so equal lines stay visible.
+        axes[0].plot(
+            visits,
+            [100 * x + 1.5 * i for x in run["hot_hit_rate_per_visit"]],
+            marker="o",
+            ms=3,
+            lw=1,
+            label=label,
+        )
+        axes[1].plot(visits, run["hot_ttft_per_visit_ms"], marker="o", ms=3, lw=1, label=label)
+    for ax in axes:
+        ax.axvline(warm_up + 0.5, color="grey", ls=":", lw=1)
+        ax.set_xlabel("hot visit (dotted: end of warm-up)")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("hot prefix cached, % (lines offset 1.5 pt apart)")
+    axes[0].set_title("Hot prefix served from the cache", fontsize=10)
+    axes[1].set_yscale("log")
+    axes[1].set_ylabel("TTFT, ms")
+    axes[1].set_title("Hot request TTFT", fontsize=10)
+    return _save(fig, out / "pinning.png")
+
+
 def make_plots(results: dict, out: Path) -> list[Path]:
-    plotters = (plot_throughput, plot_latency, plot_memory, plot_prefix, plot_roofline)
+    plotters = (
+        plot_throughput,
+        plot_latency,
+        plot_memory,
+        plot_prefix,
+        plot_roofline,
+        plot_pinning,
+    )
     return [path for plot in plotters if (path := plot(results, out)) is not None]

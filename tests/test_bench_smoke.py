@@ -146,3 +146,39 @@ def test_report_renders_the_cpu_dtype_section(tmp_path):
     assert "**not met**" in text  # 40% < 60%
     assert "| bfloat16 | 1 | 128 | cpu | 20.0 | 50.0 | 60.0% | 10.0% | 30.0% |" in text
     assert "skipped: building llama.cpp needs `cmake` on PATH" in text
+
+
+def test_pinning_lru_drops_the_hot_prefix_and_the_section_renders(tmp_path, tiny_llama_dir):
+    """bench/pinning.py on a tiny model, local LRU only (no Redis): the cold prompts between two
+    hot visits flush the pool, so the hot prefix is never cached again; the report and the plot
+    render from the section's results."""
+    from dataclasses import asdict
+
+    from bench.pinning import PinningShape, _aggregate, run_policy, summarize_run
+    from bench.plots import plot_pinning
+    from bench.report import _pinning
+    from engine_service.core.config import EngineConfig
+    from engine_service.core.engine import LLMEngine
+
+    shape = PinningShape(num_blocks=24, hot_blocks=2, cold_per_visit=2, cold_blocks=15, visits=3,
+                         warm_up_visits=1, output_len=2)
+
+    def make_engine(**overrides):
+        return LLMEngine(EngineConfig(model=str(tiny_llama_dir), **overrides))
+
+    run = run_policy(make_engine, shape, "local_lru", None, "", 0, seed=0, progress=False)
+    summary = summarize_run(run, shape)
+    assert summary["hot_hit_rate_per_visit"] == [0.0, 0.0, 0.0]
+    assert summary["counters"]["local_evictions"] > 0
+    assert summary["num_output_tokens"] == 3 * 3 * shape.output_len
+    pinning = {
+        "shape": asdict(shape) | {"hot_prefix_len": shape.hot_prefix_len},
+        "repeats": 1,
+        "load_average_start": [1.0, 1.0, 1.0],
+        "load_average_end": [1.0, 1.0, 1.0],
+        "policies": {"local_lru": _aggregate([summary])},
+        "runs": {"local_lru": [summary]},
+    }
+    text = "\n".join(_pinning(pinning, "bench/results"))
+    assert "| local LRU (no index) | 0.0% / 0.0% |" in text
+    assert plot_pinning({"pinning": pinning}, tmp_path).name == "pinning.png"
