@@ -68,5 +68,6 @@ def test_engine_runs_reports_and_hashes_the_resolved_dtype(make_llm, tiny_llama_
     assert auto.config.dtype in ("float32", "bfloat16")
     assert auto.runner.kv_caches.dtype == getattr(torch, auto.config.dtype)
     # KV computed in another dtype is other KV: block hashes must never collide across dtypes.
-    assert bf16.seed_hash != fp32.seed_hash
-    assert auto.seed_hash == (bf16 if auto.config.dtype == "bfloat16" else fp32).seed_hash
+    assert bf16.hasher.seed_hash != fp32.hasher.seed_hash
+    same = bf16 if auto.config.dtype == "bfloat16" else fp32
+    assert auto.hasher.seed_hash == same.hasher.seed_hash
