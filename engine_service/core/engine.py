@@ -428,7 +428,9 @@ class LLMEngine:
         pool = self.pool
         # Free blocks are exactly those with refcount 0 (uncached or evictable), so this is
         # O(1) instead of a scan of the pool (the server refreshes its gauges while stepping).
-        in_use = pool.num_blocks - pool.num_free_blocks
+        # Held by sequences: neither free nor idle-and-pinned (a pin holds a cached block,
+        # not a running sequence).
+        in_use = pool.num_blocks - pool.num_free_blocks - pool.policy.num_pinned_idle
         return EngineStats(
             num_blocks=pool.num_blocks,
             num_free_blocks=pool.num_free_blocks,
