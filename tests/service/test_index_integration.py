@@ -292,8 +292,10 @@ def test_index_chooses_the_victims_ahead_of_need(tiny_llama_dir, index):
                    "index and pool agree after the evictions")
         stats = index_stats(index.target, "engine-evict")
         assert stats.evictions >= counters.index_victims_applied
-        # Victims came ahead of need: the local LRU never had to pick (no re-sync needed).
-        assert counters.local_evictions == 0
+        # The reserve is small (at most 1/32 of the pool, issue 10), so a burst can outrun the
+        # index's victims: the engine then evicts on its own and reports each block with a
+        # Forget. Either way the index stays exact without a re-sync.
+        assert counters.forgets_sent == counters.local_evictions
         assert link.stats().registrations == 1
     finally:
         link.close()
