@@ -81,7 +81,8 @@ class AsyncEngine:
     def is_live(self, request_id: str) -> bool:
         return request_id in self._streams
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raise EngineDeadError once the engine thread has died."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.dead!r}")
 
@@ -96,7 +97,7 @@ class AsyncEngine:
     ) -> asyncio.Queue:
         """Submits a validated request; its RequestOutputs (the last one `finished`), or an
         exception, arrive on the returned queue. The caller checked the id is not live."""
-        self._check_alive()
+        self.check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id must be unique among live requests, got {request_id!r}")
         outputs: asyncio.Queue = asyncio.Queue()
@@ -128,7 +129,7 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs fn(engine) on the engine thread between two steps (a consistent view)."""
-        self._check_alive()
+        self.check_alive()
         future = asyncio.get_running_loop().create_future()
         self._calls.add(future)
 

@@ -113,6 +113,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await self._refuse(context, *status_for(error))
         raise AssertionError("unreachable: context.abort raises")
 
+    async def _require_live_engine(self, context) -> None:
+        try:
+            self.engine.check_alive()
+        except EngineDeadError as error:
+            await context.abort(*status_for(error))
+
     async def _refuse(self, context, code: grpc.StatusCode, message: str) -> None:
         self.metrics.requests_rejected.labels(code.name).inc()
         await context.abort(code, message)
@@ -226,9 +232,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
     async def EngineStats(self, request: pb.EngineStatsRequest, context) -> pb.EngineStatsResponse:
-        if self.engine.dead is not None:
-            await context.abort(*status_for(EngineDeadError(
-                f"the engine stopped after an error: {self.engine.dead!r}")))
+        await self._require_live_engine(context)
         stats: EngineStats = self.engine.engine.snapshot  # published by the engine thread
         link = self.index_link
         queries = stats.prefix_cache_queries
@@ -252,9 +256,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
     async def PinPrefix(self, request: pb.PinPrefixRequest, context) -> pb.PinPrefixResponse:
-        if self.engine.dead is not None:
-            await context.abort(*status_for(EngineDeadError(
-                f"the engine stopped after an error: {self.engine.dead!r}")))
+        await self._require_live_engine(context)
         if self.index_link is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
