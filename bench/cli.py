@@ -10,8 +10,10 @@ generate_batch, our engine offline, our engine over gRPC) at full concurrency an
 serving latency under Poisson arrivals (engine offline and gRPC); KV memory (simulation with
 the engine's real block manager and scheduler vs contiguous reservation); prefix caching
 (shared-prefix workload, cache on/off; zero-hit cost); prefix-index overhead; pinning under
-pressure (bench/pinning.py, also written to <out>/pinning.json). Writes <out>/bench.json, PNG
-plots and <out>/../README_results.md.
+pressure (bench/pinning.py, also written to <out>/pinning.json); beam search (bench/beam.py:
+blocks held with sharing vs without, throughput vs HF generate(num_beams)); the KV-aware router
+against its baselines on engine replicas (bench/router.py, also written to <out>/router.json).
+Writes <out>/bench.json, PNG plots and <out>/../README_results.md.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from bench.peers_hf import PeerRun
 from bench.workloads import Workload, fixed_random, shared_prefix, sharegpt_like
 
 SECTIONS = ("roofline", "split", "engine", "hf", "grpc", "llamacpp", "memory", "prefix", "index",
-            "pinning")
+            "pinning", "beam", "router")
 # Peer names carry the dtype as a suffix; float32 keeps the historical names.
 DTYPE_SUFFIX = {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}
 # Sections that stand alone (no ratio or roofline depends on them): `--only` re-takes them and
@@ -41,6 +43,8 @@ STANDALONE = {
     "prefix": "prefix",
     "index": "index_overhead",
     "pinning": "pinning",
+    "beam": "beam",
+    "router": "router",
 }
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -266,6 +270,22 @@ def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int,
             repeats=sizes.pinning_repeats,
             seed=seed,
         )
+    if "beam" not in skip:
+        from bench.beam import FULL_SHAPE, QUICK_SHAPE, beam_search_bench
+
+        _log("beam search: blocks with and without sharing, throughput vs HF num_beams")
+        results["beam"] = beam_search_bench(
+            model, QUICK_SHAPE if sizes is QUICK else FULL_SHAPE, seed, log=_log
+        )
+    if "router" not in skip:
+        from bench.router import FULL_SHAPE as ROUTER_FULL
+        from bench.router import QUICK_SHAPE as ROUTER_QUICK
+        from bench.router import router_benchmark
+
+        _log("KV-aware router: engine replicas behind pagedgen-router, 4 policies, 2 scenarios")
+        results["router"] = router_benchmark(
+            model, ROUTER_QUICK if sizes is QUICK else ROUTER_FULL, seed=seed, log=_log
+        )
     results["meta"]["finished"] = machine_metadata(model, light=True)
     return results
 
@@ -435,12 +455,15 @@ def write_outputs(results: dict, out: Path, report: bool = True) -> None:
     path = out / "bench.json"
     path.write_text(json.dumps(_finite(results), indent=2, allow_nan=False) + "\n")
     _log(f"wrote {path}")
-    if "pinning" in results:
-        pinning = results["pinning"] | {
-            "machine": {k: results["meta"].get(k) for k in ("model", "cpu", "num_cpus", "versions")}
-        }
-        path = out / "pinning.json"
-        path.write_text(json.dumps(_finite(pinning), indent=2, allow_nan=False) + "\n")
+    for section in ("pinning", "router"):  # sections also kept in a file of their own
+        if section not in results:
+            continue
+        machine = {k: results["meta"].get(k) for k in ("model", "cpu", "num_cpus", "versions")}
+        path = out / f"{section}.json"
+        path.write_text(
+            json.dumps(_finite(results[section] | {"machine": machine}), indent=2, allow_nan=False)
+            + "\n"
+        )
         _log(f"wrote {path}")
     for png in make_plots(results, out):
         _log(f"wrote {png}")

@@ -234,6 +234,84 @@ def plot_pinning(results: dict, out: Path) -> Path | None:
     return _save(fig, out / "pinning.png")
 
 
+def plot_beam(results: dict, out: Path) -> Path | None:
+    """Peak KV blocks of one beam search request (shared / unshared / contiguous) by prompt
+    length at the widest beam, and beam requests per second against HF by beam width."""
+    beam = results.get("beam")
+    if not beam:
+        return None
+    widest = max(beam["shape"]["memory_widths"])
+    memory = sorted((m for m in beam["memory"] if m["beam_width"] == widest),
+                    key=lambda m: m["prompt_len"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    kinds = [("shared_peak_blocks", "paged, shared (ours)", "tab:blue"),
+             ("unshared_peak_blocks", "paged, no sharing", "tab:orange"),
+             ("contiguous_blocks", "contiguous reservation", "tab:grey")]
+    width = 0.27
+    for i, (key, label, color) in enumerate(kinds):
+        xs = [j + (i - 1) * width for j in range(len(memory))]
+        values = [m[key] for m in memory]
+        bars = axes[0].bar(xs, values, width, label=label, color=color)
+        for bar, v in zip(bars, values, strict=True):
+            axes[0].annotate(str(v), (bar.get_x() + bar.get_width() / 2, v), ha="center",
+                             va="bottom", fontsize=7)
+    axes[0].set_xticks(range(len(memory)), [f"prompt {m['prompt_len']}" for m in memory])
+    axes[0].set_ylabel(f"peak KV blocks of {memory[0]['block_size']} tokens")
+    axes[0].set_title(f"One beam search request, beam width {widest}, "
+                      f"{beam['shape']['memory_max_tokens']} tokens", fontsize=10)
+    axes[0].legend(fontsize=8)
+    runs = {r["name"]: r for r in beam["throughput"]["runs"]}
+    widths = beam["shape"]["throughput_widths"]
+    peers = [("engine_beam_k{}", "engine (ours)", "tab:blue"),
+             ("hf_generate_beam_k{}", "HF generate, one batch", "tab:orange"),
+             ("hf_generate_beam_k{}_b1", "HF generate, one prompt at a time", "tab:grey")]
+    for i, (pattern, label, color) in enumerate(peers):
+        xs = [j + (i - 1) * width for j in range(len(widths))]
+        values = [runs[pattern.format(k)]["requests_per_s"] for k in widths]
+        axes[1].bar(xs, values, width, label=label, color=color)
+    axes[1].set_xticks(range(len(widths)), [f"beam width {k}" for k in widths])
+    axes[1].set_ylabel("beam search requests / s")
+    axes[1].set_title(f"{beam['throughput']['workload']['num_requests']} requests, "
+                      f"{beam['shape']['throughput_max_tokens']} tokens per beam", fontsize=10)
+    axes[1].legend(fontsize=8)
+    return _save(fig, out / "beam.png")
+
+
+def plot_router(results: dict, out: Path) -> Path | None:
+    """Per policy and scenario: hit rate, TTFT p50 / p99, and the replicas' shares."""
+    router = results.get("router")
+    if not router:
+        return None
+    bars = [(f"{scenario}\n{policy}", figures)
+            for scenario, by_policy in router["policies"].items()
+            for policy, figures in by_policy.items()]
+    labels = [label for label, _ in bars]
+    xs = range(len(bars))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    _bars(axes[0], labels, [100 * f["hit_rate"] for _, f in bars], "Prefix-cache hit rate",
+          "cached / prompt tokens, %")
+    width = 0.4
+    for i, q in enumerate(("p50", "p99")):
+        axes[1].bar([x + i * width for x in xs], [f[f"ttft_{q}_ms"] for _, f in bars], width,
+                    label=f"TTFT {q}")
+    axes[1].set_xticks([x + width / 2 for x in xs], labels, rotation=20, ha="right", fontsize=8)
+    axes[1].set_yscale("log")
+    axes[1].set_ylabel("ms")
+    axes[1].set_title("Time to first token", fontsize=10)
+    axes[1].legend(fontsize=8)
+    bottoms = [0.0] * len(bars)
+    for rank in range(max(len(f["replica_shares"]) for _, f in bars)):
+        heights = [100 * f["replica_shares"][rank] if rank < len(f["replica_shares"]) else 0.0
+                   for _, f in bars]
+        axes[2].bar(xs, heights, bottom=bottoms, label=f"replica #{rank + 1}")
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    axes[2].set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
+    axes[2].set_ylabel("% of requests")
+    axes[2].set_title("Share of each replica (largest first)", fontsize=10)
+    axes[2].legend(fontsize=8)
+    return _save(fig, out / "router.png")
+
+
 def make_plots(results: dict, out: Path) -> list[Path]:
     plotters = (
         plot_throughput,
@@ -242,5 +320,7 @@ def make_plots(results: dict, out: Path) -> list[Path]:
         plot_prefix,
         plot_roofline,
         plot_pinning,
+        plot_beam,
+        plot_router,
     )
     return [path for plot in plotters if (path := plot(results, out)) is not None]

@@ -410,6 +410,10 @@ def render_report(r: dict, out: Path) -> str:
             ]
     if "pinning" in r:
         lines += _pinning(r["pinning"], rel)
+    if "beam" in r:
+        lines += _beam(r["beam"], rel)
+    if "router" in r:
+        lines += _router(r["router"], rel)
     return "\n".join(lines) + "\n"
 
 
@@ -518,3 +522,184 @@ def _pinning(p: dict, rel: str) -> list[str]:
         ]
     lines += ["", f"![pinning]({rel}/pinning.png)", ""]
     return lines
+
+
+def _beam(b: dict, rel: str) -> list[str]:
+    sh, t = b["shape"], b["targets"]
+    widest, longest = max(sh["memory_widths"]), max(sh["memory_prompt_lens"])
+    lines = [
+        "### Beam search (issue #14)",
+        "",
+        *_taken_separately(b),
+        f"KV blocks held at peak by one beam search request ({sh['memory_max_tokens']} tokens "
+        "per beam, EOS masked so every beam runs the whole length, random-token prompts, "
+        f"block size {b['memory'][0]['block_size']}, {b['dtype']}): the beams share every "
+        "common block (copy-on-write), against the same beams with nothing shared and against "
+        "a contiguous reservation of prompt + max_tokens per beam. Measured at each step's "
+        "peak (the step's copies-on-write included).",
+        "",
+        "| prompt | beam width | shared (ours) | no sharing | contiguous | no sharing / shared "
+        "| saving | worst case reserved |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in sorted(b["memory"], key=lambda m: (m["beam_width"], m["prompt_len"])):
+        ratio = m["unshared_peak_blocks"] / m["shared_peak_blocks"]
+        lines.append(
+            f"| {m['prompt_len']} | {m['beam_width']} | {m['shared_peak_blocks']} "
+            f"| {m['unshared_peak_blocks']} | {m['contiguous_blocks']} | {ratio:.2f}x "
+            f"| {_pct(1 - 1 / ratio)} | {m['worst_case_blocks']} |"
+        )
+    tp = b["throughput"]
+    runs = {r["name"]: r for r in tp["runs"]}
+    lines += [
+        "",
+        f"Throughput: {tp['workload']['num_requests']} prompts of 16-200 tokens "
+        f"({tp['workload']['num_prompt_tokens']} prompt tokens), "
+        f"{sh['throughput_max_tokens']} tokens per beam, EOS masked on both sides; our offline "
+        "`LLM.beam_search` (one continuous batch) vs HF `generate(num_beams=k, "
+        "do_sample=False)` on all prompts in one left-padded batch and one prompt at a time; "
+        f"float32. Ours and HF's one-batch runs alternate, {sh.get('repeats', 1)}x each, best "
+        "of each shown (every run, with the load when it started, is in bench.json).",
+        "",
+        "| beam width | peer | requests/s | beam tok/s | ours / peer | beams equal HF's (one at "
+        "a time) |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for k in sh["throughput_widths"]:
+        for name in (f"engine_beam_k{k}", f"hf_generate_beam_k{k}", f"hf_generate_beam_k{k}_b1"):
+            run = runs[name]
+            ratio = tp["ratios"].get(f"engine_beam_k{k}/{name}")
+            same = tp["matches_hf_b1"].get(str(k)) if name.startswith("engine") else None
+            lines.append(
+                f"| {k} | {name} | {run['requests_per_s']:.3f} | {run['beam_tokens_per_s']:.1f} "
+                f"| {'-' if ratio is None else f'{ratio:.2f}x'} "
+                f"| {'-' if same is None else _pct(same)} |"
+            )
+    lines += [
+        "",
+        "| target | measured | verdict |",
+        "|---|---|---|",
+        f"| >= 2x fewer blocks than without sharing at beam width {widest}, {longest}-token "
+        f"prompt | {t['blocks_unshared_over_shared']:.2f}x (contiguous / shared "
+        f"{t['blocks_contiguous_over_shared']:.2f}x) | {_verdict(t['met']['blocks'])} |",
+        f"| faster than HF generate(num_beams) | {t['min_speedup_vs_hf_batched']:.2f}x its "
+        f"one-batch throughput (worst width) | {_verdict(t['met']['throughput'])} |",
+        "",
+        f"![beam search]({rel}/beam.png)",
+        "",
+    ]
+    return lines
+
+
+def _shares(values: list[float]) -> str:
+    return " / ".join(f"{100 * v:.0f}" for v in values)
+
+
+def _router_table(policies: dict) -> list[str]:
+    rows = [
+        "| policy | hit rate | prefill tokens computed | TTFT p50 / p99 ms "
+        "| after warm-up | E2E p50 / p99 ms | output tok/s "
+        "| replica shares % | route p50 / p99 ms | preemptions | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, a in policies.items():
+        rows.append(
+            f"| {name} | {_pct(a['hit_rate'])} | {_f(a.get('prefill_tokens'), 0)} "
+            f"| {_f(a['ttft_p50_ms'], 0)} / {_f(a['ttft_p99_ms'], 0)} "
+            f"| {_f(a.get('ttft_settled_p50_ms'), 0)} / {_f(a.get('ttft_settled_p99_ms'), 0)} "
+            f"| {_f(a['e2el_p50_ms'], 0)} / {_f(a['e2el_p99_ms'], 0)} "
+            f"| {_f(a['output_throughput'], 2)} | {_shares(a['replica_shares'])} "
+            f"| {_f(a['route_p50_ms'], 2)} / {_f(a['route_p99_ms'], 1)} "
+            f"| {sum(a['num_preemptions'])} | {a['num_errors']} |"
+        )
+    return rows
+
+
+def _router(x: dict, rel: str) -> list[str]:
+    sh, t, o = x["shape"], x["targets"], x["overhead"]
+    f, met = t["figures"], t["met"]
+    runs = "one run" if sh["repeats"] == 1 else f"{sh['repeats']} runs, alternating, median"
+    lines = [
+        "### KV-aware router (issue #11)",
+        "",
+        *_taken_separately(x),
+        f"{sh['num_engines']} engine replicas on this machine (one torch thread each, default "
+        f"dtype), each with a KV pool of {sh['num_blocks']} blocks x {sh['block_size']} tokens, "
+        f"behind `pagedgen-router`, one shared prefix index. {sh['num_tenants']} tenants, each "
+        f"a distinct {sh['system_prompt_len']}-token system prompt (its own `cache_salt`): the "
+        f"working set is {sh['working_set_blocks']} blocks, "
+        f"{sh['working_set_blocks'] / sh['num_blocks']:.1f}x one pool. Each request: a "
+        f"tenant's system prompt + a unique {sh['user_len']}-token user turn, "
+        f"{sh['output_len']} output tokens (greedy, `ignore_eos`); {sh['num_requests']} "
+        f"requests per run, Poisson arrivals at {sh['rate']:g}/s, the same requests and "
+        f"arrival times for every policy, fresh engines (empty caches) for every run; {runs}. "
+        f"Balanced: tenants by Zipf popularity (s = {sh['zipf_s']:g}); hot: one tenant takes "
+        f"{100 * sh['hot_share']:.0f}% of the requests, the rest Zipf. Hit rate = cached / "
+        "prompt tokens over all requests (at most "
+        f"{_pct(sh['system_prompt_len'] / (sh['system_prompt_len'] + sh['user_len']))}: the "
+        "user turns are never cached); output tok/s from first send to last token (in an open "
+        "loop it equals the offered load while a policy keeps up); replica shares: requests "
+        "routed to each replica, largest first; route latency: the router's "
+        "`pagedgen_router_route_seconds` (arrival to the upstream call: hashing, index Lookup, "
+        "choice), p50 / p99 interpolated in its buckets; after warm-up: TTFT of the requests "
+        f"after the first {sh.get('warm_up_requests', 0)} (sent while the caches are empty). "
+        "Load average at start "
+        f"{_load(x['load_average_start'])}, at end {_load(x['load_average_end'])}.",
+        "",
+        "Balanced (Zipf):",
+        "",
+        *_router_table(x["policies"]["balanced"]),
+        "",
+    ]
+    if x["policies"].get("hot"):
+        lines += ["One hot prefix:", "", *_router_table(x["policies"]["hot"]), ""]
+    runs = x["runs"]["balanced"]
+    if runs:
+        counts = x["workloads"]["balanced"]["tenant_requests"]
+        names = list(runs)
+        lines += [
+            "Hit rate by tenant (balanced, tenant 0 the most popular):",
+            "",
+            "| tenant | requests | " + " | ".join(names) + " |",
+            "|---|---:|" + "---:|" * len(names),
+        ]
+        for tenant, count in enumerate(counts):
+            key = f"tenant-{tenant}"
+            cells = [_pct(runs[n][0]["tenant_hit_rates"].get(key)) for n in names]
+            lines.append(f"| {tenant} | {count} | " + " | ".join(cells) + " |")
+        lines.append("")
+    tol = t["no_worse_tolerance"]
+    rows = [
+        "| target | measured | verdict |",
+        "|---|---|---|",
+        f"| kv-aware hit rate >= 2x round-robin's | {_f(f['hit_rate_kv_over_rr'], 2)}x "
+        f"| {_verdict(met['hit_rate'])} |",
+        f"| kv-aware TTFT p50 >= 2x lower than round-robin's | "
+        f"{_f(f['ttft_p50_rr_over_kv'], 2)}x lower | {_verdict(met['ttft_p50'])} |",
+        f"| kv-aware output throughput >= round-robin's (open loop: equal within "
+        f"{100 * t.get('throughput_tolerance', 0):.0f}% when both keep up) "
+        f"| {_f(f['throughput_kv_over_rr'], 4)}x | {_verdict(met['throughput'])} |",
+        f"| balanced: kv-aware no worse than prefix-hash (hit rate, TTFT p50, throughput within "
+        f"{100 * tol:.0f}%) | hit rate {_f(f['balanced_hit_rate_kv_over_ph'], 2)}x, TTFT p50 "
+        f"{_f(f['balanced_ttft_p50_ph_over_kv'], 2)}x lower, throughput "
+        f"{_f(f['balanced_throughput_kv_over_ph'], 3)}x "
+        f"| {_verdict(met['balanced_vs_prefix_hash'])} |",
+    ]
+    if "hot_ttft_p99" in met:
+        rows.append(
+            f"| hot prefix: kv-aware TTFT p99 lower than prefix-hash's "
+            f"| {_f(f['hot_ttft_p99_ph_over_kv'], 2)}x lower (after warm-up "
+            f"{_f(f.get('hot_ttft_settled_p99_ph_over_kv'), 2)}x; p50 "
+            f"{_f(f['hot_ttft_p50_ph_over_kv'], 2)}x) | {_verdict(met['hot_ttft_p99'])} |"
+        )
+    rows += [
+        f"| routing adds < 2 ms p50 per request (kv-aware, under the balanced load) "
+        f"| {_f(f['route_p50_ms'], 2)} ms | {_verdict(met['route_latency'])} |",
+        f"| (context) route latency with idle replicas, one request at a time "
+        f"| p50 {_f(o.get('route_p50_ms'), 2)} ms, p99 {_f(o.get('route_p99_ms'), 2)} ms | n/a |",
+        f"| (context) TTFT through the router vs straight to a replica, idle, "
+        f"{o['prompt_len']}-token prompts, {o['pairs']} pairs | {_f(o['ttft_router_p50_ms'], 1)} "
+        f"vs {_f(o['ttft_direct_p50_ms'], 1)} ms p50; added p50 {_f(o['added_p50_ms'], 2)} ms, "
+        f"mean {_f(o['added_mean_ms'], 2)} ms | n/a |",
+    ]
+    return lines + rows + ["", f"![router]({rel}/router.png)", ""]

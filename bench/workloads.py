@@ -128,6 +128,47 @@ def shared_prefix(
     return Workload(f"shared_prefix_{num_tenants}x{requests_per_tenant}", seed, tuple(requests))
 
 
+def zipf_weights(num_items: int, s: float) -> list[float]:
+    """Zipf popularity of items 1..n: weight of rank k proportional to k^-s, summing to 1."""
+    if num_items < 1 or s < 0:
+        raise ValueError(f"zipf_weights needs num_items >= 1 and s >= 0, got {num_items}, {s}")
+    raw = [1.0 / (k + 1) ** s for k in range(num_items)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+def multi_tenant(
+    num_tenants: int,
+    num_requests: int,
+    system_prompt_len: int,
+    user_len: int,
+    output_len: int,
+    zipf_s: float = 1.1,
+    hot_share: float | None = None,
+    seed: int = 0,
+) -> Workload:
+    """Tenants with distinct long system prompts, each request one tenant's system prompt + a
+    unique user turn; tenants drawn by Zipf popularity (tenant 0 the most popular). `hot_share`:
+    tenant 0 takes that share of the requests and the rest are Zipf over the others. The tenant
+    is the request's cache_salt, `tenant-<k>`, as a multi-tenant deployment would salt it."""
+    if hot_share is not None and not 0 < hot_share < 1:
+        raise ValueError(f"hot_share must be in (0, 1) or None, got {hot_share}")
+    rng = random.Random(seed)
+    systems = [_tokens(rng, system_prompt_len) for _ in range(num_tenants)]
+    if hot_share is None:
+        weights = zipf_weights(num_tenants, zipf_s)
+    else:
+        weights = [hot_share] + [(1 - hot_share) * w
+                                 for w in zipf_weights(num_tenants - 1, zipf_s)]
+    tenants = rng.choices(range(num_tenants), weights, k=num_requests)
+    requests = tuple(
+        BenchRequest(systems[t] + _tokens(rng, user_len), output_len, cache_salt=f"tenant-{t}")
+        for t in tenants
+    )
+    shape = f"hot{round(100 * hot_share)}" if hot_share is not None else f"zipf{zipf_s:g}"
+    return Workload(f"multi_tenant_{num_tenants}x{system_prompt_len}_{shape}", seed, requests)
+
+
 def poisson_arrivals(num_requests: int, rate: float, seed: int = 0) -> list[float]:
     """Arrival offsets in seconds for an open-loop Poisson process; rate inf = all at t=0."""
     if math.isinf(rate):

@@ -8,7 +8,8 @@ from tqdm import tqdm
 from engine_service.core.config import EngineConfig
 from engine_service.core.engine import LLMEngine
 from engine_service.core.errors import InvalidRequestError
-from engine_service.core.outputs import RequestOutput
+from engine_service.core.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from engine_service.model.beam_search_params import BeamSearchParams
 from engine_service.model.sampling_params import SamplingParams
 
 Prompt = str | dict
@@ -121,6 +122,40 @@ class LLM:
         finally:
             bar.close()
         return results
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        cache_salt: str | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (all in one continuous batch); per prompt, the best
+        beams, best first, each with its generated token ids, text and cumulative logprob."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(
+                f"params must be a BeamSearchParams, got {type(params).__name__}"
+            )
+        outputs = self.generate(
+            prompts, params.sampling_params(), use_tqdm=use_tqdm, cache_salt=cache_salt
+        )
+        return [
+            BeamSearchOutput(
+                sequences=[
+                    BeamSearchSequence(
+                        token_ids=c.token_ids,
+                        text=c.text,
+                        cum_logprob=c.cumulative_logprob,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                    for c in out.outputs
+                ],
+                prompt_token_ids=out.prompt_token_ids,
+                prompt=out.prompt,
+            )
+            for out in outputs
+        ]
 
     def chat(
         self,

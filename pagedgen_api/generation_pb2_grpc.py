@@ -82,6 +82,8 @@ class GenerationServicer:
     def GenerateStream(self, request, context):
         """One request, its completions streamed as they are produced: every message carries only
         what is new since the previous one (per completion `index`), the last one has `finished`.
+        Beam search (sampling.beam_width set) streams only the final beams, in one last message:
+        which beams win is known only when the search ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

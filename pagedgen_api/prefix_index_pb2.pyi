@@ -45,20 +45,22 @@ PIN_STATE_EXPLICIT: PinState
 PIN_STATE_AUTOMATIC: PinState
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("engine_id", "model_identity", "block_size", "num_blocks", "lease_s", "nonce")
+    __slots__ = ("engine_id", "model_identity", "block_size", "num_blocks", "lease_s", "nonce", "serving_address")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    SERVING_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model_identity: str
     block_size: int
     num_blocks: int
     lease_s: float
     nonce: str
-    def __init__(self, engine_id: _Optional[str] = ..., model_identity: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_s: _Optional[float] = ..., nonce: _Optional[str] = ...) -> None: ...
+    serving_address: str
+    def __init__(self, engine_id: _Optional[str] = ..., model_identity: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_s: _Optional[float] = ..., nonce: _Optional[str] = ..., serving_address: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("epoch", "lease_s", "pin_budget")
@@ -243,7 +245,7 @@ class StatsRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("engine_id", "epoch", "model_identity", "block_size", "num_blocks", "blocks", "evictable", "pinned", "auto_pinned", "pin_budget", "queries", "hits", "evictions", "lease_remaining_s", "forgets", "history")
+    __slots__ = ("engine_id", "epoch", "model_identity", "block_size", "num_blocks", "blocks", "evictable", "pinned", "auto_pinned", "pin_budget", "queries", "hits", "evictions", "lease_remaining_s", "forgets", "history", "serving_address")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +262,7 @@ class EngineStats(_message.Message):
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
     FORGETS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    SERVING_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: int
     model_identity: str
@@ -276,7 +279,8 @@ class EngineStats(_message.Message):
     lease_remaining_s: float
     forgets: int
     history: int
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_identity: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., blocks: _Optional[int] = ..., evictable: _Optional[int] = ..., pinned: _Optional[int] = ..., auto_pinned: _Optional[int] = ..., pin_budget: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., forgets: _Optional[int] = ..., history: _Optional[int] = ...) -> None: ...
+    serving_address: str
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_identity: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., blocks: _Optional[int] = ..., evictable: _Optional[int] = ..., pinned: _Optional[int] = ..., auto_pinned: _Optional[int] = ..., pin_budget: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., forgets: _Optional[int] = ..., history: _Optional[int] = ..., serving_address: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("engines",)

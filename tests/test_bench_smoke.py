@@ -182,3 +182,100 @@ def test_pinning_lru_drops_the_hot_prefix_and_the_section_renders(tmp_path, tiny
     text = "\n".join(_pinning(pinning, "bench/results"))
     assert "| local LRU (no index) | 0.0% / 0.0% |" in text
     assert plot_pinning({"pinning": pinning}, tmp_path).name == "pinning.png"
+
+
+def test_beam_section_on_a_tiny_model(tmp_path, tiny_llama_dir):
+    """bench/beam.py on a tiny model: sharing never holds more than the beams unshared or
+    than admission reserved, our beams equal HF's, and the section renders."""
+    from bench.beam import BeamShape, beam_search_bench
+    from bench.plots import plot_beam
+    from bench.report import _beam
+
+    shape = BeamShape(memory_prompt_lens=(16, 40), memory_widths=(2, 4), memory_max_tokens=20,
+                      throughput_prompts=2, throughput_widths=(2,), throughput_max_tokens=4,
+                      repeats=2)
+    beam = beam_search_bench(str(tiny_llama_dir), shape, seed=0, log=lambda msg: None,
+                             num_blocks=256)
+    assert len(beam["memory"]) == 3
+    for m in beam["memory"]:
+        assert m["shared_peak_blocks"] <= m["worst_case_blocks"]
+        assert m["shared_peak_blocks"] < m["unshared_peak_blocks"] <= m["contiguous_blocks"]
+    # 40-token prompt, 4 beams of 20 tokens, blocks of 16: 4 x 4 blocks unshared at the end.
+    [longest] = [m for m in beam["memory"] if (m["prompt_len"], m["beam_width"]) == (40, 4)]
+    assert longest["unshared_peak_blocks"] == longest["contiguous_blocks"] == 16
+    assert beam["throughput"]["matches_hf_b1"] == {"2": 1.0}
+    assert len(beam["throughput"]["all_runs"]) == 2 * 2 + 1  # alternated, then HF one at a time
+    assert len(beam["throughput"]["runs"]) == 3  # the best of each peer
+    assert set(beam["throughput"]["ratios"]) == {
+        "engine_beam_k2/hf_generate_beam_k2", "engine_beam_k2/hf_generate_beam_k2_b1"}
+    text = "\n".join(_beam(beam, "bench/results"))
+    assert "| 40 | 4 |" in text and "beams equal HF's" in text
+    assert plot_beam({"beam": beam}, tmp_path).name == "beam.png"
+
+
+def test_router_section_pure_parts_and_rendering(tmp_path):
+    """bench/router.py without processes: the multi-tenant workload, the router's /metrics
+    parsed into shares and a route-latency quantile, and the section's table and plot."""
+    from bench.plots import plot_router
+    from bench.report import _router
+    from bench.router import QUICK_SHAPE, _targets
+    from bench.router_stack import RouterFigures
+    from bench.workloads import multi_tenant, zipf_weights
+
+    w = multi_tenant(4, 200, 64, 8, 4, zipf_s=1.1, seed=0)
+    assert w == multi_tenant(4, 200, 64, 8, 4, zipf_s=1.1, seed=0)
+    counts = [sum(r.cache_salt == f"tenant-{t}" for r in w.requests) for t in range(4)]
+    assert counts[0] > counts[3] and sum(counts) == 200
+    assert all(len(r.prompt_token_ids) == 72 for r in w.requests)
+    hot = multi_tenant(4, 200, 64, 8, 4, hot_share=0.7, seed=0)
+    assert sum(r.cache_salt == "tenant-0" for r in hot.requests) > 120
+    assert sum(zipf_weights(8, 1.1)) == pytest.approx(1.0)
+
+    text = "\n".join([
+        'pagedgen_router_decisions_total{policy="kv-aware",replica="e0"} 3.0',
+        'pagedgen_router_decisions_total{policy="prefix-hash",replica="e0"} 1.0',
+        'pagedgen_router_decisions_total{policy="kv-aware",replica="e1"} 4.0',
+        'pagedgen_router_route_seconds_bucket{le="0.001"} 2.0',
+        'pagedgen_router_route_seconds_bucket{le="0.002"} 6.0',
+        'pagedgen_router_route_seconds_bucket{le="+Inf"} 8.0',
+        "pagedgen_router_route_seconds_sum 0.02",
+        "pagedgen_router_route_seconds_count 8.0",
+    ]) + "\n"
+    figures = RouterFigures.parse(text)
+    assert figures.decisions == {"e0": 4.0, "e1": 4.0}
+    assert figures.route_quantile(0.5) == pytest.approx(0.0015)  # rank 4 of 2..6 in (1, 2] ms
+    assert figures.route_quantile(0.99) == pytest.approx(0.002)  # past the last finite bound
+    assert figures.since(figures).route_count == 0
+
+    def policy(hit, ttft):
+        return {"hit_rate": hit, "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft,
+                "ttft_settled_p50_ms": ttft, "ttft_settled_p99_ms": 2 * ttft,
+                "prefill_tokens": 1000,
+                "e2el_p50_ms": ttft, "e2el_p99_ms": ttft, "output_throughput": 10.0,
+                "route_p50_ms": 1.0, "route_p99_ms": 2.0, "replica_shares": [0.5, 0.3, 0.2],
+                "num_preemptions": [0], "num_errors": 0}
+
+    balanced = {"kv-aware": policy(0.8, 100), "round-robin": policy(0.4, 300),
+                "prefix-hash": policy(0.8, 100)}
+    hot = {"kv-aware": policy(0.8, 100), "prefix-hash": policy(0.8, 200)}
+    targets = _targets(balanced, hot)
+    assert all(targets["met"].values()), targets
+    shape = {"num_engines": 3, "num_blocks": 128, "block_size": 16, "num_tenants": 4,
+             "system_prompt_len": 64, "user_len": 8, "output_len": 4, "zipf_s": 1.1,
+             "hot_share": 0.7, "num_requests": 200, "rate": 1.0, "repeats": 1,
+             "working_set_blocks": 16}
+    run = {"tenant_hit_rates": {"tenant-0": 0.9}}
+    router = {
+        "shape": shape, "targets": targets, "load_average_start": [1, 1, 1],
+        "load_average_end": [1, 1, 1], "policies": {"balanced": balanced, "hot": hot},
+        "workloads": {"balanced": {"tenant_requests": counts}},
+        "runs": {"balanced": {p: [run] for p in balanced}},
+        "overhead": {"pairs": 3, "prompt_len": 32, "ttft_router_p50_ms": 80.0,
+                     "ttft_direct_p50_ms": 79.0, "added_p50_ms": 1.0, "added_mean_ms": 1.0,
+                     "route_p50_ms": 0.9, "route_p99_ms": 1.5},
+    }
+    section = "\n".join(_router(router, "bench/results"))
+    assert "| kv-aware hit rate >= 2x round-robin's | 2.00x | met |" in section
+    assert "| 0 | " in section and "**not met**" not in section
+    assert plot_router({"router": router}, tmp_path).name == "router.png"
+    assert QUICK_SHAPE.num_requests < 50

@@ -5,6 +5,8 @@ from the model identity and block size, and extra_0 the request's cache_salt. On
 are hashed. Everything here is deterministic across processes and machines (no Python hash()).
 """
 
+from __future__ import annotations
+
 import struct
 
 import xxhash
@@ -67,6 +69,16 @@ class BlockHasher:
         self.identity = hash_identity(model_identity, dtype)
         self.block_size = block_size
         self.seed_hash = model_seed_hash(self.identity, block_size)
+
+    @classmethod
+    def for_identity(cls, identity: str, block_size: int) -> BlockHasher:
+        """The hasher of an engine that reports `identity` (ModelInfo.model_identity, the dtype
+        already in it) and `block_size`: what the router hashes prompts with."""
+        hasher = cls.__new__(cls)
+        hasher.identity = identity
+        hasher.block_size = block_size
+        hasher.seed_hash = model_seed_hash(identity, block_size)
+        return hasher
 
     def extend(self, hashes: list[bytes], token_ids: list[int], cache_salt: str | None) -> None:
         """Append the hashes of token_ids' full blocks that `hashes` does not cover yet."""

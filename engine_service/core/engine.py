@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_service.core.beam_search import BeamSearch
 from engine_service.core.block_hash import BlockHasher
 from engine_service.core.block_pool import BlockPool
 from engine_service.core.config import EngineConfig
@@ -33,7 +34,7 @@ from engine_service.model.detokenizer import IncrementalDetokenizer
 from engine_service.model.kv_cache_setup import setup_kv_cache
 from engine_service.model.runner import ModelRunner, kv_bytes_per_block
 from engine_service.model.sampler import Sampler, SamplingRow, make_generator
-from engine_service.model.sampling_params import SamplingParams
+from engine_service.model.sampling_params import MAX_BEAM_WIDTH, SamplingParams
 from engine_service.model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class EngineStats:
     num_steps: int
     num_pinned_blocks: int = 0  # idle blocks the prefix policy keeps from eviction
     num_pins_released: int = 0  # pinned blocks unpinned so a lone request could run
+    num_waiting_prefill_tokens: int = 0  # prompt tokens not computed yet (waiting + running)
 
 
 Command = Callable[["LLMEngine"], None]
@@ -166,6 +168,13 @@ class LLMEngine:
                 f"{num_prompt}-token prompt (context {self.max_model_len}), "
                 f"got {params.max_tokens}",
             )
+        if params.use_beam_search and params.beam_width > self.max_beam_width:
+            raise RequestTooLargeError(
+                "beam_width", f"beam_width must be at most {self.max_beam_width} on this engine "
+                f"(every beam takes its step in the same forward: max_num_seqs "
+                f"{self.config.max_num_seqs}, max_num_batched_tokens "
+                f"{self.config.max_num_batched_tokens}), got {params.beam_width}"
+            )
         if params.n > self.config.max_num_seqs:
             raise RequestTooLargeError(
                 "n", f"n must be at most {self.config.max_num_seqs} (max_num_seqs: the "
@@ -181,23 +190,34 @@ class LLMEngine:
             )
         needed = self.blocks_for_request(num_prompt, params)
         if needed > self.pool.num_blocks:
-            shared = num_prompt // self.config.block_size if params.n > 1 else 0
+            num_seqs = params.num_sequences
+            shared = num_prompt // self.config.block_size if num_seqs > 1 else 0
+            width = "beam_width" if params.use_beam_search else "n"
             raise RequestTooLargeError(
                 "max_tokens",
-                f"max_tokens and n must fit this engine's KV pool: the request needs up to "
-                f"{needed} KV blocks but the pool has {self.pool.num_blocks} blocks of "
-                f"{self.config.block_size} tokens ({params.n} sequences of {num_prompt} prompt "
+                f"max_tokens and {width} must fit this engine's KV pool: the request needs up "
+                f"to {needed} KV blocks but the pool has {self.pool.num_blocks} blocks of "
+                f"{self.config.block_size} tokens ({num_seqs} sequences of {num_prompt} prompt "
                 f"tokens + max_tokens, {shared} full prompt blocks shared); got "
-                f"max_tokens={params.max_tokens}, n={params.n}: lower max_tokens or n",
+                f"max_tokens={params.max_tokens}, {width}={num_seqs}: lower max_tokens or "
+                f"{width}",
             )
 
+    @property
+    def max_beam_width(self) -> int:
+        """The widest beam search this engine runs: all beams step in one forward."""
+        return min(MAX_BEAM_WIDTH, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+
     def blocks_for_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """The most blocks the request's group ever holds: its n sequences share the prompt's
-        full blocks and hold the rest (the partial prompt block copied on write) each."""
+        """The most blocks the request's group ever holds: its sequences (n samples or
+        beam_width beams) share the prompt's full blocks and hold the rest (the partial prompt
+        block copied on write) each. Beams share more than the prompt while they agree; this
+        counts the worst case, where they share nothing else."""
         max_len = num_prompt_tokens + (params.max_tokens or self.max_model_len)
         per_seq = blocks_for(min(max_len, self.max_model_len), self.config.block_size)
-        shared = num_prompt_tokens // self.config.block_size if params.n > 1 else 0
-        return shared + params.n * (per_seq - shared)
+        num_seqs = params.num_sequences
+        shared = num_prompt_tokens // self.config.block_size if num_seqs > 1 else 0
+        return shared + num_seqs * (per_seq - shared)
 
     def add_request(
         self,
@@ -213,18 +233,39 @@ class LLMEngine:
                 "request_id", f"request_id must be unique among live requests, got {request_id!r}"
             )
         self.validate_request(prompt_token_ids, params)
-        seq = self._new_sequence(list(prompt_token_ids), 0, params)
         group = SequenceGroup(
             request_id=request_id,
-            seqs=[seq],
+            seqs=[],
             params=params,
             prompt=prompt,
             cache_salt=cache_salt,
             priority=priority,
             arrival_order=next(self._arrivals),
         )
+        if params.use_beam_search:
+            # Beams stream nothing (the best ones are known only at the end): no detokenizer.
+            group.beam = self._new_beam_search(len(prompt_token_ids), params)
+            group.seqs.append(Sequence(next(self._seq_ids), 0, list(prompt_token_ids),
+                                       len(prompt_token_ids)))
+        else:
+            group.seqs.append(self._new_sequence(list(prompt_token_ids), 0, params))
         self._groups[request_id] = group
         self.scheduler.add(group)
+
+    def _new_beam_search(self, num_prompt_tokens: int, params: SamplingParams) -> BeamSearch:
+        max_len = self.max_model_len
+        if params.max_tokens is not None:
+            max_len = min(max_len, num_prompt_tokens + params.max_tokens)
+        return BeamSearch(
+            beam_width=params.beam_width,
+            length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+            eos_token_ids=set() if params.ignore_eos else self.eos_token_ids,
+            stop_token_ids=params.stop_token_ids,
+            min_tokens=params.min_tokens,
+            num_prompt_tokens=num_prompt_tokens,
+            max_total_tokens=max_len,
+        )
 
     def _new_sequence(self, token_ids: list[int], index: int, params: SamplingParams) -> Sequence:
         seq = Sequence(
@@ -307,12 +348,46 @@ class LLMEngine:
         self.scheduler.after_forward(sched)
         self._sample(logits, [s for s in sched.scheduled if s.samples])
         touched = {id(s.group): s.group for s in sched.scheduled}
-        outputs = [self._make_output(g) for g in touched.values()]
+        # A beam search request has no output before its end: which beams win is not known.
+        outputs = [
+            self._make_output(g) for g in touched.values() if g.beam is None or g.is_finished
+        ]
         for group in self.scheduler.remove_finished():
             self._groups.pop(group.request_id, None)
         return outputs
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> None:
+        """Next tokens for the sampling rows: beam search requests take their beam step, the
+        others go through the sampler (logits rows follow `items`)."""
+        beam_rows: dict[int, tuple[SequenceGroup, dict[int, int]]] = {}
+        sampled: list[int] = []
+        for i, item in enumerate(items):
+            if item.group.beam is None:
+                sampled.append(i)
+            else:
+                beam_rows.setdefault(id(item.group), (item.group, {}))[1][item.seq.seq_id] = i
+        for group, rows in beam_rows.values():
+            self._beam_step(group, logits, rows)
+        if len(sampled) != len(items):
+            logits = logits[torch.tensor(sampled, device=logits.device, dtype=torch.long)]
+        self._sample_rows(logits, [items[i] for i in sampled])
+
+    def _beam_step(
+        self, group: SequenceGroup, logits: torch.Tensor, rows: dict[int, int]
+    ) -> None:
+        beams = group.live_seqs()
+        if set(rows) != {b.seq_id for b in beams}:
+            raise RuntimeError(
+                f"request {group.request_id}: a beam step needs every live beam's logits, got "
+                f"{len(rows)} of {len(beams)} beams (the scheduler must run them together)"
+            )
+        group.first_token_time = group.first_token_time or time.monotonic()
+        order = torch.tensor([rows[b.seq_id] for b in beams], device=logits.device)
+        # The search's own math is a few small ops per request: on the CPU, next to its state.
+        beam_logits = logits[order, : self.model_config.vocab_size].cpu()
+        group.beam.advance(group, beam_logits, self.kv, lambda: next(self._seq_ids))
+
+    def _sample_rows(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> None:
         rows: list[SamplingRow] = []
         row_seqs: list[tuple[Sequence, SequenceGroup]] = []
         logit_rows: list[int] = []
@@ -386,6 +461,67 @@ class LLMEngine:
             seq.stop_reason = stop_reason
 
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
+        completions = (
+            self._sampled_completions(group) if group.beam is None
+            else self._beam_completions(group)
+        )
+        finished = group.is_finished
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.seqs[0].prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=group.num_cached_tokens or 0,
+            arrival_time=group.arrival_time,
+            first_token_time=group.first_token_time,
+            finished_time=time.monotonic() if finished else None,
+        )
+
+    def _beam_completions(self, group: SequenceGroup) -> list[CompletionOutput]:
+        """The n best finished beams, best first; for an aborted search, the n best running
+        ones (finish reason "abort")."""
+        params, search = group.params, group.beam
+        if search.done:
+            results = [
+                (h.token_ids, h.cum_logprob, h.finish_reason, h.stop_reason)
+                for h in search.best(params.n)
+            ]
+        else:
+            running = zip(group.seqs, search.scores, strict=True)
+            results = [(s.output_token_ids, score, "abort", None) for s, score in running]
+            results = results[: params.n]
+        completions = []
+        for index, (token_ids, cum_logprob, reason, stop_reason) in enumerate(results):
+            text = self._decode(group.seqs[0].prompt_token_ids, token_ids, params)
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=list(token_ids),
+                    finish_reason=reason,
+                    stop_reason=stop_reason,
+                    cumulative_logprob=cum_logprob,
+                    text_delta=text,
+                    token_ids_delta=list(token_ids),
+                )
+            )
+        return completions
+
+    def _decode(self, prompt_token_ids: list[int], token_ids: list[int],
+                params: SamplingParams) -> str:
+        """A finished beam's text, detokenized as a streamed sequence's would be."""
+        if self.tokenizer is None:
+            return ""
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, [], skip_special_tokens=params.skip_special_tokens
+        )
+        for token in token_ids:
+            detokenizer.add_token(token)
+        detokenizer.finish()
+        return detokenizer.text
+
+    def _sampled_completions(self, group: SequenceGroup) -> list[CompletionOutput]:
         completions = []
         for seq in sorted(group.seqs, key=lambda s: s.index):
             out_ids = seq.output_token_ids
@@ -410,18 +546,7 @@ class LLMEngine:
                     logprobs_delta=lp_delta,
                 )
             )
-        finished = group.is_finished
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.seqs[0].prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=group.num_cached_tokens or 0,
-            arrival_time=group.arrival_time,
-            first_token_time=group.first_token_time,
-            finished_time=time.monotonic() if finished else None,
-        )
+        return completions
 
     # ---- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -445,6 +570,7 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_pinned_blocks=pool.policy.num_pinned_idle,
             num_pins_released=self.scheduler.counters.num_pins_released,
+            num_waiting_prefill_tokens=self.scheduler.num_waiting_prefill_tokens(),
         )
 
     def check_block_invariants(self) -> list[str]:

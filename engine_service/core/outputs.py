@@ -15,6 +15,9 @@ class CompletionOutput:
     text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
     logprobs_delta: list | None = None
+    # Beam search: the sum of the beam's token logprobs (what beams are ranked by, before the
+    # length penalty). None for sampled completions.
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -32,3 +35,23 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One finished beam, as vLLM's offline beam search returns it."""
+
+    token_ids: list[int]  # generated tokens (a stop token that ended the beam included)
+    text: str
+    cum_logprob: float
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: int | None = None  # the stop token id that ended it, if one of stop_token_ids
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """The best beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt: str | None = None

@@ -64,6 +64,16 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(len(g.live_seqs()) for g in self.running)
 
+    def num_waiting_prefill_tokens(self) -> int:
+        """Prompt tokens not computed yet: what a router weighs as queued prefill work. A
+        group prefills its prompt once (its other sequences share it), so the leader counts."""
+        waiting = sum(g.num_prompt_tokens for g in self.waiting)
+        running = 0
+        for group in self.running:
+            leader = group.seqs[0]
+            running += max(0, leader.num_prompt_tokens - leader.num_computed_tokens)
+        return waiting + running
+
     def remove_finished(self) -> list[SequenceGroup]:
         finished = [g for g in self.running if g.is_finished]
         if finished:
@@ -128,15 +138,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             group = self.running[index]
-            plans: list[tuple[Sequence, int]] = []
-            left = budget
-            for seq in group.seqs:
-                if seq.status != SequenceStatus.RUNNING:
-                    continue
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, left)
-                if num_new > 0:
-                    plans.append((seq, num_new))
-                    left -= num_new
+            plans = self._plan(group, budget)
             if not plans:
                 index += 1
                 continue
@@ -159,6 +161,29 @@ class Scheduler:
                 budget -= num_new
             index += 1
         return budget
+
+    @staticmethod
+    def _plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
+        """(seq, tokens to compute) for the group's running sequences within the budget."""
+        running = [s for s in group.seqs if s.status == SequenceStatus.RUNNING]
+        # A beam search step needs the logits of all of a request's beams at once: its beams
+        # reach their last token in the same step, or all stop one short of it (catching up
+        # after a recompute, or when the budget cannot hold every beam's last token).
+        hold_back = int(
+            group.beam is not None
+            and (
+                any(s.status == SequenceStatus.PARKED for s in group.seqs)
+                or sum(s.num_tokens - s.num_computed_tokens for s in running) > budget
+            )
+        )
+        plans: list[tuple[Sequence, int]] = []
+        left = budget
+        for seq in running:
+            num_new = min(seq.num_tokens - seq.num_computed_tokens - hold_back, left)
+            if num_new > 0:
+                plans.append((seq, num_new))
+                left -= num_new
+        return plans
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         self.running.remove(group)
@@ -223,13 +248,16 @@ class Scheduler:
         while self.waiting and budget > 0:
             group = self.waiting[0]
             seqs = group.live_seqs()
-            num_seqs = len(seqs) if group.has_forked else group.params.n
+            num_seqs = len(seqs) if group.has_forked else group.params.num_sequences
             if self.num_running_seqs() + num_seqs > self.config.max_num_seqs:
                 return
             leader, followers = seqs[0], seqs[1:]
             hits = self.kv.cached_prefix(leader, group.cache_salt)
             num_cached = len(hits) * self.kv.block_size
-            num_new = min(leader.num_tokens - num_cached, budget)
+            # A re-admitted beam search leader stops one token short: its beams take their
+            # next step together, once the parked ones have caught up (see _plan).
+            hold_back = int(group.beam is not None and bool(followers))
+            num_new = min(leader.num_tokens - num_cached - hold_back, budget)
             needed = self.kv.blocks_to_admit(leader, hits, num_new)
             if needed + self._watermark() > self._free_for(needed, not self.running):
                 return
@@ -243,8 +271,9 @@ class Scheduler:
             for seq in followers:
                 seq.status = SequenceStatus.PARKED
             self._unpark(group)
-            out.scheduled.append(
-                ScheduledSeq(leader, group, num_new, num_cached + num_new == leader.num_tokens)
-            )
+            if num_new > 0:
+                out.scheduled.append(
+                    ScheduledSeq(leader, group, num_new, num_cached + num_new == leader.num_tokens)
+                )
             budget -= num_new
             bisect.insort(self.running, group, key=_order_key)

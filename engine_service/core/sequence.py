@@ -3,13 +3,19 @@
 A sequence carries its tokens and its progress; its KV blocks belong to the KV cache manager.
 """
 
+from __future__ import annotations
+
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_service.model.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_service.core.beam_search import BeamSearch
 
 
 class SequenceStatus(enum.Enum):
@@ -63,7 +69,8 @@ class Sequence:
 
 @dataclass(slots=True, eq=False)
 class SequenceGroup:
-    """One request. Starts as one sequence; with n > 1 it forks after the prompt is computed."""
+    """One request. Starts as one sequence; with n > 1 it forks after the prompt is computed.
+    With beam search, `seqs` are the live beams, reshaped by every beam step."""
 
     request_id: str
     seqs: list[Sequence]
@@ -77,6 +84,7 @@ class SequenceGroup:
     num_cached_tokens: int | None = None
     first_token_time: float | None = None
     has_forked: bool = False
+    beam: BeamSearch | None = None  # the search state of a beam search request
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

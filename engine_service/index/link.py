@@ -64,6 +64,9 @@ class IndexLinkOptions:
     max_ops_per_apply: int = 1024  # the index allows 4096
     max_hashes_per_apply: int = 16384  # the index allows 65536
     low_water: LowWaterMark | None = None  # default: LowWaterMark.for_pool (one step's blocks)
+    # Where this engine serves Generation ("host:port"), registered so routers find it; ""
+    # registers no address (the engine is then not a routable replica).
+    serving_address: str = ""
 
 
 @dataclass(slots=True)
@@ -91,10 +94,13 @@ def connect_prefix_index(
     engine_id: str,
     options: IndexLinkOptions | None = None,
     on_rpc: Callable[[str, float], None] | None = None,
+    start: bool = True,
 ) -> PrefixIndexLink | None:
     """Steer `engine`'s prefix cache by the index at `target` (HOST:PORT); None or "none" keeps
     the local LRU and returns None. Call before the engine has cached anything. `on_rpc(method,
-    seconds)` observes each call's latency (for a metrics histogram)."""
+    seconds)` observes each call's latency (for a metrics histogram). `start=False`: the caller
+    calls `link.start()` later (once it knows its serving address); until then the engine runs
+    on its local LRU and the first registration re-syncs what it cached."""
     if target is None or target == "none":
         return None
     _check_target(target)
@@ -118,7 +124,7 @@ def connect_prefix_index(
         policy, target, engine_id, identity, engine.config.block_size, pool.num_blocks,
         options, on_rpc, post=engine.post,
     )
-    return link.start()
+    return link.start() if start else link
 
 
 class PrefixIndexLink:
@@ -328,7 +334,8 @@ class PrefixIndexLink:
         self._registered = False
         epoch = await self._timed("Register", self._client.register(
             self.engine_id, self.model_identity, self.block_size, self.num_blocks,
-            self.options.lease_s, nonce=self.nonce))
+            self.options.lease_s, nonce=self.nonce,
+            serving_address=self.options.serving_address))
         self.refused = False
         self._seq = 0
         self._stats.epoch = epoch

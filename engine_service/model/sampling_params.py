@@ -4,6 +4,8 @@ import math
 from dataclasses import dataclass
 
 MAX_N = 64  # parallel samples per request: each one holds its own KV blocks once it diverges
+MAX_BEAM_WIDTH = 64  # beams per request (an engine may allow fewer: see LLMEngine.validate_request)
+EARLY_STOPPING_CHOICES = (False, True, "never")  # HF's `early_stopping` values
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # the detokenizer holds back (longest stop - 1) chars per step
@@ -61,6 +63,11 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per output token; 0: the sampled token's only
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Beam search (HF's semantics) when beam_width is set: the n best of beam_width beams are
+    # returned, only once the search is over. Needs temperature 0.
+    beam_width: int | None = None
+    length_penalty: float = 1.0  # finished beams score cum_logprob / length ** length_penalty
+    early_stopping: bool | str = False  # True, False or "never", as in HF transformers
 
     def __post_init__(self) -> None:
         n = _check_int("n", self.n, f"1 to {MAX_N}")
@@ -117,6 +124,50 @@ class SamplingParams:
             logprobs = _check_int("logprobs", self.logprobs, f"0 to {MAX_LOGPROBS} or None")
             if not 0 <= logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
+        self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        self.length_penalty = _check_float("length_penalty", self.length_penalty, "a number")
+        # Compared by identity for the bools: 1 and 0 are no early_stopping values.
+        if not any(self.early_stopping is c or (isinstance(c, str) and self.early_stopping == c)
+                   for c in EARLY_STOPPING_CHOICES):
+            raise ValueError(
+                f"early_stopping must be one of True, False or 'never', got {self.early_stopping!r}"
+            )
+        if self.beam_width is None:
+            if self.length_penalty != 1.0 or self.early_stopping is not False:
+                raise ValueError(
+                    "length_penalty and early_stopping must be left at 1.0 and False unless "
+                    f"beam_width is set (they only steer beam search), got length_penalty="
+                    f"{self.length_penalty}, early_stopping={self.early_stopping!r}"
+                )
+            return
+        width = _check_int("beam_width", self.beam_width, f"1 to {MAX_BEAM_WIDTH} or None")
+        if not 1 <= width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be between 1 and {MAX_BEAM_WIDTH}, got {width}")
+        # Beam search scores the model's raw log-probabilities: nothing may reshape them.
+        if not self.is_greedy:
+            raise ValueError(
+                f"temperature must be 0 with beam search (beam_width set), got {self.temperature}"
+            )
+        if self.n > width:
+            raise ValueError(
+                f"n must be at most beam_width ({width}) with beam search (the n best beams "
+                f"are returned), got {self.n}"
+            )
+        refused = {
+            "stop": self.stop,
+            "logprobs": self.logprobs is not None,
+            "presence_penalty": self.presence_penalty != 0,
+            "frequency_penalty": self.frequency_penalty != 0,
+            "repetition_penalty": self.repetition_penalty != 1,
+        }
+        for name, is_set in refused.items():
+            if is_set:
+                raise ValueError(
+                    f"{name} must be left unset with beam search (beam_width set): not "
+                    f"supported there (use stop_token_ids to stop), got {getattr(self, name)!r}"
+                )
 
     @staticmethod
     def _normalized_stop(stop: object) -> list[str]:
@@ -152,6 +203,15 @@ class SamplingParams:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {i!r}")
         return list(ids)
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width is not None
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs at once: its beams, or its n samples."""
+        return self.beam_width if self.beam_width is not None else self.n
 
     @property
     def is_greedy(self) -> bool:

@@ -37,3 +37,18 @@ def load_tokenizer(model_config: ModelConfig):
             f"could not load the tokenizer of {path / (model_config.gguf_file or '')}: {error}; "
             f"or serve token ids only with skip_tokenizer_init=True (--skip-tokenizer-init)"
         ) from None
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """A text prompt's token ids (the tokenizer's special tokens added, e.g. BOS)."""
+    return tokenizer.encode(text)
+
+
+def render_chat(tokenizer, conversation: list[dict[str, str]]) -> str:
+    """The model's chat template applied, ready for the assistant's turn."""
+    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+
+
+def encode_rendered_chat(tokenizer, rendered: str) -> list[int]:
+    # The template already holds the special tokens (the offline LLM.chat does the same).
+    return tokenizer.encode(rendered, add_special_tokens=False)

@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine_service.core.config import BLOCK_SIZES, DEVICES, PREEMPTION_MODES, EngineConfig
 from engine_service.core.engine import LLMEngine
-from engine_service.index.link import connect_prefix_index
+from engine_service.index.link import IndexLinkOptions, connect_prefix_index
 from engine_service.model.dtype import DTYPE_CHOICES
 from engine_service.model.tokenizer import load_tokenizer
 from engine_service.serving.async_engine import AsyncEngine
@@ -161,6 +161,17 @@ class EngineServer:
         await self.server.wait_for_termination()
 
 
+def advertised_address(args: argparse.Namespace, port: int) -> str:
+    """The address routers reach this engine at: --advertise-address, else the bound host
+    (this machine's hostname when bound to every interface, as in a container)."""
+    if args.advertise_address:
+        return args.advertise_address
+    host = args.host
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
 def parse_bytes(text: str) -> int:
     """'1073741824', '512MiB', '1G' -> bytes."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
@@ -178,6 +189,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "prepared into the cache)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
+    p.add_argument("--advertise-address", default="",
+                   help="host:port routers reach this engine at, registered with the prefix "
+                        "index (default: the bound host, or the hostname when bound to all, "
+                        "and the bound port)")
     p.add_argument("--device", default=d.device, choices=DEVICES)
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto: bfloat16 on CPUs with native bf16 matmul, else float32; on CUDA "
@@ -203,6 +218,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests accepted and unfinished before RESOURCE_EXHAUSTED")
     p.add_argument("--prefix-index", default="none",
                    help="HOST:PORT of the prefix index, or 'none' for a local LRU only")
+    p.add_argument("--index-lease-s", type=float, default=IndexLinkOptions().lease_s,
+                   help="the index forgets this engine (and routers stop crediting it) this "
+                        "long after its last heartbeat; a restart under the same --engine-id "
+                        "waits for it")
     p.add_argument("--engine-id", default=None,
                    help="this engine's id at the prefix index (default: HOSTNAME-PORT, or -PID "
                         "with --port 0)")
@@ -269,6 +288,9 @@ async def _serve(make_server: Callable[[], EngineServer], args: argparse.Namespa
         raise
     # One line on stdout that launchers read to learn the port (--port 0).
     print(f"engine listening on {args.host}:{port}", flush=True)
+    if link is not None:
+        link.options.serving_address = advertised_address(args, port)
+        link.start()
     state.loop = asyncio.get_running_loop()
     state.stopping = asyncio.Event()
     state.ready.set()
@@ -300,9 +322,11 @@ def serve(args: argparse.Namespace) -> None:
     # The prefix index link (engine_service/index/link.py) installs its policy in the engine's
     # pool and reports `degraded` / `health_details()` for stats, health and metrics; None for
     # --prefix-index none (the local LRU alone).
+    # Started once the server is bound: it registers the address routers reach us at.
     link = connect_prefix_index(
-        engine, args.prefix_index, engine_id,
+        engine, args.prefix_index, engine_id, IndexLinkOptions(lease_s=args.index_lease_s),
         on_rpc=lambda method, seconds: metrics.index_rpc_seconds.labels(method).observe(seconds),
+        start=False,
     )
     options = ServerOptions(args.host, args.port, args.metrics_port, args.metrics_host,
                             args.max_live_requests, engine_id)

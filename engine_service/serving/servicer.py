@@ -169,7 +169,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 num_tokens += new_tokens
                 self.metrics.generation_tokens.inc(new_tokens)
                 if finished:
-                    self._observe_finished(item, arrival, first_token_at, num_tokens)
+                    # Beams arrive all at once, at the end: no time per output token to observe.
+                    first = None if valid.params.use_beam_search else first_token_at
+                    self._observe_finished(item, arrival, first, num_tokens)
                 yield item
         finally:
             if not finished:
@@ -229,6 +231,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             max_n=MAX_N,
             max_logprobs=MAX_LOGPROBS,
             engine_id=self.engine_id,
+            max_beam_width=engine.max_beam_width,
         )
 
     async def EngineStats(self, request: pb.EngineStatsRequest, context) -> pb.EngineStatsResponse:
@@ -243,6 +246,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             kv_cache_usage=stats.kv_cache_usage,
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
+            num_waiting_prefill_tokens=stats.num_waiting_prefill_tokens,
             num_swapped=stats.num_swapped,
             prefix_cache_queries=queries,
             prefix_cache_hits=stats.prefix_cache_hits,
@@ -311,6 +315,8 @@ def _completion(c: CompletionOutput, delta: bool) -> pb.Completion:
         ],
         finish_reason=FINISH_REASONS[c.finish_reason],
     )
+    if c.cumulative_logprob is not None:
+        message.cumulative_logprob = c.cumulative_logprob
     if isinstance(c.stop_reason, str):
         message.stop_string = c.stop_reason
     elif isinstance(c.stop_reason, int):

@@ -19,6 +19,7 @@ import grpc
 from engine_service.core.engine import LLMEngine
 from engine_service.core.errors import DuplicateRequestError, QueueFullError
 from engine_service.model.sampling_params import SamplingParams
+from engine_service.model.tokenizer import encode_rendered_chat, encode_text, render_chat
 from engine_service.serving.status import RequestRejected
 from pagedgen_api import generation_pb2 as pb
 
@@ -33,8 +34,14 @@ CHARS_PER_CONTEXT_TOKEN = 32
 _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "ignore_eos",
-    "logprobs", "include_stop_str_in_output", "skip_special_tokens",
+    "logprobs", "include_stop_str_in_output", "skip_special_tokens", "beam_width",
+    "length_penalty",
 )
+EARLY_STOPPING = {
+    pb.EARLY_STOPPING_FALSE: False,
+    pb.EARLY_STOPPING_TRUE: True,
+    pb.EARLY_STOPPING_NEVER: "never",
+}
 
 
 
@@ -142,7 +149,7 @@ class RequestValidator:
             raise _invalid(
                 f"text must be at most {self.max_prompt_chars} characters, got {len(text)}"
             )
-        return Prompt(self.tokenizer.encode(text), text)
+        return Prompt(encode_text(self.tokenizer, text), text)
 
     def token_ids(self, field: str, ids, allow_empty: bool = False) -> list[int]:
         if not ids and not allow_empty:
@@ -180,16 +187,13 @@ class RequestValidator:
             )
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=True
-            )
+            text = render_chat(self.tokenizer, conversation)
         except Exception as error:  # noqa: BLE001 - templates raise whatever they like
             raise _invalid(
                 f"chat.messages must be accepted by the model's chat template, got an error: "
                 f"{error}"
             ) from None
-        # The template already holds the special tokens (the offline LLM.chat does the same).
-        return Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
+        return Prompt(encode_rendered_chat(self.tokenizer, text), text)
 
     # ---- sampling ---------------------------------------------------------------------------
     def sampling_params(self, msg: pb.SamplingParams) -> SamplingParams:
@@ -203,6 +207,15 @@ class RequestValidator:
             kwargs["stop"] = list(msg.stop)
         if msg.stop_token_ids:
             kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+        if msg.early_stopping not in EARLY_STOPPING:
+            names = ", ".join(pb.EarlyStopping.Name(v) for v in EARLY_STOPPING)
+            raise _invalid(
+                f"sampling.early_stopping must be one of {names}, got {msg.early_stopping}"
+            )
+        if msg.early_stopping != pb.EARLY_STOPPING_FALSE:
+            kwargs["early_stopping"] = EARLY_STOPPING[msg.early_stopping]
+        if msg.HasField("beam_width") and not msg.HasField("temperature"):
+            kwargs["temperature"] = 0.0  # beam search scores raw logprobs: 0 is its only value
         try:
             params = SamplingParams(**kwargs)  # the model-specific checks are the engine's
         except ValueError as error:

@@ -3,6 +3,7 @@ engine on the default model, each a real process on a free loopback port; then o
 streamed through the generated gRPC stubs, printed as the deltas arrive; then a clean shutdown.
 
     pagedgen-stack [--prompt TEXT] [--max-tokens N] [--keep-running]
+    pagedgen-stack --replicas 3    # three engines behind pagedgen-router; streamed through it
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess, free_port
+from router.tools.launch import RouterProcess
 
 log = logging.getLogger("engine_service.tools.stack")
 DEFAULT_PROMPT = "What is a KV cache in a language model? Answer in two sentences."
@@ -37,7 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="local HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--engine-port", type=int, default=0, help="0 = a free port")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="engines; more than 1 puts pagedgen-router in front of them")
+    p.add_argument("--engine-port", type=int, default=0,
+                   help="0 = a free port (with --replicas > 1: the router's port)")
     p.add_argument("--index-port", type=int, default=0, help="0 = a free port")
     p.add_argument("--metrics-port", type=int, default=0, help="engine Prometheus port (0 = off)")
     p.add_argument("--keep-running", action="store_true",
@@ -47,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_tokens < 1:
         p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if not 1 <= args.replicas <= 16:
+        p.error(f"--replicas must be in 1..16, got {args.replicas}")
     return args
 
 
@@ -67,6 +74,21 @@ def stream_completion(target: str, prompt: str, max_tokens: int, temperature: fl
             usage = chunk.usage
     out.write("\n")
     return usage
+
+
+def _wait_for_replicas(target: str, count: int, timeout_s: float = 30.0) -> None:
+    """Until the router routes to all `count` engines (it learns them from the index)."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        while True:
+            details = stub.EngineStats(pb.EngineStatsRequest(), timeout=5).index_details
+            if int(details.get("replicas_routable", "0")) >= count:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"router at {target}: {count} replicas expected, "
+                                   f"got {dict(details)}")
+            time.sleep(0.1)
 
 
 def wait_for_signal() -> None:
@@ -92,29 +114,49 @@ def run(args: argparse.Namespace) -> int:
         index = IndexProcess(redis.url, ["--log-level", "WARNING"], port=args.index_port or None)
         stack.enter_context(index)
         print(f"prefix index  {index.target}", flush=True)
-        engine_args = ["--device", args.device, "--prefix-index", index.target,
-                       "--engine-id", f"stack-{free_port()}"]
-        if args.metrics_port:
-            engine_args += ["--metrics-port", str(args.metrics_port)]
-        engine = EngineProcess(model, engine_args, port=args.engine_port or None,
-                               log_path=log_dir / "engine.log")
-        stack.enter_context(engine)
-        print(f"engine        {engine.target}  (model {model}, log {log_dir / 'engine.log'})")
+        engines = []
+        stack_id = free_port()
+        for i in range(args.replicas):
+            engine_args = ["--device", args.device, "--prefix-index", index.target,
+                           "--engine-id", f"stack-{stack_id}-{i}"]
+            if args.metrics_port:
+                engine_args += ["--metrics-port", str(args.metrics_port + i)]
+            port = (args.engine_port or None) if args.replicas == 1 else None
+            log_path = log_dir / f"engine-{i}.log"
+            engine = EngineProcess(model, engine_args, port=port, log_path=log_path)
+            stack.enter_context(engine)
+            engines.append(engine)
+            print(f"engine        {engine.target}  (model {model}, log {log_path})", flush=True)
+        target = engines[0].target
+        if args.replicas > 1:
+            # Replicas found through the index, where each engine registered its address.
+            router = RouterProcess(["--prefix-index", index.target, "--log-level", "WARNING"],
+                                   port=args.engine_port or None,
+                                   log_path=log_dir / "router.log")
+            stack.enter_context(router)
+            _wait_for_replicas(router.target, args.replicas)
+            target = router.target
+            print(f"router        {target}  (kv-aware over {args.replicas} engines, log "
+                  f"{log_dir / 'router.log'})", flush=True)
         print(f"stack up in {time.monotonic() - started:.1f}s\n", flush=True)
         print(f"user: {args.prompt}\nassistant: ", end="", flush=True)
-        usage = stream_completion(engine.target, args.prompt, args.max_tokens,
-                                  args.temperature)
+        usage = stream_completion(target, args.prompt, args.max_tokens, args.temperature)
         print(f"\n[usage: {usage.prompt_tokens} prompt tokens ({usage.cached_tokens} cached), "
               f"{usage.completion_tokens} completion tokens]", flush=True)
         if args.keep_running:
-            print(f"serving on {engine.target}; Ctrl-C to stop", flush=True)
+            print(f"serving on {target}; Ctrl-C to stop", flush=True)
             wait_for_signal()
         print("shutting down ...", flush=True)
-        # ExitStack stops them in reverse: the engine drains first, then the index, then Redis.
-        code = engine.terminate()
-        if code != 0:
-            print(f"engine exited with {code}; see {log_dir / 'engine.log'}", file=sys.stderr)
-            return 1
+        # ExitStack stops the rest in reverse: the router, the engines (each drained), the
+        # index, then Redis.
+        if args.replicas > 1:
+            router.terminate()
+        for i, engine in enumerate(engines):
+            code = engine.terminate()
+            if code != 0:
+                print(f"engine {i} exited with {code}; see {log_dir / f'engine-{i}.log'}",
+                      file=sys.stderr)
+                return 1
     print("stopped cleanly", flush=True)
     return 0
 

@@ -64,12 +64,15 @@ class PrefixIndexClient:
                                          "call register() first")
 
     async def register(self, engine_id: str, model_identity: str, block_size: int,
-                       num_blocks: int, lease_s: float = 0.0, nonce: str = "") -> int:
+                       num_blocks: int, lease_s: float = 0.0, nonce: str = "",
+                       serving_address: str = "") -> int:
         """`nonce`: a token unique to this process (the same on every re-register); while
-        another nonce holds a live lease on engine_id the call fails with ALREADY_EXISTS."""
+        another nonce holds a live lease on engine_id the call fails with ALREADY_EXISTS.
+        `serving_address`: where the engine serves Generation (the router's replica list)."""
         reply = await self._call("Register", pb.RegisterRequest(
             engine_id=engine_id, model_identity=model_identity, block_size=block_size,
-            num_blocks=num_blocks, lease_s=lease_s, nonce=nonce))
+            num_blocks=num_blocks, lease_s=lease_s, nonce=nonce,
+            serving_address=serving_address))
         self.engine_id, self.epoch = engine_id, reply.epoch
         self.lease_s, self.pin_budget = reply.lease_s, reply.pin_budget
         return reply.epoch

@@ -159,3 +159,4 @@ class EngineStats:
     lease_remaining_s: float
     forgets: int = 0
     history: int = 0
+    serving_address: str = ""  # where the engine serves Generation ("" = not routable)

@@ -85,7 +85,8 @@ def match_from_proto(msg: pb.EngineMatch) -> EngineMatch:
 
 _STATS_FIELDS = ("engine_id", "epoch", "model_identity", "block_size", "num_blocks", "blocks",
                  "evictable", "pinned", "auto_pinned", "pin_budget", "queries", "hits",
-                 "evictions", "lease_remaining_s", "forgets", "history")
+                 "evictions", "lease_remaining_s", "forgets", "history",
+                 "serving_address")
 
 
 def stats_to_proto(s: EngineStats) -> pb.EngineStats:

@@ -102,11 +102,12 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
             args = validate.register(request, self.config.limits, self.config.default_lease_s)
             return await self.store.register(args.engine_id, args.model_identity,
                                              args.block_size, args.num_blocks, args.lease_s,
-                                             args.nonce)
+                                             args.nonce, args.serving_address)
 
         reg = await self._call("Register", context, work)
-        log.info("registered engine %s epoch %d (%d blocks, lease %.1fs)", args.engine_id,
-                 reg.epoch, args.num_blocks, reg.lease_s)
+        log.info("registered engine %s epoch %d (%d blocks, lease %.1fs, serving at %s)",
+                 args.engine_id, reg.epoch, args.num_blocks, reg.lease_s,
+                 args.serving_address or "no address")
         return pb.RegisterResponse(epoch=reg.epoch, lease_s=reg.lease_s,
                                    pin_budget=reg.pin_budget)
 

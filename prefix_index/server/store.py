@@ -62,6 +62,7 @@ _PIN_STATES = {b"e": PinState.EXPLICIT, b"a": PinState.AUTOMATIC, b"-": PinState
 # Lookup reads the view this many chain hashes per round trip, stopping at the first hash
 # nobody holds.
 _VIEW_CHUNK = 64
+_MAX_CONCURRENT_SCRIPTS = 16
 
 
 def _script_error(exc: ResponseError, engine_id: str) -> Exception:
@@ -144,6 +145,16 @@ class IndexStore:
         policy = self.pin_policy
         return [policy.hot_threshold, round(policy.window_s * 1000)]
 
+    async def _each(self, engine_ids: list[str], script: str, args: list) -> list:
+        """`script` for every engine, at most _MAX_CONCURRENT_SCRIPTS at a time: a gather over
+        hundreds of engines would ask the connection pool for as many connections at once
+        (and fail with 'Too many connections') when routers call Stats every second."""
+        rows: list = []
+        for start in range(0, len(engine_ids), _MAX_CONCURRENT_SCRIPTS):
+            chunk = engine_ids[start:start + _MAX_CONCURRENT_SCRIPTS]
+            rows += await asyncio.gather(*(self._run(script, e, args) for e in chunk))
+        return rows
+
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
 
@@ -155,7 +166,8 @@ class IndexStore:
             await pool.disconnect()
 
     async def register(self, engine_id: str, model_identity: str, block_size: int,
-                       num_blocks: int, lease_s: float, nonce: str = "") -> Registration:
+                       num_blocks: int, lease_s: float, nonce: str = "",
+                       serving_address: str = "") -> Registration:
         policy = self.pin_policy
         budget = policy.budget(num_blocks)
         # The directory lives in another slot, so it cannot join the script's transaction. It
@@ -164,7 +176,7 @@ class IndexStore:
         await self.redis.sadd(ENGINES_KEY, engine_id)
         reply = await self._run("register", engine_id, [
             model_identity, block_size, num_blocks, round(lease_s * 1000), budget, nonce,
-            policy.history_cap(num_blocks)])
+            policy.history_cap(num_blocks), serving_address])
         if int(reply[0]) == 0:
             remaining_s = max(int(reply[1]), 0) / 1000.0
             until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + remaining_s))
@@ -256,8 +268,8 @@ class IndexStore:
         own state: the answer is exact even when a view write was lost."""
         claims = await self._view_claims(chain)
         candidates = [(member, *parse_view_member(member)) for member in claims]
-        rows = await asyncio.gather(*(self._run("lookup", engine_id, list(chain))
-                                      for _, engine_id, _ in candidates))
+        rows = await self._each([engine_id for _, engine_id, _ in candidates], "lookup",
+                                list(chain))
         matches: dict[str, EngineMatch] = {}
         stale: list[bytes] = []
         for (member, engine_id, epoch), row in zip(candidates, rows, strict=True):
@@ -287,7 +299,7 @@ class IndexStore:
 
     async def stats(self, engine_id: str = "") -> list[EngineStats]:
         ids = [engine_id] if engine_id else await self.engine_ids()
-        rows = await asyncio.gather(*(self._run("stats", e, []) for e in ids))
+        rows = await self._each(ids, "stats", [])
         out = []
         for eid, row in zip(ids, rows, strict=True):
             if not row:
@@ -297,10 +309,10 @@ class IndexStore:
                 await self._prune_engine(eid)
                 continue
             (epoch, model, block_size, num_blocks, blocks, evictable, pinned, auto, budget,
-             queries, hits, evictions, pttl, forgets, history) = row
+             queries, hits, evictions, pttl, forgets, history, address) = row
             out.append(EngineStats(eid, int(epoch), model.decode(), int(block_size),
                                    int(num_blocks), int(blocks), int(evictable), int(pinned),
                                    int(auto), int(budget), int(queries), int(hits),
                                    int(evictions), max(int(pttl), 0) / 1000.0, int(forgets),
-                                   int(history)))
+                                   int(history), address.decode()))
         return out

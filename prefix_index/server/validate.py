@@ -26,10 +26,13 @@ from prefix_index.server.errors import InvalidRequestError
 
 # No braces: the id goes inside the Redis Cluster hash tag {engine_id}.
 _ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# host:port, the host a name, an IPv4 address or a bracketed IPv6 one.
+_SERVING_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}")
 MAX_BLOCK_SIZE = 1 << 16
 MAX_NUM_BLOCKS = (1 << 31) - 1
 MAX_MODEL_IDENTITY = 1024
 MAX_NONCE = 128
+MAX_SERVING_ADDRESS = 256
 # Sequence numbers travel through Lua, whose numbers are doubles: exact up to 2^53.
 MAX_SEQ = 1 << 53
 
@@ -42,6 +45,7 @@ class RegisterArgs:
     num_blocks: int
     lease_s: float
     nonce: str = ""
+    serving_address: str = ""
 
 
 def _short(value: object) -> str:
@@ -110,8 +114,12 @@ def register(request: pb.RegisterRequest, limits: Limits, default_lease_s: float
     if len(request.nonce) > MAX_NONCE:
         raise InvalidRequestError(f"nonce: {len(request.nonce)} characters "
                                   f"({_short(request.nonce)}) is too long; at most {MAX_NONCE}")
+    address = request.serving_address
+    if address and (len(address) > MAX_SERVING_ADDRESS or not _SERVING_ADDRESS.fullmatch(address)):
+        raise InvalidRequestError(f"serving_address: {_short(address)} is not allowed; expected "
+                                  f"empty or host:port (at most {MAX_SERVING_ADDRESS} characters)")
     return RegisterArgs(request.engine_id, request.model_identity, request.block_size,
-                        request.num_blocks, lease_s, request.nonce)
+                        request.num_blocks, lease_s, request.nonce, address)
 
 
 def seq(value: int) -> int:

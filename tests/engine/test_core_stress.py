@@ -1,11 +1,12 @@
 """Seeded random pressure on the engine core, with the block invariants checked after every step.
 
 Each seed draws an engine (block size, a pool small enough to preempt, recompute or swap, the
-local LRU or the prefix index over a real Redis) and a stream of requests (n = 1..4, shared
-prefixes with and without salts, greedy and seeded sampling), adds them at random steps, aborts
-some at random steps and, with the index, pins and unpins prefixes from another thread. After
-every step engine_service/core/invariants.py must find nothing; the run must end within a step
-bound (no livelock) with every block free and every request answered with n completions.
+local LRU or the prefix index over a real Redis) and a stream of requests (n = 1..4, beam search
+of width 1..4, shared prefixes with and without salts, greedy and seeded sampling), adds them
+at random steps, aborts some at random steps and, with the index, pins and unpins prefixes from
+another thread. After every step engine_service/core/invariants.py must find nothing; the run
+must end within a step bound (no livelock) with every block free and every request answered
+with n completions.
 
 A failure names its seed; replay it with
     PAGEDGEN_STRESS_SEEDS=17 pytest tests/engine/test_core_stress.py
@@ -63,10 +64,22 @@ def draw_requests(rng: random.Random, block_size: int, max_prompt: int) -> list[
         prompt = (rng.choice(prefixes) + tail if rng.random() < 0.7 else tail)[:max_prompt]
         n = rng.choice([1, 1, 2, 3, 4])
         greedy = rng.random() < 0.4
-        params = SamplingParams(
-            n=n, temperature=0.0 if greedy else 1.0, seed=None if greedy else rng.randrange(99),
-            max_tokens=rng.randrange(1, 3 * block_size), ignore_eos=True,
-        )
+        max_tokens = rng.randrange(1, 3 * block_size)
+        if rng.random() < 0.25:
+            # Beam search: beams fork and die every step; the whole group is preempted.
+            width = rng.choice([1, 2, 3, 4])
+            params = SamplingParams(
+                n=rng.randrange(1, width + 1), temperature=0.0, beam_width=width,
+                max_tokens=max_tokens, ignore_eos=True,
+                length_penalty=rng.choice([1.0, 0.0, 2.0]),
+                early_stopping=rng.choice([False, True, "never"]),
+            )
+        else:
+            params = SamplingParams(
+                n=n, temperature=0.0 if greedy else 1.0,
+                seed=None if greedy else rng.randrange(99), max_tokens=max_tokens,
+                ignore_eos=True,
+            )
         draws.append(Draw(
             arrival_step=rng.randrange(0, 12),
             prompt=prompt,

@@ -11,6 +11,7 @@ import yaml
 
 from engine_service.serving.server import parse_args as engine_args
 from prefix_index.server.main import parse_args as index_args
+from router.server import parse_args as router_args
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -38,7 +39,7 @@ def test_dependencies_healthchecks_and_gpu(services):
     assert gpu["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]
     [device] = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
-    assert "--device=cuda" in gpu["command"] and "deploy" not in cpu
+    assert "--device=cuda" in gpu["command"] and "resources" not in cpu["deploy"]
     for engine in (gpu, cpu):
         assert engine["depends_on"]["prefix-index"] == {"condition": "service_healthy"}
         assert engine["depends_on"]["prepare-model"] == {
@@ -60,6 +61,27 @@ def test_commands_parse_with_the_real_console_scripts(services):
     script, *argv = services["prefix-index"]["command"]
     assert script == "pagedgen-prefix-index"
     assert index_args(argv).redis_url == "redis://redis:6379/0"
+    script, *argv = services["router"]["command"]
+    assert script == "pagedgen-router"
+    args = router_args(argv)
+    assert args.prefix_index == "prefix-index:50061" and args.engine_list == []
+    assert args.policy == "kv-aware" and args.port == 50051
+
+
+def test_the_router_fronts_scalable_engine_replicas(services):
+    """Only the router is published; replicas have no fixed id or host port (so --scale works)
+    and register hostname:50051 (the default advertised address when bound to 0.0.0.0)."""
+    router = services["router"]
+    assert "50051:50051" in router["ports"]
+    assert router["depends_on"]["prefix-index"] == {"condition": "service_healthy"}
+    assert "localhost:50051" in router["healthcheck"]["test"]
+    assert set(router["profiles"]) == {"cpu", "gpu"}
+    for name in ("engine", "engine-cpu"):
+        engine = services[name]
+        assert "ports" not in engine, name
+        args = engine_args(engine["command"][1:])
+        assert args.engine_id is None and args.advertise_address == "" and args.host == "0.0.0.0"
+    assert services["engine-cpu"]["deploy"]["replicas"] >= 2
 
 
 def test_healthcheck_probe_reports_serving(engine_server):

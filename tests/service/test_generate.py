@@ -134,3 +134,35 @@ def test_64_concurrent_streams_match_the_offline_api(engine_server, offline_llm)
         assert completion.token_ids == want.outputs[0].token_ids, text
         assert completion.text == want.outputs[0].text, text
         assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+BEAM_REQUEST = pb.GenerateRequest(
+    text="The old lighthouse keeper",
+    sampling=pb.SamplingParams(beam_width=4, n=3, max_tokens=10, ignore_eos=True,
+                               length_penalty=0.5, early_stopping=pb.EARLY_STOPPING_NEVER))
+
+
+def test_beam_search_streams_only_the_final_beams(stub, offline_llm):
+    from engine_service import BeamSearchParams
+
+    messages = list(stub.GenerateStream(BEAM_REQUEST, timeout=60))
+    assert len(messages) == 1 and messages[0].finished  # the beams, once the search is over
+    streamed = assemble(messages)
+    unary = stub.Generate(BEAM_REQUEST, timeout=60)
+    assert streamed.completions == from_unary(unary)
+    [expected] = offline_llm.beam_search("The old lighthouse keeper", BeamSearchParams(
+        beam_width=4, n=3, max_tokens=10, ignore_eos=True, length_penalty=0.5,
+        early_stopping="never"))
+    assert [c.index for c in unary.completions] == [0, 1, 2]  # best first
+    for c, want in zip(unary.completions, expected.sequences, strict=True):
+        assert list(c.token_ids) == want.token_ids and c.text == want.text
+        assert c.finish_reason == pb.FINISH_REASON_LENGTH
+        assert c.HasField("cumulative_logprob")
+        assert c.cumulative_logprob == pytest.approx(want.cum_logprob, abs=1e-4)
+    assert unary.usage.completion_tokens == 30
+    info = stub.ModelInfo(pb.ModelInfoRequest())
+    assert info.max_beam_width == 64
+    # Sampled completions carry no cumulative logprob.
+    greedy = stub.Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(
+        temperature=0, max_tokens=2)))
+    assert not greedy.completions[0].HasField("cumulative_logprob")

@@ -32,4 +32,4 @@ def test_stack_streams_a_completion_and_stops_cleanly(smollm2_dir, tmp_path):
     assert int(num_completion) == len(want.outputs[0].token_ids)
     for line in ("redis ", "prefix index ", "engine ", "stopped cleanly"):
         assert line in out
-    assert "draining" in (tmp_path / "engine.log").read_text()  # SIGTERM, not a kill
+    assert "draining" in (tmp_path / "engine-0.log").read_text()  # SIGTERM, not a kill

@@ -110,6 +110,29 @@ def bad_cases() -> list[BadCase]:
                 "request_id must be 1 to 128 characters of [A-Za-z0-9._:-]"),
         BadCase("oversized cache salt", pb.GenerateRequest(cache_salt="s" * 257, **ok), INVALID,
                 "cache_salt must be at most 256 characters, got 257"),
+        BadCase("beam search with temperature", pb.GenerateRequest(text="x", sampling=sampling(
+            beam_width=2, temperature=0.8)), INVALID,
+            "sampling.temperature must be 0 with beam search (beam_width set), got 0.8"),
+        BadCase("beam_width 0", pb.GenerateRequest(text="x", sampling=sampling(beam_width=0)),
+                INVALID, "sampling.beam_width must be between 1 and 64, got 0"),
+        BadCase("n above beam_width", pb.GenerateRequest(text="x", sampling=sampling(
+            beam_width=2, n=3)), INVALID, "sampling.n must be at most beam_width (2)"),
+        BadCase("beam search with stop strings", pb.GenerateRequest(text="x", sampling=sampling(
+            beam_width=2, stop=["."])), INVALID,
+            "sampling.stop must be left unset with beam search"),
+        BadCase("unknown early_stopping", pb.GenerateRequest(text="x", sampling=sampling(
+            beam_width=2, early_stopping=7)), INVALID,
+            "sampling.early_stopping must be one of EARLY_STOPPING_FALSE, EARLY_STOPPING_TRUE, "
+            "EARLY_STOPPING_NEVER, got 7"),
+        BadCase("length_penalty without beam search", pb.GenerateRequest(
+            text="x", sampling=sampling(length_penalty=2)), INVALID,
+            "sampling.length_penalty and early_stopping must be left at 1.0 and False unless "
+            "beam_width is set"),
+        # 10 prompt tokens + 1000: 64 blocks per beam, none of them full-prompt: 4 x 64 > 240.
+        BadCase("beam group that can never fit in the KV pool", pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[7] * 10), sampling=sampling(beam_width=4,
+                                                                   max_tokens=1000)),
+            INVALID, "request needs up to 256 KV blocks but the pool has 240"),
         # 10 + 3900 tokens need 245 blocks of 16; the pool has 240: it can never run.
         BadCase("can never fit in the KV pool", pb.GenerateRequest(
             token_ids=pb.TokenIds(ids=[7] * 10), sampling=sampling(max_tokens=3900)),

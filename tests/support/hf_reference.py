@@ -128,3 +128,71 @@ def _greedy_top_logprobs(
         top = logprobs.topk(k)
         steps.append((token, dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))))
     return steps
+
+
+@functools.lru_cache(maxsize=1024)
+def _beam_search_one(
+    model_dir: str,
+    prompt: tuple[int, ...],
+    num_beams: int,
+    num_return_sequences: int,
+    max_new_tokens: int,
+    length_penalty: float,
+    early_stopping: bool | str,
+    eos_token_ids: tuple[int, ...],
+    min_new_tokens: int,
+) -> tuple[tuple[tuple[int, ...], float], ...]:
+    model = load_hf_model(model_dir)
+    base = model.generation_config
+    generation_config = GenerationConfig(
+        do_sample=False,
+        num_beams=num_beams,
+        num_return_sequences=num_return_sequences,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens or None,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        # An empty list: no token ends a beam (ignore_eos); None would take the model's.
+        eos_token_id=list(eos_token_ids),
+        pad_token_id=base.pad_token_id if base.pad_token_id is not None else 0,
+        bos_token_id=base.bos_token_id,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    input_ids = torch.tensor([prompt], dtype=torch.long)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids),
+            generation_config=generation_config,
+        )
+    beams = []
+    for row, indices, score in zip(
+        out.sequences, out.beam_indices, out.sequences_scores, strict=True
+    ):
+        # beam_indices is -1 past a beam's last generated token: it gives each one's length
+        # (the rows are padded to the longest).
+        length = int((indices != -1).sum())
+        beams.append((tuple(row[len(prompt) : len(prompt) + length].tolist()), float(score)))
+    return tuple(beams)
+
+
+def hf_beam_search(
+    model_dir: Path | str,
+    prompt: list[int],
+    num_beams: int,
+    num_return_sequences: int,
+    max_new_tokens: int,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+    eos_token_ids: list[int] | tuple[int, ...] = (),
+    min_new_tokens: int = 0,
+) -> list[tuple[list[int], float]]:
+    """HF `generate(num_beams=..., do_sample=False)` of one prompt in float32: the returned
+    beams, best first, as (generated ids with the EOS that ended them, length-penalized score).
+    Cached per process."""
+    key = str(Path(model_dir).resolve())
+    beams = _beam_search_one(
+        key, tuple(prompt), num_beams, num_return_sequences, max_new_tokens, length_penalty,
+        early_stopping, tuple(eos_token_ids), min_new_tokens,
+    )
+    return [(list(tokens), score) for tokens, score in beams]

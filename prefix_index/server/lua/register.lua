@@ -1,4 +1,5 @@
--- ARGV: model_identity, block_size, num_blocks, lease_ms, pin_budget, nonce, history_cap
+-- ARGV: model_identity, block_size, num_blocks, lease_ms, pin_budget, nonce, history_cap,
+-- serving_address
 -- Returns {epoch}, or {0, lease_remaining_ms} when another process (a different, non-empty
 -- nonce) holds a live lease on this engine id: then nothing changes.
 -- Otherwise drops the engine's blocks and pins (not its hit history) and returns a new epoch:
@@ -17,7 +18,7 @@ local hclock = num(K.meta, 'hclock')
 redis.call('DEL', unpack(BLOCK_KEYS))
 redis.call('HSET', K.meta, 'epoch', fmt(epoch), 'nonce', nonce, 'model', ARGV[1],
   'block_size', ARGV[2], 'num_blocks', ARGV[3], 'lease_ms', ARGV[4], 'pin_budget', ARGV[5],
-  'history_cap', ARGV[7], 'clock', 0, 'hclock', fmt(hclock), 'seq', 0,
+  'history_cap', ARGV[7], 'address', ARGV[8], 'clock', 0, 'hclock', fmt(hclock), 'seq', 0,
   'queries', 0, 'hits', 0, 'evictions', 0, 'forgets', 0)
 -- A smaller pool than before: trim the kept history to the new cap at once.
 local over = redis.call('ZCARD', K.hage) - tonumber(ARGV[7])

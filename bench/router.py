@@ -1,0 +1,431 @@
+"""The KV-aware router against its baselines (issue #11): does routing by the prefix index's
+view of every replica's cache keep more prompt tokens cached, and what does that buy?
+
+N engine replicas on this machine, one torch thread each, each KV pool holding only part of the
+working set (all tenants' system prompts). A multi-tenant workload: K tenants with distinct long
+system prompts, Zipf popularity, a unique user turn per request, short greedy outputs
+(`ignore_eos`, so every policy generates the same tokens), Poisson arrivals at a rate where
+round-robin is loaded but keeps up. Every policy gets the same seeded requests and arrival times,
+its own router and fresh engines (empty caches, fresh engine ids) over one shared prefix index.
+
+  balanced   Zipf over all tenants: kv-aware, round-robin, least-load, prefix-hash
+  hot        one tenant takes `hot_share` of the requests: kv-aware vs prefix-hash (both keep
+             the bounded-load guard; the question is which spreads the hot prefix better)
+
+Per run: prefix-cache hit rate (usage.cached_tokens / prompt tokens, over every request), TTFT
+and E2E percentiles, output throughput (first send to last token: in an open loop it equals
+the offered load while a policy keeps up and falls when it queues), each replica's share of the
+requests and the router's route latency (its `pagedgen_router_route_seconds` histogram: arrival
+to the upstream call, i.e. hashing + index Lookup + choice). Then, once, the router's whole
+cost as a client sees it: TTFT through the router vs straight to a replica, one short request
+at a time, alternating.
+
+    python -m bench.router [--quick]      # = pagedgen-bench --only router [--quick]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+from tqdm import tqdm
+
+from bench.metrics import RequestRecord, percentile, run_duration, summarize
+from bench.router_stack import PolicyStack, ReplicaShape
+from bench.workloads import BenchRequest, Workload, multi_tenant, poisson_arrivals
+from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+
+BALANCED_POLICIES = ("kv-aware", "round-robin", "least-load", "prefix-hash")
+HOT_POLICIES = ("kv-aware", "prefix-hash")
+REQUEST_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouterShape:
+    num_engines: int = 3
+    # Per replica: the working set (8 x 32 blocks) is 2x one pool; the three pools together
+    # hold it 1.5 times, room for the requests running, so a policy that partitions tenants
+    # over replicas can keep nearly all of them cached and one that does not cannot.
+    num_blocks: int = 128
+    block_size: int = 16
+    num_tenants: int = 8
+    system_prompt_len: int = 512
+    user_len: int = 32
+    output_len: int = 16
+    zipf_s: float = 1.1
+    hot_share: float = 0.7
+    num_requests: int = 100  # per run
+    # Requests/s, Poisson. Calibrated on this machine: round-robin's queue builds (TTFT p50
+    # above one cold prefill, ~1 s) but drains; 1.0/s overloaded it while the machine was
+    # shared.
+    rate: float = 0.8
+    # One run of each policy: a run is ~2.5 min (engines start, 100 arrivals at 0.8/s), and
+    # six of them fill the section's 15 minutes. Longer runs rather than repeats: the first
+    # requests of every tenant miss under any policy, and short runs mostly measure that.
+    repeats: int = 1
+    overhead_pairs: int = 30  # router vs direct, one request at a time
+    overhead_prompt_len: int = 32
+    # Latency "after warm-up" leaves out the first requests: with 100 requests, p99 is the
+    # worst one or two, and those are the first ones, sent while every cache is empty.
+    warm_up_requests: int = 10
+
+    @property
+    def working_set_blocks(self) -> int:
+        return self.num_tenants * self.system_prompt_len // self.block_size
+
+
+FULL_SHAPE = RouterShape()
+QUICK_SHAPE = RouterShape(num_requests=24, overhead_pairs=10)
+
+
+def workloads(shape: RouterShape, seed: int) -> dict[str, Workload]:
+    common = dict(num_tenants=shape.num_tenants, num_requests=shape.num_requests,
+                  system_prompt_len=shape.system_prompt_len, user_len=shape.user_len,
+                  output_len=shape.output_len, zipf_s=shape.zipf_s)
+    return {"balanced": multi_tenant(**common, seed=seed + 11),
+            "hot": multi_tenant(**common, hot_share=shape.hot_share, seed=seed + 12)}
+
+
+# ---- the client --------------------------------------------------------------------------
+def _request(request_id: str, r: BenchRequest) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        token_ids=pb.TokenIds(ids=list(r.prompt_token_ids)),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True),
+        cache_salt=r.cache_salt or "",
+    )
+
+
+async def _stream(stub, request: pb.GenerateRequest, record: RequestRecord) -> None:
+    record.arrival = time.monotonic()
+    async for chunk in stub.GenerateStream(request, timeout=REQUEST_TIMEOUT_S):
+        t = time.monotonic()
+        for choice in chunk.choices:
+            record.token_times.extend([t] * len(choice.token_ids))
+        if chunk.finished:
+            record.finish = t
+            record.num_cached_tokens = chunk.usage.cached_tokens
+    record.output_len = len(record.token_times)
+
+
+async def _drive(target: str, workload: Workload, offsets: list[float], name: str,
+                 progress: bool) -> tuple[list[RequestRecord], list[str]]:
+    """Open loop: request i is sent at offsets[i] whatever happened to the others."""
+    records = [RequestRecord(prompt_len=r.prompt_len) for r in workload.requests]
+    errors: list[str] = []
+    bar = tqdm(total=len(records), desc=name, disable=not progress, leave=False)
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        start = time.monotonic()
+
+        async def send(i: int) -> None:
+            await asyncio.sleep(max(0.0, start + offsets[i] - time.monotonic()))
+            try:
+                await _stream(stub, _request(f"{name}-{i}", workload.requests[i]), records[i])
+            except grpc.aio.AioRpcError as error:
+                errors.append(f"request {i}: {error.code().name}: {error.details()}")
+            bar.update(1)
+
+        await asyncio.gather(*(send(i) for i in range(len(records))))
+    bar.close()
+    return records, errors
+
+
+async def _overhead(router: str, engines: list[str], shape: RouterShape, seed: int) -> dict:
+    """TTFT of short unique prompts (one output token), one at a time, alternating router and
+    a replica straight (each replica in turn): what the router adds on an idle system."""
+    rng = random.Random(seed)
+    via_router, direct = [], []
+    async with grpc.aio.insecure_channel(router) as r_channel:
+        channels = [grpc.aio.insecure_channel(e) for e in engines]
+        try:
+            r_stub = pb_grpc.GenerationStub(r_channel)
+            stubs = [pb_grpc.GenerationStub(c) for c in channels]
+            for i in range(shape.overhead_pairs + 2):  # the first 2 pairs warm the channels
+                pair = []
+                for stub in (r_stub, stubs[i % len(stubs)]):
+                    ids = tuple(rng.randrange(100, 30000) for _ in range(shape.overhead_prompt_len))
+                    record = RequestRecord(prompt_len=len(ids))
+                    await _stream(stub, _request(f"overhead-{i}-{len(pair)}",
+                                                 BenchRequest(ids, 1)), record)
+                    pair.append(record.ttft)
+                if i >= 2:
+                    via_router.append(pair[0])
+                    direct.append(pair[1])
+        finally:
+            for channel in channels:
+                await channel.close()
+    diffs = [a - b for a, b in zip(via_router, direct, strict=True)]
+    return {
+        "pairs": len(diffs),
+        "prompt_len": shape.overhead_prompt_len,
+        "ttft_router_p50_ms": percentile(via_router, 50) * 1e3,
+        "ttft_direct_p50_ms": percentile(direct, 50) * 1e3,
+        "added_p50_ms": percentile(diffs, 50) * 1e3,
+        "added_mean_ms": statistics.fmean(diffs) * 1e3,
+    }
+
+
+def _warm_up(targets: list[str], shape: RouterShape) -> None:
+    """First forwards of each replica, straight to it, untimed, on prompts that share no block
+    with the workloads (their few leftover blocks are the oldest in each LRU)."""
+
+    async def go() -> None:
+        channels = [grpc.aio.insecure_channel(t) for t in targets]
+        try:
+            calls = []
+            for n, channel in enumerate(channels):
+                ids = tuple(7 + (n * 31 + j) % 90 for j in range(shape.system_prompt_len // 2))
+                record = RequestRecord(prompt_len=len(ids))
+                calls.append(_stream(pb_grpc.GenerationStub(channel),
+                                     _request(f"warmup-{n}", BenchRequest(ids, 4)), record))
+            await asyncio.gather(*calls)
+        finally:
+            for channel in channels:
+                await channel.close()
+
+    asyncio.run(go())
+
+
+# ---- one run -------------------------------------------------------------------------------
+def _tenant_hit_rates(workload: Workload, records: list[RequestRecord]) -> dict[str, float]:
+    """Hit rate of each tenant's requests: which tenants a policy keeps cached."""
+    prompt: dict[str, int] = {}
+    cached: dict[str, int] = {}
+    for request, record in zip(workload.requests, records, strict=True):
+        if record.token_times:
+            prompt[request.cache_salt] = prompt.get(request.cache_salt, 0) + record.prompt_len
+            cached[request.cache_salt] = (cached.get(request.cache_salt, 0)
+                                          + record.num_cached_tokens)
+    return {t: cached[t] / prompt[t] for t in sorted(prompt, key=lambda t: int(t.split("-")[1]))}
+
+
+def _summarize_run(policy: str, scenario: str, repeat: int, workload: Workload,
+                   records: list[RequestRecord], errors: list[str], stack: PolicyStack,
+                   engines_before: dict, load_start: list[float], warm_up: int) -> dict:
+    done = [r for r in records if r.token_times]
+    settled = [r.ttft for r in records[warm_up:] if r.token_times]
+    summary = asdict(summarize(done, run_duration(done)))
+    prompt = sum(r.prompt_len for r in done)
+    cached = sum(r.num_cached_tokens for r in done)
+    figures = stack.router_metrics()
+    routed = sum(figures.decisions.values()) or 1.0
+    engines_after = stack.engine_stats()
+    engine_deltas = {
+        e: {k: engines_after[e][k] - engines_before[e].get(k, 0) for k in engines_after[e]}
+        for e in engines_after
+    }
+    # Replicas by the share they took, largest first: ids differ between runs, shapes compare.
+    shares = sorted((figures.decisions.get(e, 0.0) / routed for e in stack.engine_ids),
+                    reverse=True)
+    return {
+        "policy": policy,
+        "scenario": scenario,
+        "repeat": repeat,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "tenant_hit_rates": _tenant_hit_rates(workload, records),
+        "ttft_p50_ms": summary["ttft"]["p50_ms"],
+        "ttft_p99_ms": summary["ttft"]["p99_ms"],
+        "ttft_settled_p50_ms": percentile(settled, 50) * 1e3,
+        "ttft_settled_p99_ms": percentile(settled, 99) * 1e3,
+        "prefill_tokens": prompt - cached,
+        "e2el_p50_ms": summary["e2el"]["p50_ms"],
+        "e2el_p99_ms": summary["e2el"]["p99_ms"],
+        "output_throughput": summary["output_throughput"],
+        "replica_shares": shares,
+        "route_p50_ms": figures.route_quantile(0.5) * 1e3,
+        "route_p99_ms": figures.route_quantile(0.99) * 1e3,
+        "route_mean_ms": (figures.route_sum_s / figures.route_count * 1e3
+                          if figures.route_count else None),
+        "predicted_cached_tokens": figures.predicted_cached_tokens,
+        "actual_cached_tokens": figures.actual_cached_tokens,
+        "fallbacks": figures.fallbacks,
+        "num_errors": len(errors),
+        "errors": errors[:5],
+        "num_preemptions": sum(d["num_preemptions"] for d in engine_deltas.values()),
+        "engines": engine_deltas,
+        "summary": summary,
+        # Per request, in arrival order: tenant, TTFT ms (None: failed), cached tokens.
+        "requests": [[int(r.cache_salt.removeprefix("tenant-")),
+                      round(rec.ttft * 1e3, 1) if rec.token_times else None,
+                      rec.num_cached_tokens]
+                     for r, rec in zip(workload.requests, records, strict=True)],
+        "load_start": load_start,
+        "load_end": list(os.getloadavg()),
+    }
+
+
+def run_policy(model: str, index_target: str, shape: RouterShape, policy: str, scenario: str,
+               workload: Workload, offsets: list[float], repeat: int, tag: str, log_dir: Path,
+               progress: bool = True, overhead_seed: int | None = None,
+               router_args: tuple[str, ...] = ()) -> dict:
+    replicas = ReplicaShape(shape.num_engines, shape.num_blocks, shape.block_size)
+    name = f"{scenario}-{policy}-{repeat}"
+    with PolicyStack(model, index_target, policy, replicas, f"rbench-{tag}-{name}",
+                     log_dir, router_args) as stack:
+        engine_targets = [e.target for e in stack.engines]
+        _warm_up(engine_targets, shape)
+        engines_before = stack.engine_stats()
+        load_start = list(os.getloadavg())
+        records, errors = asyncio.run(_drive(stack.target, workload, offsets, name, progress))
+        run = _summarize_run(policy, scenario, repeat, workload, records, errors, stack,
+                             engines_before, load_start, shape.warm_up_requests)
+        if overhead_seed is not None:
+            before = stack.router_metrics()
+            run["overhead"] = asyncio.run(_overhead(stack.target, engine_targets, shape,
+                                                    overhead_seed))
+            # Route latency with the replicas idle (one request at a time): what routing costs
+            # when it does not wait for a CPU behind three busy engines.
+            idle = stack.router_metrics().since(before)
+            run["overhead"]["route_p50_ms"] = idle.route_quantile(0.5) * 1e3
+            run["overhead"]["route_p99_ms"] = idle.route_quantile(0.99) * 1e3
+    return run
+
+
+# ---- the section ---------------------------------------------------------------------------
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _aggregate(runs: list[dict]) -> dict:
+    """Median across a policy's repeats (the mean of two)."""
+    keys = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "ttft_settled_p50_ms",
+            "ttft_settled_p99_ms", "prefill_tokens", "e2el_p50_ms", "e2el_p99_ms",
+            "output_throughput", "route_p50_ms", "route_p99_ms")
+    out = {k: _median(runs, k) for k in keys}
+    out["all"] = {k: [r[k] for r in runs] for k in keys}
+    count = len(runs[0]["replica_shares"])
+    out["replica_shares"] = [statistics.median(r["replica_shares"][i] for r in runs)
+                             for i in range(count)]
+    out["num_errors"] = sum(r["num_errors"] for r in runs)
+    out["num_preemptions"] = [r["num_preemptions"] for r in runs]
+    return out
+
+
+# "No worse" within this much: two runs of one policy differ by about as much on this machine.
+NO_WORSE_TOLERANCE = 0.05
+# Throughput "at least equal" within this much: in an open loop every policy that keeps up
+# delivers the offered load, and what is left of a difference is when the last request ends.
+THROUGHPUT_TOLERANCE = 0.01
+
+
+def _targets(balanced: dict, hot: dict) -> dict:
+    kv, rr, ph = balanced["kv-aware"], balanced["round-robin"], balanced["prefix-hash"]
+    figures = {
+        "hit_rate_kv_over_rr": kv["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else None,
+        "ttft_p50_rr_over_kv": rr["ttft_p50_ms"] / kv["ttft_p50_ms"],
+        "throughput_kv_over_rr": kv["output_throughput"] / rr["output_throughput"],
+        "balanced_hit_rate_kv_over_ph": kv["hit_rate"] / ph["hit_rate"] if ph["hit_rate"] else None,
+        "balanced_ttft_p50_ph_over_kv": ph["ttft_p50_ms"] / kv["ttft_p50_ms"],
+        "balanced_ttft_p99_ph_over_kv": ph["ttft_p99_ms"] / kv["ttft_p99_ms"],
+        "balanced_throughput_kv_over_ph": kv["output_throughput"] / ph["output_throughput"],
+        "route_p50_ms": kv["route_p50_ms"],
+    }
+    if hot:
+        figures["hot_ttft_p99_ph_over_kv"] = (hot["prefix-hash"]["ttft_p99_ms"]
+                                              / hot["kv-aware"]["ttft_p99_ms"])
+        figures["hot_ttft_p50_ph_over_kv"] = (hot["prefix-hash"]["ttft_p50_ms"]
+                                              / hot["kv-aware"]["ttft_p50_ms"])
+        figures["hot_ttft_settled_p99_ph_over_kv"] = (
+            hot["prefix-hash"]["ttft_settled_p99_ms"] / hot["kv-aware"]["ttft_settled_p99_ms"])
+    floor = 1 - NO_WORSE_TOLERANCE
+    met = {
+        "hit_rate": (figures["hit_rate_kv_over_rr"] or 0) >= 2.0,
+        "ttft_p50": figures["ttft_p50_rr_over_kv"] >= 2.0,
+        "throughput": figures["throughput_kv_over_rr"] >= 1 - THROUGHPUT_TOLERANCE,
+        "balanced_vs_prefix_hash": (
+            (figures["balanced_hit_rate_kv_over_ph"] or 0) >= floor
+            and figures["balanced_ttft_p50_ph_over_kv"] >= floor
+            and figures["balanced_throughput_kv_over_ph"] >= floor),
+        "route_latency": figures["route_p50_ms"] < 2.0,
+    }
+    if hot:
+        met["hot_ttft_p99"] = figures["hot_ttft_p99_ph_over_kv"] > 1.0
+    return {"figures": figures, "met": met, "no_worse_tolerance": NO_WORSE_TOLERANCE,
+            "throughput_tolerance": THROUGHPUT_TOLERANCE}
+
+
+def router_benchmark(model: str, shape: RouterShape = FULL_SHAPE, seed: int = 0,
+                     progress: bool = True, log: Callable[[str], None] = print) -> dict:
+    """Every policy of both scenarios `shape.repeats` times, alternating, over one Redis and one
+    prefix index; the router overhead once, in the last kv-aware run."""
+    from prefix_index.tools.launch import IndexProcess
+    from prefix_index.tools.redis_process import RedisProcess
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load_start = list(os.getloadavg())
+    loads = workloads(shape, seed)
+    offsets = {name: poisson_arrivals(len(w.requests), shape.rate, seed + i)
+               for i, (name, w) in enumerate(loads.items())}
+    plan = [("balanced", p) for p in BALANCED_POLICIES] + [("hot", p) for p in HOT_POLICIES]
+    runs: dict[str, dict[str, list[dict]]] = {"balanced": {}, "hot": {}}
+    tag = f"{os.getpid()}-{int(time.time())}"
+    log_dir = Path(tempfile.mkdtemp(prefix="pagedgen-bench-router-"))
+    log(f"router: process logs in {log_dir}")
+    with ExitStack() as stack:
+        redis = stack.enter_context(RedisProcess())
+        index = stack.enter_context(IndexProcess(redis.url, ["--log-level", "WARNING"]))
+        for repeat in range(shape.repeats):
+            for scenario, policy in plan:
+                last_kv = (repeat == shape.repeats - 1 and scenario == "balanced"
+                           and policy == "kv-aware")
+                log(f"router: {scenario}, {policy}, run {repeat + 1}/{shape.repeats}")
+                run = run_policy(model, index.target, shape, policy, scenario, loads[scenario],
+                                 offsets[scenario], repeat, tag, log_dir, progress,
+                                 overhead_seed=seed + 99 if last_kv else None)
+                runs[scenario].setdefault(policy, []).append(run)
+                log(f"router: {scenario} {policy}: hit rate {run['hit_rate']:.1%}, TTFT p50 "
+                    f"{run['ttft_p50_ms']:.0f} ms p99 {run['ttft_p99_ms']:.0f} ms, "
+                    f"{run['output_throughput']:.1f} tok/s, shares "
+                    f"{', '.join(f'{s:.0%}' for s in run['replica_shares'])}, route p50 "
+                    f"{run['route_p50_ms']:.2f} ms, errors {run['num_errors']}")
+    policies = {scenario: {p: _aggregate(rs) for p, rs in by_policy.items()}
+                for scenario, by_policy in runs.items()}
+    overhead = next(r["overhead"] for r in runs["balanced"]["kv-aware"] if "overhead" in r)
+    return {
+        "shape": asdict(shape) | {"working_set_blocks": shape.working_set_blocks},
+        "workloads": {name: {"name": w.name, "num_requests": len(w.requests),
+                             "num_prompt_tokens": w.num_prompt_tokens,
+                             "num_output_tokens": w.num_output_tokens,
+                             "tenant_requests": _tenant_counts(w, shape.num_tenants)}
+                      for name, w in loads.items()},
+        "seed": seed,
+        "started_utc": started,
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average_start": load_start,
+        "load_average_end": list(os.getloadavg()),
+        "policies": policies,
+        "overhead": overhead,
+        "targets": _targets(policies["balanced"], policies["hot"]),
+        "runs": runs,
+    }
+
+
+def _tenant_counts(workload: Workload, num_tenants: int) -> list[int]:
+    counts = [0] * num_tenants
+    for r in workload.requests:
+        counts[int(r.cache_salt.removeprefix("tenant-"))] += 1
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Runs only this section: the same as `pagedgen-bench --only router`."""
+    from bench.cli import main as bench_main
+
+    bench_main(["--only", "router", *(argv or [])])
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

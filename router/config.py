@@ -1,0 +1,48 @@
+"""The router's settings: which policy routes, and the weights of its cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("kv-aware", "round-robin", "least-load", "prefix-hash")
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    policy: str = "kv-aware"
+    # kv-aware cost of a replica, in blocks of prefill work:
+    #   prefill_weight * uncached prompt blocks + load
+    #   load = queued prefill blocks + running_weight * running sequences
+    #          + kv_weight * KV usage (0..1)
+    prefill_weight: float = 1.0
+    running_weight: float = 0.5
+    kv_weight: float = 8.0
+    # Bounded load (consistent hashing with bounded loads): a replica may take a request only
+    # while its active requests + 1 <= ceil(load_bound * (all active + 1) / replicas), so one
+    # hot prefix cannot pile every request onto the replica that caches it.
+    load_bound: float = 1.25
+    # prefix-hash keys a request by the hash of its first blocks (at most this many).
+    prefix_hash_blocks: int = 4
+    lookup_timeout_s: float = 0.25  # a slow index costs at most this, then prefix-hash
+    stats_interval_s: float = 0.1  # each replica's EngineStats poll
+    discovery_interval_s: float = 1.0  # replicas from the index; also the index's recovery probe
+    rpc_timeout_s: float = 2.0  # the router's own calls to replicas (not generation)
+
+    def check(self) -> None:
+        """Raises ValueError naming a setting outside what is allowed."""
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name in ("prefill_weight", "running_weight", "kv_weight"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if not self.load_bound >= 1:
+            raise ValueError(f"load_bound must be >= 1 (1 = perfectly even), got "
+                             f"{self.load_bound}")
+        if self.prefix_hash_blocks < 1:
+            raise ValueError(f"prefix_hash_blocks must be >= 1, got {self.prefix_hash_blocks}")
+        for name in ("lookup_timeout_s", "stats_interval_s", "discovery_interval_s",
+                     "rpc_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")

@@ -1,0 +1,179 @@
+"""The router's state and its one decision: replicas, the index view, the policies, the prompt
+reader and the requests running, all changed on the router's event loop only.
+
+Background tasks keep the replicas' load fresh (EngineStats every `stats_interval_s`) and the
+replica list in step with the index's registrations (every `discovery_interval_s`, which also
+probes a down index until it answers again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from router.config import RouterConfig
+from router.index_view import IndexView
+from router.metrics import RouterMetrics
+from router.policies import Decision, Policies, RouteInput
+from router.prompt import PromptReader
+from router.replicas import Replica, ReplicaSet
+
+log = logging.getLogger("router.core")
+MAX_LOOKUP_BLOCKS = 16384  # the index's limit on one chain
+
+
+class NoReplicaError(Exception):
+    """No replica can take the request now."""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    decision: Decision
+    num_prompt_tokens: int | None
+
+
+class Router:
+    def __init__(self, config: RouterConfig, engines: list[str], index_target: str | None,
+                 tokenizer_path: str | None = None, metrics: RouterMetrics | None = None
+                 ) -> None:
+        config.check()
+        if not engines and not index_target:
+            raise ValueError("engines: give --engines host:port,... or --prefix-index HOST:PORT "
+                             "(replicas are then the engines registered there)")
+        self.config = config
+        self.static_engines = list(engines)
+        self.metrics = metrics or RouterMetrics()
+        self.replicas = ReplicaSet(config.rpc_timeout_s)
+        self.index = IndexView(index_target, config.lookup_timeout_s) if index_target else None
+        self.policies = Policies(config)
+        self.prompts = PromptReader(tokenizer_path, config.rpc_timeout_s)
+        # request id -> the replica running it now (None while it is being routed)
+        self.live: dict[str, Replica | None] = {}
+        self.aborted: set[str] = set()  # aborted while being routed: never sent
+        self._tasks: list[asyncio.Task] = []
+        if self.index is not None:
+            self.metrics.index_up.set_function(lambda: 1.0 if self.index.up else 0.0)
+        self.metrics.replicas_routable.set_function(lambda: len(self.replicas.routable()))
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.static_engines:
+            await self.replicas.set_members({address: "" for address in self.static_engines})
+        await self._discover()
+        await self._poll(wait=True)
+        self._tasks = [asyncio.ensure_future(self._every(self.config.stats_interval_s,
+                                                         self._poll))]
+        if self.index is not None:
+            self._tasks.append(asyncio.ensure_future(
+                self._every(self.config.discovery_interval_s, self._discover)))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.replicas.close()
+        if self.index is not None:
+            await self.index.close()
+
+    async def _every(self, interval_s: float, work) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await work()
+            except Exception:  # noqa: BLE001 - a loop that dies would freeze the router's view
+                log.exception("background %s failed; retrying", work.__name__)
+
+    async def _poll(self, wait: bool = False) -> None:
+        await self.replicas.poll_all(wait)
+        routable = self.replicas.routable()
+        if routable:
+            self.prompts.prepare(routable[0])
+
+    async def _discover(self) -> None:
+        if self.index is None:
+            return
+        registered = await self.index.engines()
+        if registered is not None and not self.static_engines:
+            await self.replicas.set_members(registered)
+
+    # ---- state for health and stats -----------------------------------------------------------
+    @property
+    def serving(self) -> bool:
+        return bool(self.replicas.routable())
+
+    def details(self) -> dict[str, str]:
+        details = {
+            "policy": self.config.policy,
+            "replicas": str(len(self.replicas.replicas)),
+            "replicas_routable": str(len(self.replicas.routable())),
+            "tokenizer": self.prompts.source,
+        }
+        if self.index is None:
+            details["index"] = "none"
+            if self.config.policy == "kv-aware":
+                details["routing"] = "prefix-hash (no prefix index configured)"
+        else:
+            details["index"] = self.index.target
+            details["index_up"] = str(self.index.up).lower()
+            if not self.index.up:
+                details["index_error"] = self.index.last_error
+                details["routing"] = "prefix-hash (fallback while the index is down)"
+        for replica in self.replicas.replicas.values():
+            state = "up" if replica.routable else f"down: {replica.last_error or 'incompatible'}"
+            details[f"replica.{replica.name}"] = f"{replica.address} {state}"
+        return details
+
+    # ---- routing ------------------------------------------------------------------------
+    async def route(self, token_ids: list[int] | None, cache_salt: str,
+                    exclude: set[str]) -> Route:
+        """Chooses a replica for a prompt; `exclude`: addresses that already failed it."""
+        replicas = [r for r in self.replicas.routable() if r.address not in exclude]
+        hasher = self.replicas.hasher
+        if not replicas or hasher is None:
+            raise NoReplicaError(self._no_replica_message(exclude))
+        # Only what one Lookup can use: a prompt of millions of tokens (which the engine will
+        # refuse) must not stall the router's loop hashing it.
+        hashed = token_ids[:MAX_LOOKUP_BLOCKS * hasher.block_size] if token_ids else []
+        chain = hasher.chain(hashed, cache_salt or None)
+        policy = self.config.policy
+        matches: dict[str, int] | None = None
+        if policy == "kv-aware" and self.index is not None:
+            matches = await self.index.longest_prefixes(chain, hasher.identity)
+            if matches is not None:
+                # The index's answer may have raced a replica's failure: re-read who is up.
+                replicas = [r for r in self.replicas.routable() if r.address not in exclude]
+                if not replicas:
+                    raise NoReplicaError(self._no_replica_message(exclude))
+        route = RouteInput(len(token_ids) if token_ids is not None else None,
+                           self._prefix_key(chain, token_ids, cache_salt), matches)
+        decision = self.policies.choose(policy, replicas, route, hasher.block_size)
+        self.metrics.decisions.labels(decision.policy, decision.replica.name).inc()
+        if decision.fallback and self.index is not None:
+            self.metrics.fallbacks.inc()
+        return Route(decision, route.num_prompt_tokens)
+
+    def _prefix_key(self, chain: list[bytes], token_ids: list[int] | None,
+                    cache_salt: str) -> bytes | None:
+        if chain:
+            # The chain hash of block k covers blocks 0..k and the salt.
+            return chain[min(self.config.prefix_hash_blocks, len(chain)) - 1]
+        if token_ids:  # shorter than one block: its tokens and salt
+            packed = struct.pack(f"<{len(token_ids)}i", *token_ids) + cache_salt.encode()
+            return xxhash.xxh3_128_digest(packed)
+        return None
+
+    def _no_replica_message(self, exclude: set[str]) -> str:
+        known = len(self.replicas.replicas)
+        if not known:
+            return "no engine replica is known yet (none registered with the prefix index)"
+        downs = "; ".join(f"{r.name} at {r.address}: {r.last_error or 'incompatible model'}"
+                          for r in self.replicas.replicas.values() if not r.routable)
+        failed = f"; failed this request: {', '.join(sorted(exclude))}" if exclude else ""
+        return f"no engine replica can take the request ({known} known; {downs}{failed})"

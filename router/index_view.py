@@ -1,0 +1,80 @@
+"""The router's view of the prefix index: which replicas exist (their registrations) and which
+of them holds the longest prefix of a prompt (Lookup).
+
+While the index cannot be reached the router routes by prefix-hash and says so (`up` False, in
+health and metrics); the discovery loop keeps calling Stats, and its first success brings the
+index back, with no action from anyone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
+
+log = logging.getLogger("router.index_view")
+# Answers that mean the index itself is unreachable or failing (else: this one request was
+# refused, e.g. a chain over its limit, and the request is routed without prefix credit).
+_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                         grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                         grpc.StatusCode.CANCELLED})
+
+
+class IndexView:
+    def __init__(self, target: str, timeout_s: float) -> None:
+        self.target = target
+        self.client = PrefixIndexClient(target, timeout_s)
+        self.up = False
+        self.last_error = "not reached yet"
+        self.down_since = time.monotonic()
+
+    def _down(self, error: PrefixIndexClientError) -> None:
+        if self.up:
+            log.warning("prefix index %s unreachable (%s): routing by prefix-hash until it "
+                        "is back", self.target, error)
+            self.down_since = time.monotonic()
+        self.up = False
+        self.last_error = str(error)
+
+    def _back(self) -> None:
+        if not self.up:
+            log.info("prefix index %s reachable: routing by the index again", self.target)
+        self.up = True
+        self.last_error = ""
+
+    async def engines(self) -> dict[str, str] | None:
+        """address -> engine id of every registered engine with a live lease and a serving
+        address; None when the index cannot be reached."""
+        try:
+            stats = await self.client.stats("")
+        except PrefixIndexClientError as error:
+            self._down(error)
+            return None
+        self._back()
+        return {s.serving_address: s.engine_id for s in stats
+                if s.serving_address and s.lease_remaining_s > 0}
+
+    async def longest_prefixes(self, chain: Sequence[bytes], identity: str
+                               ) -> dict[str, int] | None:
+        """engine id -> leading blocks of `chain` it holds (absent: none); None while the index
+        is down (then nobody asks it until discovery reaches it again)."""
+        if not self.up:
+            return None
+        if not chain:
+            return {}
+        try:
+            matches = await self.client.lookup(chain, identity)
+        except PrefixIndexClientError as error:
+            if error.code in _DOWN_CODES:
+                self._down(error)
+                return None
+            log.debug("lookup refused, routing without prefix credit: %s", error)
+            return {}
+        return {m.engine_id: m.matched_blocks for m in matches}
+
+    async def close(self) -> None:
+        await self.client.close()

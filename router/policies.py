@@ -1,0 +1,129 @@
+"""Which replica takes a request: the four policies, as pure choices over a snapshot of the
+replicas (no I/O here).
+
+- kv-aware (default): the least cost, cost = prefill_weight * uncached prompt blocks + load,
+  the uncached blocks from the index's exact per-replica longest prefix.
+- round-robin, least-load (load alone), prefix-hash (rendezvous hashing of the prompt's first
+  blocks, what a router without an index can do): the baselines, and prefix-hash is also what
+  kv-aware falls back to while the index is down.
+Every policy but round-robin only picks among replicas under the bounded-load cap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from router.config import RouterConfig
+from router.replicas import Replica
+
+
+@dataclass(frozen=True, slots=True)
+class RouteInput:
+    """What is known of a request when it is routed."""
+
+    num_prompt_tokens: int | None  # None: the router could not tokenize it
+    prefix_key: bytes | None  # hash of the prompt's first blocks (prefix-hash); None: unknown
+    # engine id -> leading prompt blocks it holds (absent: none); None: no index answer
+    matches: dict[str, int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    replica: Replica
+    policy: str  # the policy that chose (prefix-hash when kv-aware fell back)
+    matched_blocks: int  # prompt blocks the index says the replica holds (kv-aware only)
+    fallback: bool  # kv-aware had no index answer (or no index)
+
+
+def load_cap(replicas: Sequence[Replica], load_bound: float) -> int:
+    """The most active requests a replica may have after taking this one."""
+    total = sum(r.active_requests for r in replicas)
+    return math.ceil(load_bound * (total + 1) / len(replicas))
+
+
+def under_cap(replicas: Sequence[Replica], load_bound: float) -> list[Replica]:
+    cap = load_cap(replicas, load_bound)
+    # Never empty: the least loaded replica is at or below the mean, hence under the cap.
+    return [r for r in replicas if r.active_requests + 1 <= cap]
+
+
+def load(replica: Replica, block_size: int, config: RouterConfig) -> float:
+    """Work ahead of a new request on `replica`, in blocks of prefill."""
+    return (replica.queued_prefill_tokens / block_size
+            + config.running_weight * replica.active_requests
+            + config.kv_weight * replica.reported.kv_usage)
+
+
+def rendezvous_order(key: bytes, replicas: Sequence[Replica]) -> list[Replica]:
+    """Highest-random-weight order: every router ranks replicas the same way for a key, and
+    removing a replica moves only the keys it was first for."""
+    return sorted(replicas, key=lambda r: xxhash.xxh64_intdigest(key + r.name.encode()),
+                  reverse=True)
+
+
+class Policies:
+    """The router's choice; holds only the round-robin position."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self._turn = 0
+
+    def _next_turn(self) -> int:
+        self._turn += 1
+        return self._turn
+
+    def choose(self, policy: str, replicas: Sequence[Replica], route: RouteInput,
+               block_size: int) -> Decision:
+        """`replicas`: the routable ones, in a stable order, at least one."""
+        if policy == "kv-aware":
+            if route.matches is None:
+                return self._prefix_hash(replicas, route, block_size, fallback=True)
+            return self._kv_aware(replicas, route, block_size)
+        if policy == "round-robin":
+            return Decision(replicas[self._next_turn() % len(replicas)], policy, 0, False)
+        if policy == "least-load":
+            return self._least(replicas, lambda r: load(r, block_size, self.config), policy)
+        if policy == "prefix-hash":
+            return self._prefix_hash(replicas, route, block_size, fallback=False)
+        raise ValueError(f"policy must be one of kv-aware, round-robin, least-load, "
+                         f"prefix-hash, got {policy!r}")
+
+    def _least(self, replicas: Sequence[Replica], cost, policy: str,
+               matches: dict[str, int] | None = None) -> Decision:
+        eligible = under_cap(replicas, self.config.load_bound)
+        turn = self._next_turn()
+        n = len(eligible)
+        # Ties: fewer active requests, then rotate, so equal replicas share the work.
+        best_index, best = min(enumerate(eligible), key=lambda item: (
+            cost(item[1]), item[1].active_requests, (item[0] - turn) % n))
+        matched = (matches or {}).get(best.engine_id, 0)
+        return Decision(best, policy, matched, False)
+
+    def _kv_aware(self, replicas: Sequence[Replica], route: RouteInput,
+                  block_size: int) -> Decision:
+        # An unread prompt (the engine will refuse or read it) costs the same everywhere.
+        prompt_blocks = math.ceil((route.num_prompt_tokens or 0) / block_size)
+        matches = route.matches
+
+        def cost(replica: Replica) -> float:
+            uncached = prompt_blocks - min(matches.get(replica.engine_id, 0), prompt_blocks)
+            return (self.config.prefill_weight * uncached
+                    + load(replica, block_size, self.config))
+
+        return self._least(replicas, cost, "kv-aware", matches)
+
+    def _prefix_hash(self, replicas: Sequence[Replica], route: RouteInput, block_size: int,
+                     fallback: bool) -> Decision:
+        if route.prefix_key is None:  # nothing to hash (not tokenized): spread by load
+            decision = self._least(replicas, lambda r: load(r, block_size, self.config),
+                                   "prefix-hash")
+            return Decision(decision.replica, "prefix-hash", 0, fallback)
+        allowed = {id(r) for r in under_cap(replicas, self.config.load_bound)}
+        for replica in rendezvous_order(route.prefix_key, replicas):
+            if id(replica) in allowed:
+                return Decision(replica, "prefix-hash", 0, fallback)
+        raise AssertionError("unreachable: some replica is always under the cap")

@@ -1,0 +1,294 @@
+"""One client request through the router: routed, sent to a replica, its stream relayed, and
+carried to another replica when its replica fails.
+
+- Before any output reached the client, a replica that is unavailable (down, draining) or whose
+  queue is full is skipped and the same request goes to the next choice.
+- After output, a replica that fails (the connection drops, or it answers INTERNAL and its
+  health check confirms it is gone) is replaced: the request continues on another replica as
+  token ids, prompt + the tokens already streamed, with the rest of max_tokens (and min_tokens).
+  The client sees one stream whose usage counts the original prompt and every token, and
+  trailing metadata `pagedgen-replicas` names the replicas that ran it, in order. Greedy
+  output is then token-identical to an uninterrupted run; sampled output stays a valid sample
+  (a seed restarts on the new replica), and presence/frequency penalties and stop strings only
+  see the tokens generated after the switch. Requests with n > 1 are not resumed (UNAVAILABLE).
+- Client cancellation and deadlines reach the replica: the upstream call carries the client's
+  remaining time and is cancelled with the client's call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine_service.model.sampling_params import SamplingParams
+from engine_service.serving.validation import REQUEST_ID_PATTERN
+from pagedgen_api import generation_pb2 as pb
+from router.core import NoReplicaError, Route, Router
+from router.replicas import Replica
+
+# Refused before it started: the same request can run elsewhere.
+_RETRY_BEFORE_OUTPUT = frozenset({grpc.StatusCode.UNAVAILABLE,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED})
+# May mean the replica died (a dead engine ends its streams with INTERNAL): checked by health.
+_MAYBE_DEAD = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                         grpc.StatusCode.CANCELLED})
+_HEALTH_CHECK_TIMEOUT_S = 0.5
+_WATCH_INTERVAL_S = 0.25  # how often a running attempt checks its replica is still there
+DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
+REPLICA_METADATA = "pagedgen-replicas"
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """How one attempt on a replica ended, when it did not finish."""
+
+    code: grpc.StatusCode
+    details: str
+    got_output: bool  # this attempt sent the client something
+
+
+@dataclass(slots=True)
+class Progress:
+    """One completion as the client has received it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+class RoutedRequest:
+    def __init__(self, router: Router, request: pb.GenerateRequest,
+                 context: grpc.aio.ServicerContext) -> None:
+        self.router = router
+        self.request = request
+        self.context = context
+        self.progress: dict[int, Progress] = {}
+        self.first_usage: pb.Usage | None = None  # from the first replica that answered
+        self.resumed_at = 0  # tokens generated before the latest switch of replica
+        self.served_by: list[str] = []  # replicas that ran it, in order (trailing metadata)
+
+    async def _refuse(self, code: grpc.StatusCode, message: str) -> None:
+        self.router.metrics.failed.labels(code.name).inc()
+        await self.context.abort(code, message)
+
+    async def stream(self) -> AsyncIterator[pb.GenerateStreamResponse]:
+        router = self.router
+        arrival = time.monotonic()
+        upstream = pb.GenerateRequest()
+        upstream.CopyFrom(self.request)
+        # The router names every request, so Abort can find the replica running it.
+        request_id = upstream.request_id = upstream.request_id or uuid.uuid4().hex
+        if not REQUEST_ID_PATTERN.fullmatch(request_id):
+            await self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"request_id must be 1 to 128 characters of [A-Za-z0-9._:-] (or "
+                               f"empty for a generated one), got {request_id[:60]!r}")
+        if request_id in router.live:
+            await self._refuse(grpc.StatusCode.ALREADY_EXISTS,
+                               f"request_id must be unique among live requests, got "
+                               f"{request_id!r}")
+        router.live[request_id] = None
+        try:
+            token_ids = await router.prompts.token_ids(upstream, router.replicas.routable())
+            async with contextlib.aclosing(self._attempts(upstream, token_ids, arrival)) as out:
+                async for message in out:
+                    yield message
+        finally:
+            router.live.pop(request_id, None)
+            router.aborted.discard(request_id)
+
+    async def _attempts(self, upstream: pb.GenerateRequest, token_ids: list[int] | None,
+                        arrival: float) -> AsyncIterator[pb.GenerateStreamResponse]:
+        router = self.router
+        request_id = upstream.request_id
+        failed: set[str] = set()
+        first_route: Route | None = None
+        while True:
+            prompt_ids = token_ids if not self.resumed_at else list(upstream.token_ids.ids)
+            router.live[request_id] = None  # being routed: an Abort now ends it here
+            try:
+                route = await router.route(prompt_ids, upstream.cache_salt, failed)
+            except NoReplicaError as error:
+                await self._refuse(grpc.StatusCode.UNAVAILABLE, str(error))
+            if first_route is None:
+                first_route = route
+                router.metrics.route_seconds.observe(time.monotonic() - arrival)
+            if request_id in router.aborted:
+                yield self._aborted_message(request_id)
+                return
+            replica = route.decision.replica
+            router.live[request_id] = replica
+            self.served_by.append(replica.name)
+            # Which replicas ran the request: for clients debugging latency, and for tests.
+            self.context.set_trailing_metadata(((REPLICA_METADATA, ",".join(self.served_by)),))
+            failure = None
+            async with contextlib.aclosing(self._relay(replica, route, upstream)) as relayed:
+                async for message in relayed:
+                    if isinstance(message, Failure):
+                        failure = message
+                        break
+                    if message.finished:
+                        self._observe_finished(first_route)
+                    yield message
+            if failure is None:
+                return
+            code = failure.code
+            gone = code == grpc.StatusCode.UNAVAILABLE or (
+                code in _MAYBE_DEAD and not await self._is_serving(replica))
+            if gone:
+                replica.mark_down(f"{code.name}: {failure.details}")
+            if not failure.got_output and (gone or code in _RETRY_BEFORE_OUTPUT):
+                # This attempt never started: the same request (a resume included) elsewhere.
+                failed.add(replica.address)
+                router.metrics.retries.labels(code.name).inc()
+                continue
+            if not gone:
+                await self._refuse(code, failure.details or code.name)
+            failed.add(replica.address)
+            resume = self._resume_request(upstream, token_ids)
+            if isinstance(resume, pb.GenerateStreamResponse):
+                yield resume  # nothing left to generate: its last message
+                return
+            if isinstance(resume, str):
+                await self._refuse(grpc.StatusCode.UNAVAILABLE,
+                                   f"replica {replica.name} failed mid-stream "
+                                   f"({code.name}: {failure.details}); {resume}")
+            upstream = resume
+            router.metrics.resumed_streams.inc()
+
+    async def _relay(self, replica: Replica, route: Route, upstream: pb.GenerateRequest
+                     ) -> AsyncIterator[pb.GenerateStreamResponse | Failure]:
+        """The replica's messages as the client gets them; a failure is the last item. A
+        replica that goes silent and is found down meanwhile (it hangs, or is partitioned
+        away) fails the attempt, so the stream can go on elsewhere instead of waiting."""
+        router = self.router
+        name = replica.name  # the metric label for the whole attempt
+        block_size = router.replicas.hasher.block_size
+        predicted = route.decision.matched_blocks * block_size
+        uncached = max(0, (route.num_prompt_tokens or 0) - predicted)
+        replica.in_flight += 1
+        replica.pending_prefill_tokens += uncached
+        router.metrics.in_flight.labels(name).inc()
+        call = replica.stub.GenerateStream(upstream, timeout=self.context.time_remaining())
+        got_output = False
+        lost = False
+        last_message_at = time.monotonic()
+
+        async def watch() -> None:
+            nonlocal lost
+            while True:
+                await asyncio.sleep(_WATCH_INTERVAL_S)
+                silent_s = time.monotonic() - last_message_at
+                if silent_s > router.config.rpc_timeout_s and replica.lost:
+                    lost = True
+                    call.cancel()
+                    return
+
+        watchdog = asyncio.ensure_future(watch())
+        try:
+            async for message in call:
+                last_message_at = time.monotonic()
+                if uncached:  # its prompt is computed: no longer queued prefill
+                    replica.pending_prefill_tokens -= uncached
+                    uncached = 0
+                got_output = True
+                yield self._record(message)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as error:
+            if lost:  # our watchdog cancelled the call, not the client
+                yield Failure(grpc.StatusCode.UNAVAILABLE,
+                              f"replica {name} went silent and is down "
+                              f"({replica.last_error or 'removed'})", got_output)
+            elif isinstance(error, grpc.aio.AioRpcError):
+                yield Failure(error.code(), error.details() or "", got_output)
+            else:
+                raise
+        finally:
+            watchdog.cancel()
+            call.cancel()  # the client went away (or we did): the replica aborts it
+            replica.in_flight -= 1
+            replica.pending_prefill_tokens -= uncached
+            router.metrics.in_flight.labels(name).dec()
+
+    def _record(self, message: pb.GenerateStreamResponse) -> pb.GenerateStreamResponse:
+        """Notes what the client receives; after a switch, rewrites usage to the original
+        prompt and every token generated."""
+        for choice in message.choices:
+            progress = self.progress.setdefault(choice.index, Progress())
+            progress.token_ids.extend(choice.token_ids)
+            if choice.finish_reason:
+                progress.finished = True
+        if self.first_usage is None:
+            self.first_usage = pb.Usage()
+        if not self.resumed_at:
+            self.first_usage.CopyFrom(message.usage)
+            return message
+        message.usage.prompt_tokens = self.first_usage.prompt_tokens
+        message.usage.cached_tokens = self.first_usage.cached_tokens
+        message.usage.completion_tokens += self.resumed_at
+        return message
+
+    def _resume_request(self, upstream: pb.GenerateRequest, token_ids: list[int] | None
+                        ) -> pb.GenerateRequest | pb.GenerateStreamResponse | str:
+        """The request that continues the stream elsewhere; its last message when nothing is
+        left to generate; why not, when it cannot be continued."""
+        sampling = self.request.sampling
+        n = sampling.n if sampling.HasField("n") else 1
+        if n != 1:
+            return "a request with n > 1 cannot be resumed on another replica"
+        if token_ids is None or self.first_usage is None:
+            return ("its prompt could not be tokenized by the router, so it cannot be resumed "
+                    "on another replica")
+        progress = self.progress.get(0, Progress())
+        generated = len(progress.token_ids)
+        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        if progress.finished or generated >= max_tokens:
+            return self._length_message(upstream.request_id, generated, progress)
+        resume = pb.GenerateRequest()
+        resume.CopyFrom(self.request)
+        resume.request_id = upstream.request_id
+        resume.token_ids.ids[:] = token_ids + progress.token_ids  # replaces text / chat
+        resume.sampling.max_tokens = max_tokens - generated
+        resume.sampling.min_tokens = max(0, sampling.min_tokens - generated)
+        self.resumed_at = generated
+        return resume
+
+    def _length_message(self, request_id: str, generated: int, progress: Progress
+                        ) -> pb.GenerateStreamResponse:
+        usage = pb.Usage(prompt_tokens=self.first_usage.prompt_tokens,
+                         cached_tokens=self.first_usage.cached_tokens,
+                         completion_tokens=generated)
+        choices = [] if progress.finished else [
+            pb.Completion(index=0, finish_reason=pb.FINISH_REASON_LENGTH)]
+        return pb.GenerateStreamResponse(request_id=request_id, choices=choices, usage=usage,
+                                         finished=True)
+
+    def _aborted_message(self, request_id: str) -> pb.GenerateStreamResponse:
+        sampling = self.request.sampling
+        n = sampling.n if sampling.HasField("n") else 1
+        return pb.GenerateStreamResponse(
+            request_id=request_id, finished=True,
+            choices=[pb.Completion(index=i, finish_reason=pb.FINISH_REASON_ABORT)
+                     for i in range(n)])
+
+    async def _is_serving(self, replica: Replica) -> bool:
+        try:
+            reply = await health_pb2_grpc.HealthStub(replica.channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=_HEALTH_CHECK_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def _observe_finished(self, first_route: Route) -> None:
+        metrics = self.router.metrics
+        name = first_route.decision.replica.name
+        block_size = self.router.replicas.hasher.block_size
+        usage = self.first_usage or pb.Usage()
+        metrics.predicted_cached_tokens.labels(name).inc(
+            min(first_route.decision.matched_blocks * block_size, usage.prompt_tokens))
+        metrics.actual_cached_tokens.labels(name).inc(usage.cached_tokens)
+        metrics.prompt_tokens.labels(name).inc(usage.prompt_tokens)

@@ -1,0 +1,186 @@
+"""The engine replicas behind the router: where each one is, what it serves, how loaded it is.
+
+Each replica's EngineStats is polled every `stats_interval_s`; the router's own counts (requests
+it has running there, prompt tokens it expects them to prefill) are exact and immediate, so the
+load it routes by is the larger of the two views. A replica is routable while its last poll
+succeeded, it is not draining, and it hashes prompts as the router does (model identity and
+block size from its ModelInfo).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from engine_service.core.block_hash import BlockHasher
+from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+
+log = logging.getLogger("router.replicas")
+
+
+@dataclass(slots=True)
+class ReportedLoad:
+    """What the replica's last EngineStats said."""
+
+    waiting_prefill_tokens: int = 0
+    running_seqs: int = 0
+    live_requests: int = 0
+    kv_usage: float = 0.0
+
+
+class Replica:
+    """One engine as the router sees it. Changed on the router's event loop only."""
+
+    def __init__(self, address: str, engine_id: str = "") -> None:
+        self.address = address
+        self.engine_id = engine_id  # from the index, else from ModelInfo
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.info: pb.ModelInfoResponse | None = None
+        self.reported = ReportedLoad()
+        self.healthy = False
+        self.compatible = True
+        self.last_error = "not polled yet"
+        self.in_flight = 0  # requests this router is running on it
+        self.pending_prefill_tokens = 0  # of those, uncached prompt tokens not prefilled yet
+        self.retired = False  # no longer a member (its lease lapsed, or it moved address)
+        self.poll_task: asyncio.Task | None = None
+
+    @property
+    def name(self) -> str:
+        return self.engine_id or self.address
+
+    @property
+    def lost(self) -> bool:
+        """Gone as far as the router can tell: removed, or down for another reason than a
+        drain (a draining replica still finishes what it runs)."""
+        return self.retired or (not self.healthy and self.last_error != "draining")
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and self.compatible and self.info is not None
+
+    @property
+    def active_requests(self) -> int:
+        return max(self.in_flight, self.reported.live_requests)
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return max(self.pending_prefill_tokens, self.reported.waiting_prefill_tokens)
+
+    def mark_down(self, reason: str) -> None:
+        """A call failed as if the replica were gone: stop routing to it until a poll succeeds."""
+        if self.healthy:
+            log.warning("replica %s (%s) is down: %s", self.name, self.address, reason)
+        self.healthy = False
+        self.last_error = reason
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class ReplicaSet:
+    """The replicas, by address, and the block hasher they all agree on."""
+
+    def __init__(self, rpc_timeout_s: float) -> None:
+        self.rpc_timeout_s = rpc_timeout_s
+        self.replicas: dict[str, Replica] = {}
+        self.hasher: BlockHasher | None = None  # from the first replica's ModelInfo
+        self._retired: list[Replica] = []  # removed while requests still ran there
+
+    # ---- membership ---------------------------------------------------------------------
+    async def set_members(self, wanted: dict[str, str]) -> None:
+        """Make the set exactly `wanted` (address -> engine id, "" when unknown)."""
+        for address, engine_id in wanted.items():
+            current = self.replicas.get(address)
+            if current is None:
+                self.replicas[address] = Replica(address, engine_id)
+                log.info("replica %s at %s added", engine_id or "?", address)
+            elif engine_id and current.engine_id != engine_id:
+                current.engine_id = engine_id
+        for address in [a for a in self.replicas if a not in wanted]:
+            gone = self.replicas.pop(address)
+            gone.retired = True
+            log.info("replica %s at %s removed", gone.name, address)
+            self._retired.append(gone)
+        await self._close_retired()
+
+    async def _close_retired(self) -> None:
+        idle = [r for r in self._retired if r.in_flight == 0]
+        self._retired = [r for r in self._retired if r.in_flight > 0]
+        for replica in idle:
+            await replica.close()
+
+    def routable(self) -> list[Replica]:
+        """The replicas a request may go to, in a stable order (by name)."""
+        return sorted((r for r in self.replicas.values() if r.routable), key=lambda r: r.name)
+
+    def by_engine_id(self) -> dict[str, Replica]:
+        return {r.engine_id: r for r in self.replicas.values() if r.engine_id}
+
+    # ---- polling ------------------------------------------------------------------------
+    async def poll_all(self, wait: bool = False) -> None:
+        """Starts a poll of every replica whose last one is done (one hung replica holds up
+        nobody else's refresh); `wait`: until these polls end (start-up)."""
+        started = []
+        for replica in list(self.replicas.values()):
+            task = replica.poll_task
+            if task is None or task.done():
+                replica.poll_task = asyncio.ensure_future(self.poll(replica))
+                started.append(replica.poll_task)
+        if wait and started:
+            await asyncio.gather(*started)
+        await self._close_retired()
+
+    async def poll(self, replica: Replica) -> None:
+        try:
+            if not replica.healthy or replica.info is None:
+                # (Re)appearing: it may be another process now, serving another model.
+                info = await replica.stub.ModelInfo(pb.ModelInfoRequest(),
+                                                    timeout=self.rpc_timeout_s)
+                self._adopt(replica, info)
+            stats = await replica.stub.EngineStats(pb.EngineStatsRequest(),
+                                                   timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as error:
+            replica.mark_down(f"{error.code().name}: {error.details()}")
+            return
+        replica.reported = ReportedLoad(
+            stats.num_waiting_prefill_tokens, stats.num_running, stats.num_live_requests,
+            stats.kv_cache_usage)
+        if stats.draining:
+            replica.mark_down("draining")
+            return
+        if not replica.healthy:
+            log.info("replica %s (%s) is up", replica.name, replica.address)
+        replica.healthy = True
+        replica.last_error = ""
+
+    def _adopt(self, replica: Replica, info: pb.ModelInfoResponse) -> None:
+        if info.engine_id and replica.engine_id and info.engine_id != replica.engine_id:
+            log.warning("replica at %s says it is %s, registered as %s", replica.address,
+                        info.engine_id, replica.engine_id)
+        replica.engine_id = replica.engine_id or info.engine_id
+        replica.info = info
+        if self.hasher is None:
+            self.hasher = BlockHasher.for_identity(info.model_identity, info.block_size)
+            log.info("hashing prompts as %s, block size %d (from %s)", info.model_identity,
+                     info.block_size, replica.name)
+        same = (info.model_identity == self.hasher.identity
+                and info.block_size == self.hasher.block_size)
+        if not same and replica.compatible:
+            log.error("replica %s serves %s with block size %d, the others %s with %d: not "
+                      "routing to it", replica.name, info.model_identity, info.block_size,
+                      self.hasher.identity, self.hasher.block_size)
+        replica.compatible = same
+
+    async def close(self) -> None:
+        for replica in [*self.replicas.values(), *self._retired]:
+            if replica.poll_task is not None:
+                replica.poll_task.cancel()
+            await replica.close()
+        self.replicas.clear()
+        self._retired.clear()

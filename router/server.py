@@ -1,0 +1,178 @@
+"""pagedgen-router: one pagedgen.generation.v1.Generation address in front of many engine
+replicas, each request routed by the prefix index's exact view of their caches and their load.
+
+    pagedgen-router --prefix-index 127.0.0.1:50061 --port 50050          # replicas from the index
+    pagedgen-router --engines 127.0.0.1:50051,127.0.0.1:50052 --prefix-index 127.0.0.1:50061
+    pagedgen-router --engines ... --policy round-robin|least-load|prefix-hash   # the baselines
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+from pagedgen_api import prefix_index_pb2
+from router.config import POLICIES, RouterConfig
+from router.core import Router
+from router.metrics import RouterMetrics
+from router.servicer import RouterServicer
+
+log = logging.getLogger("router.server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+# Reported in health too: SERVING while kv-aware routing has the index, NOT_SERVING while it
+# falls back to prefix-hash.
+INDEX_SERVICE_NAME = prefix_index_pb2.DESCRIPTOR.services_by_name["PrefixIndex"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+HEALTH_INTERVAL_S = 0.2
+
+
+class RouterServer:
+    """The gRPC server around a Router: health follows whether any replica can take work."""
+
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 50050,
+                 metrics_port: int = 0, metrics_host: str = "0.0.0.0") -> None:
+        self.router = router
+        self.host, self.requested_port = host, port
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host
+        self.servicer = RouterServicer(router)
+        self.health = health_aio.HealthServicer()
+        self.server = grpc.aio.server()
+        self.port = 0
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME], self.server)
+        address = f"{self.host}:{self.requested_port}"
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind {address}")
+        await self.router.start()
+        await self._update_health()
+        await self.server.start()
+        if self.metrics_port:
+            self.router.metrics.serve(self.metrics_port, self.metrics_host)
+        self._health_task = asyncio.ensure_future(self._follow_health())
+        log.info("router serving on %s:%d (policy %s)", self.host, self.port,
+                 self.router.config.policy)
+        return self.port
+
+    async def _update_health(self) -> None:
+        serving = self.router.serving and not self.servicer.draining
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, SERVING if serving else NOT_SERVING)
+        if self.router.index is not None:
+            await self.health.set(INDEX_SERVICE_NAME,
+                                  SERVING if self.router.index.up else NOT_SERVING)
+
+    async def _follow_health(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            await self._update_health()
+
+    async def stop(self, grace_s: float = 30.0) -> None:
+        """NOT_SERVING and new requests refused first; running streams get grace_s."""
+        self.servicer.draining = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        await self._update_health()
+        await self.server.stop(grace_s)
+        await self.router.stop()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    d = RouterConfig()
+    p = argparse.ArgumentParser(prog="pagedgen-router", description=__doc__.split("\n")[0])
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=50050, help="gRPC port (0 = any free port)")
+    p.add_argument("--engines", default="",
+                   help="host:port,... of the replicas (default: those registered with the "
+                        "prefix index)")
+    p.add_argument("--prefix-index", default="none",
+                   help="HOST:PORT of the prefix index, or none (then only the baselines route "
+                        "well, and --engines is needed)")
+    p.add_argument("--policy", default=d.policy, choices=POLICIES)
+    p.add_argument("--prefill-weight", type=float, default=d.prefill_weight,
+                   help="kv-aware: cost of one uncached prompt block")
+    p.add_argument("--running-weight", type=float, default=d.running_weight,
+                   help="load: cost of one running request, in blocks of prefill")
+    p.add_argument("--kv-weight", type=float, default=d.kv_weight,
+                   help="load: cost of a full KV cache, in blocks of prefill")
+    p.add_argument("--load-bound", type=float, default=d.load_bound,
+                   help="no replica takes more than this times the mean active requests")
+    p.add_argument("--prefix-hash-blocks", type=int, default=d.prefix_hash_blocks)
+    p.add_argument("--lookup-timeout-s", type=float, default=d.lookup_timeout_s)
+    p.add_argument("--stats-interval-s", type=float, default=d.stats_interval_s)
+    p.add_argument("--discovery-interval-s", type=float, default=d.discovery_interval_s)
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory (default: the replicas' model directory when it "
+                        "is on this machine, else a replica tokenizes)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
+    p.add_argument("--metrics-host", default="0.0.0.0")
+    p.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = p.parse_args(argv)
+    args.engine_list = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not args.engine_list and args.prefix_index == "none":
+        p.error("give --engines host:port,... or --prefix-index HOST:PORT")
+    return args
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        policy=args.policy, prefill_weight=args.prefill_weight,
+        running_weight=args.running_weight, kv_weight=args.kv_weight,
+        load_bound=args.load_bound, prefix_hash_blocks=args.prefix_hash_blocks,
+        lookup_timeout_s=args.lookup_timeout_s, stats_interval_s=args.stats_interval_s,
+        discovery_interval_s=args.discovery_interval_s)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    index = None if args.prefix_index == "none" else args.prefix_index
+    router = Router(config_from_args(args), args.engine_list, index, args.tokenizer,
+                    RouterMetrics())
+    server = RouterServer(router, args.host, args.port, args.metrics_port, args.metrics_host)
+    port = await server.start()
+    # One line on stdout that launchers read to learn the port (--port 0).
+    print(f"router listening on {args.host}:{port}", flush=True)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    log.info("draining (grace %.1fs)", args.grace_s)
+    await server.stop(args.grace_s)
+    log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr,
+        format="%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+    try:
+        asyncio.run(serve(args))
+    except ValueError as error:  # a bad setting: say it, no traceback
+        log.error("%s", error)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""pagedgen.generation.v1.Generation served by the router: generation routed per request
+(router/proxy.py), the other calls forwarded to a replica, so clients, stubs and grpcurl
+cannot tell the router from an engine."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+from router.core import NoReplicaError, Router
+from router.proxy import RoutedRequest
+from router.replicas import Replica
+
+
+class RouterServicer(pb_grpc.GenerationServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.draining = False
+        self._turn = 0  # where the next forwarded call starts among the replicas
+
+    async def _refuse_if_draining(self, context) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the router is draining (shutting down): retry on another one")
+
+    # ---- generation -------------------------------------------------------------------------
+    async def GenerateStream(self, request: pb.GenerateRequest, context
+                             ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        await self._refuse_if_draining(context)
+        routed = RoutedRequest(self.router, request, context)
+        async with contextlib.aclosing(routed.stream()) as messages:
+            async for message in messages:
+                yield message
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
+        """The stream, gathered: a unary request is resumed like a stream when its replica
+        fails."""
+        await self._refuse_if_draining(context)
+        routed = RoutedRequest(self.router, request, context)
+        completions: dict[int, pb.Completion] = {}
+        last = None
+        async with contextlib.aclosing(routed.stream()) as messages:
+            async for message in messages:
+                last = message
+                for delta in message.choices:
+                    gathered = completions.setdefault(delta.index, pb.Completion(index=delta.index))
+                    gathered.text += delta.text
+                    gathered.token_ids.extend(delta.token_ids)
+                    gathered.logprobs.extend(delta.logprobs)
+                    if delta.finish_reason:
+                        gathered.finish_reason = delta.finish_reason
+                    which = delta.WhichOneof("stop_reason")
+                    if which is not None:
+                        setattr(gathered, which, getattr(delta, which))
+        if last is None or not last.finished:
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                "the replica's stream ended without its last message")
+        return pb.GenerateResponse(request_id=last.request_id,
+                                   completions=[completions[i] for i in sorted(completions)],
+                                   usage=last.usage)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        router = self.router
+        if request.request_id not in router.live:
+            return pb.AbortResponse(found=False)
+        replica = router.live[request.request_id]
+        if replica is None:  # still being routed: it ends before it is sent
+            router.aborted.add(request.request_id)
+            return pb.AbortResponse(found=True)
+        return await self._forward(context, "Abort", request, [replica])
+
+    # ---- forwarded ----------------------------------------------------------------------------
+    async def _forward(self, context, method: str, request, replicas: list[Replica] | None = None):
+        """`method` on the first of `replicas` (default: every routable one) that is up; its
+        error, if it answers with one, is the client's."""
+        if replicas is None:  # spread: each call starts at the next replica
+            routable = self.router.replicas.routable()
+            self._turn += 1
+            start = self._turn % max(1, len(routable))
+            replicas = routable[start:] + routable[:start]
+        last_error = None
+        own_timeout = self.router.config.rpc_timeout_s
+        for replica in replicas:
+            remaining = context.time_remaining()
+            timeout = own_timeout if remaining is None else min(remaining, own_timeout)
+            try:
+                return await getattr(replica.stub, method)(request, timeout=timeout)
+            except grpc.aio.AioRpcError as error:
+                code = error.code()
+                # Our own deadline passing means this replica stalls: try the next one.
+                stalled = (code == grpc.StatusCode.DEADLINE_EXCEEDED
+                           and (remaining is None or remaining > own_timeout))
+                if code != grpc.StatusCode.UNAVAILABLE and not stalled:
+                    await context.abort(code, error.details() or code.name)
+                replica.mark_down(f"{code.name}: {error.details()}")
+                last_error = error
+        detail = (f"; last: {last_error.details()}" if last_error is not None
+                  else f" ({self.router.details().get('replicas', '0')} known)")
+        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                            f"no engine replica answered {method}{detail}")
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        return await self._forward(context, "Tokenize", request)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context
+                         ) -> pb.DetokenizeResponse:
+        return await self._forward(context, "Detokenize", request)
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest, context) -> pb.ModelInfoResponse:
+        return await self._forward(context, "ModelInfo", request)
+
+    async def PinPrefix(self, request: pb.PinPrefixRequest, context) -> pb.PinPrefixResponse:
+        """Pinned on the replica the prefix routes to (where its requests will go)."""
+        router = self.router
+        token_ids = await router.prompts.token_ids(request, router.replicas.routable())
+        try:
+            route = await router.route(token_ids, request.cache_salt, set())
+        except NoReplicaError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        return await self._forward(context, "PinPrefix", request, [route.decision.replica])
+
+    async def EngineStats(self, request: pb.EngineStatsRequest, context
+                          ) -> pb.EngineStatsResponse:
+        """Every routable replica's stats summed (usage: over all their blocks); the router's
+        own state in index_details."""
+        total = pb.EngineStatsResponse(draining=self.draining)
+        used_blocks = 0.0
+        for replica in self.router.replicas.routable():
+            try:
+                stats = await replica.stub.EngineStats(request,
+                                                       timeout=self.router.config.rpc_timeout_s)
+            except grpc.aio.AioRpcError:
+                continue
+            for name in ("num_blocks", "num_free_blocks", "num_cached_blocks", "num_running",
+                         "num_waiting", "num_swapped", "prefix_cache_queries",
+                         "prefix_cache_hits", "num_preemptions", "num_steps",
+                         "num_live_requests", "num_waiting_prefill_tokens"):
+                setattr(total, name, getattr(total, name) + getattr(stats, name))
+            used_blocks += stats.kv_cache_usage * stats.num_blocks
+            total.degraded = total.degraded or stats.degraded
+        if total.num_blocks:
+            total.kv_cache_usage = used_blocks / total.num_blocks
+        if total.prefix_cache_queries:
+            total.prefix_cache_hit_rate = total.prefix_cache_hits / total.prefix_cache_queries
+        total.index_details.update(self.router.details())
+        return total

@@ -1,0 +1,157 @@
+"""Real processes for the router tests: Redis, the prefix index, N engines on the tiny Llama
+(each registering its serving address) and the router in front of them, all over loopback."""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import grpc
+
+from engine_service.core.block_hash import BlockHasher
+from engine_service.tools.launch import EngineProcess
+from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+from pagedgen_api import prefix_index_pb2 as pi_pb
+from pagedgen_api import prefix_index_pb2_grpc as pi_grpc
+from prefix_index.tools.launch import IndexProcess
+from prefix_index.tools.redis_process import RedisProcess
+from router.tools.launch import RouterProcess
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 128
+
+
+def engine_args(index_target: str, engine_id: str) -> list[str]:
+    return ["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
+            "--max-model-len", "2048", "--prefix-index", index_target,
+            "--engine-id", engine_id, "--index-lease-s", "2", "--grace-s", "2",
+            "--log-level", "WARNING",
+            "--dtype", "float32"]
+
+
+class RouterStack:
+    """Start with `with RouterStack(...) as stack:`; engines are named engine-0, engine-1, ..."""
+
+    def __init__(self, model_dir: Path, log_dir: Path, num_engines: int = 2,
+                 router_args: list[str] | None = None, with_index: bool = True) -> None:
+        self.model_dir = model_dir
+        self.log_dir = log_dir
+        self.num_engines = num_engines
+        self.router_args = router_args or []
+        self.with_index = with_index
+        self.engines: dict[str, EngineProcess] = {}
+        self._stack = ExitStack()
+        self.redis: RedisProcess | None = None
+        self.index: IndexProcess | None = None
+        self.router: RouterProcess | None = None
+
+    def __enter__(self) -> RouterStack:
+        try:
+            self.redis = self._stack.enter_context(RedisProcess())
+            self.index = IndexProcess(self.redis.url, ["--log-level", "WARNING"])
+            self._stack.enter_context(self.index)
+            for i in range(self.num_engines):
+                self.start_engine(f"engine-{i}")
+            self._stack.callback(self._stop_engines)
+            self.start_router()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.router is not None:
+            self.router.kill()
+        self._stack.close()
+
+    def _stop_engines(self) -> None:
+        for engine in self.engines.values():
+            engine.kill()
+
+    def start_engine(self, engine_id: str, port: int | None = None) -> EngineProcess:
+        engine = EngineProcess(self.model_dir, engine_args(self.index.target, engine_id),
+                               port=port, log_path=self.log_dir / f"{engine_id}.log")
+        engine.start()
+        self.engines[engine_id] = engine
+        return engine
+
+    def kill_engine(self, engine_id: str) -> None:
+        self.engines[engine_id].kill()
+
+    def start_router(self) -> RouterProcess:
+        args = ["--stats-interval-s", "0.05", "--discovery-interval-s", "0.2",
+                "--log-level", "INFO", *self.router_args]
+        if self.with_index:
+            args += ["--prefix-index", self.index.target]
+        if not self.with_index or "--engines" not in args:
+            if not self.with_index:
+                args += ["--engines", ",".join(e.target for e in self.engines.values())]
+        self.router = RouterProcess(args, log_path=self.log_dir / "router.log")
+        self.router.start()
+        self.wait_routable(len(self.engines))
+        return self.router
+
+    def channel(self, target: str | None = None) -> grpc.Channel:
+        return grpc.insecure_channel(target or self.router.target)
+
+    def router_stats(self) -> pb.EngineStatsResponse:
+        with self.channel() as channel:
+            return pb_grpc.GenerationStub(channel).EngineStats(pb.EngineStatsRequest(),
+                                                               timeout=10)
+
+    def wait_routable(self, count: int, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            details = self.router_stats().index_details
+            if int(details.get("replicas_routable", "0")) == count:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"router: {count} routable replicas expected, "
+                                   f"got {dict(details)}")
+            time.sleep(0.05)
+
+    def router_log(self) -> str:
+        path = self.log_dir / "router.log"
+        return path.read_text() if path.exists() else ""
+
+
+# ---- what the tests ask of a running stack -------------------------------------------------
+def generate(stub: pb_grpc.GenerationStub, ids: list[int], max_tokens: int = 8,
+             cache_salt: str = "", request_id: str = "") -> tuple[pb.GenerateResponse, list[str]]:
+    """Greedy Generate through `stub`; returns the reply and the replicas that ran it."""
+    request = pb.GenerateRequest(
+        request_id=request_id, token_ids=pb.TokenIds(ids=ids), cache_salt=cache_salt,
+        sampling=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    reply, call = stub.Generate.with_call(request, timeout=60)
+    return reply, served_by(call)
+
+
+def served_by(call) -> list[str]:
+    metadata = dict(call.trailing_metadata() or ())
+    return [name for name in metadata.get("pagedgen-replicas", "").split(",") if name]
+
+
+def lookup(index_target: str, chain: list[bytes]) -> dict[str, int]:
+    """engine id -> leading blocks of chain it holds, as the index says."""
+    with grpc.insecure_channel(index_target) as channel:
+        reply = pi_grpc.PrefixIndexStub(channel).Lookup(pi_pb.LookupRequest(chain=chain),
+                                                        timeout=5)
+    return {m.engine_id: m.matched_blocks for m in reply.engines}
+
+
+def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached after {timeout_s}s")
+        time.sleep(0.05)
+
+
+def hasher_of(stub: pb_grpc.GenerationStub) -> BlockHasher:
+    info = stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)
+    return BlockHasher.for_identity(info.model_identity, info.block_size)

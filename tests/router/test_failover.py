@@ -1,0 +1,187 @@
+"""Failures behind the router: a replica killed mid-stream (the stream goes on elsewhere,
+token-identical), a replica restarted under its id (no credit for blocks it lost), the prefix
+index killed (prefix-hash fallback, said in health) and back (kv-aware again, by itself)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+from prefix_index.tools.launch import IndexProcess
+from tests.router.stack import (
+    BLOCK_SIZE,
+    generate,
+    hasher_of,
+    lookup,
+    served_by,
+    wait_until,
+)
+from tests.router.test_routing import PREFIX_BLOCKS, prompt, with_suffix
+
+MAX_TOKENS = 300
+
+
+def stream_request(ids: list[int], request_id: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id, token_ids=pb.TokenIds(ids=ids),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+
+
+def busy_engine(stack) -> str:
+    for engine_id, engine in stack.engines.items():
+        with stack.channel(engine.target) as channel:
+            stats = pb_grpc.GenerationStub(channel).EngineStats(pb.EngineStatsRequest(),
+                                                                timeout=5)
+        if stats.num_live_requests:
+            return engine_id
+    return ""
+
+
+def test_a_replica_killed_mid_stream_is_invisible_to_the_client(stack, router_stub):
+    ids = prompt(11)
+    baseline = [t for m in router_stub.GenerateStream(stream_request(ids, "baseline"),
+                                                      timeout=120) for c in m.choices
+                for t in c.token_ids]
+    assert len(baseline) == MAX_TOKENS
+    call = router_stub.GenerateStream(stream_request(ids, "survivor"), timeout=120)
+    tokens: list[int] = []
+    messages = iter(call)
+    while len(tokens) < 5:
+        tokens += [t for c in next(messages).choices for t in c.token_ids]
+    victim = wait_until(lambda: busy_engine(stack), what="the replica running the stream")
+    stack.kill_engine(victim)
+    last = None
+    for message in messages:
+        tokens += [t for c in message.choices for t in c.token_ids]
+        last = message
+    assert last is not None and last.finished
+    assert tokens == baseline
+    assert last.choices[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert last.usage.prompt_tokens == len(ids)
+    assert last.usage.completion_tokens == MAX_TOKENS
+    replicas = served_by(call)
+    assert replicas[0] == victim and len(replicas) == 2 and replicas[1] != victim
+    # New requests meanwhile: none fails (the dead replica is skipped, or retried elsewhere).
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: generate(router_stub, prompt(20 + i), max_tokens=4),
+                                range(8)))
+    assert all(len(r.completions[0].token_ids) == 4 for r, _ in results)
+    assert all(victim not in replicas for _, replicas in results)
+
+
+def test_a_replica_restarted_under_its_id_gets_no_stale_credit(stack, router_stub):
+    ids = prompt(11)  # cached on the killed replica before, and on the survivor since
+    victim = next(e for e, p in stack.engines.items() if p.proc is None)
+    survivor = next(e for e in stack.engines if e != victim)
+    stack.start_engine(victim)
+    stack.wait_routable(2)
+    chain = hasher_of(router_stub).chain(ids, None)
+    wait_until(lambda: lookup(stack.index.target, chain).get(survivor, 0) >= PREFIX_BLOCKS,
+               what="the survivor's copy of the prefix in the index")
+    assert victim not in lookup(stack.index.target, chain)
+    for i in range(3):
+        reply, replicas = generate(router_stub, with_suffix(ids, 300 + i, len(chain) * 16))
+        assert replicas == [survivor]
+        assert reply.usage.cached_tokens >= PREFIX_BLOCKS * BLOCK_SIZE
+
+
+def test_a_replica_that_hangs_mid_stream_is_left_behind(stack, router_stub):
+    """SIGSTOP: the process is alive and its sockets open, but nothing answers. The router
+    finds it down (its stats poll times out) and moves the silent stream elsewhere."""
+    ids = prompt(12)
+    baseline = [t for m in router_stub.GenerateStream(stream_request(ids, "hang-baseline"),
+                                                      timeout=120) for c in m.choices
+                for t in c.token_ids]
+    call = router_stub.GenerateStream(stream_request(ids, "hang-survivor"), timeout=120)
+    messages = iter(call)
+    tokens = [t for c in next(messages).choices for t in c.token_ids]
+    victim = wait_until(lambda: busy_engine(stack), what="the replica running the stream")
+    process = stack.engines[victim].proc
+    process.send_signal(signal.SIGSTOP)
+    try:
+        for message in messages:
+            tokens += [t for c in message.choices for t in c.token_ids]
+    finally:
+        process.send_signal(signal.SIGCONT)
+    assert tokens == baseline
+    replicas = served_by(call)
+    assert replicas[0] == victim and replicas[-1] != victim
+    stack.wait_routable(2)
+
+
+def index_health(stack) -> int:
+    with stack.channel() as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="pagedgen.prefix_index.v1.PrefixIndex"),
+            timeout=5).status
+
+
+def test_index_down_falls_back_then_recovers_by_itself(stack, router_stub):
+    port = stack.index.port
+    stack.index.kill()
+    details = wait_until(
+        lambda: (d := router_stub.EngineStats(pb.EngineStatsRequest(), timeout=10)
+                 .index_details)["index_up"] == "false" and d, what="the router noticing")
+    assert "prefix-hash" in details["routing"]
+    wait_until(lambda: index_health(stack) == health_pb2.HealthCheckResponse.NOT_SERVING,
+               what="health saying the index is down")
+    # Still serving, and prefix-hash keeps one prefix on one replica.
+    base = prompt(40)
+    placed = {generate(router_stub, with_suffix(base, i, 160))[1][0] for i in range(4)}
+    assert len(placed) == 1
+    # Back on the same port: the router routes by the index again without being told.
+    stack.index = IndexProcess(stack.redis.url, ["--log-level", "WARNING"], port=port)
+    stack.index.start()
+    wait_until(lambda: index_health(stack) == health_pb2.HealthCheckResponse.SERVING,
+               timeout_s=20, what="the router seeing the index again")
+    # The engines re-register and re-sync (each link out of degraded mode); then affinity
+    # works from the index again.
+    def engines_linked() -> bool:
+        for engine in stack.engines.values():
+            with stack.channel(engine.target) as channel:
+                stats = pb_grpc.GenerationStub(channel).EngineStats(pb.EngineStatsRequest(),
+                                                                    timeout=5)
+            if stats.degraded:
+                return False
+        return True
+
+    wait_until(engines_linked, timeout_s=20, what="every engine linked to the index again")
+    fresh = prompt(41)
+    chain = hasher_of(router_stub).chain(fresh, None)
+    deadline = time.monotonic() + 20
+    while True:
+        _, [holder] = generate(router_stub, fresh, max_tokens=2)
+        if lookup(stack.index.target, chain).get(holder) == PREFIX_BLOCKS:
+            break
+        assert time.monotonic() < deadline, "the index never saw the engines again"
+        time.sleep(0.2)
+    reply, replicas = generate(router_stub, with_suffix(fresh, 9, len(chain) * 16))
+    assert replicas == [holder] and reply.usage.cached_tokens == PREFIX_BLOCKS * BLOCK_SIZE
+
+
+def test_every_replica_gone_is_unavailable_with_a_reason(stack, router_stub):
+    for engine_id in list(stack.engines):
+        stack.kill_engine(engine_id)
+    wait_until(lambda: router_stub.EngineStats(pb.EngineStatsRequest(), timeout=10)
+               .index_details["replicas_routable"] == "0", what="no routable replica")
+    try:
+        router_stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])), timeout=10)
+    except grpc.RpcError as error:
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no engine replica can take the request" in error.details()
+    else:
+        raise AssertionError("a request with no replica up was served")
+
+    def overall_health() -> int:
+        with stack.channel() as channel:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                             timeout=5).status
+
+    wait_until(lambda: overall_health() == health_pb2.HealthCheckResponse.NOT_SERVING,
+               what="health NOT_SERVING with no replica")

@@ -1,0 +1,96 @@
+"""The routing policies as pure choices over replicas with set loads (no processes)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.config import RouterConfig
+from router.policies import Policies, RouteInput, load_cap, rendezvous_order, under_cap
+from router.replicas import Replica, ReportedLoad
+
+BLOCK = 16
+
+
+def replicas(*active: int) -> list[Replica]:
+    out = []
+    for i, n in enumerate(active):
+        r = Replica.__new__(Replica)  # no channel: policies read only names and loads
+        r.address, r.engine_id = f"127.0.0.1:{5000 + i}", f"engine-{i}"
+        r.in_flight, r.pending_prefill_tokens = n, 0
+        r.reported = ReportedLoad()
+        out.append(r)
+    return out
+
+
+def test_kv_aware_prefers_the_replica_holding_the_prefix():
+    rs = replicas(1, 1, 1)
+    route = RouteInput(320, b"k" * 16, {"engine-2": 19})
+    decision = Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK)
+    assert decision.replica.engine_id == "engine-2" and decision.matched_blocks == 19
+    assert not decision.fallback
+
+
+def test_kv_aware_spills_when_the_holder_has_more_queued_prefill_than_the_prefix_saves():
+    rs = replicas(1, 1)
+    rs[0].pending_prefill_tokens = 40 * BLOCK  # 40 blocks queued vs 20 saved
+    route = RouteInput(320, b"k" * 16, {"engine-0": 20})
+    decision = Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK)
+    assert decision.replica.engine_id == "engine-1"
+
+
+def test_bounded_load_caps_a_hot_prefix():
+    rs = replicas(5, 1, 0)  # total 6: cap = ceil(1.25 * 7 / 3) = 3
+    assert load_cap(rs, 1.25) == 3
+    assert [r.engine_id for r in under_cap(rs, 1.25)] == ["engine-1", "engine-2"]
+    route = RouteInput(320, b"k" * 16, {"engine-0": 20})
+    decision = Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK)
+    assert decision.replica.engine_id != "engine-0"
+
+
+def test_index_down_falls_back_to_prefix_hash():
+    rs = replicas(0, 0, 0)
+    route = RouteInput(320, b"some-prefix-key!", None)
+    decision = Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK)
+    assert decision.fallback and decision.policy == "prefix-hash"
+    assert decision.replica is rendezvous_order(b"some-prefix-key!", rs)[0]
+
+
+def test_rendezvous_moves_only_the_keys_of_a_removed_replica():
+    rs = replicas(0, 0, 0, 0)
+    rng = random.Random(7)
+    keys = [rng.randbytes(16) for _ in range(400)]
+    before = {k: rendezvous_order(k, rs)[0].engine_id for k in keys}
+    after = {k: rendezvous_order(k, rs[:3])[0].engine_id for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == "engine-3" for k in moved)
+    shares = {e: list(before.values()).count(e) for e in set(before.values())}
+    assert min(shares.values()) > 60  # spread over all four
+
+
+def test_round_robin_and_least_load():
+    rs = replicas(3, 0, 2)
+    policies = Policies(RouterConfig())
+    route = RouteInput(32, None, None)
+    assert policies.choose("least-load", rs, route, BLOCK).replica.engine_id == "engine-1"
+    picked = [policies.choose("round-robin", rs, route, BLOCK).replica.engine_id
+              for _ in range(6)]
+    assert sorted(picked) == sorted(["engine-0", "engine-1", "engine-2"] * 2)
+
+
+def test_ties_rotate_over_equal_replicas():
+    rs = replicas(0, 0, 0)
+    policies = Policies(RouterConfig())
+    route = RouteInput(32, None, {})
+    picked = {policies.choose("kv-aware", rs, route, BLOCK).replica.engine_id
+              for _ in range(3)}
+    assert picked == {"engine-0", "engine-1", "engine-2"}
+
+
+@pytest.mark.parametrize("field,value", [("policy", "random"), ("load_bound", 0.9),
+                                         ("prefill_weight", -1.0), ("prefix_hash_blocks", 0)])
+def test_bad_settings_are_named(field, value):
+    config = RouterConfig(**{field: value})
+    with pytest.raises(ValueError, match=field):
+        config.check()

@@ -1,0 +1,173 @@
+"""The router in front of two real engines, replicas found through the prefix index: affinity,
+spill under load, salts, bad input, the calls it forwards."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+from tests.router.stack import BLOCK_SIZE, generate, hasher_of, lookup, wait_until
+
+PREFIX_BLOCKS = 12
+
+
+def prompt(seed: int, blocks: int = PREFIX_BLOCKS, suffix: int = 5) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(blocks * BLOCK_SIZE + suffix)]
+
+
+def with_suffix(base: list[int], seed: int, prefix_tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    return base[:prefix_tokens] + [rng.randrange(100, 40000) for _ in range(7)]
+
+
+def test_replicas_are_discovered_from_the_index(stack, router_stub):
+    details = router_stub.EngineStats(pb.EngineStatsRequest(), timeout=10).index_details
+    assert details["replicas_routable"] == "2" and details["index_up"] == "true"
+    for engine_id, engine in stack.engines.items():
+        assert details[f"replica.{engine_id}"] == f"{engine.target} up"
+    with stack.channel() as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "pagedgen.generation.v1.Generation",
+                        "pagedgen.prefix_index.v1.PrefixIndex"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+
+
+def test_a_repeated_prefix_goes_where_it_is_cached(stack, router_stub):
+    base = prompt(1)
+    first, [holder] = generate(router_stub, base)
+    assert first.usage.cached_tokens == 0
+    chain = hasher_of(router_stub).chain(base, None)
+    wait_until(lambda: lookup(stack.index.target, chain).get(holder) == PREFIX_BLOCKS,
+               what="the index sees the first request's blocks")
+    for i in range(4):
+        reply, replicas = generate(router_stub, with_suffix(base, 100 + i, len(chain) * 16))
+        assert replicas == [holder], f"request {i} went to {replicas}, the prefix is on {holder}"
+        assert reply.usage.cached_tokens == PREFIX_BLOCKS * BLOCK_SIZE
+
+
+def test_different_salts_are_never_credited_as_shared(stack, router_stub):
+    base = prompt(2)
+    _, [holder] = generate(router_stub, base, cache_salt="tenant-a")
+    hasher = hasher_of(router_stub)
+    salted = hasher.chain(base, "tenant-a")
+    wait_until(lambda: lookup(stack.index.target, salted).get(holder) == PREFIX_BLOCKS,
+               what="the salted blocks in the index")
+    # Another tenant's chain differs from the first block: the index credits nobody.
+    other = hasher.chain(base, "tenant-b")
+    assert lookup(stack.index.target, other) == {}
+    assert lookup(stack.index.target, hasher.chain(base, None)) == {}
+    for salt in ("tenant-b", ""):
+        reply, _ = generate(router_stub, base, cache_salt=salt)
+        assert reply.usage.cached_tokens == 0, salt
+
+
+def test_a_hot_prefix_spills_to_the_other_replica_under_load(stack, router_stub):
+    base = prompt(3)
+    _, [holder] = generate(router_stub, base)
+    chain = hasher_of(router_stub).chain(base, None)
+    wait_until(lambda: lookup(stack.index.target, chain).get(holder) == PREFIX_BLOCKS,
+               what="the index sees the prefix")
+    # Eight long requests for the same prefix at once: the bounded-load cap keeps the holder
+    # from taking them all.
+    requests = [with_suffix(base, 200 + i, PREFIX_BLOCKS * BLOCK_SIZE) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda ids: generate(router_stub, ids, max_tokens=48),
+                                requests))
+    placed = [replicas[0] for _, replicas in results]
+    assert set(placed) == set(stack.engines), placed
+    assert placed.count(holder) >= 3, placed  # the cache still draws its share
+    for reply, _ in results:
+        assert reply.completions[0].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+BAD_REQUESTS = [
+    ("no input", pb.GenerateRequest()),
+    ("top_p", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6]),
+                                 sampling=pb.SamplingParams(top_p=1.5))),
+    ("vocabulary", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 10**8]))),
+    ("context", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 100),
+                                   sampling=pb.SamplingParams(max_tokens=5000))),
+    ("empty text", pb.GenerateRequest(text="")),
+    ("chat role", pb.GenerateRequest(chat=pb.ChatMessages(
+        messages=[pb.ChatMessage(role="robot", content="hi")]))),
+    ("request id", pb.GenerateRequest(request_id="has spaces", token_ids=pb.TokenIds(ids=[5]))),
+]
+
+
+@pytest.mark.parametrize("name,request_", BAD_REQUESTS, ids=[n for n, _ in BAD_REQUESTS])
+def test_bad_input_gets_the_engines_status_and_message(stack, router_stub, name, request_):
+    with stack.channel(next(iter(stack.engines.values())).target) as channel:
+        with pytest.raises(grpc.RpcError) as direct:
+            pb_grpc.GenerationStub(channel).Generate(request_, timeout=10)
+    for call in (router_stub.Generate, lambda r, timeout: list(
+            router_stub.GenerateStream(r, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as routed:
+            call(request_, timeout=10)
+        assert routed.value.code() == direct.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert routed.value.details() == direct.value.details()
+    reply, _ = generate(router_stub, [5, 6, 7], max_tokens=2)  # still serving
+    assert len(reply.completions[0].token_ids) == 2
+
+
+def test_a_live_request_id_is_refused_and_abort_reaches_the_replica(stack, router_stub):
+    request = pb.GenerateRequest(
+        request_id="router-abort-1", token_ids=pb.TokenIds(ids=prompt(4)),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True))
+    stream = router_stub.GenerateStream(request, timeout=60)
+    first = next(stream)
+    assert first.request_id == "router-abort-1"
+    with pytest.raises(grpc.RpcError) as duplicate:
+        router_stub.Generate(request, timeout=10)
+    assert duplicate.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert router_stub.Abort(pb.AbortRequest(request_id="router-abort-1"), timeout=10).found
+    last = list(stream)[-1]
+    assert last.finished and last.choices[0].finish_reason == pb.FINISH_REASON_ABORT
+    assert not router_stub.Abort(pb.AbortRequest(request_id="router-abort-1"), timeout=10).found
+
+
+def test_cancelling_the_client_call_frees_the_replica(stack, router_stub):
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt(5)),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True))
+    stream = router_stub.GenerateStream(request, timeout=60)
+    next(stream)
+    stream.cancel()
+
+    def all_idle() -> bool:
+        for engine in stack.engines.values():
+            with stack.channel(engine.target) as channel:
+                stats = pb_grpc.GenerationStub(channel).EngineStats(pb.EngineStatsRequest(),
+                                                                    timeout=5)
+            if stats.num_live_requests or stats.kv_cache_usage:
+                return False
+        return True
+
+    wait_until(all_idle, what="every replica idle after the cancel")
+
+
+def test_deadline_reaches_the_replica(stack, router_stub):
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt(6)),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True))
+    with pytest.raises(grpc.RpcError) as late:
+        router_stub.Generate(request, timeout=0.5)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_forwarded_calls(stack, router_stub):
+    info = router_stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)
+    assert info.block_size == BLOCK_SIZE and info.engine_id in stack.engines
+    ids = router_stub.Tokenize(pb.TokenizeRequest(text="Hello router"), timeout=10).token_ids
+    text = router_stub.Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=10).text
+    assert text == "Hello router"
+    pinned = router_stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=prompt(1))),
+                                   timeout=10)
+    assert pinned.num_blocks == PREFIX_BLOCKS
