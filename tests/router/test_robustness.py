@@ -1,0 +1,41 @@
+"""The router under hostile use: an Abort racing a replica's failure."""
+
+from __future__ import annotations
+
+import signal
+
+from pagedgen_api import generation_pb2 as pb
+from tests.router.stack import generate, wait_until
+from tests.router.test_failover import busy_engine
+from tests.router.test_routing import prompt
+
+
+def test_abort_while_the_replica_hangs_ends_the_stream(stack, router_stub):
+    """The replica stops answering (SIGSTOP) mid-stream and the client aborts: the Abort must
+    not be lost in the failover (the stream resumed elsewhere and ran to max_tokens)."""
+    request = pb.GenerateRequest(
+        request_id="abort-during-hang", token_ids=pb.TokenIds(ids=prompt(60)),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    stream = router_stub.GenerateStream(request, timeout=120)
+    tokens = [t for c in next(stream).choices for t in c.token_ids]
+    victim = wait_until(lambda: busy_engine(stack), what="the replica running the stream")
+    process = stack.engines[victim].proc
+    process.send_signal(signal.SIGSTOP)
+    try:
+        reply = router_stub.Abort(pb.AbortRequest(request_id="abort-during-hang"), timeout=20)
+        assert reply.found
+        last = None
+        for message in stream:
+            tokens += [t for c in message.choices for t in c.token_ids]
+            last = message
+    finally:
+        process.send_signal(signal.SIGCONT)
+    assert last is not None and last.finished
+    assert last.choices[-1].finish_reason == pb.FINISH_REASON_ABORT
+    assert len(tokens) < 400
+    assert last.usage.completion_tokens == len(tokens)
+    assert not router_stub.Abort(pb.AbortRequest(request_id="abort-during-hang"),
+                                 timeout=10).found
+    stack.wait_routable(2)
+    reply, _ = generate(router_stub, prompt(61), max_tokens=3)
+    assert len(reply.completions[0].token_ids) == 3
