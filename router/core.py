@@ -82,6 +82,7 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.replicas.close()
+        self.prompts.close()
         if self.index is not None:
             await self.index.close()
 

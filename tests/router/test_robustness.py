@@ -1,13 +1,47 @@
-"""The router under hostile use: an Abort racing a replica's failure."""
+"""The router under hostile use: an Abort racing a replica's failure, huge prompts that must not
+stall its event loop."""
 
 from __future__ import annotations
 
 import signal
+import threading
+import time
+
+import grpc
 
 from pagedgen_api import generation_pb2 as pb
 from tests.router.stack import generate, wait_until
 from tests.router.test_failover import busy_engine
 from tests.router.test_routing import prompt
+
+
+def test_a_huge_text_prompt_does_not_stall_the_router(stack, router_stub):
+    """A text far over every replica's limit is refused by the engine; tokenizing it on the
+    router's event loop would freeze every other stream and call meanwhile."""
+    wait_until(lambda: router_stub.EngineStats(pb.EngineStatsRequest(), timeout=10)
+               .index_details["tokenizer"] == "local", timeout_s=60,
+               what="the router tokenizing locally")
+    huge = ("The quick brown fox jumps over the lazy dog. " * 80000)[:3_500_000]
+    outcome: dict[str, object] = {}
+
+    def send() -> None:
+        try:
+            router_stub.Generate(pb.GenerateRequest(text=huge), timeout=60)
+        except grpc.RpcError as error:
+            outcome["code"] = error.code()
+        outcome["done"] = True
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    slowest = 0.0
+    while not outcome.get("done"):
+        start = time.monotonic()
+        router_stub.ModelInfo(pb.ModelInfoRequest(), timeout=30)
+        slowest = max(slowest, time.monotonic() - start)
+        time.sleep(0.02)
+    sender.join()
+    assert outcome.get("code") == grpc.StatusCode.INVALID_ARGUMENT
+    assert slowest < 0.5, f"the router's loop stalled {slowest:.2f}s on one request"
 
 
 def test_abort_while_the_replica_hangs_ends_the_stream(stack, router_stub):
