@@ -44,14 +44,26 @@ class PromptReader:
         self.tokenizer = None
         self._loading: asyncio.Task | None = None
         self.source = "replica"  # "local" once a local tokenizer is checked and in use
+        self.identity = ""  # the model identity of the replica the local tokenizer agreed with
+        self._checked_for = ""  # the model identity the last load was for
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="router-tokenizer")
 
     def prepare(self, replica: Replica) -> None:
         """Starts loading a local tokenizer (once), checked against `replica`."""
-        if self._loading is None and replica.info is not None:
+        if replica.info is None:
+            return
+        if self._loading is not None and self._loading.done() and (
+                self._checked_for != replica.info.model_identity):
+            # The replicas serve another model now: its tokenizer may differ.
+            log.info("replicas now serve %s: checking the local tokenizer again",
+                     replica.info.model_identity)
+            self.tokenizer, self.source, self.identity = None, "replica", ""
+            self._loading = None
+        if self._loading is None:
             self._loading = asyncio.ensure_future(self._load(replica))
 
     async def _load(self, replica: Replica) -> None:
+        self._checked_for = replica.info.model_identity
         path = self.tokenizer_path or replica.info.model_path
         if not path or not Path(path).exists():
             log.info("no local tokenizer (%s is not on this machine): prompts are tokenized by "
@@ -78,6 +90,7 @@ class PromptReader:
             return
         self.tokenizer = tokenizer
         self.source = "local"
+        self.identity = replica.info.model_identity
         log.info("tokenizing prompts locally with %s", path)
 
     async def token_ids(self, request, replicas: list[Replica]) -> list[int] | None:
@@ -87,7 +100,8 @@ class PromptReader:
             return list(request.token_ids.ids)
         if which is None:
             return None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and replicas and (
+                replicas[0].info.model_identity == self.identity):
             size = (len(request.text) if which == "text"
                     else sum(len(m.content) for m in request.chat.messages))
             if size > _max_prompt_chars(replicas) or (which == "text" and not request.text):

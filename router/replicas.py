@@ -165,17 +165,27 @@ class ReplicaSet:
                         info.engine_id, replica.engine_id)
         replica.engine_id = replica.engine_id or info.engine_id
         replica.info = info
-        if self.hasher is None:
-            self.hasher = BlockHasher.for_identity(info.model_identity, info.block_size)
-            log.info("hashing prompts as %s, block size %d (from %s)", info.model_identity,
-                     info.block_size, replica.name)
-        same = (info.model_identity == self.hasher.identity
-                and info.block_size == self.hasher.block_size)
+        if self.hasher is None or not any(
+                r is not replica and r.healthy and r.compatible for r in self.replicas.values()):
+            # The first replica, or none serving the old model is up any more (every replica
+            # restarted with another model, dtype or block size): hash as this one does.
+            if self.hasher is None or not self._hashes_as(info):
+                self.hasher = BlockHasher.for_identity(info.model_identity, info.block_size)
+                log.info("hashing prompts as %s, block size %d (from %s)", info.model_identity,
+                         info.block_size, replica.name)
+                for other in self.replicas.values():
+                    if other is not replica and other.info is not None:
+                        other.compatible = self._hashes_as(other.info)
+        same = self._hashes_as(info)
         if not same and replica.compatible:
             log.error("replica %s serves %s with block size %d, the others %s with %d: not "
                       "routing to it", replica.name, info.model_identity, info.block_size,
                       self.hasher.identity, self.hasher.block_size)
         replica.compatible = same
+
+    def _hashes_as(self, info: pb.ModelInfoResponse) -> bool:
+        return (info.model_identity == self.hasher.identity
+                and info.block_size == self.hasher.block_size)
 
     async def close(self) -> None:
         for replica in [*self.replicas.values(), *self._retired]:

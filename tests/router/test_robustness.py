@@ -1,5 +1,5 @@
 """The router under hostile use: an Abort racing a replica's failure, huge prompts that must not
-stall its event loop."""
+stall its event loop, replicas replaced by ones serving another model identity."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import time
 
 import grpc
 
+from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2 as pb
-from tests.router.stack import generate, wait_until
+from tests.router.stack import engine_args, generate, wait_until
 from tests.router.test_failover import busy_engine
 from tests.router.test_routing import prompt
 
@@ -73,3 +74,26 @@ def test_abort_while_the_replica_hangs_ends_the_stream(stack, router_stub):
     stack.wait_routable(2)
     reply, _ = generate(router_stub, prompt(61), max_tokens=3)
     assert len(reply.completions[0].token_ids) == 3
+
+
+def test_replicas_replaced_by_another_model_identity_are_routed(stack, router_stub):
+    """Every replica restarted with another dtype (another model identity: other block hashes,
+    other tokens' meaning): the router must hash as they do now and route to them, not refuse
+    everything forever because the first replica it ever saw served float32."""
+    for engine_id in list(stack.engines):
+        stack.kill_engine(engine_id)
+    stack.wait_routable(0)
+    dtype = "bfloat16"
+    args = engine_args(stack.index.target, "engine-0")
+    args[args.index("--dtype") + 1] = dtype
+    engine = EngineProcess(stack.model_dir, args, log_path=stack.log_dir / "engine-0-new.log")
+    engine.start()
+    stack.engines["engine-0"] = engine
+    stack.wait_routable(1)
+    info = router_stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)
+    assert info.dtype == dtype
+    ids = prompt(70)
+    first, [holder] = generate(router_stub, ids, max_tokens=2)
+    assert holder == "engine-0"
+    details = router_stub.EngineStats(pb.EngineStatsRequest(), timeout=10).index_details
+    assert details["replica.engine-0"].endswith(" up")
