@@ -94,7 +94,10 @@ class ReplicaSet:
 
     # ---- membership ---------------------------------------------------------------------
     async def set_members(self, wanted: dict[str, str]) -> None:
-        """Make the set exactly `wanted` (address -> engine id, "" when unknown)."""
+        """Make the set `wanted` (address -> engine id, "" when unknown), and keep a replica
+        that is not in it while it still serves: its registration can vanish while it is up
+        (Redis restarted empty, the engine's link to the index down), and dropping it would
+        refuse requests it can serve. It goes at the first discovery after a failed poll."""
         for address, engine_id in wanted.items():
             current = self.replicas.get(address)
             if current is None:
@@ -103,6 +106,8 @@ class ReplicaSet:
             elif engine_id and current.engine_id != engine_id:
                 current.engine_id = engine_id
         for address in [a for a in self.replicas if a not in wanted]:
+            if self.replicas[address].healthy:
+                continue
             gone = self.replicas.pop(address)
             gone.retired = True
             log.info("replica %s at %s removed", gone.name, address)

@@ -76,6 +76,37 @@ def test_abort_while_the_replica_hangs_ends_the_stream(stack, router_stub):
     assert len(reply.completions[0].token_ids) == 3
 
 
+def test_redis_restarted_empty_fails_no_request(stack, router_stub):
+    """Redis comes back empty (no persistence): every registration is gone until the engines
+    notice and register again. The replicas themselves never stopped serving, so the router
+    must not drop them meanwhile (every request would fail with 'no engine replica')."""
+    stop = threading.Event()
+    failures: list[str] = []
+    served = []
+
+    def load() -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                served.append(generate(router_stub, prompt(80 + i % 4)[:40], max_tokens=2))
+            except grpc.RpcError as error:
+                failures.append(f"{error.code().name}: {error.details()}")
+            i += 1
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    try:
+        time.sleep(0.5)
+        stack.redis.restart()
+        time.sleep(6)  # leases of 2 s: the engines have registered again by now
+    finally:
+        stop.set()
+        worker.join()
+    assert failures == []
+    assert len(served) > 5
+    stack.wait_routable(2)
+
+
 def test_replicas_replaced_by_another_model_identity_are_routed(stack, router_stub):
     """Every replica restarted with another dtype (another model identity: other block hashes,
     other tokens' meaning): the router must hash as they do now and route to them, not refuse
