@@ -13,6 +13,7 @@ import contextlib
 import logging
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -21,7 +22,10 @@ from router.index_view import IndexView
 from router.metrics import RouterMetrics
 from router.policies import Decision, Policies, RouteInput
 from router.prompt import PromptReader
-from router.replicas import Replica, ReplicaSet
+from router.replicas import ReplicaSet
+
+if TYPE_CHECKING:
+    from router.proxy import RoutedRequest
 
 log = logging.getLogger("router.core")
 MAX_LOOKUP_BLOCKS = 16384  # the index's limit on one chain
@@ -52,9 +56,8 @@ class Router:
         self.index = IndexView(index_target, config.lookup_timeout_s) if index_target else None
         self.policies = Policies(config)
         self.prompts = PromptReader(tokenizer_path, config.rpc_timeout_s)
-        # request id -> the replica running it now (None while it is being routed)
-        self.live: dict[str, Replica | None] = {}
-        self.aborted: set[str] = set()  # aborted while being routed: never sent
+        # request id -> the request (router/proxy.py RoutedRequest): its replica, if it runs
+        self.live: dict[str, RoutedRequest] = {}
         self._tasks: list[asyncio.Task] = []
         if self.index is not None:
             self.metrics.index_up.set_function(lambda: 1.0 if self.index.up else 0.0)
@@ -79,6 +82,7 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.replicas.close()
+        self.prompts.close()
         if self.index is not None:
             await self.index.close()
 

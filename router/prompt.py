@@ -4,12 +4,17 @@ The router tokenizes with the engines' own tokenizer when it can load it (the mo
 the replicas report, or --tokenizer) and it agrees with a replica on a probe; otherwise it asks
 a replica (Tokenize). Token-id input needs neither. Nothing here rejects a request: a prompt the
 router cannot read is routed without prefix credit, and the engine gives the error.
+
+The local tokenizer runs on one worker thread, never on the event loop: a long prompt (or one
+far over the engines' limit, which is not read at all) would freeze every stream meanwhile, and
+an HF fast tokenizer must not be used from two threads at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -21,6 +26,7 @@ from engine_service.model.tokenizer import (
     load_tokenizer,
     render_chat,
 )
+from engine_service.serving.validation import CHARS_PER_CONTEXT_TOKEN
 from pagedgen_api import generation_pb2 as pb
 from router.replicas import Replica
 
@@ -38,21 +44,36 @@ class PromptReader:
         self.tokenizer = None
         self._loading: asyncio.Task | None = None
         self.source = "replica"  # "local" once a local tokenizer is checked and in use
+        self.identity = ""  # the model identity of the replica the local tokenizer agreed with
+        self._checked_for = ""  # the model identity the last load was for
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="router-tokenizer")
 
     def prepare(self, replica: Replica) -> None:
         """Starts loading a local tokenizer (once), checked against `replica`."""
-        if self._loading is None and replica.info is not None:
+        if replica.info is None:
+            return
+        if self._loading is not None and self._loading.done() and (
+                self._checked_for != replica.info.model_identity):
+            # The replicas serve another model now: its tokenizer may differ.
+            log.info("replicas now serve %s: checking the local tokenizer again",
+                     replica.info.model_identity)
+            self.tokenizer, self.source, self.identity = None, "replica", ""
+            self._loading = None
+        if self._loading is None:
             self._loading = asyncio.ensure_future(self._load(replica))
 
     async def _load(self, replica: Replica) -> None:
+        self._checked_for = replica.info.model_identity
         path = self.tokenizer_path or replica.info.model_path
         if not path or not Path(path).exists():
             log.info("no local tokenizer (%s is not on this machine): prompts are tokenized by "
                      "a replica", path or "no path")
             return
         try:
-            tokenizer = await asyncio.to_thread(lambda: load_tokenizer(load_model_config(path)))
-            local = _chat_ids(tokenizer, _PROBE)
+            loop = asyncio.get_running_loop()
+            tokenizer = await loop.run_in_executor(
+                self._worker, lambda: load_tokenizer(load_model_config(path)))
+            local = await loop.run_in_executor(self._worker, _chat_ids, tokenizer, _PROBE)
             remote = await replica.stub.Tokenize(pb.TokenizeRequest(chat=_PROBE),
                                                  timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as error:
@@ -69,6 +90,7 @@ class PromptReader:
             return
         self.tokenizer = tokenizer
         self.source = "local"
+        self.identity = replica.info.model_identity
         log.info("tokenizing prompts locally with %s", path)
 
     async def token_ids(self, request, replicas: list[Replica]) -> list[int] | None:
@@ -78,11 +100,19 @@ class PromptReader:
             return list(request.token_ids.ids)
         if which is None:
             return None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and replicas and (
+                replicas[0].info.model_identity == self.identity):
+            size = (len(request.text) if which == "text"
+                    else sum(len(m.content) for m in request.chat.messages))
+            if size > _max_prompt_chars(replicas) or (which == "text" and not request.text):
+                return None  # every engine refuses it (too long, or empty): not read here
+            loop = asyncio.get_running_loop()
             try:
                 if which == "text":
-                    return encode_text(self.tokenizer, request.text) if request.text else None
-                return _chat_ids(self.tokenizer, request.chat)
+                    return await loop.run_in_executor(self._worker, encode_text,
+                                                      self.tokenizer, request.text)
+                return await loop.run_in_executor(self._worker, _chat_ids, self.tokenizer,
+                                                  request.chat)
             except Exception as error:  # noqa: BLE001 - templates raise whatever they like
                 log.debug("could not tokenize locally: %s", error)
                 return None
@@ -97,6 +127,16 @@ class PromptReader:
                 return None  # bad input: the engine will say so when it gets the request
             return list(reply.token_ids)
         return None
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+
+def _max_prompt_chars(replicas: list[Replica]) -> int:
+    """The most prompt characters any of `replicas` accepts (the engines' own limit); no limit
+    while none has said its context length."""
+    lengths = [r.info.max_model_len for r in replicas if r.info is not None]
+    return CHARS_PER_CONTEXT_TOKEN * max(lengths) if lengths else 1 << 62
 
 
 def _chat_ids(tokenizer, chat: pb.ChatMessages) -> list[int]:

@@ -72,6 +72,19 @@ class RoutedRequest:
         self.first_usage: pb.Usage | None = None  # from the first replica that answered
         self.resumed_at = 0  # tokens generated before the latest switch of replica
         self.served_by: list[str] = []  # replicas that ran it, in order (trailing metadata)
+        self.replica: Replica | None = None  # running it now; None while being routed
+        self.aborted = False  # the client called Abort: never sent again, ended with ABORT
+        self._call: grpc.aio.UnaryStreamCall | None = None  # the upstream call running now
+        self._ended_here = False  # the router cancelled that call for an Abort
+
+    def abort_here(self) -> None:
+        """Ends the request at the router (its replica could not be told: down, hung, or it
+        had not admitted the request yet): the upstream call is cancelled, which the replica
+        sees as the client going away, and the client gets the ABORT ending."""
+        self.aborted = True
+        if self._call is not None:
+            self._ended_here = True
+            self._call.cancel()
 
     async def _refuse(self, code: grpc.StatusCode, message: str) -> None:
         self.router.metrics.failed.labels(code.name).inc()
@@ -92,7 +105,7 @@ class RoutedRequest:
             await self._refuse(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id must be unique among live requests, got "
                                f"{request_id!r}")
-        router.live[request_id] = None
+        router.live[request_id] = self
         try:
             token_ids = await router.prompts.token_ids(upstream, router.replicas.routable())
             async with contextlib.aclosing(self._attempts(upstream, token_ids, arrival)) as out:
@@ -100,7 +113,6 @@ class RoutedRequest:
                     yield message
         finally:
             router.live.pop(request_id, None)
-            router.aborted.discard(request_id)
 
     async def _attempts(self, upstream: pb.GenerateRequest, token_ids: list[int] | None,
                         arrival: float) -> AsyncIterator[pb.GenerateStreamResponse]:
@@ -110,7 +122,10 @@ class RoutedRequest:
         first_route: Route | None = None
         while True:
             prompt_ids = token_ids if not self.resumed_at else list(upstream.token_ids.ids)
-            router.live[request_id] = None  # being routed: an Abort now ends it here
+            self.replica = None  # being routed: an Abort now ends it here
+            if self.aborted:
+                yield self._aborted_message(request_id)
+                return
             try:
                 route = await router.route(prompt_ids, upstream.cache_salt, failed)
             except NoReplicaError as error:
@@ -118,24 +133,30 @@ class RoutedRequest:
             if first_route is None:
                 first_route = route
                 router.metrics.route_seconds.observe(time.monotonic() - arrival)
-            if request_id in router.aborted:
+            if self.aborted:
                 yield self._aborted_message(request_id)
                 return
             replica = route.decision.replica
-            router.live[request_id] = replica
+            self.replica = replica
             self.served_by.append(replica.name)
             # Which replicas ran the request: for clients debugging latency, and for tests.
             self.context.set_trailing_metadata(((REPLICA_METADATA, ",".join(self.served_by)),))
             failure = None
+            finished = False
             async with contextlib.aclosing(self._relay(replica, route, upstream)) as relayed:
                 async for message in relayed:
                     if isinstance(message, Failure):
                         failure = message
                         break
                     if message.finished:
+                        finished = True
                         self._observe_finished(first_route)
                     yield message
-            if failure is None:
+            self.replica = None
+            if failure is None or finished:  # (a failure after the last message changes nothing)
+                return
+            if self.aborted:  # aborted while its replica failed, hung, or was cancelled by us
+                yield self._aborted_message(request_id)
                 return
             code = failure.code
             gone = code == grpc.StatusCode.UNAVAILABLE or (
@@ -174,7 +195,9 @@ class RoutedRequest:
         replica.in_flight += 1
         replica.pending_prefill_tokens += uncached
         router.metrics.in_flight.labels(name).inc()
-        call = replica.stub.GenerateStream(upstream, timeout=self.context.time_remaining())
+        call = self._call = replica.stub.GenerateStream(upstream,
+                                                        timeout=self.context.time_remaining())
+        self._ended_here = False
         got_output = False
         lost = False
         last_message_at = time.monotonic()
@@ -203,11 +226,14 @@ class RoutedRequest:
                 yield Failure(grpc.StatusCode.UNAVAILABLE,
                               f"replica {name} went silent and is down "
                               f"({replica.last_error or 'removed'})", got_output)
+            elif self._ended_here:  # Abort cancelled it, not the client
+                yield Failure(grpc.StatusCode.CANCELLED, "aborted by the client", got_output)
             elif isinstance(error, grpc.aio.AioRpcError):
                 yield Failure(error.code(), error.details() or "", got_output)
             else:
                 raise
         finally:
+            self._call = None
             watchdog.cancel()
             call.cancel()  # the client went away (or we did): the replica aborts it
             replica.in_flight -= 1
@@ -268,12 +294,20 @@ class RoutedRequest:
                                          finished=True)
 
     def _aborted_message(self, request_id: str) -> pb.GenerateStreamResponse:
+        """The last message of a request the router ended for an Abort: every unfinished
+        completion ends with ABORT, and usage counts what the client received."""
         sampling = self.request.sampling
         n = sampling.n if sampling.HasField("n") else 1
-        return pb.GenerateStreamResponse(
+        message = pb.GenerateStreamResponse(
             request_id=request_id, finished=True,
             choices=[pb.Completion(index=i, finish_reason=pb.FINISH_REASON_ABORT)
-                     for i in range(n)])
+                     for i in range(n) if not self.progress.get(i, Progress()).finished])
+        if self.first_usage is not None:
+            message.usage.prompt_tokens = self.first_usage.prompt_tokens
+            message.usage.cached_tokens = self.first_usage.cached_tokens
+            message.usage.completion_tokens = sum(len(p.token_ids)
+                                                  for p in self.progress.values())
+        return message
 
     async def _is_serving(self, replica: Replica) -> bool:
         try:

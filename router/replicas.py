@@ -94,7 +94,10 @@ class ReplicaSet:
 
     # ---- membership ---------------------------------------------------------------------
     async def set_members(self, wanted: dict[str, str]) -> None:
-        """Make the set exactly `wanted` (address -> engine id, "" when unknown)."""
+        """Make the set `wanted` (address -> engine id, "" when unknown), and keep a replica
+        that is not in it while it still serves: its registration can vanish while it is up
+        (Redis restarted empty, the engine's link to the index down), and dropping it would
+        refuse requests it can serve. It goes at the first discovery after a failed poll."""
         for address, engine_id in wanted.items():
             current = self.replicas.get(address)
             if current is None:
@@ -103,6 +106,8 @@ class ReplicaSet:
             elif engine_id and current.engine_id != engine_id:
                 current.engine_id = engine_id
         for address in [a for a in self.replicas if a not in wanted]:
+            if self.replicas[address].healthy:
+                continue
             gone = self.replicas.pop(address)
             gone.retired = True
             log.info("replica %s at %s removed", gone.name, address)
@@ -165,17 +170,27 @@ class ReplicaSet:
                         info.engine_id, replica.engine_id)
         replica.engine_id = replica.engine_id or info.engine_id
         replica.info = info
-        if self.hasher is None:
-            self.hasher = BlockHasher.for_identity(info.model_identity, info.block_size)
-            log.info("hashing prompts as %s, block size %d (from %s)", info.model_identity,
-                     info.block_size, replica.name)
-        same = (info.model_identity == self.hasher.identity
-                and info.block_size == self.hasher.block_size)
+        if self.hasher is None or not any(
+                r is not replica and r.healthy and r.compatible for r in self.replicas.values()):
+            # The first replica, or none serving the old model is up any more (every replica
+            # restarted with another model, dtype or block size): hash as this one does.
+            if self.hasher is None or not self._hashes_as(info):
+                self.hasher = BlockHasher.for_identity(info.model_identity, info.block_size)
+                log.info("hashing prompts as %s, block size %d (from %s)", info.model_identity,
+                         info.block_size, replica.name)
+                for other in self.replicas.values():
+                    if other is not replica and other.info is not None:
+                        other.compatible = self._hashes_as(other.info)
+        same = self._hashes_as(info)
         if not same and replica.compatible:
             log.error("replica %s serves %s with block size %d, the others %s with %d: not "
                       "routing to it", replica.name, info.model_identity, info.block_size,
                       self.hasher.identity, self.hasher.block_size)
         replica.compatible = same
+
+    def _hashes_as(self, info: pb.ModelInfoResponse) -> bool:
+        return (info.model_identity == self.hasher.identity
+                and info.block_size == self.hasher.block_size)
 
     async def close(self) -> None:
         for replica in [*self.replicas.values(), *self._retired]:

@@ -64,14 +64,26 @@ class RouterServicer(pb_grpc.GenerationServicer):
                                    usage=last.usage)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        router = self.router
-        if request.request_id not in router.live:
+        routed = self.router.live.get(request.request_id)
+        if routed is None:
             return pb.AbortResponse(found=False)
-        replica = router.live[request.request_id]
-        if replica is None:  # still being routed: it ends before it is sent
-            router.aborted.add(request.request_id)
+        routed.aborted = True  # never sent (again): not routed, not resumed elsewhere
+        replica = routed.replica
+        if replica is None:  # being routed, or between replicas: it ends before it is sent
             return pb.AbortResponse(found=True)
-        return await self._forward(context, "Abort", request, [replica])
+        remaining = context.time_remaining()
+        timeout = self.router.config.rpc_timeout_s
+        try:
+            reply = await replica.stub.Abort(
+                request, timeout=timeout if remaining is None else min(remaining, timeout))
+            if reply.found:  # the replica ends the stream with ABORT
+                return pb.AbortResponse(found=True)
+        except grpc.aio.AioRpcError:
+            pass  # down or hung: the router ends it
+        # The replica could not end it (it has not admitted it yet, or cannot answer).
+        if routed.replica is replica:
+            routed.abort_here()
+        return pb.AbortResponse(found=True)
 
     # ---- forwarded ----------------------------------------------------------------------------
     async def _forward(self, context, method: str, request, replicas: list[Replica] | None = None):

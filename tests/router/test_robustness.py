@@ -1,0 +1,130 @@
+"""The router under hostile use: an Abort racing a replica's failure, huge prompts that must not
+stall its event loop, replicas replaced by ones serving another model identity."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+
+from engine_service.tools.launch import EngineProcess
+from pagedgen_api import generation_pb2 as pb
+from tests.router.stack import engine_args, generate, wait_until
+from tests.router.test_failover import busy_engine
+from tests.router.test_routing import prompt
+
+
+def test_a_huge_text_prompt_does_not_stall_the_router(stack, router_stub):
+    """A text far over every replica's limit is refused by the engine; tokenizing it on the
+    router's event loop would freeze every other stream and call meanwhile."""
+    wait_until(lambda: router_stub.EngineStats(pb.EngineStatsRequest(), timeout=10)
+               .index_details["tokenizer"] == "local", timeout_s=60,
+               what="the router tokenizing locally")
+    huge = ("The quick brown fox jumps over the lazy dog. " * 80000)[:3_500_000]
+    outcome: dict[str, object] = {}
+
+    def send() -> None:
+        try:
+            router_stub.Generate(pb.GenerateRequest(text=huge), timeout=60)
+        except grpc.RpcError as error:
+            outcome["code"] = error.code()
+        outcome["done"] = True
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    slowest = 0.0
+    while not outcome.get("done"):
+        start = time.monotonic()
+        router_stub.ModelInfo(pb.ModelInfoRequest(), timeout=30)
+        slowest = max(slowest, time.monotonic() - start)
+        time.sleep(0.02)
+    sender.join()
+    assert outcome.get("code") == grpc.StatusCode.INVALID_ARGUMENT
+    assert slowest < 0.5, f"the router's loop stalled {slowest:.2f}s on one request"
+
+
+def test_abort_while_the_replica_hangs_ends_the_stream(stack, router_stub):
+    """The replica stops answering (SIGSTOP) mid-stream and the client aborts: the Abort must
+    not be lost in the failover (the stream resumed elsewhere and ran to max_tokens)."""
+    request = pb.GenerateRequest(
+        request_id="abort-during-hang", token_ids=pb.TokenIds(ids=prompt(60)),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    stream = router_stub.GenerateStream(request, timeout=120)
+    tokens = [t for c in next(stream).choices for t in c.token_ids]
+    victim = wait_until(lambda: busy_engine(stack), what="the replica running the stream")
+    process = stack.engines[victim].proc
+    process.send_signal(signal.SIGSTOP)
+    try:
+        reply = router_stub.Abort(pb.AbortRequest(request_id="abort-during-hang"), timeout=20)
+        assert reply.found
+        last = None
+        for message in stream:
+            tokens += [t for c in message.choices for t in c.token_ids]
+            last = message
+    finally:
+        process.send_signal(signal.SIGCONT)
+    assert last is not None and last.finished
+    assert last.choices[-1].finish_reason == pb.FINISH_REASON_ABORT
+    assert len(tokens) < 400
+    assert last.usage.completion_tokens == len(tokens)
+    assert not router_stub.Abort(pb.AbortRequest(request_id="abort-during-hang"),
+                                 timeout=10).found
+    stack.wait_routable(2)
+    reply, _ = generate(router_stub, prompt(61), max_tokens=3)
+    assert len(reply.completions[0].token_ids) == 3
+
+
+def test_redis_restarted_empty_fails_no_request(stack, router_stub):
+    """Redis comes back empty (no persistence): every registration is gone until the engines
+    notice and register again. The replicas themselves never stopped serving, so the router
+    must not drop them meanwhile (every request would fail with 'no engine replica')."""
+    stop = threading.Event()
+    failures: list[str] = []
+    served = []
+
+    def load() -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                served.append(generate(router_stub, prompt(80 + i % 4)[:40], max_tokens=2))
+            except grpc.RpcError as error:
+                failures.append(f"{error.code().name}: {error.details()}")
+            i += 1
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    try:
+        time.sleep(0.5)
+        stack.redis.restart()
+        time.sleep(6)  # leases of 2 s: the engines have registered again by now
+    finally:
+        stop.set()
+        worker.join()
+    assert failures == []
+    assert len(served) > 5
+    stack.wait_routable(2)
+
+
+def test_replicas_replaced_by_another_model_identity_are_routed(stack, router_stub):
+    """Every replica restarted with another dtype (another model identity: other block hashes,
+    other tokens' meaning): the router must hash as they do now and route to them, not refuse
+    everything forever because the first replica it ever saw served float32."""
+    for engine_id in list(stack.engines):
+        stack.kill_engine(engine_id)
+    stack.wait_routable(0)
+    dtype = "bfloat16"
+    args = engine_args(stack.index.target, "engine-0")
+    args[args.index("--dtype") + 1] = dtype
+    engine = EngineProcess(stack.model_dir, args, log_path=stack.log_dir / "engine-0-new.log")
+    engine.start()
+    stack.engines["engine-0"] = engine
+    stack.wait_routable(1)
+    info = router_stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)
+    assert info.dtype == dtype
+    ids = prompt(70)
+    first, [holder] = generate(router_stub, ids, max_tokens=2)
+    assert holder == "engine-0"
+    details = router_stub.EngineStats(pb.EngineStatsRequest(), timeout=10).index_details
+    assert details["replica.engine-0"].endswith(" up")
