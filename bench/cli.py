@@ -4,6 +4,7 @@
     pagedgen-bench --quick         # 2-3 minute smoke run, same sections, tiny sizes
     pagedgen-bench --model DIR --out DIR --skip hf,grpc
     pagedgen-bench --only pinning,index   # re-take sections, merged into <out>/bench.json
+    pagedgen-bench --skip router,beam     # the rest re-taken; skipped sections kept from it
 
 Sections: roofline peaks; throughput peers on one workload (HF static generate, HF
 generate_batch, our engine offline, our engine over gRPC) at full concurrency and at batch 1;
@@ -145,8 +146,29 @@ def main(argv: list[str] | None = None) -> None:
         command += f" --only {','.join(sorted(only))}"
         results = _merge(results, args.out / "bench.json", only, command)
     else:
-        results["meta"]["command"] = command
+        results["meta"]["command"] = command + (f" --skip {args.skip}" if skip else "")
+        results = _carry_over(results, args.out / "bench.json", skip)
     write_outputs(results, args.out, report=not args.no_report)
+
+
+def _carry_over(taken: dict, path: Path, skip: set[str]) -> dict:
+    """A run that skips standalone sections keeps their figures from the bench.json it
+    replaces, each stamped with the run that took it (so `--skip router` re-takes the peers
+    without losing a 15-minute section)."""
+    import json
+
+    if not path.exists():
+        return taken
+    previous = json.loads(path.read_text())
+    old_meta = {k: previous.get("meta", {}).get(k)
+                for k in ("time_utc", "load_average_1_5_15", "git_commit", "torch_num_threads",
+                          "command")}
+    for section in skip & set(STANDALONE):
+        key = STANDALONE[section]
+        if key in previous and key not in taken:
+            kept = previous[key]
+            taken[key] = kept if "meta" in kept else kept | {"meta": old_meta}
+    return taken
 
 
 def _merge(taken: dict, path: Path, only: set[str], command: str) -> dict:
