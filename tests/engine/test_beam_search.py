@@ -303,3 +303,20 @@ def test_beam_search_is_validated(make_llm, tiny_llama_dir):
         SamplingParams(length_penalty=2.0)
     # Nothing was left behind by the refused requests; a fitting one runs.
     assert llm.beam_search(prompt, BeamSearchParams(beam_width=4, max_tokens=8))[0].sequences
+
+
+def test_strongly_negative_length_penalty_still_returns_n_beams(make_llm, tiny_llama_dir):
+    """A finished beam scored below HF's -1e9 sentinel (-20 / 12 ** -8 is about -8.6e9) must
+    still be kept: the search returned no beams at all. Without a stop token every beam ends at
+    max_tokens, so the length penalty cannot change which beams win: the same beams as HF with
+    length_penalty 1, each scored cum_logprob / 12 ** -8."""
+    engine = make_llm(tiny_llama_dir, block_size=8, num_blocks=256).llm_engine
+    prompt = [5, 6, 7, 8, 9]
+    [out] = run_checked(engine, [(prompt, beam_params(4, 4, length_penalty=-8.0,
+                                                      max_tokens=12, ignore_eos=True))])
+    ref = hf_beam_search(tiny_llama_dir, prompt, 4, 4, 12, 1.0)
+    assert [c.token_ids for c in out.outputs] == [tokens for tokens, _ in ref]
+    assert [c.cumulative_logprob / 12 for c in out.outputs] == pytest.approx(
+        [score for _, score in ref], abs=1e-3)
+    assert all(c.finish_reason == "length" for c in out.outputs)
+
