@@ -12,7 +12,11 @@ beams' order, so ties break as they do in HF. Of those:
   - the search ends when every candidate ends (max_tokens), when early_stopping is True and
     beam_width hypotheses are finished, or when HF's heuristic says no running beam can still
     beat the worst kept hypothesis (early_stopping False / "never").
-Every score is a float32 tensor op in HF's order, so equal logits give equal beams.
+Every score is a float32 tensor op in HF's order, so equal logits give equal beams. One
+departure: HF marks empty finished slots (and candidates that did not finish) with the score
+-1e9, so a finished beam whose length-penalized score is below -1e9 (a negative length_penalty
+on a long beam: -20 / 12 ** -8 is -8.6e9) can never be kept, and the search returns nothing.
+Here those slots score -inf: a finished beam always beats an empty slot.
 
 On the KV side (`advance`) a beam chosen k times continues as itself and k - 1 forks that share
 all its blocks (the partial last block is copied on write when each one writes it); a beam
@@ -21,6 +25,7 @@ chosen 0 times releases its blocks at once. Finished hypotheses hold no KV, only
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +36,20 @@ from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 # HF's "never pick this" score: added to a candidate that must not be chosen.
 NEVER = -1.0e9
+# The score of an empty finished slot (and of a candidate that did not finish): below every
+# finished beam's, however strongly length-penalized (HF uses NEVER here; see the module doc).
+EMPTY = -float("inf")
+# Bound on length ** length_penalty (and its inverse): scores are float32, as in HF, and a
+# finished beam's score must stay finite (past about 1e38 it is -inf, or Python's pow raises).
+MAX_LENGTH_NORM = 1.0e30
+
+
+def max_abs_length_penalty(max_new_tokens: int) -> float:
+    """The largest |length_penalty| whose length normalization stays within
+    [1 / MAX_LENGTH_NORM, MAX_LENGTH_NORM] for beams of up to max_new_tokens tokens."""
+    if max_new_tokens <= 1:
+        return math.inf  # 1 ** anything is 1
+    return math.log(MAX_LENGTH_NORM) / math.log(max_new_tokens)
 
 
 @dataclass(slots=True)
@@ -81,8 +100,8 @@ class BeamSearch:
         # prompt is the one beam of the first step.
         self.scores: list[float] = [0.0]
         # beam_width slots of finished hypotheses, best first, as HF keeps them (unfilled
-        # slots score NEVER and are not `filled`).
-        self._finished_scores = torch.full((1, beam_width), NEVER, dtype=torch.float32)
+        # slots score EMPTY and are not `filled`).
+        self._finished_scores = torch.full((1, beam_width), EMPTY, dtype=torch.float32)
         self._finished: list[Hypothesis | None] = [None] * beam_width
         self._filled = torch.zeros((1, beam_width), dtype=torch.bool)
         self._can_improve = True  # HF's is_early_stop_heuristic_unsatisfied
@@ -162,7 +181,7 @@ class BeamSearch:
         full = bool(self._filled.all()) and self.early_stopping is True
         penalized = penalized + float(full) * NEVER
         penalized = penalized + float(not self._can_improve) * NEVER
-        penalized = penalized + (~just_finished) * NEVER
+        penalized = torch.where(just_finished, penalized, EMPTY)
         merged = torch.cat((self._finished_scores, penalized), dim=1)
         order = merged.topk(width).indices[0].tolist()
         merged_filled = torch.cat((self._filled, just_finished), dim=1)
@@ -200,7 +219,7 @@ class BeamSearch:
             best_len = generated_len
         best_possible = best_running / (best_len**self.length_penalty)
         worst = torch.where(
-            self._filled, self._finished_scores.min(dim=1, keepdim=True).values, NEVER
+            self._filled, self._finished_scores.min(dim=1, keepdim=True).values, EMPTY
         )
         self._can_improve = self._can_improve and bool((best_possible > worst).any())
 

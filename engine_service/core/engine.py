@@ -7,6 +7,7 @@ they run between two steps. Readers use `snapshot`, the stats the engine publish
 
 import itertools
 import logging
+import math
 import queue
 import time
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_service.core.beam_search import BeamSearch
+from engine_service.core.beam_search import BeamSearch, max_abs_length_penalty
 from engine_service.core.block_hash import BlockHasher
 from engine_service.core.block_pool import BlockPool
 from engine_service.core.config import EngineConfig
@@ -175,6 +176,19 @@ class LLMEngine:
                 f"{self.config.max_num_seqs}, max_num_batched_tokens "
                 f"{self.config.max_num_batched_tokens}), got {params.beam_width}"
             )
+        if params.use_beam_search:
+            max_new = self.max_model_len - num_prompt
+            if params.max_tokens is not None:
+                max_new = min(max_new, params.max_tokens)
+            bound = max_abs_length_penalty(max_new)
+            if abs(params.length_penalty) > bound:
+                shown = math.floor(bound * 100) / 100  # rounded down: every value shown is fine
+                raise InvalidRequestError(
+                    "length_penalty", f"length_penalty must be between {-shown} and "
+                    f"{shown} for beams of up to {max_new} tokens (beams are scored "
+                    f"cum_logprob / length ** length_penalty in float32, which must stay "
+                    f"finite), got {params.length_penalty}"
+                )
         if params.n > self.config.max_num_seqs:
             raise RequestTooLargeError(
                 "n", f"n must be at most {self.config.max_num_seqs} (max_num_seqs: the "

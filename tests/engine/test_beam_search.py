@@ -303,3 +303,42 @@ def test_beam_search_is_validated(make_llm, tiny_llama_dir):
         SamplingParams(length_penalty=2.0)
     # Nothing was left behind by the refused requests; a fitting one runs.
     assert llm.beam_search(prompt, BeamSearchParams(beam_width=4, max_tokens=8))[0].sequences
+
+
+def test_strongly_negative_length_penalty_still_returns_n_beams(make_llm, tiny_llama_dir):
+    """A finished beam scored below HF's -1e9 sentinel (-20 / 12 ** -8 is about -8.6e9) must
+    still be kept: the search returned no beams at all. Without a stop token every beam ends at
+    max_tokens, so the length penalty cannot change which beams win: the same beams as HF with
+    length_penalty 1, each scored cum_logprob / 12 ** -8."""
+    engine = make_llm(tiny_llama_dir, block_size=8, num_blocks=256).llm_engine
+    prompt = [5, 6, 7, 8, 9]
+    [out] = run_checked(engine, [(prompt, beam_params(4, 4, length_penalty=-8.0,
+                                                      max_tokens=12, ignore_eos=True))])
+    ref = hf_beam_search(tiny_llama_dir, prompt, 4, 4, 12, 1.0)
+    assert [c.token_ids for c in out.outputs] == [tokens for tokens, _ in ref]
+    assert [c.cumulative_logprob / 12 for c in out.outputs] == pytest.approx(
+        [score for _, score in ref], abs=1e-3)
+    assert all(c.finish_reason == "length" for c in out.outputs)
+
+
+def test_length_penalty_that_overflows_the_scores_is_refused(make_llm, tiny_llama_dir):
+    """2 ** 2000 overflows (Python's pow raised OverflowError inside the engine step, which
+    kills a server's engine thread); 12 ** -40 underflows float32 (every score -inf). Refused
+    up front, naming the field, the allowed range and the value; the engine keeps serving."""
+    llm = make_llm(tiny_llama_dir, block_size=8, num_blocks=256)
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    with pytest.raises(ValueError, match=r"length_penalty must be between -9\.59 and 9\.59 for "
+                                         r"beams of up to 1341 tokens .* got 2000\.0"):
+        llm.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=1341,
+                                                 length_penalty=2000.0))
+    with pytest.raises(ValueError, match=r"length_penalty must be between -27\.79 and 27\.79 .* "
+                                         r"got -40\.0"):
+        llm.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=12,
+                                                 length_penalty=-40.0))
+    # One generated token: 1 ** anything is 1, any length penalty is fine.
+    [out] = llm.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=1,
+                                                     length_penalty=2000.0))
+    assert len(out.sequences) == 2
+    [out] = llm.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=12,
+                                                     length_penalty=-27.0, ignore_eos=True))
+    assert [len(s.token_ids) for s in out.sequences] == [12, 12]

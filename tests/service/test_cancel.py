@@ -78,3 +78,56 @@ def test_abort_ends_the_stream_with_finish_reason_abort(engine_server, stub):
     assert messages[-1].usage.completion_tokens < 3000
     assert not stub.Abort(pb.AbortRequest(request_id="abort-me")).found
     wait_all_free(stub)
+
+
+# Beam search streams nothing before its end: the tests watch the engine's stats instead.
+BEAM = pb.SamplingParams(beam_width=4, n=2, max_tokens=400, ignore_eos=True)
+
+
+def wait_beams_running(stub, timeout_s: float = 30.0) -> pb.EngineStatsResponse:
+    """Stats once the beam request has forked its beams and taken a few steps."""
+    deadline = time.monotonic() + timeout_s
+    start = stub.EngineStats(pb.EngineStatsRequest()).num_steps
+    while True:
+        stats = stub.EngineStats(pb.EngineStatsRequest(), timeout=5)
+        if stats.num_running > 0 and stats.num_steps >= start + 5:
+            return stats
+        assert time.monotonic() < deadline, f"beam search did not start: {stats}"
+        time.sleep(0.01)
+
+
+def test_cancel_mid_beam_search_frees_every_block(engine_server, stub):
+    async def body():
+        async with grpc.aio.insecure_channel(engine_server.target) as channel:
+            call = pb_grpc.GenerationStub(channel).GenerateStream(
+                pb.GenerateRequest(text="Cancel my beams", sampling=BEAM), timeout=120)
+            busy = await asyncio.to_thread(wait_beams_running, stub)
+            call.cancel()
+            return busy, await call.code()
+
+    busy, code = asyncio.run(body())
+    assert code == grpc.StatusCode.CANCELLED
+    assert busy.num_free_blocks < busy.num_blocks
+    wait_all_free(stub)
+
+
+def test_abort_mid_beam_search_answers_the_best_running_beams(engine_server, stub):
+    async def body():
+        async with grpc.aio.insecure_channel(engine_server.target) as channel:
+            astub = pb_grpc.GenerationStub(channel)
+            call = astub.GenerateStream(pb.GenerateRequest(
+                request_id="abort-beams", text="Abort my beams", sampling=BEAM), timeout=120)
+            await asyncio.to_thread(wait_beams_running, stub)
+            found = await astub.Abort(pb.AbortRequest(request_id="abort-beams"))
+            messages = []
+            while (message := await call.read()) is not grpc.aio.EOF:
+                messages.append(message)
+            return found, messages, await call.code()
+
+    found, messages, code = asyncio.run(body())
+    assert found.found and code == grpc.StatusCode.OK
+    [message] = messages  # one message, the last
+    assert message.finished
+    assert [c.finish_reason for c in message.choices] == [pb.FINISH_REASON_ABORT] * 2
+    assert all(0 < len(c.token_ids) < 400 for c in message.choices)
+    wait_all_free(stub)

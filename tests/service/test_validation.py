@@ -120,6 +120,21 @@ def bad_cases() -> list[BadCase]:
         BadCase("beam search with stop strings", pb.GenerateRequest(text="x", sampling=sampling(
             beam_width=2, stop=["."])), INVALID,
             "sampling.stop must be left unset with beam search"),
+        BadCase("beam_width negative", pb.GenerateRequest(text="x", sampling=sampling(
+            beam_width=-2)), INVALID, "sampling.beam_width must be between 1 and 64, got -2"),
+        BadCase("beam_width above the limit", pb.GenerateRequest(text="x", sampling=sampling(
+            beam_width=65)), INVALID, "sampling.beam_width must be between 1 and 64, got 65"),
+        BadCase("beam search with logprobs", pb.GenerateRequest(text="x", sampling=sampling(
+            beam_width=2, logprobs=1)), INVALID,
+            "sampling.logprobs must be left unset with beam search"),
+        BadCase("beam search with a penalty", pb.GenerateRequest(text="x", sampling=sampling(
+            beam_width=2, repetition_penalty=1.2)), INVALID,
+            "sampling.repetition_penalty must be left unset with beam search"),
+        # 100 ** 1000 overflows: the engine thread died on it (OverflowError in a beam step).
+        BadCase("length_penalty that overflows the beam scores", pb.GenerateRequest(
+            text="x", sampling=sampling(beam_width=2, max_tokens=100, length_penalty=1000)),
+            INVALID, "length_penalty must be between -14.99 and 14.99 for beams of up to 100 "
+            "tokens"),
         BadCase("unknown early_stopping", pb.GenerateRequest(text="x", sampling=sampling(
             beam_width=2, early_stopping=7)), INVALID,
             "sampling.early_stopping must be one of EARLY_STOPPING_FALSE, EARLY_STOPPING_TRUE, "
