@@ -6,11 +6,14 @@ carried to another replica when its replica fails.
 - After output, a replica that fails (the connection drops, or it answers INTERNAL and its
   health check confirms it is gone) is replaced: the request continues on another replica as
   token ids, prompt + the tokens already streamed, with the rest of max_tokens (and min_tokens).
-  The client sees one stream whose usage counts the original prompt and every token, and
-  trailing metadata `pagedgen-replicas` names the replicas that ran it, in order. Greedy
+  The client sees one stream whose usage counts the original prompt and every token. Greedy
   output is then token-identical to an uninterrupted run; sampled output stays a valid sample
   (a seed restarts on the new replica), and presence/frequency penalties and stop strings only
   see the tokens generated after the switch. Requests with n > 1 are not resumed (UNAVAILABLE).
+- Trailing metadata says how it ran, one entry per attempt, in order: `pagedgen-replicas`
+  names the replicas, `pagedgen-route` the policy that chose each (`kv-aware`, `round-robin`,
+  `least-load`, `prefix-hash`, or `prefix-hash-fallback` when kv-aware had no answer from the
+  index: it is down, or one Lookup took longer than `lookup_timeout_s`).
 - Client cancellation and deadlines reach the replica: the upstream call carries the client's
   remaining time and is cancelled with the client's call.
 """
@@ -43,6 +46,7 @@ _HEALTH_CHECK_TIMEOUT_S = 0.5
 _WATCH_INTERVAL_S = 0.25  # how often a running attempt checks its replica is still there
 DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
 REPLICA_METADATA = "pagedgen-replicas"
+ROUTE_METADATA = "pagedgen-route"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,12 @@ class Progress:
     finished: bool = False
 
 
+def route_label(route: Route) -> str:
+    """The policy that chose a replica, as trailing metadata names it."""
+    decision = route.decision
+    return f"{decision.policy}-fallback" if decision.fallback else decision.policy
+
+
 class RoutedRequest:
     def __init__(self, router: Router, request: pb.GenerateRequest,
                  context: grpc.aio.ServicerContext) -> None:
@@ -72,6 +82,7 @@ class RoutedRequest:
         self.first_usage: pb.Usage | None = None  # from the first replica that answered
         self.resumed_at = 0  # tokens generated before the latest switch of replica
         self.served_by: list[str] = []  # replicas that ran it, in order (trailing metadata)
+        self.routed_by: list[str] = []  # the policy that chose each of them (trailing metadata)
         self.replica: Replica | None = None  # running it now; None while being routed
         self.aborted = False  # the client called Abort: never sent again, ended with ABORT
         self._call: grpc.aio.UnaryStreamCall | None = None  # the upstream call running now
@@ -139,8 +150,11 @@ class RoutedRequest:
             replica = route.decision.replica
             self.replica = replica
             self.served_by.append(replica.name)
-            # Which replicas ran the request: for clients debugging latency, and for tests.
-            self.context.set_trailing_metadata(((REPLICA_METADATA, ",".join(self.served_by)),))
+            self.routed_by.append(route_label(route))
+            # Which replicas ran the request, and why there: for clients debugging latency, and
+            # for tests (a fallback route is legitimate, but says nothing of cache affinity).
+            self.context.set_trailing_metadata(((REPLICA_METADATA, ",".join(self.served_by)),
+                                                (ROUTE_METADATA, ",".join(self.routed_by))))
             failure = None
             finished = False
             async with contextlib.aclosing(self._relay(replica, route, upstream)) as relayed:
