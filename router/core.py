@@ -136,8 +136,10 @@ class Router:
 
     # ---- routing ------------------------------------------------------------------------
     async def route(self, token_ids: list[int] | None, cache_salt: str,
-                    exclude: set[str]) -> Route:
-        """Chooses a replica for a prompt; `exclude`: addresses that already failed it."""
+                    exclude: set[str], record: bool = True) -> Route:
+        """Chooses a replica for a prompt; `exclude`: addresses that already failed it;
+        `record`: counted in the routing metrics (False: not a generation request, e.g. the
+        replica a PinPrefix goes to)."""
         replicas = [r for r in self.replicas.routable() if r.address not in exclude]
         hasher = self.replicas.hasher
         if not replicas or hasher is None:
@@ -158,9 +160,10 @@ class Router:
         route = RouteInput(len(token_ids) if token_ids is not None else None,
                            self._prefix_key(chain, token_ids, cache_salt), matches)
         decision = self.policies.choose(policy, replicas, route, hasher.block_size)
-        self.metrics.decisions.labels(decision.policy, decision.replica.name).inc()
-        if decision.fallback and self.index is not None:
-            self.metrics.fallbacks.inc()
+        if record:
+            self.metrics.decisions.labels(decision.policy, decision.replica.name).inc()
+            if decision.fallback and self.index is not None:
+                self.metrics.fallbacks.inc()
         return Route(decision, route.num_prompt_tokens)
 
     def _prefix_key(self, chain: list[bytes], token_ids: list[int] | None,

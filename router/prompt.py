@@ -100,8 +100,7 @@ class PromptReader:
             return list(request.token_ids.ids)
         if which is None:
             return None
-        if self.tokenizer is not None and replicas and (
-                replicas[0].info.model_identity == self.identity):
+        if self.local(replicas) is not None:
             size = (len(request.text) if which == "text"
                     else sum(len(m.content) for m in request.chat.messages))
             if size > _max_prompt_chars(replicas) or (which == "text" and not request.text):
@@ -127,6 +126,17 @@ class PromptReader:
                 return None  # bad input: the engine will say so when it gets the request
             return list(reply.token_ids)
         return None
+
+    def local(self, replicas: list[Replica]):
+        """The local tokenizer when it agrees with the model `replicas` serve now, else None."""
+        if self.tokenizer is not None and replicas and replicas[0].info is not None and (
+                replicas[0].info.model_identity == self.identity):
+            return self.tokenizer
+        return None
+
+    async def run(self, work, *args):
+        """`work(*args)` on the tokenizer's thread (the only one that may use it)."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, work, *args)
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)

@@ -6,11 +6,17 @@ carried to another replica when its replica fails.
 - After output, a replica that fails (the connection drops, or it answers INTERNAL and its
   health check confirms it is gone) is replaced: the request continues on another replica as
   token ids, prompt + the tokens already streamed, with the rest of max_tokens (and min_tokens).
-  The client sees one stream whose usage counts the original prompt and every token, and
-  trailing metadata `pagedgen-replicas` names the replicas that ran it, in order. Greedy
-  output is then token-identical to an uninterrupted run; sampled output stays a valid sample
-  (a seed restarts on the new replica), and presence/frequency penalties and stop strings only
-  see the tokens generated after the switch. Requests with n > 1 are not resumed (UNAVAILABLE).
+  The client sees one stream whose usage counts the original prompt and every token. Greedy
+  output is then token-identical to an uninterrupted run, and its text identical too: the text
+  the failed replica held back (a possible start of a stop string, an incomplete character) is
+  written by the router (router/resumed_text.py, which also says what is lost without a local
+  tokenizer). Sampled output stays a valid sample (a seed restarts on the new replica), and
+  presence/frequency penalties only see the tokens generated after the switch. Requests with
+  n > 1 are not resumed (UNAVAILABLE).
+- Trailing metadata says how it ran, one entry per attempt, in order: `pagedgen-replicas`
+  names the replicas, `pagedgen-route` the policy that chose each (`kv-aware`, `round-robin`,
+  `least-load`, `prefix-hash`, or `prefix-hash-fallback` when kv-aware had no answer from the
+  index: it is down, or one Lookup took longer than `lookup_timeout_s`).
 - Client cancellation and deadlines reach the replica: the upstream call carries the client's
   remaining time and is cancelled with the client's call.
 """
@@ -32,6 +38,7 @@ from engine_service.serving.validation import REQUEST_ID_PATTERN
 from pagedgen_api import generation_pb2 as pb
 from router.core import NoReplicaError, Route, Router
 from router.replicas import Replica
+from router.resumed_text import ResumedText
 
 # Refused before it started: the same request can run elsewhere.
 _RETRY_BEFORE_OUTPUT = frozenset({grpc.StatusCode.UNAVAILABLE,
@@ -43,6 +50,7 @@ _HEALTH_CHECK_TIMEOUT_S = 0.5
 _WATCH_INTERVAL_S = 0.25  # how often a running attempt checks its replica is still there
 DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
 REPLICA_METADATA = "pagedgen-replicas"
+ROUTE_METADATA = "pagedgen-route"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +67,14 @@ class Progress:
     """One completion as the client has received it."""
 
     token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)  # its text deltas
     finished: bool = False
+
+
+def route_label(route: Route) -> str:
+    """The policy that chose a replica, as trailing metadata names it."""
+    decision = route.decision
+    return f"{decision.policy}-fallback" if decision.fallback else decision.policy
 
 
 class RoutedRequest:
@@ -71,7 +86,9 @@ class RoutedRequest:
         self.progress: dict[int, Progress] = {}
         self.first_usage: pb.Usage | None = None  # from the first replica that answered
         self.resumed_at = 0  # tokens generated before the latest switch of replica
+        self.resumed_text: ResumedText | None = None  # the text, from the first switch on
         self.served_by: list[str] = []  # replicas that ran it, in order (trailing metadata)
+        self.routed_by: list[str] = []  # the policy that chose each of them (trailing metadata)
         self.replica: Replica | None = None  # running it now; None while being routed
         self.aborted = False  # the client called Abort: never sent again, ended with ABORT
         self._call: grpc.aio.UnaryStreamCall | None = None  # the upstream call running now
@@ -124,7 +141,7 @@ class RoutedRequest:
             prompt_ids = token_ids if not self.resumed_at else list(upstream.token_ids.ids)
             self.replica = None  # being routed: an Abort now ends it here
             if self.aborted:
-                yield self._aborted_message(request_id)
+                yield await self._aborted_message(request_id)
                 return
             try:
                 route = await router.route(prompt_ids, upstream.cache_salt, failed)
@@ -134,13 +151,16 @@ class RoutedRequest:
                 first_route = route
                 router.metrics.route_seconds.observe(time.monotonic() - arrival)
             if self.aborted:
-                yield self._aborted_message(request_id)
+                yield await self._aborted_message(request_id)
                 return
             replica = route.decision.replica
             self.replica = replica
             self.served_by.append(replica.name)
-            # Which replicas ran the request: for clients debugging latency, and for tests.
-            self.context.set_trailing_metadata(((REPLICA_METADATA, ",".join(self.served_by)),))
+            self.routed_by.append(route_label(route))
+            # Which replicas ran the request, and why there: for clients debugging latency, and
+            # for tests (a fallback route is legitimate, but says nothing of cache affinity).
+            self.context.set_trailing_metadata(((REPLICA_METADATA, ",".join(self.served_by)),
+                                                (ROUTE_METADATA, ",".join(self.routed_by))))
             failure = None
             finished = False
             async with contextlib.aclosing(self._relay(replica, route, upstream)) as relayed:
@@ -152,11 +172,13 @@ class RoutedRequest:
                         finished = True
                         self._observe_finished(first_route)
                     yield message
+                    if finished:  # (the router may end it first: a stop string, resumed)
+                        break
             self.replica = None
             if failure is None or finished:  # (a failure after the last message changes nothing)
                 return
             if self.aborted:  # aborted while its replica failed, hung, or was cancelled by us
-                yield self._aborted_message(request_id)
+                yield await self._aborted_message(request_id)
                 return
             code = failure.code
             gone = code == grpc.StatusCode.UNAVAILABLE or (
@@ -172,13 +194,16 @@ class RoutedRequest:
                 await self._refuse(code, failure.details or code.name)
             failed.add(replica.address)
             resume = self._resume_request(upstream, token_ids)
-            if isinstance(resume, pb.GenerateStreamResponse):
-                yield resume  # nothing left to generate: its last message
-                return
             if isinstance(resume, str):
                 await self._refuse(grpc.StatusCode.UNAVAILABLE,
                                    f"replica {replica.name} failed mid-stream "
                                    f"({code.name}: {failure.details}); {resume}")
+            await self._continue_text(token_ids)
+            if isinstance(resume, pb.GenerateStreamResponse):
+                if resume.choices:  # with the text the failed replica held back
+                    resume.choices[0].text = await self.resumed_text.flush()
+                yield resume  # nothing left to generate: its last message
+                return
             upstream = resume
             router.metrics.resumed_streams.inc()
 
@@ -220,6 +245,8 @@ class RoutedRequest:
                     replica.pending_prefill_tokens -= uncached
                     uncached = 0
                 got_output = True
+                if self.resumed_text is not None:
+                    message = await self._rewrite(message)
                 yield self._record(message)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as error:
             if lost:  # our watchdog cancelled the call, not the client
@@ -246,6 +273,7 @@ class RoutedRequest:
         for choice in message.choices:
             progress = self.progress.setdefault(choice.index, Progress())
             progress.token_ids.extend(choice.token_ids)
+            progress.text.append(choice.text)
             if choice.finish_reason:
                 progress.finished = True
         if self.first_usage is None:
@@ -256,6 +284,30 @@ class RoutedRequest:
         message.usage.prompt_tokens = self.first_usage.prompt_tokens
         message.usage.cached_tokens = self.first_usage.cached_tokens
         message.usage.completion_tokens += self.resumed_at
+        return message
+
+    async def _continue_text(self, prompt_ids: list[int]) -> None:
+        """At a switch of replica: the router writes the text from now on."""
+        if self.resumed_text is None:
+            self.resumed_text = ResumedText(self.router.prompts, self.request.sampling,
+                                            prompt_ids, self.router.config.rpc_timeout_s)
+        progress = self.progress.get(0, Progress())
+        await self.resumed_text.switch(self.router.replicas.routable(), progress.token_ids,
+                                       "".join(progress.text))
+
+    async def _rewrite(self, message: pb.GenerateStreamResponse) -> pb.GenerateStreamResponse:
+        """A resumed stream's message with the router's text; ended where a stop string that
+        began before the switch completes (the replica cannot see it), as the engine would."""
+        for choice in message.choices:  # one: n > 1 is never resumed
+            kept = await self.resumed_text.rewrite(choice)
+            if kept is None:
+                continue
+            message.usage.completion_tokens -= len(choice.token_ids) - kept
+            del choice.token_ids[kept:]
+            del choice.logprobs[kept:]
+            choice.finish_reason = pb.FINISH_REASON_STOP
+            choice.stop_string = self.resumed_text.matched_stop
+            message.finished = True
         return message
 
     def _resume_request(self, upstream: pb.GenerateRequest, token_ids: list[int] | None
@@ -293,9 +345,10 @@ class RoutedRequest:
         return pb.GenerateStreamResponse(request_id=request_id, choices=choices, usage=usage,
                                          finished=True)
 
-    def _aborted_message(self, request_id: str) -> pb.GenerateStreamResponse:
+    async def _aborted_message(self, request_id: str) -> pb.GenerateStreamResponse:
         """The last message of a request the router ended for an Abort: every unfinished
-        completion ends with ABORT, and usage counts what the client received."""
+        completion ends with ABORT (with the text held back, as an engine's abort releases
+        it), and usage counts what the client received."""
         sampling = self.request.sampling
         n = sampling.n if sampling.HasField("n") else 1
         message = pb.GenerateStreamResponse(
@@ -307,6 +360,8 @@ class RoutedRequest:
             message.usage.cached_tokens = self.first_usage.cached_tokens
             message.usage.completion_tokens = sum(len(p.token_ids)
                                                   for p in self.progress.values())
+        if self.resumed_text is not None and message.choices:
+            message.choices[0].text = await self.resumed_text.flush()
         return message
 
     async def _is_serving(self, replica: Replica) -> bool:

@@ -4,6 +4,7 @@ cannot tell the router from an engine."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -22,8 +23,12 @@ class RouterServicer(pb_grpc.GenerationServicer):
         self.draining = False
         self._turn = 0  # where the next forwarded call starts among the replicas
 
-    async def _refuse_if_draining(self, context) -> None:
+    async def _refuse_if_draining(self, context, count_failed: bool = True) -> None:
+        """While draining, new work is refused (as an engine does); `count_failed`: a generation
+        request, counted among the failed ones as the engine counts it among the rejected."""
         if self.draining:
+            if count_failed:
+                self.router.metrics.failed.labels(grpc.StatusCode.UNAVAILABLE.name).inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "the router is draining (shutting down): retry on another one")
 
@@ -126,11 +131,14 @@ class RouterServicer(pb_grpc.GenerationServicer):
         return await self._forward(context, "ModelInfo", request)
 
     async def PinPrefix(self, request: pb.PinPrefixRequest, context) -> pb.PinPrefixResponse:
-        """Pinned on the replica the prefix routes to (where its requests will go)."""
+        """Pinned on the replica the prefix routes to (where its requests will go); not a
+        routing decision of the metrics. Refused while draining, like generation: a pin is
+        work for the requests that follow, which should go to another router."""
+        await self._refuse_if_draining(context, count_failed=False)
         router = self.router
         token_ids = await router.prompts.token_ids(request, router.replicas.routable())
         try:
-            route = await router.route(token_ids, request.cache_salt, set())
+            route = await router.route(token_ids, request.cache_salt, set(), record=False)
         except NoReplicaError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         return await self._forward(context, "PinPrefix", request, [route.decision.replica])
@@ -141,11 +149,21 @@ class RouterServicer(pb_grpc.GenerationServicer):
         own state in index_details."""
         total = pb.EngineStatsResponse(draining=self.draining)
         used_blocks = 0.0
-        for replica in self.router.replicas.routable():
+        remaining = context.time_remaining()
+        timeout = self.router.config.rpc_timeout_s
+        if remaining is not None:
+            timeout = min(timeout, remaining)
+
+        async def ask(replica: Replica) -> pb.EngineStatsResponse | None:
             try:
-                stats = await replica.stub.EngineStats(request,
-                                                       timeout=self.router.config.rpc_timeout_s)
+                return await replica.stub.EngineStats(request, timeout=timeout)
             except grpc.aio.AioRpcError:
+                return None  # down or hung: left out of the sums
+
+        # All at once: one hung replica costs the timeout once, not once per replica.
+        replies = await asyncio.gather(*(ask(r) for r in self.router.replicas.routable()))
+        for stats in replies:
+            if stats is None:
                 continue
             for name in ("num_blocks", "num_free_blocks", "num_cached_blocks", "num_running",
                          "num_waiting", "num_swapped", "prefix_cache_queries",

@@ -261,6 +261,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def PinPrefix(self, request: pb.PinPrefixRequest, context) -> pb.PinPrefixResponse:
         await self._require_live_engine(context)
+        if self.draining:  # its blocks go with it: pin where the requests will go instead
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the engine is draining (shutting down): retry on another one")
         if self.index_link is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,

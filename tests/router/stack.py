@@ -121,16 +121,52 @@ class RouterStack:
 def generate(stub: pb_grpc.GenerationStub, ids: list[int], max_tokens: int = 8,
              cache_salt: str = "", request_id: str = "") -> tuple[pb.GenerateResponse, list[str]]:
     """Greedy Generate through `stub`; returns the reply and the replicas that ran it."""
+    reply, call = generate_call(stub, ids, max_tokens, cache_salt, request_id)
+    return reply, served_by(call)
+
+
+def generate_call(stub: pb_grpc.GenerationStub, ids: list[int], max_tokens: int = 8,
+                  cache_salt: str = "", request_id: str = "") -> tuple[pb.GenerateResponse, object]:
+    """Greedy Generate through `stub`; returns the reply and the call (its trailing metadata)."""
     request = pb.GenerateRequest(
         request_id=request_id, token_ids=pb.TokenIds(ids=ids), cache_salt=cache_salt,
         sampling=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    reply, call = stub.Generate.with_call(request, timeout=60)
-    return reply, served_by(call)
+    return stub.Generate.with_call(request, timeout=60)
 
 
 def served_by(call) -> list[str]:
     metadata = dict(call.trailing_metadata() or ())
     return [name for name in metadata.get("pagedgen-replicas", "").split(",") if name]
+
+
+def routed_by(call) -> list[str]:
+    """The policy that chose each replica of `served_by`, e.g. kv-aware, prefix-hash-fallback."""
+    metadata = dict(call.trailing_metadata() or ())
+    return [name for name in metadata.get("pagedgen-route", "").split(",") if name]
+
+
+def generate_kv_routed(stub: pb_grpc.GenerationStub, ids: list[int], holders: set[str],
+                       max_tokens: int = 8, timeout_s: float = 20.0
+                       ) -> tuple[pb.GenerateResponse, list[str], set[str]]:
+    """Greedy Generate, sent again while the router routed it by the prefix-hash fallback.
+
+    The router gives a Lookup 250 ms, then routes by prefix-hash until the index answers again:
+    legitimate on a starved machine, but such a request says nothing of cache affinity. Returns
+    the first reply routed by kv-aware, its replicas, and `holders` (the replicas holding the
+    prompt's prefix) plus where the fallback requests ran: they hold it too now.
+    """
+    holders = set(holders)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply, call = generate_call(stub, ids, max_tokens)
+        routes = routed_by(call)
+        if routes == ["kv-aware"]:
+            return reply, served_by(call), holders
+        assert routes and all(r == "prefix-hash-fallback" for r in routes), routes
+        holders.update(served_by(call))
+        if time.monotonic() > deadline:
+            raise AssertionError(f"every request for {timeout_s}s was routed by the fallback")
+        time.sleep(0.1)
 
 
 def lookup(index_target: str, chain: list[bytes]) -> dict[str, int]:

@@ -17,6 +17,7 @@ from prefix_index.tools.launch import IndexProcess
 from tests.router.stack import (
     BLOCK_SIZE,
     generate,
+    generate_kv_routed,
     hasher_of,
     lookup,
     served_by,
@@ -85,9 +86,13 @@ def test_a_replica_restarted_under_its_id_gets_no_stale_credit(stack, router_stu
     wait_until(lambda: lookup(stack.index.target, chain).get(survivor, 0) >= PREFIX_BLOCKS,
                what="the survivor's copy of the prefix in the index")
     assert victim not in lookup(stack.index.target, chain)
+    # (A request routed by the prefix-hash fallback, after a Lookup slower than the router's
+    # timeout, is sent again; its replica holds the prefix from then on.)
+    holders = {survivor}
     for i in range(3):
-        reply, replicas = generate(router_stub, with_suffix(ids, 300 + i, len(chain) * 16))
-        assert replicas == [survivor]
+        reply, replicas, holders = generate_kv_routed(
+            router_stub, with_suffix(ids, 300 + i, len(chain) * 16), holders)
+        assert len(replicas) == 1 and replicas[0] in holders, (replicas, holders)
         assert reply.usage.cached_tokens >= PREFIX_BLOCKS * BLOCK_SIZE
 
 
@@ -161,8 +166,12 @@ def test_index_down_falls_back_then_recovers_by_itself(stack, router_stub):
             break
         assert time.monotonic() < deadline, "the index never saw the engines again"
         time.sleep(0.2)
-    reply, replicas = generate(router_stub, with_suffix(fresh, 9, len(chain) * 16))
-    assert replicas == [holder] and reply.usage.cached_tokens == PREFIX_BLOCKS * BLOCK_SIZE
+    # Retried while the router answers by the fallback (a Lookup slower than its timeout on a
+    # loaded machine marks the index down until the next probe): affinity is kv-aware's.
+    reply, replicas, holders = generate_kv_routed(
+        router_stub, with_suffix(fresh, 9, len(chain) * 16), {holder})
+    assert len(replicas) == 1 and replicas[0] in holders, (replicas, holders)
+    assert reply.usage.cached_tokens == PREFIX_BLOCKS * BLOCK_SIZE
 
 
 def test_every_replica_gone_is_unavailable_with_a_reason(stack, router_stub):

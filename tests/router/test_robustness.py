@@ -1,19 +1,27 @@
 """The router under hostile use: an Abort racing a replica's failure, huge prompts that must not
-stall its event loop, replicas replaced by ones serving another model identity."""
+stall its event loop, hung replicas, a drain, replicas replaced by ones serving another model
+identity."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import signal
 import threading
 import time
 
 import grpc
+import pytest
 
 from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+from router.config import RouterConfig
+from router.core import Router
+from router.server import RouterServer
 from tests.router.stack import engine_args, generate, wait_until
 from tests.router.test_failover import busy_engine
-from tests.router.test_routing import prompt
+from tests.router.test_routing import PREFIX_BLOCKS, prompt
 
 
 def test_a_huge_text_prompt_does_not_stall_the_router(stack, router_stub):
@@ -104,6 +112,78 @@ def test_redis_restarted_empty_fails_no_request(stack, router_stub):
         worker.join()
     assert failures == []
     assert len(served) > 5
+    stack.wait_routable(2)
+
+
+@contextlib.asynccontextmanager
+async def router_here(stack, config: RouterConfig):
+    """A router in this process in front of the stack's engines (its state and metrics can be
+    read), and a stub to it over loopback."""
+    router = Router(config, [e.target for e in stack.engines.values()], stack.index.target)
+    server = RouterServer(router, port=0)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            yield server, pb_grpc.GenerationStub(channel)
+    finally:
+        await server.stop(0)
+
+
+def decisions(router: Router) -> float:
+    return sum(sample.value for metric in router.metrics.registry.collect()
+               if metric.name == "pagedgen_router_decisions"
+               for sample in metric.samples if sample.name.endswith("_total"))
+
+
+def test_pin_prefix_is_no_routing_decision_and_is_refused_while_draining(stack):
+    pin = pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=prompt(90)))
+
+    async def body() -> None:
+        async with router_here(stack, RouterConfig()) as (server, stub):
+            pinned = await stub.PinPrefix(pin, timeout=10)
+            assert pinned.num_blocks == PREFIX_BLOCKS
+            assert decisions(server.router) == 0
+            await stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                                                   sampling=pb.SamplingParams(max_tokens=1)),
+                                timeout=30)
+            assert decisions(server.router) == 1
+            unpin = pb.PinPrefixRequest(token_ids=pin.token_ids, unpin=True)
+            assert (await stub.PinPrefix(unpin, timeout=10)).num_blocks == PREFIX_BLOCKS
+            server.servicer.draining = True  # what SIGTERM does first
+            for call in (stub.PinPrefix(pin, timeout=10), stub.Generate(
+                    pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])), timeout=10)):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "draining" in refused.value.details()
+            assert decisions(server.router) == 1
+
+    asyncio.run(body())
+
+
+def test_engine_stats_asks_the_replicas_at_once(stack):
+    """Every replica hung (SIGSTOP): the router's EngineStats costs its timeout once, not once
+    per replica."""
+    config = RouterConfig(rpc_timeout_s=1.0)
+    processes = [engine.proc for engine in stack.engines.values()]
+
+    async def body() -> float:
+        async with router_here(stack, config) as (_, stub):
+            for process in processes:
+                process.send_signal(signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                stats = await stub.EngineStats(pb.EngineStatsRequest(), timeout=30)
+                elapsed = time.monotonic() - start
+            finally:
+                for process in processes:
+                    process.send_signal(signal.SIGCONT)
+            assert stats.index_details["replicas"] == str(len(processes))
+            return elapsed
+
+    elapsed = asyncio.run(body())
+    # One after another: at least 2 x 1 s.
+    assert elapsed < 1.8 * config.rpc_timeout_s, f"EngineStats took {elapsed:.2f}s"
     stack.wait_routable(2)
 
 

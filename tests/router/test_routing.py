@@ -4,6 +4,7 @@ spill under load, salts, bad input, the calls it forwards."""
 from __future__ import annotations
 
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -12,7 +13,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
-from tests.router.stack import BLOCK_SIZE, generate, hasher_of, lookup, wait_until
+from tests.router.stack import (
+    BLOCK_SIZE,
+    generate,
+    generate_call,
+    generate_kv_routed,
+    hasher_of,
+    lookup,
+    routed_by,
+    served_by,
+    wait_until,
+)
 
 PREFIX_BLOCKS = 12
 
@@ -47,9 +58,15 @@ def test_a_repeated_prefix_goes_where_it_is_cached(stack, router_stub):
     chain = hasher_of(router_stub).chain(base, None)
     wait_until(lambda: lookup(stack.index.target, chain).get(holder) == PREFIX_BLOCKS,
                what="the index sees the first request's blocks")
+    # Only requests routed by kv-aware show affinity: a Lookup slower than the router's
+    # timeout (a starved machine) routes one by the prefix-hash fallback, whose replica then
+    # holds the prefix too.
+    holders = {holder}
     for i in range(4):
-        reply, replicas = generate(router_stub, with_suffix(base, 100 + i, len(chain) * 16))
-        assert replicas == [holder], f"request {i} went to {replicas}, the prefix is on {holder}"
+        reply, replicas, holders = generate_kv_routed(
+            router_stub, with_suffix(base, 100 + i, len(chain) * 16), holders)
+        assert len(replicas) == 1 and replicas[0] in holders, (
+            f"request {i} went to {replicas}, the prefix is on {sorted(holders)}")
         assert reply.usage.cached_tokens == PREFIX_BLOCKS * BLOCK_SIZE
 
 
@@ -69,18 +86,34 @@ def test_different_salts_are_never_credited_as_shared(stack, router_stub):
         assert reply.usage.cached_tokens == 0, salt
 
 
-def test_a_hot_prefix_spills_to_the_other_replica_under_load(stack, router_stub):
-    base = prompt(3)
+def hot_burst(stack, router_stub, seed: int) -> tuple[str, list]:
+    """A prefix cached on one replica, then eight long requests for it at once: the holder and
+    the calls (reply, call) of the burst."""
+    base = prompt(seed)
     _, [holder] = generate(router_stub, base)
     chain = hasher_of(router_stub).chain(base, None)
     wait_until(lambda: lookup(stack.index.target, chain).get(holder) == PREFIX_BLOCKS,
                what="the index sees the prefix")
-    # Eight long requests for the same prefix at once: the bounded-load cap keeps the holder
-    # from taking them all.
     requests = [with_suffix(base, 200 + i, PREFIX_BLOCKS * BLOCK_SIZE) for i in range(8)]
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda ids: generate(router_stub, ids, max_tokens=48),
-                                requests))
+        return holder, list(pool.map(lambda ids: generate_call(router_stub, ids, max_tokens=48),
+                                     requests))
+
+
+def test_a_hot_prefix_spills_to_the_other_replica_under_load(stack, router_stub):
+    # The bounded-load cap keeps the holder from taking the whole burst. Only a burst routed
+    # wholly by kv-aware shows that: one with a request whose Lookup timed out (a starved
+    # machine) routed by the prefix-hash fallback is tried again on a fresh prefix (the
+    # fallback's replicas hold this one now).
+    deadline = time.monotonic() + 60
+    seed = 3
+    while True:
+        holder, calls = hot_burst(stack, router_stub, seed)
+        if all(routed_by(call) == ["kv-aware"] for _, call in calls):
+            break
+        assert time.monotonic() < deadline, "every burst had a request routed by the fallback"
+        seed += 1000
+    results = [(reply, served_by(call)) for reply, call in calls]
     placed = [replicas[0] for _, replicas in results]
     assert set(placed) == set(stack.engines), placed
     assert placed.count(holder) >= 3, placed  # the cache still draws its share

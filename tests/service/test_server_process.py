@@ -81,14 +81,21 @@ def test_sigterm_drains_in_flight_requests(tiny_llama_dir, tmp_path):
                     refused = None
                 except grpc.aio.AioRpcError as error:
                     refused = (error.code(), error.details())
+                try:  # (before the drain: FAILED_PRECONDITION, this engine has no index)
+                    await stub.PinPrefix(pb.PinPrefixRequest(text="too late"), timeout=5)
+                    pin_refused = None
+                except grpc.aio.AioRpcError as error:
+                    pin_refused = (error.code(), error.details())
                 messages = [first]
                 while (message := await call.read()) is not grpc.aio.EOF:
                     messages.append(message)
-                return refused, messages, await call.code()
+                return refused, pin_refused, messages, await call.code()
 
-        refused, messages, code = asyncio.run(body())
+        refused, pin_refused, messages, code = asyncio.run(body())
         assert refused is not None and refused[0] == grpc.StatusCode.UNAVAILABLE
         assert "draining" in refused[1]
+        assert pin_refused is not None and pin_refused[0] == grpc.StatusCode.UNAVAILABLE
+        assert "draining" in pin_refused[1]
         assert code == grpc.StatusCode.OK and messages[-1].finished
         assert messages[-1].usage.completion_tokens == 400  # finished, not cut short
         assert [c.finish_reason for c in messages[-1].choices] == [pb.FINISH_REASON_LENGTH]
