@@ -13,14 +13,17 @@ from engine_service import LLM, SamplingParams
 PROMPT = "Name three colours."
 
 
-def test_stack_streams_a_completion_and_stops_cleanly(smollm2_dir, tmp_path):
+def run_stack(tmp_path, *extra: str) -> str:
     script = shutil.which("pagedgen-stack")
     command = [script] if script else [sys.executable, "-m", "engine_service.tools.stack"]
     done = subprocess.run(
-        command + ["--prompt", PROMPT, "--max-tokens", "16", "--log-dir", str(tmp_path)],
+        command + ["--prompt", PROMPT, "--max-tokens", "16", "--log-dir", str(tmp_path), *extra],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    out = done.stdout
+    return done.stdout
+
+
+def assert_streamed_the_reference(out: str, smollm2_dir) -> None:
     match = re.search(r"assistant: (.*)\n\n\[usage: (\d+) prompt tokens \((\d+) cached\), "
                       r"(\d+) completion tokens\]\n", out, flags=re.S)
     assert match, out
@@ -30,6 +33,21 @@ def test_stack_streams_a_completion_and_stops_cleanly(smollm2_dir, tmp_path):
     assert text == want.outputs[0].text
     assert int(num_prompt) == len(want.prompt_token_ids)
     assert int(num_completion) == len(want.outputs[0].token_ids)
+
+
+def test_stack_streams_a_completion_and_stops_cleanly(smollm2_dir, tmp_path):
+    out = run_stack(tmp_path)
+    assert_streamed_the_reference(out, smollm2_dir)
     for line in ("redis ", "prefix index ", "engine ", "stopped cleanly"):
         assert line in out
     assert "draining" in (tmp_path / "engine-0.log").read_text()  # SIGTERM, not a kill
+
+
+def test_stack_with_replicas_streams_through_the_router(smollm2_dir, tmp_path):
+    out = run_stack(tmp_path, "--replicas", "2")
+    assert_streamed_the_reference(out, smollm2_dir)
+    assert out.count("engine        ") == 2, out
+    assert "router        " in out and "kv-aware over 2 engines" in out, out
+    assert "stopped cleanly" in out
+    for i in range(2):  # both engines drained on SIGTERM, neither killed
+        assert "draining" in (tmp_path / f"engine-{i}.log").read_text()
