@@ -11,7 +11,9 @@ import redis
 from prefix_index.api.client import PrefixIndexClient
 from prefix_index.api.ops import Evict, Forget, Release
 from prefix_index.server.keys import ENGINES_KEY, view_key
+from prefix_index.server.store import SCAN_MAX_ENGINES
 from prefix_index.tools.launch import IndexProcess
+from prefix_index.tools.redis_process import RedisProcess
 from tests.prefix_index.chains import commit_ops, make_chain
 
 ENGINES = 100
@@ -88,4 +90,34 @@ def test_the_sweeper_prunes_engines_whose_lease_ran_out(redis_server, engine_id)
             assert engine_id + "-alive" in members
 
     with IndexProcess(redis_server.url, args) as index:
+        asyncio.run(body(index.target))
+
+
+def test_lookup_gives_the_same_answer_below_and_above_the_scan_limit(engine_id):
+    """A small fleet is asked engine by engine, a large one through the view: the same
+    matches, model filter and order either way. (Its own Redis: the count of registered
+    engines decides the path.)"""
+    async def body(target):
+        chain = make_chain(f"scan-{engine_id}", 5)
+        async with PrefixIndexClient(target, 5.0) as c:
+            small = [f"{engine_id}-s{i}" for i in range(SCAN_MAX_ENGINES - 1)]
+            for i, eid in enumerate(small):
+                await c.register(eid, "m" if i % 3 else "other-model", 16, 16, 30)
+                await c.apply(commit_ops(chain[: i % 6], 0) + [Release(chain[: i % 6])])
+            expected = sorted(((eid, i % 6) for i, eid in enumerate(small) if i % 6),
+                              key=lambda m: (-m[1], m[0]))
+            filtered = [eid for eid, _ in expected if int(eid.rsplit("s", 1)[1]) % 3]
+            answers = []
+            for phase in range(2):
+                assert len(await c.stats("")) == len(small) + phase * SCAN_MAX_ENGINES
+                got = [(m.engine_id, m.matched_blocks) for m in await c.lookup(chain)]
+                only_m = [m.engine_id for m in await c.lookup(chain, model_identity="m")]
+                answers.append((got, only_m))
+                # Past the limit: engines that hold nothing of the chain.
+                for i in range(SCAN_MAX_ENGINES):
+                    await c.register(f"{engine_id}-x{i}", "m", 16, 16, 30)
+            assert answers[0] == answers[1] == (expected, filtered)
+
+    with RedisProcess() as own_redis, IndexProcess(own_redis.url,
+                                                   ["--log-level", "WARNING"]) as index:
         asyncio.run(body(index.target))
