@@ -77,6 +77,12 @@ class RouterStack:
         self.engines[engine_id] = engine
         return engine
 
+    def restart_index(self, port: int) -> IndexProcess:
+        """A new index process on `port` (the old one killed), stopped with the stack."""
+        self.index = self._stack.enter_context(
+            IndexProcess(self.redis.url, ["--log-level", "WARNING"], port=port))
+        return self.index
+
     def kill_engine(self, engine_id: str) -> None:
         self.engines[engine_id].kill()
 

@@ -13,7 +13,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
-from prefix_index.tools.launch import IndexProcess
 from tests.router.stack import (
     BLOCK_SIZE,
     generate,
@@ -141,8 +140,7 @@ def test_index_down_falls_back_then_recovers_by_itself(stack, router_stub):
     placed = {generate(router_stub, with_suffix(base, i, 160))[1][0] for i in range(4)}
     assert len(placed) == 1
     # Back on the same port: the router routes by the index again without being told.
-    stack.index = IndexProcess(stack.redis.url, ["--log-level", "WARNING"], port=port)
-    stack.index.start()
+    stack.restart_index(port)  # the stack stops it (a bare start() outlived the test)
     wait_until(lambda: index_health(stack) == health_pb2.HealthCheckResponse.SERVING,
                timeout_s=20, what="the router seeing the index again")
     # The engines re-register and re-sync (each link out of degraded mode); then affinity
