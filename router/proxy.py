@@ -264,6 +264,7 @@ class RoutedRequest:
             watchdog.cancel()
             call.cancel()  # the client went away (or we did): the replica aborts it
             replica.in_flight -= 1
+            replica.num_finished += 1  # its last EngineStats may still count this request
             replica.pending_prefill_tokens -= uncached
             router.metrics.in_flight.labels(name).dec()
 

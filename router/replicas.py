@@ -47,6 +47,12 @@ class Replica:
         self.last_error = "not polled yet"
         self.in_flight = 0  # requests this router is running on it
         self.pending_prefill_tokens = 0  # of those, uncached prompt tokens not prefilled yet
+        # Requests of this router that ended on it, and how many had ended when the EngineStats
+        # behind `reported` was asked for: a snapshot taken before one of ours ended still
+        # counts that request (its whole prompt as queued prefill, its sequence as live), and
+        # would steer the next request away from the replica that just cached its prefix.
+        self.num_finished = 0
+        self.reported_after_finished = 0
         self.retired = False  # no longer a member (its lease lapsed, or it moved address)
         self.poll_task: asyncio.Task | None = None
 
@@ -65,11 +71,20 @@ class Replica:
         return self.healthy and self.compatible and self.info is not None
 
     @property
+    def reported_is_current(self) -> bool:
+        """No request of ours ended since the reported load was asked for."""
+        return self.reported_after_finished == self.num_finished
+
+    @property
     def active_requests(self) -> int:
+        if not self.reported_is_current:  # until the next poll: our own count
+            return self.in_flight
         return max(self.in_flight, self.reported.live_requests)
 
     @property
     def queued_prefill_tokens(self) -> int:
+        if not self.reported_is_current:
+            return self.pending_prefill_tokens
         return max(self.pending_prefill_tokens, self.reported.waiting_prefill_tokens)
 
     def mark_down(self, reason: str) -> None:
@@ -148,6 +163,7 @@ class ReplicaSet:
                 info = await replica.stub.ModelInfo(pb.ModelInfoRequest(),
                                                     timeout=self.rpc_timeout_s)
                 self._adopt(replica, info)
+            finished_before = replica.num_finished
             stats = await replica.stub.EngineStats(pb.EngineStatsRequest(),
                                                    timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as error:
@@ -156,6 +172,7 @@ class ReplicaSet:
         replica.reported = ReportedLoad(
             stats.num_waiting_prefill_tokens, stats.num_running, stats.num_live_requests,
             stats.kv_cache_usage)
+        replica.reported_after_finished = finished_before
         if stats.draining:
             replica.mark_down("draining")
             return

@@ -20,6 +20,7 @@ def replicas(*active: int) -> list[Replica]:
         r.address, r.engine_id = f"127.0.0.1:{5000 + i}", f"engine-{i}"
         r.in_flight, r.pending_prefill_tokens = n, 0
         r.reported = ReportedLoad()
+        r.num_finished = r.reported_after_finished = 0
         out.append(r)
     return out
 
@@ -30,6 +31,24 @@ def test_kv_aware_prefers_the_replica_holding_the_prefix():
     decision = Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK)
     assert decision.replica.engine_id == "engine-2" and decision.matched_blocks == 19
     assert not decision.fallback
+
+
+def test_a_load_report_older_than_a_finished_request_does_not_push_its_prefix_away():
+    """The holder's last EngineStats was taken while the request that cached the prefix was
+    still queued (its whole prompt counted as waiting prefill); that request has ended since.
+    Until the next poll the router counts its own requests there, and the next request with the
+    prefix goes to the holder."""
+    rs = replicas(0, 0)
+    holder = rs[0]
+    holder.reported = ReportedLoad(waiting_prefill_tokens=13 * BLOCK, running_seqs=1,
+                                   live_requests=1)
+    route = RouteInput(13 * BLOCK, b"k" * 16, {"engine-0": 12})
+    assert Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK).replica is rs[1]
+    holder.num_finished += 1  # the request ended after that report was asked for
+    decision = Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK)
+    assert decision.replica is holder and decision.matched_blocks == 12
+    holder.reported_after_finished = holder.num_finished  # a poll after it: trusted again
+    assert Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK).replica is rs[1]
 
 
 def test_kv_aware_spills_when_the_holder_has_more_queued_prefill_than_the_prefix_saves():
