@@ -14,6 +14,12 @@ def engine_keys(engine_id: str) -> list[str]:
     return [f"pi:{{{engine_id}}}:{suffix}" for suffix in ENGINE_KEY_SUFFIXES]
 
 
+def lookup_keys(engine_id: str) -> list[str]:
+    """What lua/lookup.lua reads of one engine: meta, bid, free."""
+    prefix = f"pi:{{{engine_id}}}:"
+    return [prefix + "meta", prefix + "bid", prefix + "free"]
+
+
 def view_key(block_hash: bytes) -> str:
     """The set of `engine_id@epoch` holding this block hash: the routing view Lookup reads.
     Tagged by the hash itself, so the view spreads over every cluster slot."""

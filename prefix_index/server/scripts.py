@@ -15,6 +15,8 @@ from redis.exceptions import NoScriptError
 
 LUA_DIR = Path(__file__).resolve().parent / "lua"
 SCRIPT_NAMES = ("register", "heartbeat", "apply", "cool", "lookup", "stats")
+# Scripts over several engines' keys at once: without common.lua, whose KEYS are one engine's.
+MULTI_ENGINE_SCRIPTS = frozenset({"lookup"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,11 +35,12 @@ class LuaScript:
 
 
 def load_scripts() -> dict[str, LuaScript]:
-    """Each script is lua/common.lua followed by its own file."""
+    """Each script is lua/common.lua followed by its own file (a multi-engine one: its file)."""
     common = (LUA_DIR / "common.lua").read_text()
     scripts = {}
     for name in SCRIPT_NAMES:
-        source = common + "\n" + (LUA_DIR / f"{name}.lua").read_text()
+        own = (LUA_DIR / f"{name}.lua").read_text()
+        source = own if name in MULTI_ENGINE_SCRIPTS else common + "\n" + own
         sha = hashlib.sha1(source.encode()).hexdigest()
         scripts[name] = LuaScript(name, source, sha)
     return scripts

@@ -43,6 +43,7 @@ from prefix_index.server.errors import (
 from prefix_index.server.keys import (
     ENGINES_KEY,
     engine_keys,
+    lookup_keys,
     parse_view_member,
     view_key,
     view_member,
@@ -62,12 +63,18 @@ _PIN_STATES = {b"e": PinState.EXPLICIT, b"a": PinState.AUTOMATIC, b"-": PinState
 # Lookup reads the view this many chain hashes per round trip, stopping at the first hash
 # nobody holds.
 _VIEW_CHUNK = 64
-# Up to this many registered engines, Lookup asks each engine's own state (one round of small
-# scripts, ~0.3 ms) instead of reading the view first (a pipeline of one read per chain hash,
-# then the same scripts for the candidates: ~2 ms). Past it the view keeps Lookup's cost to the
-# engines that hold the chain. Both answers are exact: every match is the engine's own state.
+# Up to this many registered engines, Lookup asks each engine's own state (one script over all
+# of them on a single server, ~0.2 ms) instead of reading the view first (a pipeline of one
+# read per chain hash, then the same script for the candidates: ~2 ms). Past it the view keeps
+# Lookup's cost to the engines that hold the chain. Both answers are exact: every match is the
+# engine's own state.
 SCAN_MAX_ENGINES = 8
 _MAX_CONCURRENT_SCRIPTS = 16
+# Lookup reads the engine directory at most this often (a Register here refreshes it at once):
+# a router asks on every request, and each read is a round trip. An engine registered through
+# another index process is seen up to this much later, while it holds next to nothing; one
+# that left is harmless (its row says "gone").
+ENGINE_LIST_TTL_S = 1.0
 
 
 def _match(engine_id: str, row: list, model_identity: str) -> EngineMatch | None:
@@ -153,6 +160,8 @@ class IndexStore:
         self.view_ttl_ms = round(view_ttl_s * 1000)
         self._scripts = load_scripts()
         self.view_write_errors = 0  # view writes that failed after their Apply succeeded
+        self._engine_list: list[str] = []  # the directory as Lookup last read it
+        self._engine_list_read_at: float | None = None  # time.monotonic() of that read
 
     async def _run(self, name: str, engine_id: str, args: list) -> object:
         try:
@@ -204,6 +213,7 @@ class IndexStore:
                 f"its lease expires in {remaining_s:.1f}s (at {until}) unless it heartbeats. "
                 "Stop the other process, or give this one another engine id")
         await self.redis.sadd(ENGINES_KEY, engine_id)
+        self._engine_list_read_at = None  # Lookup sees it from now on
         return Registration(int(reply[0]), lease_s, budget)
 
     async def heartbeat(self, engine_id: str, epoch: int) -> float:
@@ -260,6 +270,29 @@ class IndexStore:
     async def engine_ids(self) -> list[str]:
         return sorted(m.decode() for m in await self.redis.smembers(ENGINES_KEY))
 
+    async def _lookup_engine_ids(self) -> list[str]:
+        now = time.monotonic()
+        read_at = self._engine_list_read_at
+        if read_at is None or now - read_at >= ENGINE_LIST_TTL_S:
+            self._engine_list = await self.engine_ids()
+            self._engine_list_read_at = now
+        return self._engine_list
+
+    async def _lookup_rows(self, engine_ids: list[str], chain: Sequence[bytes]) -> list:
+        """lookup.lua's row for each engine: one call for all of them on a single server, one
+        per engine on a cluster (at most _MAX_CONCURRENT_SCRIPTS at a time)."""
+        script = self._scripts["lookup"]
+        if not isinstance(self.redis, RedisCluster):
+            keys = [key for engine_id in engine_ids for key in lookup_keys(engine_id)]
+            return list(await script.run(self.redis, keys, list(chain))) if keys else []
+        rows: list = []
+        for start in range(0, len(engine_ids), _MAX_CONCURRENT_SCRIPTS):
+            chunk = engine_ids[start:start + _MAX_CONCURRENT_SCRIPTS]
+            replies = await asyncio.gather(*(script.run(self.redis, lookup_keys(e), list(chain))
+                                             for e in chunk))
+            rows += [reply[0] for reply in replies]
+        return rows
+
     async def _prune_engine(self, engine_id: str) -> None:
         # Only when the engine is really gone: a register racing this re-adds itself.
         if not await self.redis.exists(engine_keys(engine_id)[0]):
@@ -285,16 +318,15 @@ class IndexStore:
         """Engines holding a prefix of the chain, from the view (cost: the chain and the
         engines holding it, not the engines registered), each checked against that engine's
         own state: the answer is exact even when a view write was lost."""
-        engine_ids = await self.engine_ids() if chain else []
+        engine_ids = await self._lookup_engine_ids() if chain else []
         if len(engine_ids) <= SCAN_MAX_ENGINES:
-            rows = await self._each(engine_ids, "lookup", list(chain))
+            rows = await self._lookup_rows(engine_ids, chain)
             found = [_match(engine_id, row, model_identity)
                      for engine_id, row in zip(engine_ids, rows, strict=True) if row]
             return _best_first(found)
         claims = await self._view_claims(chain)
         candidates = [(member, *parse_view_member(member)) for member in claims]
-        rows = await self._each([engine_id for _, engine_id, _ in candidates], "lookup",
-                                list(chain))
+        rows = await self._lookup_rows([engine_id for _, engine_id, _ in candidates], chain)
         found = []
         stale: list[bytes] = []
         for (member, engine_id, epoch), row in zip(candidates, rows, strict=True):

@@ -11,7 +11,7 @@ import redis
 from prefix_index.api.client import PrefixIndexClient
 from prefix_index.api.ops import Evict, Forget, Release
 from prefix_index.server.keys import ENGINES_KEY, view_key
-from prefix_index.server.store import SCAN_MAX_ENGINES
+from prefix_index.server.store import ENGINE_LIST_TTL_S, SCAN_MAX_ENGINES
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
 from tests.prefix_index.chains import commit_ops, make_chain
@@ -121,3 +121,31 @@ def test_lookup_gives_the_same_answer_below_and_above_the_scan_limit(engine_id):
     with RedisProcess() as own_redis, IndexProcess(own_redis.url,
                                                    ["--log-level", "WARNING"]) as index:
         asyncio.run(body(index.target))
+
+
+def test_lookup_sees_an_engine_registered_through_another_index_process(engine_id):
+    """Lookup keeps the engine directory for ENGINE_LIST_TTL_S: an engine that registered
+    through another index process on the same Redis is found once that much has passed, and
+    one that registered through this process at once."""
+    async def body(first: str, second: str):
+        chain = make_chain(f"directory-{engine_id}", 3)
+        async with PrefixIndexClient(first, 5.0) as a, PrefixIndexClient(second, 5.0) as b:
+            await a.register(f"{engine_id}-a", "m", 16, 16, 30)
+            await a.apply(commit_ops(chain, 0) + [Release(chain)])
+            assert [m.engine_id for m in await a.lookup(chain)] == [f"{engine_id}-a"]
+            await b.register(f"{engine_id}-b", "m", 16, 16, 30)
+            await b.apply(commit_ops(chain, 0) + [Release(chain)])
+            deadline = time.monotonic() + ENGINE_LIST_TTL_S + 5.0
+            while len(await a.lookup(chain)) < 2:
+                assert time.monotonic() < deadline, "the first index never saw the engine"
+                await asyncio.sleep(0.05)
+            # Registered through the first process: no wait at all.
+            await a.register(f"{engine_id}-c", "m", 16, 16, 30)
+            await a.apply(commit_ops(chain[:1], 0) + [Release(chain[:1])])
+            matches = {m.engine_id: m.matched_blocks for m in await a.lookup(chain)}
+            assert matches == {f"{engine_id}-a": 3, f"{engine_id}-b": 3, f"{engine_id}-c": 1}
+
+    with RedisProcess() as own_redis, \
+            IndexProcess(own_redis.url, ["--log-level", "WARNING"]) as first, \
+            IndexProcess(own_redis.url, ["--log-level", "WARNING"]) as second:
+        asyncio.run(body(first.target, second.target))

@@ -74,6 +74,9 @@ def test_redis_killed_and_restarted(engine_id):
             [acq, rel, ev] = await c.apply([Acquire(chain), Release(chain), Evict(3)])
             assert acq.block_ids == [4, 5, 6]
             assert [e.block_id for e in ev.evicted] == [6, 5, 4]
+            await c.apply(commit_ops(chain, 7) + [Release(chain)])
+            [match] = await c.lookup(chain)  # its script, too, loaded again
+            assert (match.engine_id, match.matched_blocks) == (engine_id, 3)
             stale = PrefixIndexClient(index.target, 2.0)
             stale.attach(engine_id, old_epoch)
             with pytest.raises(PrefixIndexClientError) as err:
