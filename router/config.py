@@ -21,6 +21,11 @@ class RouterConfig:
     # while its active requests + 1 <= ceil(load_bound * (all active + 1) / replicas), so one
     # hot prefix cannot pile every request onto the replica that caches it.
     load_bound: float = 1.25
+    # ... plus this many requests: with a handful running, the bound alone forbids a second
+    # request on the replica that holds a prefix (1 running of 1: cap ceil(1.25 * 2 / 3) = 1),
+    # and sends it to one that must prefill it and evict another prefix for it; a replica
+    # batches a few more requests at little cost.
+    load_slack: int = 2
     # prefix-hash keys a request by the hash of its first blocks (at most this many).
     prefix_hash_blocks: int = 4
     lookup_timeout_s: float = 0.25  # a slow index costs at most this, then prefix-hash
@@ -39,6 +44,8 @@ class RouterConfig:
         if not self.load_bound >= 1:
             raise ValueError(f"load_bound must be >= 1 (1 = perfectly even), got "
                              f"{self.load_bound}")
+        if self.load_slack < 0:
+            raise ValueError(f"load_slack must be >= 0 requests, got {self.load_slack}")
         if self.prefix_hash_blocks < 1:
             raise ValueError(f"prefix_hash_blocks must be >= 1, got {self.prefix_hash_blocks}")
         for name in ("lookup_timeout_s", "stats_interval_s", "discovery_interval_s",

@@ -39,14 +39,15 @@ class Decision:
     fallback: bool  # kv-aware had no index answer (or no index)
 
 
-def load_cap(replicas: Sequence[Replica], load_bound: float) -> int:
+def load_cap(replicas: Sequence[Replica], load_bound: float, load_slack: int = 0) -> int:
     """The most active requests a replica may have after taking this one."""
     total = sum(r.active_requests for r in replicas)
-    return math.ceil(load_bound * (total + 1) / len(replicas))
+    return math.ceil(load_bound * (total + 1) / len(replicas)) + load_slack
 
 
-def under_cap(replicas: Sequence[Replica], load_bound: float) -> list[Replica]:
-    cap = load_cap(replicas, load_bound)
+def under_cap(replicas: Sequence[Replica], load_bound: float, load_slack: int = 0
+              ) -> list[Replica]:
+    cap = load_cap(replicas, load_bound, load_slack)
     # Never empty: the least loaded replica is at or below the mean, hence under the cap.
     return [r for r in replicas if r.active_requests + 1 <= cap]
 
@@ -94,7 +95,7 @@ class Policies:
 
     def _least(self, replicas: Sequence[Replica], cost, policy: str,
                matches: dict[str, int] | None = None) -> Decision:
-        eligible = under_cap(replicas, self.config.load_bound)
+        eligible = under_cap(replicas, self.config.load_bound, self.config.load_slack)
         turn = self._next_turn()
         n = len(eligible)
         # Ties: fewer active requests, then rotate, so equal replicas share the work.
@@ -122,7 +123,8 @@ class Policies:
             decision = self._least(replicas, lambda r: load(r, block_size, self.config),
                                    "prefix-hash")
             return Decision(decision.replica, "prefix-hash", 0, fallback)
-        allowed = {id(r) for r in under_cap(replicas, self.config.load_bound)}
+        config = self.config
+        allowed = {id(r) for r in under_cap(replicas, config.load_bound, config.load_slack)}
         for replica in rendezvous_order(route.prefix_key, replicas):
             if id(replica) in allowed:
                 return Decision(replica, "prefix-hash", 0, fallback)

@@ -116,7 +116,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-weight", type=float, default=d.kv_weight,
                    help="load: cost of a full KV cache, in blocks of prefill")
     p.add_argument("--load-bound", type=float, default=d.load_bound,
-                   help="no replica takes more than this times the mean active requests")
+                   help="no replica takes more than this times the mean active requests "
+                        "(plus --load-slack)")
+    p.add_argument("--load-slack", type=int, default=d.load_slack,
+                   help="requests a replica may take past --load-bound's share")
     p.add_argument("--prefix-hash-blocks", type=int, default=d.prefix_hash_blocks)
     p.add_argument("--lookup-timeout-s", type=float, default=d.lookup_timeout_s)
     p.add_argument("--stats-interval-s", type=float, default=d.stats_interval_s)
@@ -139,7 +142,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         policy=args.policy, prefill_weight=args.prefill_weight,
         running_weight=args.running_weight, kv_weight=args.kv_weight,
-        load_bound=args.load_bound, prefix_hash_blocks=args.prefix_hash_blocks,
+        load_bound=args.load_bound, load_slack=args.load_slack,
+        prefix_hash_blocks=args.prefix_hash_blocks,
         lookup_timeout_s=args.lookup_timeout_s, stats_interval_s=args.stats_interval_s,
         discovery_interval_s=args.discovery_interval_s)
 

@@ -192,8 +192,15 @@ class ReferenceIndex:
             case Pin(chain=chain):
                 prefix = self.held_prefix(chain)
                 new_pins = sum(1 for h in prefix if not self.blocks[h].pin)
-                if self._pinned() + new_pins > self.pin_budget:
-                    return OpResult(OpStatus.PIN_BUDGET_EXCEEDED)
+                over = self._pinned() + new_pins - self.pin_budget
+                if over > 0:
+                    # Automatic pins outside the prefix make room, least recently used first.
+                    autos = sorted((b.last_use, h) for h, b in self.blocks.items()
+                                   if b.pin == "a" and h not in prefix)
+                    if len(autos) < over:
+                        return OpResult(OpStatus.PIN_BUDGET_EXCEEDED)
+                    for _, h in autos[:over]:
+                        self._set_pin(h, "")
                 for h in prefix:
                     self._set_pin(h, "e")
                 return OpResult(OpStatus.OK, count=len(prefix))

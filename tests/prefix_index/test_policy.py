@@ -11,7 +11,16 @@ import pytest
 import redis
 
 from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
-from prefix_index.api.ops import Acquire, Commit, Evict, OpStatus, Pin, Release, Unpin
+from prefix_index.api.ops import (
+    Acquire,
+    Commit,
+    Evict,
+    OpStatus,
+    Pin,
+    PinState,
+    Release,
+    Unpin,
+)
 from prefix_index.tools.launch import IndexProcess
 from tests.prefix_index.chains import commit_ops, make_chain
 from tests.prefix_index.conftest import HOT_THRESHOLD
@@ -192,12 +201,31 @@ def test_hot_blocks_pin_themselves_within_the_budget(index_server, engine_id):
             assert (s.pinned, s.auto_pinned) == (4, 4)
             [ev] = await c.apply([Evict(16)])
             assert [e.block_id for e in ev.evicted] == [5, 4]
-            # Explicit pins count against the same budget.
+            # Explicit pins count against the same budget, and take it from automatic pins:
+            # the least recently used goes (hot's, used before warm's).
             cold = make_chain("cold", 1)
             await c.apply(commit_ops(cold, 8))
-            [refused] = await c.apply([Pin(cold)])
+            await c.apply_batch([])  # (the pin changes so far)
+            reply = await c.apply_batch([Pin(cold)])
+            assert reply.results[0].status == OpStatus.OK
+            changes = {(ch.hash, ch.state) for ch in reply.pin_changes}
+            assert (cold[0], PinState.EXPLICIT) in changes and len(changes) == 2
+            [(displaced, _)] = changes - {(cold[0], PinState.EXPLICIT)}
+            assert displaced in hot
+            s = (await c.stats())[0]
+            assert (s.pinned, s.auto_pinned) == (4, 3)
+            # Only explicit pins left: a further explicit pin is refused, and changes nothing.
+            more = make_chain("more", 3)
+            await c.apply(commit_ops(more, 9))
+            [ok] = await c.apply([Pin(more)])
+            assert ok.status == OpStatus.OK and ok.count == 3
+            last = make_chain("last", 1)
+            await c.apply(commit_ops(last, 12))
+            [refused] = await c.apply([Pin(last)])
             assert refused.status == OpStatus.PIN_BUDGET_EXCEEDED
-            [unpinned, pinned] = await c.apply([Unpin(hot), Pin(cold)])
+            s = (await c.stats())[0]
+            assert (s.pinned, s.auto_pinned) == (4, 0)
+            [unpinned, pinned] = await c.apply([Unpin(more), Pin(last)])
             assert unpinned.count == 3 and pinned.status == OpStatus.OK
     run(body())
 

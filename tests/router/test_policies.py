@@ -68,6 +68,19 @@ def test_bounded_load_caps_a_hot_prefix():
     assert decision.replica.engine_id != "engine-0"
 
 
+def test_a_second_request_for_a_prefix_stays_with_its_holder_at_low_load():
+    """One request running, on the replica holding the prefix: the bound alone (cap
+    ceil(1.25 * 2 / 3) = 1) would send the next one for the prefix elsewhere, to prefill it
+    again and evict another tenant's prefix for it; the slack keeps it with the holder."""
+    rs = replicas(1, 0, 0)
+    route = RouteInput(34 * BLOCK, b"k" * 16, {"engine-0": 32})
+    assert load_cap(rs, 1.25) == 1
+    decision = Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK)
+    assert decision.replica.engine_id == "engine-0" and decision.matched_blocks == 32
+    strict = Policies(RouterConfig(load_slack=0)).choose("kv-aware", rs, route, BLOCK)
+    assert strict.replica.engine_id != "engine-0"
+
+
 def test_index_down_falls_back_to_prefix_hash():
     rs = replicas(0, 0, 0)
     route = RouteInput(320, b"some-prefix-key!", None)
@@ -108,7 +121,8 @@ def test_ties_rotate_over_equal_replicas():
 
 
 @pytest.mark.parametrize("field,value", [("policy", "random"), ("load_bound", 0.9),
-                                         ("prefill_weight", -1.0), ("prefix_hash_blocks", 0)])
+                                         ("prefill_weight", -1.0), ("prefix_hash_blocks", 0),
+                                         ("load_slack", -1)])
 def test_bad_settings_are_named(field, value):
     config = RouterConfig(**{field: value})
     with pytest.raises(ValueError, match=field):

@@ -333,9 +333,27 @@ local function pin(op)
     if not pins[i] then new_pins = new_pins + 1 end
   end
   local pinned, budget = redis.call('HLEN', K.pin), pin_budget()
-  if pinned + new_pins > budget then
-    return {PIN_BUDGET_EXCEEDED, 'pinning ' .. new_pins .. ' more blocks would pass the pin ' ..
-      'budget of ' .. budget .. ' (' .. pinned .. ' pinned)', {}, {}, 0}
+  local over = pinned + new_pins - budget
+  if over > 0 then
+    -- An explicit pin is an order, an automatic one our guess: automatic pins outside this
+    -- prefix make room for it, the least recently used first.
+    local in_prefix = {}
+    for _, h in ipairs(hashes) do in_prefix[h] = true end
+    local flat = redis.call('HGETALL', K.pin)
+    local autos = {}
+    for i = 1, #flat, 2 do
+      if flat[i + 1] == 'a' and not in_prefix[flat[i]] then autos[#autos + 1] = flat[i] end
+    end
+    if #autos < over then
+      return {PIN_BUDGET_EXCEEDED, 'pinning ' .. new_pins .. ' more blocks would pass the pin ' ..
+        'budget of ' .. budget .. ' (' .. pinned .. ' pinned, ' .. (pinned - #autos) ..
+        ' of them explicitly or in this prefix)', {}, {}, 0}
+    end
+    local lasts = hmget(K.last, autos)
+    local order = {}
+    for i = 1, #autos do order[i] = i end
+    table.sort(order, function(a, b) return tonumber(lasts[a]) < tonumber(lasts[b]) end)
+    for i = 1, over do unpin(autos[order[i]]) end
   end
   for _, h in ipairs(hashes) do
     set_pin(h, 'e')
