@@ -15,6 +15,14 @@ class RouterConfig:
     #   load = queued prefill blocks + running_weight * running sequences
     #          + kv_weight * KV usage (0..1)
     prefill_weight: float = 1.0
+    # A prefix's home (the first replica of its rendezvous order, where prefix-hash would send
+    # it) costs this many blocks less: prefixes nobody holds yet spread over the replicas by
+    # hash, so each replica caches its share of them, instead of all going to whichever
+    # replica was idle at the moment; a home more loaded than that by this much is passed by.
+    home_weight: float = 8.0
+    # Chains routed to a replica count as held there for this long, until the index has them
+    # (router/pending.py).
+    pending_s: float = 5.0
     running_weight: float = 0.5
     kv_weight: float = 8.0
     # Bounded load (consistent hashing with bounded loads): a replica may take a request only
@@ -37,7 +45,7 @@ class RouterConfig:
         """Raises ValueError naming a setting outside what is allowed."""
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name in ("prefill_weight", "running_weight", "kv_weight"):
+        for name in ("prefill_weight", "home_weight", "running_weight", "kv_weight", "pending_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import struct
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,9 +21,10 @@ import xxhash
 from router.config import RouterConfig
 from router.index_view import IndexView
 from router.metrics import RouterMetrics
+from router.pending import PendingPrefixes
 from router.policies import Decision, Policies, RouteInput
 from router.prompt import PromptReader
-from router.replicas import ReplicaSet
+from router.replicas import Replica, ReplicaSet
 
 if TYPE_CHECKING:
     from router.proxy import RoutedRequest
@@ -58,6 +60,8 @@ class Router:
         self.prompts = PromptReader(tokenizer_path, config.rpc_timeout_s)
         # request id -> the request (router/proxy.py RoutedRequest): its replica, if it runs
         self.live: dict[str, RoutedRequest] = {}
+        # replica address -> chains just routed there, not in the index yet (kv-aware)
+        self.pending: dict[str, PendingPrefixes] = {}
         self._tasks: list[asyncio.Task] = []
         if self.index is not None:
             self.metrics.index_up.set_function(lambda: 1.0 if self.index.up else 0.0)
@@ -106,6 +110,8 @@ class Router:
         registered = await self.index.engines()
         if registered is not None and not self.static_engines:
             await self.replicas.set_members(registered)
+        for address in [a for a in self.pending if a not in self.replicas.replicas]:
+            del self.pending[address]
 
     # ---- state for health and stats -----------------------------------------------------------
     @property
@@ -157,14 +163,33 @@ class Router:
                 replicas = [r for r in self.replicas.routable() if r.address not in exclude]
                 if not replicas:
                     raise NoReplicaError(self._no_replica_message(exclude))
+                matches = self._with_pending(matches, replicas, chain)
         route = RouteInput(len(token_ids) if token_ids is not None else None,
                            self._prefix_key(chain, token_ids, cache_salt), matches)
         decision = self.policies.choose(policy, replicas, route, hasher.block_size)
+        if matches is not None and record:  # (a PinPrefix prefills nothing)
+            address = decision.replica.address
+            if address not in self.pending:
+                self.pending[address] = PendingPrefixes(self.config.pending_s)
+            self.pending[address].add(chain, time.monotonic())
         if record:
             self.metrics.decisions.labels(decision.policy, decision.replica.name).inc()
             if decision.fallback and self.index is not None:
                 self.metrics.fallbacks.inc()
         return Route(decision, route.num_prompt_tokens)
+
+    def _with_pending(self, matches: dict[str, int], replicas: list[Replica],
+                      chain: list[bytes]) -> dict[str, int]:
+        """The index's matches, raised by what was routed to each replica moments ago."""
+        now = time.monotonic()
+        merged = dict(matches)
+        for replica in replicas:
+            pending = self.pending.get(replica.address)
+            if pending is not None and replica.engine_id:
+                held = pending.matched(chain, now)
+                if held > merged.get(replica.engine_id, 0):
+                    merged[replica.engine_id] = held
+        return merged
 
     def _prefix_key(self, chain: list[bytes], token_ids: list[int] | None,
                     cache_salt: str) -> bytes | None:

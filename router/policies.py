@@ -1,8 +1,9 @@
 """Which replica takes a request: the four policies, as pure choices over a snapshot of the
 replicas (no I/O here).
 
-- kv-aware (default): the least cost, cost = prefill_weight * uncached prompt blocks + load,
-  the uncached blocks from the index's exact per-replica longest prefix.
+- kv-aware (default): the least cost, cost = prefill_weight * uncached prompt blocks + load
+  - home_weight at the prefix's rendezvous home; the uncached blocks from the index's exact
+  per-replica longest prefix (and what the router routed there moments ago, router/pending.py).
 - round-robin, least-load (load alone), prefix-hash (rendezvous hashing of the prompt's first
   blocks, what a router without an index can do): the baselines, and prefix-hash is also what
   kv-aware falls back to while the index is down.
@@ -109,11 +110,16 @@ class Policies:
         # An unread prompt (the engine will refuse or read it) costs the same everywhere.
         prompt_blocks = math.ceil((route.num_prompt_tokens or 0) / block_size)
         matches = route.matches
+        config = self.config
+        home = None
+        if route.prefix_key is not None:
+            eligible = under_cap(replicas, config.load_bound, config.load_slack)
+            home = rendezvous_order(route.prefix_key, eligible)[0]
 
         def cost(replica: Replica) -> float:
             uncached = prompt_blocks - min(matches.get(replica.engine_id, 0), prompt_blocks)
-            return (self.config.prefill_weight * uncached
-                    + load(replica, block_size, self.config))
+            return (config.prefill_weight * uncached + load(replica, block_size, config)
+                    - (config.home_weight if replica is home else 0.0))
 
         return self._least(replicas, cost, "kv-aware", matches)
 

@@ -111,6 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy", default=d.policy, choices=POLICIES)
     p.add_argument("--prefill-weight", type=float, default=d.prefill_weight,
                    help="kv-aware: cost of one uncached prompt block")
+    p.add_argument("--home-weight", type=float, default=d.home_weight,
+                   help="kv-aware: blocks of cost spared at a prefix's rendezvous home")
+    p.add_argument("--pending-s", type=float, default=d.pending_s,
+                   help="kv-aware: seconds a prefix routed to a replica counts as held there "
+                        "before the index shows it")
     p.add_argument("--running-weight", type=float, default=d.running_weight,
                    help="load: cost of one running request, in blocks of prefill")
     p.add_argument("--kv-weight", type=float, default=d.kv_weight,
@@ -141,6 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         policy=args.policy, prefill_weight=args.prefill_weight,
+        home_weight=args.home_weight, pending_s=args.pending_s,
         running_weight=args.running_weight, kv_weight=args.kv_weight,
         load_bound=args.load_bound, load_slack=args.load_slack,
         prefix_hash_blocks=args.prefix_hash_blocks,

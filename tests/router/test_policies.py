@@ -7,6 +7,7 @@ import random
 import pytest
 
 from router.config import RouterConfig
+from router.pending import PendingPrefixes
 from router.policies import Policies, RouteInput, load_cap, rendezvous_order, under_cap
 from router.replicas import Replica, ReportedLoad
 
@@ -79,6 +80,43 @@ def test_a_second_request_for_a_prefix_stays_with_its_holder_at_low_load():
     assert decision.replica.engine_id == "engine-0" and decision.matched_blocks == 32
     strict = Policies(RouterConfig(load_slack=0)).choose("kv-aware", rs, route, BLOCK)
     assert strict.replica.engine_id != "engine-0"
+
+
+def test_a_prefix_nobody_holds_goes_to_its_rendezvous_home_unless_it_is_loaded():
+    """Cold prefixes spread over the replicas by hash (each replica caches its share of them)
+    rather than all going to whichever replica is idlest at the moment; a home with more
+    work queued than home_weight blocks is passed by."""
+    rs = replicas(0, 0, 0)
+    rs[0].reported = ReportedLoad(kv_usage=0.5)  # a little busier, by 4 blocks of cost
+    rs[1].reported = ReportedLoad(kv_usage=0.25)
+    policies = Policies(RouterConfig())
+    homes = set()
+    for n in range(30):
+        key = bytes([n]) * 16
+        home = rendezvous_order(key, rs)[0]
+        homes.add(home.engine_id)
+        decision = policies.choose("kv-aware", rs, RouteInput(34 * BLOCK, key, {}), BLOCK)
+        assert decision.replica is home, n
+    assert homes == {"engine-0", "engine-1", "engine-2"}
+    key = bytes([0]) * 16
+    home = rendezvous_order(key, rs)[0]
+    home.pending_prefill_tokens = 20 * BLOCK
+    decision = policies.choose("kv-aware", rs, RouteInput(34 * BLOCK, key, {}), BLOCK)
+    assert decision.replica is not home
+
+
+def test_pending_prefixes_credit_a_routed_chain_until_they_expire():
+    pending = PendingPrefixes(ttl_s=5.0)
+    chain = [bytes([i]) * 16 for i in range(6)]
+    other = [b"x" * 16, *chain[1:]]  # another first block: shares nothing
+    pending.add(chain[:4], now=100.0)
+    assert pending.matched(chain, now=101.0) == 4
+    assert pending.matched(chain[:2], now=101.0) == 2
+    assert pending.matched(other, now=101.0) == 0
+    pending.add(chain, now=103.0)  # routed again: the whole chain, for longer
+    assert pending.matched(chain, now=104.9) == 6
+    assert pending.matched(chain, now=107.5) == 6  # the first credit ended, not the second
+    assert pending.matched(chain, now=108.0) == 0 and len(pending) == 0
 
 
 def test_index_down_falls_back_to_prefix_hash():

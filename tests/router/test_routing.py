@@ -70,6 +70,20 @@ def test_a_repeated_prefix_goes_where_it_is_cached(stack, router_stub):
         assert reply.usage.cached_tokens == PREFIX_BLOCKS * BLOCK_SIZE
 
 
+def test_a_burst_for_a_new_prefix_stays_on_one_replica(stack, router_stub):
+    """Four requests for a prefix no replica holds, sent at once: the index cannot show the
+    first one's blocks before it has been prefilled, but the router credits the replica it
+    just sent them to, so the others follow it there (and the prefix is cached once) instead
+    of going to the idle replica to prefill it again."""
+    base = prompt(7)
+    requests = [with_suffix(base, 300 + i, PREFIX_BLOCKS * BLOCK_SIZE) for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        calls = list(pool.map(lambda ids: generate_call(router_stub, ids, max_tokens=4),
+                              requests))
+    placed = {served_by(call)[0] for _, call in calls}
+    assert len(placed) == 1, [served_by(call) for _, call in calls]
+
+
 def test_different_salts_are_never_credited_as_shared(stack, router_stub):
     base = prompt(2)
     _, [holder] = generate(router_stub, base, cache_salt="tenant-a")
