@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import reference
+from kernels.layer_ops import CPU_LAYER_OPS, TORCH_LAYER_OPS, LayerOps
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 
@@ -24,6 +25,8 @@ class KernelBackend:
     copy_blocks: Callable[..., None]
     # Builds per-step index tensors shared by all layers (torch path); None when not needed.
     build_attention_plan: Callable[..., object] | None
+    # Norms, rotary embedding, SiLU * up: torch ops unless a backend fuses them.
+    layer_ops: LayerOps = TORCH_LAYER_OPS
 
 
 TORCH_BACKEND = KernelBackend(
@@ -45,6 +48,7 @@ def _cpu_backend() -> KernelBackend:
         paged_attention=cpu_attention.paged_attention,
         copy_blocks=reference.copy_blocks,
         build_attention_plan=None,
+        layer_ops=CPU_LAYER_OPS,
     )
 
 

@@ -1,4 +1,5 @@
-"""Build (once) and load the CPU paged-attention kernel, a torch C++ extension.
+"""Build (once) and load the CPU kernels, a torch C++ extension: paged attention and the fused
+per-layer ops (RMSNorm, residual add + RMSNorm, rotary, SiLU * up; kernels/layer_ops.py).
 
 Why a C++ extension built at set-up time: it is the one option that reads the paged cache in
 place on every CPU torch runs on, with nothing new to install beyond a C++ compiler (PyPI has no
@@ -22,7 +23,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+# Paged attention, and the fused per-layer ops (norms, rotary, SiLU * up) of kernels/layer_ops.py.
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name
+                for name in ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp"))
 EXTENSION_NAME = "pagedgen_cpu_attention"
 # -march=native: the cache key includes this CPU's flags, so a copy of the cache moved to
 # another kind of CPU rebuilds instead of crashing on an unknown instruction.
@@ -49,7 +52,8 @@ def _cpu_signature() -> str:
 def build_directory() -> Path:
     """Where this source, torch, Python and CPU build their copy of the extension."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode(),
+    for part in (*(source.read_bytes() for source in SOURCES), torch.__version__.encode(),
+                 sys.version.encode(),
                  " ".join(CFLAGS).encode(), _cpu_signature().encode()):
         key.update(part)
     return _cache_root() / f"{EXTENSION_NAME}-{key.hexdigest()[:16]}"
@@ -63,7 +67,7 @@ def build_and_load(verbose: bool = False) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=EXTENSION_NAME,
-        sources=[str(SOURCE)],
+        sources=[str(source) for source in SOURCES],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),

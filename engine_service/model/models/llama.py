@@ -7,7 +7,6 @@ GEMMs are what the CPU path needs); attention goes through the kernel backend.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine_service.model.config import ModelConfig
@@ -29,25 +28,13 @@ class StepContext:
 
 
 class RMSNorm(nn.Module):
+    """The norm's weight and epsilon; the math is the kernel backend's (kernels/layer_ops.py:
+    HF's order of operations, normalize in float32 then scale, fused on the CPU)."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same order of operations as HF (normalize in fp32, then scale) for token-exact output.
-        dtype = x.dtype
-        x32 = x.float()
-        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Row scaling through the transposed views: the same products, but a [T, 1] operand
-        # broadcast along the contiguous dim is ~6x slower on CPU than along the outer one.
-        x32 = (x32.t() * inv_rms.t()).t()
-        return (self.weight * x32.to(dtype)).contiguous()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def rope_cos_sin_cache(
@@ -87,14 +74,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        # RoPE on q and k together, as one [tokens, heads + kv_heads, head_dim] tensor: the
-        # same elementwise products as rotating each, in half the ops (per-op overhead is a
-        # large share of a batch-1 step on the CPU).
-        qk = qkv[:, : self.q_size + self.kv_size].view(
-            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
-        )
-        qk = qk * ctx.cos[:, None, :] + rotate_half(qk) * ctx.sin[:, None, :]
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = kernels.layer_ops.rotary(qkv, ctx.cos, ctx.sin, self.num_heads,
+                                        self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         kernels.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping)
@@ -118,9 +99,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, kernels: KernelBackend) -> torch.Tensor:
+        return self.down_proj(kernels.layer_ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -132,10 +112,24 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor, kernels: KernelBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, kv_cache, kernels)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: StepContext,
+        kv_cache: torch.Tensor,
+        kernels: KernelBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it): each residual add is fused with
+        the norm after it, so the next layer (or the final norm) adds the MLP's output."""
+        ops, norm = kernels.layer_ops, self.input_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            residual, h = ops.add_rms_norm(residual, x, norm.weight, norm.eps)
+        h = self.self_attn(h, ctx, kv_cache, kernels)
+        norm = self.post_attention_layernorm
+        residual, h = ops.add_rms_norm(residual, h, norm.weight, norm.eps)
+        return self.mlp(h, kernels), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -158,9 +152,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer_index, layer in enumerate(self.layers):
-            x = layer(x, ctx, kv_caches[layer_index], kernels)
-        return self.norm(x)
+            x, residual = layer(x, residual, ctx, kv_caches[layer_index], kernels)
+        if residual is None:  # no layers
+            return kernels.layer_ops.rms_norm(x, self.norm.weight, self.norm.eps)
+        return kernels.layer_ops.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

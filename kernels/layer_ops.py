@@ -1,0 +1,95 @@
+"""The small per-layer ops of a decoder step: RMSNorm (with the residual add before it),
+rotary embedding of q and k, SiLU(gate) * up.
+
+`TORCH_LAYER_OPS` is the reference, in torch ops, with HF's order of operations (normalize in
+float32, then scale; every product rounded to the model's dtype), used on CUDA and wherever the
+C++ extension is missing; `CPU_LAYER_OPS` runs the same math fused, one pass per op
+(kernels/csrc/layer_ops_cpu.cpp), and is tested against it.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    # (x [rows, hidden], weight [hidden], eps) -> normed x
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # (residual, delta, weight, eps) -> (residual + delta, its norm); may update residual
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # (qkv [rows, ...], cos, sin, num_heads, num_kv_heads, head_dim) -> (q, k), rotated
+    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # gate_up [rows, 2 * intermediate] -> silu(gate) * up [rows, intermediate]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    # Row scaling through the transposed views: the same products, but a [T, 1] operand
+    # broadcast along the contiguous dim is ~6x slower on CPU than along the outer one.
+    x32 = (x32.t() * inv_rms.t()).t()
+    return (weight * x32.to(dtype)).contiguous()
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = residual + delta
+    return residual, rms_norm(residual, weight, eps)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+           num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # q and k together, as one [tokens, heads + kv_heads, head_dim] tensor: the same
+    # elementwise products as rotating each, in half the ops.
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(
+        qkv.shape[0], num_heads + num_kv_heads, head_dim)
+    qk = qk * cos[:, None, :] + _rotate_half(qk) * sin[:, None, :]
+    q, k = qk.split([num_heads, num_kv_heads], dim=1)
+    return q, k
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
+
+
+TORCH_LAYER_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=rotary,
+                           silu_mul=silu_mul)
+
+
+def _cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.pagedgen_cpu_layer.rms_norm(x, weight, eps)
+
+
+def _cpu_add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.pagedgen_cpu_layer.add_rms_norm(residual, delta, weight, eps)
+
+
+def _cpu_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # In place: qkv is the projection's fresh output, read by nothing else.
+    torch.ops.pagedgen_cpu_layer.rotary(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
+    rows = qkv.shape[0]
+    q = qkv[:, : num_heads * head_dim].view(rows, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(
+        rows, num_kv_heads, head_dim)
+    return q, k
+
+
+def _cpu_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return torch.ops.pagedgen_cpu_layer.silu_mul(gate_up)
+
+
+CPU_LAYER_OPS = LayerOps(rms_norm=_cpu_rms_norm, add_rms_norm=_cpu_add_rms_norm,
+                         rotary=_cpu_rotary, silu_mul=_cpu_silu_mul)

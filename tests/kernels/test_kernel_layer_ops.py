@@ -1,0 +1,83 @@
+"""The fused CPU layer ops (kernels/csrc/layer_ops_cpu.cpp) against their torch reference
+(kernels/layer_ops.py): float32 and bfloat16, one row (a batch-1 decode) to many (prefill, run
+in parallel), rows strided as the qkv projection's slices are."""
+
+import pytest
+import torch
+
+from kernels.cpu_extension import cpu_attention_available
+from kernels.layer_ops import CPU_LAYER_OPS, TORCH_LAYER_OPS
+
+pytestmark = pytest.mark.skipif(
+    not cpu_attention_available(), reason="the C++ extension does not build on this machine"
+)
+
+ROWS = (1, 3, 17, 70)
+DTYPES = (torch.float32, torch.bfloat16)
+IDS = lambda v: str(v).replace("torch.", "")  # noqa: E731
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32: a few ulps (the order of a float32 sum); bfloat16: at most one bf16 ulp, from
+    the same float32 difference landing on the other side of a rounding edge."""
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+        return
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-6, rtol=2**-7)
+    assert (got != expected).float().mean() < 0.02  # nearly every element bit-identical
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_rms_norm_and_add_rms_norm(rows: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(rows)
+    hidden = 576
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, hidden, generator=g).to(dtype)
+    weight = (1 + torch.randn(hidden, generator=g) * 0.1).to(dtype)
+    _close(CPU_LAYER_OPS.rms_norm(x, weight, 1e-5), TORCH_LAYER_OPS.rms_norm(x, weight, 1e-5))
+    expected_residual, expected = TORCH_LAYER_OPS.add_rms_norm(x, delta, weight, 1e-5)
+    residual = x.clone()
+    got_residual, got = CPU_LAYER_OPS.add_rms_norm(residual, delta, weight, 1e-5)
+    assert torch.equal(got_residual, expected_residual)  # one rounded add: exact
+    assert got_residual.data_ptr() == residual.data_ptr()  # updated in place
+    _close(got, expected)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (2, 1, 128)])
+def test_rotary_in_place_on_the_qkv_projection(rows, dtype, heads, kv_heads, head_dim) -> None:
+    g = torch.Generator().manual_seed(rows * 7 + heads)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(rows, width, generator=g).to(dtype)
+    angles = torch.rand(rows, head_dim // 2, generator=g) * 6.3
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(dtype)
+    eq, ek = TORCH_LAYER_OPS.rotary(qkv.clone(), cos, sin, heads, kv_heads, head_dim)
+    fused = qkv.clone()
+    q, k = CPU_LAYER_OPS.rotary(fused, cos, sin, heads, kv_heads, head_dim)
+    _close(q.contiguous(), eq.contiguous())
+    _close(k.contiguous(), ek.contiguous())
+    assert q.data_ptr() == fused.data_ptr()  # views of the projection, rotated in place
+    split = (heads + kv_heads) * head_dim
+    assert torch.equal(fused[:, split:], qkv[:, split:])  # v untouched
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_silu_mul(rows: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=g) * 4).to(dtype)
+    _close(CPU_LAYER_OPS.silu_mul(gate_up), TORCH_LAYER_OPS.silu_mul(gate_up))
+
+
+def test_bad_shapes_are_named() -> None:
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
+        CPU_LAYER_OPS.rms_norm(x, torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="head_dim must be even"):
+        CPU_LAYER_OPS.rotary(torch.randn(2, 12), torch.ones(2, 3), torch.ones(2, 3), 1, 0, 3)
+    with pytest.raises(RuntimeError, match="even width"):
+        CPU_LAYER_OPS.silu_mul(torch.randn(2, 7))
