@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 POLICIES = ("kv-aware", "round-robin", "least-load", "prefix-hash")
@@ -16,9 +17,10 @@ class RouterConfig:
     #          + kv_weight * KV usage (0..1)
     prefill_weight: float = 1.0
     # A prefix's home (the first replica of its rendezvous order, where prefix-hash would send
-    # it) costs this many blocks less: prefixes nobody holds yet spread over the replicas by
-    # hash, so each replica caches its share of them, instead of all going to whichever
-    # replica was idle at the moment; a home more loaded than that by this much is passed by.
+    # it) costs this many blocks less while no other replica holds more of the prefix:
+    # prefixes nobody holds yet spread over the replicas by hash, so each replica caches its
+    # share of them, instead of all going to whichever replica was idle at the moment; a home
+    # more loaded than that by this much is passed by.
     home_weight: float = 8.0
     # Chains routed to a replica count as held there for this long, until the index has them
     # (router/pending.py).
@@ -52,6 +54,9 @@ class RouterConfig:
         if not self.load_bound >= 1:
             raise ValueError(f"load_bound must be >= 1 (1 = perfectly even), got "
                              f"{self.load_bound}")
+        if not math.isfinite(self.pending_s):
+            raise ValueError(f"pending_s must be a finite number of seconds, got "
+                             f"{self.pending_s}")
         if self.load_slack < 0:
             raise ValueError(f"load_slack must be >= 0 requests, got {self.load_slack}")
         if self.prefix_hash_blocks < 1:

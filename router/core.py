@@ -41,6 +41,11 @@ class NoReplicaError(Exception):
 class Route:
     decision: Decision
     num_prompt_tokens: int | None
+    # Prompt blocks the index says the replica holds: the predicted cached tokens of the
+    # metrics (a chain credited only as routed there moments ago is prefilled again when the
+    # replica admits both requests in one step, so that credit is no prediction).
+    index_matched_blocks: int = 0
+    chain: tuple[bytes, ...] = ()  # the prompt's block hashes (empty: not hashed)
 
 
 class Router:
@@ -60,8 +65,9 @@ class Router:
         self.prompts = PromptReader(tokenizer_path, config.rpc_timeout_s)
         # request id -> the request (router/proxy.py RoutedRequest): its replica, if it runs
         self.live: dict[str, RoutedRequest] = {}
-        # replica address -> chains just routed there, not in the index yet (kv-aware)
-        self.pending: dict[str, PendingPrefixes] = {}
+        # (replica address, engine id) -> chains just routed there, not in the index yet
+        # (kv-aware); keyed by both so an engine restarted at the address inherits nothing
+        self.pending: dict[tuple[str, str], PendingPrefixes] = {}
         self._tasks: list[asyncio.Task] = []
         if self.index is not None:
             self.metrics.index_up.set_function(lambda: 1.0 if self.index.up else 0.0)
@@ -110,8 +116,9 @@ class Router:
         registered = await self.index.engines()
         if registered is not None and not self.static_engines:
             await self.replicas.set_members(registered)
-        for address in [a for a in self.pending if a not in self.replicas.replicas]:
-            del self.pending[address]
+        members = {(r.address, r.engine_id) for r in self.replicas.replicas.values()}
+        for key in [k for k in self.pending if k not in members]:
+            del self.pending[key]
 
     # ---- state for health and stats -----------------------------------------------------------
     @property
@@ -155,28 +162,40 @@ class Router:
         hashed = token_ids[:MAX_LOOKUP_BLOCKS * hasher.block_size] if token_ids else []
         chain = hasher.chain(hashed, cache_salt or None)
         policy = self.config.policy
+        index_matches: dict[str, int] | None = None
         matches: dict[str, int] | None = None
         if policy == "kv-aware" and self.index is not None:
-            matches = await self.index.longest_prefixes(chain, hasher.identity)
-            if matches is not None:
+            index_matches = await self.index.longest_prefixes(chain, hasher.identity)
+            if index_matches is not None:
                 # The index's answer may have raced a replica's failure: re-read who is up.
                 replicas = [r for r in self.replicas.routable() if r.address not in exclude]
                 if not replicas:
                     raise NoReplicaError(self._no_replica_message(exclude))
-                matches = self._with_pending(matches, replicas, chain)
+                matches = self._with_pending(index_matches, replicas, chain)
         route = RouteInput(len(token_ids) if token_ids is not None else None,
                            self._prefix_key(chain, token_ids, cache_salt), matches)
         decision = self.policies.choose(policy, replicas, route, hasher.block_size)
-        if matches is not None and record:  # (a PinPrefix prefills nothing)
-            address = decision.replica.address
-            if address not in self.pending:
-                self.pending[address] = PendingPrefixes(self.config.pending_s)
-            self.pending[address].add(chain, time.monotonic())
+        replica = decision.replica
+        if matches is not None and record and replica.engine_id:  # (a PinPrefix prefills
+            key = (replica.address, replica.engine_id)          # nothing)
+            if key not in self.pending:
+                self.pending[key] = PendingPrefixes(self.config.pending_s)
+            self.pending[key].add(chain, time.monotonic())
         if record:
-            self.metrics.decisions.labels(decision.policy, decision.replica.name).inc()
+            self.metrics.decisions.labels(decision.policy, replica.name).inc()
             if decision.fallback and self.index is not None:
                 self.metrics.fallbacks.inc()
-        return Route(decision, route.num_prompt_tokens)
+        held = (index_matches or {}).get(replica.engine_id, 0) if replica.engine_id else 0
+        return Route(decision, route.num_prompt_tokens, min(held, decision.matched_blocks),
+                     tuple(chain))
+
+    def forget_pending(self, route: Route) -> None:
+        """The replica failed or refused the routed request: its chain is no longer on the
+        way there."""
+        replica = route.decision.replica
+        pending = self.pending.get((replica.address, replica.engine_id))
+        if pending is not None:
+            pending.forget(route.chain)
 
     def _with_pending(self, matches: dict[str, int], replicas: list[Replica],
                       chain: list[bytes]) -> dict[str, int]:
@@ -184,8 +203,8 @@ class Router:
         now = time.monotonic()
         merged = dict(matches)
         for replica in replicas:
-            pending = self.pending.get(replica.address)
-            if pending is not None and replica.engine_id:
+            pending = self.pending.get((replica.address, replica.engine_id))
+            if pending is not None:
                 held = pending.matched(chain, now)
                 if held > merged.get(replica.engine_id, 0):
                     merged[replica.engine_id] = held

@@ -25,6 +25,7 @@ class PendingPrefixes:
         self._routed: deque[tuple[float, Sequence[bytes]]] = deque()  # by expiry
 
     def add(self, chain: Sequence[bytes], now: float) -> None:
+        self._purge(now)  # (also bounds what a replica nobody asks about keeps)
         if not chain:
             return
         expiry = now + self.ttl_s
@@ -41,6 +42,13 @@ class PendingPrefixes:
                 break
             count += 1
         return count
+
+    def forget(self, chain: Sequence[bytes]) -> None:
+        """The chain did not reach the replica (it failed or refused the request). Another
+        request's credit for the same hashes goes too: less credit, never credit for blocks
+        that are not on their way."""
+        for block_hash in chain:
+            self._expiry.pop(block_hash, None)
 
     def __len__(self) -> int:
         return len(self._expiry)

@@ -2,8 +2,9 @@
 replicas (no I/O here).
 
 - kv-aware (default): the least cost, cost = prefill_weight * uncached prompt blocks + load
-  - home_weight at the prefix's rendezvous home; the uncached blocks from the index's exact
-  per-replica longest prefix (and what the router routed there moments ago, router/pending.py).
+  (- home_weight at the prefix's rendezvous home while no replica holds more of it than the
+  home); the uncached blocks from the index's exact per-replica longest prefix (and what the
+  router routed there moments ago, router/pending.py).
 - round-robin, least-load (load alone), prefix-hash (rendezvous hashing of the prompt's first
   blocks, what a router without an index can do): the baselines, and prefix-hash is also what
   kv-aware falls back to while the index is down.
@@ -115,6 +116,8 @@ class Policies:
         if route.prefix_key is not None:
             eligible = under_cap(replicas, config.load_bound, config.load_slack)
             home = rendezvous_order(route.prefix_key, eligible)[0]
+            if matches.get(home.engine_id, 0) < max(matches.values(), default=0):
+                home = None  # another replica holds more of it: affinity decides, not hash
 
         def cost(replica: Replica) -> float:
             uncached = prompt_blocks - min(matches.get(replica.engine_id, 0), prompt_blocks)

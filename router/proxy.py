@@ -185,6 +185,8 @@ class RoutedRequest:
                 code in _MAYBE_DEAD and not await self._is_serving(replica))
             if gone:
                 replica.mark_down(f"{code.name}: {failure.details}")
+            if not failure.got_output:  # (with output, the replica had prefilled it)
+                router.forget_pending(route)
             if not failure.got_output and (gone or code in _RETRY_BEFORE_OUTPUT):
                 # This attempt never started: the same request (a resume included) elsewhere.
                 failed.add(replica.address)
@@ -215,6 +217,8 @@ class RoutedRequest:
         router = self.router
         name = replica.name  # the metric label for the whole attempt
         block_size = router.replicas.hasher.block_size
+        # Chains credited as on their way (router/pending.py) count as cached here: the
+        # replica prefills them once (unless it admits both requests in one step).
         predicted = route.decision.matched_blocks * block_size
         uncached = max(0, (route.num_prompt_tokens or 0) - predicted)
         replica.in_flight += 1
@@ -379,6 +383,6 @@ class RoutedRequest:
         block_size = self.router.replicas.hasher.block_size
         usage = self.first_usage or pb.Usage()
         metrics.predicted_cached_tokens.labels(name).inc(
-            min(first_route.decision.matched_blocks * block_size, usage.prompt_tokens))
+            min(first_route.index_matched_blocks * block_size, usage.prompt_tokens))
         metrics.actual_cached_tokens.labels(name).inc(usage.cached_tokens)
         metrics.prompt_tokens.labels(name).inc(usage.prompt_tokens)

@@ -162,6 +162,9 @@ class IndexStore:
         self.view_write_errors = 0  # view writes that failed after their Apply succeeded
         self._engine_list: list[str] = []  # the directory as Lookup last read it
         self._engine_list_read_at: float | None = None  # time.monotonic() of that read
+        # Bumped by every Register here: a directory read that started before one is not kept
+        # (it may lack the engine that just registered).
+        self._registrations = 0
 
     async def _run(self, name: str, engine_id: str, args: list) -> object:
         try:
@@ -213,7 +216,8 @@ class IndexStore:
                 f"its lease expires in {remaining_s:.1f}s (at {until}) unless it heartbeats. "
                 "Stop the other process, or give this one another engine id")
         await self.redis.sadd(ENGINES_KEY, engine_id)
-        self._engine_list_read_at = None  # Lookup sees it from now on
+        self._registrations += 1  # Lookup reads the directory anew from now on
+        self._engine_list_read_at = None
         return Registration(int(reply[0]), lease_s, budget)
 
     async def heartbeat(self, engine_id: str, epoch: int) -> float:
@@ -273,18 +277,27 @@ class IndexStore:
     async def _lookup_engine_ids(self) -> list[str]:
         now = time.monotonic()
         read_at = self._engine_list_read_at
-        if read_at is None or now - read_at >= ENGINE_LIST_TTL_S:
-            self._engine_list = await self.engine_ids()
-            self._engine_list_read_at = now
-        return self._engine_list
+        if read_at is not None and now - read_at < ENGINE_LIST_TTL_S:
+            return self._engine_list
+        registrations = self._registrations
+        engine_ids = await self.engine_ids()
+        if registrations == self._registrations:  # no Register raced this read
+            self._engine_list, self._engine_list_read_at = engine_ids, now
+        return engine_ids
 
     async def _lookup_rows(self, engine_ids: list[str], chain: Sequence[bytes]) -> list:
-        """lookup.lua's row for each engine: one call for all of them on a single server, one
-        per engine on a cluster (at most _MAX_CONCURRENT_SCRIPTS at a time)."""
+        """lookup.lua's row for each engine: one call per SCAN_MAX_ENGINES engines on a single
+        server, one per engine on a cluster (at most _MAX_CONCURRENT_SCRIPTS at a time)."""
         script = self._scripts["lookup"]
         if not isinstance(self.redis, RedisCluster):
-            keys = [key for engine_id in engine_ids for key in lookup_keys(engine_id)]
-            return list(await script.run(self.redis, keys, list(chain))) if keys else []
+            # At most SCAN_MAX_ENGINES engines a call: a script holds Redis for its whole run,
+            # and many holders of a long chain would keep every engine's Apply waiting.
+            rows = []
+            for start in range(0, len(engine_ids), SCAN_MAX_ENGINES):
+                keys = [key for engine_id in engine_ids[start:start + SCAN_MAX_ENGINES]
+                        for key in lookup_keys(engine_id)]
+                rows += await script.run(self.redis, keys, list(chain))
+            return rows
         rows: list = []
         for start in range(0, len(engine_ids), _MAX_CONCURRENT_SCRIPTS):
             chunk = engine_ids[start:start + _MAX_CONCURRENT_SCRIPTS]

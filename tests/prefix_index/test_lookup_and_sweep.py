@@ -149,3 +149,39 @@ def test_lookup_sees_an_engine_registered_through_another_index_process(engine_i
             IndexProcess(own_redis.url, ["--log-level", "WARNING"]) as first, \
             IndexProcess(own_redis.url, ["--log-level", "WARNING"]) as second:
         asyncio.run(body(first.target, second.target))
+
+
+def test_a_directory_read_that_raced_a_register_is_not_kept():
+    """A Lookup whose directory read was answered before a Register through the same process
+    must not keep that older list for a second: the next Lookup reads it again."""
+    import redis.asyncio as aredis
+
+    from prefix_index.server.config import PinPolicy
+    from prefix_index.server.store import IndexStore
+
+    async def body(url: str):
+        client = aredis.Redis.from_url(url)
+        store = IndexStore(client, PinPolicy())
+        await store.register("race-old", "m", 16, 64, 30)
+        read_done = asyncio.Event()
+        release = asyncio.Event()
+        real = store.engine_ids
+
+        async def held_read():
+            ids = await real()  # answered now, before the Register below
+            read_done.set()
+            await release.wait()
+            return ids
+
+        store.engine_ids = held_read
+        racing = asyncio.create_task(store._lookup_engine_ids())
+        await read_done.wait()
+        await store.register("race-new", "m", 16, 64, 30)
+        release.set()
+        assert "race-new" not in await racing  # (that read predates it)
+        store.engine_ids = real
+        assert "race-new" in await store._lookup_engine_ids()
+        await client.aclose()
+
+    with RedisProcess() as own_redis:  # its own: the directory is all of this Redis's engines
+        asyncio.run(body(own_redis.url))

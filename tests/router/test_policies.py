@@ -61,8 +61,8 @@ def test_kv_aware_spills_when_the_holder_has_more_queued_prefill_than_the_prefix
 
 
 def test_bounded_load_caps_a_hot_prefix():
-    rs = replicas(5, 1, 0)  # total 6: cap = ceil(1.25 * 7 / 3) = 3
-    assert load_cap(rs, 1.25) == 3
+    rs = replicas(5, 1, 0)  # total 6: cap = ceil(1.25 * 7 / 3) = 3, + the default slack 2
+    assert load_cap(rs, 1.25) == 3 and load_cap(rs, 1.25, 2) == 5
     assert [r.engine_id for r in under_cap(rs, 1.25)] == ["engine-1", "engine-2"]
     route = RouteInput(320, b"k" * 16, {"engine-0": 20})
     decision = Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK)

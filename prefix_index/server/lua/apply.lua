@@ -336,7 +336,8 @@ local function pin(op)
   local over = pinned + new_pins - budget
   if over > 0 then
     -- An explicit pin is an order, an automatic one our guess: automatic pins outside this
-    -- prefix make room for it, the least recently used first.
+    -- prefix make room for it, the least recently used first. (A scan of the pins: an
+    -- explicit pin over budget is rare, and the budget is a fraction of one engine's pool.)
     local in_prefix = {}
     for _, h in ipairs(hashes) do in_prefix[h] = true end
     local flat = redis.call('HGETALL', K.pin)
@@ -352,7 +353,9 @@ local function pin(op)
     local lasts = hmget(K.last, autos)
     local order = {}
     for i = 1, #autos do order[i] = i end
-    table.sort(order, function(a, b) return tonumber(lasts[a]) < tonumber(lasts[b]) end)
+    -- (A hash with no last use, which only partial key loss can make, goes first.)
+    local function last(i) return tonumber(lasts[i]) or 0 end
+    table.sort(order, function(a, b) return last(a) < last(b) end)
     for i = 1, over do unpin(autos[order[i]]) end
   end
   for _, h in ipairs(hashes) do

@@ -1,0 +1,121 @@
+"""The router's credit for chains it just routed (router/pending.py) and the home bonus, over
+replicas with set loads and an index answer given by the test (no processes: what is tested is
+the router's own bookkeeping; the real index and engines are in test_routing.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from engine_service.core.block_hash import BlockHasher
+from pagedgen_api import generation_pb2 as pb
+from router.config import RouterConfig
+from router.core import Router
+from router.pending import PendingPrefixes
+from router.policies import Policies, RouteInput, rendezvous_order
+from router.replicas import Replica, ReportedLoad
+
+BLOCK = 16
+
+
+class AnsweringIndex:
+    """Stands in for router/index_view.py: up, and holding nothing unless told."""
+
+    up = True
+    target = "test"
+
+    def __init__(self) -> None:
+        self.matches: dict[str, int] = {}
+
+    async def longest_prefixes(self, chain, identity) -> dict[str, int]:
+        return dict(self.matches)
+
+    async def close(self) -> None:
+        pass
+
+
+def make_router(engine_ids: list[str]) -> tuple[Router, list[Replica]]:
+    router = Router(RouterConfig(), ["127.0.0.1:1"], None)
+    router.index = AnsweringIndex()
+    replicas = []
+    for i, engine_id in enumerate(engine_ids):
+        replica = Replica(f"127.0.0.1:{7000 + i}", engine_id)
+        replica.healthy, replica.info = True, pb.ModelInfoResponse()
+        replicas.append(replica)
+    router.replicas.replicas = {r.address: r for r in replicas}
+    router.replicas.hasher = BlockHasher.for_identity("m", BLOCK)
+    return router, replicas
+
+
+def tokens(seed: int, n: int = 34 * BLOCK) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def test_a_routed_chain_is_credited_but_not_counted_as_cached():
+    async def body():
+        router, _ = make_router(["e0", "e1"])
+        ids = tokens(1)
+        first = await router.route(ids, "", set())
+        second = await router.route(ids[: 33 * BLOCK] + [5] * BLOCK, "", set())
+        assert second.decision.replica is first.decision.replica
+        assert second.decision.matched_blocks == 33  # steers the choice ...
+        assert second.index_matched_blocks == 0  # ... but the index has not seen it cached
+    asyncio.run(body())
+
+
+def test_a_replica_that_failed_the_request_keeps_no_credit_for_it():
+    async def body():
+        router, _ = make_router(["e0", "e1"])
+        ids = tokens(2)
+        first = await router.route(ids, "", set())
+        router.forget_pending(first)  # what the proxy does when it fails before any output
+        retry = await router.route(ids, "", {first.decision.replica.address})
+        assert retry.decision.replica is not first.decision.replica
+        after = await router.route(ids[: 33 * BLOCK] + [5] * BLOCK, "", set())
+        assert after.decision.replica is retry.decision.replica
+        assert after.decision.matched_blocks == 33
+    asyncio.run(body())
+
+
+def test_an_engine_restarted_at_the_same_address_inherits_no_credit():
+    async def body():
+        router, _ = make_router(["e0", "e1"])
+        ids = tokens(3)
+        routed = (await router.route(ids, "", set())).decision.replica
+        routed.engine_id = "e0-restarted" if routed.engine_id == "e0" else "e1-restarted"
+        again = await router.route(ids, "", set())
+        credited = again.decision.matched_blocks if again.decision.replica is routed else 0
+        assert credited == 0
+    asyncio.run(body())
+
+
+def test_no_credit_is_kept_for_a_replica_without_an_engine_id_and_old_credit_goes():
+    async def body():
+        router, replicas = make_router(["", "e1"])
+        for n in range(200):
+            await router.route(tokens(n), "", set())
+        assert all(key[1] for key in router.pending)  # never keyed by an empty engine id
+    asyncio.run(body())
+    pending = PendingPrefixes(ttl_s=5.0)
+    for n in range(100):  # a replica that is never asked about: add() alone keeps it bounded
+        pending.add([bytes([n % 256, n // 256]) * 8], now=float(n))
+    assert len(pending) == 5
+
+
+def test_the_home_bonus_never_beats_a_replica_holding_more_of_the_prefix():
+    replicas = []
+    for i in range(2):
+        r = Replica.__new__(Replica)  # no channel: policies read only names and loads
+        r.address, r.engine_id = f"127.0.0.1:{5000 + i}", f"engine-{i}"
+        r.in_flight, r.pending_prefill_tokens = 0, 0
+        r.reported = ReportedLoad()
+        r.num_finished = r.reported_after_finished = 0
+        replicas.append(r)
+    for n in range(50):
+        key = bytes([n]) * 16
+        home = rendezvous_order(key, replicas)[0]
+        holder = next(r for r in replicas if r is not home)
+        route = RouteInput(34 * BLOCK, key, {holder.engine_id: 7})  # 7 blocks held elsewhere
+        decision = Policies(RouterConfig()).choose("kv-aware", replicas, route, BLOCK)
+        assert decision.replica is holder, n
