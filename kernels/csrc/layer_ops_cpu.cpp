@@ -7,8 +7,8 @@
 //
 // Rounding follows the torch code they replace (kernels/layer_ops.py, the reference they are
 // tested against): norms accumulate in float32 and round to the tensor's dtype where torch
-// would, products of two bf16 tensors are rounded to bf16 before the next op, and so on, so a
-// bf16 model's numbers move only by the order of a float32 sum.
+// would, products of two bf16 (fp16) tensors are rounded to bf16 (fp16) before the next op,
+// and so on, so a model's numbers move only by the order of a float32 sum.
 //
 // Layouts: every tensor is [rows, features] with the feature dimension contiguous (rows may be
 // strided: qkv slices). Rows run in parallel (at::parallel_for) when there are enough of them.
@@ -103,7 +103,7 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
               "weight must be contiguous, of x's dtype, with x.size(1) elements");
   auto out = at::empty(x.sizes(), x.options());
   const int64_t n = x.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "rms_norm", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const auto* xp = x.data_ptr<scalar_t>();
     const auto* wp = weight.data_ptr<scalar_t>();
     auto* op = out.data_ptr<scalar_t>();
@@ -131,8 +131,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(at::Tensor residual, const a
               "weight must be contiguous, of the residual's dtype and width");
   auto out = at::empty(residual.sizes(), residual.options());
   const int64_t n = residual.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND(
-      at::ScalarType::BFloat16, residual.scalar_type(), "add_rms_norm", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, residual.scalar_type(), "add_rms_norm", [&] {
         auto* rp = residual.data_ptr<scalar_t>();
         const auto* dp = delta.data_ptr<scalar_t>();
         const auto* wp = weight.data_ptr<scalar_t>();
@@ -165,7 +165,7 @@ void rotary_cpu(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin, int
   TORCH_CHECK(cos.scalar_type() == qk.scalar_type() && sin.scalar_type() == qk.scalar_type(),
               "cos and sin must have qk's dtype");
   const int64_t half = head_dim / 2;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, qk.scalar_type(), "rotary", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qk.scalar_type(), "rotary", [&] {
     auto* qp = qk.data_ptr<scalar_t>();
     const auto* cp = cos.data_ptr<scalar_t>();
     const auto* sp = sin.data_ptr<scalar_t>();
@@ -188,7 +188,8 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even width");
   const int64_t n = gate_up.size(1) / 2;
   auto out = at::empty({gate_up.size(0), n}, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, gate_up.scalar_type(), "silu_mul", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
     const auto* gp = gate_up.data_ptr<scalar_t>();
     auto* op = out.data_ptr<scalar_t>();
     const int64_t stride = gate_up.stride(0);

@@ -13,18 +13,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 ROWS = (1, 3, 17, 70)
-DTYPES = (torch.float32, torch.bfloat16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 IDS = lambda v: str(v).replace("torch.", "")  # noqa: E731
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
-    """float32: a few ulps (the order of a float32 sum); bfloat16: at most one bf16 ulp, from
-    the same float32 difference landing on the other side of a rounding edge."""
+    """float32: a few ulps (the order of a float32 sum); bf16 / fp16: at most one ulp of the
+    dtype, from the same float32 difference landing on the other side of a rounding edge."""
     assert got.dtype == expected.dtype and got.shape == expected.shape
     if got.dtype == torch.float32:
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
         return
-    torch.testing.assert_close(got.float(), expected.float(), atol=1e-6, rtol=2**-7)
+    ulp = 2**-7 if got.dtype == torch.bfloat16 else 2**-10
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=ulp)
     assert (got != expected).float().mean() < 0.02  # nearly every element bit-identical
 
 
