@@ -5,6 +5,7 @@ in parallel), rows strided as the qkv projection's slices are."""
 import pytest
 import torch
 
+from kernels import layer_ops
 from kernels.cpu_extension import cpu_attention_available
 from kernels.layer_ops import CPU_LAYER_OPS, TORCH_LAYER_OPS
 
@@ -15,6 +16,24 @@ pytestmark = pytest.mark.skipif(
 ROWS = (1, 3, 17, 70)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 IDS = lambda v: str(v).replace("torch.", "")  # noqa: E731
+
+
+@pytest.fixture(autouse=True)
+def fused_at_every_row_count(monkeypatch):
+    """The wrappers hand batches over FUSED_MAX_ROWS to torch; here the C++ ops run at every
+    row count (test_torch_runs_past_the_row_limit checks the hand-over)."""
+    monkeypatch.setattr(layer_ops, "FUSED_MAX_ROWS", 10**9)
+
+
+def test_torch_runs_past_the_row_limit(monkeypatch):
+    monkeypatch.setattr(layer_ops, "FUSED_MAX_ROWS", 8)
+    x = torch.randn(9, 64).to(torch.bfloat16)
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    residual = x.clone()
+    out_residual, _ = CPU_LAYER_OPS.add_rms_norm(residual, x, weight, 1e-5)
+    assert out_residual.data_ptr() != residual.data_ptr()  # torch's out-of-place add
+    assert torch.equal(CPU_LAYER_OPS.rms_norm(x, weight, 1e-5),
+                       TORCH_LAYER_OPS.rms_norm(x, weight, 1e-5))
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
