@@ -185,7 +185,7 @@ class Router:
             self.metrics.decisions.labels(decision.policy, replica.name).inc()
             if decision.fallback and self.index is not None:
                 self.metrics.fallbacks.inc()
-        held = (index_matches or {}).get(replica.engine_id, 0) if replica.engine_id else 0
+        held = (index_matches or {}).get(replica.engine_id, 0)
         return Route(decision, route.num_prompt_tokens, min(held, decision.matched_blocks),
                      tuple(chain))
 

@@ -95,9 +95,16 @@ class Policies:
         raise ValueError(f"policy must be one of kv-aware, round-robin, least-load, "
                          f"prefix-hash, got {policy!r}")
 
+    def _eligible(self, replicas: Sequence[Replica]) -> list[Replica]:
+        return under_cap(replicas, self.config.load_bound, self.config.load_slack)
+
+    def _home(self, replicas: Sequence[Replica], prefix_key: bytes) -> Replica:
+        """Where prefix-hash sends the prefix: first in its rendezvous order under the cap."""
+        return rendezvous_order(prefix_key, self._eligible(replicas))[0]
+
     def _least(self, replicas: Sequence[Replica], cost, policy: str,
                matches: dict[str, int] | None = None) -> Decision:
-        eligible = under_cap(replicas, self.config.load_bound, self.config.load_slack)
+        eligible = self._eligible(replicas)
         turn = self._next_turn()
         n = len(eligible)
         # Ties: fewer active requests, then rotate, so equal replicas share the work.
@@ -114,8 +121,7 @@ class Policies:
         config = self.config
         home = None
         if route.prefix_key is not None:
-            eligible = under_cap(replicas, config.load_bound, config.load_slack)
-            home = rendezvous_order(route.prefix_key, eligible)[0]
+            home = self._home(replicas, route.prefix_key)
             if matches.get(home.engine_id, 0) < max(matches.values(), default=0):
                 home = None  # another replica holds more of it: affinity decides, not hash
 
@@ -132,9 +138,4 @@ class Policies:
             decision = self._least(replicas, lambda r: load(r, block_size, self.config),
                                    "prefix-hash")
             return Decision(decision.replica, "prefix-hash", 0, fallback)
-        config = self.config
-        allowed = {id(r) for r in under_cap(replicas, config.load_bound, config.load_slack)}
-        for replica in rendezvous_order(route.prefix_key, replicas):
-            if id(replica) in allowed:
-                return Decision(replica, "prefix-hash", 0, fallback)
-        raise AssertionError("unreachable: some replica is always under the cap")
+        return Decision(self._home(replicas, route.prefix_key), "prefix-hash", 0, fallback)
