@@ -10,14 +10,13 @@ ENGINE_KEY_SUFFIXES = ("meta", "bid", "own", "ref", "par", "kids", "last", "pin"
 ENGINES_KEY = "pi:engines"
 
 
-def engine_keys(engine_id: str) -> list[str]:
-    return [f"pi:{{{engine_id}}}:{suffix}" for suffix in ENGINE_KEY_SUFFIXES]
+def engine_keys(engine_id: str, suffixes: tuple[str, ...] = ENGINE_KEY_SUFFIXES) -> list[str]:
+    return [f"pi:{{{engine_id}}}:{suffix}" for suffix in suffixes]
 
 
 def lookup_keys(engine_id: str) -> list[str]:
-    """What lua/lookup.lua reads of one engine: meta, bid, free."""
-    prefix = f"pi:{{{engine_id}}}:"
-    return [prefix + "meta", prefix + "bid", prefix + "free"]
+    """What lua/lookup.lua reads of one engine, in its order."""
+    return engine_keys(engine_id, ("meta", "bid", "free"))
 
 
 def view_key(block_hash: bytes) -> str:

@@ -161,10 +161,11 @@ class IndexStore:
         self._scripts = load_scripts()
         self.view_write_errors = 0  # view writes that failed after their Apply succeeded
         self._engine_list: list[str] = []  # the directory as Lookup last read it
-        self._engine_list_read_at: float | None = None  # time.monotonic() of that read
-        # Bumped by every Register here: a directory read that started before one is not kept
-        # (it may lack the engine that just registered).
+        self._engine_list_read_at = -ENGINE_LIST_TTL_S  # time.monotonic() of that read
+        # Registers through this process: a directory read is kept only while no Register
+        # started after it began (it may lack the engine that just registered).
         self._registrations = 0
+        self._engine_list_registrations = -1  # the count when that read began
 
     async def _run(self, name: str, engine_id: str, args: list) -> object:
         try:
@@ -217,7 +218,6 @@ class IndexStore:
                 "Stop the other process, or give this one another engine id")
         await self.redis.sadd(ENGINES_KEY, engine_id)
         self._registrations += 1  # Lookup reads the directory anew from now on
-        self._engine_list_read_at = None
         return Registration(int(reply[0]), lease_s, budget)
 
     async def heartbeat(self, engine_id: str, epoch: int) -> float:
@@ -276,13 +276,13 @@ class IndexStore:
 
     async def _lookup_engine_ids(self) -> list[str]:
         now = time.monotonic()
-        read_at = self._engine_list_read_at
-        if read_at is not None and now - read_at < ENGINE_LIST_TTL_S:
+        if (self._engine_list_registrations == self._registrations
+                and now - self._engine_list_read_at < ENGINE_LIST_TTL_S):
             return self._engine_list
         registrations = self._registrations
         engine_ids = await self.engine_ids()
-        if registrations == self._registrations:  # no Register raced this read
-            self._engine_list, self._engine_list_read_at = engine_ids, now
+        self._engine_list, self._engine_list_read_at = engine_ids, now
+        self._engine_list_registrations = registrations
         return engine_ids
 
     async def _lookup_rows(self, engine_ids: list[str], chain: Sequence[bytes]) -> list:
