@@ -49,6 +49,9 @@ class Driver:
     engine: LLMEngine
     finished: dict[str, RequestOutput] = field(default_factory=dict)
     num_steps: int = 0
+    # Idle time after each step: a tiny model's step takes about a millisecond, far less than
+    # a real one, and a test that needs the index's answers between steps says how long.
+    step_pause_s: float = 0.0
 
     def add(self, requests: dict[str, list[int]], params: SamplingParams = GREEDY) -> None:
         for request_id, ids in requests.items():
@@ -60,6 +63,8 @@ class Driver:
                 if output.finished:
                     self.finished[output.request_id] = output
             self.num_steps += 1
+            if self.step_pause_s:
+                time.sleep(self.step_pause_s)
 
     def run_to_completion(self, max_steps: int = 2000) -> None:
         while self.engine.has_unfinished_requests():

@@ -5,7 +5,6 @@ are real SIGKILLs and restarts on the same port."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -269,12 +268,9 @@ def test_engine_started_before_the_index_serves_then_registers(tiny_llama_dir, r
 SMALL_POOL = dict(num_blocks=64, max_num_batched_tokens=64)  # low-water mark 8, high 16
 
 
-def eviction_script(driver: Driver, gap_s: float = 0.0) -> None:
-    """16 distinct 30-token prompts in waves of 4: ~75 blocks cached into a 64-block pool.
-    `gap_s`: the time between one wave's end and the next one's arrival."""
+def eviction_script(driver: Driver) -> None:
+    """16 distinct 30-token prompts in waves of 4: ~75 blocks cached into a 64-block pool."""
     for w in range(4):
-        if w:
-            time.sleep(gap_s)
         driver.add({f"e{w}{i}": prompt_ids(500 + 10 * w + i, 30) for i in range(4)},
                    SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
         driver.run_to_completion()
@@ -287,12 +283,12 @@ def test_index_chooses_the_victims_ahead_of_need(tiny_llama_dir, index):
     engine = make_engine(tiny_llama_dir, **SMALL_POOL)
     link = connect(engine, index, "engine-evict")
     try:
-        driver = Driver(engine)
         # The victims the index chooses come back one round trip after the engine asks (a
         # millisecond or two); a step of the tiny model with the fused CPU ops takes about as
-        # long, so a wave can run to its end before they arrive. A short gap between waves, as
-        # real requests have, lets them in.
-        eviction_script(driver, gap_s=0.2)
+        # long, so a burst could use up the reserve before they arrive. Steps of 5 ms more,
+        # still far shorter than a real model's, let them in.
+        driver = Driver(engine, step_pause_s=0.005)
+        eviction_script(driver)
         assert driver.tokens() == reference.tokens()
         counters = link.policy.counters
         assert counters.index_victims_applied > 0
