@@ -287,3 +287,25 @@ class StatsResponse(_message.Message):
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     engines: _containers.RepeatedCompositeFieldContainer[EngineStats]
     def __init__(self, engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ...) -> None: ...
+
+class WatchResidencyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResidencyEvent(_message.Message):
+    __slots__ = ("engine_id", "epoch", "reset", "model_identity", "added", "removed", "synced")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    epoch: int
+    reset: bool
+    model_identity: str
+    added: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    synced: bool
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reset: _Optional[bool] = ..., model_identity: _Optional[str] = ..., added: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., synced: _Optional[bool] = ...) -> None: ...

@@ -59,6 +59,11 @@ class PrefixIndexStub:
                 request_serializer=pagedgen__api_dot_prefix__index__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pagedgen__api_dot_prefix__index__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.WatchResidency = channel.unary_stream(
+                '/pagedgen.prefix_index.v1.PrefixIndex/WatchResidency',
+                request_serializer=pagedgen__api_dot_prefix__index__pb2.WatchResidencyRequest.SerializeToString,
+                response_deserializer=pagedgen__api_dot_prefix__index__pb2.ResidencyEvent.FromString,
+                _registered_method=True)
 
 
 class PrefixIndexServicer:
@@ -108,6 +113,18 @@ class PrefixIndexServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchResidency(self, request, context):
+        """What Lookup answers from, pushed: every registered engine's resident block hashes (a
+        snapshot), an event with only `synced` set, then each change as it is made, in the order
+        it was made. A router keeps a copy and routes without a round trip per request. The stream
+        ends with UNAVAILABLE when the index loses Redis (changes may have been missed): watch
+        again for a new snapshot. Engines whose lease expires send no event; Stats tells which
+        are alive.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefixIndexServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -135,6 +152,11 @@ def add_PrefixIndexServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pagedgen__api_dot_prefix__index__pb2.StatsRequest.FromString,
                     response_serializer=pagedgen__api_dot_prefix__index__pb2.StatsResponse.SerializeToString,
+            ),
+            'WatchResidency': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchResidency,
+                    request_deserializer=pagedgen__api_dot_prefix__index__pb2.WatchResidencyRequest.FromString,
+                    response_serializer=pagedgen__api_dot_prefix__index__pb2.ResidencyEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,6 +294,33 @@ class PrefixIndex:
             '/pagedgen.prefix_index.v1.PrefixIndex/Stats',
             pagedgen__api_dot_prefix__index__pb2.StatsRequest.SerializeToString,
             pagedgen__api_dot_prefix__index__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchResidency(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagedgen.prefix_index.v1.PrefixIndex/WatchResidency',
+            pagedgen__api_dot_prefix__index__pb2.WatchResidencyRequest.SerializeToString,
+            pagedgen__api_dot_prefix__index__pb2.ResidencyEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -84,6 +84,7 @@ class Router:
         if self.index is not None:
             self._tasks.append(asyncio.ensure_future(
                 self._every(self.config.discovery_interval_s, self._discover)))
+            self._tasks.append(asyncio.ensure_future(self.index.watch()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -139,6 +140,8 @@ class Router:
         else:
             details["index"] = self.index.target
             details["index_up"] = str(self.index.up).lower()
+            # How routes read the index: its pushed residency copy, or a Lookup each.
+            details["index_residency"] = "synced" if self.index.mirror.synced else "lookup"
             if not self.index.up:
                 details["index_error"] = self.index.last_error
                 details["routing"] = "prefix-hash (fallback while the index is down)"
@@ -165,7 +168,9 @@ class Router:
         index_matches: dict[str, int] | None = None
         matches: dict[str, int] | None = None
         if policy == "kv-aware" and self.index is not None:
-            index_matches = await self.index.longest_prefixes(chain, hasher.identity)
+            index_matches = self.index.held_prefixes_now(chain, hasher.identity)
+            if index_matches is None:  # (no copy to read: ask)
+                index_matches = await self.index.longest_prefixes(chain, hasher.identity)
             if index_matches is not None:
                 # The index's answer may have raced a replica's failure: re-read who is up.
                 replicas = [r for r in self.replicas.routable() if r.address not in exclude]

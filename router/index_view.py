@@ -1,5 +1,7 @@
 """The router's view of the prefix index: which replicas exist (their registrations) and which
-of them holds the longest prefix of a prompt (Lookup).
+of them holds the longest prefix of a prompt: from the copy of the index's residency view that
+its WatchResidency stream keeps current (router/residency.py), or by a Lookup while that copy
+is not synced (the stream is starting, or failed and is being watched again).
 
 While the index cannot be reached the router routes by prefix-hash and says so (`up` False, in
 health and metrics); the discovery loop keeps calling Stats, and its first success brings the
@@ -8,6 +10,7 @@ index back, with no action from anyone.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -15,6 +18,7 @@ from collections.abc import Sequence
 import grpc
 
 from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
+from router.residency import ResidencyMirror
 
 log = logging.getLogger("router.index_view")
 # Answers that mean the index itself is unreachable or failing (else: this one request was
@@ -22,6 +26,9 @@ log = logging.getLogger("router.index_view")
 _DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                          grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
                          grpc.StatusCode.CANCELLED})
+# Between two attempts to watch residency: doubled after each failure, up to the maximum.
+WATCH_RETRY_S = 0.2
+WATCH_RETRY_MAX_S = 5.0
 
 
 class IndexView:
@@ -31,6 +38,8 @@ class IndexView:
         self.up = False
         self.last_error = "not reached yet"
         self.down_since = time.monotonic()
+        self.mirror = ResidencyMirror()
+        self.watch_failures = 0  # streams that failed (for tests and health details)
 
     def _down(self, error: PrefixIndexClientError) -> None:
         if self.up:
@@ -55,8 +64,35 @@ class IndexView:
             self._down(error)
             return None
         self._back()
+        self.mirror.forget_except({s.engine_id for s in stats})
         return {s.serving_address: s.engine_id for s in stats
                 if s.serving_address and s.lease_remaining_s > 0}
+
+    async def watch(self) -> None:
+        """Keeps the residency copy current, for as long as the router runs: watches, and on
+        a failure marks the copy unsynced (routes ask by Lookup) and watches again."""
+        retry_s = WATCH_RETRY_S
+        while True:
+            try:
+                async for change in self.client.watch_residency():
+                    self.mirror.apply(change)
+                    retry_s = WATCH_RETRY_S
+                error = "the index ended the stream"
+            except PrefixIndexClientError as exc:
+                error = str(exc)
+            self.mirror.lost()
+            self.watch_failures += 1
+            log.info("residency watch of %s ended (%s): routes ask by Lookup; watching again "
+                     "in %.1fs", self.target, error, retry_s)
+            await asyncio.sleep(retry_s)
+            retry_s = min(2 * retry_s, WATCH_RETRY_MAX_S)
+
+    def held_prefixes_now(self, chain: Sequence[bytes], identity: str) -> dict[str, int] | None:
+        """engine id -> leading blocks of `chain` it holds, from the copy, without waiting;
+        None when the copy cannot answer (not synced, or the index is down)."""
+        if not self.up or not self.mirror.synced:
+            return None
+        return self.mirror.longest_prefixes(chain, identity)
 
     async def longest_prefixes(self, chain: Sequence[bytes], identity: str
                                ) -> dict[str, int] | None:

@@ -11,14 +11,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
 from pagedgen_api import prefix_index_pb2 as pb
 from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
 from prefix_index.api import wire
-from prefix_index.api.ops import ApplyResult, EngineMatch, EngineStats, Op, OpResult
+from prefix_index.api.ops import (
+    ApplyResult,
+    EngineMatch,
+    EngineStats,
+    Op,
+    OpResult,
+    ResidencyChange,
+)
 
 
 class PrefixIndexClientError(Exception):
@@ -110,6 +117,20 @@ class PrefixIndexClient:
         eid = self.engine_id if engine_id is None else engine_id
         reply = await self._call("Stats", pb.StatsRequest(engine_id=eid))
         return [wire.stats_from_proto(s) for s in reply.engines]
+
+    async def watch_residency(self) -> AsyncIterator[ResidencyChange | None]:
+        """Every engine's resident hashes, None (the snapshot is complete), then each change,
+        until the stream fails (PrefixIndexClientError; watch again) or the caller stops. No
+        deadline: it lasts as long as the caller reads."""
+        call = self._stub.WatchResidency(pb.WatchResidencyRequest())
+        try:
+            async for event in call:
+                yield wire.residency_from_proto(event)
+        except grpc.aio.AioRpcError as exc:
+            raise PrefixIndexClientError("WatchResidency", exc.code(),
+                                         exc.details() or "") from None
+        finally:
+            call.cancel()
 
     async def close(self) -> None:
         await self._channel.close()

@@ -160,3 +160,14 @@ class EngineStats:
     forgets: int = 0
     history: int = 0
     serving_address: str = ""  # where the engine serves Generation ("" = not routable)
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyChange:
+    """One event of WatchResidency: see ResidencyEvent in protos/prefix_index.proto."""
+    engine_id: str
+    epoch: int
+    reset: bool = False
+    model_identity: str = ""
+    added: tuple[bytes, ...] = ()
+    removed: tuple[bytes, ...] = ()

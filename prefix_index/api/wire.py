@@ -21,6 +21,7 @@ from prefix_index.api.ops import (
     PinChange,
     PinState,
     Release,
+    ResidencyChange,
     Unpin,
 )
 
@@ -99,3 +100,19 @@ def stats_from_proto(msg: pb.EngineStats) -> EngineStats:
 
 def ops_to_proto(ops: Sequence[Op]) -> list[pb.Op]:
     return [op_to_proto(op) for op in ops]
+
+
+def residency_to_proto(change: ResidencyChange | None) -> pb.ResidencyEvent:
+    """None: the event that ends the snapshot."""
+    if change is None:
+        return pb.ResidencyEvent(synced=True)
+    return pb.ResidencyEvent(engine_id=change.engine_id, epoch=change.epoch,
+                             reset=change.reset, model_identity=change.model_identity,
+                             added=change.added, removed=change.removed)
+
+
+def residency_from_proto(event: pb.ResidencyEvent) -> ResidencyChange | None:
+    if event.synced:
+        return None
+    return ResidencyChange(event.engine_id, event.epoch, event.reset, event.model_identity,
+                           tuple(event.added), tuple(event.removed))

@@ -9,6 +9,10 @@ ENGINE_KEY_SUFFIXES = ("meta", "bid", "own", "ref", "par", "kids", "last", "pin"
 # Directory of engine ids (its own slot); lookup, stats and the sweeper prune the gone ones.
 ENGINES_KEY = "pi:engines"
 
+# Pub/sub channel: every change to an engine's resident blocks (apply.lua) and every reset
+# (register.lua), published by the script that makes it; router/residency.py mirrors it.
+RESIDENCY_CHANNEL = "pi:residency"
+
 
 def engine_keys(engine_id: str, suffixes: tuple[str, ...] = ENGINE_KEY_SUFFIXES) -> list[str]:
     return [f"pi:{{{engine_id}}}:{suffix}" for suffix in suffixes]

@@ -13,8 +13,10 @@ from pathlib import Path
 from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import NoScriptError
 
+from prefix_index.server.keys import RESIDENCY_CHANNEL
+
 LUA_DIR = Path(__file__).resolve().parent / "lua"
-SCRIPT_NAMES = ("register", "heartbeat", "apply", "cool", "lookup", "stats")
+SCRIPT_NAMES = ("register", "heartbeat", "apply", "cool", "lookup", "stats", "residency")
 # Scripts over several engines' keys at once: without common.lua, whose KEYS are one engine's.
 MULTI_ENGINE_SCRIPTS = frozenset({"lookup"})
 
@@ -35,8 +37,10 @@ class LuaScript:
 
 
 def load_scripts() -> dict[str, LuaScript]:
-    """Each script is lua/common.lua followed by its own file (a multi-engine one: its file)."""
-    common = (LUA_DIR / "common.lua").read_text()
+    """Each script is lua/common.lua followed by its own file (a multi-engine one: its file).
+    The residency channel's name comes from keys.py, the one place that names it."""
+    channel = f"local RESIDENCY_CHANNEL = '{RESIDENCY_CHANNEL}'\n"
+    common = channel + (LUA_DIR / "common.lua").read_text()
     scripts = {}
     for name in SCRIPT_NAMES:
         own = (LUA_DIR / f"{name}.lua").read_text()

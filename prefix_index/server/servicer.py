@@ -27,6 +27,7 @@ from prefix_index.server.errors import (
 )
 from prefix_index.server.health import RedisHealth
 from prefix_index.server.metrics import IndexMetrics
+from prefix_index.server.residency import watch
 from prefix_index.server.store import IndexStore
 
 log = logging.getLogger("prefix_index.server.servicer")
@@ -45,6 +46,9 @@ _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError
 # Redis error replies that mean "not now" (loading, failover, busy script), not "wrong".
 _REDIS_TRANSIENT = ("LOADING", "BUSY", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN",
                     "MOVED", "ASK")
+# Each watcher holds a Redis connection of its own (its subscription) for as long as it
+# watches; routers are few, so this is a guard against a leak, not a tuning knob.
+MAX_WATCHERS = 64
 
 
 class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
@@ -54,6 +58,7 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         self.config = config
         self.health = health
         self.metrics = metrics
+        self.watchers = 0
 
     async def _call(self, method: str, context: grpc.aio.ServicerContext,
                     work: Callable[[], Awaitable[T]]) -> T:
@@ -149,3 +154,25 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
 
         stats = await self._call("Stats", context, work)
         return pb.StatsResponse(engines=[wire.stats_to_proto(s) for s in stats])
+
+    async def WatchResidency(self, request: pb.WatchResidencyRequest, context):
+        if self.watchers >= MAX_WATCHERS:
+            self.metrics.rpcs.labels("WatchResidency", "RESOURCE_EXHAUSTED").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{MAX_WATCHERS} residency watchers already; allowed at most "
+                                f"{MAX_WATCHERS} at once per index process")
+        self.watchers += 1
+        code, message = grpc.StatusCode.OK, ""
+        try:
+            async for change in watch(self.store):
+                yield wire.residency_to_proto(change)
+        except _REDIS_DOWN as exc:
+            code, message = grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}"
+        except ResponseError as exc:
+            code, message = grpc.StatusCode.UNAVAILABLE, f"redis refused the call: {exc}"
+        finally:
+            self.watchers -= 1
+            if code != grpc.StatusCode.OK:  # (a watcher that left is not counted: no status)
+                self.metrics.rpcs.labels("WatchResidency", code.name).inc()
+        log.warning("WatchResidency: %s", message)
+        await context.abort(code, message + "; watch again for a new snapshot")

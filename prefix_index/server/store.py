@@ -208,7 +208,7 @@ class IndexStore:
         await self.redis.sadd(ENGINES_KEY, engine_id)
         reply = await self._run("register", engine_id, [
             model_identity, block_size, num_blocks, round(lease_s * 1000), budget, nonce,
-            policy.history_cap(num_blocks), serving_address])
+            policy.history_cap(num_blocks), serving_address, engine_id])
         if int(reply[0]) == 0:
             remaining_s = max(int(reply[1]), 0) / 1000.0
             until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + remaining_s))
@@ -231,7 +231,7 @@ class IndexStore:
         digest = ops_digest(args) if seq else ""
         raw_results, raw_changes, replayed, view_writes = await self._run(
             "apply", engine_id, [str(epoch), str(seq), digest, *self._hot_args(),
-                                 self.view_ttl_ms // 2, *args])
+                                 self.view_ttl_ms // 2, engine_id, *args])
         result = ApplyResult([decode_result(r) for r in raw_results],
                              decode_pin_changes(raw_changes), bool(replayed))
         await self._write_view(engine_id, epoch, view_writes)
@@ -270,6 +270,14 @@ class IndexStore:
             await self._prune_engine(engine_id)
             return None
         return cooled
+
+    async def resident(self, engine_id: str) -> tuple[int, str, list[bytes]] | None:
+        """(epoch, model identity, resident block hashes) of the engine; None when gone."""
+        row = await self._run("residency", engine_id, [])
+        if not row:
+            return None
+        epoch, model, hashes = row
+        return int(epoch), model.decode(), [bytes(h) for h in hashes]
 
     async def engine_ids(self) -> list[str]:
         return sorted(m.decode() for m in await self.redis.smembers(ENGINES_KEY))

@@ -27,6 +27,9 @@ class AnsweringIndex:
     def __init__(self) -> None:
         self.matches: dict[str, int] = {}
 
+    def held_prefixes_now(self, chain, identity) -> dict[str, int]:
+        return dict(self.matches)
+
     async def longest_prefixes(self, chain, identity) -> dict[str, int]:
         return dict(self.matches)
 

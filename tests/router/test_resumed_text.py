@@ -34,7 +34,12 @@ def gathered(messages) -> tuple[str, list[int], pb.Completion]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(router_stub) -> tuple[str, list[int]]:
+def uninterrupted(stack, router_stub) -> tuple[str, list[int]]:
+    # A stop string that began before the switch is caught only by the router's own
+    # detokenizer: wait for its local tokenizer (loading it took up to ~15 s with both cores
+    # busy, and a switch before then took the Detokenize path: a flaky failure).
+    wait_until(lambda: stack.router_stats().index_details.get("tokenizer") == "local",
+               timeout_s=60, what="the router's local tokenizer")
     text, tokens, _ = gathered(router_stub.GenerateStream(request([]), timeout=120))
     assert len(tokens) == MAX_TOKENS and len(text) > 260
     return text, tokens

@@ -1,6 +1,6 @@
 -- ARGV: epoch, seq (0 = unchecked), digest of the ops (with seq), hot_threshold (0 = no
--- automatic pins, no hit history), window_ms, view_refresh_ms, then the ops, each a code and
--- its arguments:
+-- automatic pins, no hit history), window_ms, view_refresh_ms, engine_id, then the ops, each a
+-- code and its arguments:
 --   A admit n h1..hn | C h parent block_id | R n h1..hn | E k | P ttl_ms n h1..hn |
 --   U n h1..hn | F h block_id          (admit: 1 = admission, 0 = fork / re-sync)
 -- Returns {results, pin_changes, replayed, view_writes}: one {status, detail, block_ids,
@@ -8,7 +8,9 @@
 -- changes since the previous Apply as (hash, state, block_id, ...), 1 when seq was already
 -- applied, and the writes due to Lookup's view, in order, as ('+' | '-', hash, ...): '+' for a
 -- block committed, or hit while its entry was last written view_refresh_ms ago or more (the
--- view's TTL is twice that); '-' for a block dropped.
+-- view's TTL is twice that); '-' for a block dropped. The view writes are also published on
+-- the residency channel (RESIDENCY_CHANNEL in keys.py), in this script, so a watcher sees every
+-- engine's changes in the order they happened.
 local OK, NOT_HELD, REFCOUNT_ZERO, BLOCK_IN_USE, HASH_EXISTS, ALREADY_COMMITTED,
   PIN_BUDGET_EXCEEDED, BLOCK_MISMATCH = 0, 1, 2, 3, 4, 5, 6, 7
 
@@ -66,7 +68,8 @@ end
 
 -- Parse and check every op before the first write: a refused batch changes nothing.
 local ops = {}
-local pos = 7
+local engine_id = ARGV[7]
+local pos = 8
 while pos <= #ARGV do
   local code = ARGV[pos]
   local op = {code = code}
@@ -404,4 +407,8 @@ if seq > 0 then
     'seq_reply', cmsgpack.pack({results, changes, view_writes}))
 end
 refresh_ttl(num(K.meta, 'lease_ms'))
+if #view_writes > 0 then
+  redis.call('PUBLISH', RESIDENCY_CHANNEL,
+    cmsgpack.pack({'A', engine_id, ARGV[1], '', view_writes}))
+end
 return {results, changes, 0, view_writes}

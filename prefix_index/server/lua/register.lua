@@ -1,9 +1,10 @@
 -- ARGV: model_identity, block_size, num_blocks, lease_ms, pin_budget, nonce, history_cap,
--- serving_address
+-- serving_address, engine_id
 -- Returns {epoch}, or {0, lease_remaining_ms} when another process (a different, non-empty
 -- nonce) holds a live lease on this engine id: then nothing changes.
 -- Otherwise drops the engine's blocks and pins (not its hit history) and returns a new epoch:
--- max(old + 1, now in microseconds), so epochs keep rising even when Redis lost its data.
+-- max(old + 1, now in microseconds), so epochs keep rising even when Redis lost its data,
+-- and publishes the reset (the engine holds nothing at this epoch) on the residency channel.
 local nonce = ARGV[6]
 local holder = redis.call('HGET', K.meta, 'nonce')
 if holder and holder ~= '' and holder ~= nonce then
@@ -29,4 +30,5 @@ if over > 0 then
   call_sliced('HDEL', K.hot, names)
 end
 refresh_ttl(tonumber(ARGV[4]))
+redis.call('PUBLISH', RESIDENCY_CHANNEL, cmsgpack.pack({'R', ARGV[9], fmt(epoch), ARGV[1], {}}))
 return {fmt(epoch)}
