@@ -126,13 +126,21 @@ def index_health(stack) -> int:
             timeout=5).status
 
 
+def router_details(router_stub) -> dict[str, str]:
+    return dict(router_stub.EngineStats(pb.EngineStatsRequest(), timeout=10).index_details)
+
+
 def test_index_down_falls_back_then_recovers_by_itself(stack, router_stub):
+    # Routes read the router's copy of the index's residency view while its watch holds.
+    wait_until(lambda: router_details(router_stub)["index_residency"] == "synced",
+               what="the router's residency copy synced")
     port = stack.index.port
     stack.index.kill()
     details = wait_until(
-        lambda: (d := router_stub.EngineStats(pb.EngineStatsRequest(), timeout=10)
-                 .index_details)["index_up"] == "false" and d, what="the router noticing")
+        lambda: (d := router_details(router_stub))["index_up"] == "false" and d,
+        what="the router noticing")
     assert "prefix-hash" in details["routing"]
+    assert details["index_residency"] == "lookup"  # the watch died with the index
     wait_until(lambda: index_health(stack) == health_pb2.HealthCheckResponse.NOT_SERVING,
                what="health saying the index is down")
     # Still serving, and prefix-hash keeps one prefix on one replica.
@@ -155,6 +163,8 @@ def test_index_down_falls_back_then_recovers_by_itself(stack, router_stub):
         return True
 
     wait_until(engines_linked, timeout_s=20, what="every engine linked to the index again")
+    wait_until(lambda: router_details(router_stub)["index_residency"] == "synced",
+               timeout_s=20, what="the router watching the index's residency again")
     fresh = prompt(41)
     chain = hasher_of(router_stub).chain(fresh, None)
     deadline = time.monotonic() + 20
