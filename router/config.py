@@ -17,8 +17,7 @@ class RouterConfig:
     #          + kv_weight * KV usage (0..1)
     prefill_weight: float = 1.0
     # A prefix's home (the first replica of its rendezvous order, where prefix-hash would send
-    # it) costs this many blocks less while no replica holds the prefix's first
-    # prefix_hash_blocks blocks (its hash key):
+    # it) costs this many blocks less while no other replica holds more of the prefix:
     # prefixes nobody holds yet spread over the replicas by hash, so each replica caches its
     # share of them, instead of all going to whichever replica was idle at the moment; a home
     # more loaded than that by this much is passed by.

@@ -178,8 +178,7 @@ class Router:
                     raise NoReplicaError(self._no_replica_message(exclude))
                 matches = self._with_pending(index_matches, replicas, chain)
         route = RouteInput(len(token_ids) if token_ids is not None else None,
-                           self._prefix_key(chain, token_ids, cache_salt), matches,
-                           max(index_matches.values(), default=0) if index_matches else 0)
+                           self._prefix_key(chain, token_ids, cache_salt), matches)
         decision = self.policies.choose(policy, replicas, route, hasher.block_size)
         replica = decision.replica
         if matches is not None and record and replica.engine_id:  # (a PinPrefix prefills

@@ -2,9 +2,9 @@
 replicas (no I/O here).
 
 - kv-aware (default): the least cost, cost = prefill_weight * uncached prompt blocks + load
-  (- home_weight at the prefix's rendezvous home while no replica holds the blocks its
-  prefix-hash key covers); the uncached blocks from the index's exact per-replica longest
-  prefix (and what the router routed there moments ago, router/pending.py).
+  (- home_weight at the prefix's rendezvous home while no replica holds more of it than the
+  home); the uncached blocks from the index's exact per-replica longest prefix (and what the
+  router routed there moments ago, router/pending.py).
 - round-robin, least-load (load alone), prefix-hash (rendezvous hashing of the prompt's first
   blocks, what a router without an index can do): the baselines, and prefix-hash is also what
   kv-aware falls back to while the index is down.
@@ -31,9 +31,6 @@ class RouteInput:
     prefix_key: bytes | None  # hash of the prompt's first blocks (prefix-hash); None: unknown
     # engine id -> leading prompt blocks it holds (absent: none); None: no index answer
     matches: dict[str, int] | None
-    # The most leading blocks any replica holds by the index's answer alone, without the credit
-    # for chains routed moments ago (router/pending.py); None: as `matches` says.
-    index_most: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,16 +120,10 @@ class Policies:
         matches = route.matches
         config = self.config
         home = None
-        # The home bonus is for a new prefix: the index shows nobody holding the blocks its
-        # hash key covers (the shared chat header of many prompts may be held; a burst for the
-        # prefix may be on its way to the home). Once a replica holds more, affinity and load
-        # decide: a hot prefix cached on two replicas goes to the less loaded one, not to its
-        # home until the home is home_weight busier.
-        key_blocks = max(min(config.prefix_hash_blocks, prompt_blocks), 1)
-        held_most = (route.index_most if route.index_most is not None
-                     else max(matches.values(), default=0))
-        if route.prefix_key is not None and held_most < key_blocks:
+        if route.prefix_key is not None:
             home = self._home(replicas, route.prefix_key)
+            if matches.get(home.engine_id, 0) < max(matches.values(), default=0):
+                home = None  # another replica holds more of it: affinity decides, not hash
 
         def cost(replica: Replica) -> float:
             uncached = prompt_blocks - min(matches.get(replica.engine_id, 0), prompt_blocks)

@@ -105,30 +105,6 @@ def test_a_prefix_nobody_holds_goes_to_its_rendezvous_home_unless_it_is_loaded()
     assert decision.replica is not home
 
 
-def test_a_prefix_two_replicas_hold_goes_to_the_less_loaded_of_them():
-    """A hot prefix, cached on its home and on the replica it spilled to: the next request goes
-    to whichever is less loaded; its home has no claim once others hold it (the home bonus
-    would keep piling it there until the home is home_weight blocks busier)."""
-    rs = replicas(0, 0, 0)
-    key = b"k" * 16
-    home = rendezvous_order(key, rs)[0]
-    other = next(r for r in rs if r is not home)
-    home.in_flight = 3  # 1.5 blocks of cost more than `other`
-    other.in_flight = 0
-    route = RouteInput(34 * BLOCK, key, {home.engine_id: 32, other.engine_id: 32})
-    decision = Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK)
-    assert decision.replica is other and decision.matched_blocks == 32
-    # A shared header (fewer blocks than the hash key) does not make the prefix established:
-    # the home still draws it.
-    header = RouteInput(34 * BLOCK, key, {other.engine_id: 2})
-    assert Policies(RouterConfig()).choose("kv-aware", rs, header, BLOCK).replica is home
-    # Nor does a chain only routed to the home moments ago (a burst for a new prefix: the
-    # first request's prefill queued there is no reason to prefill it again elsewhere).
-    home.in_flight, home.pending_prefill_tokens = 1, 34 * BLOCK
-    burst = RouteInput(34 * BLOCK, key, {home.engine_id: 34}, index_most=0)
-    assert Policies(RouterConfig()).choose("kv-aware", rs, burst, BLOCK).replica is home
-
-
 def test_pending_prefixes_credit_a_routed_chain_until_they_expire():
     pending = PendingPrefixes(ttl_s=5.0)
     chain = [bytes([i]) * 16 for i in range(6)]
