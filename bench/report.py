@@ -642,7 +642,8 @@ def _router(x: dict, rel: str) -> list[str]:
         "routed to each replica, largest first; route latency: the router's "
         "`pagedgen_router_route_seconds` (arrival to the upstream call: hashing, the longest "
         "held prefix per replica from the router's copy of the index's residency view, or a "
-        "Lookup while the copy is not synced, choice), p50 / p99 interpolated in its buckets; after warm-up: TTFT of the requests "
+        "Lookup while the copy is not synced, choice), p50 / p99 interpolated in its buckets; "
+        "after warm-up: TTFT of the requests "
         f"after the first {sh.get('warm_up_requests', 0)} (sent while the caches are empty). "
         "Load average at start "
         f"{_load(x['load_average_start'])}, at end {_load(x['load_average_end'])}.",

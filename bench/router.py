@@ -17,8 +17,8 @@ and E2E percentiles, output throughput (first send to last token: in an open loo
 the offered load while a policy keeps up and falls when it queues), each replica's share of the
 requests and the router's route latency (its `pagedgen_router_route_seconds` histogram: arrival
 to the upstream call, i.e. hashing + the residency copy's longest prefixes + choice). Then,
-once, the router's whole cost as a client sees it: TTFT through the router vs straight to a replica, one short request
-at a time, alternating.
+once, the router's whole cost as a client sees it: TTFT through the router vs straight to a
+replica, one short request at a time, alternating.
 
     python -m bench.router [--quick]      # = pagedgen-bench --only router [--quick]
 """
