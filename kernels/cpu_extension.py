@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 # Paged attention, and the fused per-layer ops (norms, rotary, SiLU * up) of kernels/layer_ops.py.
 SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name
                 for name in ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp"))
+HEADERS = (Path(__file__).resolve().parent / "csrc" / "cpu_math.h",)  # in the cache key too
 EXTENSION_NAME = "pagedgen_cpu_attention"
 # -march=native: the cache key includes this CPU's flags, so a copy of the cache moved to
 # another kind of CPU rebuilds instead of crashing on an unknown instruction.
@@ -52,7 +53,8 @@ def _cpu_signature() -> str:
 def build_directory() -> Path:
     """Where this source, torch, Python and CPU build their copy of the extension."""
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), torch.__version__.encode(),
+    for part in (*(source.read_bytes() for source in SOURCES + HEADERS),
+                 torch.__version__.encode(),
                  sys.version.encode(),
                  " ".join(CFLAGS).encode(), _cpu_signature().encode()):
         key.update(part)

@@ -67,29 +67,38 @@ TORCH_LAYER_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=
                            silu_mul=silu_mul)
 
 
-# The fused ops win where per-op overhead dominates (decode of a few sequences: 26.7 -> 22.8
-# ms for a bf16 batch-1 step); their loops are scalar (exp, bf16 conversions), so from a few
-# dozen rows on torch's vectorized ops are faster (bf16 prefill of 512 tokens: 842 vs 730 ms).
-# Above this many rows the torch ops run.
-FUSED_MAX_ROWS = 8
+# Where torch's ops run instead of the fused ones: above TORCH_ABOVE_ROWS rows, in float32 and
+# float16. bfloat16 (the CPU default) runs fused at every size: its conversions and exp are
+# vectorized, and the fused ops beat torch's from 1 row (3-10x) to 512 (1.2-4x), one thread.
+# float16 converts through c10::Half per element, slower than torch past a few rows. float32
+# would be faster fused too (1.5-5x per op), but its outputs are compared bit for bit across
+# batchings (tests/engine/test_preemption.py, seeded n=4 groups preempted vs a roomy pool) and
+# neither torch's norms nor its float32 GEMM give the same bits for a row in batches of
+# different sizes; that test holds with this mix of fused and torch ops and fails with fused
+# norms at every size. Making float32 batch-invariant is its own piece of work.
+TORCH_ABOVE_ROWS = 8
+
+
+def _torch_is_faster(x: torch.Tensor) -> bool:
+    return x.dtype != torch.bfloat16 and x.shape[0] > TORCH_ABOVE_ROWS
 
 
 def _cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.shape[0] > FUSED_MAX_ROWS:
+    if _torch_is_faster(x):
         return rms_norm(x, weight, eps)
     return torch.ops.pagedgen_cpu_layer.rms_norm(x, weight, eps)
 
 
 def _cpu_add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if residual.shape[0] > FUSED_MAX_ROWS:
+    if _torch_is_faster(residual):
         return add_rms_norm(residual, delta, weight, eps)
     return torch.ops.pagedgen_cpu_layer.add_rms_norm(residual, delta, weight, eps)
 
 
 def _cpu_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                 num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if qkv.shape[0] > FUSED_MAX_ROWS:
+    if _torch_is_faster(qkv):
         return rotary(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
     # In place: qkv is the projection's fresh output, read by nothing else.
     torch.ops.pagedgen_cpu_layer.rotary(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
@@ -101,7 +110,7 @@ def _cpu_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_hea
 
 
 def _cpu_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    if gate_up.shape[0] > FUSED_MAX_ROWS:
+    if _torch_is_faster(gate_up):
         return silu_mul(gate_up)
     return torch.ops.pagedgen_cpu_layer.silu_mul(gate_up)
 

@@ -21,6 +21,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -30,15 +32,22 @@ namespace {
 // Rows per parallel chunk: decode steps (a few rows) stay on the calling thread.
 constexpr int64_t kRowGrain = 16;
 
+using pagedgen_cpu::exp_approx;
+
 template <typename T>
 inline float widen(T x) {
-  return static_cast<float>(x);
+  return pagedgen_cpu::to_float(x);
+}
+
+template <typename T>
+inline T narrow(float x) {
+  return pagedgen_cpu::from_float<T>(x);
 }
 
 // The value a float takes once stored as T (identity for float).
 template <typename T>
 inline float round_to(float x) {
-  return static_cast<float>(static_cast<T>(x));
+  return widen(narrow<T>(x));
 }
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -58,7 +67,7 @@ inline void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) 
   const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    out[i] = static_cast<T>(widen(weight[i]) * round_to<T>(widen(x[i]) * inv_rms));
+    out[i] = narrow<T>(widen(weight[i]) * round_to<T>(widen(x[i]) * inv_rms));
   }
 }
 
@@ -67,7 +76,7 @@ template <typename T>
 inline void add_row(T* row, const T* delta, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    row[i] = static_cast<T>(widen(row[i]) + widen(delta[i]));
+    row[i] = narrow<T>(widen(row[i]) + widen(delta[i]));
   }
 }
 
@@ -80,8 +89,8 @@ inline void rotate_head(T* x, const T* c, const T* s, int64_t half) {
     const float new_lo = round_to<T>(lo * widen(c[i])) + round_to<T>(-hi * widen(s[i]));
     const float new_hi =
         round_to<T>(hi * widen(c[i + half])) + round_to<T>(lo * widen(s[i + half]));
-    x[i] = static_cast<T>(new_lo);
-    x[i + half] = static_cast<T>(new_hi);
+    x[i] = narrow<T>(new_lo);
+    x[i + half] = narrow<T>(new_hi);
   }
 }
 
@@ -91,8 +100,8 @@ inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float g = widen(gate[i]);
-    const float silu = round_to<T>(g / (1.f + std::exp(-g)));
-    out[i] = static_cast<T>(silu * widen(up[i]));
+    const float silu = round_to<T>(g / (1.f + exp_approx(-g)));
+    out[i] = narrow<T>(silu * widen(up[i]));
   }
 }
 

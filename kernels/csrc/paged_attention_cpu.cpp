@@ -24,6 +24,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -34,6 +36,10 @@
 #include <vector>
 
 namespace {
+
+using pagedgen_cpu::exp_nonpositive;
+using pagedgen_cpu::from_float;
+using pagedgen_cpu::to_float;
 
 // Query tokens per work item. With a GQA group of g the item has up to kTileTokens * g query
 // rows sharing each K/V block read; 16 keeps the float accumulators (rows x head_size) in L1/L2.
@@ -61,29 +67,7 @@ struct Problem {
 template <typename scalar_t>
 inline void widen(const scalar_t* src, float* dst, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// exp(x) for x <= 0 (scores minus their running max), in a form the compiler vectorizes:
-// libm's expf is a scalar call, and it was most of the kernel's time. 2^n * p(r) with
-// x = n ln2 + r, |r| <= ln2/2, p the degree-6 Taylor polynomial: relative error < 2e-7.
-inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;  // below this, exp underflows float32 anyway
-  // Round to nearest by the 1.5 * 2^23 trick: roundf is a libm call that blocks vectorizing.
-  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  int32_t bits;
-  __builtin_memcpy(&bits, &p, sizeof bits);
-  bits += static_cast<int32_t>(n) << 23;
-  __builtin_memcpy(&p, &bits, sizeof p);
-  return p;
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
 // One (sequence, KV heads, query tile): rows are (token, query head) pairs for the query
@@ -267,7 +251,7 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
     scalar_t* dst = out + (query_start + t) * p.out_stride_token + head * d;
     const float inv_sum = 1.f / row_sum[r];  // every row sees at least key 0
     const float* acc_row = acc + r * d;
-    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<scalar_t>(acc_row[i] * inv_sum);
+    for (int64_t i = 0; i < d; ++i) dst[i] = from_float<scalar_t>(acc_row[i] * inv_sum);
   }
 }
 

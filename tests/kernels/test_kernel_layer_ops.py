@@ -20,20 +20,33 @@ IDS = lambda v: str(v).replace("torch.", "")  # noqa: E731
 
 @pytest.fixture(autouse=True)
 def fused_at_every_row_count(monkeypatch):
-    """The wrappers hand batches over FUSED_MAX_ROWS to torch; here the C++ ops run at every
-    row count (test_torch_runs_past_the_row_limit checks the hand-over)."""
-    monkeypatch.setattr(layer_ops, "FUSED_MAX_ROWS", 10**9)
+    """The wrappers hand float32 and float16 batches over TORCH_ABOVE_ROWS to torch; here the
+    C++ ops run at every row count (test_torch_runs_past_the_row_limit checks the hand-over)."""
+    monkeypatch.setattr(layer_ops, "TORCH_ABOVE_ROWS", 10**9)
 
 
 def test_torch_runs_past_the_row_limit(monkeypatch):
-    monkeypatch.setattr(layer_ops, "FUSED_MAX_ROWS", 8)
-    x = torch.randn(9, 64).to(torch.bfloat16)
-    weight = torch.ones(64, dtype=torch.bfloat16)
-    residual = x.clone()
-    out_residual, _ = CPU_LAYER_OPS.add_rms_norm(residual, x, weight, 1e-5)
-    assert out_residual.data_ptr() != residual.data_ptr()  # torch's out-of-place add
-    assert torch.equal(CPU_LAYER_OPS.rms_norm(x, weight, 1e-5),
-                       TORCH_LAYER_OPS.rms_norm(x, weight, 1e-5))
+    monkeypatch.setattr(layer_ops, "TORCH_ABOVE_ROWS", 8)
+    for dtype, fused in ((torch.float16, False), (torch.bfloat16, True), (torch.float32, False)):
+        x = torch.randn(9, 64).to(dtype)
+        weight = torch.ones(64, dtype=dtype)
+        residual = x.clone()
+        out_residual, _ = CPU_LAYER_OPS.add_rms_norm(residual, x, weight, 1e-5)
+        # The fused op adds in place; torch's add is out of place.
+        assert (out_residual.data_ptr() == residual.data_ptr()) == fused, dtype
+
+
+def test_silu_mul_at_the_edges_of_exp() -> None:
+    """The vectorized exp clamps past float's range and keeps NaN: silu of +-100, +-inf and
+    NaN as torch gives it (x for large x, -0 or a denormal-small negative for very negative x,
+    NaN for NaN)."""
+    edges = torch.tensor([-1e30, -100.0, -88.5, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.5,
+                          100.0, 1e30, float("inf"), float("-inf"), float("nan")])
+    for dtype in DTYPES:
+        gate_up = torch.cat((edges, torch.full_like(edges, 1.5))).reshape(1, -1).to(dtype)
+        got = CPU_LAYER_OPS.silu_mul(gate_up).float()
+        expected = TORCH_LAYER_OPS.silu_mul(gate_up).float()
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=2**-7, equal_nan=True)
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
