@@ -117,12 +117,19 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
 
   const int32_t* table = p.block_tables + w.seq * p.max_blocks;
   const int64_t num_blocks = (num_keys + kBlock - 1) / kBlock;
+  // Only where the item's rows are strided, as for an item of some of the KV heads (batch 1:
+  // 30 layers of one bf16 sequence over 2048 keys took 5.8 ms cold without, 4.3 with). A block
+  // the item reads as one contiguous run (all heads, a dense cache) the hardware prefetcher
+  // streams once its first lines arrive, and prefetches only cost instructions there (30 layers
+  // of 32 sequences over 128-256 keys: bf16 26.3 ms cold with, 24.4 without; fp32 39.9, 34.4).
+  const bool prefetch = !(heads == p.num_kv_heads && p.kv_stride_head == d &&
+                          p.kv_stride_token == kv_width);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t first_key = b * kBlock;
     const int64_t keys_here = std::min(kBlock, num_keys - first_key);
     const int64_t offset = static_cast<int64_t>(table[b]) * p.kv_stride_block +
                            w.kv_head * p.kv_stride_head;
-    if (b + 1 < num_blocks) {
+    if (prefetch && b + 1 < num_blocks) {
       // Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next one:
       // ask for it now, and its loads overlap this block's math (measured: the copy below was
       // most of the kernel's time, stalled on memory).
