@@ -186,6 +186,7 @@ def _merge(taken: dict, path: Path, only: set[str], command: str) -> dict:
         for k in ("time_utc", "load_average_1_5_15", "git_commit", "torch_num_threads", "finished")
         if k in taken["meta"]
     }
+    meta["machine"] = _machine(taken["meta"])
     for section in only:
         key = STANDALONE[section]
         merged[key] = taken[key] | {"meta": meta | {"command": command}}
@@ -469,6 +470,10 @@ def _prefix(make_engine, sizes: Sizes, throughput: Workload, seed: int) -> dict:
     return {"shared_prefix": asdict(figures), "zero_hit": zero}
 
 
+def _machine(meta: dict) -> dict:
+    return {k: meta.get(k) for k in ("model", "cpu", "num_cpus", "versions")}
+
+
 def write_outputs(results: dict, out: Path, report: bool = True) -> None:
     import json
 
@@ -480,7 +485,11 @@ def write_outputs(results: dict, out: Path, report: bool = True) -> None:
     for section in ("pinning", "router"):  # sections also kept in a file of their own
         if section not in results:
             continue
-        machine = {k: results["meta"].get(k) for k in ("model", "cpu", "num_cpus", "versions")}
+        # Taken by this run (no meta of its own), or stamped with the machine that took it.
+        own = results[section].get("meta")
+        machine = own.get("machine") if own is not None else _machine(results["meta"])
+        if machine is None:  # carried over from a run that did not stamp its machine: the
+            continue  # file of its own already says which one took it
         path = out / f"{section}.json"
         path.write_text(
             json.dumps(_finite(results[section] | {"machine": machine}), indent=2, allow_nan=False)

@@ -279,3 +279,33 @@ def test_router_section_pure_parts_and_rendering(tmp_path):
     assert "| 0 | " in section and "**not met**" not in section
     assert plot_router({"router": router}, tmp_path).name == "router.png"
     assert QUICK_SHAPE.num_requests < 50
+
+
+def test_section_files_name_the_machine_that_took_them(tmp_path, monkeypatch):
+    """A run that carries the router section over from another machine's bench.json must not
+    stamp router.json with its own machine; a section taken by --only carries its own."""
+    import json
+
+    import bench.plots
+    from bench.cli import _carry_over, _merge, write_outputs
+
+    monkeypatch.setattr(bench.plots, "make_plots", lambda results, out: [])  # not under test
+
+    def meta(cpu: str, when: str) -> dict:
+        return {"time_utc": when, "git_commit": "c", "cpu": cpu, "model": "m", "num_cpus": 2,
+                "versions": {}}
+
+    out = tmp_path / "results"
+    out.mkdir()
+    old = {"meta": meta("AMD EPYC", "t0"), "router": {"runs": 1, "meta": {"time_utc": "t0"}}}
+    (out / "bench.json").write_text(json.dumps(old))
+    (out / "router.json").write_text(json.dumps({"runs": 1, "machine": {"cpu": "AMD EPYC"}}))
+    carried = _carry_over({"meta": meta("Intel Xeon", "t1")}, out / "bench.json", {"router"})
+    write_outputs(carried, out, report=False)
+    assert json.loads((out / "router.json").read_text())["machine"]["cpu"] == "AMD EPYC"
+
+    taken = {"meta": meta("Intel Xeon", "t2"), "router": {"runs": 2}}
+    merged = _merge(taken, out / "bench.json", {"router"}, "pagedgen-bench --only router")
+    write_outputs(merged, out, report=False)
+    section = json.loads((out / "router.json").read_text())
+    assert section["runs"] == 2 and section["machine"]["cpu"] == "Intel Xeon"
