@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Sequence
 
 import grpc
 
 from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
-from router.residency import ResidencyMirror
+from router.residency import MirrorDivergedError, ResidencyMirror
 
 log = logging.getLogger("router.index_view")
 # Answers that mean the index itself is unreachable or failing (else: this one request was
@@ -29,6 +30,9 @@ _DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_E
 # Between two attempts to watch residency: doubled after each failure, up to the maximum.
 WATCH_RETRY_S = 0.2
 WATCH_RETRY_MAX_S = 5.0
+# A stream that stayed synced this long resets the wait; one failing in its snapshot (or soon
+# after it) keeps doubling it, rather than asking for a snapshot every WATCH_RETRY_S.
+WATCH_STABLE_S = 10.0
 
 
 class IndexView:
@@ -58,13 +62,14 @@ class IndexView:
     async def engines(self) -> dict[str, str] | None:
         """address -> engine id of every registered engine with a live lease and a serving
         address; None when the index cannot be reached."""
+        resets_before = self.mirror.resets
         try:
             stats = await self.client.stats("")
         except PrefixIndexClientError as error:
             self._down(error)
             return None
         self._back()
-        self.mirror.forget_except({s.engine_id for s in stats})
+        self.mirror.forget_except({s.engine_id for s in stats}, resets_before)
         return {s.serving_address: s.engine_id for s in stats
                 if s.serving_address and s.lease_remaining_s > 0}
 
@@ -73,18 +78,28 @@ class IndexView:
         a failure marks the copy unsynced (routes ask by Lookup) and watches again."""
         retry_s = WATCH_RETRY_S
         while True:
+            synced_at = None
             try:
                 async for change in self.client.watch_residency():
                     self.mirror.apply(change)
-                    retry_s = WATCH_RETRY_S
+                    if change is None:
+                        synced_at = time.monotonic()
                 error = "the index ended the stream"
-            except PrefixIndexClientError as exc:
+            except (PrefixIndexClientError, MirrorDivergedError) as exc:
                 error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - whatever it was, the copy is not current
+                log.exception("residency watch of %s failed", self.target)
+                error = f"{type(exc).__name__}: {exc}"
             self.mirror.lost()
             self.watch_failures += 1
+            if synced_at is not None and time.monotonic() - synced_at >= WATCH_STABLE_S:
+                retry_s = WATCH_RETRY_S  # it held a while: a new failure starts over
+            # Jitter: the routers of one index, cut off together, do not all come back at once
+            # for a snapshot.
+            wait_s = retry_s * random.uniform(0.5, 1.0)
             log.info("residency watch of %s ended (%s): routes ask by Lookup; watching again "
-                     "in %.1fs", self.target, error, retry_s)
-            await asyncio.sleep(retry_s)
+                     "in %.1fs", self.target, error, wait_s)
+            await asyncio.sleep(wait_s)
             retry_s = min(2 * retry_s, WATCH_RETRY_MAX_S)
 
     def held_prefixes_now(self, chain: Sequence[bytes], identity: str) -> dict[str, int] | None:

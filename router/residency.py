@@ -20,6 +20,13 @@ class EngineResidency:
     epoch: int
     model_identity: str
     hashes: set[bytes] = field(default_factory=set)
+    reset_at: int = 0  # the copy's reset count when this registration's reset arrived
+
+
+class MirrorDivergedError(Exception):
+    """A change for an engine the copy does not hold: the copy missed its reset (it dropped the
+    engine while it registered again, or a snapshot raced the sweeper), and only a new
+    snapshot brings it back."""
 
 
 class ResidencyMirror:
@@ -28,6 +35,7 @@ class ResidencyMirror:
         self.synced = False
         self._snapshot: dict[str, EngineResidency] = {}  # being received (not yet synced)
         self.changes = 0  # applied since the last snapshot (for tests and debugging)
+        self.resets = 0  # resets applied, ever: orders them against a directory read
 
     def lost(self) -> None:
         """The stream failed: changes may have been missed until a new snapshot."""
@@ -45,21 +53,29 @@ class ResidencyMirror:
         current = engines.get(change.engine_id)
         if change.reset:
             if current is None or change.epoch >= current.epoch:
+                self.resets += 1
                 engines[change.engine_id] = EngineResidency(
-                    change.epoch, change.model_identity, set(change.added))
+                    change.epoch, change.model_identity, set(change.added), self.resets)
             return
-        if current is None or change.epoch != current.epoch:
-            # An older registration's change (a newer reset came first), or one whose reset
-            # this copy never saw (impossible while the stream holds): nothing to apply to.
-            return
+        if current is None:
+            if self.synced:
+                raise MirrorDivergedError(
+                    f"a residency change for engine {change.engine_id!r}, which this copy "
+                    f"does not hold: its reset was missed")
+            return  # (in a snapshot: an engine registered after the directory was read)
+        if change.epoch != current.epoch:
+            return  # an older registration's change: a newer reset came first
         current.hashes.difference_update(change.removed)
         current.hashes.update(change.added)
         self.changes += 1
 
-    def forget_except(self, engine_ids: set[str]) -> None:
-        """Drops engines no longer registered (a lease that ran out sends no event)."""
-        for engine_id in [e for e in self.engines if e not in engine_ids]:
-            del self.engines[engine_id]
+    def forget_except(self, engine_ids: set[str], resets_before: int) -> None:
+        """Drops engines no longer registered (a lease that ran out sends no event).
+        `engine_ids`: the directory as read when the copy had applied `resets_before` resets;
+        an engine whose reset came after that may have registered after the read, and stays."""
+        for engine_id, engine in list(self.engines.items()):
+            if engine_id not in engine_ids and engine.reset_at <= resets_before:
+                del self.engines[engine_id]
 
     def longest_prefixes(self, chain: Sequence[bytes], model_identity: str = ""
                          ) -> dict[str, int]:

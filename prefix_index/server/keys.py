@@ -9,9 +9,14 @@ ENGINE_KEY_SUFFIXES = ("meta", "bid", "own", "ref", "par", "kids", "last", "pin"
 # Directory of engine ids (its own slot); lookup, stats and the sweeper prune the gone ones.
 ENGINES_KEY = "pi:engines"
 
-# Pub/sub channel: every change to an engine's resident blocks (apply.lua) and every reset
-# (register.lua), published by the script that makes it; router/residency.py mirrors it.
-RESIDENCY_CHANNEL = "pi:residency"
+
+
+def residency_channel(db: int) -> str:
+    """Pub/sub channel of every change to an engine's resident blocks (apply.lua) and every
+    reset (register.lua), published by the script that makes it; router/residency.py mirrors
+    it. Per database: Redis pub/sub ignores the database number, so two index deployments on
+    databases of one server would otherwise hear each other's engines."""
+    return f"pi:residency:{db}"
 
 
 def engine_keys(engine_id: str, suffixes: tuple[str, ...] = ENGINE_KEY_SUFFIXES) -> list[str]:

@@ -5,18 +5,22 @@ It subscribes before it reads the snapshot, so nothing in between is lost: a cha
 meanwhile arrives after the snapshot and is replayed over it. That replay is harmless: over a
 state that already has them, one engine's changes replayed in order end where they ended (each
 hash's last write wins, a reset wipes what came before it, and an older epoch's change is
-ignored after a newer reset).
+ignored after a newer reset). It holds only while the subscription delivers every message:
+redis-py re-dials a subscription whose connection was closed under it (the index resets its
+pool when Redis looks down) and subscribes again without a word, so a second confirmation of
+the subscription means changes were missed, and the feed ends for the watcher to take a new
+snapshot.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import msgpack
 
 from prefix_index.api.ops import ResidencyChange
-from prefix_index.server.keys import RESIDENCY_CHANNEL
 from prefix_index.server.store import IndexStore
 
 # A snapshot event carries at most this many hashes (16 bytes each): a pool of 100k blocks
@@ -33,6 +37,10 @@ SYNCED = None  # yielded once, between the snapshot and the live changes
 
 class RedisSilentError(ConnectionError):
     """Redis did not answer a ping on the subscription in time."""
+
+
+class SubscriptionLostError(ConnectionError):
+    """The subscription was dropped and made again: what was published meanwhile is lost."""
 
 
 def decode_published(data: bytes) -> ResidencyChange:
@@ -54,7 +62,7 @@ async def watch(store: IndexStore) -> AsyncIterator[ResidencyChange | None]:
     until Redis fails (the error propagates) or the caller stops iterating."""
     pubsub = store.redis.pubsub()
     try:
-        await pubsub.subscribe(RESIDENCY_CHANNEL)
+        await pubsub.subscribe(store.residency_channel)
         await _confirmed(pubsub)
         for engine_id in await store.engine_ids():
             resident = await store.resident(engine_id)
@@ -81,10 +89,28 @@ async def watch(store: IndexStore) -> AsyncIterator[ResidencyChange | None]:
                     pinged = True
                 continue
             heard_at, pinged = now, False
+            if message["type"] == "subscribe":
+                raise SubscriptionLostError(
+                    "the residency subscription was dropped and made again (the index reset "
+                    "its Redis connections): changes published in between are lost")
             if message["type"] == "message":
-                yield decode_published(message["data"])
+                for part in _split(decode_published(message["data"])):
+                    yield part
     finally:
         await pubsub.aclose()
+
+
+def _split(change: ResidencyChange) -> list[ResidencyChange]:
+    """One change as events of at most SNAPSHOT_CHUNK hashes each (an Evict of a whole large
+    pool would be one message over gRPC's limit, failing the stream on every such Apply). The
+    added and removed hashes are disjoint, so the parts may be applied one after another."""
+    if change.reset or len(change.added) + len(change.removed) <= SNAPSHOT_CHUNK:
+        return [change]  # (a published reset carries no hashes)
+    parts = [replace(change, added=(), removed=change.removed[start:start + SNAPSHOT_CHUNK])
+             for start in range(0, len(change.removed), SNAPSHOT_CHUNK)]
+    parts += [replace(change, added=change.added[start:start + SNAPSHOT_CHUNK], removed=())
+              for start in range(0, len(change.added), SNAPSHOT_CHUNK)]
+    return parts
 
 
 async def _confirmed(pubsub) -> None:

@@ -13,8 +13,6 @@ from pathlib import Path
 from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import NoScriptError
 
-from prefix_index.server.keys import RESIDENCY_CHANNEL
-
 LUA_DIR = Path(__file__).resolve().parent / "lua"
 SCRIPT_NAMES = ("register", "heartbeat", "apply", "cool", "lookup", "stats", "residency")
 # Scripts over several engines' keys at once: without common.lua, whose KEYS are one engine's.
@@ -36,10 +34,10 @@ class LuaScript:
             return await redis.evalsha(self.sha, len(keys), *keys, *args)
 
 
-def load_scripts() -> dict[str, LuaScript]:
+def load_scripts(channel_name: str) -> dict[str, LuaScript]:
     """Each script is lua/common.lua followed by its own file (a multi-engine one: its file).
-    The residency channel's name comes from keys.py, the one place that names it."""
-    channel = f"local RESIDENCY_CHANNEL = '{RESIDENCY_CHANNEL}'\n"
+    `channel_name`: the residency channel the scripts publish on (keys.residency_channel)."""
+    channel = f"local RESIDENCY_CHANNEL = '{channel_name}'\n"
     common = channel + (LUA_DIR / "common.lua").read_text()
     scripts = {}
     for name in SCRIPT_NAMES:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -164,8 +165,10 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         self.watchers += 1
         code, message = grpc.StatusCode.OK, ""
         try:
-            async for change in watch(self.store):
-                yield wire.residency_to_proto(change)
+            # Closed here, not when collected: its subscription is a Redis connection.
+            async with contextlib.aclosing(watch(self.store)) as changes:
+                async for change in changes:
+                    yield wire.residency_to_proto(change)
         except _REDIS_DOWN as exc:
             code, message = grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}"
         except ResponseError as exc:

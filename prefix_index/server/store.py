@@ -45,6 +45,7 @@ from prefix_index.server.keys import (
     engine_keys,
     lookup_keys,
     parse_view_member,
+    residency_channel,
     view_key,
     view_member,
 )
@@ -158,7 +159,11 @@ class IndexStore:
         self.redis = redis
         self.pin_policy = pin_policy
         self.view_ttl_ms = round(view_ttl_s * 1000)
-        self._scripts = load_scripts()
+        # A cluster has one database; a single server's URL may name any of them.
+        pool = getattr(redis, "connection_pool", None)
+        db = int(pool.connection_kwargs.get("db", 0) or 0) if pool is not None else 0
+        self.residency_channel = residency_channel(db)
+        self._scripts = load_scripts(self.residency_channel)
         self.view_write_errors = 0  # view writes that failed after their Apply succeeded
         self._engine_list: list[str] = []  # the directory as Lookup last read it
         self._engine_list_read_at = -ENGINE_LIST_TTL_S  # time.monotonic() of that read
