@@ -293,7 +293,7 @@ class WatchResidencyRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ResidencyEvent(_message.Message):
-    __slots__ = ("engine_id", "epoch", "reset", "model_identity", "added", "removed", "synced")
+    __slots__ = ("engine_id", "epoch", "reset", "model_identity", "added", "removed", "synced", "heartbeat")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,7 @@ class ResidencyEvent(_message.Message):
     ADDED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     SYNCED_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: int
     reset: bool
@@ -308,4 +309,5 @@ class ResidencyEvent(_message.Message):
     added: _containers.RepeatedScalarFieldContainer[bytes]
     removed: _containers.RepeatedScalarFieldContainer[bytes]
     synced: bool
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reset: _Optional[bool] = ..., model_identity: _Optional[str] = ..., added: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., synced: _Optional[bool] = ...) -> None: ...
+    heartbeat: bool
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reset: _Optional[bool] = ..., model_identity: _Optional[str] = ..., added: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., synced: _Optional[bool] = ..., heartbeat: _Optional[bool] = ...) -> None: ...

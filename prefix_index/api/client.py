@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -26,6 +27,11 @@ from prefix_index.api.ops import (
     OpResult,
     ResidencyChange,
 )
+
+# WatchResidency: the index sends a heartbeat after each quiet IDLE_PING_S (2 s; prefix_index/
+# server/residency.py), and at most twice that after Redis stops answering it ends the stream;
+# silence this long means the index or the path to it is gone without a word.
+WATCH_SILENCE_S = 15.0
 
 
 class PrefixIndexClientError(Exception):
@@ -124,8 +130,18 @@ class PrefixIndexClient:
         deadline: it lasts as long as the caller reads."""
         call = self._stub.WatchResidency(pb.WatchResidencyRequest())
         try:
-            async for event in call:
-                yield wire.residency_from_proto(event)
+            while True:
+                try:
+                    event = await asyncio.wait_for(call.read(), WATCH_SILENCE_S)
+                except TimeoutError:
+                    raise PrefixIndexClientError(
+                        "WatchResidency", grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"nothing heard from the index for {WATCH_SILENCE_S:.0f}s (it sends a "
+                        f"heartbeat every few seconds): taking the stream for dead") from None
+                if event is grpc.aio.EOF:
+                    return
+                if not event.heartbeat:
+                    yield wire.residency_from_proto(event)
         except grpc.aio.AioRpcError as exc:
             raise PrefixIndexClientError("WatchResidency", exc.code(),
                                          exc.details() or "") from None

@@ -103,9 +103,11 @@ def ops_to_proto(ops: Sequence[Op]) -> list[pb.Op]:
 
 
 def residency_to_proto(change: ResidencyChange | None) -> pb.ResidencyEvent:
-    """None: the event that ends the snapshot."""
+    """None: the event that ends the snapshot; a change of no engine: a heartbeat."""
     if change is None:
         return pb.ResidencyEvent(synced=True)
+    if not change.engine_id:
+        return pb.ResidencyEvent(heartbeat=True)
     return pb.ResidencyEvent(engine_id=change.engine_id, epoch=change.epoch,
                              reset=change.reset, model_identity=change.model_identity,
                              added=change.added, removed=change.removed)

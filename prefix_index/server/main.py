@@ -66,7 +66,12 @@ class IndexServer:
         self.health_servicer = health_aio.HealthServicer()
         self.health = RedisHealth(self.store, self.health_servicer, ["", SERVICE_NAME],
                                   self.metrics, config.probe_interval_s, config.redis_timeout_s)
-        self.server = grpc.aio.server()
+        # Pings to clients on idle connections: a router whose host vanished without a TCP
+        # reset would otherwise hold its residency watcher (a slot and a Redis connection)
+        # until the kernel's keepalive, hours later.
+        self.server = grpc.aio.server(options=[
+            ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1)])
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> int:
@@ -100,7 +105,7 @@ class IndexServer:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self.redis.aclose()
+        await self.store.close()
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()

@@ -23,6 +23,10 @@ import msgpack
 from prefix_index.api.ops import ResidencyChange
 from prefix_index.server.store import IndexStore
 
+# Each watcher holds a Redis connection of its own (its subscription) for as long as it
+# watches, from a pool of this many kept apart from the one the RPCs use (IndexStore.subscriber):
+# routers are few, so this is a guard against a leak, not a tuning knob.
+MAX_WATCHERS = 64
 # A snapshot event carries at most this many hashes (16 bytes each): a pool of 100k blocks
 # would otherwise be one message over gRPC's 4 MiB default.
 SNAPSHOT_CHUNK = 16384
@@ -33,6 +37,9 @@ IDLE_PING_S = 2.0
 
 
 SYNCED = None  # yielded once, between the snapshot and the live changes
+# Yielded when Redis answered a ping after IDLE_PING_S without changes: the watcher learns the
+# stream is alive (a router cannot otherwise tell a quiet index from a vanished one).
+HEARTBEAT = ResidencyChange("", 0)
 
 
 class RedisSilentError(ConnectionError):
@@ -58,9 +65,10 @@ def decode_published(data: bytes) -> ResidencyChange:
 
 
 async def watch(store: IndexStore) -> AsyncIterator[ResidencyChange | None]:
-    """The snapshot (a reset per engine, then its hashes in chunks), SYNCED, then every change,
-    until Redis fails (the error propagates) or the caller stops iterating."""
-    pubsub = store.redis.pubsub()
+    """The snapshot (a reset per engine, then its hashes in chunks), SYNCED, then every change
+    (and a HEARTBEAT in each quiet interval), until Redis fails (the error propagates) or the
+    caller stops iterating."""
+    pubsub = store.subscriber.pubsub()
     try:
         await pubsub.subscribe(store.residency_channel)
         await _confirmed(pubsub)
@@ -89,6 +97,9 @@ async def watch(store: IndexStore) -> AsyncIterator[ResidencyChange | None]:
                     pinged = True
                 continue
             heard_at, pinged = now, False
+            if message["type"] == "pong":
+                yield HEARTBEAT
+                continue
             if message["type"] == "subscribe":
                 raise SubscriptionLostError(
                     "the residency subscription was dropped and made again (the index reset "

@@ -28,7 +28,7 @@ from prefix_index.server.errors import (
 )
 from prefix_index.server.health import RedisHealth
 from prefix_index.server.metrics import IndexMetrics
-from prefix_index.server.residency import watch
+from prefix_index.server.residency import MAX_WATCHERS, watch
 from prefix_index.server.store import IndexStore
 
 log = logging.getLogger("prefix_index.server.servicer")
@@ -47,9 +47,6 @@ _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError
 # Redis error replies that mean "not now" (loading, failover, busy script), not "wrong".
 _REDIS_TRANSIENT = ("LOADING", "BUSY", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN",
                     "MOVED", "ASK")
-# Each watcher holds a Redis connection of its own (its subscription) for as long as it
-# watches; routers are few, so this is a guard against a leak, not a tuning knob.
-MAX_WATCHERS = 64
 
 
 class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):

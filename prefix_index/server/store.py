@@ -151,6 +151,23 @@ def decode_result(raw: list) -> OpResult:
                     str(detail), [int(b) for b in block_ids], evicted, int(count))
 
 
+
+def _subscription_client(redis: Redis | RedisCluster) -> Redis | RedisCluster:
+    """The client WatchResidency subscribes through: on a single server, the same settings over
+    a pool of its own (MAX_WATCHERS connections), so watchers, each holding a connection while
+    it watches, never take the connections the RPCs need (a burst of watchers made Lookups and
+    the health probe fail with "Too many connections", whose pool reset then cut every
+    watcher), and the pool reset after a failed probe leaves the subscriptions, which notice a
+    dead Redis by themselves, alone. A cluster client keeps one pool per node: shared."""
+    from prefix_index.server.residency import MAX_WATCHERS
+
+    pool = getattr(redis, "connection_pool", None)
+    if pool is None:
+        return redis
+    own = type(pool)(connection_class=pool.connection_class, max_connections=MAX_WATCHERS,
+                     **pool.connection_kwargs)
+    return Redis(connection_pool=own)
+
 class IndexStore:
     """Async access to the index in Redis. Connection errors propagate (the caller maps them)."""
 
@@ -164,6 +181,7 @@ class IndexStore:
         db = int(pool.connection_kwargs.get("db", 0) or 0) if pool is not None else 0
         self.residency_channel = residency_channel(db)
         self._scripts = load_scripts(self.residency_channel)
+        self.subscriber = _subscription_client(redis)
         self.view_write_errors = 0  # view writes that failed after their Apply succeeded
         self._engine_list: list[str] = []  # the directory as Lookup last read it
         self._engine_list_read_at = -ENGINE_LIST_TTL_S  # time.monotonic() of that read
@@ -194,6 +212,11 @@ class IndexStore:
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
+
+    async def close(self) -> None:
+        if self.subscriber is not self.redis:
+            await self.subscriber.aclose()
+        await self.redis.aclose()
 
     async def reset_connections(self) -> None:
         """Drop pooled connections to a server that went away, so the next call dials anew.

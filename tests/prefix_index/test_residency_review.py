@@ -8,14 +8,20 @@ an engine whose reset it missed."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 import uuid
 
 import pytest
 from redis.asyncio import Redis
 
+import prefix_index.api.client as client_module
+from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
 from prefix_index.api.ops import ResidencyChange
 from prefix_index.server.config import PinPolicy
 from prefix_index.server.residency import (
+    HEARTBEAT,
     SNAPSHOT_CHUNK,
     SYNCED,
     SubscriptionLostError,
@@ -23,6 +29,7 @@ from prefix_index.server.residency import (
     watch,
 )
 from prefix_index.server.store import IndexStore
+from prefix_index.tools.launch import IndexProcess
 from router.residency import MirrorDivergedError, ResidencyMirror
 from tests.prefix_index.chains import commit_ops, make_chain
 
@@ -30,6 +37,14 @@ from tests.prefix_index.chains import commit_ops, make_chain
 def _store(url: str, db: int) -> IndexStore:
     server = url.rsplit("/", 1)[0] if url.count("/") > 2 else url  # without its database
     return IndexStore(Redis.from_url(f"{server}/{db}"), PinPolicy())
+
+
+async def _next_change(feed) -> ResidencyChange:
+    """The next change, past heartbeats (one is sent after each quiet IDLE_PING_S)."""
+    while True:
+        change = await asyncio.wait_for(feed.__anext__(), 10.0)
+        if change is not HEARTBEAT:
+            return change
 
 
 async def _until_synced(feed) -> list[ResidencyChange]:
@@ -42,16 +57,17 @@ async def _until_synced(feed) -> list[ResidencyChange]:
 
 
 def test_a_subscription_remade_under_the_feed_ends_it(redis_server):
-    """The index resets its Redis pool when Redis looks down; that closes the subscription's
-    connection too, and redis-py dials again and re-subscribes on the next read. Whatever was
-    published in between is gone, so the feed must end (the watcher re-snapshots)."""
+    """A subscription's connection closed under it (as the index's pool reset did when the
+    subscriptions shared that pool) is dialed again by redis-py, which re-subscribes on the next
+    read without a word. Whatever was published in between is gone, so the feed must end (the
+    watcher re-snapshots)."""
     async def body():
         store = _store(redis_server.url, 0)
         engine = f"engine-{uuid.uuid4().hex[:12]}"
         feed = watch(store)
         try:
             await _until_synced(feed)
-            await store.reset_connections()  # what a failed health probe does
+            await store.subscriber.connection_pool.disconnect()
             await store.register(engine, "m", 16, 64, 60.0)  # published into the gap, or after
             async def read_on() -> None:
                 async for change in feed:
@@ -61,7 +77,26 @@ def test_a_subscription_remade_under_the_feed_ends_it(redis_server):
                 await asyncio.wait_for(read_on(), 10.0)
         finally:
             await feed.aclose()
-            await store.redis.aclose()
+            await store.close()
+    asyncio.run(body())
+
+
+def test_the_health_probes_pool_reset_leaves_the_subscriptions_alone(redis_server):
+    """A failed probe resets the RPCs' pool; the watchers' subscriptions live in a pool of
+    their own and go on, whole."""
+    async def body():
+        store = _store(redis_server.url, 0)
+        engine = f"engine-{uuid.uuid4().hex[:12]}"
+        feed = watch(store)
+        try:
+            await _until_synced(feed)
+            await store.reset_connections()  # what a failed health probe does
+            await store.register(engine, "m", 16, 64, 60.0)
+            change = await _next_change(feed)
+            assert change.engine_id == engine and change.reset
+        finally:
+            await feed.aclose()
+            await store.close()
     asyncio.run(body())
 
 
@@ -78,13 +113,13 @@ def test_deployments_on_two_databases_of_one_server_do_not_hear_each_other(redis
             reg = await there.register(engine, "m", 16, 64, 60.0)
             await there.apply(engine, reg.epoch, commit_ops(chain, 0))
             await here.register(engine + "-here", "m", 16, 64, 60.0)
-            change = await asyncio.wait_for(feed.__anext__(), 10.0)
+            change = await _next_change(feed)
             # The first thing heard is this database's registration, not the other's.
             assert change.engine_id == engine + "-here" and change.reset
         finally:
             await feed.aclose()
             for store in (here, there):
-                await store.redis.aclose()
+                await store.close()
     asyncio.run(body())
 
 
@@ -125,3 +160,40 @@ def test_a_change_for_an_engine_the_copy_does_not_hold_is_divergence():
     mirror.apply(ResidencyChange("e", 9, reset=True))
     mirror.apply(ResidencyChange("e", 8, added=(b"x" * 16,)))
     assert mirror.engines["e"].hashes == set()
+
+
+def test_a_quiet_stream_stays_up_and_a_silent_index_is_taken_for_gone(redis_server,
+                                                                       monkeypatch):
+    """Heartbeats keep a watch with nothing to report alive; an index that stops answering
+    without closing the connection (a frozen process, a vanished host) ends the watch by the
+    router's own clock."""
+    monkeypatch.setattr(client_module, "WATCH_SILENCE_S", 6.0)
+    with IndexProcess(redis_server.url, ["--log-level", "WARNING"]) as index:
+        async def body():
+            async with PrefixIndexClient(index.target, 5.0) as c:
+                feed = c.watch_residency()
+                async for change in feed:
+                    if change is None:
+                        break
+                quiet_until = time.monotonic() + 8.0  # longer than the silence allowed
+
+                async def quiet() -> None:
+                    async for _change in feed:
+                        pass  # changes of other tests' engines, if any
+
+                with pytest.raises(asyncio.TimeoutError):  # heartbeats: no error in 8 s
+                    await asyncio.wait_for(quiet(), quiet_until - time.monotonic())
+                feed = c.watch_residency()
+                async for change in feed:
+                    if change is None:
+                        break
+                os.kill(index.proc.pid, signal.SIGSTOP)
+                try:
+                    started = time.monotonic()
+                    with pytest.raises(PrefixIndexClientError, match="DEADLINE_EXCEEDED"):
+                        async for _change in feed:
+                            pass
+                    assert time.monotonic() - started < 6.0 + 5.0
+                finally:
+                    os.kill(index.proc.pid, signal.SIGCONT)
+        asyncio.run(body())

@@ -10,10 +10,11 @@ import random
 import time
 import uuid
 
+import grpc
 import pytest
 import redis
 
-from prefix_index.api.client import PrefixIndexClient
+from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
 from prefix_index.api.ops import Acquire, Op, Release
 from prefix_index.server.keys import engine_keys
 from prefix_index.server.residency import SNAPSHOT_CHUNK
@@ -205,7 +206,7 @@ async def _restarts(redis_process: RedisProcess, index: IndexProcess, engine_id:
         # snapshot no longer has the engine until it registers again.
         redis_process.restart()
         await _until(lambda: view.watch_failures > failures, "the watch ended with Redis")
-        await engine.register(engine_id, "m", 16, 64, 60)
+        await _register_until_up(engine, engine_id)
         after = make_chain("after", 3)
         await engine.apply(commit_ops(after, 0) + [Acquire(after)])
         await _caught_up(view.mirror, redis_process.url, [engine_id], "after the Redis restart",
@@ -216,6 +217,20 @@ async def _restarts(redis_process: RedisProcess, index: IndexProcess, engine_id:
         await asyncio.gather(watch, return_exceptions=True)
         await engine.close()
         await view.close()
+
+
+async def _register_until_up(engine: PrefixIndexClient, engine_id: str) -> None:
+    """Register as an engine does after Redis restarted: UNAVAILABLE (the index still held
+    connections to the old server, or had not seen it back yet) means try again."""
+    deadline = time.monotonic() + 15.0
+    while True:
+        try:
+            await engine.register(engine_id, "m", 16, 64, 60)
+            return
+        except PrefixIndexClientError as error:
+            if error.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 async def _until(predicate, what: str, timeout_s: float = 15.0) -> None:
