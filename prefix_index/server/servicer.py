@@ -165,6 +165,10 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
             # Closed here, not when collected: its subscription is a Redis connection.
             async with contextlib.aclosing(watch(self.store)) as changes:
                 async for change in changes:
+                    if self.health.draining:  # (a heartbeat comes every few seconds at least)
+                        code, message = (grpc.StatusCode.UNAVAILABLE,
+                                         "the index is shutting down")
+                        break
                     yield wire.residency_to_proto(change)
         except _REDIS_DOWN as exc:
             code, message = grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}"

@@ -197,3 +197,26 @@ def test_a_quiet_stream_stays_up_and_a_silent_index_is_taken_for_gone(redis_serv
                 finally:
                     os.kill(index.proc.pid, signal.SIGCONT)
         asyncio.run(body())
+
+
+def test_a_draining_index_ends_its_watches_instead_of_waiting_out_the_grace(redis_server):
+    """A watch never ends by itself: without this, every shutdown with a router attached took
+    the whole grace period."""
+    grace_s = 20.0
+    with IndexProcess(redis_server.url, ["--log-level", "WARNING", "--grace-s",
+                                         str(grace_s)]) as index:
+        async def body():
+            async with PrefixIndexClient(index.target, 5.0) as c:
+                feed = c.watch_residency()
+                async for change in feed:
+                    if change is None:
+                        break
+                started = time.monotonic()
+                stopping = asyncio.get_running_loop().run_in_executor(None, index.terminate,
+                                                                      grace_s + 10)
+                with pytest.raises(PrefixIndexClientError, match="shutting down"):
+                    async for _change in feed:
+                        pass
+                assert await stopping == 0
+                assert time.monotonic() - started < grace_s / 2
+        asyncio.run(body())
