@@ -25,6 +25,12 @@ class RouterConfig:
     # Chains routed to a replica count as held there for this long, until the index has them
     # (router/pending.py).
     pending_s: float = 5.0
+    # Uncached prompt blocks cost (1 + hot_replica_weight * excess) on a replica that took
+    # more than its share of the last `share_window` requests, excess = replicas * its share
+    # - 1 (0 while the traffic is even): a long prefill there stalls the traffic its cache
+    # draws (one hot prefix), so new prefixes go where fewer requests wait behind them.
+    hot_replica_weight: float = 1.0
+    share_window: int = 32
     running_weight: float = 0.5
     kv_weight: float = 8.0
     # Bounded load (consistent hashing with bounded loads): a replica may take a request only
@@ -47,7 +53,8 @@ class RouterConfig:
         """Raises ValueError naming a setting outside what is allowed."""
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name in ("prefill_weight", "home_weight", "running_weight", "kv_weight", "pending_s"):
+        for name in ("prefill_weight", "home_weight", "hot_replica_weight", "running_weight",
+                     "kv_weight", "pending_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
@@ -59,6 +66,8 @@ class RouterConfig:
                              f"{self.pending_s}")
         if self.load_slack < 0:
             raise ValueError(f"load_slack must be >= 0 requests, got {self.load_slack}")
+        if self.share_window < 1:
+            raise ValueError(f"share_window must be >= 1 requests, got {self.share_window}")
         if self.prefix_hash_blocks < 1:
             raise ValueError(f"prefix_hash_blocks must be >= 1, got {self.prefix_hash_blocks}")
         for name in ("lookup_timeout_s", "stats_interval_s", "discovery_interval_s",

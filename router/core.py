@@ -24,6 +24,7 @@ from router.metrics import RouterMetrics
 from router.pending import PendingPrefixes
 from router.policies import Decision, Policies, RouteInput
 from router.prompt import PromptReader
+from router.recent_routes import RecentRoutes
 from router.replicas import Replica, ReplicaSet
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class Router:
         # (replica address, engine id) -> chains just routed there, not in the index yet
         # (kv-aware); keyed by both so an engine restarted at the address inherits nothing
         self.pending: dict[tuple[str, str], PendingPrefixes] = {}
+        self.recent = RecentRoutes(config.share_window)  # where the last requests went
         self._tasks: list[asyncio.Task] = []
         if self.index is not None:
             self.metrics.index_up.set_function(lambda: 1.0 if self.index.up else 0.0)
@@ -178,7 +180,8 @@ class Router:
                     raise NoReplicaError(self._no_replica_message(exclude))
                 matches = self._with_pending(index_matches, replicas, chain)
         route = RouteInput(len(token_ids) if token_ids is not None else None,
-                           self._prefix_key(chain, token_ids, cache_salt), matches)
+                           self._prefix_key(chain, token_ids, cache_salt), matches,
+                           self.recent.shares())
         decision = self.policies.choose(policy, replicas, route, hasher.block_size)
         replica = decision.replica
         if matches is not None and record and replica.engine_id:  # (a PinPrefix prefills
@@ -187,6 +190,7 @@ class Router:
                 self.pending[key] = PendingPrefixes(self.config.pending_s)
             self.pending[key].add(chain, time.monotonic())
         if record:
+            self.recent.add(replica.name)
             self.metrics.decisions.labels(decision.policy, replica.name).inc()
             if decision.fallback and self.index is not None:
                 self.metrics.fallbacks.inc()

@@ -1,7 +1,8 @@
 """Which replica takes a request: the four policies, as pure choices over a snapshot of the
 replicas (no I/O here).
 
-- kv-aware (default): the least cost, cost = prefill_weight * uncached prompt blocks + load
+- kv-aware (default): the least cost, cost = prefill_weight * uncached prompt blocks
+  * (1 + hot_replica_weight * the replica's excess share of the recent requests) + load
   (- home_weight at the prefix's rendezvous home while no replica holds more of it than the
   home); the uncached blocks from the index's exact per-replica longest prefix (and what the
   router routed there moments ago, router/pending.py).
@@ -31,6 +32,8 @@ class RouteInput:
     prefix_key: bytes | None  # hash of the prompt's first blocks (prefix-hash); None: unknown
     # engine id -> leading prompt blocks it holds (absent: none); None: no index answer
     matches: dict[str, int] | None
+    # replica name -> its share of the router's recent requests (router/recent_routes.py)
+    shares: dict[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,9 +128,16 @@ class Policies:
             if matches.get(home.engine_id, 0) < max(matches.values(), default=0):
                 home = None  # another replica holds more of it: affinity decides, not hash
 
+        shares = route.shares or {}
+        num_replicas = len(replicas)
+
         def cost(replica: Replica) -> float:
             uncached = prompt_blocks - min(matches.get(replica.engine_id, 0), prompt_blocks)
-            return (config.prefill_weight * uncached + load(replica, block_size, config)
+            # A replica taking more than an even share serves traffic that waits behind
+            # whatever prefill it starts: a new prefix costs more there.
+            excess = max(0.0, num_replicas * shares.get(replica.name, 0.0) - 1.0)
+            prefill = config.prefill_weight * uncached * (1.0 + config.hot_replica_weight * excess)
+            return (prefill + load(replica, block_size, config)
                     - (config.home_weight if replica is home else 0.0))
 
         return self._least(replicas, cost, "kv-aware", matches)

@@ -113,6 +113,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="kv-aware: cost of one uncached prompt block")
     p.add_argument("--home-weight", type=float, default=d.home_weight,
                    help="kv-aware: blocks of cost spared at a prefix's rendezvous home")
+    p.add_argument("--hot-replica-weight", type=float, default=d.hot_replica_weight,
+                   help="kv-aware: extra cost of an uncached block on a replica per share of "
+                        "the recent requests it took past an even split")
+    p.add_argument("--share-window", type=int, default=d.share_window,
+                   help="kv-aware: how many recent requests the replicas' shares count")
     p.add_argument("--pending-s", type=float, default=d.pending_s,
                    help="kv-aware: seconds a prefix routed to a replica counts as held there "
                         "before the index shows it")
@@ -147,6 +152,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         policy=args.policy, prefill_weight=args.prefill_weight,
         home_weight=args.home_weight, pending_s=args.pending_s,
+        hot_replica_weight=args.hot_replica_weight, share_window=args.share_window,
         running_weight=args.running_weight, kv_weight=args.kv_weight,
         load_bound=args.load_bound, load_slack=args.load_slack,
         prefix_hash_blocks=args.prefix_hash_blocks,

@@ -216,9 +216,10 @@ def test_beam_section_on_a_tiny_model(tmp_path, tiny_llama_dir):
 def test_router_section_pure_parts_and_rendering(tmp_path):
     """bench/router.py without processes: the multi-tenant workload, the router's /metrics
     parsed into shares and a route-latency quantile, and the section's table and plot."""
+    from bench.metrics import percentile
     from bench.plots import plot_router
     from bench.report import _router
-    from bench.router import QUICK_SHAPE, _targets
+    from bench.router import QUICK_SHAPE, _aggregate, _targets
     from bench.router_stack import RouterFigures
     from bench.workloads import multi_tenant, zipf_weights
 
@@ -247,19 +248,32 @@ def test_router_section_pure_parts_and_rendering(tmp_path):
     assert figures.route_quantile(0.99) == pytest.approx(0.002)  # past the last finite bound
     assert figures.since(figures).route_count == 0
 
-    def policy(hit, ttft):
-        return {"hit_rate": hit, "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft,
-                "ttft_settled_p50_ms": ttft, "ttft_settled_p99_ms": 2 * ttft,
-                "prefill_tokens": 1000,
-                "e2el_p50_ms": ttft, "e2el_p99_ms": ttft, "output_throughput": 10.0,
-                "route_p50_ms": 1.0, "route_p99_ms": 2.0, "replica_shares": [0.5, 0.3, 0.2],
-                "num_preemptions": [0], "num_errors": 0}
+    def run_of(ttfts: list[float | None]) -> dict:  # None: a failed request
+        done = [t for t in ttfts if t is not None]
+        return {"hit_rate": 0.8, "ttft_p50_ms": percentile(done, 50),
+                "ttft_p99_ms": percentile(done, 99), "ttft_settled_p50_ms": 0.0,
+                "ttft_settled_p99_ms": 0.0, "prefill_tokens": 1000, "e2el_p50_ms": 1.0,
+                "e2el_p99_ms": 1.0, "output_throughput": 10.0, "route_p50_ms": 1.0,
+                "route_p99_ms": 2.0, "replica_shares": [0.5, 0.3, 0.2], "num_preemptions": 0,
+                "num_errors": 0, "requests": [[0, t, 0] for t in ttfts]}
 
+    def policy(hit, ttft):
+        # Two runs; the second one's requests are slower: the pooled p99 is the slow run's.
+        out = _aggregate([run_of([ttft] * 98 + [50.0, 60.0]),
+                          run_of([3 * ttft] * 99 + [None])], warm_up=1)
+        out["hit_rate"] = hit
+        return out
+
+    pooled = policy(0.8, 100)["pooled"]
+    assert pooled["num_runs"] == 2 and pooled["num_requests"] == 199  # a failed one left out
+    assert pooled["ttft_p99_ms"] == pytest.approx(300) and pooled["ttft_p50_ms"] == 100
     balanced = {"kv-aware": policy(0.8, 100), "round-robin": policy(0.4, 300),
                 "prefix-hash": policy(0.8, 100)}
     hot = {"kv-aware": policy(0.8, 100), "prefix-hash": policy(0.8, 200)}
     targets = _targets(balanced, hot)
     assert all(targets["met"].values()), targets
+    assert targets["figures"]["hot_ttft_p99_ph_over_kv"] == pytest.approx(2.0)
+    assert targets["figures"]["hot_ttft_p99_ph_over_kv_per_run"] == [pytest.approx(2.0)] * 2
     shape = {"num_engines": 3, "num_blocks": 128, "block_size": 16, "num_tenants": 4,
              "system_prompt_len": 64, "user_len": 8, "output_len": 4, "zipf_s": 1.1,
              "hot_share": 0.7, "num_requests": 200, "rate": 1.0, "repeats": 1,
@@ -277,6 +291,7 @@ def test_router_section_pure_parts_and_rendering(tmp_path):
     section = "\n".join(_router(router, "bench/results"))
     assert "| kv-aware hit rate >= 2x round-robin's | 2.00x | met |" in section
     assert "| 0 | " in section and "**not met**" not in section
+    assert "| kv-aware | 199 | 100 | 300 |" in section and "each workload 2.00x, 2.00x" in section
     assert plot_router({"router": router}, tmp_path).name == "router.png"
     assert QUICK_SHAPE.num_requests < 50
 

@@ -71,3 +71,10 @@ def test_engine_runs_reports_and_hashes_the_resolved_dtype(make_llm, tiny_llama_
     assert bf16.hasher.seed_hash != fp32.hasher.seed_hash
     same = bf16 if auto.config.dtype == "bfloat16" else fp32
     assert auto.hasher.seed_hash == same.hasher.seed_hash
+    # bf16 linears are packed for oneDNN only where its bf16 reorder runs (AVX512 or
+    # AVX-NE-CONVERT); elsewhere (an AVX2 CPU) they stay nn.Linear rather than fail at load.
+    from engine_service.model.models.packed_linear import PackedLinear
+
+    packed = any(isinstance(m, PackedLinear) for m in bf16.runner.model.modules())
+    assert packed == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert any(isinstance(m, PackedLinear) for m in fp32.runner.model.modules())

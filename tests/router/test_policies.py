@@ -165,3 +165,43 @@ def test_bad_settings_are_named(field, value):
     config = RouterConfig(**{field: value})
     with pytest.raises(ValueError, match=field):
         config.check()
+
+
+def _home_of(key: bytes, rs: list[Replica]) -> Replica:
+    return rendezvous_order(key, rs)[0]
+
+
+def test_a_new_prefix_goes_past_the_replica_that_serves_a_hot_prefix():
+    """One replica took 70% of the recent requests (a hot prefix lives there). A prompt nobody
+    holds, whose rendezvous home is that replica, would stall the hot traffic behind its
+    prefill there: it goes to another replica. With the traffic even, its home takes it."""
+    rs = replicas(1, 1, 1)
+    key = next(k for k in (bytes([i]) * 16 for i in range(256)) if _home_of(k, rs) is rs[0])
+    route_even = RouteInput(34 * BLOCK, key, {}, {r.name: 1 / 3 for r in rs})
+    policies = Policies(RouterConfig())
+    assert policies.choose("kv-aware", rs, route_even, BLOCK).replica is rs[0]
+    hot = {rs[0].name: 0.7, rs[1].name: 0.15, rs[2].name: 0.15}
+    decision = policies.choose("kv-aware", rs, RouteInput(34 * BLOCK, key, {}, hot), BLOCK)
+    assert decision.replica is not rs[0]
+    # The hot prefix itself stays where it is cached: its uncached user turn is two blocks.
+    hot_route = RouteInput(34 * BLOCK, b"h" * 16, {rs[0].engine_id: 32}, hot)
+    assert policies.choose("kv-aware", rs, hot_route, BLOCK).replica is rs[0]
+    # Off (weight 0): the home takes it whatever the shares.
+    off = Policies(RouterConfig(hot_replica_weight=0.0))
+    assert off.choose("kv-aware", rs, RouteInput(34 * BLOCK, key, {}, hot), BLOCK).replica is rs[0]
+
+
+def test_recent_routes_count_the_last_window_of_decisions():
+    from router.recent_routes import RecentRoutes
+
+    recent = RecentRoutes(4)
+    for name in ["a", "a", "b", "a", "c", "c"]:
+        recent.add(name)
+    assert recent.shares() == {"a": 0.25, "c": 0.5, "b": 0.25}  # the last four: b a c c
+    assert len(recent) == 4
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        RecentRoutes(0)
+    with pytest.raises(ValueError, match="share_window must be >= 1"):
+        RouterConfig(share_window=0).check()
+    with pytest.raises(ValueError, match="hot_replica_weight must be >= 0"):
+        RouterConfig(hot_replica_weight=-1).check()

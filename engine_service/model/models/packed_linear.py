@@ -18,11 +18,15 @@ from torch import nn
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        # oneDNN's bf16 weight reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT and raises
+        # without them (an AVX2-only CPU: a bf16 engine asked for by --dtype bfloat16 died at
+        # load); nn.Linear runs bf16 there, slowly but right.
+        supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        return supported is not None and supported()
+    return dtype == torch.float32
 
 
 PACK_BATCH_SIZE_HINT = 32
