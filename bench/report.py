@@ -619,6 +619,9 @@ def _router(x: dict, rel: str) -> list[str]:
     sh, t, o = x["shape"], x["targets"], x["overhead"]
     f, met = t["figures"], t["met"]
     runs = "one run" if sh["repeats"] == 1 else f"{sh['repeats']} runs, alternating, median"
+    if sh.get("hot_workloads", 1) > 1:
+        runs += (f" (hot: one on each of {sh['hot_workloads']} workloads, other requests and "
+                 "arrivals each)")
     lines = [
         "### KV-aware router (issue #11)",
         "",
@@ -705,8 +708,9 @@ def _router(x: dict, rel: str) -> list[str]:
     if "hot_ttft_p99" in met:
         per_run = f.get("hot_ttft_p99_ph_over_kv_per_run") or []
         each = f"; each workload {', '.join(f'{v:.2f}x' for v in per_run)}" if per_run else ""
+        pooled = " (requests pooled)" if per_run else ""  # (older results: one run's p99)
         rows.append(
-            f"| hot prefix: kv-aware TTFT p99 lower than prefix-hash's (requests pooled) "
+            f"| hot prefix: kv-aware TTFT p99 lower than prefix-hash's{pooled} "
             f"| {_f(f['hot_ttft_p99_ph_over_kv'], 2)}x lower (after warm-up "
             f"{_f(f.get('hot_ttft_settled_p99_ph_over_kv'), 2)}x; p50 "
             f"{_f(f['hot_ttft_p50_ph_over_kv'], 2)}x{each}) | {_verdict(met['hot_ttft_p99'])} |"

@@ -279,10 +279,12 @@ def _summarize_run(policy: str, scenario: str, repeat: int, workload: Workload,
         "engines": engine_deltas,
         "summary": summary,
         # Per request, in arrival order: tenant, TTFT ms (None: failed), cached tokens, the
-        # replica that ran it (index into stack.engine_ids; -1: unknown), sent at (s).
+        # replicas that ran it in order (indexes into stack.engine_ids, -1: unknown; more than
+        # one when it was retried or resumed), sent at (s after the first).
         "requests": [[int(r.cache_salt.removeprefix("tenant-")),
                       round(rec.ttft * 1e3, 1) if rec.token_times else None,
-                      rec.num_cached_tokens, replica_index.get(ran.split(",")[0], -1),
+                      rec.num_cached_tokens,
+                      [replica_index.get(name, -1) for name in ran.split(",") if name],
                       round(rec.arrival - first_sent, 3)]
                      for r, rec, ran in zip(workload.requests, records, ran_on, strict=True)],
         "load_start": load_start,
@@ -435,6 +437,7 @@ def router_benchmark(model: str, shape: RouterShape = FULL_SHAPE, seed: int = 0,
                 run = run_policy(model, index.target, shape, policy, scenario, workload,
                                  arrivals, number, tag, log_dir, progress,
                                  overhead_seed=seed + 99 if last_kv else None)
+                run["workload_index"] = k  # (run["repeat"]: the run's number, unique)
                 run["workload_seed"] = (hot_workload_seed(seed, k) if scenario == "hot"
                                         else seed)
                 runs[scenario].setdefault(policy, []).append(run)
@@ -455,6 +458,7 @@ def router_benchmark(model: str, shape: RouterShape = FULL_SHAPE, seed: int = 0,
                              "tenant_requests": _tenant_counts(w, shape.num_tenants)}
                       for name, w in loads.items()},
         "hot_workload_seeds": [hot_workload_seed(seed, k) for k in range(shape.hot_workloads)],
+        "hot_tenant_requests": [_tenant_counts(w, shape.num_tenants) for w, _ in hot_loads],
         "seed": seed,
         "started_utc": started,
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -26,10 +26,13 @@ class RouterConfig:
     # (router/pending.py).
     pending_s: float = 5.0
     # Uncached prompt blocks cost (1 + hot_replica_weight * excess) on a replica that took
-    # more than its share of the last `share_window` requests, excess = replicas * its share
-    # - 1 (0 while the traffic is even): a long prefill there stalls the traffic its cache
-    # draws (one hot prefix), so new prefixes go where fewer requests wait behind them.
-    hot_replica_weight: float = 1.0
+    # well over an even share of the last `share_window` requests, excess = replicas * its
+    # share - 1.5 (0 below 1.5x an even share): a long prefill there stalls the traffic its
+    # cache draws (one hot prefix), so new prefixes go where fewer requests wait behind them.
+    # (A prompt whose uncached part costs more there than its whole prefill elsewhere goes
+    # elsewhere too: at 70% of the traffic on 3 replicas, one with less than about half of it
+    # cached.)
+    hot_replica_weight: float = 2.0
     share_window: int = 32
     running_weight: float = 0.5
     kv_weight: float = 8.0
@@ -56,14 +59,11 @@ class RouterConfig:
         for name in ("prefill_weight", "home_weight", "hot_replica_weight", "running_weight",
                      "kv_weight", "pending_s"):
             value = getattr(self, name)
-            if not value >= 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+            if not (value >= 0 and math.isfinite(value)):  # (inf * 0 is a NaN cost)
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         if not self.load_bound >= 1:
             raise ValueError(f"load_bound must be >= 1 (1 = perfectly even), got "
                              f"{self.load_bound}")
-        if not math.isfinite(self.pending_s):
-            raise ValueError(f"pending_s must be a finite number of seconds, got "
-                             f"{self.pending_s}")
         if self.load_slack < 0:
             raise ValueError(f"load_slack must be >= 0 requests, got {self.load_slack}")
         if self.share_window < 1:

@@ -181,7 +181,7 @@ class Router:
                 matches = self._with_pending(index_matches, replicas, chain)
         route = RouteInput(len(token_ids) if token_ids is not None else None,
                            self._prefix_key(chain, token_ids, cache_salt), matches,
-                           self.recent.shares())
+                           self.recent.shares(time.monotonic()))
         decision = self.policies.choose(policy, replicas, route, hasher.block_size)
         replica = decision.replica
         if matches is not None and record and replica.engine_id:  # (a PinPrefix prefills
@@ -189,8 +189,8 @@ class Router:
             if key not in self.pending:
                 self.pending[key] = PendingPrefixes(self.config.pending_s)
             self.pending[key].add(chain, time.monotonic())
-        if record:
-            self.recent.add(replica.name)
+        if record:  # (a retry or resumed attempt counts too: it is traffic there)
+            self.recent.add(replica.name, time.monotonic())
             self.metrics.decisions.labels(decision.policy, replica.name).inc()
             if decision.fallback and self.index is not None:
                 self.metrics.fallbacks.inc()

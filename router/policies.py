@@ -2,7 +2,8 @@
 replicas (no I/O here).
 
 - kv-aware (default): the least cost, cost = prefill_weight * uncached prompt blocks
-  * (1 + hot_replica_weight * the replica's excess share of the recent requests) + load
+  * (1 + hot_replica_weight * the replica's share of the recent requests past 1.5x an even
+  one) + load
   (- home_weight at the prefix's rendezvous home while no replica holds more of it than the
   home); the uncached blocks from the index's exact per-replica longest prefix (and what the
   router routed there moments ago, router/pending.py).
@@ -42,6 +43,12 @@ class Decision:
     policy: str  # the policy that chose (prefix-hash when kv-aware fell back)
     matched_blocks: int  # prompt blocks the index says the replica holds (kv-aware only)
     fallback: bool  # kv-aware had no index answer (or no index)
+
+
+# A replica counts as hot only past (1 + this) times an even share: over the 32 requests of
+# the share window an even split already varies by about 0.25 of a share, and that noise
+# alone must not outweigh the home bonus (home_weight) of a new prefix.
+EVEN_SHARE_SLACK = 0.5
 
 
 def load_cap(replicas: Sequence[Replica], load_bound: float, load_slack: int = 0) -> int:
@@ -133,9 +140,10 @@ class Policies:
 
         def cost(replica: Replica) -> float:
             uncached = prompt_blocks - min(matches.get(replica.engine_id, 0), prompt_blocks)
-            # A replica taking more than an even share serves traffic that waits behind
+            # A replica taking well over an even share serves traffic that waits behind
             # whatever prefill it starts: a new prefix costs more there.
-            excess = max(0.0, num_replicas * shares.get(replica.name, 0.0) - 1.0)
+            excess = max(0.0, num_replicas * shares.get(replica.name, 0.0) - 1.0
+                         - EVEN_SHARE_SLACK)
             prefill = config.prefill_weight * uncached * (1.0 + config.hot_replica_weight * excess)
             return (prefill + load(replica, block_size, config)
                     - (config.home_weight if replica is home else 0.0))

@@ -73,8 +73,12 @@ def test_engine_runs_reports_and_hashes_the_resolved_dtype(make_llm, tiny_llama_
     assert auto.hasher.seed_hash == same.hasher.seed_hash
     # bf16 linears are packed for oneDNN only where its bf16 reorder runs (AVX512 or
     # AVX-NE-CONVERT); elsewhere (an AVX2 CPU) they stay nn.Linear rather than fail at load.
-    from engine_service.model.models.packed_linear import PackedLinear
+    from engine_service.model.models.packed_linear import PackedLinear, can_pack
 
-    packed = any(isinstance(m, PackedLinear) for m in bf16.runner.model.modules())
-    assert packed == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert any(isinstance(m, PackedLinear) for m in fp32.runner.model.modules())
+    for llm, dtype in ((bf16, torch.bfloat16), (fp32, torch.float32)):
+        packed = any(isinstance(m, PackedLinear) for m in llm.runner.model.modules())
+        assert packed == can_pack(torch.device("cpu"), dtype)
+    if hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported"):
+        assert can_pack(torch.device("cpu"), torch.bfloat16) == (
+            torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 from engine_service.core.block_hash import BlockHasher
 from pagedgen_api import generation_pb2 as pb
@@ -122,3 +123,22 @@ def test_the_home_bonus_never_beats_a_replica_holding_more_of_the_prefix():
         route = RouteInput(34 * BLOCK, key, {holder.engine_id: 7})  # 7 blocks held elsewhere
         decision = Policies(RouterConfig()).choose("kv-aware", replicas, route, BLOCK)
         assert decision.replica is holder, n
+
+
+def test_routes_count_in_the_replicas_shares_but_a_pin_route_does_not():
+    """Router.route records each routed request's replica (the hot-replica cost's input) and
+    hands the shares to the policy; a route with record=False (PinPrefix) is not traffic."""
+    async def body():
+        router, replicas = make_router(["e0", "e1", "e2"])
+        router.index.matches = {"e1": 34}  # e1 holds the prompt: every request goes there
+        ids = tokens(7)
+        for _ in range(10):
+            assert (await router.route(ids, "", set())).decision.replica is replicas[1]
+        await router.route(ids, "", set(), record=False)
+        shares = router.recent.shares(time.monotonic())
+        assert shares == {replicas[1].name: 1.0} and len(router.recent) == 10
+        # A prompt nobody holds, whose rendezvous home is e1 (it goes there with the weight
+        # 0), goes past the replica that took all of them.
+        router.index.matches = {}
+        assert (await router.route(tokens(14), "", set())).decision.replica is not replicas[1]
+    asyncio.run(body())

@@ -180,28 +180,38 @@ def test_a_new_prefix_goes_past_the_replica_that_serves_a_hot_prefix():
     route_even = RouteInput(34 * BLOCK, key, {}, {r.name: 1 / 3 for r in rs})
     policies = Policies(RouterConfig())
     assert policies.choose("kv-aware", rs, route_even, BLOCK).replica is rs[0]
+    # Noise in an even split (45% of the window) is no reason to pass the home by.
+    noisy = {rs[0].name: 0.45, rs[1].name: 0.3, rs[2].name: 0.25}
+    assert policies.choose("kv-aware", rs, RouteInput(34 * BLOCK, key, {}, noisy),
+                           BLOCK).replica is rs[0]
     hot = {rs[0].name: 0.7, rs[1].name: 0.15, rs[2].name: 0.15}
     decision = policies.choose("kv-aware", rs, RouteInput(34 * BLOCK, key, {}, hot), BLOCK)
     assert decision.replica is not rs[0]
-    # The hot prefix itself stays where it is cached: its uncached user turn is two blocks.
-    hot_route = RouteInput(34 * BLOCK, b"h" * 16, {rs[0].engine_id: 32}, hot)
-    assert policies.choose("kv-aware", rs, hot_route, BLOCK).replica is rs[0]
+    # The hot prefix itself stays where it is cached: its uncached user turn is two blocks;
+    # so does a prompt with most of its blocks cached there (20 of 34).
+    for held in (32, 20):
+        hot_route = RouteInput(34 * BLOCK, b"h" * 16, {rs[0].engine_id: held}, hot)
+        assert policies.choose("kv-aware", rs, hot_route, BLOCK).replica is rs[0], held
     # Off (weight 0): the home takes it whatever the shares.
     off = Policies(RouterConfig(hot_replica_weight=0.0))
     assert off.choose("kv-aware", rs, RouteInput(34 * BLOCK, key, {}, hot), BLOCK).replica is rs[0]
 
 
-def test_recent_routes_count_the_last_window_of_decisions():
+def test_recent_routes_count_the_last_window_of_recent_decisions():
     from router.recent_routes import RecentRoutes
 
-    recent = RecentRoutes(4)
-    for name in ["a", "a", "b", "a", "c", "c"]:
-        recent.add(name)
-    assert recent.shares() == {"a": 0.25, "c": 0.5, "b": 0.25}  # the last four: b a c c
-    assert len(recent) == 4
+    recent = RecentRoutes(8, max_age_s=60.0)  # shares over at least 2 decisions
+    recent.add("a", 0.0)
+    assert recent.shares(0.0) == {"a": 0.5}  # one decision is not a 100% share
+    for name in ["a", "b", "a", "c", "c", "a", "b", "c", "c"]:
+        recent.add(name, 1.0)
+    assert len(recent) == 8  # the first "a" and the next one dropped
+    assert recent.shares(1.0) == {"b": 0.25, "a": 0.25, "c": 0.5}
+    assert recent.shares(61.5) == {}  # a quiet minute: nothing recent
     with pytest.raises(ValueError, match="window must be >= 1"):
         RecentRoutes(0)
     with pytest.raises(ValueError, match="share_window must be >= 1"):
         RouterConfig(share_window=0).check()
-    with pytest.raises(ValueError, match="hot_replica_weight must be >= 0"):
-        RouterConfig(hot_replica_weight=-1).check()
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="hot_replica_weight must be a finite number >= 0"):
+            RouterConfig(hot_replica_weight=bad).check()
