@@ -67,20 +67,19 @@ TORCH_LAYER_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=
                            silu_mul=silu_mul)
 
 
-# Where torch's ops run instead of the fused ones: above TORCH_ABOVE_ROWS rows, in float32 and
-# float16. bfloat16 (the CPU default) runs fused at every size: its conversions and exp are
-# vectorized, and the fused ops beat torch's from 1 row (3-10x) to 512 (1.2-4x), one thread.
-# float16 converts through c10::Half per element, slower than torch past a few rows. float32
-# would be faster fused too (1.5-5x per op), but its outputs are compared bit for bit across
-# batchings (tests/engine/test_preemption.py, seeded n=4 groups preempted vs a roomy pool) and
-# neither torch's norms nor its float32 GEMM give the same bits for a row in batches of
-# different sizes; that test holds with this mix of fused and torch ops and fails with fused
-# norms at every size. Making float32 batch-invariant is its own piece of work.
+# Where torch's ops run instead of the fused ones: float16 above TORCH_ABOVE_ROWS rows (it
+# converts through c10::Half per element, slower than torch past a few rows). bfloat16 and
+# float32 run fused at every size: their loops vectorize, and the fused ops beat torch's from
+# 1 row (3-10x) to 512 (1.2-4x), one thread. Fused at every size also keeps a row's result
+# the same in every batch, which float32 relies on: with the CPU linear
+# (kernels/csrc/linear_cpu.cpp), also batch-invariant, a float32 sequence computes the same
+# bits alone or batched (tests/engine/test_preemption.py compares a seeded n=4 group
+# preempted against a roomy pool bit for bit); torch's norms are not, and a mix failed it.
 TORCH_ABOVE_ROWS = 8
 
 
 def _torch_is_faster(x: torch.Tensor) -> bool:
-    return x.dtype != torch.bfloat16 and x.shape[0] > TORCH_ABOVE_ROWS
+    return x.dtype == torch.float16 and x.shape[0] > TORCH_ABOVE_ROWS
 
 
 def _cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,14 +20,14 @@ IDS = lambda v: str(v).replace("torch.", "")  # noqa: E731
 
 @pytest.fixture(autouse=True)
 def fused_at_every_row_count(monkeypatch):
-    """The wrappers hand float32 and float16 batches over TORCH_ABOVE_ROWS to torch; here the
+    """The wrappers hand float16 batches over TORCH_ABOVE_ROWS to torch; here the
     C++ ops run at every row count (test_torch_runs_past_the_row_limit checks the hand-over)."""
     monkeypatch.setattr(layer_ops, "TORCH_ABOVE_ROWS", 10**9)
 
 
 def test_torch_runs_past_the_row_limit(monkeypatch):
     monkeypatch.setattr(layer_ops, "TORCH_ABOVE_ROWS", 8)
-    for dtype, fused in ((torch.float16, False), (torch.bfloat16, True), (torch.float32, False)):
+    for dtype, fused in ((torch.float16, False), (torch.bfloat16, True), (torch.float32, True)):
         x = torch.randn(9, 64).to(dtype)
         weight = torch.ones(64, dtype=dtype)
         residual = x.clone()

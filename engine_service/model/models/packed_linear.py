@@ -1,32 +1,42 @@
-"""Linear layers with weights pre-packed for oneDNN, for the CPU path.
+"""Linear layers with weights packed once at load time, for the CPU path.
 
-MKL's sgemm (what nn.Linear calls on CPU) repacks the weight matrix on every call; at decode
-batch sizes that costs as much as the multiply. oneDNN with a weight packed once at load time
-measured 1.4-2.6x faster here for SmolLM2's shapes at 32 rows, and faster at 1 and 512 rows too
-(see bench/kernels.py). Weights are frozen after loading, so packing once is safe.
+float32: our kernel (kernels/csrc/linear_cpu.cpp) over panels of 16 output columns. oneDNN's
+packed linear costs ~40 us per call before it multiplies anything, and a decode step of SmolLM2
+calls 121 linears: measured here (one thread, AMD EPYC, thread CPU time), ours is 1.4-1.9x
+faster at 1 row for the layer shapes, 1.2-1.3x at 32 and 1.1x at 256; and each row's result is
+the same whatever batch it runs in. Without the C++ extension, float32 takes oneDNN's path.
 
-The packing is oneDNN's own blocked weight layout (mkldnn._reorder_linear_weight), not just a
-oneDNN tensor in the plain layout (to_mkldnn): measured here (one thread, thread CPU time) the
-blocked layout makes a bf16 batch-1 linear ~2x faster (576x3072: 185 -> 91 us; LM head
-576x49152: 8.6 -> 4.0 ms) and fp32 at 32 rows ~1.3x faster; without it bf16 was no faster than
-fp32 at batch 1. The batch-size hint picks the blocking; 32 measured within a few percent of
-the best at 1, 32 and 256 rows for both dtypes.
+bfloat16: oneDNN's blocked weight layout (mkldnn._reorder_linear_weight), which runs on AMX and
+AVX512-BF16. MKL's sgemm (what nn.Linear calls on CPU) repacks the weight on every call, which
+at decode batch sizes costs as much as the multiply; the blocked layout made a bf16 batch-1
+linear ~2x faster (576x3072: 185 -> 91 us; LM head 576x49152: 8.6 -> 4.0 ms). The batch-size
+hint picks the blocking; 32 measured within a few percent of the best at 1, 32 and 256 rows.
+oneDNN's bf16 reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT; elsewhere bf16 stays nn.Linear.
+
+Weights are frozen after loading, so packing once is safe.
 """
 
 import torch
 from torch import nn
 
 
+def _our_kernel_available() -> bool:
+    from kernels.cpu_extension import cpu_attention_available  # one extension, all kernels
+
+    return cpu_attention_available()
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if device.type != "cpu":
         return False
-    if dtype == torch.bfloat16:
-        # oneDNN's bf16 weight reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT and raises
-        # without them (an AVX2-only CPU: a bf16 engine asked for by --dtype bfloat16 died at
-        # load); nn.Linear runs bf16 there, slowly but right.
+    if dtype == torch.float32:
+        return _our_kernel_available() or torch.backends.mkldnn.is_available()
+    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        # oneDNN's bf16 weight reorder raises without AVX512BW/VL/DQ or AVX-NE-CONVERT (an
+        # AVX2-only CPU: a bf16 engine asked for by --dtype bfloat16 died at load).
         supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
         return supported is not None and supported()
-    return dtype == torch.float32
+    return False
 
 
 PACK_BATCH_SIZE_HINT = 32
@@ -45,12 +55,24 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        # Plain attributes, not parameters: the packed layout is not a checkpoint format.
-        self.packed_weight = pack_weight(linear.weight.detach())
+        weight = linear.weight.detach()
+        # Plain attributes, not parameters: a packed layout is not a checkpoint format.
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.ours = weight.dtype == torch.float32 and _our_kernel_available()
+        if self.ours:
+            self.packed_weight = torch.ops.pagedgen_cpu_linear.pack_weight(weight)
+            self._linear = torch.ops.pagedgen_cpu_linear.linear.default
+        else:
+            self.packed_weight = pack_weight(weight)
+            self._linear = torch.ops.mkldnn._linear_pointwise.default
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if self.ours:
+            if x.dim() != 2 or x.stride(-1) != 1:
+                return self.forward(x.reshape(-1, self.in_features).contiguous()).view(
+                    *x.shape[:-1], self.out_features)
+            return self._linear(x, self.packed_weight, self.bias, self.out_features)
+        return self._linear(x, self.packed_weight, self.bias, "none", [], "")
 
 
 def pack_linear_layers(module: nn.Module) -> int:

@@ -1,0 +1,97 @@
+"""The float32 CPU linear (kernels/csrc/linear_cpu.cpp) against a float64 torch reference: one
+row (a batch-1 decode) to many (prefill), odd sizes (columns past the last full panel of 16,
+row counts past the 6-row groups), rows strided as the model's slices are, with and without a
+bias; each row's result the same in every batch; and the engine's linears on it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_service.model.models.packed_linear import PackedLinear
+from kernels.cpu_extension import cpu_attention_available
+
+pytestmark = pytest.mark.skipif(
+    not cpu_attention_available(), reason="the C++ extension does not build on this machine"
+)
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    b = None if bias is None else bias.double()
+    return F.linear(x.double(), weight.double(), b)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 70])
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 16), (37, 100), (576, 960),
+                                                           (9, 3)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_a_float64_reference(rows, in_features, out_features, with_bias):
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator)
+    packed = torch.ops.pagedgen_cpu_linear.pack_weight(weight)
+    assert packed.shape == (-(-out_features // 16), in_features, 16)
+    y = torch.ops.pagedgen_cpu_linear.linear(x, packed, bias, out_features)
+    assert y.shape == (rows, out_features) and y.dtype == torch.float32
+    # A float32 sum of in_features products: error grows like sqrt(in_features) ulps.
+    torch.testing.assert_close(y.double(), _reference(x, weight, bias), atol=1e-4, rtol=1e-5)
+
+
+def test_strided_rows_and_a_row_result_independent_of_its_batch():
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 96, generator=generator)
+    packed = torch.ops.pagedgen_cpu_linear.pack_weight(weight)
+    wide = torch.randn(19, 3 * 96, generator=generator)
+    x = wide[:, 96:192]  # rows strided: a slice of a wider activation
+    assert not x.is_contiguous()
+    y = torch.ops.pagedgen_cpu_linear.linear(x, packed, None, 200)
+    torch.testing.assert_close(y.double(), _reference(x, weight, None), atol=1e-4, rtol=1e-5)
+    # Bit for bit: row i alone, in a batch of 7 and of 19 (other row groups) gives one result.
+    for i in (0, 6, 18):
+        alone = torch.ops.pagedgen_cpu_linear.linear(x[i : i + 1].contiguous(), packed, None, 200)
+        assert torch.equal(alone[0], y[i])
+        start = max(0, i - 3)
+        part = torch.ops.pagedgen_cpu_linear.linear(x[start : start + 7], packed, None, 200)
+        assert torch.equal(part[i - start], y[i])
+
+
+def test_linear_runs_threaded_as_one_thread():
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(512, 64, generator=generator)
+    x = torch.randn(9, 64, generator=generator)
+    packed = torch.ops.pagedgen_cpu_linear.pack_weight(weight)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.pagedgen_cpu_linear.linear(x, packed, None, 512)
+        torch.set_num_threads(2)
+        two = torch.ops.pagedgen_cpu_linear.linear(x, packed, None, 512)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # panels split over threads; each sum is the same
+
+
+def test_bad_inputs_are_refused_with_the_reason():
+    weight = torch.randn(32, 8)
+    packed = torch.ops.pagedgen_cpu_linear.pack_weight(weight)
+    with pytest.raises(RuntimeError, match="x has 9 features, the weight 8"):
+        torch.ops.pagedgen_cpu_linear.linear(torch.randn(2, 9), packed, None, 32)
+    with pytest.raises(RuntimeError, match="out_features 40 does not match 2 panels"):
+        torch.ops.pagedgen_cpu_linear.linear(torch.randn(2, 8), packed, None, 40)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        torch.ops.pagedgen_cpu_linear.linear(torch.randn(2, 8).double(), packed, None, 32)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        torch.ops.pagedgen_cpu_linear.linear(torch.randn(2, 8), packed, torch.randn(31), 32)
+    with pytest.raises(RuntimeError, match="weight must be a 2-d float32"):
+        torch.ops.pagedgen_cpu_linear.pack_weight(torch.randn(4, 4, 4))
+
+
+def test_packed_linear_takes_our_kernel_in_float32_and_keeps_shapes():
+    linear = torch.nn.Linear(40, 24, bias=True)
+    packed = PackedLinear(linear)
+    assert packed.ours
+    x = torch.randn(2, 3, 40)  # leading dims are flattened and restored
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+        column = torch.randn(5, 80)[:, ::2]  # a last dim that is not contiguous
+        torch.testing.assert_close(packed(column), linear(column), atol=1e-5, rtol=1e-5)
