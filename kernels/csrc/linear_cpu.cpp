@@ -28,6 +28,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 
@@ -35,6 +36,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // output columns per panel: two vectors of 8
 constexpr int64_t kMaxRows = 6;  // rows per group
+constexpr int64_t kBlockBytes = 192 * 1024;  // of x per row block: L2 (512 KiB here) holds it
 
 inline void finish_row(const float* sums, float* row, int64_t ncols, const float* bias) {
   if (bias != nullptr) {
@@ -76,8 +78,10 @@ void panel_rows(const float* x, int64_t ldx, const float* panel, int64_t K, floa
     const float* w = panel + k * kPanel;
     for (int r = 0; r < R; ++r) {
       const float xs = x[r * ldx + k];
+      // std::fma, as the AVX2 path: the same rounding for every row count (a plain
+      // multiply-add may or may not be contracted, and not alike in every unrolling).
 #pragma omp simd
-      for (int64_t j = 0; j < kPanel; ++j) sums[r][j] += xs * w[j];
+      for (int64_t j = 0; j < kPanel; ++j) sums[r][j] = std::fma(xs, w[j], sums[r][j]);
     }
   }
 #endif
@@ -123,7 +127,8 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 // x [M, K] (rows may be strided), packed from pack_linear_weight -> [M, out_features].
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat &&
+                  (x.stride(1) == 1 || x.size(1) <= 1),
               "x must be float32 [rows, in_features], contiguous in its last dimension");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
                   packed.scalar_type() == at::kFloat,
@@ -146,15 +151,24 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   const int64_t ldx = x.stride(0);
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Panels split over the threads: each thread streams its own part of the weight.
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kPanel;
-      const int64_t ncols = std::min(kPanel, out_features - n0);
-      rows_of_panel(xp, ldx, M, wp + p * K * kPanel, K, yp + n0, out_features, ncols,
-                    bias_ptr == nullptr ? nullptr : bias_ptr + n0);
-    }
-  });
+  // Rows in blocks whose x fits in L2 (a 2048-row prefill chunk would otherwise read all of x
+  // again for every panel, from L3); within a block, panels split over the threads: each
+  // thread streams its own part of the weight. A decode step is one block.
+  const int64_t block_rows =
+      std::max<int64_t>(kMaxRows, (kBlockBytes / (4 * std::max<int64_t>(K, 1))) / kMaxRows *
+                                      kMaxRows);
+  for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+    const int64_t rows = std::min(block_rows, M - m0);
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * kPanel;
+        const int64_t ncols = std::min(kPanel, out_features - n0);
+        rows_of_panel(xp + m0 * ldx, ldx, rows, wp + p * K * kPanel, K,
+                      yp + m0 * out_features + n0, out_features, ncols,
+                      bias_ptr == nullptr ? nullptr : bias_ptr + n0);
+      }
+    });
+  }
   return y;
 }
 

@@ -95,3 +95,37 @@ def test_packed_linear_takes_our_kernel_in_float32_and_keeps_shapes():
         torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
         column = torch.randn(5, 80)[:, ::2]  # a last dim that is not contiguous
         torch.testing.assert_close(packed(column), linear(column), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_linear_takes_onednn_without_our_kernel(monkeypatch):
+    """Where the extension does not build, float32 linears run oneDNN's packed path."""
+    import engine_service.model.models.packed_linear as packed_linear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(packed_linear, "_our_kernel_available", lambda: False)
+    linear = torch.nn.Linear(40, 24, bias=True)
+    packed = PackedLinear(linear)
+    assert not packed.ours
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+def test_one_input_feature_and_large_row_counts():
+    """A [rows, 1] input is contiguous whatever its strides; 2048 rows (a prefill chunk) run in
+    several row blocks, each row as alone."""
+    one = torch.nn.Linear(1, 20)
+    packed = PackedLinear(one)
+    x = torch.randn(5, 3).t()[:, :1]  # [3, 1] with stride 5 along its only column
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), one(x), atol=1e-5, rtol=1e-5)
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(48, 1536, generator=generator)
+    x = torch.randn(2048, 1536, generator=generator)
+    p = torch.ops.pagedgen_cpu_linear.pack_weight(weight)
+    y = torch.ops.pagedgen_cpu_linear.linear(x, p, None, 48)
+    torch.testing.assert_close(y.double(), _reference(x, weight, None), atol=2e-4, rtol=1e-5)
+    for i in (0, 125, 2047):  # (blocks of 30 rows at this width)
+        assert torch.equal(torch.ops.pagedgen_cpu_linear.linear(x[i : i + 1], p, None, 48)[0],
+                           y[i])

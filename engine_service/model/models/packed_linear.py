@@ -2,9 +2,11 @@
 
 float32: our kernel (kernels/csrc/linear_cpu.cpp) over panels of 16 output columns. oneDNN's
 packed linear costs ~40 us per call before it multiplies anything, and a decode step of SmolLM2
-calls 121 linears: measured here (one thread, AMD EPYC, thread CPU time), ours is 1.4-1.9x
-faster at 1 row for the layer shapes, 1.2-1.3x at 32 and 1.1x at 256; and each row's result is
-the same whatever batch it runs in. Without the C++ extension, float32 takes oneDNN's path.
+calls 121 linears. `python -m bench.linear` compares them side by side (the layer weights stay
+in cache between its calls, as they do not in a decode step, where the fixed cost is a smaller
+share: the decode step itself went from 83-87 to 46-68 ms at batch 1 and from 242-245 to
+188-195 ms at 32, one thread, bench.decode_step). Each row's result is the same whatever batch
+it runs in. Without the C++ extension, float32 takes oneDNN's path.
 
 bfloat16: oneDNN's blocked weight layout (mkldnn._reorder_linear_weight), which runs on AMX and
 AVX512-BF16. MKL's sgemm (what nn.Linear calls on CPU) repacks the weight on every call, which
@@ -13,7 +15,9 @@ linear ~2x faster (576x3072: 185 -> 91 us; LM head 576x49152: 8.6 -> 4.0 ms). Th
 hint picks the blocking; 32 measured within a few percent of the best at 1, 32 and 256 rows.
 oneDNN's bf16 reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT; elsewhere bf16 stays nn.Linear.
 
-Weights are frozen after loading, so packing once is safe.
+Weights are frozen after loading, so packing once is safe. The linears are the same whatever
+the attention kernel backend: kernel_backend="torch" runs them on our kernel too (and so builds
+the extension at load when the cache lacks it).
 """
 
 import torch
@@ -68,10 +72,11 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ours:
-            if x.dim() != 2 or x.stride(-1) != 1:
-                return self.forward(x.reshape(-1, self.in_features).contiguous()).view(
-                    *x.shape[:-1], self.out_features)
-            return self._linear(x, self.packed_weight, self.bias, self.out_features)
+            rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+            if rows.stride(-1) != 1 and rows.shape[-1] > 1:  # (the kernel takes strided rows)
+                rows = rows.contiguous()
+            y = self._linear(rows, self.packed_weight, self.bias, self.out_features)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         return self._linear(x, self.packed_weight, self.bias, "none", [], "")
 
 
