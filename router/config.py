@@ -31,8 +31,9 @@ class RouterConfig:
     # cache draws (one hot prefix), so new prefixes go where fewer requests wait behind them.
     # (A prompt whose uncached part costs more there than its whole prefill elsewhere goes
     # elsewhere too: at 70% of the traffic on 3 replicas, one with less than about half of it
-    # cached.)
-    hot_replica_weight: float = 2.0
+    # cached.) Off by default: against weight 0 in the router bench's hot scenario (same
+    # workloads, alternating) weight 2 won nothing (README, issue #11).
+    hot_replica_weight: float = 0.0
     share_window: int = 32
     running_weight: float = 0.5
     kv_weight: float = 8.0

@@ -130,6 +130,7 @@ def test_routes_count_in_the_replicas_shares_but_a_pin_route_does_not():
     hands the shares to the policy; a route with record=False (PinPrefix) is not traffic."""
     async def body():
         router, replicas = make_router(["e0", "e1", "e2"])
+        router.config.hot_replica_weight = 2.0  # (off by default)
         router.index.matches = {"e1": 34}  # e1 holds the prompt: every request goes there
         ids = tokens(7)
         for _ in range(10):
