@@ -179,9 +179,11 @@ class Router:
                 if not replicas:
                     raise NoReplicaError(self._no_replica_message(exclude))
                 matches = self._with_pending(index_matches, replicas, chain)
+        # (Shares only where they are read: kv-aware with a hot-replica weight.)
+        shares = (self.recent.shares(time.monotonic())
+                  if matches is not None and self.config.hot_replica_weight > 0 else None)
         route = RouteInput(len(token_ids) if token_ids is not None else None,
-                           self._prefix_key(chain, token_ids, cache_salt), matches,
-                           self.recent.shares(time.monotonic()))
+                           self._prefix_key(chain, token_ids, cache_salt), matches, shares)
         decision = self.policies.choose(policy, replicas, route, hasher.block_size)
         replica = decision.replica
         if matches is not None and record and replica.engine_id:  # (a PinPrefix prefills

@@ -30,17 +30,17 @@ class RecentRoutes:
     def add(self, replica_name: str, now: float) -> None:
         self._routed.append((now, replica_name))
         self._counts[replica_name] += 1
-        self._drop(now, keep=self.window)
+        self._drop(now)
 
     def shares(self, now: float) -> dict[str, float]:
         """Replica name -> its share of the recent requests (absent: none); the shares add up
         to less than 1 while fewer than `min_count` requests are recent."""
-        self._drop(now, keep=self.window)
+        self._drop(now)
         total = max(len(self._routed), self.min_count)
         return {name: count / total for name, count in self._counts.items()}
 
-    def _drop(self, now: float, keep: int) -> None:
-        while self._routed and (len(self._routed) > keep
+    def _drop(self, now: float) -> None:
+        while self._routed and (len(self._routed) > self.window
                                 or self._routed[0][0] < now - self.max_age_s):
             _, name = self._routed.popleft()
             self._counts[name] -= 1

@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="kv-aware: blocks of cost spared at a prefix's rendezvous home")
     p.add_argument("--hot-replica-weight", type=float, default=d.hot_replica_weight,
                    help="kv-aware: extra cost of an uncached block on a replica per share of "
-                        "the recent requests it took past an even split")
+                        "the recent requests it took past 1.5x an even split (0: off)")
     p.add_argument("--share-window", type=int, default=d.share_window,
                    help="kv-aware: how many recent requests the replicas' shares count")
     p.add_argument("--pending-s", type=float, default=d.pending_s,
