@@ -10,6 +10,9 @@ synchronous, so the wall time around a call is its cost): matmul = the linears (
 included), attention = K/V cache writes + paged attention, other = the rest of the step
 (norms, RoPE, activations, embedding, tensor building, sampling, scheduling). The timers add
 about a microsecond per call; the split is reported as fractions of that pass's step time.
+Where the layers run as one C++ call (float32 on the CPU), that op times its own linears and
+attention calls (steady_clock, wall time: with one torch thread and a busy machine this part of
+the split may count time the thread was descheduled).
 `pagedgen-bench` records this split next to its throughput figures, so a ratio that moves
 between machines can be explained from the results file.
 """
@@ -129,10 +132,19 @@ def measure(model: str, dtype: str, batch: int, context: int, steps: int,
         paged_attention=attention.wrap(plain_kernels.paged_attention),
         reshape_and_cache=attention.wrap(plain_kernels.reshape_and_cache),
     )
+    # The fused float32 layer loop (engine_service/model/models/fused_decoder.py) calls its
+    # linears and attention inside one C++ op, which times them itself when asked.
+    fused = getattr(runner.model, "fused_decoder", None)
+    if fused is not None:
+        fused.timings = torch.zeros(2, dtype=torch.float64)
     timed_total = sum(_timed_steps(engine, steps))
     for module in linears:
         del module.forward  # back to the class's forward
     runner.kernels = plain_kernels
+    if fused is not None:
+        matmul.seconds += fused.timings[0].item()
+        attention.seconds += fused.timings[1].item()
+        fused.timings = None
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile

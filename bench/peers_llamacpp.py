@@ -36,6 +36,15 @@ class LlamaCppRun:
     output_len: int
     prompt_tok_s: float
     decode_tok_s: float  # output tokens / decode time, all sequences together
+    # prompt processing + decode, all sequences: the whole job, as our end-to-end figures
+    total_s: float | None = None
+
+    @property
+    def output_tok_s(self) -> float | None:
+        """Output tokens over the whole job's time (prompts processed too)."""
+        if not self.total_s:
+            return None
+        return self.parallel * self.output_len / self.total_s
 
 
 class LlamaCppUnavailable(RuntimeError):
@@ -130,7 +139,7 @@ def batched_bench(bin_dir: Path, gguf: Path, dtype: str, threads: int, prompt_le
         if line.startswith("{") and '"speed_tg"' in line:
             row = json.loads(line)
             runs.append(LlamaCppRun(dtype, row["pl"], row["pp"], row["tg"], row["speed_pp"],
-                                    row["speed_tg"]))
+                                    row["speed_tg"], row["t"]))
     if not runs:
         raise LlamaCppUnavailable(f"llama-batched-bench ({dtype}) printed no results")
     return runs

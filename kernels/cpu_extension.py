@@ -1,6 +1,7 @@
 """Build (once) and load the CPU kernels, a torch C++ extension: paged attention, the fused
-per-layer ops (RMSNorm, residual add + RMSNorm, rotary, SiLU * up; kernels/layer_ops.py) and the
-float32 linear layers over weights packed once (engine_service/model/models/packed_linear.py).
+per-layer ops (RMSNorm, residual add + RMSNorm, rotary, SiLU * up; kernels/layer_ops.py), the
+float32 linear layers over weights packed once (engine_service/model/models/packed_linear.py)
+and the float32 decoder layers in one call (engine_service/model/models/fused_decoder.py).
 
 Why a C++ extension built at set-up time: it is the one option that reads the paged cache in
 place on every CPU torch runs on, with nothing new to install beyond a C++ compiler (PyPI has no
@@ -25,10 +26,12 @@ import torch
 log = logging.getLogger(__name__)
 
 # Paged attention, the fused per-layer ops (norms, rotary, SiLU * up) of kernels/layer_ops.py,
-# and the float32 linear layers.
+# the float32 linear layers, and the float32 decoder layer loop that calls them all.
 SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name
-                for name in ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "linear_cpu.cpp"))
-HEADERS = (Path(__file__).resolve().parent / "csrc" / "cpu_math.h",)  # in the cache key too
+                for name in ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "linear_cpu.cpp",
+                             "decoder_cpu.cpp"))
+HEADERS = tuple(Path(__file__).resolve().parent / "csrc" / name
+                for name in ("cpu_math.h", "cpu_ops.h"))  # in the cache key too
 EXTENSION_NAME = "pagedgen_cpu_attention"
 # -march=native: the cache key includes this CPU's flags, so a copy of the cache moved to
 # another kind of CPU rebuilds instead of crashing on an unknown instruction.

@@ -148,6 +148,32 @@ def test_report_renders_the_cpu_dtype_section(tmp_path):
     assert "skipped: building llama.cpp needs `cmake` on PATH" in text
 
 
+def test_llamacpp_rows_compare_decode_with_decode_and_the_whole_job_with_the_whole_job():
+    from bench.report import _cpu_dtype_targets
+
+    peers = {"engine_offline_b1": {"output_throughput": 20.0, "tpot": {"mean_ms": 25.0}},
+             "engine_offline": {"output_throughput": 150.0}}
+    llama = {"runs": [
+        {"dtype": "f32", "parallel": 1, "prompt_len": 119, "output_len": 64,
+         "prompt_tok_s": 400.0, "decode_tok_s": 38.0, "total_s": 2.0},
+        # 32 x 64 outputs in 20 s of prompt + decode: 102.4 output tok/s end to end.
+        {"dtype": "f32", "parallel": 32, "prompt_len": 119, "output_len": 64,
+         "prompt_tok_s": 400.0, "decode_tok_s": 200.0, "total_s": 20.0},
+        # A results file from before total_s was recorded: no end-to-end row for it.
+        {"dtype": "bf16", "parallel": 32, "prompt_len": 119, "output_len": 64,
+         "prompt_tok_s": 400.0, "decode_tok_s": 200.0},
+    ]}
+    rows = _cpu_dtype_targets({"peers": peers, "ratios": {}, "roofline": {}, "llamacpp": llama})
+    # Decode rate 1000 / 25 ms = 40 tok/s against llama.cpp's decode 38 (not our 20 tok/s end
+    # to end, which includes the prompt's prefill).
+    assert "| engine f32 decode >= 1.0x llama.cpp's at 1 sequence | 1.05x (40.0 vs 38.0 tok/s) " \
+           "| met |" in rows
+    assert ("| engine f32 >= 1.5x llama.cpp at 32 concurrent requests (prompts + outputs) | "
+            "1.46x (150.0 vs 102.4 output tok/s; llama.cpp decode alone 200.0) | **not met** |"
+            in rows)
+    assert not any("bf16" in row for row in rows)
+
+
 def test_pinning_lru_drops_the_hot_prefix_and_the_section_renders(tmp_path, tiny_llama_dir):
     """bench/pinning.py on a tiny model, local LRU only (no Redis): the cold prompts between two
     hot visits flush the pool, so the hot prefix is never cached again; the report and the plot

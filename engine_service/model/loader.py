@@ -7,6 +7,7 @@ import torch
 from safetensors import safe_open
 
 from engine_service.model.config import ModelConfig
+from engine_service.model.models.fused_decoder import build_fused_decoder
 from engine_service.model.models.llama import LlamaForCausalLM
 from engine_service.model.models.packed_linear import can_pack, pack_linear_layers
 
@@ -73,6 +74,7 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
     model.eval().requires_grad_(False)
     if can_pack(device, dtype):
         pack_linear_layers(model)
+        model.fused_decoder = build_fused_decoder(model)
     return model
 
 

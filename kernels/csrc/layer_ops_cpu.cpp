@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "cpu_math.h"
+#include "cpu_ops.h"
 
 #include <cmath>
 #include <cstdint>
@@ -104,6 +105,10 @@ inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
     out[i] = narrow<T>(silu * widen(up[i]));
   }
 }
+
+}  // namespace
+
+namespace pagedgen_cpu {
 
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
@@ -212,7 +217,7 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
+}  // namespace pagedgen_cpu
 
 TORCH_LIBRARY(pagedgen_cpu_layer, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -224,8 +229,8 @@ TORCH_LIBRARY(pagedgen_cpu_layer, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedgen_cpu_layer, CPU, m) {
-  m.impl("rms_norm", &rms_norm_cpu);
-  m.impl("add_rms_norm", &add_rms_norm_cpu);
-  m.impl("rotary", &rotary_cpu);
-  m.impl("silu_mul", &silu_mul_cpu);
+  m.impl("rms_norm", &pagedgen_cpu::rms_norm_cpu);
+  m.impl("add_rms_norm", &pagedgen_cpu::add_rms_norm_cpu);
+  m.impl("rotary", &pagedgen_cpu::rotary_cpu);
+  m.impl("silu_mul", &pagedgen_cpu::silu_mul_cpu);
 }

@@ -22,6 +22,8 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PAGEDGEN_LINEAR_AVX2 1
@@ -106,6 +108,10 @@ void rows_of_panel(const float* x, int64_t ldx, int64_t rows, const float* panel
   }
 }
 
+}  // namespace
+
+namespace pagedgen_cpu {
+
 // W [N, K] float32 -> [ceil(N / 16), K, 16], zero-padded.
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
@@ -172,7 +178,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   return y;
 }
 
-}  // namespace
+}  // namespace pagedgen_cpu
 
 TORCH_LIBRARY(pagedgen_cpu_linear, m) {
   m.def("pack_weight(Tensor weight) -> Tensor");
@@ -180,6 +186,6 @@ TORCH_LIBRARY(pagedgen_cpu_linear, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedgen_cpu_linear, CPU, m) {
-  m.impl("pack_weight", &pack_linear_weight);
-  m.impl("linear", &packed_linear);
+  m.impl("pack_weight", &pagedgen_cpu::pack_linear_weight);
+  m.impl("linear", &pagedgen_cpu::packed_linear);
 }

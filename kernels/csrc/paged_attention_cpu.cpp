@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include "cpu_math.h"
+#include "cpu_ops.h"
 
 #include <algorithm>
 #include <atomic>
@@ -329,6 +330,10 @@ void check_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor
               "paged_attention_cpu: block_tables [S, B], seq_lens [S], query_start_loc [S + 1]");
 }
 
+}  // namespace
+
+namespace pagedgen_cpu {
+
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -457,7 +462,7 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   copy(value, value_cache);
 }
 
-}  // namespace
+}  // namespace pagedgen_cpu
 
 TORCH_LIBRARY(pagedgen_cpu, m) {
   m.def(
@@ -469,6 +474,6 @@ TORCH_LIBRARY(pagedgen_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedgen_cpu, CPU, m) {
-  m.impl("paged_attention", &paged_attention_cpu);
-  m.impl("reshape_and_cache", &reshape_and_cache_cpu);
+  m.impl("paged_attention", &pagedgen_cpu::paged_attention_cpu);
+  m.impl("reshape_and_cache", &pagedgen_cpu::reshape_and_cache_cpu);
 }

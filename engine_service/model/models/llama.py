@@ -142,6 +142,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # The layers in one C++ call, set by the loader where it applies (float32 on the CPU:
+        # fused_decoder.py); used with the CPU kernel backend, whose kernels it calls.
+        self.fused_decoder = None
 
     def forward(
         self,
@@ -152,6 +155,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)
+        if self.fused_decoder is not None and kernels.name == "cpu":
+            return self.fused_decoder(x, ctx, kv_caches)
         residual = None
         for layer_index, layer in enumerate(self.layers):
             x, residual = layer(x, residual, ctx, kv_caches[layer_index], kernels)

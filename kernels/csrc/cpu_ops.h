@@ -1,0 +1,34 @@
+// The CPU ops that kernels/csrc/decoder_cpu.cpp calls directly, without torch's dispatcher:
+// each is also registered as a torch op by the file that defines it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace pagedgen_cpu {
+
+// paged_attention_cpu.cpp
+void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_tables,
+                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                         double scale);
+void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping);
+
+// layer_ops_cpu.cpp
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(at::Tensor residual, const at::Tensor& delta,
+                                                    const at::Tensor& weight, double eps);
+void rotary_cpu(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                int64_t head_dim);
+at::Tensor silu_mul_cpu(const at::Tensor& gate_up);
+
+// linear_cpu.cpp
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias, int64_t out_features);
+
+}  // namespace pagedgen_cpu
