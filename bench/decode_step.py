@@ -11,8 +11,8 @@ included), attention = K/V cache writes + paged attention, other = the rest of t
 (norms, RoPE, activations, embedding, tensor building, sampling, scheduling). The timers add
 about a microsecond per call; the split is reported as fractions of that pass's step time.
 Where the layers run as one C++ call (float32 on the CPU), that op times its own linears and
-attention calls (steady_clock, wall time: with one torch thread and a busy machine this part of
-the split may count time the thread was descheduled).
+attention calls, with the same clock as the steps (thread CPU time with one torch thread, else
+wall time), and the result says so (fused_layers).
 `pagedgen-bench` records this split next to its throughput figures, so a ratio that moves
 between machines can be explained from the results file.
 """
@@ -49,6 +49,7 @@ class StepResult:
     context: int
     kernel_backend: str  # the backend the runner really used ("cpu", "torch", ...)
     split: StepSplit
+    fused_layers: bool = False  # the layers ran as one C++ call (fused_decoder.py)
 
 
 def step_clock() -> Callable[[], float]:
@@ -133,18 +134,21 @@ def measure(model: str, dtype: str, batch: int, context: int, steps: int,
         reshape_and_cache=attention.wrap(plain_kernels.reshape_and_cache),
     )
     # The fused float32 layer loop (engine_service/model/models/fused_decoder.py) calls its
-    # linears and attention inside one C++ op, which times them itself when asked.
-    fused = getattr(runner.model, "fused_decoder", None)
+    # linears and attention inside one C++ op, which times them itself when asked, with the
+    # same clock as step_clock.
+    fused = runner.model.fused_decoder if plain_kernels.fused_layers else None
     if fused is not None:
         fused.timings = torch.zeros(2, dtype=torch.float64)
-    timed_total = sum(_timed_steps(engine, steps))
-    for module in linears:
-        del module.forward  # back to the class's forward
-    runner.kernels = plain_kernels
-    if fused is not None:
-        matmul.seconds += fused.timings[0].item()
-        attention.seconds += fused.timings[1].item()
-        fused.timings = None
+    try:
+        timed_total = sum(_timed_steps(engine, steps))
+    finally:
+        for module in linears:
+            del module.forward  # back to the class's forward
+        runner.kernels = plain_kernels
+        if fused is not None:
+            matmul.seconds += fused.timings[0].item()
+            attention.seconds += fused.timings[1].item()
+            fused.timings = None
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -161,7 +165,7 @@ def measure(model: str, dtype: str, batch: int, context: int, steps: int,
         attention_frac=attention.seconds / timed_total,
         other_frac=1 - (matmul.seconds + attention.seconds) / timed_total,
     )
-    return StepResult(dtype, batch, context, plain_kernels.name, split)
+    return StepResult(dtype, batch, context, plain_kernels.name, split, fused is not None)
 
 
 def main(argv: list[str] | None = None) -> None:

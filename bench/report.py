@@ -157,9 +157,14 @@ def _cpu_dtype_targets(r: dict) -> list[str]:
         # The whole job against the whole job: 32 requests' prompts processed and their
         # outputs decoded (llama.cpp's prompt + decode time), output tokens per second.
         mine = peers.get("engine_offline" + sfx, {}).get("output_throughput")
-        if mine is None or not run.get("total_s"):
+        if mine is None:
             continue
-        theirs = run["parallel"] * run["output_len"] / run["total_s"]
+        outputs = run["parallel"] * run["output_len"]
+        # (Results from before total_s was recorded: the two phases' times, which add up to
+        # llama-batched-bench's total when prompts are not shared.)
+        total_s = run.get("total_s") or (run["parallel"] * run["prompt_len"] / run["prompt_tok_s"]
+                                         + outputs / run["decode_tok_s"])
+        theirs = outputs / total_s
         add(f"engine {run['dtype']} >= 1.5x llama.cpp at {run['parallel']} concurrent requests "
             "(prompts + outputs)",
             f"{_f(mine / theirs, 2)}x ({_f(mine)} vs {_f(theirs)} output tok/s; llama.cpp "

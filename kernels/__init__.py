@@ -27,6 +27,9 @@ class KernelBackend:
     build_attention_plan: Callable[..., object] | None
     # Norms, rotary embedding, SiLU * up: torch ops unless a backend fuses them.
     layer_ops: LayerOps = TORCH_LAYER_OPS
+    # The model may run its float32 layers as one C++ call of this backend's kernels
+    # (engine_service/model/models/fused_decoder.py): the CPU backend's own.
+    fused_layers: bool = False
 
 
 TORCH_BACKEND = KernelBackend(
@@ -49,6 +52,7 @@ def _cpu_backend() -> KernelBackend:
         copy_blocks=reference.copy_blocks,
         build_attention_plan=None,
         layer_ops=CPU_LAYER_OPS,
+        fused_layers=True,
     )
 
 

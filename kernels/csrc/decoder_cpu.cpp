@@ -14,6 +14,7 @@
 // residual += it and RMSNorm; gate_up projection; SiLU(gate) * up; down projection. The first
 // layer's norm has no residual to add; the final norm adds the last layer's output.
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -21,6 +22,7 @@
 #include "cpu_ops.h"
 
 #include <chrono>
+#include <ctime>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -38,19 +40,41 @@ enum LayerWeight : int64_t {
   kWeightsPerLayer,
 };
 
+// The clock bench/decode_step.py times whole steps with: the thread's CPU time with one torch
+// thread (all the work is on it, and time descheduled on a busy machine is not the step's),
+// wall time otherwise. The split adds this op's figures to its own, so they must be alike.
+double now_seconds() {
+  if (at::get_num_threads() == 1) {
+    timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 // Adds the seconds `fn` takes to *total when timing is on (the decode-step benchmark's split).
 template <typename Fn>
 auto timed(double* total, Fn&& fn) {
   if (total == nullptr) return fn();
-  const auto start = std::chrono::steady_clock::now();
   struct Add {
     double* total;
-    std::chrono::steady_clock::time_point start;
-    ~Add() {
-      *total += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    }
-  } add{total, start};
+    double start;
+    ~Add() { *total += now_seconds() - start; }
+  } add{total, now_seconds()};
   return fn();
+}
+
+// A packed weight (pack_linear_weight: [ceil(out / 16), in, 16]) of the shape this layer needs;
+// the message names the layer, the projection and both shapes.
+void check_packed(const at::Tensor& packed, int64_t layer, const char* name, int64_t in_features,
+                  int64_t out_features) {
+  const int64_t panels = (out_features + 15) / 16;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(0) == panels && packed.size(1) == in_features &&
+                  packed.size(2) == 16,
+              "decoder_forward: layer ", layer, " ", name, " must be packed [", panels, ", ",
+              in_features, ", 16] for ", in_features, " -> ", out_features, " features, got ",
+              packed.sizes());
 }
 
 }  // namespace
@@ -59,7 +83,8 @@ namespace pagedgen_cpu {
 
 // x: the embedded tokens [tokens, hidden], used as the residual stream (updated in place).
 // Returns the hidden states after the final norm. timings (optional, float64 [2]): seconds
-// spent in the linears and in attention (cache writes included) are added to it.
+// spent in the linears and in attention (cache writes included) are added to it, in thread CPU
+// time with one torch thread, else wall time (now_seconds).
 at::Tensor decoder_forward(at::Tensor x, at::TensorList layer_weights, at::TensorList qkv_biases,
                            const at::Tensor& final_norm, const at::Tensor& kv_caches,
                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -77,9 +102,13 @@ at::Tensor decoder_forward(at::Tensor x, at::TensorList layer_weights, at::Tenso
               qkv_biases.size(), " for ", num_layers, " layers");
   TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(0) == num_layers && kv_caches.size(1) == 2,
               "decoder_forward: kv_caches must be [layers, 2, blocks, block_size, kv_heads, "
-              "head_dim] with ", num_layers, " layers");
+              "head_dim] with ", num_layers, " layers, got ", kv_caches.sizes());
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "decoder_forward: x must be contiguous float32 [tokens, hidden]");
+              "decoder_forward: x must be contiguous float32 [tokens, hidden], got ",
+              x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(num_heads >= 1 && num_kv_heads >= 1 && head_dim >= 1,
+              "decoder_forward: num_heads, num_kv_heads, head_dim must be >= 1, got ", num_heads,
+              ", ", num_kv_heads, ", ", head_dim);
   double* seconds = nullptr;
   if (timings.has_value() && timings->defined()) {
     TORCH_CHECK(timings->scalar_type() == at::kDouble && timings->numel() == 2 &&
@@ -93,6 +122,15 @@ at::Tensor decoder_forward(at::Tensor x, at::TensorList layer_weights, at::Tenso
   const int64_t num_tokens = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t qkv_size = q_size + 2 * kv_size;
+  const at::Tensor& down = layer_weights[kDown];
+  const int64_t intermediate = down.dim() == 3 ? down.size(1) : 0;
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const at::Tensor* w = layer_weights.data() + layer * kWeightsPerLayer;
+    check_packed(w[kQkv], layer, "qkv", hidden, qkv_size);
+    check_packed(w[kOut], layer, "o", q_size, hidden);
+    check_packed(w[kGateUp], layer, "gate_up", hidden, 2 * intermediate);
+    check_packed(w[kDown], layer, "down", intermediate, hidden);
+  }
   auto linear = [&](const at::Tensor& in, const at::Tensor& packed,
                     const std::optional<at::Tensor>& bias, int64_t out_features) {
     return timed(linear_seconds, [&] { return packed_linear(in, packed, bias, out_features); });
@@ -124,7 +162,7 @@ at::Tensor decoder_forward(at::Tensor x, at::TensorList layer_weights, at::Tenso
     });
     delta = linear(attended.view({num_tokens, q_size}), w[kOut], std::nullopt, hidden);
     std::tie(residual, h) = add_rms_norm_cpu(residual, delta, w[kPostNorm], eps);
-    const at::Tensor gate_up = linear(h, w[kGateUp], std::nullopt, 2 * w[kDown].size(1));
+    const at::Tensor gate_up = linear(h, w[kGateUp], std::nullopt, 2 * intermediate);
     delta = linear(silu_mul_cpu(gate_up), w[kDown], std::nullopt, hidden);
   }
   return std::get<1>(add_rms_norm_cpu(residual, delta, final_norm, eps));

@@ -367,6 +367,10 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   }
   const int64_t heads_per_item =
       num_tiles >= 4 * static_cast<int64_t>(at::get_num_threads()) ? p.num_kv_heads : 1;
+  TORCH_CHECK(p.query_start_loc[0] == 0 && p.query_start_loc[num_seqs] == query.size(0),
+              "paged_attention_cpu: query_start_loc must run from 0 to the ", query.size(0),
+              " query tokens, got ", p.query_start_loc[0], " to ", p.query_start_loc[num_seqs]);
+  const int64_t num_pool_blocks = key_cache.size(0);
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t query_len = p.query_start_loc[s + 1] - p.query_start_loc[s];
@@ -375,6 +379,13 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                     (p.seq_lens[s] + p.block_size - 1) / p.block_size <= p.max_blocks,
                 "paged_attention_cpu: sequence ", s, " has query length ", query_len,
                 " and context length ", p.seq_lens[s], ", which its block table cannot hold");
+    // Every block the sequence reads must be in the pool (a bad id would read outside it).
+    const int32_t* table = p.block_tables + s * p.max_blocks;
+    for (int64_t b = 0; b < (p.seq_lens[s] + p.block_size - 1) / p.block_size; ++b) {
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_pool_blocks, "paged_attention_cpu: sequence ",
+                  s, " block ", b, " is ", table[b], ", outside the pool's ", num_pool_blocks,
+                  " blocks");
+    }
     for (int64_t t = 0; t < query_len; t += kTileTokens) {
       const int64_t end = std::min(query_len, t + kTileTokens);
       for (int64_t h = 0; h < p.num_kv_heads; h += heads_per_item) {

@@ -81,6 +81,25 @@ def test_dtype_mismatch_is_refused() -> None:
         cpu_attention.paged_attention(batch.query.bfloat16(), *batch.args()[1:])
 
 
+def test_block_ids_outside_the_pool_and_token_counts_that_disagree_are_refused() -> None:
+    """Checked before any read: a bad block id would read outside the pool, query_start_loc
+    past the query's tokens would read and write past them."""
+    batch = make_paged_batch([1, 3], [20, 3])
+    num_blocks = batch.key_cache.shape[0]
+    for bad_id in (num_blocks, -5):
+        tables = batch.block_tables.clone()
+        tables[0, 1] = bad_id
+        with pytest.raises(RuntimeError, match=f"sequence 0 block 1 is {bad_id}, outside the "
+                                               f"pool's {num_blocks} blocks"):
+            cpu_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                          tables, *batch.args()[4:])
+    too_far = batch.query_start_loc.clone()
+    too_far[-1] = 40
+    with pytest.raises(RuntimeError, match="must run from 0 to the 4 query tokens, got 0 to 40"):
+        cpu_attention.paged_attention(*batch.args()[:5], too_far, batch.scale)
+    _check(batch)  # the same batch, unchanged, is fine
+
+
 def test_auto_backend_uses_the_kernel_on_cpu() -> None:
     backend = get_kernel_backend("auto", "cpu")
     assert backend.name == "cpu"

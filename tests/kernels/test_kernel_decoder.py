@@ -134,4 +134,18 @@ def test_bad_arguments_are_refused_with_the_reason(tiny_llama_dir):
         call(fused.layer_weights, x=x.double())
     with pytest.raises(RuntimeError, match="timings must be float64"):
         call(fused.layer_weights, timings=torch.zeros(2))
+    swapped = list(fused.layer_weights)
+    swapped[1], swapped[2] = swapped[2], swapped[1]  # layer 0's qkv and o projections
+    with pytest.raises(RuntimeError, match=r"layer 0 qkv must be packed \[\d+, 64, 16\] for 64 "
+                                           r"-> \d+ features, got \["):
+        call(swapped)
     assert call(fused.layer_weights).shape == x.shape  # the same arguments, valid, run
+
+
+def test_no_fused_loop_for_a_layer_it_would_compute_wrongly(tiny_llama_dir):
+    """A bias it does not add (o, gate_up, down: our layers have none, a future one might)."""
+    runner = _runner(tiny_llama_dir, 16)
+    assert build_fused_decoder(runner.model) is not None
+    down = runner.model.layers[1].mlp.down_proj
+    down.bias = torch.zeros(down.out_features)
+    assert build_fused_decoder(runner.model) is None

@@ -146,8 +146,9 @@ def count_step_ops(runner) -> Iterator[StepOps]:
     runner.kernels = replace(original_kernels, **{
         f.name: _mark(ops, f.name, getattr(original_kernels, f.name))
         for f in fields(original_kernels)
-        # (layer_ops: norms, rotary, SiLU * up run inside the forward, counted as its ops)
-        if f.name not in ("name", "layer_ops") and getattr(original_kernels, f.name) is not None
+        # (layer_ops: norms, rotary, SiLU * up run inside the forward, counted as its ops;
+        # plain settings such as fused_layers are not calls)
+        if f.name != "layer_ops" and callable(getattr(original_kernels, f.name))
     })
     try:
         with count_ops(ops):

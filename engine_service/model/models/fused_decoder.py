@@ -6,6 +6,8 @@ stream the weights at the machine's read bandwidth. The C++ loop calls the same 
 same order on the same tensors, so it computes the same bits (tests/kernels/
 test_kernel_decoder.py compares the two), and the Python loop stays the reference and the path
 for everything else: the torch kernel backend, bf16 and fp16 (their linears are oneDNN's), CUDA.
+It knows the layer as llama.py builds it and nothing more: a model with more in its layers
+(biases beyond q/k/v, another norm) must not get one (build_fused_decoder checks what it can).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine_service.model.models.llama import StepContext
 from engine_service.model.models.packed_linear import PackedLinear
 
 
@@ -34,7 +37,8 @@ class FusedDecoder:
     # (bench/decode_step.py's split of a step).
     timings: torch.Tensor | None = None
 
-    def __call__(self, x: torch.Tensor, ctx, kv_caches: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ctx: StepContext, kv_caches: torch.Tensor
+                 ) -> torch.Tensor:
         """x: the embedded tokens (overwritten: it is the residual stream); returns the hidden
         states after the final norm, as LlamaForCausalLM.forward does."""
         return torch.ops.pagedgen_cpu_decoder.forward(
@@ -44,8 +48,11 @@ class FusedDecoder:
             self.timings)
 
 
-def _ours(linear: nn.Module) -> bool:
-    return isinstance(linear, PackedLinear) and linear.ours
+def _ours(linear: nn.Module, bias_allowed: bool = False) -> bool:
+    """On our packed kernel, and with no bias the C++ loop would leave out (it adds the qkv
+    projection's only)."""
+    return (isinstance(linear, PackedLinear) and linear.ours
+            and (bias_allowed or linear.bias is None))
 
 
 def build_fused_decoder(model: nn.Module) -> FusedDecoder | None:
@@ -57,8 +64,8 @@ def build_fused_decoder(model: nn.Module) -> FusedDecoder | None:
     weights, biases = [], []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not all(_ours(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                      mlp.down_proj)):
+        if not (_ours(attn.qkv_proj, bias_allowed=True)
+                and all(_ours(m) for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj))):
             return None
         weights += [layer.input_layernorm.weight.detach(), attn.qkv_proj.packed_weight,
                     attn.o_proj.packed_weight, layer.post_attention_layernorm.weight.detach(),

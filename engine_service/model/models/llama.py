@@ -143,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # The layers in one C++ call, set by the loader where it applies (float32 on the CPU:
-        # fused_decoder.py); used with the CPU kernel backend, whose kernels it calls.
+        # fused_decoder.py); used with a backend whose kernels it calls (fused_layers).
         self.fused_decoder = None
 
     def forward(
@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)
-        if self.fused_decoder is not None and kernels.name == "cpu":
+        if self.fused_decoder is not None and kernels.fused_layers:
             return self.fused_decoder(x, ctx, kv_caches)
         residual = None
         for layer_index, layer in enumerate(self.layers):
