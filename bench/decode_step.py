@@ -10,9 +10,9 @@ synchronous, so the wall time around a call is its cost): matmul = the linears (
 included), attention = K/V cache writes + paged attention, other = the rest of the step
 (norms, RoPE, activations, embedding, tensor building, sampling, scheduling). The timers add
 about a microsecond per call; the split is reported as fractions of that pass's step time.
-Where the layers run as one C++ call (float32 on the CPU), that op times its own linears and
-attention calls, with the same clock as the steps (thread CPU time with one torch thread, else
-wall time), and the result says so (fused_layers).
+Where the layers run as one C++ call (on the CPU: float32, bf16 on AVX512-BF16), that op times
+its own linears and attention calls, with the same clock as the steps (thread CPU time with
+one torch thread, else wall time), and the result says so (fused_layers).
 `pagedgen-bench` records this split next to its throughput figures, so a ratio that moves
 between machines can be explained from the results file.
 """
@@ -133,7 +133,7 @@ def measure(model: str, dtype: str, batch: int, context: int, steps: int,
         paged_attention=attention.wrap(plain_kernels.paged_attention),
         reshape_and_cache=attention.wrap(plain_kernels.reshape_and_cache),
     )
-    # The fused float32 layer loop (engine_service/model/models/fused_decoder.py) calls its
+    # The fused layer loop (engine_service/model/models/fused_decoder.py) calls its
     # linears and attention inside one C++ op, which times them itself when asked, with the
     # same clock as step_clock.
     fused = runner.model.fused_decoder if plain_kernels.fused_layers else None

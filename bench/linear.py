@@ -1,9 +1,10 @@
-"""The float32 CPU linear (kernels/csrc/linear_cpu.cpp) against what it replaced, oneDNN's
-packed linear, and against plain `F.linear` (MKL), side by side in one run, at SmolLM2's linear
-shapes and at 1 row (a batch-1 decode), 4, 32 (a batch-32 decode), 256 and 2048 (prefill
+"""The CPU linear (float32: kernels/csrc/linear_cpu.cpp; bfloat16 on AVX512-BF16:
+kernels/csrc/linear_bf16_cpu.cpp) against what it replaced, oneDNN's packed linear, and against
+plain `F.linear` (MKL), side by side in one run, at SmolLM2's linear shapes and at 1 row (a
+batch-1 decode), 4, 32 (a batch-32 decode), 256 and 2048 (prefill
 chunks).
 
-    python -m bench.linear [--threads 1,2] [--quick]
+    python -m bench.linear [--threads 1,2] [--dtype float32|bfloat16] [--quick]
 
 Each figure is the median of repeated calls on the same weights and input (the weights of the
 LM head, 113 MB, stream from memory each call; the layer weights, 1.3 to 7 MB, may sit in the
@@ -49,20 +50,23 @@ def _median_s(fn: Callable[[], object], min_time_s: float) -> float:
     return statistics.median(times)
 
 
-def measure(threads: int, rows_list: tuple[int, ...], min_time_s: float) -> list[dict]:
+def measure(threads: int, rows_list: tuple[int, ...], min_time_s: float,
+            dtype: torch.dtype = torch.float32) -> list[dict]:
     from engine_service.model.models.packed_linear import pack_weight
     from kernels.cpu_extension import cpu_attention_available
 
     if not cpu_attention_available():
         raise SystemExit("the C++ extension does not build here: nothing to compare")
+    if dtype == torch.bfloat16 and not torch.ops.pagedgen_cpu_linear.bf16_native():
+        raise SystemExit("no AVX512-BF16 here: the bfloat16 linear is oneDNN's, nothing to compare")
     torch.set_num_threads(threads)
     rows_out = []
     for in_features, out_features in SHAPES:
-        weight = torch.randn(out_features, in_features)
+        weight = torch.randn(out_features, in_features).to(dtype)
         ours_packed = torch.ops.pagedgen_cpu_linear.pack_weight(weight)
         onednn_packed = pack_weight(weight) if torch.backends.mkldnn.is_available() else None
         for rows in rows_list:
-            x = torch.randn(rows, in_features)
+            x = torch.randn(rows, in_features).to(dtype)
             calls = {
                 "ours": partial(torch.ops.pagedgen_cpu_linear.linear, x, ours_packed, None,
                                 out_features),
@@ -76,7 +80,8 @@ def measure(threads: int, rows_list: tuple[int, ...], min_time_s: float) -> list
             weight_bytes = weight.numel() * weight.element_size()
             flops = 2 * rows * in_features * out_features
             rows_out.append({
-                "threads": threads, "in_features": in_features, "out_features": out_features,
+                "threads": threads, "dtype": str(dtype).removeprefix("torch."),
+                "in_features": in_features, "out_features": out_features,
                 "rows": rows,
                 **{f"{name}_us": s * 1e6 for name, s in seconds.items()},
                 "ours_gb_s": weight_bytes / seconds["ours"] / 1e9,
@@ -90,8 +95,10 @@ def measure(threads: int, rows_list: tuple[int, ...], min_time_s: float) -> list
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.linear", description=__doc__.split("\n")[0])
     p.add_argument("--threads", default="1,2", help="torch thread counts, comma-separated")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--quick", action="store_true", help="rows 1 and 32, short timings")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=None,
+                   help="default: bench/results/linear.json (float32), linear_bf16.json")
     args = p.parse_args(argv)
     rows_list = (1, 32) if args.quick else ROWS
     min_time_s = 0.05 if args.quick else 0.3
@@ -100,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'threads':>7} {'shape':>12} {'rows':>5} {'ours us':>9} {'oneDNN us':>10} "
           f"{'MKL us':>9} {'GB/s':>6} {'GFLOP/s':>8} {'vs oneDNN':>9} {'vs MKL':>7}")
     for threads in (int(t) for t in args.threads.split(",")):
-        for r in measure(threads, rows_list, min_time_s):
+        for r in measure(threads, rows_list, min_time_s, getattr(torch, args.dtype)):
             results.append(r)
             print(f"{r['threads']:>7} {r['in_features']:>5}x{r['out_features']:<6} "
                   f"{r['rows']:>5} {r['ours_us']:>9.1f} {r['onednn_us']:>10.1f} "
@@ -108,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['ours_over_onednn']:>8.2f}x {r['ours_over_mkl']:>6.2f}x", flush=True)
     from bench.metadata import machine_metadata
 
+    if args.out is None:
+        args.out = RESULTS if args.dtype == "float32" else RESULTS.with_name("linear_bf16.json")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = machine_metadata("random weights at SmolLM2-135M's linear shapes")
     args.out.write_text(json.dumps({"meta": meta, "load_end": list(os.getloadavg()),

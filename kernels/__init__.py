@@ -27,7 +27,7 @@ class KernelBackend:
     build_attention_plan: Callable[..., object] | None
     # Norms, rotary embedding, SiLU * up: torch ops unless a backend fuses them.
     layer_ops: LayerOps = TORCH_LAYER_OPS
-    # The model may run its float32 layers as one C++ call of this backend's kernels
+    # The model may run its layers as one C++ call of this backend's kernels
     # (engine_service/model/models/fused_decoder.py): the CPU backend's own.
     fused_layers: bool = False
 

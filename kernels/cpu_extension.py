@@ -1,7 +1,8 @@
 """Build (once) and load the CPU kernels, a torch C++ extension: paged attention, the fused
 per-layer ops (RMSNorm, residual add + RMSNorm, rotary, SiLU * up; kernels/layer_ops.py), the
-float32 linear layers over weights packed once (engine_service/model/models/packed_linear.py)
-and the float32 decoder layers in one call (engine_service/model/models/fused_decoder.py).
+float32 and bfloat16 (AVX512-BF16) linear layers over weights packed once
+(engine_service/model/models/packed_linear.py) and the decoder layers in one call
+(engine_service/model/models/fused_decoder.py).
 
 Why a C++ extension built at set-up time: it is the one option that reads the paged cache in
 place on every CPU torch runs on, with nothing new to install beyond a C++ compiler (PyPI has no
@@ -26,10 +27,10 @@ import torch
 log = logging.getLogger(__name__)
 
 # Paged attention, the fused per-layer ops (norms, rotary, SiLU * up) of kernels/layer_ops.py,
-# the float32 linear layers, and the float32 decoder layer loop that calls them all.
+# the float32 and bfloat16 linear layers, and the decoder layer loop that calls them all.
 SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name
                 for name in ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "linear_cpu.cpp",
-                             "decoder_cpu.cpp"))
+                             "linear_bf16_cpu.cpp", "decoder_cpu.cpp"))
 HEADERS = tuple(Path(__file__).resolve().parent / "csrc" / name
                 for name in ("cpu_math.h", "cpu_ops.h"))  # in the cache key too
 EXTENSION_NAME = "pagedgen_cpu_attention"

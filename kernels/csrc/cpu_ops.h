@@ -26,9 +26,18 @@ void rotary_cpu(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin, int
                 int64_t head_dim);
 at::Tensor silu_mul_cpu(const at::Tensor& gate_up);
 
-// linear_cpu.cpp
+// linear_cpu.cpp: float32, and bfloat16 handed to linear_bf16_cpu.cpp (by the weight's or
+// x's dtype)
+constexpr int64_t kFloatPanelColumns = 16;  // float32 packed [ceil(out / 16), in, 16]
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias, int64_t out_features);
+
+// linear_bf16_cpu.cpp
+constexpr int64_t kBf16PanelColumns = 32;  // bf16 packed [ceil(out / 32), ceil(in / 2), 64]
+bool linear_bf16_native();
+at::Tensor pack_linear_weight_bf16(const at::Tensor& weight);
+at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed,
+                              const std::optional<at::Tensor>& bias, int64_t out_features);
 
 }  // namespace pagedgen_cpu

@@ -1,4 +1,5 @@
-// The decoder layers of a Llama-family model in one op, for float32 on the CPU: the same
+// The decoder layers of a Llama-family model in one op, for float32 and bfloat16 (on
+// AVX512-BF16: its linears are ours too) on the CPU: the same
 // kernels the Python layer loop calls (engine_service/model/models/llama.py), in the same order
 // on the same tensors, so the result is the same to the bit, with no Python and no torch
 // dispatch between them.
@@ -65,16 +66,21 @@ auto timed(double* total, Fn&& fn) {
   return fn();
 }
 
-// A packed weight (pack_linear_weight: [ceil(out / 16), in, 16]) of the shape this layer needs;
-// the message names the layer, the projection and both shapes.
-void check_packed(const at::Tensor& packed, int64_t layer, const char* name, int64_t in_features,
-                  int64_t out_features) {
-  const int64_t panels = (out_features + 15) / 16;
-  TORCH_CHECK(packed.dim() == 3 && packed.size(0) == panels && packed.size(1) == in_features &&
-                  packed.size(2) == 16,
-              "decoder_forward: layer ", layer, " ", name, " must be packed [", panels, ", ",
-              in_features, ", 16] for ", in_features, " -> ", out_features, " features, got ",
-              packed.sizes());
+// A packed weight (pack_linear_weight: float32 [ceil(out / 16), in, 16], bfloat16
+// [ceil(out / 32), ceil(in / 2), 64]) of the shape and dtype this layer needs; the message
+// names the layer, the projection and both shapes.
+void check_packed(const at::Tensor& packed, at::ScalarType dtype, int64_t layer, const char* name,
+                  int64_t in_features, int64_t out_features) {
+  const bool bf16 = dtype == at::kBFloat16;
+  const int64_t columns = bf16 ? pagedgen_cpu::kBf16PanelColumns : pagedgen_cpu::kFloatPanelColumns;
+  const int64_t panels = (out_features + columns - 1) / columns;
+  const int64_t rows = bf16 ? (in_features + 1) / 2 : in_features;
+  const int64_t width = bf16 ? 2 * columns : columns;
+  TORCH_CHECK(packed.scalar_type() == dtype && packed.dim() == 3 && packed.size(0) == panels &&
+                  packed.size(1) == rows && packed.size(2) == width,
+              "decoder_forward: layer ", layer, " ", name, " must be packed ", dtype, " [", panels,
+              ", ", rows, ", ", width, "] for ", in_features, " -> ", out_features,
+              " features, got ", packed.scalar_type(), " ", packed.sizes());
 }
 
 }  // namespace
@@ -90,7 +96,8 @@ at::Tensor decoder_forward(at::Tensor x, at::TensorList layer_weights, at::Tenso
                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                            const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
-                           int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+                           double eps, double scale,
                            const std::optional<at::Tensor>& timings) {
   const int64_t num_layers = static_cast<int64_t>(layer_weights.size()) / kWeightsPerLayer;
   TORCH_CHECK(num_layers >= 1 &&
@@ -103,12 +110,13 @@ at::Tensor decoder_forward(at::Tensor x, at::TensorList layer_weights, at::Tenso
   TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(0) == num_layers && kv_caches.size(1) == 2,
               "decoder_forward: kv_caches must be [layers, 2, blocks, block_size, kv_heads, "
               "head_dim] with ", num_layers, " layers, got ", kv_caches.sizes());
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "decoder_forward: x must be contiguous float32 [tokens, hidden], got ",
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "decoder_forward: x must be contiguous float32 or bfloat16 [tokens, hidden], got ",
               x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(num_heads >= 1 && num_kv_heads >= 1 && head_dim >= 1,
-              "decoder_forward: num_heads, num_kv_heads, head_dim must be >= 1, got ", num_heads,
-              ", ", num_kv_heads, ", ", head_dim);
+  TORCH_CHECK(num_heads >= 1 && num_kv_heads >= 1 && head_dim >= 1 && intermediate >= 1,
+              "decoder_forward: num_heads, num_kv_heads, head_dim, intermediate_size must be "
+              ">= 1, got ", num_heads, ", ", num_kv_heads, ", ", head_dim, ", ", intermediate);
   double* seconds = nullptr;
   if (timings.has_value() && timings->defined()) {
     TORCH_CHECK(timings->scalar_type() == at::kDouble && timings->numel() == 2 &&
@@ -122,14 +130,13 @@ at::Tensor decoder_forward(at::Tensor x, at::TensorList layer_weights, at::Tenso
   const int64_t num_tokens = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t qkv_size = q_size + 2 * kv_size;
-  const at::Tensor& down = layer_weights[kDown];
-  const int64_t intermediate = down.dim() == 3 ? down.size(1) : 0;
+  const at::ScalarType dtype = x.scalar_type();
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = layer_weights.data() + layer * kWeightsPerLayer;
-    check_packed(w[kQkv], layer, "qkv", hidden, qkv_size);
-    check_packed(w[kOut], layer, "o", q_size, hidden);
-    check_packed(w[kGateUp], layer, "gate_up", hidden, 2 * intermediate);
-    check_packed(w[kDown], layer, "down", intermediate, hidden);
+    check_packed(w[kQkv], dtype, layer, "qkv", hidden, qkv_size);
+    check_packed(w[kOut], dtype, layer, "o", q_size, hidden);
+    check_packed(w[kGateUp], dtype, layer, "gate_up", hidden, 2 * intermediate);
+    check_packed(w[kDown], dtype, layer, "down", intermediate, hidden);
   }
   auto linear = [&](const at::Tensor& in, const at::Tensor& packed,
                     const std::optional<at::Tensor>& bias, int64_t out_features) {
@@ -175,7 +182,8 @@ TORCH_LIBRARY(pagedgen_cpu_decoder, m) {
       "forward(Tensor(a!) x, Tensor[] layer_weights, Tensor[] qkv_biases, Tensor final_norm, "
       "Tensor(b!) kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
-      "int head_dim, float eps, float scale, Tensor(c!)? timings=None) -> Tensor");
+      "int head_dim, int intermediate_size, float eps, float scale, Tensor(c!)? timings=None) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedgen_cpu_decoder, CPU, m) {

@@ -36,7 +36,7 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;  // output columns per panel: two vectors of 8
+constexpr int64_t kPanel = pagedgen_cpu::kFloatPanelColumns;  // two vectors of 8
 constexpr int64_t kMaxRows = 6;  // rows per group
 constexpr int64_t kBlockBytes = 192 * 1024;  // of x per row block: L2 (512 KiB here) holds it
 
@@ -112,10 +112,11 @@ void rows_of_panel(const float* x, int64_t ldx, int64_t rows, const float* panel
 
 namespace pagedgen_cpu {
 
-// W [N, K] float32 -> [ceil(N / 16), K, 16], zero-padded.
+// W [N, K] float32 -> [ceil(N / 16), K, 16], zero-padded (bf16: pack_linear_weight_bf16).
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  if (weight.scalar_type() == at::kBFloat16) return pack_linear_weight_bf16(weight);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
-              "weight must be a 2-d float32 tensor [out_features, in_features]");
+              "weight must be a 2-d float32 or bfloat16 tensor [out_features, in_features]");
   const int64_t N = weight.size(0), K = weight.size(1);
   const int64_t panels = (N + kPanel - 1) / kPanel;
   auto packed = at::zeros({panels, K, kPanel}, weight.options());
@@ -133,9 +134,11 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 // x [M, K] (rows may be strided), packed from pack_linear_weight -> [M, out_features].
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias, int64_t out_features) {
+  if (x.scalar_type() == at::kBFloat16) return packed_linear_bf16(x, packed, bias, out_features);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat &&
                   (x.stride(1) == 1 || x.size(1) <= 1),
-              "x must be float32 [rows, in_features], contiguous in its last dimension");
+              "x must be float32 or bfloat16 [rows, in_features], contiguous in its last "
+              "dimension");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
                   packed.scalar_type() == at::kFloat,
               "packed must come from pack_linear_weight");
@@ -183,6 +186,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
 TORCH_LIBRARY(pagedgen_cpu_linear, m) {
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  // Takes no tensor, so it has no dispatch key to register under: a catch-all kernel.
+  m.def("bf16_native() -> bool", [] { return pagedgen_cpu::linear_bf16_native(); });
 }
 
 TORCH_LIBRARY_IMPL(pagedgen_cpu_linear, CPU, m) {

@@ -65,6 +65,31 @@ struct Problem {
   const int32_t* query_start_loc;
 };
 
+// A score q . k is summed in one order whatever path computes it (a decode row's dot product,
+// a prefill tile's block of transposed keys): lane l sums the products of head dims l, l + 16,
+// ... in turn, then the lanes are added pairwise (l + 8 into l, then + 4, + 2, + 1). Two orders
+// gave a token's output different last bits when it was computed in a prefill (a recompute
+// after preemption, a prompt behind a shorter cached prefix) than in a decode, and seeded
+// samples drew another token from there on (tests/engine/test_preemption.py). std::fma, not
+// a * b + c, so that no compiler contracts one path and not the other (on x86 without FMA,
+// pre-2013, it is a libm call: correct, slow).
+constexpr int64_t kLanes = 16;
+
+inline float ordered_dot(const float* q, const float* k, int64_t d) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] = std::fma(q[i + l], k[i + l], lanes[l]);
+  }
+  for (int64_t l = 0; i + l < d; ++l) lanes[l] = std::fma(q[i + l], k[i + l], lanes[l]);
+  for (int64_t width = kLanes / 2; width >= 1; width /= 2) {
+#pragma omp simd
+    for (int64_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  }
+  return lanes[0];
+}
+
 template <typename scalar_t>
 inline void widen(const scalar_t* src, float* dst, int64_t n) {
 #pragma omp simd
@@ -183,34 +208,35 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
       const float* head_keys_t = keys_t + kv * d * kBlock;
       float s[kBlock];
       if (transpose_keys) {
-        // Four partial sums over interleaved head dims: four independent FMA chains instead
-        // of one chain of d dependent FMAs (latency-bound).
-        float part[4][kBlock] = {};
+        // The scores of all the block's keys at once, kBlock-wide: kLanes partial sums per key
+        // (independent FMA chains), summed as ordered_dot sums one key's lanes.
+        float part[kLanes][kBlock] = {};
         int64_t i = 0;
-        for (; i + 4 <= d; i += 4) {
-          for (int64_t u = 0; u < 4; ++u) {
-            const float qi = q_row[i + u];
-            const float* kt = head_keys_t + (i + u) * kBlock;
+        for (; i + kLanes <= d; i += kLanes) {
+          for (int64_t l = 0; l < kLanes; ++l) {
+            const float qi = q_row[i + l];
+            const float* kt = head_keys_t + (i + l) * kBlock;
 #pragma omp simd
-            for (int64_t j = 0; j < kBlock; ++j) part[u][j] += qi * kt[j];
+            for (int64_t j = 0; j < kBlock; ++j) part[l][j] = std::fma(qi, kt[j], part[l][j]);
           }
         }
-        for (; i < d; ++i) {
-          const float qi = q_row[i];
-          const float* kt = head_keys_t + i * kBlock;
+        for (int64_t l = 0; i + l < d; ++l) {
+          const float qi = q_row[i + l];
+          const float* kt = head_keys_t + (i + l) * kBlock;
 #pragma omp simd
-          for (int64_t j = 0; j < kBlock; ++j) part[0][j] += qi * kt[j];
+          for (int64_t j = 0; j < kBlock; ++j) part[l][j] = std::fma(qi, kt[j], part[l][j]);
+        }
+        for (int64_t width = kLanes / 2; width >= 1; width /= 2) {
+          for (int64_t l = 0; l < width; ++l) {
+#pragma omp simd
+            for (int64_t j = 0; j < kBlock; ++j) part[l][j] += part[l + width][j];
+          }
         }
 #pragma omp simd
-        for (int64_t j = 0; j < kBlock; ++j) s[j] = (part[0][j] + part[1][j]) + (part[2][j] +
-                                                                                  part[3][j]);
+        for (int64_t j = 0; j < kBlock; ++j) s[j] = part[0][j];
       } else {
         for (int64_t j = 0; j < visible; ++j) {
-          const float* k = head_keys + j * kv_width;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < d; ++i) dot += q_row[i] * k[i];
-          s[j] = dot;
+          s[j] = ordered_dot(q_row, head_keys + j * kv_width, d);
         }
       }
       float block_max = -std::numeric_limits<float>::infinity();

@@ -66,6 +66,33 @@ def test_random_batches(seed: int) -> None:
                             block_size=(8, 16, 32)[seed % 3], dtype=dtype, seed=seed))
 
 
+@pytest.mark.parametrize(
+    ("group", "block_size", "head_size", "dtype"),
+    [(g, b, h, d) for (g, b), h, d in itertools.product(
+        ((1, 8), (1, 16), (3, 16), (4, 64)), (64, 72), (torch.float32, torch.bfloat16))],
+    ids=lambda v: str(v).replace("torch.", ""),
+)
+def test_a_token_gets_the_same_bits_in_a_prefill_as_in_a_decode(group, block_size, head_size,
+                                                                dtype) -> None:
+    """The last token of a 48-token context, computed as one row of a whole prefill (its last
+    16-token tile has 16 * group >= block_size rows: the keys are transposed), of a 3-token
+    chunk and alone as a decode (scores as dot products), over the same cache: bit for bit one
+    result (a recompute after preemption or a prompt behind a cached prefix must not change
+    later tokens). Head size 72: a tail past the 16-lane sums."""
+    context = 48
+    assert 16 * group >= block_size  # (the kernel's tile: the whole prefill transposes)
+    batch = make_paged_batch([context], [context], num_heads=group * 2, num_kv_heads=2,
+                             head_size=head_size, block_size=block_size, dtype=dtype,
+                             seed=group + head_size + block_size)
+    whole = cpu_attention.paged_attention(*batch.args())
+    for query_len in (3, 1):
+        part = PagedBatch(batch.query[-query_len:].clone(), batch.key_cache, batch.value_cache,
+                          batch.block_tables, batch.seq_lens,
+                          torch.tensor([0, query_len], dtype=torch.int32), batch.scale)
+        out = cpu_attention.paged_attention(*part.args())
+        assert torch.equal(out[-1], whole[-1]), f"query_len {query_len}"
+
+
 def test_cache_views_of_the_engine_pool() -> None:
     """The engine passes kv_caches[layer, 0] / [layer, 1]: strided views of one pool."""
     batch = make_paged_batch([1, 7, 1], [30, 7, 64], num_heads=6, num_kv_heads=2)

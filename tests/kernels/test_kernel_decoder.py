@@ -1,8 +1,9 @@
-"""The float32 decoder layers in one C++ call (kernels/csrc/decoder_cpu.cpp) against the Python
-layer loop it replaces: the same logits and the same KV cache, bit for bit, over steps that mix
+"""The decoder layers in one C++ call (kernels/csrc/decoder_cpu.cpp) against the Python layer
+loop it replaces: the same logits and the same KV cache, bit for bit, over steps that mix
 prefills, prefill chunks over a cached context and decodes, on Llama (GQA, untied) and Qwen2
-(qkv biases, tied), block sizes 8 and 16; where it applies and where it does not; its timings
-and its refusals."""
+(qkv biases, tied), block sizes 8 and 16, in float32 and (on AVX512-BF16, where the bf16
+linears are ours) bfloat16; where it applies and where it does not; its timings and its
+refusals."""
 
 from pathlib import Path
 
@@ -27,6 +28,14 @@ STEPS = [
     [("a", 18, 19), ("b", 25, 26), ("c", 3, 4)],  # new prompt; then three decodes
 ]
 MAX_LEN = 32
+
+
+def _bf16_native() -> bool:
+    return cpu_attention_available() and bool(torch.ops.pagedgen_cpu_linear.bf16_native())
+
+
+DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not _bf16_native(), reason="no AVX512-BF16: bf16 linears are oneDNN's, no fused loop"))]
 
 
 def _runner(model_dir: Path, block_size: int, dtype: str = "float32",
@@ -57,6 +66,7 @@ def _step_inputs(step, tokens: dict[str, list[int]], block_size: int) -> StepInp
 
 
 def _run_steps(runner: ModelRunner, block_size: int) -> list[torch.Tensor]:
+    """Each step's logits (float32, whatever the model's dtype)."""
     generator = torch.Generator().manual_seed(block_size)
     vocab = runner.config.vocab_size
     tokens = {name: torch.randint(0, vocab, (MAX_LEN,), generator=generator).tolist()
@@ -64,14 +74,15 @@ def _run_steps(runner: ModelRunner, block_size: int) -> list[torch.Tensor]:
     return [runner.run_batch(_step_inputs(step, tokens, block_size)) for step in STEPS]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_fused_layers_compute_the_python_loops_bits(model, block_size, request):
+def test_fused_layers_compute_the_python_loops_bits(model, block_size, dtype, request):
     model_dir = request.getfixturevalue(model)
-    fused_runner = _runner(model_dir, block_size)
+    fused_runner = _runner(model_dir, block_size, dtype)
     assert fused_runner.kernels.name == "cpu"
-    assert fused_runner.model.fused_decoder is not None  # (float32 on our linears: it applies)
-    python_runner = _runner(model_dir, block_size)
+    assert fused_runner.model.fused_decoder is not None  # (on our linears: it applies)
+    python_runner = _runner(model_dir, block_size, dtype)
     python_runner.model.fused_decoder = None
 
     fused_logits = _run_steps(fused_runner, block_size)
@@ -80,14 +91,20 @@ def test_fused_layers_compute_the_python_loops_bits(model, block_size, request):
     for step, (fused, python) in enumerate(zip(fused_logits, python_logits, strict=True)):
         assert fused.shape == python.shape == (len(STEPS[step]), fused_runner.config.vocab_size)
         assert torch.equal(fused, python), f"step {step}: logits differ"
+    assert fused_runner.kv_caches.dtype == getattr(torch, dtype)
     assert torch.equal(fused_runner.kv_caches, python_runner.kv_caches)
     assert fused_runner.kv_caches.abs().sum() > 0  # the cache was written
 
 
-def test_only_float32_on_our_linears_and_the_cpu_backend_use_it(tiny_llama_dir, monkeypatch):
+def test_only_our_linears_and_the_cpu_backend_use_it(tiny_llama_dir, monkeypatch):
+    # bf16: where its linears are ours (AVX512-BF16), and not on oneDNN's.
     bf16 = _runner(tiny_llama_dir, 16, dtype="bfloat16")
-    assert bf16.model.fused_decoder is None
+    assert (bf16.model.fused_decoder is not None) == _bf16_native()
+    qkv = bf16.model.layers[0].self_attn.qkv_proj
+    qkv.ours = False
     assert build_fused_decoder(bf16.model) is None
+    fp16 = _runner(tiny_llama_dir, 16, dtype="float16")
+    assert fp16.model.fused_decoder is None
     # The torch backend is the reference: its runner has the fused loop but must not call it.
     torch_runner = _runner(tiny_llama_dir, 16, kernel_backend="torch")
     assert torch_runner.kernels.name == "torch"
@@ -121,8 +138,8 @@ def test_bad_arguments_are_refused_with_the_reason(tiny_llama_dir):
 
     def call(weights, biases=(), kv=runner.kv_caches, x=x, timings=None):
         return op(x, list(weights), list(biases), fused.final_norm, kv, *args.values(),
-                  fused.num_heads, fused.num_kv_heads, fused.head_dim, fused.eps, fused.scale,
-                  timings)
+                  fused.num_heads, fused.num_kv_heads, fused.head_dim, fused.intermediate_size,
+                  fused.eps, fused.scale, timings)
 
     with pytest.raises(RuntimeError, match="6 tensors per layer, got 5"):
         call(fused.layer_weights[:5])
@@ -130,15 +147,19 @@ def test_bad_arguments_are_refused_with_the_reason(tiny_llama_dir):
         call(fused.layer_weights, biases=[torch.zeros(1)])
     with pytest.raises(RuntimeError, match="kv_caches must be .* with 2 layers"):
         call(fused.layer_weights, kv=runner.kv_caches[:1])
-    with pytest.raises(RuntimeError, match="x must be contiguous float32"):
+    with pytest.raises(RuntimeError, match="x must be contiguous float32 or bfloat16"):
         call(fused.layer_weights, x=x.double())
     with pytest.raises(RuntimeError, match="timings must be float64"):
         call(fused.layer_weights, timings=torch.zeros(2))
     swapped = list(fused.layer_weights)
     swapped[1], swapped[2] = swapped[2], swapped[1]  # layer 0's qkv and o projections
-    with pytest.raises(RuntimeError, match=r"layer 0 qkv must be packed \[\d+, 64, 16\] for 64 "
-                                           r"-> \d+ features, got \["):
+    with pytest.raises(RuntimeError, match=r"layer 0 qkv must be packed Float \[\d+, 64, 16\] for "
+                                           r"64 -> \d+ features, got Float \["):
         call(swapped)
+    with pytest.raises(RuntimeError, match=r"layer 0 qkv must be packed Float .* got BFloat16"):
+        bf16_qkv = list(fused.layer_weights)
+        bf16_qkv[1] = bf16_qkv[1].to(torch.bfloat16)
+        call(bf16_qkv)
     assert call(fused.layer_weights).shape == x.shape  # the same arguments, valid, run
 
 

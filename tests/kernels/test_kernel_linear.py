@@ -103,7 +103,7 @@ def test_packed_linear_takes_onednn_without_our_kernel(monkeypatch):
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
-    monkeypatch.setattr(packed_linear, "_our_kernel_available", lambda: False)
+    monkeypatch.setattr(packed_linear, "_our_kernel_available", lambda dtype=None: False)
     linear = torch.nn.Linear(40, 24, bias=True)
     packed = PackedLinear(linear)
     assert not packed.ours

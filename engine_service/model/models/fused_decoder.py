@@ -1,11 +1,12 @@
-"""The decoder layers in one C++ call (kernels/csrc/decoder_cpu.cpp), for float32 on the CPU.
+"""The decoder layers in one C++ call (kernels/csrc/decoder_cpu.cpp), on the CPU for float32,
+and for bfloat16 where its linears are ours (AVX512-BF16).
 
 The Python layer loop (llama.py) calls ~12 kernels per layer, and at batch 1 the Python and
 dispatch work between them was ~5 ms of a ~24 ms SmolLM2 decode step whose linears already
 stream the weights at the machine's read bandwidth. The C++ loop calls the same kernels in the
 same order on the same tensors, so it computes the same bits (tests/kernels/
 test_kernel_decoder.py compares the two), and the Python loop stays the reference and the path
-for everything else: the torch kernel backend, bf16 and fp16 (their linears are oneDNN's), CUDA.
+for everything else: the torch kernel backend, fp16 and bf16 on oneDNN's linears, CUDA.
 It knows the layer as llama.py builds it and nothing more: a model with more in its layers
 (biases beyond q/k/v, another norm) must not get one (build_fused_decoder checks what it can).
 """
@@ -31,6 +32,7 @@ class FusedDecoder:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    intermediate_size: int
     eps: float
     scale: float
     # float64 [2]: when set, the op adds the seconds it spends in linears and in attention
@@ -44,8 +46,8 @@ class FusedDecoder:
         return torch.ops.pagedgen_cpu_decoder.forward(
             x, self.layer_weights, self.qkv_biases, self.final_norm, kv_caches,
             ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, ctx.cos,
-            ctx.sin, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale,
-            self.timings)
+            ctx.sin, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
+            self.eps, self.scale, self.timings)
 
 
 def _ours(linear: nn.Module, bias_allowed: bool = False) -> bool:
@@ -56,10 +58,10 @@ def _ours(linear: nn.Module, bias_allowed: bool = False) -> bool:
 
 
 def build_fused_decoder(model: nn.Module) -> FusedDecoder | None:
-    """The fused loop over `model`'s layers, or None where it does not apply (not float32 on
-    our packed linears, no layers)."""
+    """The fused loop over `model`'s layers, or None where it does not apply (not float32 or
+    bfloat16 on our packed linears, no layers)."""
     layers = list(model.layers)
-    if not layers or model.norm.weight.dtype != torch.float32:
+    if not layers or model.norm.weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     weights, biases = [], []
     for layer in layers:
@@ -76,4 +78,5 @@ def build_fused_decoder(model: nn.Module) -> FusedDecoder | None:
         return None  # (biases on some layers only: no checkpoint we load has that)
     first = layers[0].self_attn
     return FusedDecoder(weights, biases, model.norm.weight.detach(), first.num_heads,
-                        first.num_kv_heads, first.head_dim, model.norm.eps, first.scale)
+                        first.num_kv_heads, first.head_dim,
+                        layers[0].mlp.down_proj.in_features, model.norm.eps, first.scale)

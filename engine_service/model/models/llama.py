@@ -142,8 +142,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # The layers in one C++ call, set by the loader where it applies (float32 on the CPU:
-        # fused_decoder.py); used with a backend whose kernels it calls (fused_layers).
+        # The layers in one C++ call, set by the loader where it applies (float32, and
+        # bfloat16 on AVX512-BF16, on the CPU: fused_decoder.py); used with a backend whose
+        # kernels it calls (fused_layers).
         self.fused_decoder = None
 
     def forward(

@@ -8,26 +8,56 @@ share: the decode step itself went from 83-87 to 46-68 ms at batch 1 and from 24
 188-195 ms at 32, one thread, bench.decode_step). Each row's result is the same whatever batch
 it runs in. Without the C++ extension, float32 takes oneDNN's path.
 
-bfloat16: oneDNN's blocked weight layout (mkldnn._reorder_linear_weight), which runs on AMX and
-AVX512-BF16. MKL's sgemm (what nn.Linear calls on CPU) repacks the weight on every call, which
-at decode batch sizes costs as much as the multiply; the blocked layout made a bf16 batch-1
-linear ~2x faster (576x3072: 185 -> 91 us; LM head 576x49152: 8.6 -> 4.0 ms). The batch-size
-hint picks the blocking; 32 measured within a few percent of the best at 1, 32 and 256 rows.
-oneDNN's bf16 reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT; elsewhere bf16 stays nn.Linear.
+bfloat16 on a CPU with AVX512-BF16: our kernel too (kernels/csrc/linear_bf16_cpu.cpp), for the
+same reason: at batch 1 oneDNN's fixed cost per call made a bf16 decode step no faster than
+float32's. Side by side (AMD EPYC with AVX512-BF16, 2 threads, `python -m bench.linear --dtype
+bfloat16`): 1 row 1.5-2.8x faster than oneDNN's packed bf16 linear, 32 rows 1.07-1.38x, 256 and
+2048 rows within a few percent either way; the bf16 decode step at batch 1 went from 19.8 to
+9.5 ms. Each row's result is the same whatever batch it runs in, as for float32.
+
+Elsewhere (a CPU with AMX, bf16 asked for on a CPU without AVX512-BF16, or a build that does
+not target it):
+oneDNN's blocked weight layout (mkldnn._reorder_linear_weight), which runs on AMX and
+AVX512-BF16 and emulates bf16 on other AVX512 CPUs. MKL's sgemm (what nn.Linear calls on CPU)
+repacks the weight on every call, which at decode batch sizes costs as much as the multiply;
+the blocked layout made a bf16 batch-1 linear ~2x faster (576x3072: 185 -> 91 us; LM head
+576x49152: 8.6 -> 4.0 ms). The batch-size hint picks the blocking; 32 measured within a few
+percent of the best at 1, 32 and 256 rows. oneDNN's bf16 reorder needs AVX512BW/VL/DQ or
+AVX-NE-CONVERT; elsewhere bf16 stays nn.Linear.
 
 Weights are frozen after loading, so packing once is safe. The linears are the same whatever
 the attention kernel backend: kernel_backend="torch" runs them on our kernel too (and so builds
 the extension at load when the cache lacks it).
 """
 
+import functools
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from engine_service.model.dtype import cpu_feature_flags
 
-def _our_kernel_available() -> bool:
+
+def _our_kernel_available(dtype: torch.dtype = torch.float32) -> bool:
     from kernels.cpu_extension import cpu_attention_available  # one extension, all kernels
 
-    return cpu_attention_available()
+    if not cpu_attention_available():
+        return False
+    if dtype == torch.bfloat16:  # built only where the compiler targets AVX512-BF16
+        return bool(torch.ops.pagedgen_cpu_linear.bf16_native()) and not _cpu_has_amx()
+    return dtype == torch.float32
+
+
+@functools.cache
+def _cpu_has_amx() -> bool:
+    """AMX tiles multiply bf16 several times faster than AVX512-BF16's VDPBF16PS, and oneDNN
+    uses them: on such a CPU (Sapphire Rapids and later) bf16 linears stay oneDNN's, which the
+    bf16 figures of git history were measured with (our kernel was measured only without AMX)."""
+    try:
+        return "amx_bf16" in cpu_feature_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return False
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -35,6 +65,8 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.float32:
         return _our_kernel_available() or torch.backends.mkldnn.is_available()
+    if dtype == torch.bfloat16 and _our_kernel_available(dtype):
+        return True
     if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         # oneDNN's bf16 weight reorder raises without AVX512BW/VL/DQ or AVX-NE-CONVERT (an
         # AVX2-only CPU: a bf16 engine asked for by --dtype bfloat16 died at load).
@@ -62,7 +94,11 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         # Plain attributes, not parameters: a packed layout is not a checkpoint format.
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
-        self.ours = weight.dtype == torch.float32 and _our_kernel_available()
+        self.ours = _our_kernel_available(weight.dtype)
+        if self.ours and self.bias is not None:
+            # Our kernels add the bias in float32 before the one rounding to the output dtype:
+            # converted once here, not on every call.
+            self.bias = self.bias.float()
         if self.ours:
             self.packed_weight = torch.ops.pagedgen_cpu_linear.pack_weight(weight)
             self._linear = torch.ops.pagedgen_cpu_linear.linear.default
