@@ -208,38 +208,47 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
       const float* head_keys_t = keys_t + kv * d * kBlock;
       float s[kBlock];
       if (transpose_keys) {
-        // The scores of all the block's keys at once, kBlock-wide: kLanes partial sums per key
-        // (independent FMA chains), summed as ordered_dot sums one key's lanes.
-        float part[kLanes][kBlock] = {};
-        int64_t i = 0;
-        for (; i + kLanes <= d; i += kLanes) {
-          for (int64_t l = 0; l < kLanes; ++l) {
+        // The scores of up to 16 keys at once: kLanes partial sums per key, each a vector over
+        // the keys, summed as ordered_dot sums one key's lanes. Unrolled over the lanes so the
+        // 16 partial vectors stay in registers (in a stack array they cost a load and a store
+        // per FMA: prefill attention ran 1.6x slower).
+        constexpr int64_t kKeys = kBlock < 16 ? kBlock : 16;
+        for (int64_t j0 = 0; j0 < kBlock; j0 += kKeys) {
+          float part[kLanes][kKeys] = {};
+          int64_t i = 0;
+          for (; i + kLanes <= d; i += kLanes) {
+#pragma GCC unroll 16
+            for (int64_t l = 0; l < kLanes; ++l) {
+              const float qi = q_row[i + l];
+              const float* kt = head_keys_t + (i + l) * kBlock + j0;
+#pragma omp simd
+              for (int64_t j = 0; j < kKeys; ++j) part[l][j] = std::fma(qi, kt[j], part[l][j]);
+            }
+          }
+          for (int64_t l = 0; i + l < d; ++l) {
             const float qi = q_row[i + l];
-            const float* kt = head_keys_t + (i + l) * kBlock;
+            const float* kt = head_keys_t + (i + l) * kBlock + j0;
 #pragma omp simd
-            for (int64_t j = 0; j < kBlock; ++j) part[l][j] = std::fma(qi, kt[j], part[l][j]);
+            for (int64_t j = 0; j < kKeys; ++j) part[l][j] = std::fma(qi, kt[j], part[l][j]);
           }
-        }
-        for (int64_t l = 0; i + l < d; ++l) {
-          const float qi = q_row[i + l];
-          const float* kt = head_keys_t + (i + l) * kBlock;
+#pragma GCC unroll 4
+          for (int64_t width = kLanes / 2; width >= 1; width /= 2) {
+#pragma GCC unroll 8
+            for (int64_t l = 0; l < width; ++l) {
 #pragma omp simd
-          for (int64_t j = 0; j < kBlock; ++j) part[l][j] = std::fma(qi, kt[j], part[l][j]);
-        }
-        for (int64_t width = kLanes / 2; width >= 1; width /= 2) {
-          for (int64_t l = 0; l < width; ++l) {
-#pragma omp simd
-            for (int64_t j = 0; j < kBlock; ++j) part[l][j] += part[l + width][j];
+              for (int64_t j = 0; j < kKeys; ++j) part[l][j] += part[l + width][j];
+            }
           }
-        }
 #pragma omp simd
-        for (int64_t j = 0; j < kBlock; ++j) s[j] = part[0][j];
+          for (int64_t j = 0; j < kKeys; ++j) s[j0 + j] = part[0][j];
+        }
       } else {
         for (int64_t j = 0; j < visible; ++j) {
           s[j] = ordered_dot(q_row, head_keys + j * kv_width, d);
         }
       }
       float block_max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : block_max)
       for (int64_t j = 0; j < visible; ++j) block_max = std::max(block_max, s[j]);
       const float new_max = std::max(row_max[r], block_max);
       const float correction = exp_nonpositive(row_max[r] - new_max);  // ~0 on the first block
