@@ -217,7 +217,7 @@ def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int,
     peaks = None
     if "roofline" not in skip:
         _log("roofline: matmul FLOP/s and memory bandwidth")
-        peaks = measure_peaks(quick=sizes is QUICK)
+        peaks = measure_peaks(quick=sizes is QUICK, bf16="bfloat16" in dtypes)
         results["peaks"] = asdict(peaks)
     runs: dict[str, PeerRun] = {}
 
@@ -258,9 +258,9 @@ def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int,
             entry["engine_stats"] = stats
         if peaks is not None and run.num_forward_passes:
             sfx = next((x for x in DTYPE_SUFFIX.values() if x and name.endswith(x)), "")
-            entry["roofline"] = asdict(
-                achieved(run.records, run.duration_s, run.num_forward_passes, costs[sfx], peaks)
-            )
+            peak = peaks.matmul_flops_bf16 if sfx == "_bf16" else None
+            entry["roofline"] = asdict(achieved(run.records, run.duration_s,
+                                                run.num_forward_passes, costs[sfx], peaks, peak))
         if getattr(run, "kv_samples", None):
             from bench.peers_engine import kv_utilization
 
@@ -273,6 +273,9 @@ def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int,
             "batch1_bound_tok_s": peaks.read_bandwidth / cost.weight_bytes_per_step,
             "batch1_bound_tok_s_bf16": peaks.read_bandwidth / costs["_bf16"].weight_bytes_per_step,
         }
+        if peaks.matmul_flops_bf16:
+            results["roofline"]["compute_bound_tok_s_bf16"] = (
+                peaks.matmul_flops_bf16 / costs["_bf16"].flops_per_token())
     if "memory" not in skip:
         results["memory"] = _memory(sizes, seed, cost)
     if "prefix" not in skip:

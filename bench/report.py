@@ -136,6 +136,15 @@ def _cpu_dtype_targets(r: dict) -> list[str]:
     ):
         if key in ratios:
             add(what, f"{_f(ratios[key], 2)}x", ratios[key] >= goal)
+    eng = peers.get("engine_offline_bf16", {}).get("output_throughput")
+    roof_entry = peers.get("engine_offline_bf16", {}).get("roofline")
+    hf = peers.get("hf_generate_static_bf16", {}).get("output_throughput")
+    if eng and hf and roof_entry and roof.get("compute_bound_tok_s_bf16"):
+        # As for float32: the bf16 matmul peak over this workload's FLOPs (prompts included).
+        bound = eng / roof_entry["flops_fraction"]
+        add("(context) bf16 compute bound for this workload's output tokens, against 4x HF "
+            "static bf16", f"{_f(bound, 0)} tok/s against {_f(4 * hf, 0)}; engine at "
+            f"{_pct(roof_entry['flops_fraction'])} of it", None)
     b1 = peers.get("engine_offline_b1_bf16", {}).get("output_throughput")
     bound = roof.get("batch1_bound_tok_s_bf16")
     if b1 is not None and bound:
@@ -298,11 +307,13 @@ def render_report(r: dict, out: Path) -> str:
         ]
     if "peaks" in r:
         pk, roof, cost = r["peaks"], r["roofline"], r["model_cost"]
+        bf16_peak = (f", bf16 **{pk['matmul_flops_bf16'] / 1e9:.0f} GFLOP/s** (a `_bf16` run's "
+                     "peak)" if pk.get("matmul_flops_bf16") else "")
         lines += [
             "### Roofline",
             "",
             f"Measured in the same run: dense fp32 matmul **{pk['matmul_flops'] / 1e9:.0f} "
-            f"GFLOP/s** (best of {', '.join(pk['matmul_shapes'])}), streaming read "
+            f"GFLOP/s**{bf16_peak} (best of {', '.join(pk['matmul_shapes'])}), streaming read "
             f"**{pk['read_bandwidth'] / 1e9:.1f} GB/s** (copy {pk['copy_bandwidth'] / 1e9:.1f} "
             f"GB/s). The model multiplies {cost['matmul_params'] / 1e6:.1f} M weights per token "
             f"({2 * cost['matmul_params'] / 1e9:.2f} GFLOP) and reads "

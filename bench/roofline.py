@@ -29,6 +29,9 @@ class MachinePeaks:
     read_bandwidth: float  # bytes/s, streaming sum over a buffer far larger than the caches
     copy_bandwidth: float  # bytes/s counted as read + write
     num_threads: int
+    # bf16 matmul FLOP/s, best of the same shapes: measured when bf16 peers run (a bf16 run
+    # reads against this peak, not float32's; None in results from before it was recorded)
+    matmul_flops_bf16: float | None = None
 
 
 @dataclass(slots=True)
@@ -53,16 +56,25 @@ def _best_time(fn, repeats: int) -> float:
     return best
 
 
-def measure_peaks(quick: bool = False) -> MachinePeaks:
+def _matmul_flops(shapes, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    results = {}
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+        seconds = _best_time(lambda a=a, b=b: torch.mm(a, b), repeats)
+        results[f"{m}x{k}x{n}"] = 2 * m * k * n / seconds
+    return results
+
+
+def measure_peaks(quick: bool = False, bf16: bool = False) -> MachinePeaks:
     shapes = [(2048, 2048, 2048), (256, 576, 1536), (32, 576, 49152)]
     if quick:
         shapes = shapes[1:]
-    results = {}
+    repeats = 3 if quick else 7
     with torch.inference_mode():
-        for m, k, n in shapes:
-            a, b = torch.randn(m, k), torch.randn(k, n)
-            seconds = _best_time(lambda a=a, b=b: torch.mm(a, b), 3 if quick else 7)
-            results[f"{m}x{k}x{n}"] = 2 * m * k * n / seconds
+        results = _matmul_flops(shapes, torch.float32, repeats)
+        # torch's bf16 mm (oneDNN) on the same shapes: native where the CPU has bf16 matmul,
+        # emulated (slower than float32) elsewhere, as the bf16 peers run.
+        bf16_flops = max(_matmul_flops(shapes, torch.bfloat16, repeats).values()) if bf16 else None
         # 512 MiB (quick: 128 MiB): far beyond the last-level cache.
         numel = (32 if quick else 128) * 2**20
         buf = torch.ones(numel)
@@ -76,6 +88,7 @@ def measure_peaks(quick: bool = False) -> MachinePeaks:
         read_bandwidth=nbytes / read,
         copy_bandwidth=2 * nbytes / copy,
         num_threads=torch.get_num_threads(),
+        matmul_flops_bf16=bf16_flops,
     )
 
 
@@ -121,9 +134,12 @@ def achieved(
     num_steps: int,
     cost: ModelCost,
     peaks: MachinePeaks,
+    matmul_flops: float | None = None,
 ) -> RooflineFigures:
     """Model FLOPs and bytes a run had to perform, over its wall time. Prompt tokens count
-    with their mean causal context; output token i of a request attends prompt + i tokens."""
+    with their mean causal context; output token i of a request attends prompt + i tokens.
+    matmul_flops: the peak of the run's dtype (default: float32's)."""
+    peak = matmul_flops or peaks.matmul_flops
     flops = 0.0
     kv_read = 0.0
     for r in records:
@@ -138,10 +154,10 @@ def achieved(
     achieved_flops = flops / duration_s
     achieved_bytes = bytes_moved / duration_s
     return RooflineFigures(
-        compute_bound_tok_s=peaks.matmul_flops / cost.flops_per_token(),
+        compute_bound_tok_s=peak / cost.flops_per_token(),
         batch1_bound_tok_s=peaks.read_bandwidth / cost.weight_bytes_per_step,
         achieved_flops=achieved_flops,
         achieved_bytes_per_s=achieved_bytes,
-        flops_fraction=achieved_flops / peaks.matmul_flops,
+        flops_fraction=achieved_flops / peak,
         bandwidth_fraction=achieved_bytes / peaks.read_bandwidth,
     )

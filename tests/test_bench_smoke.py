@@ -141,6 +141,13 @@ def test_report_renders_the_cpu_dtype_section(tmp_path):
     }
     text = render_report(results, tmp_path)
     assert "### CPU dtypes (issue #13)" in text
+    assert "bf16 compute bound" not in text  # (no bf16 peak recorded: no such row)
+    # With a bf16 matmul peak: the run reads against it, and the 4x-HF goal is set beside it.
+    peers["engine_offline_bf16"]["roofline"] = {"flops_fraction": 0.5}
+    results["roofline"]["compute_bound_tok_s_bf16"] = 900.0
+    text = render_report(results, tmp_path)
+    assert ("| (context) bf16 compute bound for this workload's output tokens, against 4x HF "
+            "static bf16 | 500 tok/s against 200; engine at 50.0% of it | n/a |") in text
     assert "| engine bf16 >= 2x engine fp32 (32 concurrent) | 2.50x | met |" in text
     assert "batch 1 bf16 >= 60% of its weights-over-bandwidth bound | 40.0 tok/s = 40.0%" in text
     assert "**not met**" in text  # 40% < 60%
