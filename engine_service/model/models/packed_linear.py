@@ -11,9 +11,10 @@ it runs in. Without the C++ extension, float32 takes oneDNN's path.
 bfloat16 on a CPU with AVX512-BF16: our kernel too (kernels/csrc/linear_bf16_cpu.cpp), for the
 same reason: at batch 1 oneDNN's fixed cost per call made a bf16 decode step no faster than
 float32's. Side by side (AMD EPYC with AVX512-BF16, 2 threads, `python -m bench.linear --dtype
-bfloat16`): 1 row 1.5-2.8x faster than oneDNN's packed bf16 linear, 32 rows 1.07-1.38x, 256 and
-2048 rows within a few percent either way; the bf16 decode step at batch 1 went from 19.8 to
-9.5 ms. Each row's result is the same whatever batch it runs in, as for float32.
+bfloat16`, bench/results/linear_bf16.json): 1 row 1.7-2.6x faster than oneDNN's packed bf16
+linear, 4 rows 1.5-2.4x, 32 rows 1.06-1.31x, 256 rows 0.99-1.05x, 2048 rows 0.93-1.00x; the
+bf16 decode step at batch 1 went from 19.8 to 9.5 ms. Each row's result is the same whatever
+batch it runs in, as for float32.
 
 Elsewhere (a CPU with AMX, bf16 asked for on a CPU without AVX512-BF16, or a build that does
 not target it):
