@@ -174,6 +174,10 @@ def plot_roofline(results: dict, out: Path) -> Path | None:
         lw=1.5,
         label=f"roofline: {flops / 1e9:.0f} GFLOP/s, {bw / 1e9:.1f} GB/s",
     )
+    if flops_bf16 := peaks.get("matmul_flops_bf16"):  # the roof a `_bf16` run reads against
+        xs16 = [flops_bf16 / bw / 100, flops_bf16 / bw, flops_bf16 / bw * 100]
+        ax.plot(xs16, [min(flops_bf16, x * bw) / 1e9 for x in xs16], color="gray", lw=1.2,
+                ls="--", label=f"bf16 roofline: {flops_bf16 / 1e9:.0f} GFLOP/s")
     for i, (name, r) in enumerate(points):  # labels alternate sides: equal shapes overlap
         intensity = r["achieved_flops"] / r["achieved_bytes_per_s"]
         ax.scatter(intensity, r["achieved_flops"] / 1e9, s=30)

@@ -140,7 +140,10 @@ def _cpu_dtype_targets(r: dict) -> list[str]:
     roof_entry = peers.get("engine_offline_bf16", {}).get("roofline")
     hf = peers.get("hf_generate_static_bf16", {}).get("output_throughput")
     if eng and hf and roof_entry and roof.get("compute_bound_tok_s_bf16"):
-        # As for float32: the bf16 matmul peak over this workload's FLOPs (prompts included).
+        # (Only where the run recorded a bf16 peak.) As for float32: the engine's output rate
+        # over its fraction of the bf16 peak = the output rate at that peak with this
+        # workload's FLOPs per output token, prompts included (roof's compute_bound_tok_s_bf16
+        # counts no prompt work).
         bound = eng / roof_entry["flops_fraction"]
         add("(context) bf16 compute bound for this workload's output tokens, against 4x HF "
             "static bf16", f"{_f(bound, 0)} tok/s against {_f(4 * hf, 0)}; engine at "
@@ -307,19 +310,24 @@ def render_report(r: dict, out: Path) -> str:
         ]
     if "peaks" in r:
         pk, roof, cost = r["peaks"], r["roofline"], r["model_cost"]
-        bf16_peak = (f", bf16 **{pk['matmul_flops_bf16'] / 1e9:.0f} GFLOP/s** (a `_bf16` run's "
-                     "peak)" if pk.get("matmul_flops_bf16") else "")
+        bf16_peak = (f" and **{pk['matmul_flops_bf16'] / 1e9:.0f} GFLOP/s** in bf16 "
+                     "(the peak a `_bf16` run reads against)" if pk.get("matmul_flops_bf16")
+                     else "")
         lines += [
             "### Roofline",
             "",
-            f"Measured in the same run: dense fp32 matmul **{pk['matmul_flops'] / 1e9:.0f} "
-            f"GFLOP/s**{bf16_peak} (best of {', '.join(pk['matmul_shapes'])}), streaming read "
-            f"**{pk['read_bandwidth'] / 1e9:.1f} GB/s** (copy {pk['copy_bandwidth'] / 1e9:.1f} "
-            f"GB/s). The model multiplies {cost['matmul_params'] / 1e6:.1f} M weights per token "
+            f"Measured in the same run: dense matmul **{pk['matmul_flops'] / 1e9:.0f} "
+            f"GFLOP/s** in float32{bf16_peak} (best of {', '.join(pk['matmul_shapes'])}), "
+            f"streaming read **{pk['read_bandwidth'] / 1e9:.1f} GB/s** (copy "
+            f"{pk['copy_bandwidth'] / 1e9:.1f} GB/s). The model multiplies "
+            f"{cost['matmul_params'] / 1e6:.1f} M weights per token "
             f"({2 * cost['matmul_params'] / 1e9:.2f} GFLOP) and reads "
             f"{cost['weight_bytes_per_step'] / 1e6:.0f} MB of weights per step: compute bound "
             f"**{roof['compute_bound_tok_s']:.0f} tok/s**, batch-1 bandwidth bound "
-            f"**{roof['batch1_bound_tok_s']:.1f} tok/s**.",
+            f"**{roof['batch1_bound_tok_s']:.1f} tok/s**"
+            + (f" (bf16: **{roof['compute_bound_tok_s_bf16']:.0f}** and "
+               f"**{roof['batch1_bound_tok_s_bf16']:.1f} tok/s**)."
+               if roof.get("compute_bound_tok_s_bf16") else "."),
             "",
             "| run | achieved GFLOP/s | of peak | achieved GB/s | of bandwidth |",
             "|---|---:|---:|---:|---:|",

@@ -360,3 +360,21 @@ def test_section_files_name_the_machine_that_took_them(tmp_path, monkeypatch):
     write_outputs(merged, out, report=False)
     section = json.loads((out / "router.json").read_text())
     assert section["runs"] == 2 and section["machine"]["cpu"] == "Intel Xeon"
+
+
+def test_a_bf16_run_reads_against_the_bf16_peak():
+    """achieved() with a run's own dtype peak: the same work, twice the peak, half the
+    fraction and twice the compute bound; without one, float32's peak (older results)."""
+    from bench.metrics import RequestRecord
+    from bench.roofline import MachinePeaks, ModelCost, achieved
+
+    cost = ModelCost(num_params=100, matmul_params=100, weight_bytes_per_step=200,
+                     kv_bytes_per_token=8, attention_flops_per_context_token=4)
+    peaks = MachinePeaks(matmul_flops=1e9, matmul_shapes={}, read_bandwidth=1e9,
+                         copy_bandwidth=1e9, num_threads=2, matmul_flops_bf16=2e9)
+    records = [RequestRecord(prompt_len=10, token_times=[0.1, 0.2, 0.3])]
+    fp32 = achieved(records, 1.0, 3, cost, peaks)
+    bf16 = achieved(records, 1.0, 3, cost, peaks, peaks.matmul_flops_bf16)
+    assert bf16.achieved_flops == fp32.achieved_flops > 0
+    assert bf16.flops_fraction == pytest.approx(fp32.flops_fraction / 2)
+    assert bf16.compute_bound_tok_s == pytest.approx(2 * fp32.compute_bound_tok_s)

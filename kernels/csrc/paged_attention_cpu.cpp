@@ -213,6 +213,7 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
         // 16 partial vectors stay in registers (in a stack array they cost a load and a store
         // per FMA: prefill attention ran 1.6x slower).
         constexpr int64_t kKeys = kBlock < 16 ? kBlock : 16;
+        static_assert(kBlock % kKeys == 0, "the key groups must tile the block (s[kBlock])");
         for (int64_t j0 = 0; j0 < kBlock; j0 += kKeys) {
           float part[kLanes][kKeys] = {};
           int64_t i = 0;
