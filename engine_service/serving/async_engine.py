@@ -185,10 +185,13 @@ class AsyncEngine:
                 engine.run_commands()
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
-                    for output in outputs:
-                        self._post(self._deliver, output.request_id, output)
+                    # Before the outputs go out: a client that has its last token and then
+                    # reads the metrics must find them as they are after this step (the idle
+                    # refresh came after the delivery, and a scrape could land between).
                     if self._on_step is not None:
                         self._on_step(engine, outputs)
+                    for output in outputs:
+                        self._post(self._deliver, output.request_id, output)
                 else:
                     if self._on_step is not None:
                         self._on_step(engine, [])

@@ -112,8 +112,11 @@ class EngineServer:
         log.error("the engine thread died: health NOT_SERVING, stopping")
 
     def _on_step(self, engine: LLMEngine, outputs: list) -> None:
-        # On the engine thread: refresh the gauges while busy (throttled) and when going idle.
-        self.metrics.refresh(engine.stats, force=not outputs)
+        # On the engine thread, before the step's outputs are delivered: refresh the gauges
+        # while busy (throttled), and whenever a request finished or the engine goes idle, so
+        # a finished request is never still counted as running by a scrape after its reply.
+        self.metrics.refresh(engine.stats,
+                             force=not outputs or any(o.finished for o in outputs))
 
     async def start(self) -> int:
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
