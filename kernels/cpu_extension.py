@@ -32,7 +32,7 @@ SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name
                 for name in ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "linear_cpu.cpp",
                              "linear_bf16_cpu.cpp", "decoder_cpu.cpp"))
 HEADERS = tuple(Path(__file__).resolve().parent / "csrc" / name
-                for name in ("cpu_math.h", "cpu_ops.h"))  # in the cache key too
+                for name in ("cpu_math.h", "cpu_ops.h", "linear_blocks.h"))  # in the cache key too
 EXTENSION_NAME = "pagedgen_cpu_attention"
 # -march=native: the cache key includes this CPU's flags, so a copy of the cache moved to
 # another kind of CPU rebuilds instead of crashing on an unknown instruction.

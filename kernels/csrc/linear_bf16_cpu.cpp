@@ -26,6 +26,7 @@
 
 #include "cpu_math.h"
 #include "cpu_ops.h"
+#include "linear_blocks.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -42,7 +43,6 @@ namespace {
 
 constexpr int64_t kPanel = pagedgen_cpu::kBf16PanelColumns;  // 32 columns: two vectors of 16
 constexpr int64_t kPanelRow = 2 * kPanel;  // bf16 values per feature pair in a panel
-constexpr int64_t kBlockBytes = 192 * 1024;  // of x per row block, as for float32
 
 #ifdef PAGEDGEN_LINEAR_BF16
 constexpr int64_t kMaxRows = 12;  // 24 accumulators + 2 panel vectors + a broadcast of 32 zmm
@@ -195,22 +195,13 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed,
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t panel_size = packed.size(1) * kPanelRow;
-  // Rows in blocks whose x fits in L2; within a block, panels split over the threads.
-  const int64_t block_rows =
-      std::max<int64_t>(kMaxRows, (kBlockBytes / (2 * std::max<int64_t>(K, 1))) / kMaxRows *
-                                      kMaxRows);
-  for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-    const int64_t rows = std::min(block_rows, M - m0);
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t n0 = p * kPanel;
-        const int64_t ncols = std::min(kPanel, out_features - n0);
-        rows_of_panel(xp + m0 * ldx, ldx, rows, wp + p * panel_size, K,
-                      yp + m0 * out_features + n0, out_features, ncols,
-                      bias_ptr == nullptr ? nullptr : bias_ptr + n0);
-      }
-    });
-  }
+  for_each_row_block_and_panel(M, 2 * K, kMaxRows, panels,
+                               [&](int64_t m0, int64_t rows, int64_t p) {
+    const int64_t n0 = p * kPanel;
+    rows_of_panel(xp + m0 * ldx, ldx, rows, wp + p * panel_size, K, yp + m0 * out_features + n0,
+                  out_features, std::min(kPanel, out_features - n0),
+                  bias_ptr == nullptr ? nullptr : bias_ptr + n0);
+  });
 #endif
   return y;
 }

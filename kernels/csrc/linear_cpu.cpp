@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include "cpu_ops.h"
+#include "linear_blocks.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -38,7 +39,6 @@ namespace {
 
 constexpr int64_t kPanel = pagedgen_cpu::kFloatPanelColumns;  // two vectors of 8
 constexpr int64_t kMaxRows = 6;  // rows per group
-constexpr int64_t kBlockBytes = 192 * 1024;  // of x per row block: L2 (512 KiB here) holds it
 
 inline void finish_row(const float* sums, float* row, int64_t ncols, const float* bias) {
   if (bias != nullptr) {
@@ -160,24 +160,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   const int64_t ldx = x.stride(0);
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Rows in blocks whose x fits in L2 (a 2048-row prefill chunk would otherwise read all of x
-  // again for every panel, from L3); within a block, panels split over the threads: each
-  // thread streams its own part of the weight. A decode step is one block.
-  const int64_t block_rows =
-      std::max<int64_t>(kMaxRows, (kBlockBytes / (4 * std::max<int64_t>(K, 1))) / kMaxRows *
-                                      kMaxRows);
-  for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-    const int64_t rows = std::min(block_rows, M - m0);
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t n0 = p * kPanel;
-        const int64_t ncols = std::min(kPanel, out_features - n0);
-        rows_of_panel(xp + m0 * ldx, ldx, rows, wp + p * K * kPanel, K,
-                      yp + m0 * out_features + n0, out_features, ncols,
-                      bias_ptr == nullptr ? nullptr : bias_ptr + n0);
-      }
-    });
-  }
+  for_each_row_block_and_panel(M, 4 * K, kMaxRows, panels,
+                               [&](int64_t m0, int64_t rows, int64_t p) {
+    const int64_t n0 = p * kPanel;
+    rows_of_panel(xp + m0 * ldx, ldx, rows, wp + p * K * kPanel, K, yp + m0 * out_features + n0,
+                  out_features, std::min(kPanel, out_features - n0),
+                  bias_ptr == nullptr ? nullptr : bias_ptr + n0);
+  });
   return y;
 }
 

@@ -1,0 +1,32 @@
+// How the CPU linears (linear_cpu.cpp float32, linear_bf16_cpu.cpp bf16) walk their work:
+// rows in blocks whose x fits in L2 (a 2048-row prefill chunk would otherwise read all of x
+// again for every panel, from L3); within a block, panels split over the threads, so each
+// thread streams its own part of the weight. A decode step is one block.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace pagedgen_cpu {
+
+constexpr int64_t kLinearBlockBytes = 192 * 1024;  // of x per row block: L2 (512 KiB+) holds it
+
+// fn(first_row, rows, panel) for every row block and panel; blocks are a multiple of
+// group_rows (the kernel's row group), at least one group.
+template <typename Fn>
+void for_each_row_block_and_panel(int64_t num_rows, int64_t x_row_bytes, int64_t group_rows,
+                                  int64_t num_panels, const Fn& fn) {
+  const int64_t block_rows = std::max<int64_t>(
+      group_rows,
+      (kLinearBlockBytes / std::max<int64_t>(x_row_bytes, 1)) / group_rows * group_rows);
+  for (int64_t m0 = 0; m0 < num_rows; m0 += block_rows) {
+    const int64_t rows = std::min(block_rows, num_rows - m0);
+    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) fn(m0, rows, p);
+    });
+  }
+}
+
+}  // namespace pagedgen_cpu
