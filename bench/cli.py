@@ -101,6 +101,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="torch threads for every peer, the gRPC server included (default: torch's)",
     )
+    p.add_argument(
+        "--router-shape",
+        default="",
+        help="the router section's shape with some fields replaced, e.g. "
+        "num_engines=2,rate=2.0 (fields of bench.router.RouterShape)",
+    )
     p.add_argument("--no-report", action="store_true", help="do not write README_results.md")
     p.add_argument(
         "--render-only",
@@ -121,6 +127,17 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--only and --skip do not go together")
     if only:
         skip = set(SECTIONS) - only
+    router_shape = None
+    if args.router_shape:
+        from bench.router import FULL_SHAPE as ROUTER_FULL
+        from bench.router import QUICK_SHAPE as ROUTER_QUICK
+        from bench.router import shape_with
+
+        try:
+            router_shape = shape_with(ROUTER_QUICK if args.quick else ROUTER_FULL,
+                                      args.router_shape)
+        except ValueError as error:
+            p.error(str(error))
     if args.render_only:
         import json
 
@@ -138,10 +155,12 @@ def main(argv: list[str] | None = None) -> None:
         args.model = str(ensure_default_model())
     sizes = QUICK if args.quick else FULL
     args.out.mkdir(parents=True, exist_ok=True)
-    results = run_all(args.model, sizes, skip, args.rate, args.seed, dtypes)
+    results = run_all(args.model, sizes, skip, args.rate, args.seed, dtypes, router_shape)
     command = "pagedgen-bench" + (" --quick" if args.quick else "")
     if args.threads is not None:
         command += f" --threads {args.threads}"
+    if args.router_shape:
+        command += f" --router-shape {args.router_shape}"
     if only:
         command += f" --only {','.join(sorted(only))}"
         results = _merge(results, args.out / "bench.json", only, command)
@@ -195,7 +214,7 @@ def _merge(taken: dict, path: Path, only: set[str], command: str) -> dict:
 
 
 def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int,
-            dtypes: list[str] = ("float32",)) -> dict:
+            dtypes: list[str] = ("float32",), router_shape=None) -> dict:
     from bench.roofline import achieved, measure_peaks, model_cost
 
     results: dict = {"meta": machine_metadata(model), "sizes": asdict(sizes), "peers": {},
@@ -311,9 +330,9 @@ def run_all(model: str, sizes: Sizes, skip: set[str], rate: float, seed: int,
         from bench.router import router_benchmark
 
         _log("KV-aware router: engine replicas behind pagedgen-router, 4 policies, 2 scenarios")
-        results["router"] = router_benchmark(
-            model, ROUTER_QUICK if sizes is QUICK else ROUTER_FULL, seed=seed, log=_log
-        )
+        if router_shape is None:
+            router_shape = ROUTER_QUICK if sizes is QUICK else ROUTER_FULL
+        results["router"] = router_benchmark(model, router_shape, seed=seed, log=_log)
     results["meta"]["finished"] = machine_metadata(model, light=True)
     return results
 

@@ -33,7 +33,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -93,6 +93,31 @@ class RouterShape:
 
 FULL_SHAPE = RouterShape()
 QUICK_SHAPE = RouterShape(num_requests=24, overhead_pairs=10, hot_workloads=1)
+
+
+def shape_with(base: RouterShape, overrides: str) -> RouterShape:
+    """`base` with fields replaced from "name=value,name=value" (`pagedgen-bench --only router
+    --router-shape num_engines=2,rate=2.0`), each value of its field's type; ValueError naming
+    the field and what is allowed otherwise."""
+    kinds = {name: type(getattr(base, name)) for name in base.__dataclass_fields__}
+    changes: dict[str, int | float] = {}
+    for item in (part.strip() for part in overrides.split(",")):
+        if not item:
+            continue
+        name, _, text = item.partition("=")
+        if name not in kinds or not text:
+            raise ValueError(f"--router-shape takes name=value with a name from "
+                             f"{', '.join(sorted(kinds))}, got {item!r}")
+        try:
+            changes[name] = kinds[name](text)
+        except ValueError:
+            raise ValueError(f"--router-shape {name} must be of type {kinds[name].__name__}, got "
+                             f"{text!r}") from None
+    shape = replace(base, **changes)
+    if shape.num_engines < 2 or shape.num_requests < 1 or not shape.rate > 0:
+        raise ValueError(f"--router-shape needs num_engines >= 2, num_requests >= 1 and rate > 0,"
+                         f" got {shape.num_engines}, {shape.num_requests}, {shape.rate}")
+    return shape
 
 
 def workloads(shape: RouterShape, seed: int) -> dict[str, Workload]:

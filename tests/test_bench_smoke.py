@@ -378,3 +378,18 @@ def test_a_bf16_run_reads_against_the_bf16_peak():
     assert bf16.achieved_flops == fp32.achieved_flops > 0
     assert bf16.flops_fraction == pytest.approx(fp32.flops_fraction / 2)
     assert bf16.compute_bound_tok_s == pytest.approx(2 * fp32.compute_bound_tok_s)
+
+
+def test_router_shape_overrides_name_the_field_and_what_is_allowed():
+    from bench.router import FULL_SHAPE, shape_with
+
+    shape = shape_with(FULL_SHAPE, "num_engines=2, rate=2,num_blocks=96")
+    assert (shape.num_engines, shape.rate, shape.num_blocks) == (2, 2.0, 96)
+    assert shape.num_tenants == FULL_SHAPE.num_tenants  # the rest as it was
+    assert shape_with(FULL_SHAPE, "") == FULL_SHAPE
+    with pytest.raises(ValueError, match="name from .*num_engines.*got 'engines=2'"):
+        shape_with(FULL_SHAPE, "engines=2")
+    with pytest.raises(ValueError, match="num_blocks must be of type int, got '9.5'"):
+        shape_with(FULL_SHAPE, "num_blocks=9.5")
+    with pytest.raises(ValueError, match="num_engines >= 2"):
+        shape_with(FULL_SHAPE, "num_engines=1")
