@@ -745,9 +745,12 @@ def _router(x: dict, rel: str) -> list[str]:
         per_run = f.get("hot_ttft_p99_ph_over_kv_per_run") or []
         each = f"; each workload {', '.join(f'{v:.2f}x' for v in per_run)}" if per_run else ""
         pooled = " (requests pooled)" if per_run else ""  # (older results: one run's p99)
+        interval = f.get("hot_ttft_p99_ph_over_kv_interval")
+        within = (f", 90% interval {interval[0]:.2f}x-{interval[1]:.2f}x over the workloads "
+                  "(better: above 1)" if interval else "")
         rows.append(
             f"| hot prefix: kv-aware TTFT p99 lower than prefix-hash's{pooled} "
-            f"| {_f(f['hot_ttft_p99_ph_over_kv'], 2)}x lower (after warm-up "
+            f"| {_f(f['hot_ttft_p99_ph_over_kv'], 2)}x lower{within} (after warm-up "
             f"{_f(f.get('hot_ttft_settled_p99_ph_over_kv'), 2)}x; p50 "
             f"{_f(f['hot_ttft_p50_ph_over_kv'], 2)}x{each}) | {_verdict(met['hot_ttft_p99'])} |"
         )

@@ -67,13 +67,14 @@ class RouterShape:
     zipf_s: float = 0.8  # several tenants of similar weight, not one dominant (that is "hot")
     hot_share: float = 0.7
     num_requests: int = 100  # per run
-    # Requests/s, Poisson. Calibrated on this machine: round-robin's queue builds (TTFT p50
-    # above one cold prefill, ~1 s) but drains; 1.0/s overloaded it while the machine was
-    # shared.
-    rate: float = 0.8
-    # One run of each policy: a run is ~2.5 min (engines start, 100 arrivals at 0.8/s), and
-    # six of them fill the section's 15 minutes. Longer runs rather than repeats: the first
-    # requests of every tenant miss under any policy, and short runs mostly measure that.
+    # Requests/s, Poisson, near capacity: round-robin's queue builds (its TTFT p50 above one
+    # cold prefill) but drains. 0.8/s until the engines ran bf16 on our own kernels (a cold
+    # 544-token prefill on one thread: 2.5-4 s then with three engines sharing two cores,
+    # 0.85 s alone now); at 0.8/s their TTFT p50 was 85-100 ms, an idle machine.
+    rate: float = 2.0
+    # One run of each policy on the balanced workload (~1 min each: engines start, 100
+    # arrivals at 2/s). Longer runs rather than repeats: the first requests of every tenant
+    # miss under any policy, and short runs mostly measure that.
     repeats: int = 1
     overhead_pairs: int = 30  # router vs direct, one request at a time
     overhead_prompt_len: int = 32
@@ -81,10 +82,11 @@ class RouterShape:
     # worst one or two, and those are the first ones, sent while every cache is empty.
     warm_up_requests: int = 10
     # The hot scenario runs on this many workloads (other requests and arrival times each),
-    # and its TTFT p99 is taken over all their requests pooled: one run's p99 is its worst
-    # request or two, a cold prefill whose wait depends on what else arrived then (single
-    # runs of the same commit gave 0.69x to 1.65x).
-    hot_workloads: int = 3
+    # and its TTFT p99 is taken over all their requests pooled, with a bootstrap interval
+    # over the workloads (paired_p99_interval): one run's p99 is its worst request or two, a
+    # cold prefill whose wait depends on what else arrived then (per workload, prefix-hash
+    # over kv-aware ranged from 0.48x to 1.79x in one run of three workloads).
+    hot_workloads: int = 10
 
     @property
     def working_set_blocks(self) -> int:
@@ -375,6 +377,30 @@ def _aggregate(runs: list[dict], warm_up: int = 0) -> dict:
     return out
 
 
+def paired_p99_interval(numerator_runs: list[dict], denominator_runs: list[dict],
+                        rounds: int = 2000, level: float = 0.90, seed: int = 0
+                        ) -> tuple[float, float]:
+    """A bootstrap interval of pooled TTFT p99 (numerator policy) / pooled p99 (denominator):
+    draw the workloads with replacement, each with both policies' runs of it (the runs are in
+    workload order), pool the drawn runs' requests, take the ratio; the central `level` of
+    `rounds` draws. Workloads, not requests, are drawn: a run's slow requests come together
+    (its first ones, sent while every cache is empty), so its requests are not independent."""
+    if len(numerator_runs) != len(denominator_runs) or not numerator_runs:
+        raise ValueError(f"one run of each policy per workload, got {len(numerator_runs)} and "
+                         f"{len(denominator_runs)}")
+    rng = random.Random(seed)
+    count = len(numerator_runs)
+    ratios = []
+    for _ in range(rounds):
+        drawn = [rng.randrange(count) for _ in range(count)]
+        top = percentile(_pooled_ttft_ms([numerator_runs[i] for i in drawn], 0), 99)
+        bottom = percentile(_pooled_ttft_ms([denominator_runs[i] for i in drawn], 0), 99)
+        ratios.append(top / bottom)
+    ratios.sort()
+    tail = (1 - level) / 2
+    return ratios[int(tail * (rounds - 1))], ratios[int((1 - tail) * (rounds - 1))]
+
+
 # "No worse" within this much: two runs of one policy differ by about as much on this machine.
 NO_WORSE_TOLERANCE = 0.05
 # Throughput "at least equal" within this much: in an open loop every policy that keeps up
@@ -382,7 +408,8 @@ NO_WORSE_TOLERANCE = 0.05
 THROUGHPUT_TOLERANCE = 0.01
 
 
-def _targets(balanced: dict, hot: dict) -> dict:
+def _targets(balanced: dict, hot: dict, hot_interval: tuple[float, float] | None = None
+             ) -> dict:
     kv, rr, ph = balanced["kv-aware"], balanced["round-robin"], balanced["prefix-hash"]
     figures = {
         "hit_rate_kv_over_rr": kv["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else None,
@@ -418,7 +445,11 @@ def _targets(balanced: dict, hot: dict) -> dict:
         "route_latency": figures["route_p50_ms"] < 2.0,
     }
     if hot:
-        met["hot_ttft_p99"] = figures["hot_ttft_p99_ph_over_kv"] > 1.0
+        # "Better" when the bootstrap interval over the workloads lies above 1, not only the
+        # pooled figure: per workload the ratio has ranged from 0.48 to 1.79 on this machine.
+        figures["hot_ttft_p99_ph_over_kv_interval"] = list(hot_interval) if hot_interval else None
+        met["hot_ttft_p99"] = (figures["hot_ttft_p99_ph_over_kv"] > 1.0 and
+                               (hot_interval is None or hot_interval[0] > 1.0))
     return {"figures": figures, "met": met, "no_worse_tolerance": NO_WORSE_TOLERANCE,
             "throughput_tolerance": THROUGHPUT_TOLERANCE}
 
@@ -491,7 +522,10 @@ def router_benchmark(model: str, shape: RouterShape = FULL_SHAPE, seed: int = 0,
         "load_average_end": list(os.getloadavg()),
         "policies": policies,
         "overhead": overhead,
-        "targets": _targets(policies["balanced"], policies["hot"]),
+        "targets": _targets(policies["balanced"], policies["hot"],
+                            paired_p99_interval(runs["hot"]["prefix-hash"],
+                                                runs["hot"]["kv-aware"])
+                            if runs["hot"] else None),
         "runs": runs,
     }
 

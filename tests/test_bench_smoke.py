@@ -393,3 +393,24 @@ def test_router_shape_overrides_name_the_field_and_what_is_allowed():
         shape_with(FULL_SHAPE, "num_blocks=9.5")
     with pytest.raises(ValueError, match="num_engines >= 2"):
         shape_with(FULL_SHAPE, "num_engines=1")
+
+
+def test_the_hot_p99_interval_draws_whole_workloads():
+    from bench.router import paired_p99_interval
+
+    def runs(ttfts_per_workload):  # request rows as the results file keeps them: [tenant, ttft]
+        return [{"requests": [[0, t] for t in ttfts]} for ttfts in ttfts_per_workload]
+
+    fast = [[100.0] * 99 + [1000.0 + 10 * k] for k in range(6)]
+    slow = [[100.0] * 99 + [3000.0 + 10 * k] for k in range(6)]
+    low, high = paired_p99_interval(runs(slow), runs(fast))
+    assert 1.0 < low <= high  # the numerator policy slower on every workload: above 1
+    low, high = paired_p99_interval(runs(fast), runs(fast))
+    assert low == high == 1.0
+    # One workload decides either way: the interval spans 1, where a pooled figure would not.
+    mixed_slow = [[100.0] * 100 for _ in range(5)] + [[100.0] * 97 + [5000.0] * 3]
+    mixed_fast = [[100.0] * 97 + [3000.0] * 3] + [[100.0] * 100 for _ in range(5)]
+    low, high = paired_p99_interval(runs(mixed_slow), runs(mixed_fast))
+    assert low < 1.0 < high
+    with pytest.raises(ValueError, match="one run of each policy per workload"):
+        paired_p99_interval(runs(fast), runs(fast[:5]))
