@@ -14,7 +14,9 @@ the engine's real block manager and scheduler vs contiguous reservation); prefix
 pressure (bench/pinning.py, also written to <out>/pinning.json); beam search (bench/beam.py:
 blocks held with sharing vs without, throughput vs HF generate(num_beams)); the KV-aware router
 against its baselines on engine replicas (bench/router.py, also written to <out>/router.json).
-Writes <out>/bench.json, PNG plots and <out>/../README_results.md.
+Writes <out>/bench.json, PNG plots and README_results.md: bench/README_results.md for the
+default <out> (bench/results), <out>/README_results.md for any other (a run elsewhere never
+overwrites the committed report).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import gc
 import logging
 import math
 import os
+import shlex
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -128,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     if only:
         skip = set(SECTIONS) - only
     router_shape = None
+    if args.router_shape and (args.render_only or "router" in skip):
+        p.error("--router-shape shapes the router section, which this run does not take")
     if args.router_shape:
         from bench.router import FULL_SHAPE as ROUTER_FULL
         from bench.router import QUICK_SHAPE as ROUTER_QUICK
@@ -159,8 +164,14 @@ def main(argv: list[str] | None = None) -> None:
     command = "pagedgen-bench" + (" --quick" if args.quick else "")
     if args.threads is not None:
         command += f" --threads {args.threads}"
-    if args.router_shape:
-        command += f" --router-shape {args.router_shape}"
+    if router_shape is not None:
+        changed = {name: getattr(router_shape, name) for name in
+                   (part.partition("=")[0].strip() for part in args.router_shape.split(",")
+                    if part.strip())}
+        command += " --router-shape " + shlex.quote(
+            ",".join(f"{name}={value}" for name, value in changed.items()))
+    if args.out.resolve() != DEFAULT_OUT:
+        command += f" --out {shlex.quote(str(args.out))}"
     if only:
         command += f" --only {','.join(sorted(only))}"
         results = _merge(results, args.out / "bench.json", only, command)
@@ -209,7 +220,7 @@ def _merge(taken: dict, path: Path, only: set[str], command: str) -> dict:
     for section in only:
         key = STANDALONE[section]
         merged[key] = taken[key] | {"meta": meta | {"command": command}}
-    merged.setdefault("meta", taken["meta"]).setdefault("command", "pagedgen-bench")
+    merged.setdefault("meta", taken["meta"]).setdefault("command", command)
     return merged
 
 
@@ -498,6 +509,14 @@ def _machine(meta: dict) -> dict:
     return {k: meta.get(k) for k in ("model", "cpu", "num_cpus", "versions")}
 
 
+def report_path(out: Path) -> Path:
+    """Where the report of a run into `out` goes: beside the default results directory (the
+    committed bench/README_results.md), inside any other."""
+    if out.resolve() == DEFAULT_OUT:
+        return out.parent / "README_results.md"
+    return out / "README_results.md"
+
+
 def write_outputs(results: dict, out: Path, report: bool = True) -> None:
     import json
 
@@ -525,7 +544,7 @@ def write_outputs(results: dict, out: Path, report: bool = True) -> None:
     if report:
         from bench.report import render_report
 
-        md = out.parent / "README_results.md"
+        md = report_path(out)
         text = render_report(results, out)
         md.write_text(text)
         _log(f"wrote {md}")

@@ -746,8 +746,11 @@ def _router(x: dict, rel: str) -> list[str]:
         each = f"; each workload {', '.join(f'{v:.2f}x' for v in per_run)}" if per_run else ""
         pooled = " (requests pooled)" if per_run else ""  # (older results: one run's p99)
         interval = f.get("hot_ttft_p99_ph_over_kv_interval")
-        within = (f", 90% interval {interval[0]:.2f}x-{interval[1]:.2f}x over the workloads "
-                  "(better: above 1)" if interval else "")
+        level = f.get("hot_ttft_p99_interval_level", 0.9)
+        bounds = ("n/a" if not interval or None in interval
+                  else f"{interval[0]:.2f}x-{interval[1]:.2f}x")
+        within = (f", {level:.0%} interval {bounds} over the workloads (better: above 1)"
+                  if interval else "")
         rows.append(
             f"| hot prefix: kv-aware TTFT p99 lower than prefix-hash's{pooled} "
             f"| {_f(f['hot_ttft_p99_ph_over_kv'], 2)}x lower{within} (after warm-up "

@@ -306,10 +306,14 @@ def test_router_section_pure_parts_and_rendering(tmp_path):
     balanced = {"kv-aware": policy(0.8, 100), "round-robin": policy(0.4, 300),
                 "prefix-hash": policy(0.8, 100)}
     hot = {"kv-aware": policy(0.8, 100), "prefix-hash": policy(0.8, 200)}
-    targets = _targets(balanced, hot)
+    targets = _targets(balanced, hot, (1.4, 2.6))
     assert all(targets["met"].values()), targets
     assert targets["figures"]["hot_ttft_p99_ph_over_kv"] == pytest.approx(2.0)
     assert targets["figures"]["hot_ttft_p99_ph_over_kv_per_run"] == [pytest.approx(2.0)] * 2
+    # The pooled figure alone is not enough: an interval down to 0.9, or none at all (too few
+    # workloads to draw one), is not shown better.
+    assert not _targets(balanced, hot, (0.9, 2.6))["met"]["hot_ttft_p99"]
+    assert not _targets(balanced, hot, None)["met"]["hot_ttft_p99"]
     shape = {"num_engines": 3, "num_blocks": 128, "block_size": 16, "num_tenants": 4,
              "system_prompt_len": 64, "user_len": 8, "output_len": 4, "zipf_s": 1.1,
              "hot_share": 0.7, "num_requests": 200, "rate": 1.0, "repeats": 1,
@@ -328,6 +332,9 @@ def test_router_section_pure_parts_and_rendering(tmp_path):
     assert "| kv-aware hit rate >= 2x round-robin's | 2.00x | met |" in section
     assert "| 0 | " in section and "**not met**" not in section
     assert "| kv-aware | 199 | 100 | 300 |" in section and "each workload 2.00x, 2.00x" in section
+    assert "90% interval 1.40x-2.60x over the workloads" in section
+    targets["figures"]["hot_ttft_p99_ph_over_kv_interval"] = [None, None]  # NaN bounds, saved
+    assert "90% interval n/a over the workloads" in "\n".join(_router(router, "bench/results"))
     assert plot_router({"router": router}, tmp_path).name == "router.png"
     assert QUICK_SHAPE.num_requests < 50
 
@@ -393,24 +400,45 @@ def test_router_shape_overrides_name_the_field_and_what_is_allowed():
         shape_with(FULL_SHAPE, "num_blocks=9.5")
     with pytest.raises(ValueError, match="num_engines >= 2"):
         shape_with(FULL_SHAPE, "num_engines=1")
+    assert shape_with(FULL_SHAPE, " num_engines = 2 ").num_engines == 2
+    with pytest.raises(ValueError, match="names rate twice"):
+        shape_with(FULL_SHAPE, "rate=1,rate=2")
+    with pytest.raises(ValueError, match=r"overhead_pairs >= 1 \(got 0\).*hot_share in \[0, 1\]"):
+        shape_with(FULL_SHAPE, "overhead_pairs=0,hot_share=1.5")
+    with pytest.raises(ValueError, match="warm_up_requests < num_requests"):
+        shape_with(FULL_SHAPE, "num_requests=10")
 
 
-def test_the_hot_p99_interval_draws_whole_workloads():
-    from bench.router import paired_p99_interval
+def test_the_hot_p99_interval_draws_whole_workloads_with_both_policies():
+    from bench.router import MIN_INTERVAL_WORKLOADS, paired_p99_interval
 
     def runs(ttfts_per_workload):  # request rows as the results file keeps them: [tenant, ttft]
-        return [{"requests": [[0, t] for t in ttfts]} for ttfts in ttfts_per_workload]
+        return [{"requests": [[0, t] for t in ttfts], "workload_index": k, "workload_seed": k}
+                for k, ttfts in enumerate(ttfts_per_workload)]
 
-    fast = [[100.0] * 99 + [1000.0 + 10 * k] for k in range(6)]
-    slow = [[100.0] * 99 + [3000.0 + 10 * k] for k in range(6)]
-    low, high = paired_p99_interval(runs(slow), runs(fast))
-    assert 1.0 < low <= high  # the numerator policy slower on every workload: above 1
-    low, high = paired_p99_interval(runs(fast), runs(fast))
-    assert low == high == 1.0
-    # One workload decides either way: the interval spans 1, where a pooled figure would not.
-    mixed_slow = [[100.0] * 100 for _ in range(5)] + [[100.0] * 97 + [5000.0] * 3]
-    mixed_fast = [[100.0] * 97 + [3000.0] * 3] + [[100.0] * 100 for _ in range(5)]
-    low, high = paired_p99_interval(runs(mixed_slow), runs(mixed_fast))
+    # Workload scales from 100 to 10,000 ms, the numerator 1.1x the denominator on each: drawn
+    # in pairs the ratio is 1.1 on every draw; drawn apart, a draw could set a slow workload of
+    # one policy against a fast one of the other, and the interval would span 1.
+    scales = [100.0, 300.0, 1000.0, 3000.0, 10000.0, 500.0]
+    slower = runs([[s] * 99 + [2 * s] for s in scales])
+    faster = runs([[s / 1.1] * 99 + [2 * s / 1.1] for s in scales])
+    low, high = paired_p99_interval(slower, faster)
+    assert low == pytest.approx(1.1) and high == pytest.approx(1.1)
+    # Runs matched by workload_index, not by position.
+    low, high = paired_p99_interval(slower, list(reversed(faster)))
+    assert low == pytest.approx(1.1) and high == pytest.approx(1.1)
+    # One workload decides either way: the interval spans 1 (the pooled figure is 1.0 here).
+    mixed_slow = runs([[100.0] * 100] * 5 + [[100.0] * 97 + [5000.0] * 3])
+    mixed_fast = runs([[100.0] * 97 + [3000.0] * 3] + [[100.0] * 100] * 5)
+    low, high = paired_p99_interval(mixed_slow, mixed_fast)
     assert low < 1.0 < high
-    with pytest.raises(ValueError, match="one run of each policy per workload"):
-        paired_p99_interval(runs(fast), runs(fast[:5]))
+    # Too few workloads for an interval to say anything: none.
+    assert paired_p99_interval(slower[:MIN_INTERVAL_WORKLOADS - 1],
+                               faster[:MIN_INTERVAL_WORKLOADS - 1]) is None
+    with pytest.raises(ValueError, match="same workloads"):
+        paired_p99_interval(slower, faster[:5])
+    other_seed = [dict(r, workload_seed=99) if r["workload_index"] == 2 else r for r in faster]
+    with pytest.raises(ValueError, match="workload 2 ran with different seeds"):
+        paired_p99_interval(slower, other_seed)
+    with pytest.raises(ValueError, match="level must be in"):
+        paired_p99_interval(slower, faster, level=1.2)
