@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--only and --skip do not go together")
     if only:
         skip = set(SECTIONS) - only
+    if args.out.resolve() == DEFAULT_OUT.parent:
+        p.error(f"--out {args.out} is where the committed report lives; results go to "
+                f"{DEFAULT_OUT} or a directory of their own")
     router_shape = None
     if args.router_shape and (args.render_only or "router" in skip):
         p.error("--router-shape shapes the router section, which this run does not take")
@@ -513,7 +516,7 @@ def report_path(out: Path) -> Path:
     """Where the report of a run into `out` goes: beside the default results directory (the
     committed bench/README_results.md), inside any other."""
     if out.resolve() == DEFAULT_OUT:
-        return out.parent / "README_results.md"
+        return DEFAULT_OUT.parent / "README_results.md"
     return out / "README_results.md"
 
 

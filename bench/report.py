@@ -747,10 +747,13 @@ def _router(x: dict, rel: str) -> list[str]:
         pooled = " (requests pooled)" if per_run else ""  # (older results: one run's p99)
         interval = f.get("hot_ttft_p99_ph_over_kv_interval")
         level = f.get("hot_ttft_p99_interval_level", 0.9)
-        bounds = ("n/a" if not interval or None in interval
-                  else f"{interval[0]:.2f}x-{interval[1]:.2f}x")
-        within = (f", {level:.0%} interval {bounds} over the workloads (better: above 1)"
-                  if interval else "")
+        if interval and None not in interval:
+            within = (f", {level:.0%} interval {interval[0]:.2f}x-{interval[1]:.2f}x over the "
+                      "workloads (better: above 1)")
+        elif "hot_ttft_p99_ph_over_kv_interval" in f:  # (older results have no interval)
+            within = ", no interval (fewer than 5 workloads, or none could be drawn): not shown"
+        else:
+            within = ""
         rows.append(
             f"| hot prefix: kv-aware TTFT p99 lower than prefix-hash's{pooled} "
             f"| {_f(f['hot_ttft_p99_ph_over_kv'], 2)}x lower{within} (after warm-up "

@@ -333,8 +333,8 @@ def test_router_section_pure_parts_and_rendering(tmp_path):
     assert "| 0 | " in section and "**not met**" not in section
     assert "| kv-aware | 199 | 100 | 300 |" in section and "each workload 2.00x, 2.00x" in section
     assert "90% interval 1.40x-2.60x over the workloads" in section
-    targets["figures"]["hot_ttft_p99_ph_over_kv_interval"] = [None, None]  # NaN bounds, saved
-    assert "90% interval n/a over the workloads" in "\n".join(_router(router, "bench/results"))
+    targets["figures"]["hot_ttft_p99_ph_over_kv_interval"] = None  # a --quick run: 1 workload
+    assert "no interval (fewer than 5 workloads" in "\n".join(_router(router, "bench/results"))
     assert plot_router({"router": router}, tmp_path).name == "router.png"
     assert QUICK_SHAPE.num_requests < 50
 
@@ -442,3 +442,17 @@ def test_the_hot_p99_interval_draws_whole_workloads_with_both_policies():
         paired_p99_interval(slower, other_seed)
     with pytest.raises(ValueError, match="level must be in"):
         paired_p99_interval(slower, faster, level=1.2)
+
+
+def test_a_report_of_a_run_elsewhere_stays_in_its_own_directory(tmp_path):
+    from bench.cli import DEFAULT_OUT, main, report_path
+
+    assert report_path(DEFAULT_OUT) == DEFAULT_OUT.parent / "README_results.md"
+    assert report_path(tmp_path / "x") == tmp_path / "x" / "README_results.md"
+    link = tmp_path / "results"
+    link.symlink_to(DEFAULT_OUT)
+    assert report_path(link) == DEFAULT_OUT.parent / "README_results.md"
+    with pytest.raises(SystemExit):  # the committed report's own directory
+        main(["--render-only", "--out", str(DEFAULT_OUT.parent)])
+    with pytest.raises(SystemExit):  # --router-shape where the router section is not taken
+        main(["--only", "pinning", "--router-shape", "rate=1"])
