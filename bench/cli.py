@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
 def _carry_over(taken: dict, path: Path, skip: set[str]) -> dict:
     """A run that skips standalone sections keeps their figures from the bench.json it
     replaces, each stamped with the run that took it (so `--skip router` re-takes the peers
-    without losing a 15-minute section)."""
+    without losing a 25-minute section)."""
     import json
 
     if not path.exists():
