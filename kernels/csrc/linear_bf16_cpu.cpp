@@ -108,26 +108,10 @@ void panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K
 
 void rows_of_panel(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* panel,
                    int64_t K, uint16_t* y, int64_t ldy, int64_t ncols, const float* bias) {
-  int64_t r = 0;
-  for (; r + kMaxRows <= rows; r += kMaxRows) {
-    panel_rows<kMaxRows>(x + r * ldx, ldx, panel, K, y + r * ldy, ldy, ncols, bias);
-  }
-  const uint16_t* xr = x + r * ldx;
-  uint16_t* yr = y + r * ldy;
-  switch (rows - r) {
-    case 11: panel_rows<11>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    case 10: panel_rows<10>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    case 9: panel_rows<9>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    case 8: panel_rows<8>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    case 7: panel_rows<7>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    case 6: panel_rows<6>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    case 5: panel_rows<5>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    case 4: panel_rows<4>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    case 3: panel_rows<3>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    case 2: panel_rows<2>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    case 1: panel_rows<1>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    default: break;
-  }
+  pagedgen_cpu::for_each_row_group<kMaxRows>(rows, [&](auto group_rows, int64_t r) {
+    panel_rows<decltype(group_rows)::value>(x + r * ldx, ldx, panel, K, y + r * ldy, ldy, ncols,
+                                            bias);
+  });
 }
 #endif  // PAGEDGEN_LINEAR_BF16
 

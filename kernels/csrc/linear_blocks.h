@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace pagedgen_cpu {
 
@@ -27,6 +28,27 @@ void for_each_row_block_and_panel(int64_t num_rows, int64_t x_row_bytes, int64_t
       for (int64_t p = begin; p < end; ++p) fn(m0, rows, p);
     });
   }
+}
+
+// group(std::integral_constant<int, R>{}, first_row) over `rows` rows in groups of kMaxRows,
+// then one group of the rows left: each kernel's row count is a compile-time constant, so its
+// accumulators stay in registers.
+template <int R, typename Group>
+inline void last_row_group(int64_t left, int64_t first_row, const Group& group) {
+  if constexpr (R > 0) {
+    if (left == R) {
+      group(std::integral_constant<int, R>{}, first_row);
+    } else {
+      last_row_group<R - 1>(left, first_row, group);
+    }
+  }
+}
+
+template <int kMaxRows, typename Group>
+inline void for_each_row_group(int64_t rows, const Group& group) {
+  int64_t r = 0;
+  for (; r + kMaxRows <= rows; r += kMaxRows) group(std::integral_constant<int, kMaxRows>{}, r);
+  last_row_group<kMaxRows - 1>(rows - r, r, group);
 }
 
 }  // namespace pagedgen_cpu

@@ -92,20 +92,10 @@ void panel_rows(const float* x, int64_t ldx, const float* panel, int64_t K, floa
 
 void rows_of_panel(const float* x, int64_t ldx, int64_t rows, const float* panel, int64_t K,
                    float* y, int64_t ldy, int64_t ncols, const float* bias) {
-  int64_t r = 0;
-  for (; r + kMaxRows <= rows; r += kMaxRows) {
-    panel_rows<6>(x + r * ldx, ldx, panel, K, y + r * ldy, ldy, ncols, bias);
-  }
-  const float* xr = x + r * ldx;
-  float* yr = y + r * ldy;
-  switch (rows - r) {
-    case 5: panel_rows<5>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    case 4: panel_rows<4>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    case 3: panel_rows<3>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    case 2: panel_rows<2>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    case 1: panel_rows<1>(xr, ldx, panel, K, yr, ldy, ncols, bias); break;
-    default: break;
-  }
+  pagedgen_cpu::for_each_row_group<kMaxRows>(rows, [&](auto group_rows, int64_t r) {
+    panel_rows<decltype(group_rows)::value>(x + r * ldx, ldx, panel, K, y + r * ldy, ldy, ncols,
+                                            bias);
+  });
 }
 
 }  // namespace
