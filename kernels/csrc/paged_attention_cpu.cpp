@@ -143,11 +143,12 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
 
   const int32_t* table = p.block_tables + w.seq * p.max_blocks;
   const int64_t num_blocks = (num_keys + kBlock - 1) / kBlock;
-  // Only where the item's rows are strided, as for an item of some of the KV heads (batch 1:
-  // 30 layers of one bf16 sequence over 2048 keys took 5.8 ms cold without, 4.3 with). A block
-  // the item reads as one contiguous run (all heads, a dense cache) the hardware prefetcher
-  // streams once its first lines arrive, and prefetches only cost instructions there (30 layers
-  // of 32 sequences over 128-256 keys: bf16 26.3 ms cold with, 24.4 without; fp32 39.9, 34.4).
+  // Only where the item's rows are strided, as for an item of one KV head (a step of fewer
+  // query tiles than 4 x threads, e.g. decodes of up to 7 sequences on 2 threads; figures
+  // below). A block the item reads as one contiguous run (all heads, a dense cache) the
+  // hardware prefetcher streams once its first lines arrive, and prefetches only cost
+  // instructions there (30 layers of 32 sequences over 128-256 keys: bf16 26.3 ms cold with,
+  // 24.4 without; fp32 39.9, 34.4; with L1 as their target).
   const bool prefetch = !(heads == p.num_kv_heads && p.kv_stride_head == d &&
                           p.kv_stride_token == kv_width);
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -158,23 +159,30 @@ void attend_tile(const Problem& p, const WorkItem& w, const scalar_t* query,
     if (prefetch && b + 1 < num_blocks) {
       // Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next one:
       // ask for it now, and its loads overlap this block's math (measured: the copy below was
-      // most of the kernel's time, stalled on memory). Into L2, not L1 (locality 2: prefetcht1
-      // on x86): a block's 2 x 16 strided rows are more lines than L1 tracks in flight, and
-      // with L1 as the target the prefetches stalled on it. 30 layers over 2048 keys, cold,
-      // this machine (AMD EPYC, 2 threads): one bf16 sequence 8.6 ms with L1 as the target,
-      // 5.4-6.1 with L2; fp32 10.4-11.3, 7.5-7.7; two bf16 sequences over 1024, 7.0-7.2,
-      // 4.3-5.4.
+      // most of the kernel's time, stalled on memory). Into L2 (locality 2: prefetcht1 on
+      // x86, PLDL2KEEP on AArch64), not L1. 30 layers of one bf16 sequence over 2048 keys,
+      // cold, this machine (AMD EPYC, Zen 4, 2 threads), three rounds of none / L1 / L2 back
+      // to back: 8.9-9.4 / 8.3-10.1 / 4.6-7.0 ms; float32 10.8-11.2 / 10.5-12.1 / 6.2-9.0;
+      // four bf16 sequences 27.9-31.8 / 24.8-26.8 / 13.9-16.0. Likely why L1 loses: a
+      // block's 2 x block_size rows are more lines than L1 keeps in flight, so the prefetches
+      // wait on one another (not measured with counters; on a CPU whose every prefetch level
+      // fills L1 this changes nothing).
       const int64_t next = static_cast<int64_t>(table[b + 1]) * p.kv_stride_block +
                            w.kv_head * p.kv_stride_head;
+      const int64_t keys_next = std::min(kBlock, num_keys - first_key - kBlock);
       const int64_t row_bytes =
           ((heads - 1) * p.kv_stride_head + d) * static_cast<int64_t>(sizeof(scalar_t));
-      for (int64_t j = 0; j < kBlock; ++j) {
-        const char* k = reinterpret_cast<const char*>(key_cache + next + j * p.kv_stride_token);
-        const char* v = reinterpret_cast<const char*>(value_cache + next + j * p.kv_stride_token);
-        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-          __builtin_prefetch(k + byte, 0, 2);
-          __builtin_prefetch(v + byte, 0, 2);
+      auto prefetch_row = [row_bytes](const scalar_t* row) {
+        // Every line the row touches: from the line it starts in (a row need not start on a
+        // line, e.g. head size 80 in bf16) to the one it ends in.
+        const uintptr_t start = reinterpret_cast<uintptr_t>(row);
+        for (uintptr_t line = start & ~uintptr_t{63}; line < start + row_bytes; line += 64) {
+          __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
         }
+      };
+      for (int64_t j = 0; j < keys_next; ++j) {
+        prefetch_row(key_cache + next + j * p.kv_stride_token);
+        prefetch_row(value_cache + next + j * p.kv_stride_token);
       }
     }
     // The one read of this block's K/V for this item: into dense float rows (a copy for fp32,
