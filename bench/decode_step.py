@@ -2,6 +2,7 @@
 
     python -m bench.decode_step                          # fp32 and bf16, batch 1 and 32
     python -m bench.decode_step --dtypes bfloat16 --batches 1 --backends auto,torch --profile
+    python -m bench.decode_step --pages huge,4k --rounds 4   # huge pages against 4 KiB ones
 
 `batch` sequences with `context`-token prompts are prefilled, then `steps` pure decode steps are
 timed (each produces one token per sequence). The split is taken in a second pass in which every
@@ -50,6 +51,9 @@ class StepResult:
     kernel_backend: str  # the backend the runner really used ("cpu", "torch", ...)
     split: StepSplit
     fused_layers: bool = False  # the layers ran as one C++ call (fused_decoder.py)
+    # "huge": packed weights and KV pool as the engine places them (huge pages on Linux);
+    # "4k": both copied into torch's own allocations, the baseline huge pages replace
+    pages: str = "huge"
 
 
 def step_clock() -> Callable[[], float]:
@@ -111,13 +115,33 @@ def _timed_steps(engine, steps: int) -> list[float]:
     return times
 
 
+def _ordinary_pages(runner) -> None:
+    """The baseline that engine_service/model/huge_pages.py replaces: the packed weights and
+    the KV pool copied into torch's own allocations (4 KiB pages where THP is `madvise`, as
+    torch asks for none unless THP_MEM_ALLOC_ENABLE is set)."""
+    from engine_service.model.models.fused_decoder import build_fused_decoder
+    from engine_service.model.models.packed_linear import PackedLinear
+
+    for module in runner.model.modules():
+        if isinstance(module, PackedLinear) and module.ours:
+            module.packed_weight = module.packed_weight.clone()
+    if runner.model.fused_decoder is not None:
+        runner.model.fused_decoder = build_fused_decoder(runner.model)
+    runner.kv_caches = runner.kv_caches.clone()
+
+
 def measure(model: str, dtype: str, batch: int, context: int, steps: int,
-            kernel_backend: str = "auto", profile: bool = False) -> StepResult:
+            kernel_backend: str = "auto", profile: bool = False,
+            pages: str = "huge") -> StepResult:
     from engine_service import LLM
 
+    if pages not in ("huge", "4k"):
+        raise ValueError(f"pages must be 'huge' or '4k', got {pages!r}")
     engine = LLM(model=model, dtype=dtype, kernel_backend=kernel_backend,
                  max_num_seqs=max(batch, 1), enable_prefix_caching=False).llm_engine
     runner = engine.runner
+    if pages == "4k":
+        _ordinary_pages(runner)
     _fill(engine, batch, context, 2 * steps + 2)
     _timed_steps(engine, 2)  # warm
     step_s = statistics.median(_timed_steps(engine, steps))
@@ -165,7 +189,7 @@ def measure(model: str, dtype: str, batch: int, context: int, steps: int,
         attention_frac=attention.seconds / timed_total,
         other_frac=1 - (matmul.seconds + attention.seconds) / timed_total,
     )
-    return StepResult(dtype, batch, context, plain_kernels.name, split, fused is not None)
+    return StepResult(dtype, batch, context, plain_kernels.name, split, fused is not None, pages)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -179,6 +203,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (1: timed in thread CPU time, robust to a busy machine)")
+    p.add_argument("--pages", default="huge",
+                   help="where the packed weights and KV pool live: huge (as the engine "
+                        "places them), 4k (torch's allocations, the baseline), or both: huge,4k")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every case this many times, the --pages variants alternating "
+                        "(this machine's noise hides a 10%% difference in one pair)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
@@ -192,15 +222,16 @@ def main(argv: list[str] | None = None) -> None:
     clock = "thread CPU time" if torch.get_num_threads() == 1 else "wall time"
     print(f"clock: {clock}; load {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
           f"torch threads {torch.get_num_threads()}", flush=True)
-    for dtype, batch, backend in itertools.product(
-        args.dtypes.split(","), [int(b) for b in args.batches.split(",")],
-        args.backends.split(","),
+    for _, dtype, batch, backend, pages in itertools.product(
+        range(args.rounds), args.dtypes.split(","), [int(b) for b in args.batches.split(",")],
+        args.backends.split(","), args.pages.split(","),
     ):
-        r = measure(args.model, dtype, batch, args.context, args.steps, backend, args.profile)
+        r = measure(args.model, dtype, batch, args.context, args.steps, backend, args.profile,
+                    pages)
         results.append(r)
         s = r.split
         print(f"{dtype:9} batch {batch:3} ctx {args.context} backend {r.kernel_backend:6} "
-              f"step {s.step_ms:7.2f} ms  {s.tokens_per_s:7.1f} tok/s  matmul "
+              f"pages {pages:4} step {s.step_ms:7.2f} ms  {s.tokens_per_s:7.1f} tok/s  matmul "
               f"{s.matmul_frac:5.1%} attention {s.attention_frac:5.1%} other "
               f"{s.other_frac:5.1%}", flush=True)
     print(f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

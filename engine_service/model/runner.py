@@ -5,6 +5,7 @@ import torch
 from engine_service.core.scheduler_output import BlockMoves, ScheduledSeq
 from engine_service.model.config import ModelConfig
 from engine_service.model.dtype import DTYPES
+from engine_service.model.huge_pages import huge_page_zeros
 from engine_service.model.loader import load_model, model_weight_bytes
 from engine_service.model.memory_plan import check_weights_fit
 from engine_service.model.models.llama import StepContext, rope_cos_sin_cache
@@ -54,7 +55,10 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         shape = self.kv_cache_shape(num_blocks)
-        self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":  # read all over every step (huge_pages.py says why)
+            self.kv_caches = huge_page_zeros(shape, self.dtype)
+        else:
+            self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
         cpu_shape = (shape[0], 2, num_cpu_blocks) + shape[3:]
         self.cpu_kv_caches = (
             torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")

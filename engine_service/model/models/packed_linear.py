@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from engine_service.model.dtype import cpu_feature_flags
+from engine_service.model.huge_pages import into_huge_pages
 
 
 def _our_kernel_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -117,13 +118,23 @@ class PackedLinear(nn.Module):
         return self._linear(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def pack_linear_layers(module: nn.Module) -> int:
-    """Replace every nn.Linear below module with a PackedLinear; returns how many."""
-    count = 0
+def _replace_linears(module: nn.Module, packed: list[PackedLinear]) -> None:
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child))
-            count += 1
+            replacement = PackedLinear(child)
+            setattr(module, name, replacement)
+            packed.append(replacement)
         else:
-            count += pack_linear_layers(child)
-    return count
+            _replace_linears(child, packed)
+
+
+def pack_linear_layers(module: nn.Module) -> int:
+    """Replace every nn.Linear below module with a PackedLinear; returns how many. The weights
+    our kernels read end up in one huge-page buffer (engine_service/model/huge_pages.py)."""
+    packed: list[PackedLinear] = []
+    _replace_linears(module, packed)
+    ours = [m for m in packed if m.ours]
+    relocated = into_huge_pages([m.packed_weight for m in ours])
+    for m, weight in zip(ours, relocated, strict=True):
+        m.packed_weight = weight
+    return len(packed)

@@ -1,0 +1,87 @@
+"""CPU tensors that every decode step reads end to end, placed in memory backed by transparent
+huge pages (2 MiB) instead of 4 KiB pages.
+
+Why: a CPU decode step streams all of the model's packed weights once (SmolLM2 in bf16: 269 MB)
+and reads K/V blocks scattered over the pool. With 4 KiB pages that is a TLB miss every 4 KiB
+of weights, and torch's allocator asks for huge pages only when THP_MEM_ALLOC_ENABLE is set
+before torch starts, and then for every tensor of 2 MiB or more (activations too, each fresh
+allocation faulting in zeroed 2 MiB pages); on a machine whose THP mode is `madvise`, the
+common default, nothing it allocates gets them. Here only the long-lived tensors do: the
+packed weights (one buffer for all of them: most are under 2 MiB each) and the KV pool.
+
+Linux only (madvise(MADV_HUGEPAGE) on an anonymous mapping); elsewhere, or with THP set to
+`never`, these are ordinary tensors and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE_BYTES = 2 << 20
+# Where each tensor starts in the shared buffer: whole cache lines at least, and the
+# kernels' vector loads never straddle a page at a tensor's start.
+TENSOR_ALIGN_BYTES = 4096
+
+
+def huge_pages_supported() -> bool:
+    return hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def huge_page_bytes(num_bytes: int) -> torch.Tensor | None:
+    """A zeroed uint8 tensor of `num_bytes` starting on a 2 MiB boundary, in an anonymous
+    mapping advised to use huge pages (pages are faulted in, 2 MiB at a time, on first touch);
+    None where madvise(MADV_HUGEPAGE) does not exist. The tensor keeps the mapping alive."""
+    if num_bytes <= 0 or not huge_pages_supported():
+        return None
+    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES,
+                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as error:  # THP compiled out of this kernel: ordinary pages, still correct
+        log.debug("madvise(MADV_HUGEPAGE) refused: %s", error)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # holds a reference to `mapping`
+    start = -whole.data_ptr() % HUGE_PAGE_BYTES
+    return whole[start:start + num_bytes]
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros(shape, dtype) on the CPU, backed by huge pages where supported."""
+    element = torch.empty((), dtype=dtype).element_size()
+    num_elements = 1
+    for size in shape:
+        num_elements *= size
+    raw = huge_page_bytes(num_elements * element)
+    if raw is None:
+        return torch.zeros(shape, dtype=dtype)
+    # Written now, as torch.zeros writes it: every page is resident from here on, so a pool
+    # the machine cannot hold fails at start, not at the request that first reaches its end.
+    raw.zero_()
+    return raw.view(dtype).view(shape)
+
+
+def _aligned(num_bytes: int) -> int:
+    return -(-num_bytes // TENSOR_ALIGN_BYTES) * TENSOR_ALIGN_BYTES
+
+
+def into_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` (same shapes, dtypes and values, contiguous) laid out one after
+    another in one huge-page buffer; the tensors themselves where huge pages are not
+    supported."""
+    tensors = [t.contiguous() for t in tensors]
+    sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
+    raw = huge_page_bytes(sum(sizes))
+    if raw is None:
+        return tensors
+    copies, offset = [], 0
+    for tensor, size in zip(tensors, sizes, strict=True):
+        num_bytes = tensor.numel() * tensor.element_size()
+        copy = raw[offset:offset + num_bytes].view(tensor.dtype).view(tensor.shape)
+        copy.copy_(tensor)
+        copies.append(copy)
+        offset += size
+    return copies

@@ -1,0 +1,101 @@
+"""The packed weights and the KV pool on huge pages (engine_service/model/huge_pages.py): same
+values, one buffer, aligned, released when dropped, and what the engine really reads."""
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_service import SamplingParams
+from engine_service.model.huge_pages import (
+    HUGE_PAGE_BYTES,
+    TENSOR_ALIGN_BYTES,
+    huge_page_zeros,
+    huge_pages_supported,
+    into_huge_pages,
+)
+
+needs_madvise = pytest.mark.skipif(not huge_pages_supported(), reason="no MADV_HUGEPAGE here")
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _mapping_of(address: int) -> dict[str, int] | None:
+    """The /proc/self/smaps entry holding `address`: its start, end and AnonHugePages (kB)."""
+    entry = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            entry = {"start": start, "end": end} if start <= address < end else None
+        elif entry is not None and head == "AnonHugePages:":
+            entry["anon_huge_kb"] = int(line.split()[1])
+            return entry
+    return None
+
+
+@needs_madvise
+def test_copies_keep_values_shapes_and_dtypes_in_one_aligned_buffer():
+    originals = [torch.randn(100, 37), torch.randn(3, 3, 3).to(torch.bfloat16),
+                 torch.arange(10), torch.randn(8, 6).t()]  # the last one not contiguous
+    copies = into_huge_pages(originals)
+    pointers = [c.data_ptr() for c in copies]
+    assert pointers[0] % HUGE_PAGE_BYTES == 0
+    assert all(p % TENSOR_ALIGN_BYTES == 0 for p in pointers)
+    assert pointers == sorted(pointers) and len(set(pointers)) == len(pointers)
+    storage = copies[0].untyped_storage().data_ptr()
+    for original, copy in zip(originals, copies, strict=True):
+        assert copy.untyped_storage().data_ptr() == storage  # one buffer
+        assert copy.is_contiguous() and copy.dtype == original.dtype
+        assert torch.equal(copy, original)
+    before = originals[0].clone()
+    copies[0].add_(1)  # a copy, not an alias of what it was made from
+    assert torch.equal(originals[0], before)
+
+
+@needs_madvise
+def test_zeros_are_zero_and_the_mapping_goes_with_the_last_view():
+    pool = huge_page_zeros((4, 2, 1000, 16), torch.bfloat16)
+    assert pool.shape == (4, 2, 1000, 16) and pool.dtype == torch.bfloat16
+    assert pool.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert not pool.any()
+    address = pool.data_ptr()
+    layer = pool[1]
+    del pool
+    gc.collect()
+    assert _mapping_of(address) is not None  # a view still holds it
+    layer.fill_(1)
+    del layer
+    gc.collect()
+    assert _mapping_of(address) is None
+
+
+@needs_madvise
+@pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
+                    reason="transparent huge pages are off on this machine")
+def test_the_memory_is_backed_by_huge_pages():
+    pool = huge_page_zeros((8 * HUGE_PAGE_BYTES // 4,), torch.float32)  # 8 huge pages
+    mapping = _mapping_of(pool.data_ptr())
+    # The kernel may fall back to small pages for some of them when memory is fragmented;
+    # none at all means the advice did not reach it.
+    assert mapping is not None and mapping["anon_huge_kb"] >= HUGE_PAGE_BYTES // 1024
+
+
+def test_the_engine_reads_the_relocated_weights_and_pool(make_llm, tiny_llama_dir):
+    from engine_service.model.models.packed_linear import PackedLinear
+
+    for dtype in ("float32", "bfloat16"):
+        llm = make_llm(tiny_llama_dir, dtype=dtype, num_blocks=16)
+        runner = llm.llm_engine.runner
+        ours = [m for m in runner.model.modules() if isinstance(m, PackedLinear) and m.ours]
+        fused = runner.model.fused_decoder
+        if huge_pages_supported():
+            assert runner.kv_caches.data_ptr() % HUGE_PAGE_BYTES == 0
+            assert len({m.packed_weight.untyped_storage().data_ptr() for m in ours}) <= 1
+        if fused is not None:  # it holds the weights it was built with: the relocated ones
+            held = {w.data_ptr() for w in fused.layer_weights}
+            assert {m.packed_weight.data_ptr() for m in ours if m is not runner.model.lm_head
+                    } <= held
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        out = llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9]}, params)[0].outputs[0]
+        assert len(out.token_ids) == 4
