@@ -313,12 +313,14 @@ def render_report(r: dict, out: Path) -> str:
         bf16_peak = (f" and **{pk['matmul_flops_bf16'] / 1e9:.0f} GFLOP/s** in bf16 "
                      "(the peak a `_bf16` run reads against)" if pk.get("matmul_flops_bf16")
                      else "")
+        small_pages = (f" on huge pages, {pk['read_bandwidth_small_pages'] / 1e9:.1f} GB/s on "
+                       "4 KiB ones" if pk.get("read_bandwidth_small_pages") else "")
         lines += [
             "### Roofline",
             "",
             f"Measured in the same run: dense matmul **{pk['matmul_flops'] / 1e9:.0f} "
             f"GFLOP/s** in float32{bf16_peak} (best of {', '.join(pk['matmul_shapes'])}), "
-            f"streaming read **{pk['read_bandwidth'] / 1e9:.1f} GB/s** (copy "
+            f"streaming read **{pk['read_bandwidth'] / 1e9:.1f} GB/s**{small_pages} (copy "
             f"{pk['copy_bandwidth'] / 1e9:.1f} GB/s). The model multiplies "
             f"{cost['matmul_params'] / 1e6:.1f} M weights per token "
             f"({2 * cost['matmul_params'] / 1e9:.2f} GFLOP) and reads "

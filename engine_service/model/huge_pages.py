@@ -7,7 +7,7 @@ of weights, and torch's allocator asks for huge pages only when THP_MEM_ALLOC_EN
 before torch starts, and then for every tensor of 2 MiB or more (activations too, each fresh
 allocation faulting in zeroed 2 MiB pages); on a machine whose THP mode is `madvise`, the
 common default, nothing it allocates gets them. Here only the long-lived tensors do: the
-packed weights (one buffer for all of them: most are under 2 MiB each) and the KV pool.
+packed weights (one arena for all of them: most are under 2 MiB each) and the KV pool.
 
 Linux only (madvise(MADV_HUGEPAGE) on an anonymous mapping); elsewhere, or with THP set to
 `never`, these are ordinary tensors and nothing else changes.
@@ -68,20 +68,30 @@ def _aligned(num_bytes: int) -> int:
     return -(-num_bytes // TENSOR_ALIGN_BYTES) * TENSOR_ALIGN_BYTES
 
 
-def into_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of `tensors` (same shapes, dtypes and values, contiguous) laid out one after
-    another in one huge-page buffer; the tensors themselves where huge pages are not
-    supported."""
-    tensors = [t.contiguous() for t in tensors]
-    sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
-    raw = huge_page_bytes(sum(sizes))
-    if raw is None:
-        return tensors
-    copies, offset = [], 0
-    for tensor, size in zip(tensors, sizes, strict=True):
+class HugePageArena:
+    """One huge-page buffer that tensors are copied into, one after another."""
+
+    def __init__(self, raw: torch.Tensor) -> None:
+        self._raw = raw
+        self._offset = 0
+
+    @classmethod
+    def sized_for(cls, tensors: list[torch.Tensor]) -> HugePageArena | None:
+        """An arena with room for `tensors` (each starting aligned); None where huge pages
+        are not supported."""
+        raw = huge_page_bytes(sum(_aligned(t.numel() * t.element_size()) for t in tensors))
+        return None if raw is None else cls(raw)
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of `tensor` in the arena (same shape, dtype and values). The
+        arena's pages become resident as they are written, so a caller that drops each
+        original as it places it holds one copy of the weights plus one tensor, not two."""
         num_bytes = tensor.numel() * tensor.element_size()
-        copy = raw[offset:offset + num_bytes].view(tensor.dtype).view(tensor.shape)
+        if self._offset + num_bytes > self._raw.numel():
+            raise ValueError(f"the arena has {self._raw.numel() - self._offset} bytes left, "
+                             f"a tensor of {num_bytes} does not fit")
+        copy = self._raw[self._offset:self._offset + num_bytes].view(tensor.dtype)
+        copy = copy.view(tensor.shape)
         copy.copy_(tensor)
-        copies.append(copy)
-        offset += size
-    return copies
+        self._offset += _aligned(num_bytes)
+        return copy

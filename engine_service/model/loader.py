@@ -69,6 +69,10 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
             )
         state[name] = tensor.to(dtype=dtype, device=device)
     model.load_state_dict(state, strict=False, assign=True)
+    # The model holds the weights now: without these references each unpacked weight is freed
+    # as its layer is packed (a 7B model in bf16 is 14 GB; three copies at once do not fit
+    # where two do).
+    del hf, state
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.eval().requires_grad_(False)

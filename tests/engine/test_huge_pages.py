@@ -11,9 +11,9 @@ from engine_service import SamplingParams
 from engine_service.model.huge_pages import (
     HUGE_PAGE_BYTES,
     TENSOR_ALIGN_BYTES,
+    HugePageArena,
     huge_page_zeros,
     huge_pages_supported,
-    into_huge_pages,
 )
 
 needs_madvise = pytest.mark.skipif(not huge_pages_supported(), reason="no MADV_HUGEPAGE here")
@@ -38,7 +38,8 @@ def _mapping_of(address: int) -> dict[str, int] | None:
 def test_copies_keep_values_shapes_and_dtypes_in_one_aligned_buffer():
     originals = [torch.randn(100, 37), torch.randn(3, 3, 3).to(torch.bfloat16),
                  torch.arange(10), torch.randn(8, 6).t()]  # the last one not contiguous
-    copies = into_huge_pages(originals)
+    arena = HugePageArena.sized_for(originals)
+    copies = [arena.place(t) for t in originals]
     pointers = [c.data_ptr() for c in copies]
     assert pointers[0] % HUGE_PAGE_BYTES == 0
     assert all(p % TENSOR_ALIGN_BYTES == 0 for p in pointers)
@@ -51,6 +52,8 @@ def test_copies_keep_values_shapes_and_dtypes_in_one_aligned_buffer():
     before = originals[0].clone()
     copies[0].add_(1)  # a copy, not an alias of what it was made from
     assert torch.equal(originals[0], before)
+    with pytest.raises(ValueError, match="does not fit"):  # sized for these, and full
+        arena.place(torch.zeros(TENSOR_ALIGN_BYTES, dtype=torch.uint8))
 
 
 @needs_madvise

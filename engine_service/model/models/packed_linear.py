@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from engine_service.model.dtype import cpu_feature_flags
-from engine_service.model.huge_pages import into_huge_pages
+from engine_service.model.huge_pages import HugePageArena
 
 
 def _our_kernel_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -130,11 +130,14 @@ def _replace_linears(module: nn.Module, packed: list[PackedLinear]) -> None:
 
 def pack_linear_layers(module: nn.Module) -> int:
     """Replace every nn.Linear below module with a PackedLinear; returns how many. The weights
-    our kernels read end up in one huge-page buffer (engine_service/model/huge_pages.py)."""
+    our kernels read end up in one huge-page arena (engine_service/model/huge_pages.py). The
+    caller should hold no other reference to the unpacked weights: each is freed as its
+    layer is packed, so loading peaks near one copy of the weights plus the packed ones."""
     packed: list[PackedLinear] = []
     _replace_linears(module, packed)
     ours = [m for m in packed if m.ours]
-    relocated = into_huge_pages([m.packed_weight for m in ours])
-    for m, weight in zip(ours, relocated, strict=True):
-        m.packed_weight = weight
+    arena = HugePageArena.sized_for([m.packed_weight for m in ours])
+    if arena is not None:
+        for m in ours:  # each original freed as its copy takes its place
+            m.packed_weight = arena.place(m.packed_weight)
     return len(packed)
