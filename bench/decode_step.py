@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine_service.model.huge_pages import huge_pages_supported
+
 
 @dataclass(slots=True)
 class StepSplit:
@@ -212,6 +214,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
+    pages_list = args.pages.split(",")
+    if bad := [x for x in pages_list if x not in ("huge", "4k")]:
+        p.error(f"--pages takes huge and/or 4k, got {bad}")
+    if "huge" in pages_list and not huge_pages_supported():
+        print("no MADV_HUGEPAGE here: 'huge' runs on ordinary pages too", flush=True)
     if args.model is None:
         from engine_service.tools.prepare_model import ensure_default_model
 
@@ -222,10 +229,13 @@ def main(argv: list[str] | None = None) -> None:
     clock = "thread CPU time" if torch.get_num_threads() == 1 else "wall time"
     print(f"clock: {clock}; load {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
           f"torch threads {torch.get_num_threads()}", flush=True)
-    for _, dtype, batch, backend, pages in itertools.product(
+    for round_index, dtype, batch, backend, pages_index in itertools.product(
         range(args.rounds), args.dtypes.split(","), [int(b) for b in args.batches.split(",")],
-        args.backends.split(","), args.pages.split(","),
+        args.backends.split(","), range(len(pages_list)),
     ):
+        # Each round runs the variants in the other order, so neither always goes first.
+        order = pages_list if round_index % 2 == 0 else pages_list[::-1]
+        pages = order[pages_index]
         r = measure(args.model, dtype, batch, args.context, args.steps, backend, args.profile,
                     pages)
         results.append(r)

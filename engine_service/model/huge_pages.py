@@ -38,8 +38,15 @@ def huge_page_bytes(num_bytes: int) -> torch.Tensor | None:
     None where madvise(MADV_HUGEPAGE) does not exist. The tensor keeps the mapping alive."""
     if num_bytes <= 0 or not huge_pages_supported():
         return None
-    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES,
-                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # Whole huge pages from an aligned start to past the end, so the last partial one is
+    # inside the mapping too.
+    length = -(-num_bytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES + HUGE_PAGE_BYTES
+    try:
+        mapping = mmap.mmap(-1, length,
+                            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as error:  # what torch's allocator would say, with the size asked for
+        raise RuntimeError(f"not enough memory: tried to map {num_bytes} bytes "
+                           f"({num_bytes / 2**30:.2f} GiB): {error}") from error
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
     except OSError as error:  # THP compiled out of this kernel: ordinary pages, still correct
@@ -76,18 +83,24 @@ class HugePageArena:
         self._offset = 0
 
     @classmethod
-    def sized_for(cls, tensors: list[torch.Tensor]) -> HugePageArena | None:
-        """An arena with room for `tensors` (each starting aligned); None where huge pages
-        are not supported."""
-        raw = huge_page_bytes(sum(_aligned(t.numel() * t.element_size()) for t in tensors))
+    def with_room_for(cls, sizes: list[int]) -> HugePageArena | None:
+        """An arena with room for tensors of these byte sizes (or less), each starting
+        aligned; None where huge pages are not supported. Room left unwritten costs address
+        space, not memory: pages become resident when written."""
+        raw = huge_page_bytes(sum(_aligned(size) for size in sizes))
         return None if raw is None else cls(raw)
 
+    @classmethod
+    def sized_for(cls, tensors: list[torch.Tensor]) -> HugePageArena | None:
+        return cls.with_room_for([t.numel() * t.element_size() for t in tensors])
+
+    def fits(self, tensor: torch.Tensor) -> bool:
+        return self._offset + tensor.numel() * tensor.element_size() <= self._raw.numel()
+
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A contiguous copy of `tensor` in the arena (same shape, dtype and values). The
-        arena's pages become resident as they are written, so a caller that drops each
-        original as it places it holds one copy of the weights plus one tensor, not two."""
+        """A contiguous copy of `tensor` in the arena (same shape, dtype and values)."""
         num_bytes = tensor.numel() * tensor.element_size()
-        if self._offset + num_bytes > self._raw.numel():
+        if not self.fits(tensor):
             raise ValueError(f"the arena has {self._raw.numel() - self._offset} bytes left, "
                              f"a tensor of {num_bytes} does not fit")
         copy = self._raw[self._offset:self._offset + num_bytes].view(tensor.dtype)

@@ -44,9 +44,10 @@ def _hf_name(name: str) -> str:
     return name if name.startswith("lm_head") else "model." + name
 
 
-def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+def _checkpoint_state(model: LlamaForCausalLM, config: ModelConfig, dtype: torch.dtype,
+                      device: torch.device) -> dict[str, torch.Tensor]:
+    """The model's parameters from the checkpoint, in `dtype` on `device`. A function of its
+    own so that nothing else (the raw checkpoint tensors, a loop variable) outlives it."""
     hf = _read_hf_tensors(config)
     state = {}
     for name, param in model.named_parameters():
@@ -68,11 +69,17 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
                 f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}"
             )
         state[name] = tensor.to(dtype=dtype, device=device)
-    model.load_state_dict(state, strict=False, assign=True)
-    # The model holds the weights now: without these references each unpacked weight is freed
-    # as its layer is packed (a 7B model in bf16 is 14 GB; three copies at once do not fit
-    # where two do).
-    del hf, state
+    return state
+
+
+def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    # Nothing here keeps a reference to the weights but the model: each unpacked weight is
+    # freed as its layer is packed (a 7B model in bf16 is 14 GB; two copies at once do not
+    # fit where one and a little do).
+    model.load_state_dict(_checkpoint_state(model, config, dtype, device), strict=False,
+                          assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.eval().requires_grad_(False)

@@ -32,6 +32,7 @@ the extension at load when the cache lacks it).
 """
 
 import functools
+import logging
 from pathlib import Path
 
 import torch
@@ -39,6 +40,8 @@ from torch import nn
 
 from engine_service.model.dtype import cpu_feature_flags
 from engine_service.model.huge_pages import HugePageArena
+
+log = logging.getLogger(__name__)
 
 
 def _our_kernel_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -118,26 +121,50 @@ class PackedLinear(nn.Module):
         return self._linear(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def _replace_linears(module: nn.Module, packed: list[PackedLinear]) -> None:
-    for name, child in list(module.named_children()):
+def packed_bytes_bound(linear: nn.Linear) -> int:
+    """At least the bytes our kernel's packed layout of `linear.weight` takes: float32 panels
+    of 16 output columns by every feature (kernels/csrc/linear_cpu.cpp), bf16 panels of 32
+    columns by feature pairs (linear_bf16_cpu.cpp); both pad the columns to a whole panel and
+    bf16 the features to a pair (tests/engine/test_huge_pages.py checks the bound)."""
+    out_features, in_features = linear.weight.shape
+    return (out_features + 31) * (in_features + 1) * linear.weight.element_size()
+
+
+def _linear_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of every nn.Linear below `module`. Not the linears themselves: a
+    list of them would keep every unpacked weight alive until packing ends."""
+    slots = []
+    for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            replacement = PackedLinear(child)
-            setattr(module, name, replacement)
-            packed.append(replacement)
+            slots.append((module, name))
         else:
-            _replace_linears(child, packed)
+            slots += _linear_slots(child)
+    return slots
 
 
 def pack_linear_layers(module: nn.Module) -> int:
-    """Replace every nn.Linear below module with a PackedLinear; returns how many. The weights
-    our kernels read end up in one huge-page arena (engine_service/model/huge_pages.py). The
-    caller should hold no other reference to the unpacked weights: each is freed as its
-    layer is packed, so loading peaks near one copy of the weights plus the packed ones."""
-    packed: list[PackedLinear] = []
-    _replace_linears(module, packed)
-    ours = [m for m in packed if m.ours]
-    arena = HugePageArena.sized_for([m.packed_weight for m in ours])
-    if arena is not None:
-        for m in ours:  # each original freed as its copy takes its place
-            m.packed_weight = arena.place(m.packed_weight)
-    return len(packed)
+    """Replace every nn.Linear below module with a PackedLinear; returns how many.
+
+    The weights our kernels read go into one huge-page arena (engine_service/model/
+    huge_pages.py), each as soon as it is packed: the temporary packed tensor is freed before
+    the next layer is packed (the allocator reuses it), and the unpacked weight when its
+    nn.Linear is replaced, provided the caller holds no other reference to it. So loading
+    holds about one copy of the weights, unpacked shrinking as packed grows. (Packing every
+    layer first and placing after kept both sets resident: the freed packed tensors stayed
+    in the C heap.)"""
+    slots = _linear_slots(module)
+    ours = [getattr(parent, name) for parent, name in slots]
+    sizes = [packed_bytes_bound(linear) for linear in ours
+             if _our_kernel_available(linear.weight.dtype)]
+    del ours
+    arena = HugePageArena.with_room_for(sizes) if sizes else None
+    for parent, name in slots:
+        packed = PackedLinear(getattr(parent, name))
+        if arena is not None and packed.ours:
+            if arena.fits(packed.packed_weight):
+                packed.packed_weight = arena.place(packed.packed_weight)
+            else:  # packed_bytes_bound is wrong for this layout: correct, but on small pages
+                log.warning("packed weight of %s (%s) larger than its bound; left out of the "
+                            "huge-page arena", name, tuple(packed.packed_weight.shape))
+        setattr(parent, name, packed)
+    return len(slots)
