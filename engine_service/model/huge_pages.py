@@ -90,10 +90,6 @@ class HugePageArena:
         raw = huge_page_bytes(sum(_aligned(size) for size in sizes))
         return None if raw is None else cls(raw)
 
-    @classmethod
-    def sized_for(cls, tensors: list[torch.Tensor]) -> HugePageArena | None:
-        return cls.with_room_for([t.numel() * t.element_size() for t in tensors])
-
     def fits(self, tensor: torch.Tensor) -> bool:
         return self._offset + tensor.numel() * tensor.element_size() <= self._raw.numel()
 

@@ -44,7 +44,7 @@ def _mapping_of(address: int) -> dict[str, int] | None:
 def test_copies_keep_values_shapes_and_dtypes_in_one_aligned_buffer():
     originals = [torch.randn(100, 37), torch.randn(3, 3, 3).to(torch.bfloat16),
                  torch.arange(10), torch.randn(8, 6).t()]  # the last one not contiguous
-    arena = HugePageArena.sized_for(originals)
+    arena = HugePageArena.with_room_for([t.numel() * t.element_size() for t in originals])
     copies = [arena.place(t) for t in originals]
     pointers = [c.data_ptr() for c in copies]
     assert pointers[0] % HUGE_PAGE_BYTES == 0

@@ -153,10 +153,10 @@ def pack_linear_layers(module: nn.Module) -> int:
     layer first and placing after kept both sets resident: the freed packed tensors stayed
     in the C heap.)"""
     slots = _linear_slots(module)
-    ours = [getattr(parent, name) for parent, name in slots]
-    sizes = [packed_bytes_bound(linear) for linear in ours
+    linears = [getattr(parent, name) for parent, name in slots]
+    sizes = [packed_bytes_bound(linear) for linear in linears
              if _our_kernel_available(linear.weight.dtype)]
-    del ours
+    del linears
     arena = HugePageArena.with_room_for(sizes) if sizes else None
     for parent, name in slots:
         packed = PackedLinear(getattr(parent, name))
