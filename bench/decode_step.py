@@ -58,6 +58,9 @@ class StepResult:
     pages: str = "huge"
 
 
+PAGE_KINDS = ("huge", "4k")
+
+
 def step_clock() -> Callable[[], float]:
     """With one torch thread all the work runs on this thread, so its CPU time measures the
     step without the time a shared machine keeps it descheduled; otherwise wall time."""
@@ -137,8 +140,8 @@ def measure(model: str, dtype: str, batch: int, context: int, steps: int,
             pages: str = "huge") -> StepResult:
     from engine_service import LLM
 
-    if pages not in ("huge", "4k"):
-        raise ValueError(f"pages must be 'huge' or '4k', got {pages!r}")
+    if pages not in PAGE_KINDS:
+        raise ValueError(f"pages must be one of {PAGE_KINDS}, got {pages!r}")
     engine = LLM(model=model, dtype=dtype, kernel_backend=kernel_backend,
                  max_num_seqs=max(batch, 1), enable_prefix_caching=False).llm_engine
     runner = engine.runner
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
     pages_list = args.pages.split(",")
-    if bad := [x for x in pages_list if x not in ("huge", "4k")]:
+    if bad := [x for x in pages_list if x not in PAGE_KINDS]:
         p.error(f"--pages takes huge and/or 4k, got {bad}")
     if "huge" in pages_list and not huge_pages_supported():
         print("no MADV_HUGEPAGE here: 'huge' runs on ordinary pages too", flush=True)

@@ -16,6 +16,7 @@ Linux only (madvise(MADV_HUGEPAGE) on an anonymous mapping); elsewhere, or with 
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 
 import torch
@@ -58,11 +59,7 @@ def huge_page_bytes(num_bytes: int) -> torch.Tensor | None:
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype) on the CPU, backed by huge pages where supported."""
-    element = torch.empty((), dtype=dtype).element_size()
-    num_elements = 1
-    for size in shape:
-        num_elements *= size
-    raw = huge_page_bytes(num_elements * element)
+    raw = huge_page_bytes(math.prod(shape) * dtype.itemsize)
     if raw is None:
         return torch.zeros(shape, dtype=dtype)
     # Written now, as torch.zeros writes it: every page is resident from here on, so a pool

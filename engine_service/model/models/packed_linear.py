@@ -157,7 +157,7 @@ def pack_linear_layers(module: nn.Module) -> int:
     sizes = [packed_bytes_bound(linear) for linear in linears
              if _our_kernel_available(linear.weight.dtype)]
     del linears
-    arena = HugePageArena.with_room_for(sizes) if sizes else None
+    arena = HugePageArena.with_room_for(sizes)  # None: none of ours, or no huge pages here
     for parent, name in slots:
         packed = PackedLinear(getattr(parent, name))
         if arena is not None and packed.ours:
