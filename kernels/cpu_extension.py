@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 # the float32 and bfloat16 linear layers, and the decoder layer loop that calls them all.
 SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name
                 for name in ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "linear_cpu.cpp",
-                             "linear_bf16_cpu.cpp", "decoder_cpu.cpp"))
+                             "linear_bf16_cpu.cpp", "linear_bf16_amx.cpp",
+                             "decoder_cpu.cpp"))
 HEADERS = tuple(Path(__file__).resolve().parent / "csrc" / name
                 for name in ("cpu_math.h", "cpu_ops.h", "linear_blocks.h"))  # in the cache key too
 EXTENSION_NAME = "pagedgen_cpu_attention"

@@ -40,4 +40,11 @@ at::Tensor pack_linear_weight_bf16(const at::Tensor& weight);
 at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed,
                               const std::optional<at::Tensor>& bias, int64_t out_features);
 
+// linear_bf16_amx.cpp: the same packed weights on AMX tiles, which packed_linear_bf16 takes
+// for every call where linear_bf16_amx() (built for AMX, and Linux granted the tiles)
+bool linear_bf16_amx();
+void packed_linear_bf16_amx(const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
+                            const uint16_t* packed, int64_t panels, uint16_t* y,
+                            int64_t out_features, const float* bias);
+
 }  // namespace pagedgen_cpu

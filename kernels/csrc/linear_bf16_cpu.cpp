@@ -178,6 +178,10 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed,
   const int64_t ldx = x.stride(0);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  if (linear_bf16_amx()) {  // AMX tiles where the CPU has them (linear_bf16_amx.cpp)
+    packed_linear_bf16_amx(xp, ldx, M, K, wp, panels, yp, out_features, bias_ptr);
+    return y;
+  }
   const int64_t panel_size = packed.size(1) * kPanelRow;
   for_each_row_block_and_panel(M, 2 * K, kMaxRows, panels,
                                [&](int64_t m0, int64_t rows, int64_t p) {

@@ -14,20 +14,30 @@ namespace pagedgen_cpu {
 
 constexpr int64_t kLinearBlockBytes = 192 * 1024;  // of x per row block: L2 (512 KiB+) holds it
 
-// fn(first_row, rows, panel) for every row block and panel; blocks are a multiple of
-// group_rows (the kernel's row group), at least one group.
+// fn(first_row, rows, first_panel, end_panel) for every row block and each thread's range of
+// its panels; blocks are a multiple of group_rows (the kernel's row group), at least one group.
 template <typename Fn>
-void for_each_row_block_and_panel(int64_t num_rows, int64_t x_row_bytes, int64_t group_rows,
-                                  int64_t num_panels, const Fn& fn) {
+void for_each_row_block_and_panel_range(int64_t num_rows, int64_t x_row_bytes,
+                                        int64_t group_rows, int64_t num_panels, const Fn& fn) {
   const int64_t block_rows = std::max<int64_t>(
       group_rows,
       (kLinearBlockBytes / std::max<int64_t>(x_row_bytes, 1)) / group_rows * group_rows);
   for (int64_t m0 = 0; m0 < num_rows; m0 += block_rows) {
     const int64_t rows = std::min(block_rows, num_rows - m0);
-    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) fn(m0, rows, p);
-    });
+    at::parallel_for(0, num_panels, 1,
+                     [&](int64_t begin, int64_t end) { fn(m0, rows, begin, end); });
   }
+}
+
+// fn(first_row, rows, panel) for every row block and panel, as above.
+template <typename Fn>
+void for_each_row_block_and_panel(int64_t num_rows, int64_t x_row_bytes, int64_t group_rows,
+                                  int64_t num_panels, const Fn& fn) {
+  for_each_row_block_and_panel_range(
+      num_rows, x_row_bytes, group_rows, num_panels,
+      [&](int64_t m0, int64_t rows, int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; ++p) fn(m0, rows, p);
+      });
 }
 
 // group(std::integral_constant<int, R>{}, first_row) over `rows` rows in groups of kMaxRows,

@@ -167,6 +167,7 @@ TORCH_LIBRARY(pagedgen_cpu_linear, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   // Takes no tensor, so it has no dispatch key to register under: a catch-all kernel.
   m.def("bf16_native() -> bool", [] { return pagedgen_cpu::linear_bf16_native(); });
+  m.def("bf16_amx() -> bool", [] { return pagedgen_cpu::linear_bf16_amx(); });
 }
 
 TORCH_LIBRARY_IMPL(pagedgen_cpu_linear, CPU, m) {

@@ -149,9 +149,11 @@ def test_loading_frees_the_unpacked_weights(monkeypatch, make_llm, tiny_llama_di
     gc.collect()
     with warnings.catch_warnings():  # (isinstance on torch's deprecated aliases warns)
         warnings.simplefilter("ignore")
+        # (Tensors without storage, e.g. oneDNN's packed weights another test left for the
+        # collector, have no data pointer to compare.)
         alive = sorted({unpacked[t.data_ptr()] for t in gc.get_objects()
                         if isinstance(t, torch.Tensor) and t.device.type == "cpu"
-                        and t.data_ptr() in unpacked})
+                        and t.layout == torch.strided and t.data_ptr() in unpacked})
     assert alive == [], f"unpacked weights still referenced after loading: {alive}"
     del llm
 

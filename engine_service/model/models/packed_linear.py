@@ -16,8 +16,14 @@ linear, 4 rows 1.5-2.4x, 32 rows 1.06-1.31x, 256 rows 0.99-1.05x, 2048 rows 0.93
 bf16 decode step at batch 1 went from 19.8 to 9.5 ms. Each row's result is the same whatever
 batch it runs in, as for float32.
 
-Elsewhere (a CPU with AMX, bf16 asked for on a CPU without AVX512-BF16, or a build that does
-not target it):
+On a CPU with AMX (Sapphire Rapids and later): the same packed weights on AMX tiles
+(kernels/csrc/linear_bf16_amx.cpp), for every row count. Against oneDNN's AMX linear (Xeon
+with AMX, 2 threads, `python -m bench.linear --dtype bfloat16`): 1 row 1.1-3.5x faster, 4
+rows 1.2-3.8x, 32 rows 1.1-2.3x, 256 rows 0.6-1.4x, 2048 rows 0.7-0.9x; on oneDNN's linears a
+bf16 engine also lost the decoder layers in one C++ call (the bf16 decode step at batch 1:
+17.5 -> 11.1 ms, bench.decode_step). A row's result is still the same in every batch.
+
+Elsewhere (bf16 asked for on a CPU without AVX512-BF16, or a build that does not target it):
 oneDNN's blocked weight layout (mkldnn._reorder_linear_weight), which runs on AMX and
 AVX512-BF16 and emulates bf16 on other AVX512 CPUs. MKL's sgemm (what nn.Linear calls on CPU)
 repacks the weight on every call, which at decode batch sizes costs as much as the multiply;
@@ -31,14 +37,11 @@ the attention kernel backend: kernel_backend="torch" runs them on our kernel too
 the extension at load when the cache lacks it).
 """
 
-import functools
 import logging
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from engine_service.model.dtype import cpu_feature_flags
 from engine_service.model.huge_pages import HugePageArena
 
 log = logging.getLogger(__name__)
@@ -50,19 +53,8 @@ def _our_kernel_available(dtype: torch.dtype = torch.float32) -> bool:
     if not cpu_attention_available():
         return False
     if dtype == torch.bfloat16:  # built only where the compiler targets AVX512-BF16
-        return bool(torch.ops.pagedgen_cpu_linear.bf16_native()) and not _cpu_has_amx()
+        return bool(torch.ops.pagedgen_cpu_linear.bf16_native())
     return dtype == torch.float32
-
-
-@functools.cache
-def _cpu_has_amx() -> bool:
-    """AMX tiles multiply bf16 several times faster than AVX512-BF16's VDPBF16PS, and oneDNN
-    uses them: on such a CPU (Sapphire Rapids and later) bf16 linears stay oneDNN's, which the
-    bf16 figures of git history were measured with (our kernel was measured only without AMX)."""
-    try:
-        return "amx_bf16" in cpu_feature_flags(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return False
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
