@@ -1,5 +1,6 @@
 """The CPU linear (float32: kernels/csrc/linear_cpu.cpp; bfloat16 on AVX512-BF16:
-kernels/csrc/linear_bf16_cpu.cpp) against what it replaced, oneDNN's packed linear, and against
+kernels/csrc/linear_bf16_cpu.cpp, on AMX tiles where the CPU has them: linear_bf16_amx.cpp;
+the results record which) against what it replaced, oneDNN's packed linear, and against
 plain `F.linear` (MKL), side by side in one run, at SmolLM2's linear shapes and at 1 row (a
 batch-1 decode), 4, 32 (a batch-32 decode), 256 and 2048 (prefill
 chunks).
@@ -58,7 +59,8 @@ def measure(threads: int, rows_list: tuple[int, ...], min_time_s: float,
     if not cpu_attention_available():
         raise SystemExit("the C++ extension does not build here: nothing to compare")
     if dtype == torch.bfloat16 and not torch.ops.pagedgen_cpu_linear.bf16_native():
-        raise SystemExit("no AVX512-BF16 here: the bfloat16 linear is oneDNN's, nothing to compare")
+        raise SystemExit("no AVX512-BF16 build here: the bfloat16 linear is oneDNN's, nothing to "
+                         "compare")
     torch.set_num_threads(threads)
     rows_out = []
     for in_features, out_features in SHAPES:
@@ -92,6 +94,14 @@ def measure(threads: int, rows_list: tuple[int, ...], min_time_s: float,
     return rows_out
 
 
+def _our_kernel(dtype: str) -> str:
+    if dtype == "float32":
+        return "panels of 16 columns (linear_cpu.cpp)"
+    if torch.ops.pagedgen_cpu_linear.bf16_amx():
+        return "AMX tiles (linear_bf16_amx.cpp)"
+    return "VDPBF16PS (linear_bf16_cpu.cpp)"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.linear", description=__doc__.split("\n")[0])
     p.add_argument("--threads", default="1,2", help="torch thread counts, comma-separated")
@@ -119,8 +129,10 @@ def main(argv: list[str] | None = None) -> None:
         args.out = RESULTS if args.dtype == "float32" else RESULTS.with_name("linear_bf16.json")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = machine_metadata("random weights at SmolLM2-135M's linear shapes")
+    kernel = _our_kernel(args.dtype)
+    print(f"ours: {kernel}")
     args.out.write_text(json.dumps({"meta": meta, "load_end": list(os.getloadavg()),
-                                    "rows": results}, indent=2) + "\n")
+                                    "ours_kernel": kernel, "rows": results}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -61,6 +61,15 @@ def machine_metadata(model: str, light: bool = False) -> dict:
             },
             "git_commit": _git_commit(),
             "cuda_available": torch.cuda.is_available(),
+            "cpu_bf16_linear": _bf16_linear_kernel(),
         }
     )
     return info
+
+
+def _bf16_linear_kernel() -> str:
+    """amx / vdpbf16ps / onednn / torch: which kernel the engine's bf16 linears run here (the
+    bf16 figures of two machines differ by it first)."""
+    from engine_service.model.models.packed_linear import bf16_linear_kernel
+
+    return bf16_linear_kernel()

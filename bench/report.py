@@ -237,7 +237,9 @@ def render_report(r: dict, out: Path) -> str:
         "```",
         "",
         f"Machine: {meta['cpu']}, {meta['num_cpus']} CPUs, torch threads "
-        f"{meta['torch_num_threads']}; torch {meta['versions']['torch']}, transformers "
+        f"{meta['torch_num_threads']}"
+        + (f", bf16 linears on {meta['cpu_bf16_linear']}" if "cpu_bf16_linear" in meta else "")
+        + f"; torch {meta['versions']['torch']}, transformers "
         f"{meta['versions']['transformers']}; commit `{(meta.get('git_commit') or '?')[:10]}`; "
         f"{meta['time_utc']}. Load average at start "
         f"{' / '.join(f'{x:.2f}' for x in meta['load_average_1_5_15'])}, at end "

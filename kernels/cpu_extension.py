@@ -1,6 +1,6 @@
 """Build (once) and load the CPU kernels, a torch C++ extension: paged attention, the fused
 per-layer ops (RMSNorm, residual add + RMSNorm, rotary, SiLU * up; kernels/layer_ops.py), the
-float32 and bfloat16 (AVX512-BF16) linear layers over weights packed once
+float32 and bfloat16 (AVX512-BF16, AMX) linear layers over weights packed once
 (engine_service/model/models/packed_linear.py) and the decoder layers in one call
 (engine_service/model/models/fused_decoder.py).
 

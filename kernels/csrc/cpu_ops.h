@@ -43,8 +43,12 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed,
 // linear_bf16_amx.cpp: the same packed weights on AMX tiles, which packed_linear_bf16 takes
 // for every call where linear_bf16_amx() (built for AMX, and Linux granted the tiles)
 bool linear_bf16_amx();
-void packed_linear_bf16_amx(const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
-                            const uint16_t* packed, int64_t panels, uint16_t* y,
-                            int64_t out_features, const float* bias);
+void packed_linear_bf16_amx(const uint16_t* x,  // [M, K] bf16 bits, rows ldx apart
+                            int64_t ldx, int64_t M, int64_t K,
+                            const uint16_t* packed,  // [panels, ceil(K / 2), 64] bf16 bits
+                            int64_t panels,
+                            uint16_t* y,  // [M, out_features] bf16 bits, dense
+                            int64_t out_features,
+                            const float* bias);  // [out_features] float32, or null
 
 }  // namespace pagedgen_cpu

@@ -36,7 +36,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 namespace pagedgen_cpu {
 
@@ -155,7 +157,13 @@ bool request_amx_permission() {
 }  // namespace
 
 bool linear_bf16_amx() {
-  static const bool ready = request_amx_permission();
+  // PAGEDGEN_CPU_AMX=0 keeps the VDPBF16PS kernel on an AMX CPU (tests run both kernels on
+  // one machine; read once, at the first bf16 linear).
+  static const bool ready = [] {
+    const char* setting = std::getenv("PAGEDGEN_CPU_AMX");
+    if (setting != nullptr && std::string(setting) == "0") return false;
+    return request_amx_permission();
+  }();
   return ready;
 }
 
@@ -166,23 +174,26 @@ void packed_linear_bf16_amx(const uint16_t* x, int64_t ldx, int64_t M, int64_t K
   for_each_row_block_and_panel_range(
       M, 2 * K, kBlockRows, panels, [&](int64_t m0, int64_t rows, int64_t begin, int64_t end) {
         // The tile configuration is this thread's (a oneDNN call in between may have
-        // replaced it): set here, for the block's whole rows and then for its last rows.
-        int64_t configured_rows = 0;
-        for (int64_t p = begin; p < end; ++p) {
-          const int64_t n0 = p * kPanel;
-          for (int64_t r = 0; r < rows; r += kBlockRows) {
-            const int64_t block = std::min(kBlockRows, rows - r);
-            if (block != configured_rows) {
-              const TileConfig cfg = config_for(block);
-              _tile_loadconfig(&cfg);
-              configured_rows = block;
+        // replaced it), so it is set here: once for the block's whole 32-row groups, over
+        // every panel (each panel's B tiles then serve them all from L1/L2), and once for
+        // its last rows, over every panel again. (Switching per panel cost 33 rows about
+        // what 48 cost.)
+        const int64_t whole = rows / kBlockRows * kBlockRows;
+        auto walk = [&](int64_t first, int64_t last, int64_t block) {
+          const TileConfig cfg = config_for(block);
+          _tile_loadconfig(&cfg);
+          for (int64_t p = begin; p < end; ++p) {
+            const int64_t n0 = p * kPanel;
+            for (int64_t r = first; r < last; r += block) {
+              panel_block(x + (m0 + r) * ldx, ldx, block, packed + p * panel_size, K,
+                          y + (m0 + r) * out_features + n0, out_features,
+                          std::min(kPanel, out_features - n0),
+                          bias == nullptr ? nullptr : bias + n0);
             }
-            panel_block(x + (m0 + r) * ldx, ldx, block, packed + p * panel_size, K,
-                        y + (m0 + r) * out_features + n0, out_features,
-                        std::min(kPanel, out_features - n0),
-                        bias == nullptr ? nullptr : bias + n0);
           }
-        }
+        };
+        if (whole > 0) walk(0, whole, kBlockRows);
+        if (rows > whole) walk(whole, rows, rows - whole);
         _tile_release();  // back to the init state: no 8 KiB for the OS to save per switch
       });
 }

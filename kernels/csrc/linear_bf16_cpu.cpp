@@ -16,7 +16,9 @@
 // a row's result does not depend on the batch it ran in.
 //
 // Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU);
-// bf16_native() says whether it was, and Python keeps oneDNN's bf16 linear elsewhere.
+// bf16_native() says whether it was, and Python keeps oneDNN's bf16 linear elsewhere. On a
+// CPU with AMX, packed_linear_bf16 hands every call to linear_bf16_amx.cpp instead (same
+// packed weights, AMX tiles; bf16_amx() says whether it does).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -81,6 +81,26 @@ def test_n4_groups_preempted_often_match_a_roomy_pool(mode, sampling, make_llm, 
     assert (counters.num_swapped_out if mode == "swap" else counters.num_recomputed) > 0
 
 
+def test_bf16_seeded_n4_groups_preempted_often_match_a_roomy_pool(make_llm, tiny_llama_dir):
+    """The same in bfloat16 on our linears (AVX512-BF16 or AMX): a recompute runs a sequence's
+    tokens in another batch than the first time, and its seeded samples still come out the
+    same, because a row's linear and attention results do not depend on its batch."""
+    from engine_service import LLM
+    from engine_service.model.models.packed_linear import bf16_linear_kernel
+
+    if bf16_linear_kernel() not in ("amx", "vdpbf16ps"):
+        pytest.skip("bf16 linears are not ours here (oneDNN's depend on the batch)")
+    params = GROUP_SAMPLING["seeded"]
+    roomy = LLM(str(tiny_llama_dir), block_size=8, num_blocks=1024, dtype="bfloat16")
+    expected = [[c.token_ids for c in o.outputs] for o in roomy.generate(GROUP_PROMPTS, params)]
+    del roomy
+    llm = make_llm(tiny_llama_dir, block_size=8, num_blocks=28, preemption_mode="recompute",
+                   dtype="bfloat16")
+    outputs = llm.generate(GROUP_PROMPTS, params)
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == expected
+    assert llm.llm_engine.scheduler.counters.num_recomputed > 0
+
+
 def llm_block_bytes(model_dir) -> int:
     import torch
 

@@ -1,8 +1,15 @@
-"""The bfloat16 CPU linear on AVX512-BF16 (kernels/csrc/linear_bf16_cpu.cpp) against a float64
-reference of the same bf16 values: one row (a batch-1 decode) to many (prefill), odd sizes
-(columns past the last full panel of 32, an odd feature count, row counts past the 12-row
-groups), strided rows, with and without a bias; each row's result the same in every batch and
-thread count; its refusals; and the engine's bf16 linears on it (oneDNN's where it is absent)."""
+"""The bfloat16 CPU linear (kernels/csrc/linear_bf16_cpu.cpp on AVX512-BF16, linear_bf16_amx.cpp on
+AMX tiles where the CPU has them) against a float64 reference of the same bf16 values: one row
+(a batch-1 decode) to many (prefill), odd sizes (columns past the last full panel of 32, an odd
+feature count, features past the last 32-feature tile, row counts past the 12-row groups and
+past one and two 16-row tiles), strided rows, with and without a bias; each row's result the
+same in every batch and thread count; its refusals; and the engine's bf16 linears on it
+(oneDNN's where it is absent)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,7 +46,7 @@ def _check(y: torch.Tensor, x, weight, bias) -> None:
     torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-3)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 11, 12, 13, 70])
+@pytest.mark.parametrize("rows", [0, 1, 11, 12, 13, 20, 50, 70])
 @pytest.mark.parametrize(("in_features", "out_features"), [(64, 32), (37, 100), (576, 960),
                                                            (9, 3), (1, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -93,6 +100,69 @@ def test_strided_rows_threads_and_a_row_result_independent_of_its_batch():
     y = linear(big, packed, None, 200)
     for i in (0, 1000, 2047):
         assert torch.equal(linear(big[i : i + 1], packed, None, 200)[0], y[i])
+
+
+def test_features_past_the_last_tile_and_a_row_result_independent_of_its_batch():
+    """101 features: three whole 32-feature tiles, then five (an odd count) summed after them;
+    rows in blocks of 32 and tails of 1 to 31 (one or two 16-row tiles on AMX)."""
+    generator = torch.Generator().manual_seed(5)
+    weight = _bf16(70, 101, generator=generator)
+    bias = _bf16(70, generator=generator)
+    packed = pack(weight)
+    x = _bf16(83, 101, generator=generator)
+    y = linear(x, packed, bias, 70)
+    _check(y, x, weight, bias)
+    for start, count in ((0, 1), (3, 17), (40, 31), (50, 33), (0, 83)):
+        part = linear(x[start : start + count], packed, bias, 70)
+        assert torch.equal(part, y[start : start + count]), (start, count)
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists() or "amx_bf16" not in _cpu_flags(),
+                    reason="no AMX on this CPU")
+def test_a_cpu_with_amx_runs_the_tiles():
+    """Built with -march=native on an AMX CPU, the kernel uses the tiles (Linux 5.16+ grants
+    them on request): a false here means AMX CPUs silently run the slower VDPBF16PS path."""
+    assert torch.ops.pagedgen_cpu_linear.bf16_amx()
+
+
+def test_the_vdpbf16ps_kernel_on_an_amx_cpu_too(tmp_path):
+    """PAGEDGEN_CPU_AMX=0 keeps a process on the VDPBF16PS kernel, which CPUs with AVX512-BF16
+    and no AMX run (AMD Zen 4, Cooper Lake): this file again on it, and its results within
+    bf16 rounding of the AMX kernel's (their last bits may differ: other summation orders)."""
+    if not torch.ops.pagedgen_cpu_linear.bf16_amx():
+        pytest.skip("AMX not in use here: this file already runs the VDPBF16PS kernel")
+    env = dict(os.environ, PAGEDGEN_CPU_AMX="0")
+    generator = torch.Generator().manual_seed(11)
+    weight, x = _bf16(960, 576, generator=generator), _bf16(40, 576, generator=generator)
+    torch.save({"weight": weight, "x": x}, tmp_path / "case.pt")
+    script = (
+        "import sys, torch\n"
+        "from kernels.cpu_extension import build_and_load\n"
+        "build_and_load()\n"
+        "ops = torch.ops.pagedgen_cpu_linear\n"
+        "assert ops.bf16_native() and not ops.bf16_amx(), 'PAGEDGEN_CPU_AMX=0 ignored'\n"
+        "case = torch.load(sys.argv[1])\n"
+        "y = ops.linear(case['x'], ops.pack_weight(case['weight']), None, 960)\n"
+        "torch.save(y, sys.argv[2])\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "case.pt"),
+                    str(tmp_path / "y.pt")], env=env, check=True, timeout=300)
+    other = torch.load(tmp_path / "y.pt")
+    ours = linear(x, pack(weight), None, 960)
+    _check(other, x, weight, None)
+    torch.testing.assert_close(other.double(), ours.double(), rtol=2**-7, atol=2e-3)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+         "not vdpbf16ps_kernel_on_an_amx and not runs_the_tiles"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
 
 
 def test_bad_inputs_are_refused_with_the_reason():

@@ -38,10 +38,12 @@ the extension at load when the cache lacks it).
 """
 
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from engine_service.model.dtype import cpu_feature_flags
 from engine_service.model.huge_pages import HugePageArena
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,28 @@ def _our_kernel_available(dtype: torch.dtype = torch.float32) -> bool:
     if dtype == torch.bfloat16:  # built only where the compiler targets AVX512-BF16
         return bool(torch.ops.pagedgen_cpu_linear.bf16_native())
     return dtype == torch.float32
+
+
+def bf16_linear_kernel() -> str:
+    """Which kernel runs this process's bfloat16 linears on the CPU: "amx", "vdpbf16ps" (ours,
+    linear_bf16_amx.cpp / linear_bf16_cpu.cpp), "onednn" or "torch" (nn.Linear). The two of
+    ours round alike but sum in other orders, so their last bits differ: logged at load."""
+    if _our_kernel_available(torch.bfloat16):
+        return "amx" if torch.ops.pagedgen_cpu_linear.bf16_amx() else "vdpbf16ps"
+    return "onednn" if can_pack(torch.device("cpu"), torch.bfloat16) else "torch"
+
+
+def _log_bf16_kernel() -> None:
+    kernel = bf16_linear_kernel()
+    log.info("bfloat16 linears on %s", kernel)
+    try:
+        has_amx = "amx_bf16" in cpu_feature_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        has_amx = False
+    if has_amx and kernel != "amx":
+        log.warning("this CPU has AMX but the bfloat16 linears run on %s: the C++ extension was "
+                    "built without AMX (a compiler older than GCC 11 / Clang 12), Linux refused "
+                    "the tiles (before 5.16, or a sandbox), or PAGEDGEN_CPU_AMX=0", kernel)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -146,6 +170,8 @@ def pack_linear_layers(module: nn.Module) -> int:
     in the C heap.)"""
     slots = _linear_slots(module)
     linears = [getattr(parent, name) for parent, name in slots]
+    if any(linear.weight.dtype == torch.bfloat16 for linear in linears):
+        _log_bf16_kernel()
     sizes = [packed_bytes_bound(linear) for linear in linears
              if _our_kernel_available(linear.weight.dtype)]
     del linears
