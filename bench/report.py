@@ -121,6 +121,29 @@ def _targets(r: dict) -> list[str]:
     return rows
 
 
+
+def engine_vs_llamacpp(r: dict, run: dict) -> tuple[float, float] | None:
+    """(ours, llama.cpp's) output tok/s for one llama.cpp run of results `r`, as issue #13's
+    targets compare them; None where our side is missing."""
+    peers = r.get("peers", {})
+    sfx = "_bf16" if run["dtype"] == "bf16" else ""
+    if run["parallel"] == 1:
+        # Decode speed against decode speed: ours from the time per output token (the
+        # prompt's prefill is not in it), theirs from the batched bench's decode phase.
+        tpot_ms = peers.get("engine_offline_b1" + sfx, {}).get("tpot", {}).get("mean_ms")
+        return (1000 / tpot_ms, run["decode_tok_s"]) if tpot_ms else None
+    # The whole job against the whole job: the requests' prompts processed and their outputs
+    # decoded (llama.cpp's prompt + decode time), output tokens per second.
+    mine = peers.get("engine_offline" + sfx, {}).get("output_throughput")
+    if mine is None:
+        return None
+    outputs = run["parallel"] * run["output_len"]
+    # (Results from before total_s was recorded: the two phases' times, which add up to
+    # llama-batched-bench's total when prompts are not shared.)
+    total_s = run.get("total_s") or (run["parallel"] * run["prompt_len"] / run["prompt_tok_s"]
+                                     + outputs / run["decode_tok_s"])
+    return mine, outputs / total_s
+
 def _cpu_dtype_targets(r: dict) -> list[str]:
     """Issue #13's targets: bf16 against fp32, HF and llama.cpp in the same dtype."""
     peers, ratios, roof = r.get("peers", {}), r.get("ratios", {}), r.get("roofline", {})
@@ -155,28 +178,14 @@ def _cpu_dtype_targets(r: dict) -> list[str]:
             f"{_f(b1)} tok/s = {_pct(b1 / bound)} of {_f(bound)}", b1 / bound >= 0.6)
     llama = r.get("llamacpp", {})
     for run in llama.get("runs", []):
-        sfx = "_bf16" if run["dtype"] == "bf16" else ""
+        pair = engine_vs_llamacpp(r, run)
+        if pair is None:
+            continue
+        mine, theirs = pair
         if run["parallel"] == 1:
-            # Decode speed against decode speed: ours from the time per output token (the
-            # prompt's prefill is not in it), theirs from the batched bench's decode phase.
-            tpot_ms = peers.get("engine_offline_b1" + sfx, {}).get("tpot", {}).get("mean_ms")
-            if not tpot_ms:
-                continue
-            mine, theirs = 1000 / tpot_ms, run["decode_tok_s"]
             add(f"engine {run['dtype']} decode >= 1.0x llama.cpp's at 1 sequence",
                 f"{_f(mine / theirs, 2)}x ({_f(mine)} vs {_f(theirs)} tok/s)", mine >= theirs)
             continue
-        # The whole job against the whole job: 32 requests' prompts processed and their
-        # outputs decoded (llama.cpp's prompt + decode time), output tokens per second.
-        mine = peers.get("engine_offline" + sfx, {}).get("output_throughput")
-        if mine is None:
-            continue
-        outputs = run["parallel"] * run["output_len"]
-        # (Results from before total_s was recorded: the two phases' times, which add up to
-        # llama-batched-bench's total when prompts are not shared.)
-        total_s = run.get("total_s") or (run["parallel"] * run["prompt_len"] / run["prompt_tok_s"]
-                                         + outputs / run["decode_tok_s"])
-        theirs = outputs / total_s
         add(f"engine {run['dtype']} >= 1.5x llama.cpp at {run['parallel']} concurrent requests "
             "(prompts + outputs)",
             f"{_f(mine / theirs, 2)}x ({_f(mine)} vs {_f(theirs)} output tok/s; llama.cpp "
