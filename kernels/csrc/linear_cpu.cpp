@@ -13,9 +13,8 @@
 // and however they are grouped, so a row's result does not depend on the batch it ran in.
 //
 // Vectors: AVX-512 intrinsics where the build targets it, a panel row in one vector of 16
-// floats, and a row group of up to 12 rows keeps 12 accumulators, the panel vector and a
-// broadcast in 14 of its 32 registers (2 threads of a Xeon with AVX-512, 32 rows: 1.6-1.9x
-// the AVX2 path's GFLOP/s, bench.linear); else AVX2 + FMA, 8 floats, up to 6 rows in 15 of
+// floats, two panels walked together, and a row group of up to 12 rows (2 threads of a Xeon
+// with AVX-512, 32 rows: the one-panel walk 1.1-1.4x the AVX2 path's GFLOP/s, bench.linear); else AVX2 + FMA, 8 floats, up to 6 rows in 15 of
 // its 16 registers (with -march=native on x86); elsewhere a portable loop that the compiler
 // vectorizes as it can. Every path sums each element by FMAs over k in order: the same bits.
 
@@ -46,8 +45,10 @@ namespace {
 constexpr int64_t kPanel = pagedgen_cpu::kFloatPanelColumns;  // one vector of 16, or two of 8
 #ifdef PAGEDGEN_LINEAR_AVX512
 constexpr int64_t kMaxRows = 12;  // rows per group
+constexpr int64_t kUnitPanels = 2;  // panels walked together (panel_pair_rows)
 #else
 constexpr int64_t kMaxRows = 6;
+constexpr int64_t kUnitPanels = 1;
 #endif
 
 inline void finish_row(const float* sums, float* row, int64_t ncols, const float* bias) {
@@ -113,8 +114,49 @@ void panel_rows(const float* x, int64_t ldx, const float* panel, int64_t K, floa
   for (int r = 0; r < R; ++r) finish_row(sums[r], y + r * ldy, ncols, bias);
 }
 
+#ifdef PAGEDGEN_LINEAR_AVX512
+// Two adjacent panels at once (32 columns; ncols in 17..32): each broadcast of x feeds two
+// FMAs, so a k step loads 2 + R values for 2R FMAs instead of 1 + R for R, which bound the
+// one-panel walk by loads (2 threads of a Xeon with AVX-512, 256-2048 rows: 240-270 GFLOP/s,
+// against 400 for MKL). 24 accumulators, 2 panel vectors and a broadcast of the 32 registers.
+// Each element is still one FMA chain over k in order: the same bits as one panel at a time.
+template <int R>
+void panel_pair_rows(const float* x, int64_t ldx, const float* panel, const float* next_panel,
+                     int64_t K, float* y, int64_t ldy, int64_t ncols, const float* bias) {
+  alignas(64) float sums[R][2 * kPanel];
+  __m512 acc0[R], acc1[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel);
+    const __m512 w1 = _mm512_loadu_ps(next_panel + k * kPanel);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 xs = _mm512_set1_ps(x[r * ldx + k]);
+      acc0[r] = _mm512_fmadd_ps(xs, w0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(xs, w1, acc1[r]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(sums[r], acc0[r]);
+    _mm512_store_ps(sums[r] + kPanel, acc1[r]);
+  }
+  for (int r = 0; r < R; ++r) finish_row(sums[r], y + r * ldy, ncols, bias);
+}
+#endif
+
 void rows_of_panel(const float* x, int64_t ldx, int64_t rows, const float* panel, int64_t K,
                    float* y, int64_t ldy, int64_t ncols, const float* bias) {
+#ifdef PAGEDGEN_LINEAR_AVX512
+  if (ncols > kPanel) {  // this panel and the next (the caller's unit is a pair)
+    pagedgen_cpu::for_each_row_group<kMaxRows>(rows, [&](auto group_rows, int64_t r) {
+      panel_pair_rows<decltype(group_rows)::value>(x + r * ldx, ldx, panel, panel + K * kPanel,
+                                                   K, y + r * ldy, ldy, ncols, bias);
+    });
+    return;
+  }
+#endif
   pagedgen_cpu::for_each_row_group<kMaxRows>(rows, [&](auto group_rows, int64_t r) {
     panel_rows<decltype(group_rows)::value>(x + r * ldx, ldx, panel, K, y + r * ldy, ldy, ncols,
                                             bias);
@@ -173,11 +215,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   const int64_t ldx = x.stride(0);
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for_each_row_block_and_panel(M, 4 * K, kMaxRows, panels,
-                               [&](int64_t m0, int64_t rows, int64_t p) {
-    const int64_t n0 = p * kPanel;
-    rows_of_panel(xp + m0 * ldx, ldx, rows, wp + p * K * kPanel, K, yp + m0 * out_features + n0,
-                  out_features, std::min(kPanel, out_features - n0),
+  // Units of kUnitPanels adjacent panels (the last may have fewer), handed out like panels.
+  const int64_t units = (panels + kUnitPanels - 1) / kUnitPanels;
+  for_each_row_block_and_panel(M, 4 * K, kMaxRows, units,
+                               [&](int64_t m0, int64_t rows, int64_t u) {
+    const int64_t n0 = u * kUnitPanels * kPanel;
+    rows_of_panel(xp + m0 * ldx, ldx, rows, wp + u * kUnitPanels * K * kPanel, K,
+                  yp + m0 * out_features + n0, out_features,
+                  std::min(kUnitPanels * kPanel, out_features - n0),
                   bias_ptr == nullptr ? nullptr : bias_ptr + n0);
   });
   return y;

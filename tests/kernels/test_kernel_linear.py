@@ -20,9 +20,11 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return F.linear(x.double(), weight.double(), b)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 70])
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 12, 13, 25, 70])
+# (out_features 20, 100: a last pair of panels with 4 columns in its second, a lone last
+# panel after whole pairs, where the AVX-512 path walks panels in pairs)
 @pytest.mark.parametrize(("in_features", "out_features"), [(64, 16), (37, 100), (576, 960),
-                                                           (9, 3)])
+                                                           (9, 3), (19, 20)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_a_float64_reference(rows, in_features, out_features, with_bias):
     generator = torch.Generator().manual_seed(rows * 1000 + in_features + out_features)
