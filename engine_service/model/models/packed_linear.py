@@ -18,8 +18,9 @@ batch it runs in, as for float32.
 
 On a CPU with AMX (Sapphire Rapids and later): the same packed weights on AMX tiles
 (kernels/csrc/linear_bf16_amx.cpp), for every row count. Against oneDNN's AMX linear (Xeon
-with AMX, 2 threads, `python -m bench.linear --dtype bfloat16`): 1 row 1.1-3.5x faster, 4
-rows 1.2-3.8x, 32 rows 1.1-2.3x, 256 rows 0.6-1.4x, 2048 rows 0.7-0.9x; on oneDNN's linears a
+with AMX, 2 threads, `python -m bench.linear --dtype bfloat16`, bench/results/xeon_amx/
+linear_bf16.json): 1 row 1.17-3.29x faster, 4 rows 1.18-3.35x, 32 rows 1.10-2.44x, 256 rows
+0.57-1.46x, 2048 rows 0.66-0.87x; on oneDNN's linears a
 bf16 engine also lost the decoder layers in one C++ call (the bf16 decode step at batch 1:
 17.5 -> 11.1 ms, bench.decode_step). A row's result is still the same in every batch.
 
