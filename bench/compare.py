@@ -91,11 +91,17 @@ def main(argv: list[str] | None = None) -> None:
     runs = []
     for path in args.results:
         try:
-            runs.append(json.loads(path.read_text()))
+            run = json.loads(path.read_text())
         except (OSError, ValueError) as error:
             p.error(f"results {path}: {error}")
-        if "peers" not in runs[-1] or "peaks" not in runs[-1]:
-            p.error(f"results {path}: no peers or peaks (a run with --skip engine,hf,roofline?)")
+        if not isinstance(run, dict) or not isinstance(run.get("meta"), dict):
+            p.error(f"results {path}: not a pagedgen-bench bench.json")
+        peaks = run.get("peaks") or {}
+        if "matmul_flops" not in peaks or "read_bandwidth" not in peaks:
+            p.error(f"results {path}: no matmul peak or read bandwidth (run with --skip "
+                    "roofline?): nothing to read its ratios against")
+        run.setdefault("peers", {})
+        runs.append(run)
     text = markdown(args.results, runs)
     print(text, end="")
     if args.out is not None:

@@ -121,7 +121,6 @@ def _targets(r: dict) -> list[str]:
     return rows
 
 
-
 def engine_vs_llamacpp(r: dict, run: dict) -> tuple[float, float] | None:
     """(ours, llama.cpp's) output tok/s for one llama.cpp run of results `r`, as issue #13's
     targets compare them; None where our side is missing."""
@@ -143,6 +142,7 @@ def engine_vs_llamacpp(r: dict, run: dict) -> tuple[float, float] | None:
     total_s = run.get("total_s") or (run["parallel"] * run["prompt_len"] / run["prompt_tok_s"]
                                      + outputs / run["decode_tok_s"])
     return mine, outputs / total_s
+
 
 def _cpu_dtype_targets(r: dict) -> list[str]:
     """Issue #13's targets: bf16 against fp32, HF and llama.cpp in the same dtype."""
@@ -239,7 +239,7 @@ def render_report(r: dict, out: Path) -> str:
     lines = [
         "## Benchmark results",
         "",
-        "Reproduce (writes `bench/results/bench.json`, the PNGs and this section):",
+        f"Reproduce (writes `{rel}/bench.json`, the PNGs and this section):",
         "",
         "```",
         meta.get("command", "pagedgen-bench"),

@@ -12,11 +12,11 @@
 // Each output element is one float32 sum over k in order 0..K-1, whatever the number of rows
 // and however they are grouped, so a row's result does not depend on the batch it ran in.
 //
-// Vectors: AVX-512 intrinsics where the build targets it, a panel row in one vector of 16
-// floats, two panels walked together, and a row group of up to 12 rows (2 threads of a Xeon
-// with AVX-512, 32 rows: the one-panel walk 1.1-1.4x the AVX2 path's GFLOP/s, bench.linear); else AVX2 + FMA, 8 floats, up to 6 rows in 15 of
-// its 16 registers (with -march=native on x86); elsewhere a portable loop that the compiler
-// vectorizes as it can. Every path sums each element by FMAs over k in order: the same bits.
+// Vectors: AVX-512 intrinsics where the build targets it: a panel row in one vector of 16
+// floats, two panels walked together, row groups of up to 12 rows (bench/results/xeon_amx/
+// linear.json). Else AVX2 + FMA: 8 floats, up to 6 rows in 15 of its 16 registers (with
+// -march=native on x86). Elsewhere a portable loop that the compiler vectorizes as it can.
+// Every path sums each element by FMAs over k in order: the same bits.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -215,16 +215,20 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   const int64_t ldx = x.stride(0);
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Units of kUnitPanels adjacent panels (the last may have fewer), handed out like panels.
-  const int64_t units = (panels + kUnitPanels - 1) / kUnitPanels;
-  for_each_row_block_and_panel(M, 4 * K, kMaxRows, units,
-                               [&](int64_t m0, int64_t rows, int64_t u) {
-    const int64_t n0 = u * kUnitPanels * kPanel;
-    rows_of_panel(xp + m0 * ldx, ldx, rows, wp + u * kUnitPanels * K * kPanel, K,
-                  yp + m0 * out_features + n0, out_features,
-                  std::min(kUnitPanels * kPanel, out_features - n0),
-                  bias_ptr == nullptr ? nullptr : bias_ptr + n0);
-  });
+  // Panels are handed out to the threads one by one, as many work items as panels (a 192-column
+  // projection is 12 panels: 12 threads can stream it); each thread walks its range in units
+  // of kUnitPanels adjacent panels, the last unit of a range with fewer where it runs short.
+  for_each_row_block_and_panel_range(
+      M, 4 * K, kMaxRows, panels, [&](int64_t m0, int64_t rows, int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; p += kUnitPanels) {
+          const int64_t n0 = p * kPanel;
+          const int64_t unit_panels = std::min(kUnitPanels, end - p);
+          rows_of_panel(xp + m0 * ldx, ldx, rows, wp + p * K * kPanel, K,
+                        yp + m0 * out_features + n0, out_features,
+                        std::min(unit_panels * kPanel, out_features - n0),
+                        bias_ptr == nullptr ? nullptr : bias_ptr + n0);
+        }
+      });
   return y;
 }
 

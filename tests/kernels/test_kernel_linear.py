@@ -1,8 +1,14 @@
 """The float32 CPU linear (kernels/csrc/linear_cpu.cpp) against a float64 torch reference: one
-row (a batch-1 decode) to many (prefill), odd sizes (columns past the last full panel of 16,
-row counts past the 6-row groups), rows strided as the model's slices are, with and without a
-bias; each row's result the same in every batch; and the engine's linears on it."""
+row (a batch-1 decode) to many (prefill), odd sizes (columns past the last full panel of 16 and
+pair of panels, row counts past the 6- and 12-row groups), rows strided as the model's slices
+are, with and without a bias; each element exactly the float32 FMA chain over k in order (on
+AVX2, on AVX-512 and in the portable loop alike); each row's result the same in every batch;
+and the engine's linears on it."""
 
+import math
+from fractions import Fraction
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,6 +61,52 @@ def test_strided_rows_and_a_row_result_independent_of_its_batch():
         start = max(0, i - 3)
         part = torch.ops.pagedgen_cpu_linear.linear(x[start : start + 7], packed, None, 200)
         assert torch.equal(part[i - start], y[i])
+
+
+def _fma_f32(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
+    """a * b + c rounded once to float32 (nearest, ties to even), exactly."""
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    guess = np.float32(float(exact))  # within one float32 step of the answer
+    candidates = [np.nextafter(guess, np.float32(-math.inf)), guess,
+                  np.nextafter(guess, np.float32(math.inf))]
+    return min(candidates, key=lambda v: (abs(Fraction(float(v)) - exact),
+                                          int(v.view(np.int32)) & 1))
+
+
+def test_each_element_is_the_float32_fma_chain_over_k_in_order():
+    """The bits themselves, not a tolerance: y[m][n] = fma(x[m][K-1], w[n][K-1], ... fma(x[m][0],
+    w[n][0], 0)), as every path computes it (33 columns: a pair of panels and a lone one)."""
+    generator = torch.Generator().manual_seed(8)
+    weight = torch.randn(33, 7, generator=generator)
+    x = torch.randn(13, 7, generator=generator)
+    y = torch.ops.pagedgen_cpu_linear.linear(
+        x, torch.ops.pagedgen_cpu_linear.pack_weight(weight), None, 33)
+    xs, ws = x.numpy(), weight.numpy()
+    expected = np.zeros((13, 33), dtype=np.float32)
+    for m in range(13):
+        for n in range(33):
+            acc = np.float32(0)
+            for k in range(7):
+                acc = _fma_f32(xs[m, k], ws[n, k], acc)
+            expected[m, n] = acc
+    assert np.array_equal(y.numpy(), expected)
+
+
+def test_a_partial_pair_of_panels_independent_of_batch_and_threads():
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(20, 576, generator=generator)  # panels of 16 and 4 columns
+    x = torch.randn(25, 576, generator=generator)
+    packed = torch.ops.pagedgen_cpu_linear.pack_weight(weight)
+    y = torch.ops.pagedgen_cpu_linear.linear(x, packed, None, 20)
+    for start, count in ((0, 1), (5, 12), (3, 13), (0, 25)):
+        part = torch.ops.pagedgen_cpu_linear.linear(x[start : start + count], packed, None, 20)
+        assert torch.equal(part, y[start : start + count]), (start, count)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(torch.ops.pagedgen_cpu_linear.linear(x, packed, None, 20), y)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_linear_runs_threaded_as_one_thread():
@@ -128,6 +180,6 @@ def test_one_input_feature_and_large_row_counts():
     p = torch.ops.pagedgen_cpu_linear.pack_weight(weight)
     y = torch.ops.pagedgen_cpu_linear.linear(x, p, None, 48)
     torch.testing.assert_close(y.double(), _reference(x, weight, None), atol=2e-4, rtol=1e-5)
-    for i in (0, 125, 2047):  # (blocks of 30 rows at this width)
+    for i in (0, 125, 2047):  # (several row blocks at this width)
         assert torch.equal(torch.ops.pagedgen_cpu_linear.linear(x[i : i + 1], p, None, 48)[0],
                            y[i])
