@@ -33,7 +33,8 @@ SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name
                              "linear_bf16_cpu.cpp", "linear_bf16_amx.cpp",
                              "decoder_cpu.cpp"))
 HEADERS = tuple(Path(__file__).resolve().parent / "csrc" / name
-                for name in ("cpu_math.h", "cpu_ops.h", "linear_blocks.h"))  # in the cache key too
+                for name in ("cpu_math.h", "cpu_ops.h", "linear_blocks.h",
+                             "linear_bf16_store.h"))  # in the cache key too
 EXTENSION_NAME = "pagedgen_cpu_attention"
 # -march=native: the cache key includes this CPU's flags, so a copy of the cache moved to
 # another kind of CPU rebuilds instead of crashing on an unknown instruction.

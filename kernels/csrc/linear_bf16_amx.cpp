@@ -25,6 +25,7 @@
 
 #include "cpu_ops.h"
 #include "linear_blocks.h"
+#include "linear_bf16_store.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__linux__)
@@ -130,19 +131,7 @@ void panel_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* p
       acc0 = _mm512_dpbf16_ps(acc0, xs, (__m512bh)_mm512_loadu_si512(w));
       acc1 = _mm512_dpbf16_ps(acc1, xs, (__m512bh)_mm512_loadu_si512(w + kPanel));
     }
-    // The same rounding as the VDPBF16PS kernel's (cvtneps: nearest even).
-    const __m256bh lo = _mm512_cvtneps_pbh(_mm512_add_ps(acc0, bias0));
-    const __m256bh hi = _mm512_cvtneps_pbh(_mm512_add_ps(acc1, bias1));
-    uint16_t* out = y + r * ldy;
-    if (ncols == kPanel) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)lo);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), (__m256i)hi);
-    } else {
-      alignas(64) uint16_t staged[kPanel];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(staged), (__m256i)lo);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(staged + 16), (__m256i)hi);
-      std::memcpy(out, staged, ncols * sizeof(uint16_t));
-    }
+    store_bf16_panel_row(acc0, acc1, bias0, bias1, y + r * ldy, ncols);  // as VDPBF16PS's
   }
 }
 

@@ -29,6 +29,7 @@
 #include "cpu_math.h"
 #include "cpu_ops.h"
 #include "linear_blocks.h"
+#include "linear_bf16_store.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -91,20 +92,7 @@ void panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K
     bias1 = _mm512_load_ps(partial_bias + 16);
   }
   for (int r = 0; r < R; ++r) {
-    // cvtneps: round to nearest even as from_float<BFloat16>, except that a subnormal sum
-    // becomes zero and a NaN keeps its sign and payload (quieted) where c10 gives 0x7fc0.
-    const __m256bh lo = _mm512_cvtneps_pbh(_mm512_add_ps(acc0[r], bias0));
-    const __m256bh hi = _mm512_cvtneps_pbh(_mm512_add_ps(acc1[r], bias1));
-    uint16_t* row = y + r * ldy;
-    if (ncols == kPanel) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), (__m256i)lo);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16), (__m256i)hi);
-    } else {
-      alignas(64) uint16_t out[kPanel];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(out), (__m256i)lo);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(out + 16), (__m256i)hi);
-      std::memcpy(row, out, ncols * sizeof(uint16_t));
-    }
+    pagedgen_cpu::store_bf16_panel_row(acc0[r], acc1[r], bias0, bias1, y + r * ldy, ncols);
   }
 }
 
