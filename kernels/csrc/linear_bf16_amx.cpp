@@ -74,7 +74,7 @@ TileConfig config_for(int64_t rows) {
   return cfg;
 }
 
-// A tile's 16-column half of a panel, in float32, for up to 32 rows.
+// A block's sums in float32: up to 32 rows by the panel's 32 columns (C tiles 0-3 stored).
 struct BlockSums {
   alignas(64) float c[kBlockRows][kPanel];
 };
@@ -124,8 +124,8 @@ void panel_block(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* p
     // The features past the last whole chunk, a pair at a time (an odd last feature pairs
     // with the zero the packing put after it, and so with a zero of x's here).
     for (int64_t k = first_tail; k < K; k += 2) {
-      const int32_t pair = k + 1 < K ? static_cast<int32_t>(row[k] | (uint32_t{row[k + 1]} << 16))
-                                     : static_cast<int32_t>(row[k]);
+      const uint32_t high = k + 1 < K ? uint32_t{row[k + 1]} << 16 : 0u;
+      const auto pair = static_cast<int32_t>(row[k] | high);
       const __m512bh xs = (__m512bh)_mm512_set1_epi32(pair);
       const uint16_t* w = panel + (k / 2) * (kPanelRowBytes / 2);
       acc0 = _mm512_dpbf16_ps(acc0, xs, (__m512bh)_mm512_loadu_si512(w));
