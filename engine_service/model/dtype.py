@@ -29,6 +29,14 @@ def cpu_feature_flags(cpuinfo_text: str) -> frozenset[str]:
     return frozenset()
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from /proc/cpuinfo; empty where there is none (macOS, Windows)."""
+    try:
+        return cpu_feature_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return frozenset()
+
+
 def cpu_has_native_bf16(cpuinfo_text: str | None = None) -> bool:
     """True when this CPU multiplies bfloat16 in hardware.
 
@@ -38,12 +46,9 @@ def cpu_has_native_bf16(cpuinfo_text: str | None = None) -> bool:
     bf16 matmul is slower than fp32, so only the hardware flags decide. On a system without
     /proc/cpuinfo (macOS, Windows) we cannot tell reliably and say no: fp32 is always correct.
     """
-    if cpuinfo_text is None:
-        try:
-            cpuinfo_text = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    flags = cpu_feature_flags(cpuinfo_text)
+    flags = cpu_flags() if cpuinfo_text is None else cpu_feature_flags(cpuinfo_text)
+    if not flags:
+        return False
     machine = platform.machine().lower()
     if machine in ("aarch64", "arm64"):
         return bool(flags & _ARM_BF16_FEATURES)

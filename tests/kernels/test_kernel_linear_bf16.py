@@ -9,12 +9,12 @@ same in every batch and thread count; its refusals; and the engine's bf16 linear
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engine_service.model.dtype import cpu_flags
 from engine_service.model.models.packed_linear import PackedLinear
 from kernels.cpu_extension import cpu_attention_available
 
@@ -117,15 +117,7 @@ def test_features_past_the_last_tile_and_a_row_result_independent_of_its_batch()
         assert torch.equal(part, y[start : start + count]), (start, count)
 
 
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-@pytest.mark.skipif(not Path("/proc/cpuinfo").exists() or "amx_bf16" not in _cpu_flags(),
-                    reason="no AMX on this CPU")
+@pytest.mark.skipif("amx_bf16" not in cpu_flags(), reason="no AMX on this CPU")
 def test_a_cpu_with_amx_runs_the_tiles():
     """Built with -march=native on an AMX CPU, the kernel uses the tiles (Linux 5.16+ grants
     them on request): a false here means AMX CPUs silently run the slower VDPBF16PS path."""

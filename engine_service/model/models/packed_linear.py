@@ -20,9 +20,9 @@ On a CPU with AMX (Sapphire Rapids and later): the same packed weights on AMX ti
 (kernels/csrc/linear_bf16_amx.cpp), for every row count. Against oneDNN's AMX linear (Xeon
 with AMX, 2 threads, `python -m bench.linear --dtype bfloat16`, bench/results/xeon_amx/
 linear_bf16.json): 1 row 1.17-3.29x faster, 4 rows 1.18-3.35x, 32 rows 1.10-2.44x, 256 rows
-0.57-1.46x, 2048 rows 0.66-0.87x; on oneDNN's linears a
-bf16 engine also lost the decoder layers in one C++ call (the bf16 decode step at batch 1:
-17.5 -> 11.1 ms, bench.decode_step). A row's result is still the same in every batch.
+0.57-1.46x, 2048 rows 0.66-0.87x; on oneDNN's linears a bf16 engine also lost the decoder
+layers in one C++ call (the bf16 decode step at batch 1: 17.5 -> 11.1 ms, bench.decode_step).
+A row's result is still the same in every batch.
 
 Elsewhere (bf16 asked for on a CPU without AVX512-BF16, or a build that does not target it):
 oneDNN's blocked weight layout (mkldnn._reorder_linear_weight), which runs on AMX and
@@ -39,12 +39,11 @@ the extension at load when the cache lacks it).
 """
 
 import logging
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from engine_service.model.dtype import cpu_feature_flags
+from engine_service.model.dtype import cpu_flags
 from engine_service.model.huge_pages import HugePageArena
 
 log = logging.getLogger(__name__)
@@ -72,11 +71,7 @@ def bf16_linear_kernel() -> str:
 def _log_bf16_kernel() -> None:
     kernel = bf16_linear_kernel()
     log.info("bfloat16 linears on %s", kernel)
-    try:
-        has_amx = "amx_bf16" in cpu_feature_flags(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        has_amx = False
-    if has_amx and kernel != "amx":
+    if "amx_bf16" in cpu_flags() and kernel != "amx":
         log.warning("this CPU has AMX but the bfloat16 linears run on %s: the C++ extension was "
                     "built without AMX (a compiler older than GCC 11 / Clang 12), Linux refused "
                     "the tiles (before 5.16, or a sandbox), or PAGEDGEN_CPU_AMX=0", kernel)
