@@ -3,6 +3,7 @@
     python -m bench.decode_step                          # fp32 and bf16, batch 1 and 32
     python -m bench.decode_step --dtypes bfloat16 --batches 1 --backends auto,torch --profile
     python -m bench.decode_step --pages huge,4k --rounds 4   # huge pages against 4 KiB ones
+    python -m bench.decode_step --device cuda --dtypes bfloat16 --batches 1,64 --model DIR
 
 `batch` sequences with `context`-token prompts are prefilled, then `steps` pure decode steps are
 timed (each produces one token per sequence). The split is taken in a second pass in which every
@@ -16,12 +17,16 @@ its own linears and attention calls, with the same clock as the steps (thread CP
 one torch thread, else wall time), and the result says so (fused_layers).
 `pagedgen-bench` records this split next to its throughput figures, so a ratio that moves
 between machines can be explained from the results file.
+On CUDA only the step time is taken: kernels run asynchronously, so a host timer around a call
+measures its launch, not its work (the split's fractions are NaN there). A step still ends
+with the sampled tokens read back to the host, so its wall time is the device's time.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import itertools
 import json
 import os
@@ -61,10 +66,13 @@ class StepResult:
 PAGE_KINDS = ("huge", "4k")
 
 
-def step_clock() -> Callable[[], float]:
+def step_clock(device: str = "cpu") -> Callable[[], float]:
     """With one torch thread all the work runs on this thread, so its CPU time measures the
-    step without the time a shared machine keeps it descheduled; otherwise wall time."""
-    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    step without the time a shared machine keeps it descheduled; otherwise, and on a GPU
+    (whose work this thread only waits for), wall time."""
+    if device == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
 
 
 class _Timer:
@@ -111,7 +119,7 @@ def _running(engine):
 
 
 def _timed_steps(engine, steps: int) -> list[float]:
-    clock = step_clock()
+    clock = step_clock(engine.config.device)
     times = []
     for _ in range(steps):
         start = clock()
@@ -137,12 +145,12 @@ def _ordinary_pages(runner) -> None:
 
 def measure(model: str, dtype: str, batch: int, context: int, steps: int,
             kernel_backend: str = "auto", profile: bool = False,
-            pages: str = "huge") -> StepResult:
+            pages: str = "huge", device: str = "cpu") -> StepResult:
     from engine_service import LLM
 
     if pages not in PAGE_KINDS:
         raise ValueError(f"pages must be one of {PAGE_KINDS}, got {pages!r}")
-    engine = LLM(model=model, dtype=dtype, kernel_backend=kernel_backend,
+    engine = LLM(model=model, dtype=dtype, kernel_backend=kernel_backend, device=device,
                  max_num_seqs=max(batch, 1), enable_prefix_caching=False).llm_engine
     runner = engine.runner
     if pages == "4k":
@@ -150,6 +158,18 @@ def measure(model: str, dtype: str, batch: int, context: int, steps: int,
     _fill(engine, batch, context, 2 * steps + 2)
     _timed_steps(engine, 2)  # warm
     step_s = statistics.median(_timed_steps(engine, steps))
+    if device != "cpu":
+        for request_id in list(engine._groups):
+            engine.abort_request(request_id)
+        backend_name = runner.kernels.name
+        # The next case plans its KV pool from the device's free memory: give this one's back.
+        del engine, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+        nan = float("nan")
+        split = StepSplit(step_ms=step_s * 1e3, tokens_per_s=batch / step_s, matmul_frac=nan,
+                          attention_frac=nan, other_frac=nan)
+        return StepResult(dtype, batch, context, backend_name, split, False, pages)
 
     # Second pass with timers around the linears and the attention calls.
     matmul, attention = _Timer(), _Timer()
@@ -214,13 +234,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat every case this many times, the --pages variants alternating "
                         "(this machine's noise hides a 10%% difference in one pair)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: step times only (see above)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
     pages_list = args.pages.split(",")
     if bad := [x for x in pages_list if x not in PAGE_KINDS]:
         p.error(f"--pages takes huge and/or 4k, got {bad}")
-    if "huge" in pages_list and not huge_pages_supported():
+    if args.device == "cuda":
+        pages_list = ["huge"]  # the device's memory: the CPU page kinds do not apply
+    elif "huge" in pages_list and not huge_pages_supported():
         print("no MADV_HUGEPAGE here: 'huge' runs on ordinary pages too", flush=True)
     if args.model is None:
         from engine_service.tools.prepare_model import ensure_default_model
@@ -229,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     results = []
-    clock = "thread CPU time" if torch.get_num_threads() == 1 else "wall time"
+    clock = "thread CPU time" if step_clock(args.device) is time.thread_time else "wall time"
     print(f"clock: {clock}; load {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
           f"torch threads {torch.get_num_threads()}", flush=True)
     for round_index, dtype, batch, backend, pages_index in itertools.product(
@@ -240,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         order = pages_list if round_index % 2 == 0 else pages_list[::-1]
         pages = order[pages_index]
         r = measure(args.model, dtype, batch, args.context, args.steps, backend, args.profile,
-                    pages)
+                    pages, args.device)
         results.append(r)
         s = r.split
         print(f"{dtype:9} batch {batch:3} ctx {args.context} backend {r.kernel_backend:6} "
