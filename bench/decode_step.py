@@ -61,6 +61,7 @@ class StepResult:
     # "huge": packed weights and KV pool as the engine places them (huge pages on Linux);
     # "4k": both copied into torch's own allocations, the baseline huge pages replace
     pages: str = "huge"
+    cuda_graphs: bool = False  # the timed steps replayed captured CUDA graphs
 
 
 PAGE_KINDS = ("huge", "4k")
@@ -145,13 +146,14 @@ def _ordinary_pages(runner) -> None:
 
 def measure(model: str, dtype: str, batch: int, context: int, steps: int,
             kernel_backend: str = "auto", profile: bool = False,
-            pages: str = "huge", device: str = "cpu") -> StepResult:
+            pages: str = "huge", device: str = "cpu", enforce_eager: bool = False) -> StepResult:
     from engine_service import LLM
 
     if pages not in PAGE_KINDS:
         raise ValueError(f"pages must be one of {PAGE_KINDS}, got {pages!r}")
     engine = LLM(model=model, dtype=dtype, kernel_backend=kernel_backend, device=device,
-                 max_num_seqs=max(batch, 1), enable_prefix_caching=False).llm_engine
+                 max_num_seqs=max(batch, 1), enable_prefix_caching=False,
+                 enforce_eager=enforce_eager).llm_engine
     runner = engine.runner
     if pages == "4k":
         _ordinary_pages(runner)
@@ -162,6 +164,7 @@ def measure(model: str, dtype: str, batch: int, context: int, steps: int,
         for request_id in list(engine._groups):
             engine.abort_request(request_id)
         backend_name = runner.kernels.name
+        graphs = runner.decode_graphs is not None and runner.decode_graphs.num_replays > 0
         # The next case plans its KV pool from the device's free memory: give this one's back.
         del engine, runner
         gc.collect()
@@ -169,7 +172,7 @@ def measure(model: str, dtype: str, batch: int, context: int, steps: int,
         nan = float("nan")
         split = StepSplit(step_ms=step_s * 1e3, tokens_per_s=batch / step_s, matmul_frac=nan,
                           attention_frac=nan, other_frac=nan)
-        return StepResult(dtype, batch, context, backend_name, split, False, pages)
+        return StepResult(dtype, batch, context, backend_name, split, False, pages, graphs)
 
     # Second pass with timers around the linears and the attention calls.
     matmul, attention = _Timer(), _Timer()
@@ -236,10 +239,17 @@ def main(argv: list[str] | None = None) -> None:
                         "(this machine's noise hides a 10%% difference in one pair)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cuda: step times only (see above)")
+    p.add_argument("--cuda-graphs", default="on",
+                   help="cuda: decode steps as CUDA graphs (on), eagerly (off), or both: on,off")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
     pages_list = args.pages.split(",")
+    graph_modes = args.cuda_graphs.split(",")
+    if bad := [x for x in graph_modes if x not in ("on", "off")]:
+        p.error(f"--cuda-graphs takes on and/or off, got {bad}")
+    if args.device == "cpu":
+        graph_modes = ["off"]
     if bad := [x for x in pages_list if x not in PAGE_KINDS]:
         p.error(f"--pages takes huge and/or 4k, got {bad}")
     if args.device == "cuda":
@@ -256,19 +266,20 @@ def main(argv: list[str] | None = None) -> None:
     clock = "thread CPU time" if step_clock(args.device) is time.thread_time else "wall time"
     print(f"clock: {clock}; load {' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
           f"torch threads {torch.get_num_threads()}", flush=True)
-    for round_index, dtype, batch, backend, pages_index in itertools.product(
+    for round_index, dtype, batch, backend, graph_mode, pages_index in itertools.product(
         range(args.rounds), args.dtypes.split(","), [int(b) for b in args.batches.split(",")],
-        args.backends.split(","), range(len(pages_list)),
+        args.backends.split(","), graph_modes, range(len(pages_list)),
     ):
         # Each round runs the variants in the other order, so neither always goes first.
         order = pages_list if round_index % 2 == 0 else pages_list[::-1]
         pages = order[pages_index]
         r = measure(args.model, dtype, batch, args.context, args.steps, backend, args.profile,
-                    pages, args.device)
+                    pages, args.device, enforce_eager=graph_mode == "off")
         results.append(r)
         s = r.split
         print(f"{dtype:9} batch {batch:3} ctx {args.context} backend {r.kernel_backend:6} "
-              f"pages {pages:4} step {s.step_ms:7.2f} ms  {s.tokens_per_s:7.1f} tok/s  matmul "
+              f"pages {pages:4} graphs {r.cuda_graphs!s:5} step {s.step_ms:7.2f} ms  "
+              f"{s.tokens_per_s:7.1f} tok/s  matmul "
               f"{s.matmul_frac:5.1%} attention {s.attention_frac:5.1%} other "
               f"{s.other_frac:5.1%}", flush=True)
     print(f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -14,10 +14,12 @@
 #
 # Stages (each under its own time limit; a failed stage does not stop the next):
 #   tests    the Triton kernels compiled for the GPU against the torch reference, the engine
-#            through them, no kernel compiled after warm-up (pytest, CUDA-only files)
+#            through them, no kernel compiled after warm-up, decode steps as CUDA graphs
+#            giving the eager steps' tokens (pytest, the files with CUDA-only tests)
 #   kernels  bench.kernels: paged attention, reshape_and_cache and copy_blocks, GB/s
-#   smollm2  bench.decode_step on SmolLM2-135M's shape: bf16 and float32 at batch 1 and 64
-#   llama8b  bench.decode_step on Llama-3-8B's layers in bf16 at batch 1 and 64
+#   smollm2  bench.decode_step on SmolLM2-135M's shape: bf16 and float32 at batch 1 and 64,
+#            with and without CUDA graphs
+#   llama8b  bench.decode_step on Llama-3-8B's layers in bf16 at batch 1 and 64, likewise
 #   serve8b  pagedgen-stack on that model with --device cuda: Redis, the index and the engine
 #            as processes, one completion streamed over gRPC
 # Logs and JSON go to $OUT (the device tool's folder that comes back), else /tmp/gpu_check.
@@ -81,15 +83,17 @@ if wants tests; then
     tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_cache_ops.py \
     tests/kernels/test_kernel_backend.py tests/kernels/test_kernel_split_variants.py \
     tests/kernels/test_kernel_index_overflow.py tests/kernels/test_kernel_engine_e2e.py \
-    tests/engine/test_warmup.py
+    tests/engine/test_warmup.py tests/engine/test_cuda_graphs.py
 fi
 if wants kernels; then
   stage kernels-fp16 90 python3 -m bench.kernels --dtype float16 --min-time-s 0.2 \
     --out "$OUT/kernels_float16.json"
 fi
 if wants smollm2; then
-  stage smollm2-steps 120 python3 -m bench.decode_step --device cuda --model "$SMOL" \
-    --dtypes bfloat16,float32 --batches 1,64 --context 256 --steps 50 --json
+  stage smollm2-steps 150 python3 -m bench.decode_step --device cuda --model "$SMOL" \
+    --dtypes "${SMOLLM2_DTYPES:-bfloat16,float32}" --batches 1,64 --cuda-graphs on,off \
+    --context 256 --steps 50 \
+    --json
 fi
 if [ -n "${CKPT_PID:-}" ]; then
   say "=== waiting for the llama-8b checkpoint at $(date +%T)"
@@ -97,8 +101,8 @@ if [ -n "${CKPT_PID:-}" ]; then
   cat "$OUT/llama8b_checkpoint.log" >>"$LOG"
 fi
 if wants llama8b; then
-  stage llama8b-steps 150 python3 -m bench.decode_step --device cuda --model "$L8B" \
-    --dtypes bfloat16 --batches 1,64 --context 512 --steps 30 --json
+  stage llama8b-steps 180 python3 -m bench.decode_step --device cuda --model "$L8B" \
+    --dtypes bfloat16 --batches 1,64 --cuda-graphs on,off --context 512 --steps 30 --json
 fi
 if wants serve8b; then
   stage serve8b 120 python3 -m engine_service.tools.stack --model "$L8B" --device cuda \

@@ -31,6 +31,8 @@ class EngineConfig:
     seed: int = 0
     # Serve token ids only: no tokenizer is loaded, text input is refused, outputs carry ids.
     skip_tokenizer_init: bool = False
+    # CUDA: run decode steps eagerly, without the captured CUDA graphs (a debugging switch).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, value: object, allowed: str) -> None:

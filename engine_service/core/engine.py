@@ -90,6 +90,11 @@ class LLMEngine:
         # After the weights: the pool gets what they and a profiled forward leave; then every
         # kernel variant is warmed up, so the server goes SERVING only once nothing compiles.
         self.kv_setup = setup_kv_cache(self.runner, config, num_cpu_blocks, self.max_model_len)
+        # Decode steps as CUDA graphs: the Triton kernels launch from a graph; the torch
+        # backend builds per-step index tensors on the host, which a graph cannot replay.
+        if config.device == "cuda" and not config.enforce_eager and \
+                self.runner.kernels.name == "triton":
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         num_blocks = self.kv_setup.num_blocks
         # The one block-hash chain of this engine: the cache, PinPrefix and the index link.
         self.hasher = BlockHasher(mc.identity, config.dtype, config.block_size)

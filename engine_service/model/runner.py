@@ -4,6 +4,7 @@ import torch
 
 from engine_service.core.scheduler_output import BlockMoves, ScheduledSeq
 from engine_service.model.config import ModelConfig
+from engine_service.model.cuda_graphs import DecodeGraphs
 from engine_service.model.dtype import DTYPES
 from engine_service.model.huge_pages import huge_page_zeros
 from engine_service.model.loader import load_model, model_weight_bytes
@@ -48,6 +49,14 @@ class ModelRunner:
         self.cos, self.sin = rope_cos_sin_cache(
             model_config, max_model_len, self.dtype, self.device
         )
+        self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the decode forward as CUDA graphs (engine_service/model/cuda_graphs.py),
+        once the KV pool is allocated and warmed up; decode steps replay them from then on."""
+        graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
+        graphs.capture()
+        self.decode_graphs = graphs
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         c = self.config
@@ -101,6 +110,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Forward the scheduled tokens; logits [num sampling seqs, vocab] in schedule order."""
+        if self.decode_graphs is not None and self.decode_graphs.accepts(scheduled):
+            return self.decode_graphs.run(scheduled)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []

@@ -217,6 +217,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: token-id input and output only")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly, without CUDA graphs")
     p.add_argument("--max-live-requests", type=int, default=ServerOptions().max_live_requests,
                    help="requests accepted and unfinished before RESOURCE_EXHAUSTED")
     p.add_argument("--prefix-index", default="none",
@@ -261,6 +263,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         swap_space=args.swap_space,
         seed=args.seed,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        enforce_eager=args.enforce_eager,
     )
 
 
