@@ -59,6 +59,8 @@ class EngineConfig:
             "in (0, 1]",
         )
         need(self.device in DEVICES, "device", self.device, f"one of {DEVICES}")
+        need(isinstance(self.enforce_eager, bool), "enforce_eager", self.enforce_eager,
+             "True or False")
         need(self.dtype in DTYPE_CHOICES, "dtype", self.dtype, f"one of {DTYPE_CHOICES}")
         self.dtype = resolve_dtype(self.dtype, self.device, self.model)
         need(

@@ -32,7 +32,7 @@ from engine_service.core.scheduler_output import ScheduledSeq
 from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine_service.model.config import DTYPES, ModelConfig, load_model_config
 from engine_service.model.detokenizer import IncrementalDetokenizer
-from engine_service.model.kv_cache_setup import setup_kv_cache
+from engine_service.model.kv_cache_setup import setup_kv_cache, uses_cuda_graphs
 from engine_service.model.runner import ModelRunner, kv_bytes_per_block
 from engine_service.model.sampler import Sampler, SamplingRow, make_generator
 from engine_service.model.sampling_params import MAX_BEAM_WIDTH, SamplingParams
@@ -90,11 +90,13 @@ class LLMEngine:
         # After the weights: the pool gets what they and a profiled forward leave; then every
         # kernel variant is warmed up, so the server goes SERVING only once nothing compiles.
         self.kv_setup = setup_kv_cache(self.runner, config, num_cpu_blocks, self.max_model_len)
-        # Decode steps as CUDA graphs: the Triton kernels launch from a graph; the torch
-        # backend builds per-step index tensors on the host, which a graph cannot replay.
-        if config.device == "cuda" and not config.enforce_eager and \
-                self.runner.kernels.name == "triton":
-            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+        if uses_cuda_graphs(config, self.runner):
+            # No decode step runs more sequences than the step's token budget.
+            rows = min(config.max_num_seqs, config.max_num_batched_tokens)
+            self.runner.capture_decode_graphs(rows, self.max_model_len)
+        elif config.device == "cuda":
+            log.info("decode steps run eagerly: %s", "enforce_eager" if config.enforce_eager
+                     else f"the {self.runner.kernels.name} kernels have no CUDA graphs")
         num_blocks = self.kv_setup.num_blocks
         # The one block-hash chain of this engine: the cache, PinPrefix and the index link.
         self.hasher = BlockHasher(mc.identity, config.dtype, config.block_size)

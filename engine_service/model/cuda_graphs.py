@@ -12,6 +12,8 @@ SmolLM2-135M took 17-29 ms at batch 1 and a Llama-8B-shaped one 19-26 ms, agains
   host mirror of them and copies that in two transfers; the block table has one row per
   sequence as wide as the longest context (`max_model_len`), written in place.
 - Padding rows write no K/V (slot -1), attend to one key of block 0 and are never sampled.
+- The block table's width is fixed, so each step uploads rows x ceil(max_model_len / block
+  size) entries (2 MiB at 256 rows and 32k tokens); vLLM uploads full rows too.
 - A graph's attention was captured with the split-KV count of the widest table, so it does
   not match an eager step bit for bit; greedy tokens match (tests/engine/test_cuda_graphs.py).
 
@@ -90,7 +92,8 @@ class DecodeGraphs:
         self._ids[start:end] = 0
         self._positions[start:end] = 0
         self._slots[start:end] = -1  # no K/V write
-        self._seq_lens[start:end] = 1  # one key, at table row[0] (a valid block id)
+        self._seq_lens[start:end] = 1  # one key, the first of block 0
+        self._tables[start:end, 0] = 0
 
     def _forward(self, size: int) -> torch.Tensor:
         """The decode forward over the first `size` rows of the fixed buffers."""
@@ -109,9 +112,7 @@ class DecodeGraphs:
             sin=runner.sin[positions],
         )
         hidden = runner.model(self.dev64[0, :size], ctx, runner.kv_caches, runner.kernels)
-        logits = self.logits[:size]
-        logits.copy_(runner.model.compute_logits(hidden))
-        return logits
+        return runner.model.compute_logits(hidden, out=self.logits[:size])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -123,7 +124,8 @@ class DecodeGraphs:
         dev = self.runner.device
         start = time.perf_counter()
         torch.cuda.synchronize(dev)
-        before = torch.cuda.memory_allocated(dev)
+        # Reserved, not allocated: the graphs' private pool keeps what their captures freed.
+        before = torch.cuda.memory_reserved(dev)
         self.dev64.copy_(self.host64)
         self.dev32.copy_(self.host32)
         pool = torch.cuda.graph_pool_handle()
@@ -135,9 +137,11 @@ class DecodeGraphs:
                 self._forward(size)
             self.graphs[size] = graph
         torch.cuda.synchronize(dev)
-        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.2f s, %.1f MiB",
-                 len(self.graphs), self.sizes, time.perf_counter() - start,
-                 (torch.cuda.memory_allocated(dev) - before) / 2**20)
+        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.2f s; they hold "
+                 "%.1f MiB more, logits buffer %.1f MiB", len(self.graphs), self.sizes,
+                 time.perf_counter() - start,
+                 (torch.cuda.memory_reserved(dev) - before) / 2**20,
+                 self.logits.numel() * self.logits.element_size() / 2**20)
 
     def accepts(self, scheduled: list[ScheduledSeq]) -> bool:
         """A batch a graph can run: every sequence one token, few enough sequences, every
@@ -176,4 +180,6 @@ class DecodeGraphs:
         sample_rows = [i for i, item in enumerate(scheduled) if item.samples]
         if len(sample_rows) == n:
             return logits[:n]
-        return logits[torch.tensor(sample_rows, device=logits.device)]
+        # A row that does not sample: a one-token chunk of a longer prompt (budget of 1).
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)
+        return logits[rows]

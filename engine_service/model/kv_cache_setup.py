@@ -40,10 +40,17 @@ def profile_memory_plan(
     block_bytes: int,
     run_profile_forward: Callable[[], int],
     margin_bytes: int = DEFAULT_MARGIN_BYTES,
+    cuda_graphs: bool = False,
 ) -> MemoryPlan:
     """Measure the loaded model and one profiling forward with torch's CUDA memory stats,
     then plan. `run_profile_forward` runs the forward and returns the bytes of any scratch
-    buffers it allocated that are not activations (the scratch KV pool)."""
+    buffers it allocated that are not activations (the scratch KV pool).
+
+    cuda_graphs: keep room for the decode graphs, captured after the pool is allocated. They
+    hold a private memory pool as large as their largest forward (max_num_seqs rows, logits
+    included) and one logits buffer; the profiled forward (max_num_batched_tokens tokens,
+    no fewer, over max_num_seqs sequences, each with its logits row) needs at least as much,
+    so its peak is kept a second time."""
     torch.cuda.synchronize(device)
     weights_bytes = torch.cuda.memory_allocated(device)  # the loaded model (and RoPE tables)
     torch.cuda.reset_peak_memory_stats(device)
@@ -62,12 +69,21 @@ def profile_memory_plan(
         utilization=utilization,
         weights_bytes=weights_bytes,
         peak_activation_bytes=activation_bytes,
+        cuda_graph_bytes=activation_bytes if cuda_graphs else 0,
         non_torch_bytes=non_torch_bytes,
         block_bytes=block_bytes,
         margin_bytes=margin_bytes,
     )
     log.info("%s", plan.describe())
     return plan
+
+
+def uses_cuda_graphs(config: EngineConfig, runner: ModelRunner) -> bool:
+    """Decode steps run as CUDA graphs: on CUDA with the Triton kernels, unless enforce_eager.
+    (The torch backend builds per-step index tensors on the host, which a graph cannot
+    replay.)"""
+    return (runner.device.type == "cuda" and not config.enforce_eager
+            and runner.kernels.name == "triton")
 
 
 def setup_kv_cache(
@@ -86,6 +102,7 @@ def setup_kv_cache(
             config.gpu_memory_utilization,
             block_bytes,
             lambda: runner.profile_run(config.max_num_batched_tokens, config.max_num_seqs),
+            cuda_graphs=uses_cuda_graphs(config, runner),
         )
         num_blocks = plan.num_blocks
     else:

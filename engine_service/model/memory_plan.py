@@ -2,9 +2,10 @@
 
 The plan follows vLLM's GPU worker: the engine may use `gpu_memory_utilization` of the device's
 total memory; out of that come the weights (already loaded), the peak activations of a
-profiling forward at `max_num_batched_tokens`, the memory the process holds outside torch's
-allocator (CUDA context, cuBLAS workspaces, other processes on the same device) and a safety
-margin; what is left is the KV pool. `engine_service/model/kv_cache_setup.py` measures the
+profiling forward at `max_num_batched_tokens`, the decode CUDA graphs' own memory (when they
+are captured), the memory the process holds outside torch's allocator (CUDA context, cuBLAS
+workspaces, other processes on the same device) and a safety margin; what is left is the KV
+pool. `engine_service/model/kv_cache_setup.py` measures the
 inputs; everything here is arithmetic on byte counts, so it is tested without a GPU.
 """
 
@@ -35,6 +36,7 @@ class MemoryPlan:
     budget_bytes: int  # utilization x total_bytes
     weights_bytes: int  # what the loaded model holds on the device
     peak_activation_bytes: int  # the profiling forward's peak above the weights
+    cuda_graph_bytes: int  # kept for the decode CUDA graphs (0 without them)
     non_torch_bytes: int  # device memory in use outside torch's allocator
     margin_bytes: int
     block_bytes: int  # one KV block, every layer, K and V
@@ -50,6 +52,7 @@ class MemoryPlan:
         return (
             self.weights_bytes
             + self.peak_activation_bytes
+            + self.cuda_graph_bytes
             + self.non_torch_bytes
             + self.margin_bytes
             + self.kv_bytes
@@ -61,6 +64,7 @@ class MemoryPlan:
             f"KV cache: {self.utilization:g} x {format_bytes(self.total_bytes)} total = "
             f"{format_bytes(self.budget_bytes)} budget - {format_bytes(self.weights_bytes)} "
             f"weights - {format_bytes(self.peak_activation_bytes)} peak activations - "
+            f"{format_bytes(self.cuda_graph_bytes)} CUDA graphs - "
             f"{format_bytes(self.non_torch_bytes)} outside torch - "
             f"{format_bytes(self.margin_bytes)} margin = {format_bytes(self.kv_bytes)} "
             f"= {self.num_blocks} blocks of {self.block_bytes / MiB:.2f} MiB"
@@ -95,11 +99,13 @@ def plan_kv_cache(
     non_torch_bytes: int,
     block_bytes: int,
     margin_bytes: int = DEFAULT_MARGIN_BYTES,
+    cuda_graph_bytes: int = 0,
 ) -> MemoryPlan:
     """The largest pool that keeps weights + activations + pool + the rest within budget."""
     for name, value in (
         ("weights_bytes", weights_bytes),
         ("peak_activation_bytes", peak_activation_bytes),
+        ("cuda_graph_bytes", cuda_graph_bytes),
         ("non_torch_bytes", non_torch_bytes),
         ("margin_bytes", margin_bytes),
     ):
@@ -114,7 +120,8 @@ def plan_kv_cache(
             f"{utilization:g} of this device's {format_bytes(total_bytes)} allows "
             f"{format_bytes(budget)}: use a smaller model or dtype, or a larger device"
         )
-    left = budget - weights_bytes - peak_activation_bytes - non_torch_bytes - margin_bytes
+    left = (budget - weights_bytes - peak_activation_bytes - cuda_graph_bytes
+            - non_torch_bytes - margin_bytes)
     num_blocks = max(left, 0) // block_bytes
     plan = MemoryPlan(
         total_bytes=total_bytes,
@@ -122,6 +129,7 @@ def plan_kv_cache(
         budget_bytes=budget,
         weights_bytes=weights_bytes,
         peak_activation_bytes=peak_activation_bytes,
+        cuda_graph_bytes=cuda_graph_bytes,
         non_torch_bytes=non_torch_bytes,
         margin_bytes=margin_bytes,
         block_bytes=block_bytes,

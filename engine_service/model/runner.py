@@ -58,11 +58,18 @@ class ModelRunner:
         graphs.capture()
         self.decode_graphs = graphs
 
+    def _refuse_if_captured(self) -> None:
+        # The graphs read the pool (and the weights, the RoPE tables) at fixed addresses.
+        if self.decode_graphs is not None:
+            raise RuntimeError("the KV pool is captured by the decode CUDA graphs: it cannot "
+                               "be replaced")
+
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         c = self.config
         return (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self._refuse_if_captured()
         shape = self.kv_cache_shape(num_blocks)
         if self.device.type == "cpu":  # read all over every step (huge_pages.py says why)
             self.kv_caches = huge_page_zeros(shape, self.dtype)
@@ -80,6 +87,7 @@ class ModelRunner:
         """One forward of `num_tokens` prompt tokens over `num_seqs` sequences (the largest
         step the scheduler can issue), through a scratch KV pool just large enough, which is
         freed after. Returns the scratch pool's bytes (to leave out of the activation peak)."""
+        self._refuse_if_captured()
         # No sequence longer than the context (the RoPE tables end there).
         num_seqs = max(num_seqs, -(-num_tokens // self.cos.shape[0]))
         batch = prefill_batch(num_tokens, num_seqs, self.block_size)

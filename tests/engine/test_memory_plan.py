@@ -169,6 +169,16 @@ def test_llama_8b_plan_on_an_80_gib_device(monkeypatch, caplog) -> None:
     [record] = [r for r in caplog.records if "KV cache:" in r.getMessage()]
     assert "80.00 GiB total" in record.getMessage()
     assert f"{plan.num_blocks} blocks" in record.getMessage()
+    assert plan.cuda_graph_bytes == 0
+
+    # With decode CUDA graphs (captured after the pool), room for them: the profiled peak
+    # once more, which bounds their largest forward.
+    graphed = profile_memory_plan(torch.device("cuda"), 0.9, block_bytes, profile_forward,
+                                  cuda_graphs=True)
+    assert graphed.cuda_graph_bytes == activations
+    assert graphed.num_blocks == plan.num_blocks - activations // block_bytes
+    assert budget - graphed.used_bytes < block_bytes
+    assert "3.00 GiB CUDA graphs" in graphed.describe()
 
 
 def test_model_too_large_for_the_device_fails_before_loading(monkeypatch) -> None:

@@ -13,6 +13,9 @@ from pathlib import Path
 
 from engine_service.tools import prepare_model
 
+if not os.environ.get("PAGEDGEN_TEST_MODEL_DIR"):
+    raise RuntimeError("-p tests.support.model_dir_override needs PAGEDGEN_TEST_MODEL_DIR: a "
+                       "directory with SmolLM2's config and tokenizer files")
 _MODEL_DIR = Path(os.environ["PAGEDGEN_TEST_MODEL_DIR"])
 
 

@@ -165,5 +165,9 @@ class LlamaForCausalLM(nn.Module):
             return kernels.layer_ops.rms_norm(x, self.norm.weight, self.norm.eps)
         return kernels.layer_ops.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)[1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """float32 logits; into `out` when given (cast on the copy, no float32 temporary)."""
+        if out is None:
+            return self.lm_head(hidden).float()
+        return out.copy_(self.lm_head(hidden))
