@@ -20,8 +20,9 @@ from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 log = logging.getLogger(__name__)
 
-# Waiting groups whose cached prefix the reported prefill work leaves out (the queue's head:
-# what runs next, and about 0.5 ms of lookups a step at 33 blocks each).
+# Waiting groups whose cached prefix the reported prefill work leaves out: the queue's head,
+# what runs next. A lookup took 12 us for a 544-token prompt (34 blocks) on this project's
+# 2-core Xeon, so at most about 0.2 ms a step.
 WAITING_LOOKUPS = 16
 
 

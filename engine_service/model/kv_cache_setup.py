@@ -47,10 +47,11 @@ def profile_memory_plan(
     buffers it allocated that are not activations (the scratch KV pool).
 
     cuda_graphs: keep room for the decode graphs, captured after the pool is allocated. They
-    hold a private memory pool as large as their largest forward (max_num_seqs rows, logits
-    included) and one logits buffer; the profiled forward (max_num_batched_tokens tokens,
-    no fewer, over max_num_seqs sequences, each with its logits row) needs at least as much,
-    so its peak is kept a second time."""
+    hold a private memory pool as large as their largest forward and one logits buffer. The
+    profiled forward runs max_num_batched_tokens tokens over as many sequences as a step
+    can hold, each with a row of logits, and no graph has more rows than that (the engine
+    captures up to min(max_num_seqs, max_num_batched_tokens)): its peak bounds theirs, so it
+    is kept a second time."""
     torch.cuda.synchronize(device)
     weights_bytes = torch.cuda.memory_allocated(device)  # the loaded model (and RoPE tables)
     torch.cuda.reset_peak_memory_stats(device)

@@ -5,8 +5,8 @@ total memory; out of that come the weights (already loaded), the peak activation
 profiling forward at `max_num_batched_tokens`, the decode CUDA graphs' own memory (when they
 are captured), the memory the process holds outside torch's allocator (CUDA context, cuBLAS
 workspaces, other processes on the same device) and a safety margin; what is left is the KV
-pool. `engine_service/model/kv_cache_setup.py` measures the
-inputs; everything here is arithmetic on byte counts, so it is tested without a GPU.
+pool. `engine_service/model/kv_cache_setup.py` measures the inputs; everything here is
+arithmetic on byte counts, so it is tested without a GPU.
 """
 
 from dataclasses import dataclass
