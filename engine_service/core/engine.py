@@ -32,7 +32,7 @@ from engine_service.core.scheduler_output import ScheduledSeq
 from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine_service.model.config import DTYPES, ModelConfig, load_model_config
 from engine_service.model.detokenizer import IncrementalDetokenizer
-from engine_service.model.kv_cache_setup import setup_kv_cache, uses_cuda_graphs
+from engine_service.model.kv_cache_setup import graph_rows, setup_kv_cache, uses_cuda_graphs
 from engine_service.model.runner import ModelRunner, kv_bytes_per_block
 from engine_service.model.sampler import Sampler, SamplingRow, make_generator
 from engine_service.model.sampling_params import MAX_BEAM_WIDTH, SamplingParams
@@ -91,9 +91,13 @@ class LLMEngine:
         # kernel variant is warmed up, so the server goes SERVING only once nothing compiles.
         self.kv_setup = setup_kv_cache(self.runner, config, num_cpu_blocks, self.max_model_len)
         if uses_cuda_graphs(config, self.runner):
-            # No decode step runs more sequences than the step's token budget.
-            rows = min(config.max_num_seqs, config.max_num_batched_tokens)
-            self.runner.capture_decode_graphs(rows, self.max_model_len)
+            added = self.runner.capture_decode_graphs(graph_rows(config), self.max_model_len)
+            plan = self.kv_setup.plan
+            if plan is not None and added > plan.cuda_graph_bytes:
+                log.warning("the decode CUDA graphs took %.1f MiB, more than the %.1f MiB the "
+                            "KV plan kept for them (the margin covers the rest; "
+                            "--enforce-eager runs without them)", added / 2**20,
+                            plan.cuda_graph_bytes / 2**20)
         elif config.device == "cuda":
             log.info("decode steps run eagerly: %s", "enforce_eager" if config.enforce_eager
                      else f"the {self.runner.kernels.name} kernels have no CUDA graphs")

@@ -20,11 +20,6 @@ from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 log = logging.getLogger(__name__)
 
-# Waiting groups whose cached prefix the reported prefill work leaves out: the queue's head,
-# what runs next. A lookup took 12 us for a 544-token prompt (34 blocks) on this project's
-# 2-core Xeon, so at most about 0.2 ms a step.
-WAITING_LOOKUPS = 16
-
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -70,22 +65,9 @@ class Scheduler:
         return sum(len(g.live_seqs()) for g in self.running)
 
     def num_waiting_prefill_tokens(self) -> int:
-        """Prompt tokens not computed yet and not in the prefix cache: what a router weighs as
-        queued prefill work. A group prefills its prompt once (its other sequences share it),
-        so the leader counts.
-
-        A waiting group's cached prefix is not work: counted, it made the replica holding a hot
-        prefix look the busiest exactly when its queue was cheap, and the router sent that
-        prefix elsewhere to be prefilled again. Only the first WAITING_LOOKUPS waiting groups
-        are looked up (a lookup per block, every step); those further back count whole."""
-        waiting = 0
-        for position, group in enumerate(self.waiting):
-            seqs = group.live_seqs()
-            cached = 0
-            if position < WAITING_LOOKUPS and seqs:
-                hits = self.kv.cached_prefix(seqs[0], group.cache_salt)
-                cached = len(hits) * self.kv.block_size
-            waiting += max(0, group.num_prompt_tokens - cached)
+        """Prompt tokens not computed yet: what a router weighs as queued prefill work. A
+        group prefills its prompt once (its other sequences share it), so the leader counts."""
+        waiting = sum(g.num_prompt_tokens for g in self.waiting)
         running = 0
         for group in self.running:
             leader = group.seqs[0]

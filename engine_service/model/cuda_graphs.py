@@ -115,16 +115,18 @@ class DecodeGraphs:
         return runner.model.compute_logits(hidden, out=self.logits[:size])
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self) -> int:
         """One graph per size, largest first so the smaller ones reuse its memory pool. The
         buffers hold padding rows only, so neither the warm-up runs nor the captures write
-        the KV pool. Off CUDA, nothing to capture: `run` calls the forward itself."""
+        the KV pool. Off CUDA, nothing to capture: `run` calls the forward itself. Returns
+        the device memory the graphs and their buffers added (0 off CUDA)."""
         if not self.on_cuda:
-            return
+            return 0
         dev = self.runner.device
         start = time.perf_counter()
         torch.cuda.synchronize(dev)
         # Reserved, not allocated: the graphs' private pool keeps what their captures freed.
+        # (It also counts any growth of the ordinary pool by the eager runs: an upper bound.)
         before = torch.cuda.memory_reserved(dev)
         self.dev64.copy_(self.host64)
         self.dev32.copy_(self.host32)
@@ -137,11 +139,13 @@ class DecodeGraphs:
                 self._forward(size)
             self.graphs[size] = graph
         torch.cuda.synchronize(dev)
-        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.2f s; they hold "
-                 "%.1f MiB more, logits buffer %.1f MiB", len(self.graphs), self.sizes,
-                 time.perf_counter() - start,
-                 (torch.cuda.memory_reserved(dev) - before) / 2**20,
-                 self.logits.numel() * self.logits.element_size() / 2**20)
+        buffers = sum(t.numel() * t.element_size()
+                      for t in (self.logits, self.dev64, self.dev32, self.query_start_loc))
+        added = torch.cuda.memory_reserved(dev) - before + buffers
+        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.2f s; %.1f MiB with "
+                 "their buffers", len(self.graphs), self.sizes, time.perf_counter() - start,
+                 added / 2**20)
+        return added
 
     def accepts(self, scheduled: list[ScheduledSeq]) -> bool:
         """A batch a graph can run: every sequence one token, few enough sequences, every
@@ -173,9 +177,9 @@ class DecodeGraphs:
         if self.on_cuda:
             self._copied.record()
             self.graphs[size].replay()
-            logits = self.logits
         else:
-            logits = self._forward(size)
+            self._forward(size)
+        logits = self.logits  # what the graph wrote (the CPU path reads it the same way)
         self.num_replays += 1
         sample_rows = [i for i, item in enumerate(scheduled) if item.samples]
         if len(sample_rows) == n:

@@ -87,6 +87,12 @@ def uses_cuda_graphs(config: EngineConfig, runner: ModelRunner) -> bool:
             and runner.kernels.name == "triton")
 
 
+def graph_rows(config: EngineConfig) -> int:
+    """Rows of the largest decode graph: no decode step runs more sequences than the step's
+    token budget."""
+    return min(config.max_num_seqs, config.max_num_batched_tokens)
+
+
 def setup_kv_cache(
     runner: ModelRunner, config: EngineConfig, num_cpu_blocks: int, max_model_len: int
 ) -> KVCacheSetup:

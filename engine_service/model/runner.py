@@ -51,12 +51,14 @@ class ModelRunner:
         )
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
 
-    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
         """Capture the decode forward as CUDA graphs (engine_service/model/cuda_graphs.py),
-        once the KV pool is allocated and warmed up; decode steps replay them from then on."""
+        once the KV pool is allocated and warmed up; decode steps replay them from then on.
+        Returns the device memory they added."""
         graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
-        graphs.capture()
+        added = graphs.capture()
         self.decode_graphs = graphs
+        return added
 
     def _refuse_if_captured(self) -> None:
         # The graphs read the pool (and the weights, the RoPE tables) at fixed addresses.

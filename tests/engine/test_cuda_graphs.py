@@ -9,6 +9,7 @@ without one, run by bench/gpu_check.sh on a lent GPU).
 import gc
 import random
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from engine_service.core.config import EngineConfig
 from engine_service.core.errors import InvalidRequestError
 from engine_service.model.beam_search_params import BeamSearchParams
 from engine_service.model.cuda_graphs import capture_sizes
+from engine_service.model.kv_cache_setup import graph_rows, uses_cuda_graphs
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -39,6 +41,23 @@ def test_capture_sizes_cover_every_batch_with_little_padding() -> None:
 def test_cpu_engine_captures_no_graphs(tiny_llama_dir) -> None:
     llm = LLM(model=str(tiny_llama_dir), num_blocks=16, max_num_seqs=4)
     assert llm.llm_engine.runner.decode_graphs is None
+
+
+def test_graphs_run_on_cuda_with_triton_unless_eager(tiny_llama_dir) -> None:
+    """Which engines capture graphs, and how many rows the largest has (runners stubbed: only
+    their device and kernels are read)."""
+    def runner(device: str, kernels: str) -> SimpleNamespace:
+        return SimpleNamespace(device=torch.device(device), kernels=SimpleNamespace(name=kernels))
+
+    config = EngineConfig(model=str(tiny_llama_dir))
+    assert uses_cuda_graphs(config, runner("cuda", "triton"))
+    assert not uses_cuda_graphs(EngineConfig(model=str(tiny_llama_dir), enforce_eager=True),
+                                runner("cuda", "triton"))
+    assert not uses_cuda_graphs(config, runner("cuda", "torch"))  # host-built index tensors
+    assert not uses_cuda_graphs(config, runner("cpu", "triton"))
+    assert graph_rows(config) == 256
+    small_budget = EngineConfig(model=str(tiny_llama_dir), max_num_batched_tokens=100)
+    assert graph_rows(small_budget) == 100  # no decode step runs more sequences than tokens
 
 
 def test_enforce_eager_must_be_a_bool(tiny_llama_dir) -> None:
@@ -106,7 +125,7 @@ def _staged_run(model_dir, plan: list[tuple[int, list[int], SamplingParams]], gr
     args = dict(device=device, dtype="float32", enforce_eager=not graphs) | engine_args
     engine = LLM(model=str(model_dir), **args).llm_engine
     if graphs and device == "cpu":
-        engine.runner.capture_decode_graphs(engine.config.max_num_seqs, engine.max_model_len)
+        engine.runner.capture_decode_graphs(graph_rows(engine.config), engine.max_model_len)
     pending = [(at, str(i), prompt, params) for i, (at, prompt, params) in enumerate(plan)]
     outputs: dict[str, object] = {}
     step = 0
@@ -178,9 +197,9 @@ def _ids(length: int, seed: int) -> list[int]:
 
 # Targeted runs, each a case the random ones may not draw:
 TARGETED = {
-    # The batch shrinks 4 -> 1, the last row finishing first, while new requests take the
-    # blocks the finished ones freed: a padding row that kept a finished sequence's slot
-    # would write into them.
+    # The batch shrinks 4 -> 1, the last row finishing first, while new requests arrive.
+    # (Stale padding rows do not show here: the blocks they would write are reused only
+    # after the batch has grown again; test_padding_rows_are_reset_every_step checks them.)
     "shrinking batch, blocks reused": (
         [(0, _ids(8, i), _greedy(18 - 5 * i)) for i in range(4)]
         + [(6 + 3 * i, _ids(12, 10 + i), _greedy(8)) for i in range(4)],

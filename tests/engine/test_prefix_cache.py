@@ -68,23 +68,3 @@ def test_hash_collision_never_shares_other_tokens(make_llm, tiny_llama_dir):
             block.token_ids = tuple(t + 1 for t in block.token_ids)
     again = llm.generate({"prompt_token_ids": prompt}, PARAMS)[0]
     assert again.num_cached_tokens == 0
-
-
-def test_waiting_prefill_work_leaves_out_the_cached_prefix(make_llm, tiny_llama_dir):
-    """What a router weighs as queued prefill (EngineStats.num_waiting_prefill_tokens): a
-    waiting request's cached prefix is not work; another tenant's salt, or a prompt the cache
-    does not hold, counts whole."""
-    llm = make_llm(tiny_llama_dir, block_size=16, num_blocks=128)
-    first, second = _shared_prefix_prompts(llm.get_tokenizer())
-    llm.generate({"prompt_token_ids": first, "cache_salt": "a"}, PARAMS)
-    engine = llm.llm_engine
-    cached = 200 // 16 * 16  # the prefix's full blocks
-    engine.add_request("same-tenant", second, PARAMS, cache_salt="a")
-    assert engine.scheduler.num_waiting_prefill_tokens() == len(second) - cached
-    engine.add_request("other-tenant", second, PARAMS, cache_salt="b")
-    engine.add_request("new-prompt", list(range(3, 103)), PARAMS, cache_salt="a")
-    expected = len(second) - cached + len(second) + 100
-    assert engine.stats().num_waiting_prefill_tokens == expected  # what routers are sent
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert engine.stats().num_waiting_prefill_tokens == 0
