@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-POLICIES = ("kv-aware", "round-robin", "least-load", "prefix-hash")
+POLICIES = ("kv-aware", "round-robin", "least-load", "prefix-hash", "prefix-hash-bounded")
 
 
 @dataclass(slots=True)
@@ -46,9 +46,10 @@ class RouterConfig:
     # and sends it to one that must prefill it and evict another prefix for it; a replica
     # batches a few more requests at little cost.
     load_slack: int = 2
-    # prefix-hash keys a request by the hash of its first blocks (at most this many).
+    # prefix-hash (and -bounded) key a request by the hash of its first blocks (at most this
+    # many).
     prefix_hash_blocks: int = 4
-    lookup_timeout_s: float = 0.25  # a slow index costs at most this, then prefix-hash
+    lookup_timeout_s: float = 0.25  # a slow index costs at most this, then prefix-hash-bounded
     stats_interval_s: float = 0.1  # each replica's EngineStats poll
     discovery_interval_s: float = 1.0  # replicas from the index; also the index's recovery probe
     rpc_timeout_s: float = 2.0  # the router's own calls to replicas (not generation)

@@ -138,7 +138,7 @@ class Router:
         if self.index is None:
             details["index"] = "none"
             if self.config.policy == "kv-aware":
-                details["routing"] = "prefix-hash (no prefix index configured)"
+                details["routing"] = "prefix-hash-bounded (no prefix index configured)"
         else:
             details["index"] = self.index.target
             details["index_up"] = str(self.index.up).lower()
@@ -146,7 +146,7 @@ class Router:
             details["index_residency"] = "synced" if self.index.mirror.synced else "lookup"
             if not self.index.up:
                 details["index_error"] = self.index.last_error
-                details["routing"] = "prefix-hash (fallback while the index is down)"
+                details["routing"] = "prefix-hash-bounded (fallback while the index is down)"
         for replica in self.replicas.replicas.values():
             state = "up" if replica.routable else f"down: {replica.last_error or 'incompatible'}"
             details[f"replica.{replica.name}"] = f"{replica.address} {state}"

@@ -3,9 +3,9 @@ of them holds the longest prefix of a prompt: from the copy of the index's resid
 its WatchResidency stream keeps current (router/residency.py), or by a Lookup while that copy
 is not synced (the stream is starting, or failed and is being watched again).
 
-While the index cannot be reached the router routes by prefix-hash and says so (`up` False, in
-health and metrics); the discovery loop keeps calling Stats, and its first success brings the
-index back, with no action from anyone.
+While the index cannot be reached the router routes by prefix-hash-bounded and says so (`up`
+False, in health and metrics); the discovery loop keeps calling Stats, and its first success
+brings the index back, with no action from anyone.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class IndexView:
 
     def _down(self, error: PrefixIndexClientError) -> None:
         if self.up:
-            log.warning("prefix index %s unreachable (%s): routing by prefix-hash until it "
+            log.warning("prefix index %s unreachable (%s): routing by prefix-hash-bounded until it "
                         "is back", self.target, error)
             self.down_since = time.monotonic()
         self.up = False

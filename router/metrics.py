@@ -31,7 +31,7 @@ class RouterMetrics:
             ["replica"], registry=r)
         self.fallbacks = Counter(
             PREFIX + "fallbacks",
-            "kv-aware requests routed by prefix-hash because the index gave no answer.",
+            "kv-aware requests routed by prefix-hash-bounded because the index gave no answer.",
             registry=r)
         self.retries = Counter(
             PREFIX + "retries",

@@ -1,4 +1,4 @@
-"""Which replica takes a request: the four policies, as pure choices over a snapshot of the
+"""Which replica takes a request: the five policies, as pure choices over a snapshot of the
 replicas (no I/O here).
 
 - kv-aware (default): the least cost, cost = prefill_weight * uncached prompt blocks
@@ -7,10 +7,13 @@ replicas (no I/O here).
   (- home_weight at the prefix's rendezvous home while no replica holds more of it than the
   home); the uncached blocks from the index's exact per-replica longest prefix (and what the
   router routed there moments ago, router/pending.py).
-- round-robin, least-load (load alone), prefix-hash (rendezvous hashing of the prompt's first
-  blocks, what a router without an index can do): the baselines, and prefix-hash is also what
-  kv-aware falls back to while the index is down.
-Every policy but round-robin only picks among replicas under the bounded-load cap.
+- round-robin, least-load (load alone), prefix-hash (stateless rendezvous hashing of the
+  prompt's first blocks: a router that knows neither caches nor load): the baselines.
+- prefix-hash-bounded: prefix-hash under the bounded-load cap (consistent hashing with
+  bounded loads), what kv-aware falls back to while the index is down; selectable too, as the
+  strongest router that needs no index.
+kv-aware, least-load and prefix-hash-bounded only pick among replicas under the bounded-load
+cap.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from router.config import RouterConfig
+from router.config import POLICIES, RouterConfig
 from router.replicas import Replica
 
 
@@ -101,9 +104,10 @@ class Policies:
         if policy == "least-load":
             return self._least(replicas, lambda r: load(r, block_size, self.config), policy)
         if policy == "prefix-hash":
+            return self._stateless_hash(replicas, route)
+        if policy == "prefix-hash-bounded":
             return self._prefix_hash(replicas, route, block_size, fallback=False)
-        raise ValueError(f"policy must be one of kv-aware, round-robin, least-load, "
-                         f"prefix-hash, got {policy!r}")
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
 
     def _eligible(self, replicas: Sequence[Replica]) -> list[Replica]:
         return under_cap(replicas, self.config.load_bound, self.config.load_slack)
@@ -150,10 +154,18 @@ class Policies:
 
         return self._least(replicas, cost, "kv-aware", matches)
 
+    def _stateless_hash(self, replicas: Sequence[Replica], route: RouteInput) -> Decision:
+        """The prefix's first replica in rendezvous order, whatever the load: a router that
+        knows neither caches nor load (an unread prompt goes round-robin)."""
+        if route.prefix_key is None:
+            return Decision(replicas[self._next_turn() % len(replicas)], "prefix-hash", 0, False)
+        return Decision(rendezvous_order(route.prefix_key, replicas)[0], "prefix-hash", 0, False)
+
     def _prefix_hash(self, replicas: Sequence[Replica], route: RouteInput, block_size: int,
                      fallback: bool) -> Decision:
         if route.prefix_key is None:  # nothing to hash (not tokenized): spread by load
             decision = self._least(replicas, lambda r: load(r, block_size, self.config),
                                    "prefix-hash")
-            return Decision(decision.replica, "prefix-hash", 0, fallback)
-        return Decision(self._home(replicas, route.prefix_key), "prefix-hash", 0, fallback)
+            return Decision(decision.replica, "prefix-hash-bounded", 0, fallback)
+        return Decision(self._home(replicas, route.prefix_key), "prefix-hash-bounded", 0,
+                        fallback)

@@ -15,8 +15,9 @@ carried to another replica when its replica fails.
   n > 1 are not resumed (UNAVAILABLE).
 - Trailing metadata says how it ran, one entry per attempt, in order: `pagedgen-replicas`
   names the replicas, `pagedgen-route` the policy that chose each (`kv-aware`, `round-robin`,
-  `least-load`, `prefix-hash`, or `prefix-hash-fallback` when kv-aware had no answer from the
-  index: it is down, or one Lookup took longer than `lookup_timeout_s`).
+  `least-load`, `prefix-hash`, `prefix-hash-bounded`, or `prefix-hash-bounded-fallback` when
+  kv-aware had no answer from the index: it is down, or one Lookup took longer than
+  `lookup_timeout_s`).
 - Client cancellation and deadlines reach the replica: the upstream call carries the client's
   remaining time and is cancelled with the client's call.
 """

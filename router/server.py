@@ -4,6 +4,7 @@ replicas, each request routed by the prefix index's exact view of their caches a
     pagedgen-router --prefix-index 127.0.0.1:50061 --port 50050          # replicas from the index
     pagedgen-router --engines 127.0.0.1:50051,127.0.0.1:50052 --prefix-index 127.0.0.1:50061
     pagedgen-router --engines ... --policy round-robin|least-load|prefix-hash   # the baselines
+    pagedgen-router --engines ... --policy prefix-hash-bounded   # kv-aware's rule without an index
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from router.servicer import RouterServicer
 log = logging.getLogger("router.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # Reported in health too: SERVING while kv-aware routing has the index, NOT_SERVING while it
-# falls back to prefix-hash.
+# falls back to prefix-hash with bounded load.
 INDEX_SERVICE_NAME = prefix_index_pb2.DESCRIPTOR.services_by_name["PrefixIndex"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

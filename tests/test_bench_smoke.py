@@ -305,10 +305,15 @@ def test_router_section_pure_parts_and_rendering(tmp_path):
     assert pooled["ttft_p99_ms"] == pytest.approx(300) and pooled["ttft_p50_ms"] == 100
     balanced = {"kv-aware": policy(0.8, 100), "round-robin": policy(0.4, 300),
                 "prefix-hash": policy(0.8, 100)}
-    hot = {"kv-aware": policy(0.8, 100), "prefix-hash": policy(0.8, 200)}
-    targets = _targets(balanced, hot, (1.4, 2.6))
+    hot = {"kv-aware": policy(0.8, 100), "prefix-hash": policy(0.8, 200),
+           "prefix-hash-bounded": policy(0.8, 110)}
+    targets = _targets(balanced, hot, (1.4, 2.6), (0.8, 1.3))
     assert all(targets["met"].values()), targets
     assert targets["figures"]["hot_ttft_p99_ph_over_kv"] == pytest.approx(2.0)
+    # Against the bounded variant: a figure beside the target, never a verdict.
+    assert targets["figures"]["hot_ttft_p99_phb_over_kv"] == pytest.approx(1.1)
+    assert targets["figures"]["hot_ttft_p99_phb_over_kv_interval"] == [0.8, 1.3]
+    assert "hot_ttft_p99_bounded" not in targets["met"]
     assert targets["figures"]["hot_ttft_p99_ph_over_kv_per_run"] == [pytest.approx(2.0)] * 2
     # The pooled figure alone is not enough: an interval down to 0.9, or none at all (too few
     # workloads to draw one), is not shown better.
@@ -333,6 +338,8 @@ def test_router_section_pure_parts_and_rendering(tmp_path):
     assert "| 0 | " in section and "**not met**" not in section
     assert "| kv-aware | 199 | 100 | 300 |" in section and "each workload 2.00x, 2.00x" in section
     assert "90% interval 1.40x-2.60x over the workloads" in section
+    assert "against prefix-hash-bounded's" in section
+    assert "1.10x lower, interval 0.80x-1.30x" in section
     targets["figures"]["hot_ttft_p99_ph_over_kv_interval"] = None  # a --quick run: 1 workload
     assert "no interval (fewer than 5 workloads" in "\n".join(_router(router, "bench/results"))
     assert plot_router({"router": router}, tmp_path).name == "router.png"

@@ -146,7 +146,8 @@ def served_by(call) -> list[str]:
 
 
 def routed_by(call) -> list[str]:
-    """The policy that chose each replica of `served_by`, e.g. kv-aware, prefix-hash-fallback."""
+    """The policy that chose each replica of `served_by`, e.g. kv-aware,
+    prefix-hash-bounded-fallback."""
     metadata = dict(call.trailing_metadata() or ())
     return [name for name in metadata.get("pagedgen-route", "").split(",") if name]
 
@@ -168,7 +169,7 @@ def generate_kv_routed(stub: pb_grpc.GenerationStub, ids: list[int], holders: se
         routes = routed_by(call)
         if routes == ["kv-aware"]:
             return reply, served_by(call), holders
-        assert routes and all(r == "prefix-hash-fallback" for r in routes), routes
+        assert routes and all(r == "prefix-hash-bounded-fallback" for r in routes), routes
         holders.update(served_by(call))
         if time.monotonic() > deadline:
             raise AssertionError(f"every request for {timeout_s}s was routed by the fallback")

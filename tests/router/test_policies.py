@@ -119,12 +119,40 @@ def test_pending_prefixes_credit_a_routed_chain_until_they_expire():
     assert pending.matched(chain, now=108.0) == 0 and len(pending) == 0
 
 
-def test_index_down_falls_back_to_prefix_hash():
+def test_index_down_falls_back_to_prefix_hash_with_bounded_load():
     rs = replicas(0, 0, 0)
     route = RouteInput(320, b"some-prefix-key!", None)
     decision = Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK)
-    assert decision.fallback and decision.policy == "prefix-hash"
-    assert decision.replica is rendezvous_order(b"some-prefix-key!", rs)[0]
+    assert decision.fallback and decision.policy == "prefix-hash-bounded"
+    home = rendezvous_order(b"some-prefix-key!", rs)[0]
+    assert decision.replica is home
+    home.in_flight = 6  # past the cap (ceil(1.25 * 7 / 3) + 2 = 5): the next in its order
+    decision = Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK)
+    assert decision.replica is rendezvous_order(b"some-prefix-key!", rs)[1]
+
+
+def test_prefix_hash_is_stateless_and_prefix_hash_bounded_is_not():
+    """prefix-hash (the issue's baseline: a router that knows neither caches nor load) sends
+    every request for a prefix to its rendezvous home however loaded that is; the bounded
+    variant (kv-aware's fallback) passes a home over the load cap by."""
+    rs = replicas(0, 0, 0)
+    key = b"some-prefix-key!"
+    order = rendezvous_order(key, rs)
+    order[0].in_flight, order[1].in_flight = 40, 1
+    order[0].pending_prefill_tokens = 100 * BLOCK
+    policies = Policies(RouterConfig())
+    route = RouteInput(320, key, {})
+    for _ in range(5):
+        decision = policies.choose("prefix-hash", rs, route, BLOCK)
+        assert decision.replica is order[0] and decision.policy == "prefix-hash"
+        assert not decision.fallback
+    bounded = policies.choose("prefix-hash-bounded", rs, route, BLOCK)
+    assert bounded.replica is order[1] and bounded.policy == "prefix-hash-bounded"
+    assert not bounded.fallback
+    # An unread prompt has no key: prefix-hash takes the replicas in turn, load unseen.
+    unread = RouteInput(None, None, None)
+    picked = [policies.choose("prefix-hash", rs, unread, BLOCK).replica for _ in range(6)]
+    assert sorted(r.engine_id for r in picked) == sorted(r.engine_id for r in rs * 2)
 
 
 def test_rendezvous_moves_only_the_keys_of_a_removed_replica():
