@@ -701,6 +701,9 @@ def _router(x: dict, rel: str) -> list[str]:
         "Load average at start "
         f"{_load(x['load_average_start'])}, at end {_load(x['load_average_end'])}.",
         "",
+        *([] if x.get("prefix_hash") == "stateless" else [
+            "These results are older than the stateless prefix-hash: their prefix-hash ran "
+            "under the bounded-load guard (today's prefix-hash-bounded).", ""]),
         "Balanced (Zipf):",
         "",
         *_router_table(x["policies"]["balanced"]),
@@ -776,8 +779,9 @@ def _router(x: dict, rel: str) -> list[str]:
         )
     if "hot_ttft_p99_phb_over_kv" in f:
         interval = f.get("hot_ttft_p99_phb_over_kv_interval")
-        within = (f", interval {interval[0]:.2f}x-{interval[1]:.2f}x" if interval
-                  else ", no interval")
+        level = f.get("hot_ttft_p99_interval_level", 0.9)
+        within = (f", {level:.0%} interval {interval[0]:.2f}x-{interval[1]:.2f}x (better: above 1)"
+                  if interval else ", no interval (fewer than 5 workloads, or none drawn)")
         rows.append(
             f"| (context, not a target) hot prefix: kv-aware TTFT p99 against "
             f"prefix-hash-bounded's (the same hashing under kv-aware's load cap) "

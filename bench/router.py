@@ -76,7 +76,8 @@ class RouterShape:
     hot_share: float = 0.7
     num_requests: int = 100  # per run
     # Requests/s, Poisson, near capacity: round-robin's queue builds (its TTFT p50 above one
-    # cold prefill) but drains (its output rate keeps up with the offered one, within 5%).
+    # cold prefill) but drains (its output rate keeps up with the offered one: about 95% of it,
+    # measured first send to last token).
     # Calibrated on a 2-core Xeon with AMX (bf16 prefill is cheap there), round-robin alone
     # at each rate: balanced 3/s p50 688 ms, 48.2 of 50.8 output tok/s; 4/s 58.9 of 67.7
     # (falls behind). History: 0.8/s on an EPYC before our bf16 kernels, then 2.0/s there.
@@ -87,8 +88,8 @@ class RouterShape:
     # 99.4 (falls behind). At 2/s on that machine no replica came near its capacity and the
     # stateless prefix-hash's p99 was no worse than kv-aware's (633 vs 715 ms, one workload).
     hot_rate: float = 5.0
-    # One run of each policy on the balanced workload (~1 min each: engines start, 100
-    # arrivals at 2/s). Longer runs rather than repeats: the first requests of every tenant
+    # One run of each policy on the balanced workload (~50 s each: engines start, 100
+    # arrivals at 3/s). Longer runs rather than repeats: the first requests of every tenant
     # miss under any policy, and short runs mostly measure that.
     repeats: int = 1
     overhead_pairs: int = 30  # router vs direct, one request at a time
@@ -167,6 +168,22 @@ def workloads(shape: RouterShape, seed: int) -> dict[str, Workload]:
 def hot_workload_seed(seed: int, k: int) -> int:
     """The seed of the k-th hot workload (k = 0 is the one `workloads` makes)."""
     return seed + 1000 * k
+
+
+def arrival_plan(shape: RouterShape, seed: int, loads: dict[str, Workload]
+                 ) -> tuple[dict[str, list[float]], list[tuple[Workload, list[float]]]]:
+    """Arrival offsets of each scenario's first workload (`loads`, from `workloads`): balanced
+    at `rate`, hot at `hot_rate`; and (workload, offsets) of each hot run, the first being
+    loads["hot"], every one at `hot_rate`."""
+    rates = {"balanced": shape.rate, "hot": shape.hot_rate}
+    offsets = {name: poisson_arrivals(len(w.requests), rates[name], seed + i)
+               for i, (name, w) in enumerate(loads.items())}
+    hot_loads = [(loads["hot"], offsets["hot"])]
+    for k in range(1, shape.hot_workloads):
+        w = workloads(shape, hot_workload_seed(seed, k))["hot"]
+        hot_loads.append((w, poisson_arrivals(len(w.requests), shape.hot_rate,
+                                              hot_workload_seed(seed, k) + 1)))
+    return offsets, hot_loads
 
 
 # ---- the client --------------------------------------------------------------------------
@@ -474,7 +491,7 @@ def _hot_interval(hot_runs: dict[str, list[dict]], baseline: str = "prefix-hash"
     try:
         return paired_p99_interval(hot_runs[baseline], hot_runs["kv-aware"])
     except ValueError as error:
-        log.warning("router: no hot p99 interval: %s", error)
+        log.warning("router: no hot p99 interval against %s: %s", baseline, error)
         return None
 
 
@@ -553,15 +570,7 @@ def router_benchmark(model: str, shape: RouterShape = FULL_SHAPE, seed: int = 0,
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_start = list(os.getloadavg())
     loads = workloads(shape, seed)
-    rates = {"balanced": shape.rate, "hot": shape.hot_rate}
-    offsets = {name: poisson_arrivals(len(w.requests), rates[name], seed + i)
-               for i, (name, w) in enumerate(loads.items())}
-    # (workload, arrival offsets) of each hot run; the first is loads["hot"]
-    hot_loads = [(loads["hot"], offsets["hot"])]
-    for k in range(1, shape.hot_workloads):
-        w = workloads(shape, hot_workload_seed(seed, k))["hot"]
-        hot_loads.append((w, poisson_arrivals(len(w.requests), shape.hot_rate,
-                                              hot_workload_seed(seed, k) + 1)))
+    offsets, hot_loads = arrival_plan(shape, seed, loads)
     plan = [("balanced", p, 0) for p in BALANCED_POLICIES] + [
         ("hot", p, k) for k in range(shape.hot_workloads) for p in HOT_POLICIES]
     runs: dict[str, dict[str, list[dict]]] = {"balanced": {}, "hot": {}}
@@ -598,6 +607,8 @@ def router_benchmark(model: str, shape: RouterShape = FULL_SHAPE, seed: int = 0,
     overhead = next(r["overhead"] for r in runs["balanced"]["kv-aware"] if "overhead" in r)
     return {
         "shape": asdict(shape) | {"working_set_blocks": shape.working_set_blocks},
+        # Results before this key ran a bounded-load prefix-hash (today's prefix-hash-bounded).
+        "prefix_hash": "stateless",
         "workloads": {name: {"name": w.name, "num_requests": len(w.requests),
                              "num_prompt_tokens": w.num_prompt_tokens,
                              "num_output_tokens": w.num_output_tokens,

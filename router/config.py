@@ -16,8 +16,9 @@ class RouterConfig:
     #   load = queued prefill blocks + running_weight * running sequences
     #          + kv_weight * KV usage (0..1)
     prefill_weight: float = 1.0
-    # A prefix's home (the first replica of its rendezvous order, where prefix-hash would send
-    # it) costs this many blocks less while no other replica holds more of the prefix:
+    # A prefix's home (the first replica of its rendezvous order under the load cap, where
+    # prefix-hash-bounded would send it) costs this many blocks less while no other replica
+    # holds more of the prefix:
     # prefixes nobody holds yet spread over the replicas by hash, so each replica caches its
     # share of them, instead of all going to whichever replica was idle at the moment; a home
     # more loaded than that by this much is passed by.

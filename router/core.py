@@ -146,7 +146,8 @@ class Router:
             details["index_residency"] = "synced" if self.index.mirror.synced else "lookup"
             if not self.index.up:
                 details["index_error"] = self.index.last_error
-                details["routing"] = "prefix-hash-bounded (fallback while the index is down)"
+                if self.config.policy == "kv-aware":
+                    details["routing"] = "prefix-hash-bounded (fallback while the index is down)"
         for replica in self.replicas.replicas.values():
             state = "up" if replica.routable else f"down: {replica.last_error or 'incompatible'}"
             details[f"replica.{replica.name}"] = f"{replica.address} {state}"

@@ -47,8 +47,8 @@ class IndexView:
 
     def _down(self, error: PrefixIndexClientError) -> None:
         if self.up:
-            log.warning("prefix index %s unreachable (%s): routing by prefix-hash-bounded until it "
-                        "is back", self.target, error)
+            log.warning("prefix index %s unreachable (%s): kv-aware routes by "
+                        "prefix-hash-bounded until it is back", self.target, error)
             self.down_since = time.monotonic()
         self.up = False
         self.last_error = str(error)

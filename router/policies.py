@@ -43,7 +43,7 @@ class RouteInput:
 @dataclass(frozen=True, slots=True)
 class Decision:
     replica: Replica
-    policy: str  # the policy that chose (prefix-hash when kv-aware fell back)
+    policy: str  # the policy that chose (prefix-hash-bounded when kv-aware fell back)
     matched_blocks: int  # prompt blocks the index says the replica holds (kv-aware only)
     fallback: bool  # kv-aware had no index answer (or no index)
 
@@ -113,7 +113,8 @@ class Policies:
         return under_cap(replicas, self.config.load_bound, self.config.load_slack)
 
     def _home(self, replicas: Sequence[Replica], prefix_key: bytes) -> Replica:
-        """Where prefix-hash sends the prefix: first in its rendezvous order under the cap."""
+        """Where prefix-hash-bounded sends the prefix (and kv-aware's home): first in its
+        rendezvous order under the cap."""
         return rendezvous_order(prefix_key, self._eligible(replicas))[0]
 
     def _least(self, replicas: Sequence[Replica], cost, policy: str,
@@ -165,7 +166,7 @@ class Policies:
                      fallback: bool) -> Decision:
         if route.prefix_key is None:  # nothing to hash (not tokenized): spread by load
             decision = self._least(replicas, lambda r: load(r, block_size, self.config),
-                                   "prefix-hash")
+                                   "prefix-hash-bounded")
             return Decision(decision.replica, "prefix-hash-bounded", 0, fallback)
         return Decision(self._home(replicas, route.prefix_key), "prefix-hash-bounded", 0,
                         fallback)

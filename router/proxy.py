@@ -222,8 +222,10 @@ class RoutedRequest:
         # replica prefills them once (unless it admits both requests in one step).
         predicted = route.decision.matched_blocks * block_size
         uncached = max(0, (route.num_prompt_tokens or 0) - predicted)
+        prompt = route.num_prompt_tokens or 0
         replica.in_flight += 1
         replica.pending_prefill_tokens += uncached
+        replica.pending_prompt_tokens += prompt
         router.metrics.in_flight.labels(name).inc()
         call = self._call = replica.stub.GenerateStream(upstream,
                                                         timeout=self.context.time_remaining())
@@ -246,9 +248,10 @@ class RoutedRequest:
         try:
             async for message in call:
                 last_message_at = time.monotonic()
-                if uncached:  # its prompt is computed: no longer queued prefill
+                if prompt:  # its prompt is computed: no longer queued prefill
                     replica.pending_prefill_tokens -= uncached
-                    uncached = 0
+                    replica.pending_prompt_tokens -= prompt
+                    uncached = prompt = 0
                 got_output = True
                 if self.resumed_text is not None:
                     message = await self._rewrite(message)
@@ -271,6 +274,7 @@ class RoutedRequest:
             replica.in_flight -= 1
             replica.num_finished += 1  # its last EngineStats may still count this request
             replica.pending_prefill_tokens -= uncached
+            replica.pending_prompt_tokens -= prompt
             router.metrics.in_flight.labels(name).dec()
 
     def _record(self, message: pb.GenerateStreamResponse) -> pb.GenerateStreamResponse:

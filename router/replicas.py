@@ -47,6 +47,9 @@ class Replica:
         self.last_error = "not polled yet"
         self.in_flight = 0  # requests this router is running on it
         self.pending_prefill_tokens = 0  # of those, uncached prompt tokens not prefilled yet
+        # ... and the whole prompts of those not prefilled yet, as the engine's
+        # waiting_prefill_tokens counts them (cached prefix included)
+        self.pending_prompt_tokens = 0
         # Requests of this router that ended on it, and how many had ended when the EngineStats
         # behind `reported` was asked for: a snapshot taken before one of ours ended still
         # counts that request (its whole prompt as queued prefill, its sequence as live), and
@@ -83,9 +86,15 @@ class Replica:
 
     @property
     def queued_prefill_tokens(self) -> int:
+        """Prefill work queued there: ours as we know it (the uncached part only), plus what
+        the engine reports past our requests (other clients'). The engine counts a waiting
+        prompt whole, its cached prefix too, so taking its figure for ours would make the
+        replica holding a hot prefix look ~a whole prompt busier per queued request, and send
+        that prefix where it must be prefilled again."""
         if not self.reported_is_current:
             return self.pending_prefill_tokens
-        return max(self.pending_prefill_tokens, self.reported.waiting_prefill_tokens)
+        others = max(0, self.reported.waiting_prefill_tokens - self.pending_prompt_tokens)
+        return self.pending_prefill_tokens + others
 
     def mark_down(self, reason: str) -> None:
         """A call failed as if the replica were gone: stop routing to it until a poll succeeds."""

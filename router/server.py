@@ -109,7 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-index", default="none",
                    help="HOST:PORT of the prefix index, or none (then only the baselines route "
                         "well, and --engines is needed)")
-    p.add_argument("--policy", default=d.policy, choices=POLICIES)
+    p.add_argument("--policy", default=d.policy, choices=POLICIES,
+                   help="kv-aware: least cost by the index's view of each cache and load; "
+                        "round-robin, least-load, prefix-hash (a prefix's rendezvous home, "
+                        "load ignored): the baselines; prefix-hash-bounded: prefix-hash under "
+                        "--load-bound, kv-aware's fallback while the index is down")
     p.add_argument("--prefill-weight", type=float, default=d.prefill_weight,
                    help="kv-aware: cost of one uncached prompt block")
     p.add_argument("--home-weight", type=float, default=d.home_weight,
@@ -127,11 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-weight", type=float, default=d.kv_weight,
                    help="load: cost of a full KV cache, in blocks of prefill")
     p.add_argument("--load-bound", type=float, default=d.load_bound,
-                   help="no replica takes more than this times the mean active requests "
-                        "(plus --load-slack)")
+                   help="kv-aware, least-load and prefix-hash-bounded: no replica takes more "
+                        "than this times the mean active requests (plus --load-slack)")
     p.add_argument("--load-slack", type=int, default=d.load_slack,
                    help="requests a replica may take past --load-bound's share")
-    p.add_argument("--prefix-hash-blocks", type=int, default=d.prefix_hash_blocks)
+    p.add_argument("--prefix-hash-blocks", type=int, default=d.prefix_hash_blocks,
+                   help="prefix-hash and -bounded key a prompt by its first this many blocks")
     p.add_argument("--lookup-timeout-s", type=float, default=d.lookup_timeout_s)
     p.add_argument("--stats-interval-s", type=float, default=d.stats_interval_s)
     p.add_argument("--discovery-interval-s", type=float, default=d.discovery_interval_s)

@@ -339,7 +339,10 @@ def test_router_section_pure_parts_and_rendering(tmp_path):
     assert "| kv-aware | 199 | 100 | 300 |" in section and "each workload 2.00x, 2.00x" in section
     assert "90% interval 1.40x-2.60x over the workloads" in section
     assert "against prefix-hash-bounded's" in section
-    assert "1.10x lower, interval 0.80x-1.30x" in section
+    assert "1.10x lower, 90% interval 0.80x-1.30x (better: above 1)" in section
+    assert "older than the stateless prefix-hash" in section  # no "prefix_hash" key
+    router["prefix_hash"] = "stateless"
+    assert "older than" not in "\n".join(_router(router, "bench/results"))
     targets["figures"]["hot_ttft_p99_ph_over_kv_interval"] = None  # a --quick run: 1 workload
     assert "no interval (fewer than 5 workloads" in "\n".join(_router(router, "bench/results"))
     assert plot_router({"router": router}, tmp_path).name == "router.png"
@@ -414,6 +417,27 @@ def test_router_shape_overrides_name_the_field_and_what_is_allowed():
         shape_with(FULL_SHAPE, "overhead_pairs=0,hot_share=1.5")
     with pytest.raises(ValueError, match="warm_up_requests < num_requests"):
         shape_with(FULL_SHAPE, "num_requests=10")
+    for bad in ("0", "nan", "-1"):
+        with pytest.raises(ValueError, match=r"hot_rate > 0 \(got"):
+            shape_with(FULL_SHAPE, f"hot_rate={bad}")
+
+
+def test_every_hot_workload_arrives_at_the_hot_rate_and_balanced_at_its_own():
+    from bench.router import QUICK_SHAPE, arrival_plan, shape_with, workloads
+
+    shape = shape_with(QUICK_SHAPE, "rate=1,hot_rate=8,hot_workloads=3,num_requests=400")
+    loads = workloads(shape, 0)
+    offsets, hot_loads = arrival_plan(shape, 0, loads)
+    assert len(hot_loads) == 3 and hot_loads[0][0] is loads["hot"]
+    assert hot_loads[0][1] == offsets["hot"]
+
+    def mean_rate(arrivals: list[float]) -> float:
+        return len(arrivals) / arrivals[-1]
+
+    assert mean_rate(offsets["balanced"]) == pytest.approx(1.0, rel=0.2)
+    for _, arrivals in hot_loads:  # the first included
+        assert mean_rate(arrivals) == pytest.approx(8.0, rel=0.2)
+    assert len({tuple(a) for _, a in hot_loads}) == 3  # other arrivals each
 
 
 def test_the_hot_p99_interval_draws_whole_workloads_with_both_policies():
@@ -444,6 +468,17 @@ def test_the_hot_p99_interval_draws_whole_workloads_with_both_policies():
                                faster[:MIN_INTERVAL_WORKLOADS - 1]) is None
     with pytest.raises(ValueError, match="same workloads"):
         paired_p99_interval(slower, faster[:5])
+    # The section's intervals: each baseline over kv-aware; none (not a crash) for a policy
+    # that did not run or too few workloads.
+    from bench.router import _hot_interval
+
+    hot = {"kv-aware": faster, "prefix-hash": runs([[2 * s] * 99 + [4 * s] for s in scales]),
+           "prefix-hash-bounded": slower}
+    assert _hot_interval(hot)[0] == pytest.approx(2.2)
+    assert _hot_interval(hot, "prefix-hash-bounded") == (pytest.approx(1.1), pytest.approx(1.1))
+    assert _hot_interval({"kv-aware": faster, "prefix-hash": slower},
+                         "prefix-hash-bounded") is None
+    assert _hot_interval({k: v[:2] for k, v in hot.items()}) is None
     other_seed = [dict(r, workload_seed=99) if r["workload_index"] == 2 else r for r in faster]
     with pytest.raises(ValueError, match="workload 2 ran with different seeds"):
         paired_p99_interval(slower, other_seed)

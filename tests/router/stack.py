@@ -155,9 +155,9 @@ def routed_by(call) -> list[str]:
 def generate_kv_routed(stub: pb_grpc.GenerationStub, ids: list[int], holders: set[str],
                        max_tokens: int = 8, timeout_s: float = 20.0
                        ) -> tuple[pb.GenerateResponse, list[str], set[str]]:
-    """Greedy Generate, sent again while the router routed it by the prefix-hash fallback.
+    """Greedy Generate, sent again while the router routed it by the prefix-hash-bounded fallback.
 
-    The router gives a Lookup 250 ms, then routes by prefix-hash until the index answers again:
+    The router gives a Lookup 250 ms, then routes by prefix-hash-bounded until the index answers:
     legitimate on a starved machine, but such a request says nothing of cache affinity. Returns
     the first reply routed by kv-aware, its replicas, and `holders` (the replicas holding the
     prompt's prefix) plus where the fallback requests ran: they hold it too now.

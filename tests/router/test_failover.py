@@ -1,6 +1,6 @@
 """Failures behind the router: a replica killed mid-stream (the stream goes on elsewhere,
 token-identical), a replica restarted under its id (no credit for blocks it lost), the prefix
-index killed (prefix-hash fallback, said in health) and back (kv-aware again, by itself)."""
+index killed (prefix-hash-bounded fallback, said in health) and back (kv-aware again, by itself)."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_a_replica_restarted_under_its_id_gets_no_stale_credit(stack, router_stu
     wait_until(lambda: lookup(stack.index.target, chain).get(survivor, 0) >= PREFIX_BLOCKS,
                what="the survivor's copy of the prefix in the index")
     assert victim not in lookup(stack.index.target, chain)
-    # (A request routed by the prefix-hash fallback, after a Lookup slower than the router's
+    # (A request routed by the prefix-hash-bounded fallback, after a Lookup slower than the router's
     # timeout, is sent again; its replica holds the prefix from then on.)
     holders = {survivor}
     for i in range(3):
@@ -139,11 +139,11 @@ def test_index_down_falls_back_then_recovers_by_itself(stack, router_stub):
     details = wait_until(
         lambda: (d := router_details(router_stub))["index_up"] == "false" and d,
         what="the router noticing")
-    assert "prefix-hash" in details["routing"]
+    assert details["routing"].startswith("prefix-hash-bounded")
     assert details["index_residency"] == "lookup"  # the watch died with the index
     wait_until(lambda: index_health(stack) == health_pb2.HealthCheckResponse.NOT_SERVING,
                what="health saying the index is down")
-    # Still serving, and prefix-hash keeps one prefix on one replica.
+    # Still serving, and prefix-hash-bounded keeps one prefix on one replica.
     base = prompt(40)
     placed = {generate(router_stub, with_suffix(base, i, 160))[1][0] for i in range(4)}
     assert len(placed) == 1

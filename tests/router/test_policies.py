@@ -19,7 +19,7 @@ def replicas(*active: int) -> list[Replica]:
     for i, n in enumerate(active):
         r = Replica.__new__(Replica)  # no channel: policies read only names and loads
         r.address, r.engine_id = f"127.0.0.1:{5000 + i}", f"engine-{i}"
-        r.in_flight, r.pending_prefill_tokens = n, 0
+        r.in_flight, r.pending_prefill_tokens, r.pending_prompt_tokens = n, 0, 0
         r.reported = ReportedLoad()
         r.num_finished = r.reported_after_finished = 0
         out.append(r)
@@ -50,6 +50,28 @@ def test_a_load_report_older_than_a_finished_request_does_not_push_its_prefix_aw
     assert decision.replica is holder and decision.matched_blocks == 12
     holder.reported_after_finished = holder.num_finished  # a poll after it: trusted again
     assert Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK).replica is rs[1]
+
+
+def test_our_queued_requests_count_their_uncached_part_only():
+    """The engine reports a waiting prompt whole, its cached prefix too. Three of our requests
+    for a hot prefix wait on its holder (2 uncached blocks each, 34 blocks whole): the holder
+    is 6 blocks busier, not 102, and the next request for the prefix stays there. Another
+    client's queue there (reported past ours) counts as reported."""
+    rs = replicas(3, 3)
+    holder = rs[0]
+    holder.pending_prefill_tokens = 3 * 2 * BLOCK
+    holder.pending_prompt_tokens = 3 * 34 * BLOCK
+    holder.reported = ReportedLoad(waiting_prefill_tokens=3 * 34 * BLOCK, live_requests=3)
+    assert holder.queued_prefill_tokens == 6 * BLOCK
+    route = RouteInput(34 * BLOCK, b"k" * 16, {"engine-0": 32})
+    assert Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK).replica is holder
+    holder.reported = ReportedLoad(waiting_prefill_tokens=(3 * 34 + 60) * BLOCK,
+                                   live_requests=5)
+    assert holder.queued_prefill_tokens == (6 + 60) * BLOCK  # 60 blocks of someone else's
+    assert Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK).replica is rs[1]
+    # A report older than a request of ours that ended: our own count alone until the next.
+    holder.num_finished += 1
+    assert holder.queued_prefill_tokens == 6 * BLOCK
 
 
 def test_kv_aware_spills_when_the_holder_has_more_queued_prefill_than_the_prefix_saves():
@@ -129,6 +151,18 @@ def test_index_down_falls_back_to_prefix_hash_with_bounded_load():
     home.in_flight = 6  # past the cap (ceil(1.25 * 7 / 3) + 2 = 5): the next in its order
     decision = Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK)
     assert decision.replica is rendezvous_order(b"some-prefix-key!", rs)[1]
+
+
+def test_an_unread_prompt_with_the_index_down_goes_by_load_under_the_fallback():
+    """No key to hash and no index answer: the fallback spreads by load, and says it is the
+    fallback (metrics and the pagedgen-route trailer read these)."""
+    rs = replicas(0, 0, 0)
+    rs[0].pending_prefill_tokens = rs[1].pending_prefill_tokens = 40 * BLOCK
+    policies = Policies(RouterConfig())
+    for _ in range(3):
+        decision = policies.choose("kv-aware", rs, RouteInput(None, None, None), BLOCK)
+        assert decision.replica is rs[2]
+        assert decision.fallback and decision.policy == "prefix-hash-bounded"
 
 
 def test_prefix_hash_is_stateless_and_prefix_hash_bounded_is_not():

@@ -59,7 +59,7 @@ def test_a_repeated_prefix_goes_where_it_is_cached(stack, router_stub):
     wait_until(lambda: lookup(stack.index.target, chain).get(holder) == PREFIX_BLOCKS,
                what="the index sees the first request's blocks")
     # Only requests routed by kv-aware show affinity: a Lookup slower than the router's
-    # timeout (a starved machine) routes one by the prefix-hash fallback, whose replica then
+    # timeout (a starved machine) routes one by the prefix-hash-bounded fallback, whose replica then
     # holds the prefix too.
     holders = {holder}
     for i in range(4):
@@ -117,7 +117,7 @@ def hot_burst(stack, router_stub, seed: int) -> tuple[str, list]:
 def test_a_hot_prefix_spills_to_the_other_replica_under_load(stack, router_stub):
     # The bounded-load cap keeps the holder from taking the whole burst. Only a burst routed
     # wholly by kv-aware shows that: one with a request whose Lookup timed out (a starved
-    # machine) routed by the prefix-hash fallback is tried again on a fresh prefix (the
+    # machine) routed by the prefix-hash-bounded fallback is tried again on a fresh prefix (the
     # fallback's replicas hold this one now).
     deadline = time.monotonic() + 60
     seed = 3
