@@ -248,9 +248,12 @@ class RoutedRequest:
         try:
             async for message in call:
                 last_message_at = time.monotonic()
-                if prompt:  # its prompt is computed: no longer queued prefill
+                # Its first message (a token, or the first chunk of a long prompt: the engine
+                # then reports the rest itself): no longer queued here.
+                if prompt:
                     replica.pending_prefill_tokens -= uncached
                     replica.pending_prompt_tokens -= prompt
+                    replica.prefilled_prompt_tokens += prompt
                     uncached = prompt = 0
                 got_output = True
                 if self.resumed_text is not None:

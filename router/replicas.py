@@ -1,10 +1,11 @@
 """The engine replicas behind the router: where each one is, what it serves, how loaded it is.
 
 Each replica's EngineStats is polled every `stats_interval_s`; the router's own counts (requests
-it has running there, prompt tokens it expects them to prefill) are exact and immediate, so the
-load it routes by is the larger of the two views. A replica is routable while its last poll
-succeeded, it is not draining, and it hashes prompts as the router does (model identity and
-block size from its ModelInfo).
+it has running there, prompt tokens it expects them to prefill) are exact and immediate: active
+requests are the larger of the two views, and queued prefill is the router's own (uncached
+tokens) plus what the engine reports past the router's requests (other clients'). A replica is
+routable while its last poll succeeded, it is not draining, and it hashes prompts as the router
+does (model identity and block size from its ModelInfo).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class Replica:
         # ... and the whole prompts of those not prefilled yet, as the engine's
         # waiting_prefill_tokens counts them (cached prefix included)
         self.pending_prompt_tokens = 0
+        # whole prompts of ours that got their first message, ever; and that count when the
+        # EngineStats behind `reported` was asked for (a report asked before still counts them)
+        self.prefilled_prompt_tokens = 0
+        self.reported_after_prefilled = 0
         # Requests of this router that ended on it, and how many had ended when the EngineStats
         # behind `reported` was asked for: a snapshot taken before one of ours ended still
         # counts that request (its whole prompt as queued prefill, its sequence as live), and
@@ -93,7 +98,9 @@ class Replica:
         that prefix where it must be prefilled again."""
         if not self.reported_is_current:
             return self.pending_prefill_tokens
-        others = max(0, self.reported.waiting_prefill_tokens - self.pending_prompt_tokens)
+        ours = self.pending_prompt_tokens + (self.prefilled_prompt_tokens
+                                             - self.reported_after_prefilled)
+        others = max(0, self.reported.waiting_prefill_tokens - ours)
         return self.pending_prefill_tokens + others
 
     def mark_down(self, reason: str) -> None:
@@ -173,6 +180,7 @@ class ReplicaSet:
                                                     timeout=self.rpc_timeout_s)
                 self._adopt(replica, info)
             finished_before = replica.num_finished
+            prefilled_before = replica.prefilled_prompt_tokens
             stats = await replica.stub.EngineStats(pb.EngineStatsRequest(),
                                                    timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as error:
@@ -182,6 +190,7 @@ class ReplicaSet:
             stats.num_waiting_prefill_tokens, stats.num_running, stats.num_live_requests,
             stats.kv_cache_usage)
         replica.reported_after_finished = finished_before
+        replica.reported_after_prefilled = prefilled_before
         if stats.draining:
             replica.mark_down("draining")
             return

@@ -113,6 +113,7 @@ def test_the_home_bonus_never_beats_a_replica_holding_more_of_the_prefix():
         r = Replica.__new__(Replica)  # no channel: policies read only names and loads
         r.address, r.engine_id = f"127.0.0.1:{5000 + i}", f"engine-{i}"
         r.in_flight, r.pending_prefill_tokens, r.pending_prompt_tokens = 0, 0, 0
+        r.prefilled_prompt_tokens = r.reported_after_prefilled = 0
         r.reported = ReportedLoad()
         r.num_finished = r.reported_after_finished = 0
         replicas.append(r)

@@ -20,6 +20,7 @@ def replicas(*active: int) -> list[Replica]:
         r = Replica.__new__(Replica)  # no channel: policies read only names and loads
         r.address, r.engine_id = f"127.0.0.1:{5000 + i}", f"engine-{i}"
         r.in_flight, r.pending_prefill_tokens, r.pending_prompt_tokens = n, 0, 0
+        r.prefilled_prompt_tokens = r.reported_after_prefilled = 0
         r.reported = ReportedLoad()
         r.num_finished = r.reported_after_finished = 0
         out.append(r)
@@ -69,9 +70,21 @@ def test_our_queued_requests_count_their_uncached_part_only():
                                    live_requests=5)
     assert holder.queued_prefill_tokens == (6 + 60) * BLOCK  # 60 blocks of someone else's
     assert Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK).replica is rs[1]
+    # A report asked for before one of ours got its first message still counts that prompt
+    # whole: it is ours, not another client's, until the next report.
+    holder.reported = ReportedLoad(waiting_prefill_tokens=3 * 34 * BLOCK, live_requests=3)
+    holder.pending_prefill_tokens, holder.pending_prompt_tokens = 2 * 2 * BLOCK, 2 * 34 * BLOCK
+    holder.prefilled_prompt_tokens += 34 * BLOCK  # (reported_after_prefilled: before it)
+    assert holder.queued_prefill_tokens == 4 * BLOCK
+    holder.reported_after_prefilled = holder.prefilled_prompt_tokens  # a poll after it
+    holder.reported = ReportedLoad(waiting_prefill_tokens=2 * 34 * BLOCK, live_requests=3)
+    assert holder.queued_prefill_tokens == 4 * BLOCK
+    # A report smaller than our own queue (asked before ours arrived): nobody else's work.
+    holder.reported = ReportedLoad(waiting_prefill_tokens=0, live_requests=0)
+    assert holder.queued_prefill_tokens == 4 * BLOCK
     # A report older than a request of ours that ended: our own count alone until the next.
     holder.num_finished += 1
-    assert holder.queued_prefill_tokens == 6 * BLOCK
+    assert holder.queued_prefill_tokens == 4 * BLOCK
 
 
 def test_kv_aware_spills_when_the_holder_has_more_queued_prefill_than_the_prefix_saves():
