@@ -113,26 +113,25 @@ def test_relay_counts_a_waiting_prompt_and_a_cancelled_one_gives_it_back():
     asyncio.run(run())
 
 
-def test_a_token_less_first_message_still_ends_the_queued_count():
-    """(what the engine sends after a chunk of a long prompt: documents the behaviour)"""
+def _counts_after_first_message_and_after_the_end(script, matched: int = 32):
     async def run():
-        routed, replica, route = setup([pb.GenerateStreamResponse(request_id="r"), msg()])
+        routed, replica, route = setup(script, matched=matched)
         relay = routed._relay(replica, route, pb.GenerateRequest(request_id="r"))
         async with contextlib.aclosing(relay) as items:
             await items.__anext__()
-            assert counts(replica) == (1, 0, 0)
-        assert counts(replica) == (0, 0, 0)
-    asyncio.run(run())
+            during = counts(replica)
+        return during, counts(replica)
+    return asyncio.run(run())
+
+
+def test_a_token_less_first_message_still_ends_the_queued_count():
+    """(what the engine sends after a chunk of a long prompt: documents the behaviour)"""
+    script = [pb.GenerateStreamResponse(request_id="r"), msg()]
+    assert _counts_after_first_message_and_after_the_end(script) == ((1, 0, 0), (0, 0, 0))
 
 
 def test_a_wholly_cached_prompt_stops_counting_at_its_first_message():
     """Predicted wholly cached (0 uncached tokens): its whole prompt is still what the engine
     reports while it waits, and no longer once it streams."""
-    async def run():
-        routed, replica, route = setup([msg(), "hang"], matched=34)
-        relay = routed._relay(replica, route, pb.GenerateRequest(request_id="r"))
-        async with contextlib.aclosing(relay) as items:
-            await items.__anext__()
-            assert counts(replica) == (1, 0, 0)
-        assert counts(replica) == (0, 0, 0)
-    asyncio.run(run())
+    assert (_counts_after_first_message_and_after_the_end([msg(), "hang"], matched=34)
+            == ((1, 0, 0), (0, 0, 0)))
