@@ -100,7 +100,7 @@ class Policies:
                 return self._prefix_hash(replicas, route, block_size, fallback=True)
             return self._kv_aware(replicas, route, block_size)
         if policy == "round-robin":
-            return Decision(replicas[self._next_turn() % len(replicas)], policy, 0, False)
+            return self._round_robin(replicas, policy)
         if policy == "least-load":
             return self._least(replicas, lambda r: load(r, block_size, self.config), policy)
         if policy == "prefix-hash":
@@ -108,6 +108,9 @@ class Policies:
         if policy == "prefix-hash-bounded":
             return self._prefix_hash(replicas, route, block_size, fallback=False)
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+
+    def _round_robin(self, replicas: Sequence[Replica], policy: str) -> Decision:
+        return Decision(replicas[self._next_turn() % len(replicas)], policy, 0, False)
 
     def _eligible(self, replicas: Sequence[Replica]) -> list[Replica]:
         return under_cap(replicas, self.config.load_bound, self.config.load_slack)
@@ -159,7 +162,7 @@ class Policies:
         """The prefix's first replica in rendezvous order, whatever the load: a router that
         knows neither caches nor load (an unread prompt goes round-robin)."""
         if route.prefix_key is None:
-            return Decision(replicas[self._next_turn() % len(replicas)], "prefix-hash", 0, False)
+            return self._round_robin(replicas, "prefix-hash")
         return Decision(rendezvous_order(route.prefix_key, replicas)[0], "prefix-hash", 0, False)
 
     def _prefix_hash(self, replicas: Sequence[Replica], route: RouteInput, block_size: int,

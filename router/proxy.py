@@ -221,8 +221,8 @@ class RoutedRequest:
         # Chains credited as on their way (router/pending.py) count as cached here: the
         # replica prefills them once (unless it admits both requests in one step).
         predicted = route.decision.matched_blocks * block_size
-        uncached = max(0, (route.num_prompt_tokens or 0) - predicted)
         prompt = route.num_prompt_tokens or 0
+        uncached = max(0, prompt - predicted)
         replica.in_flight += 1
         replica.pending_prefill_tokens += uncached
         replica.pending_prompt_tokens += prompt
