@@ -74,6 +74,17 @@ def test_a_captured_pool_cannot_be_replaced(tiny_llama_dir) -> None:
         engine.runner.allocate_kv_cache(16, 0)
 
 
+@needs_cuda
+def test_graph_memory_is_measured_from_an_empty_cache(tiny_llama_dir) -> None:
+    """Each capture empties the ordinary pool's cache; measured from a full one, the graphs'
+    memory came out negative on an H200 and the plan's check against it could not fire."""
+    engine = LLM(model=str(tiny_llama_dir), device="cuda", num_blocks=16, max_num_seqs=4,
+                 enforce_eager=True).llm_engine
+    torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # freed: 64 MiB left cached
+    added = engine.runner.capture_decode_graphs(4, engine.max_model_len)
+    assert added > 0
+
+
 def _prompts(count: int, seed: int) -> list[dict]:
     """Prompts of 1 to 100 tokens: one-block, partial-block and many-block contexts."""
     rng = random.Random(seed)
