@@ -361,13 +361,14 @@ def _workload_info(w: Workload) -> dict:
     }
 
 
-def _shared_prefix_workload(sizes: Sizes, seed: int) -> Workload:
+def _shared_prefix_workload(sizes: Sizes, seed: int, grouped: bool = False) -> Workload:
     return shared_prefix(
         sizes.prefix_tenants,
         sizes.prefix_per_tenant,
         sizes.prefix_system_len,
         output_len=sizes.prefix_output_len,
         seed=seed + 3,
+        grouped=grouped,
     )
 
 
@@ -495,7 +496,7 @@ def _memory(sizes: Sizes, seed: int, cost) -> dict:
 
 
 def _prefix(make_engine, sizes: Sizes, throughput: Workload, seed: int) -> dict:
-    from bench.prefix import prefix_benefit, zero_hit_cost
+    from bench.prefix import burst_deferral, prefix_benefit, zero_hit_cost
 
     _log("prefix caching: shared-prefix workload, cache on vs off")
     # As many in flight as tenants: the first wave computes each tenant's prefix, later
@@ -505,7 +506,10 @@ def _prefix(make_engine, sizes: Sizes, throughput: Workload, seed: int) -> dict:
     )
     _log("prefix caching: zero-hit cost on unique prompts")
     zero = zero_hit_cost(make_engine, throughput, repeats=sizes.zero_hit_repeats)
-    return {"shared_prefix": asdict(figures), "zero_hit": zero}
+    _log("prefix caching: a burst, each tenant's requests together, deferral on vs off")
+    burst = burst_deferral(make_engine, _shared_prefix_workload(sizes, seed, grouped=True),
+                           repeats=sizes.zero_hit_repeats)
+    return {"shared_prefix": asdict(figures), "zero_hit": zero, "burst": burst}
 
 
 def _machine(meta: dict) -> dict:

@@ -1,6 +1,8 @@
 """Prefix caching: what the cache buys on the shared-prefix workload (TTFT, prefill tokens
-computed) and what it costs when nothing hits (throughput on unique prompts, cache on vs off).
-Each configuration gets a fresh engine, so no run starts with another's cache."""
+computed), what it costs when nothing hits (throughput on unique prompts, cache on vs off), and
+what deferring a request whose prefix is being computed buys when requests for new prefixes
+arrive together (a burst, deferral on vs off). Each configuration gets a fresh engine, so no
+run starts with another's cache."""
 
 from __future__ import annotations
 
@@ -37,14 +39,16 @@ def _run(
     max_concurrency: int | None,
     rate: float,
     progress: bool,
+    **engine_overrides,
 ) -> tuple[EngineRun, RunSummary]:
     from engine_service.model.sampling_params import SamplingParams
 
-    engine = make_engine(enable_prefix_caching=enable_prefix_caching)
+    engine = make_engine(enable_prefix_caching=enable_prefix_caching, **engine_overrides)
     warm_up(engine, SamplingParams)
     run = drive(
         engine, workload, name, rate=rate, max_concurrency=max_concurrency, progress=progress
     )
+    run.stats["num_prefill_deferrals"] = engine.scheduler.counters.num_prefill_deferrals
     del engine
     gc.collect()
     return run, summarize(run.records, run.duration_s)
@@ -97,4 +101,31 @@ def zero_hit_cost(
         "output_throughput_cache_on": all_runs[True],
         "output_throughput_cache_off": all_runs[False],
         "throughput_cost_fraction": 1 - best[True] / best[False],
+    }
+
+
+def burst_deferral(
+    make_engine: EngineFactory, workload: Workload, repeats: int = 1, progress: bool = True
+) -> dict:
+    """Every request of `workload` at once (each tenant's requests next to each other, so
+    several arrive for a prefix no one has computed yet), with the scheduler's deferral on
+    and off (`defer_shared_prefill`), alternating; the first run of each side is reported, the
+    others are kept for their spread."""
+    sides: dict[bool, list[tuple[EngineRun, RunSummary]]] = {True: [], False: []}
+    for _ in range(repeats):
+        for defer in (True, False):
+            name = f"burst_{'deferred' if defer else 'not_deferred'}"
+            sides[defer].append(_run(make_engine, workload, name, True, None, float("inf"),
+                                     progress, defer_shared_prefill=defer))
+    (on, on_summary), (off, off_summary) = sides[True][0], sides[False][0]
+    return {
+        "deferred": asdict(on_summary),
+        "not_deferred": asdict(off_summary),
+        "prefill_tokens_deferred": _prefill_tokens(on),
+        "prefill_tokens_not_deferred": _prefill_tokens(off),
+        "num_prefill_deferrals": on.stats["num_prefill_deferrals"],
+        "ttft_p50_speedup": off_summary.ttft["p50_ms"] / on_summary.ttft["p50_ms"],
+        "ttft_p99_speedup": off_summary.ttft["p99_ms"] / on_summary.ttft["p99_ms"],
+        "output_throughput_deferred": [s.output_throughput for _, s in sides[True]],
+        "output_throughput_not_deferred": [s.output_throughput for _, s in sides[False]],
     }

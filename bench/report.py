@@ -415,6 +415,8 @@ def render_report(r: dict, out: Path) -> str:
             f"![prefix cache]({rel}/prefix_cache.png)",
             "",
         ]
+        if "burst" in r["prefix"]:
+            lines += _burst_lines(r["prefix"]["burst"], wl)
     if "index_overhead" in r:
         io = r["index_overhead"]
         link = io.get("link", {})
@@ -798,3 +800,33 @@ def _router(x: dict, rel: str) -> list[str]:
         f"mean {_f(o['added_mean_ms'], 2)} ms | n/a |",
     ]
     return lines + rows + ["", f"![router]({rel}/router.png)", ""]
+
+
+def _burst_lines(burst: dict, wl: dict) -> list[str]:
+    """The prefix section's burst: deferring a request whose prefix is being computed."""
+    on, off = burst["deferred"], burst["not_deferred"]
+
+    def row(name: str, summary: dict, prefill: int) -> str:
+        return (f"| {name} | {_f(summary['ttft']['p50_ms'], 0)} | "
+                f"{_f(summary['ttft']['p99_ms'], 0)} | {prefill} | "
+                f"{_f(summary['output_throughput'])} |")
+
+    return [
+        f"A burst: the same {wl['prefix_tenants'] * wl['prefix_per_tenant']} requests all at "
+        "once, each tenant's next to each other, so several arrive for a prefix nobody has "
+        "computed yet. With deferral (the default) a request whose next prompt block a running "
+        "request is computing waits one step and finds it cached; without it, those requests "
+        "compute it again in the same step.",
+        "",
+        "| | TTFT p50 ms | TTFT p99 ms | prefill tokens computed | output tok/s |",
+        "|---|---:|---:|---:|---:|",
+        row("not deferred", off, burst["prefill_tokens_not_deferred"]),
+        row("deferred", on, burst["prefill_tokens_deferred"]),
+        "",
+        f"{burst['num_prefill_deferrals']} admissions deferred; TTFT p50 "
+        f"**{burst['ttft_p50_speedup']:.2f}x** and p99 **{burst['ttft_p99_speedup']:.2f}x** "
+        f"lower; output tok/s per run deferred "
+        f"{', '.join(_f(x) for x in burst['output_throughput_deferred'])}, not deferred "
+        f"{', '.join(_f(x) for x in burst['output_throughput_not_deferred'])}.",
+        "",
+    ]

@@ -77,7 +77,7 @@ class PolicyStack:
         self.engine_ids = [f"{run_tag}-e{i}" for i in range(shape.num_engines)]
         self.engines: list[EngineProcess] = []
         self.router: RouterProcess | None = None
-        self.metrics_port = free_port()
+        self.metrics_port = 0  # picked just before the router starts
         self._stack = ExitStack()
 
     @property
@@ -117,13 +117,26 @@ class PolicyStack:
         for engine in self.engines:
             engine.kill()
 
-    def _start_router(self) -> None:
-        args = ["--engines", ",".join(e.target for e in self.engines),
-                "--prefix-index", self.index_target, "--policy", self.policy,
-                "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
-                "--grace-s", "2", "--log-level", "WARNING", *self.router_args]
-        self.router = RouterProcess(args, log_path=self.log_dir / f"router-{self.policy}.log")
-        self.router.start()
+    def _start_router(self, attempts: int = 3) -> None:
+        # A port free_port() found can be taken before the router binds it (the engines'
+        # outgoing connections draw from the same ephemeral range): then another port.
+        for attempt in range(attempts):
+            self.metrics_port = free_port()
+            args = ["--engines", ",".join(e.target for e in self.engines),
+                    "--prefix-index", self.index_target, "--policy", self.policy,
+                    "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
+                    "--grace-s", "2", "--log-level", "WARNING", *self.router_args]
+            self.router = RouterProcess(args,
+                                        log_path=self.log_dir / f"router-{self.policy}.log")
+            try:
+                self.router.start()
+                break
+            except RuntimeError as error:
+                self.router.kill()
+                port_taken = any(text in str(error) for text in ("Address already in use",
+                                                                   "could not bind"))
+                if not port_taken or attempt == attempts - 1:
+                    raise
         self._stack.callback(self.router.kill)
         self._wait_routable()
 

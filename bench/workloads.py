@@ -114,10 +114,12 @@ def shared_prefix(
     user_len: tuple[int, int] = (16, 48),
     output_len: int = 16,
     seed: int = 0,
+    grouped: bool = False,
 ) -> Workload:
     """One long system prompt followed by short user turns. Every tenant uses the same system
     prompt but its own cache_salt, so tenants never share blocks with each other (isolation)
-    while requests of one tenant do. Requests interleave tenants in arrival order."""
+    while requests of one tenant do. Requests interleave tenants in arrival order, or come
+    tenant by tenant when `grouped` (the same requests)."""
     rng = random.Random(seed)
     system = _tokens(rng, system_prompt_len)
     requests = []
@@ -125,7 +127,11 @@ def shared_prefix(
         for tenant in range(num_tenants):
             user = _tokens(rng, rng.randint(*user_len))
             requests.append(BenchRequest(system + user, output_len, cache_salt=f"tenant-{tenant}"))
-    return Workload(f"shared_prefix_{num_tenants}x{requests_per_tenant}", seed, tuple(requests))
+    name = f"shared_prefix_{num_tenants}x{requests_per_tenant}"
+    if grouped:
+        requests.sort(key=lambda r: int(r.cache_salt.removeprefix("tenant-")))  # stable
+        name += "_grouped"
+    return Workload(name, seed, tuple(requests))
 
 
 def zipf_weights(num_items: int, s: float) -> list[float]:

@@ -63,11 +63,13 @@ class RouterServer:
         self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"could not bind {address}")
+        if self.metrics_port:
+            # Before the router's tasks and the server start: a port in use fails here, with
+            # nothing running yet to stop (after them, the process died of SIGSEGV).
+            self.router.metrics.serve(self.metrics_port, self.metrics_host)
         await self.router.start()
         await self._update_health()
         await self.server.start()
-        if self.metrics_port:
-            self.router.metrics.serve(self.metrics_port, self.metrics_host)
         self._health_task = asyncio.ensure_future(self._follow_health())
         log.info("router serving on %s:%d (policy %s)", self.host, self.port,
                  self.router.config.policy)
@@ -194,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:  # a bad setting: say it, no traceback
         log.error("%s", error)
         sys.exit(2)
+    except OSError as error:  # a port in use
+        log.error("cannot serve: %s", error)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -498,3 +498,33 @@ def test_a_report_of_a_run_elsewhere_stays_in_its_own_directory(tmp_path):
         main(["--render-only", "--out", str(DEFAULT_OUT.parent)])
     with pytest.raises(SystemExit):  # --router-shape where the router section is not taken
         main(["--only", "pinning", "--router-shape", "rate=1"])
+
+
+def test_the_burst_defers_and_its_table_renders(tiny_llama_dir):
+    """bench/prefix.py's burst on a tiny model: with deferral each tenant's prefix is computed
+    once, without it the requests that arrived together compute it again; the report's rows
+    follow."""
+    from bench.prefix import burst_deferral
+    from bench.report import _burst_lines
+    from engine_service import LLM
+
+    def make_engine(**overrides):
+        return LLM(model=str(tiny_llama_dir), dtype="float32", num_blocks=64,
+                   **overrides).llm_engine
+
+    workload = shared_prefix(2, 3, 64, output_len=2, seed=0, grouped=True)
+    assert [r.cache_salt for r in workload.requests] == ["tenant-0"] * 3 + ["tenant-1"] * 3
+    def key(r):
+        return (r.cache_salt, tuple(r.prompt_token_ids))
+
+    interleaved = shared_prefix(2, 3, 64, output_len=2, seed=0).requests
+    assert sorted(workload.requests, key=key) == sorted(interleaved, key=key)
+    burst = burst_deferral(make_engine, workload, progress=False)
+    assert burst["num_prefill_deferrals"] >= 4  # each tenant's second and third, once at least
+    prompt = sum(r.prompt_len for r in workload.requests)
+    assert burst["prefill_tokens_not_deferred"] == prompt  # all six in the first step
+    assert burst["prefill_tokens_deferred"] == prompt - 4 * 64
+    lines = "\n".join(_burst_lines(burst, {"prefix_tenants": 2, "prefix_per_tenant": 3}))
+    assert f"| deferred | {round(burst['deferred']['ttft']['p50_ms'])} |" in lines.replace(
+        ",", "")
+    assert f"{burst['num_prefill_deferrals']} admissions deferred" in lines

@@ -33,6 +33,10 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     # CUDA: run decode steps eagerly, without the captured CUDA graphs (a debugging switch).
     enforce_eager: bool = False
+    # A waiting request whose next prompt block a running request is computing waits a step
+    # and finds it cached (core/scheduler.py); False computes it again in the same step, as
+    # before (the benchmark's baseline).
+    defer_shared_prefill: bool = True
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, value: object, allowed: str) -> None:
@@ -61,6 +65,8 @@ class EngineConfig:
         need(self.device in DEVICES, "device", self.device, f"one of {DEVICES}")
         need(isinstance(self.enforce_eager, bool), "enforce_eager", self.enforce_eager,
              "True or False")
+        need(isinstance(self.defer_shared_prefill, bool), "defer_shared_prefill",
+             self.defer_shared_prefill, "True or False")
         need(self.dtype in DTYPE_CHOICES, "dtype", self.dtype, f"one of {DTYPE_CHOICES}")
         self.dtype = resolve_dtype(self.dtype, self.device, self.model)
         need(

@@ -110,7 +110,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
-                config.max_num_batched_tokens, config.max_num_seqs, config.preemption_mode
+                config.max_num_batched_tokens, config.max_num_seqs, config.preemption_mode,
+                defer_shared_prefill=config.defer_shared_prefill,
             ),
             self.kv,
         )

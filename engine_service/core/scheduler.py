@@ -29,6 +29,7 @@ class SchedulerConfig:
     # Fraction of the pool kept free when admitting new requests, so running ones can grow
     # for a while before anyone is preempted.
     admission_watermark: float = 0.01
+    defer_shared_prefill: bool = True  # see EngineConfig
 
 
 @dataclass(slots=True)
@@ -37,6 +38,9 @@ class SchedulerCounters:
     num_swapped_out: int = 0
     num_recomputed: int = 0
     num_pins_released: int = 0  # idle pinned blocks unpinned so a lone request could run
+    # Admissions put off one step because a running request was computing the same prompt
+    # blocks (counted once per request and step).
+    num_prefill_deferrals: int = 0
 
 
 def _order_key(group: SequenceGroup) -> tuple[int, int]:
@@ -240,19 +244,41 @@ class Scheduler:
             free = pool.num_free_blocks
         return free
 
+    def _blocks_in_flight(self) -> set[bytes]:
+        return {h for group in self.running for seq in group.seqs
+                for h in self.kv.blocks_in_flight(seq)}
+
+    def _waits_for_prefill(self, leader: Sequence, group: SequenceGroup, num_hits: int,
+                           in_flight: set[bytes]) -> bool:
+        """Whether the next prompt block leader would compute is being computed by a running
+        request: then it waits one step and finds it cached, instead of computing the same
+        prefix a second time in the same step (a burst of requests for a new system prompt)."""
+        if not in_flight or num_hits >= (leader.num_tokens - 1) // self.kv.block_size:
+            return False
+        return self.kv.block_hashes(leader, group.cache_salt)[num_hits] in in_flight
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting groups in order while they fit. A group (re-)enters through one
         sequence, its leader: the leader's cache hits are acquired before anything is allocated;
         the other sequences of a re-admitted forked group share the leader's prompt blocks at
-        once when they are cached, or park until the leader has recomputed them."""
-        while self.waiting and budget > 0:
-            group = self.waiting[0]
+        once when they are cached, or park until the leader has recomputed them. A group whose
+        next prompt block a running request is computing is passed over for this step
+        (_waits_for_prefill); the ones behind it are not held up by it."""
+        defer = self.config.defer_shared_prefill
+        in_flight = self._blocks_in_flight() if defer else set()
+        index = 0
+        while index < len(self.waiting) and budget > 0:
+            group = self.waiting[index]
             seqs = group.live_seqs()
             num_seqs = len(seqs) if group.has_forked else group.params.num_sequences
             if self.num_running_seqs() + num_seqs > self.config.max_num_seqs:
                 return
             leader, followers = seqs[0], seqs[1:]
             hits = self.kv.cached_prefix(leader, group.cache_salt)
+            if self._waits_for_prefill(leader, group, len(hits), in_flight):
+                self.counters.num_prefill_deferrals += 1
+                index += 1
+                continue
             num_cached = len(hits) * self.kv.block_size
             # A re-admitted beam search leader stops one token short: its beams take their
             # next step together, once the parked ones have caught up (see _plan).
@@ -261,9 +287,11 @@ class Scheduler:
             needed = self.kv.blocks_to_admit(leader, hits, num_new)
             if needed + self._watermark() > self._free_for(needed, not self.running):
                 return
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             self.kv.admit(leader, hits, num_new, group.cache_salt)
             leader.num_computed_tokens = num_cached
+            if defer:
+                in_flight.update(self.kv.blocks_in_flight(leader))
             leader.status = SequenceStatus.RUNNING
             if group.num_cached_tokens is None:
                 group.num_cached_tokens = num_cached

@@ -133,11 +133,13 @@ class EngineServer:
         self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"could not bind {address}")
+        if self.options.metrics_port:
+            # Before the engine thread and the server start: a port in use fails here, with
+            # nothing running yet to stop.
+            self.metrics.serve(self.options.metrics_port, self.options.metrics_host)
         self._loop = asyncio.get_running_loop()
         self.async_engine.start()
         await self.server.start()
-        if self.options.metrics_port:
-            self.metrics.serve(self.options.metrics_port, self.options.metrics_host)
         await self._set_health(SERVING)
         log.info("engine serving on %s:%d", self.options.host, self.port)
         return self.port
@@ -372,6 +374,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:  # a bad model path or engine setting: say it, no traceback
         log.error("%s", error)
         sys.exit(2)
+    except OSError as error:  # a port in use
+        log.error("cannot serve: %s", error)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -68,3 +68,64 @@ def test_hash_collision_never_shares_other_tokens(make_llm, tiny_llama_dir):
             block.token_ids = tuple(t + 1 for t in block.token_ids)
     again = llm.generate({"prompt_token_ids": prompt}, PARAMS)[0]
     assert again.num_cached_tokens == 0
+
+
+def _burst_prompts(tokenizer) -> list[list[int]]:
+    """Four prompts on one 200-token prefix (12 full blocks of 16), each its own question."""
+    prefix = tokenizer.encode(PARAGRAPH * 5)[:200]
+    return [prefix + tokenizer.encode(f" Question {word}: what came next?")
+            for word in ("one", "two", "three", "four")]
+
+
+def test_a_burst_for_one_new_prefix_computes_it_once(make_llm, tiny_llama_dir):
+    """Requests that arrive together for a prefix nobody holds: the first computes it, the
+    others wait one step and find it cached (without this, all four prefilled it in one
+    step). Tokens as without the cache."""
+    llm = make_llm(tiny_llama_dir, block_size=16, num_blocks=128)
+    prompts = _burst_prompts(llm.get_tokenizer())
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    assert [o.num_cached_tokens for o in outs] == [0, 192, 192, 192]
+    computed = _prefill_tokens(llm)
+    assert computed == sum(len(p) for p in prompts) - 3 * 192 + 4 * (PARAMS.max_tokens - 1)
+    assert llm.llm_engine.scheduler.counters.num_prefill_deferrals == 3
+
+    uncached = make_llm(tiny_llama_dir, block_size=16, num_blocks=128, enable_prefix_caching=False)
+    reference = uncached.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
+    assert uncached.llm_engine.scheduler.counters.num_prefill_deferrals == 0
+
+    undeferred = make_llm(tiny_llama_dir, block_size=16, num_blocks=128,
+                          defer_shared_prefill=False)
+    again = undeferred.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    assert [o.num_cached_tokens for o in again] == [0, 0, 0, 0]  # all in one step
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+
+
+def test_a_burst_under_other_salts_is_not_deferred(make_llm, tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, block_size=16, num_blocks=128)
+    prompt = _burst_prompts(llm.get_tokenizer())[0]
+    outs = llm.generate([{"prompt_token_ids": prompt, "cache_salt": f"tenant-{i}"}
+                         for i in range(3)], PARAMS)
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
+    assert llm.llm_engine.scheduler.counters.num_prefill_deferrals == 0
+
+
+def test_a_deferred_request_does_not_hold_up_the_ones_behind_it(make_llm, tiny_llama_dir):
+    """Waiting: A (new prefix), B (A's prefix), C (another). The first step runs A and C; B
+    waits one step, then runs with A's prefix cached."""
+    llm = make_llm(tiny_llama_dir, block_size=16, num_blocks=128)
+    engine = llm.llm_engine
+    first, second, _, _ = _burst_prompts(llm.get_tokenizer())
+    other = list(range(300, 340))
+    for request_id, prompt in (("a", first), ("b", second), ("c", other)):
+        engine.add_request(request_id, prompt, PARAMS)
+    engine.step()
+    running = {g.request_id for g in engine.scheduler.running}
+    waiting = [g.request_id for g in engine.scheduler.waiting]
+    assert (running, waiting) == ({"a", "c"}, ["b"])
+    engine.step()
+    assert "b" in {g.request_id for g in engine.scheduler.running}
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["b"].num_cached_tokens == 192
