@@ -391,6 +391,7 @@ def render_report(r: dict, out: Path) -> str:
         lines += [
             "### Prefix caching",
             "",
+            *_taken_separately(r["prefix"]),
             f"Shared-prefix workload: {wl['prefix_tenants']} tenants x {wl['prefix_per_tenant']} "
             f"requests, a {wl['prefix_system_len']}-token system prompt + 16-48 token user turn, "
             f"{wl['prefix_output_len']} output tokens, each tenant its own `cache_salt`; "
