@@ -36,6 +36,14 @@ class RouterConfig:
     # workloads, alternating) weight 2 won nothing (README, issue #11).
     hot_replica_weight: float = 0.0
     share_window: int = 32
+    # Uncached prompt blocks that would evict the prefixes recently sent to a replica (those
+    # past the room its pool has beside them, router/recent_prefixes.py) cost this many
+    # blocks more each: the evicted prefix is prefilled again when its traffic returns, and
+    # that traffic waits for it; the running requests' own blocks, not counted in the room,
+    # evict some more. So more than 1, and more than home_weight's pull for a whole prefix
+    # past the room by a few blocks. 0: off.
+    room_weight: float = 2.0
+    prefix_window: int = 64  # recent decisions the replicas' prefixes are counted over
     running_weight: float = 0.5
     kv_weight: float = 8.0
     # Bounded load (consistent hashing with bounded loads): a replica may take a request only
@@ -59,8 +67,8 @@ class RouterConfig:
         """Raises ValueError naming a setting outside what is allowed."""
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name in ("prefill_weight", "home_weight", "hot_replica_weight", "running_weight",
-                     "kv_weight", "pending_s"):
+        for name in ("prefill_weight", "home_weight", "hot_replica_weight", "room_weight",
+                     "running_weight", "kv_weight", "pending_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):  # (inf * 0 is a NaN cost)
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -71,6 +79,8 @@ class RouterConfig:
             raise ValueError(f"load_slack must be >= 0 requests, got {self.load_slack}")
         if self.share_window < 1:
             raise ValueError(f"share_window must be >= 1 requests, got {self.share_window}")
+        if self.prefix_window < 1:
+            raise ValueError(f"prefix_window must be >= 1 requests, got {self.prefix_window}")
         if self.prefix_hash_blocks < 1:
             raise ValueError(f"prefix_hash_blocks must be >= 1, got {self.prefix_hash_blocks}")
         for name in ("lookup_timeout_s", "stats_interval_s", "discovery_interval_s",

@@ -24,6 +24,7 @@ from router.metrics import RouterMetrics
 from router.pending import PendingPrefixes
 from router.policies import Decision, Policies, RouteInput
 from router.prompt import PromptReader
+from router.recent_prefixes import RecentPrefixes
 from router.recent_routes import RecentRoutes
 from router.replicas import Replica, ReplicaSet
 
@@ -70,6 +71,7 @@ class Router:
         # (kv-aware); keyed by both so an engine restarted at the address inherits nothing
         self.pending: dict[tuple[str, str], PendingPrefixes] = {}
         self.recent = RecentRoutes(config.share_window)  # where the last requests went
+        self.recent_prefixes = RecentPrefixes(config.prefix_window)  # and with what prefix
         self._tasks: list[asyncio.Task] = []
         if self.index is not None:
             self.metrics.index_up.set_function(lambda: 1.0 if self.index.up else 0.0)
@@ -183,8 +185,11 @@ class Router:
         # (Shares only where they are read: kv-aware with a hot-replica weight.)
         shares = (self.recent.shares(time.monotonic())
                   if matches is not None and self.config.hot_replica_weight > 0 else None)
-        route = RouteInput(len(token_ids) if token_ids is not None else None,
-                           self._prefix_key(chain, token_ids, cache_salt), matches, shares)
+        prefix_key = self._prefix_key(chain, token_ids, cache_salt)
+        others = (self.recent_prefixes.blocks_of_others(prefix_key, time.monotonic())
+                  if matches is not None and self.config.room_weight > 0 else None)
+        route = RouteInput(len(token_ids) if token_ids is not None else None, prefix_key,
+                           matches, shares, others)
         decision = self.policies.choose(policy, replicas, route, hasher.block_size)
         replica = decision.replica
         if matches is not None and record and replica.engine_id:  # (a PinPrefix prefills
@@ -194,6 +199,10 @@ class Router:
             self.pending[key].add(chain, time.monotonic())
         if record:  # (a retry or resumed attempt counts too: it is traffic there)
             self.recent.add(replica.name, time.monotonic())
+            if prefix_key is not None and route.num_prompt_tokens:
+                self.recent_prefixes.add(replica.name, prefix_key,
+                                         -(-route.num_prompt_tokens // hasher.block_size),
+                                         time.monotonic())
             self.metrics.decisions.labels(decision.policy, replica.name).inc()
             if decision.fallback and self.index is not None:
                 self.metrics.fallbacks.inc()

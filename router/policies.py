@@ -3,7 +3,8 @@ replicas (no I/O here).
 
 - kv-aware (default): the least cost, cost = prefill_weight * uncached prompt blocks
   * (1 + hot_replica_weight * the replica's share of the recent requests past 1.5x an even
-  one) + load
+  one) + prefill_weight * room_weight * the blocks of other recent prefixes they would evict
+  there (router/recent_prefixes.py) + load
   (- home_weight at the prefix's rendezvous home while no replica holds more of it than the
   home); the uncached blocks from the index's exact per-replica longest prefix (and what the
   router routed there moments ago, router/pending.py).
@@ -38,6 +39,8 @@ class RouteInput:
     matches: dict[str, int] | None
     # replica name -> its share of the router's recent requests (router/recent_routes.py)
     shares: dict[str, float] | None = None
+    # replica name -> blocks of the other prefixes recently sent there (recent_prefixes.py)
+    others_blocks: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +147,16 @@ class Policies:
                 home = None  # another replica holds more of it: affinity decides, not hash
 
         shares = route.shares or {}
+        others = route.others_blocks or {}
         num_replicas = len(replicas)
+
+        def evicted(replica: Replica, uncached: int) -> int:
+            """Blocks of other recent prefixes the uncached ones would push out of the pool."""
+            pool = replica.reported.num_blocks
+            if not pool or not uncached:
+                return 0
+            room = max(0, pool - others.get(replica.name, 0))
+            return min(uncached, max(0, prompt_blocks - room))
 
         def cost(replica: Replica) -> float:
             uncached = prompt_blocks - min(matches.get(replica.engine_id, 0), prompt_blocks)
@@ -153,6 +165,7 @@ class Policies:
             excess = max(0.0, num_replicas * shares.get(replica.name, 0.0) - 1.0
                          - EVEN_SHARE_SLACK)
             prefill = config.prefill_weight * uncached * (1.0 + config.hot_replica_weight * excess)
+            prefill += config.prefill_weight * config.room_weight * evicted(replica, uncached)
             return (prefill + load(replica, block_size, config)
                     - (config.home_weight if replica is home else 0.0))
 

@@ -31,6 +31,7 @@ class ReportedLoad:
     running_seqs: int = 0
     live_requests: int = 0
     kv_usage: float = 0.0
+    num_blocks: int = 0  # the pool's size (0: not reported yet)
 
 
 class Replica:
@@ -188,7 +189,7 @@ class ReplicaSet:
             return
         replica.reported = ReportedLoad(
             stats.num_waiting_prefill_tokens, stats.num_running, stats.num_live_requests,
-            stats.kv_cache_usage)
+            stats.kv_cache_usage, stats.num_blocks)
         replica.reported_after_finished = finished_before
         replica.reported_after_prefilled = prefilled_before
         if stats.draining:

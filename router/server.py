@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from pagedgen_api import prefix_index_pb2
+from prefix_index.tools.bind_error import BindError, serve_metrics
 from router.config import POLICIES, RouterConfig
 from router.core import Router
 from router.metrics import RouterMetrics
@@ -62,11 +63,11 @@ class RouterServer:
         address = f"{self.host}:{self.requested_port}"
         self.port = self.server.add_insecure_port(address)
         if self.port == 0:
-            raise OSError(f"could not bind {address}")
+            raise BindError(f"could not bind {address}")
         if self.metrics_port:
             # Before the router's tasks and the server start: a port in use fails here, with
             # nothing running yet to stop (after them, the process died of SIGSEGV).
-            self.router.metrics.serve(self.metrics_port, self.metrics_host)
+            serve_metrics(self.router.metrics.serve, self.metrics_port, self.metrics_host)
         await self.router.start()
         await self._update_health()
         await self.server.start()
@@ -123,6 +124,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hot-replica-weight", type=float, default=d.hot_replica_weight,
                    help="kv-aware: extra cost of an uncached block on a replica per share of "
                         "the recent requests it took past 1.5x an even split (0: off)")
+    p.add_argument("--room-weight", type=float, default=d.room_weight,
+                   help="kv-aware: extra cost of an uncached block that would evict a prefix "
+                        "recently sent to the replica (one its pool has no room beside) (0: off)")
+    p.add_argument("--prefix-window", type=int, default=d.prefix_window,
+                   help="kv-aware: how many recent requests the replicas' prefixes count")
     p.add_argument("--share-window", type=int, default=d.share_window,
                    help="kv-aware: how many recent requests the replicas' shares count")
     p.add_argument("--pending-s", type=float, default=d.pending_s,
@@ -161,6 +167,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         policy=args.policy, prefill_weight=args.prefill_weight,
         home_weight=args.home_weight, pending_s=args.pending_s,
         hot_replica_weight=args.hot_replica_weight, share_window=args.share_window,
+        room_weight=args.room_weight, prefix_window=args.prefix_window,
         running_weight=args.running_weight, kv_weight=args.kv_weight,
         load_bound=args.load_bound, load_slack=args.load_slack,
         prefix_hash_blocks=args.prefix_hash_blocks,
@@ -196,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:  # a bad setting: say it, no traceback
         log.error("%s", error)
         sys.exit(2)
-    except OSError as error:  # a port in use
+    except BindError as error:  # a port in use
         log.error("cannot serve: %s", error)
         sys.exit(1)
 

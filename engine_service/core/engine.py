@@ -59,6 +59,7 @@ class EngineStats:
     num_pinned_blocks: int = 0  # idle blocks the prefix policy keeps from eviction
     num_pins_released: int = 0  # pinned blocks unpinned so a lone request could run
     num_waiting_prefill_tokens: int = 0  # prompt tokens not computed yet (waiting + running)
+    num_prefill_deferrals: int = 0  # admissions put off a step for a prefix being computed
 
 
 Command = Callable[["LLMEngine"], None]
@@ -597,6 +598,7 @@ class LLMEngine:
             num_pinned_blocks=pool.policy.num_pinned_idle,
             num_pins_released=self.scheduler.counters.num_pins_released,
             num_waiting_prefill_tokens=self.scheduler.num_waiting_prefill_tokens(),
+            num_prefill_deferrals=self.scheduler.counters.num_prefill_deferrals,
         )
 
     def check_block_invariants(self) -> list[str]:

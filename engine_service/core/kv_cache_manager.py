@@ -91,13 +91,16 @@ class KVCacheManager:
         return hits
 
     def blocks_in_flight(self, seq: Sequence) -> list[bytes]:
-        """Hashes of seq's full blocks that hold device blocks but are not in the cache yet:
-        what the step being planned computes, or a prefill chunk that stopped inside them."""
+        """Hashes of seq's full blocks that hold device blocks but are not computed yet: what
+        the step being planned computes, or a prefill chunk that stopped inside them. (Not
+        the blocks a swap-in brings back: computed, committed again after the step.)"""
         if not self.enable_prefix_caching:
             return []
         hashes = self._hashes.get(seq.seq_id, [])
         num_held = min(len(self._tables.get(seq.seq_id, [])), len(hashes))
-        return hashes[self._num_committed.get(seq.seq_id, 0):num_held]
+        num_computed = max(self._num_committed.get(seq.seq_id, 0),
+                           seq.num_computed_tokens // self.block_size)
+        return hashes[num_computed:num_held]
 
     def commit_full_blocks(self, seq: Sequence, cache_salt: str | None) -> None:
         """Register the blocks of seq that have become full and computed since the last call."""

@@ -43,6 +43,11 @@ class SchedulerCounters:
     num_prefill_deferrals: int = 0
 
 
+# Waiting groups passed over in one step (each costs a prefix lookup) before admission stops
+# for that step: 2,000 requests queued on one new 8k-token prefix took 1 s a step unbounded.
+MAX_DEFERRED_PER_STEP = 32
+
+
 def _order_key(group: SequenceGroup) -> tuple[int, int]:
     # Lower priority value first (vLLM's convention), then arrival.
     return (group.priority, group.arrival_order)
@@ -261,38 +266,50 @@ class Scheduler:
         """Admit waiting groups in order while they fit. A group (re-)enters through one
         sequence, its leader: the leader's cache hits are acquired before anything is allocated;
         the other sequences of a re-admitted forked group share the leader's prompt blocks at
-        once when they are cached, or park until the leader has recomputed them. A group whose
-        next prompt block a running request is computing is passed over for this step
-        (_waits_for_prefill); the ones behind it are not held up by it."""
+        once when they are cached, or park until the leader has recomputed them.
+
+        A group whose next prompt block a running request is computing is passed over for this
+        step (_waits_for_prefill). It gives up only this step's tokens: the blocks and sequence
+        slots it would take now stay held for it, so the groups behind it are admitted only
+        beside it (otherwise later arrivals took its memory and it waited for them to end),
+        and past MAX_DEFERRED_PER_STEP passed-over groups this step admits no more (a long
+        queue on one new prefix is not scanned whole every step)."""
         defer = self.config.defer_shared_prefill
         in_flight = self._blocks_in_flight() if defer else set()
+        num_running = self.num_running_seqs()
+        held_blocks = held_seqs = num_deferred = 0
         index = 0
         while index < len(self.waiting) and budget > 0:
             group = self.waiting[index]
             seqs = group.live_seqs()
             num_seqs = len(seqs) if group.has_forked else group.params.num_sequences
-            if self.num_running_seqs() + num_seqs > self.config.max_num_seqs:
+            if num_running + held_seqs + num_seqs > self.config.max_num_seqs:
                 return
             leader, followers = seqs[0], seqs[1:]
             hits = self.kv.cached_prefix(leader, group.cache_salt)
-            if self._waits_for_prefill(leader, group, len(hits), in_flight):
-                self.counters.num_prefill_deferrals += 1
-                index += 1
-                continue
             num_cached = len(hits) * self.kv.block_size
             # A re-admitted beam search leader stops one token short: its beams take their
             # next step together, once the parked ones have caught up (see _plan).
             hold_back = int(group.beam is not None and bool(followers))
             num_new = min(leader.num_tokens - num_cached - hold_back, budget)
-            needed = self.kv.blocks_to_admit(leader, hits, num_new)
+            needed = self.kv.blocks_to_admit(leader, hits, num_new) + held_blocks
             if needed + self._watermark() > self._free_for(needed, not self.running):
                 return
+            if self._waits_for_prefill(leader, group, len(hits), in_flight):
+                if num_deferred == MAX_DEFERRED_PER_STEP:
+                    return
+                num_deferred += 1
+                self.counters.num_prefill_deferrals += 1
+                held_blocks, held_seqs = needed, held_seqs + num_seqs
+                index += 1
+                continue
             self.waiting.pop(index)
             self.kv.admit(leader, hits, num_new, group.cache_salt)
             leader.num_computed_tokens = num_cached
             if defer:
                 in_flight.update(self.kv.blocks_in_flight(leader))
             leader.status = SequenceStatus.RUNNING
+            num_running += len(seqs)
             if group.num_cached_tokens is None:
                 group.num_cached_tokens = num_cached
                 self.kv.record_query(leader.num_prompt_tokens, num_cached)

@@ -43,6 +43,10 @@ class EngineMetrics:
             registry=r)
         self.num_preemptions = Counter(
             PREFIX + "num_preemptions", "Sequence groups preempted.", registry=r)
+        self.num_prefill_deferrals = Counter(
+            PREFIX + "num_prefill_deferrals",
+            "Admissions put off a step because a running request was computing the same "
+            "prompt blocks.", registry=r)
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
             buckets=LATENCY_BUCKETS, registry=r)
@@ -99,6 +103,8 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(max(0, queried))
         self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.num_preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self.num_prefill_deferrals.inc(
+            max(0, stats.num_prefill_deferrals - last.num_prefill_deferrals))
         self._last = stats
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:

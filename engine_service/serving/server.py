@@ -39,6 +39,7 @@ from engine_service.serving.servicer import GenerationServicer, IndexLink
 from engine_service.serving.validation import RequestValidator
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
+from prefix_index.tools.bind_error import BindError, serve_metrics
 
 log = logging.getLogger("engine_service.serving.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -132,11 +133,12 @@ class EngineServer:
         address = f"{self.options.host}:{self.options.port}"
         self.port = self.server.add_insecure_port(address)
         if self.port == 0:
-            raise OSError(f"could not bind {address}")
+            raise BindError(f"could not bind {address}")
         if self.options.metrics_port:
             # Before the engine thread and the server start: a port in use fails here, with
             # nothing running yet to stop.
-            self.metrics.serve(self.options.metrics_port, self.options.metrics_host)
+            serve_metrics(self.metrics.serve, self.options.metrics_port,
+                          self.options.metrics_host)
         self._loop = asyncio.get_running_loop()
         self.async_engine.start()
         await self.server.start()
@@ -213,6 +215,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-defer-shared-prefill", action="store_true",
+                   help="admit a request whose prefix a running request is computing in the "
+                        "same step (it computes the prefix again) instead of a step later")
     p.add_argument("--preemption-mode", default=d.preemption_mode, choices=PREEMPTION_MODES)
     p.add_argument("--swap-space", type=parse_bytes, default=d.swap_space,
                    help="CPU KV bytes for swapped-out sequences (swap mode)")
@@ -261,6 +266,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        defer_shared_prefill=not args.no_defer_shared_prefill,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
         seed=args.seed,
@@ -291,9 +297,9 @@ async def _serve(make_server: Callable[[], EngineServer], args: argparse.Namespa
         server = state.server = make_server()
         port = await server.start()
     except BaseException as error:
-        state.error = error
+        state.error = error  # raised on the main thread, once
         state.ready.set()
-        raise
+        return
     # One line on stdout that launchers read to learn the port (--port 0).
     print(f"engine listening on {args.host}:{port}", flush=True)
     if link is not None:
@@ -374,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:  # a bad model path or engine setting: say it, no traceback
         log.error("%s", error)
         sys.exit(2)
-    except OSError as error:  # a port in use
+    except BindError as error:  # a port in use
         log.error("cannot serve: %s", error)
         sys.exit(1)
 

@@ -28,6 +28,7 @@ from prefix_index.server.metrics import IndexMetrics
 from prefix_index.server.servicer import PrefixIndexServicer
 from prefix_index.server.store import IndexStore
 from prefix_index.server.sweeper import run_sweeper
+from prefix_index.tools.bind_error import BindError, serve_metrics
 
 log = logging.getLogger("prefix_index.server.main")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixIndex"].full_name
@@ -83,12 +84,12 @@ class IndexServer:
              reflection.SERVICE_NAME], self.server)
         self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
         if self.port == 0:
-            raise OSError(f"could not bind {self.host}:{self.requested_port}")
+            raise BindError(f"could not bind {self.host}:{self.requested_port}")
+        if self.metrics_port:  # first: a port in use fails with nothing running to stop
+            serve_metrics(self.metrics.serve, self.metrics_port, self.metrics_host)
         await self.health.drain_off()
         await self.health.probe_once()
         await self.server.start()
-        if self.metrics_port:
-            self.metrics.serve(self.metrics_port, self.metrics_host)
         self._tasks = [asyncio.create_task(self.health.run()),
                        asyncio.create_task(run_sweeper(
                            self.store, self.metrics, self.config.pin_policy.sweep_interval_s))]
@@ -193,7 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr,
         format="%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
-    asyncio.run(serve(args))
+    try:
+        asyncio.run(serve(args))
+    except BindError as error:  # a port in use
+        log.error("cannot serve: %s", error)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -110,22 +110,75 @@ def test_a_burst_under_other_salts_is_not_deferred(make_llm, tiny_llama_dir):
     assert llm.llm_engine.scheduler.counters.num_prefill_deferrals == 0
 
 
+def _first_token_steps(engine, requests) -> tuple[dict[str, int], dict[str, object]]:
+    """Adds (request_id, prompt, params) in order, runs them all: the step each one's first
+    token came at, and each one's final output."""
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    first, final, step = {}, {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first.setdefault(out.request_id, step)
+            if out.finished:
+                final[out.request_id] = out
+        step += 1
+    return first, final
+
+
 def test_a_deferred_request_does_not_hold_up_the_ones_behind_it(make_llm, tiny_llama_dir):
     """Waiting: A (new prefix), B (A's prefix), C (another). The first step runs A and C; B
     waits one step, then runs with A's prefix cached."""
     llm = make_llm(tiny_llama_dir, block_size=16, num_blocks=128)
-    engine = llm.llm_engine
     first, second, _, _ = _burst_prompts(llm.get_tokenizer())
-    other = list(range(300, 340))
-    for request_id, prompt in (("a", first), ("b", second), ("c", other)):
-        engine.add_request(request_id, prompt, PARAMS)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    steps, final = _first_token_steps(llm.llm_engine, [
+        ("a", first, params), ("b", second, params), ("c", list(range(300, 340)), params)])
+    assert steps == {"a": 0, "c": 0, "b": 1}
+    assert final["b"].num_cached_tokens == 192
+
+
+def test_a_deferred_request_keeps_its_place_for_memory(make_llm, tiny_llama_dir):
+    """A pool of 14 blocks: A (a 4-block prefix and a turn) runs; B (A's prefix, a longer turn)
+    waits one step for it; C (unrelated, long) arrived after B. B's blocks stay held for it,
+    so C is not admitted into them, and B runs next step instead of after C ends."""
+    llm = make_llm(tiny_llama_dir, block_size=16, num_blocks=14)
+    prefix = list(range(500, 564))
+    requests = [
+        ("a", prefix + list(range(600, 608)), SamplingParams(temperature=0, max_tokens=40,
+                                                               ignore_eos=True)),
+        ("b", prefix + list(range(700, 740)), SamplingParams(temperature=0, max_tokens=4,
+                                                               ignore_eos=True)),
+        ("c", list(range(800, 900)), SamplingParams(temperature=0, max_tokens=40,
+                                                    ignore_eos=True)),
+    ]
+    steps, final = _first_token_steps(llm.llm_engine, requests)
+    assert steps["b"] == 1 and steps["c"] > steps["b"], steps
+    assert final["b"].num_cached_tokens == 64
+    assert llm.llm_engine.scheduler.counters.num_prefill_deferrals == 1
+
+
+def test_the_engine_flag_turns_deferral_off(tiny_llama_dir):
+    from engine_service.serving.server import engine_config_from_args, parse_args
+
+    on = engine_config_from_args(parse_args([]), str(tiny_llama_dir))
+    off = engine_config_from_args(parse_args(["--no-defer-shared-prefill"]), str(tiny_llama_dir))
+    assert on.defer_shared_prefill and not off.defer_shared_prefill
+
+
+def test_a_step_passes_over_at_most_its_bound_of_waiting_requests(make_llm, tiny_llama_dir):
+    """40 requests on one new prefix: the first step runs one, passes over 32 and looks at no
+    more (each look is a prefix lookup); the next finds the prefix cached for all of them."""
+    from engine_service.core.scheduler import MAX_DEFERRED_PER_STEP
+
+    llm = make_llm(tiny_llama_dir, block_size=16, num_blocks=256)
+    engine = llm.llm_engine
+    prefix = list(range(900, 932))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for i in range(40):
+        engine.add_request(f"r{i}", prefix + [1000 + i], params)
     engine.step()
-    running = {g.request_id for g in engine.scheduler.running}
-    waiting = [g.request_id for g in engine.scheduler.waiting]
-    assert (running, waiting) == ({"a", "c"}, ["b"])
-    engine.step()
-    assert "b" in {g.request_id for g in engine.scheduler.running}
+    assert engine.scheduler.counters.num_prefill_deferrals == MAX_DEFERRED_PER_STEP == 32
     finished = {}
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
-    assert finished["b"].num_cached_tokens == 192
+    assert sorted(o.num_cached_tokens for o in finished.values()) == [0] + [32] * 39

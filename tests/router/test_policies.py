@@ -291,3 +291,52 @@ def test_recent_routes_count_the_last_window_of_recent_decisions():
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="hot_replica_weight must be a finite number >= 0"):
             RouterConfig(hot_replica_weight=bad).check()
+
+
+def test_a_new_prefix_goes_where_the_pool_has_room_for_it():
+    """Recent prefixes fill one replica's pool (128 blocks: three prefixes of 34 blocks sent
+    there lately) and not the other's: a new 34-block prefix whose rendezvous home is the
+    full one would evict a prefix its traffic comes back for, so it goes where there is
+    room. Each evicted block costs --room-weight blocks; 0 turns it off."""
+    rs = replicas(0, 0)
+    for r in rs:
+        r.reported = ReportedLoad(num_blocks=128)
+    full, roomy = rs
+    key = next(k for k in (bytes([i]) * 16 for i in range(256)) if _home_of(k, rs) is full)
+    route = RouteInput(34 * BLOCK, key, {}, None, {full.name: 3 * 34, roomy.name: 34})
+    assert Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK).replica is roomy
+    off = Policies(RouterConfig(room_weight=0.0))
+    assert off.choose("kv-aware", rs, route, BLOCK).replica is full  # the home bonus
+    # Room for it beside the others (two of them): the home takes it.
+    route = RouteInput(34 * BLOCK, key, {}, None, {full.name: 2 * 34, roomy.name: 34})
+    assert Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK).replica is full
+    # A prefix the full replica holds costs its user turn there, and evicts nothing more.
+    held = RouteInput(34 * BLOCK, key, {full.engine_id: 32}, None,
+                      {full.name: 3 * 34, roomy.name: 34})
+    assert Policies(RouterConfig()).choose("kv-aware", rs, held, BLOCK).replica is full
+    # A pool not reported yet (0 blocks): no room term.
+    for r in rs:
+        r.reported = ReportedLoad()
+    route = RouteInput(34 * BLOCK, key, {}, None, {full.name: 3 * 34, roomy.name: 34})
+    assert Policies(RouterConfig()).choose("kv-aware", rs, route, BLOCK).replica is full
+
+
+def test_recent_prefixes_count_each_prefix_once_per_replica():
+    from router.recent_prefixes import RecentPrefixes
+
+    recent = RecentPrefixes(4, max_age_s=60.0)
+    recent.add("a", b"x", 34, 0.0)
+    recent.add("a", b"x", 36, 1.0)  # the same prefix, a longer prompt: its most blocks
+    recent.add("a", b"y", 10, 1.0)
+    recent.add("b", b"x", 34, 1.0)
+    assert recent.blocks_of_others(b"z", 1.0) == {"a": 46, "b": 34}
+    assert recent.blocks_of_others(b"x", 1.0) == {"a": 10}  # the request's own prefix aside
+    recent.add("b", b"w", 5, 2.0)  # the window holds 4: the first "x" on "a" drops
+    assert recent.blocks_of_others(None, 2.0) == {"a": 46, "b": 39}
+    assert recent.blocks_of_others(None, 61.5) == {"b": 5}  # older than a minute: gone
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        RecentPrefixes(0)
+    with pytest.raises(ValueError, match="prefix_window must be >= 1"):
+        RouterConfig(prefix_window=0).check()
+    with pytest.raises(ValueError, match="room_weight must be a finite number >= 0"):
+        RouterConfig(room_weight=-1.0).check()

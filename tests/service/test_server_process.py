@@ -41,7 +41,7 @@ def test_metrics_endpoint(engine_server, stub):
     assert metric(text, "pagedgen_engine_num_requests_running") == 0
     assert metric(text, "pagedgen_engine_kv_cache_usage_perc") == 0
     for name in ("num_requests_waiting", "num_requests_swapped", "num_preemptions_total",
-                 "prefix_cache_hits_total"):
+                 "prefix_cache_hits_total", "num_prefill_deferrals_total"):
         metric(text, f"pagedgen_engine_{name}")
     if has_index_link():
         assert metric(text, "pagedgen_engine_prefix_index_degraded") == 0

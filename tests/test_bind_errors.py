@@ -1,0 +1,33 @@
+"""Each server (the prefix index, the engine, the router) whose metrics port is taken exits 1
+with one line naming the port, before it starts anything: the router used to die of SIGSEGV
+tearing down what it had started, the others with a traceback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+SERVERS = {
+    "index": ["prefix_index.server.main", "--redis-url", "redis://127.0.0.1:9/0"],
+    "engine": ["engine_service.serving.server", "--prefix-index", "none"],
+    "router": ["router.server", "--engines", "127.0.0.1:9", "--prefix-index", "none"],
+}
+
+
+@pytest.mark.parametrize("server", sorted(SERVERS))
+def test_a_metrics_port_in_use_is_a_clear_exit(server, tiny_llama_dir) -> None:
+    extra = ["--model", str(tiny_llama_dir)] if server == "engine" else []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", *SERVERS[server], *extra, "--port", "0",
+             "--metrics-port", str(port), "--metrics-host", "127.0.0.1"],
+            capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot serve: metrics port 127.0.0.1:{port}: Address already in use" in done.stderr
+    assert "Traceback" not in done.stderr
