@@ -200,9 +200,12 @@ class Router:
         if record:  # (a retry or resumed attempt counts too: it is traffic there)
             self.recent.add(replica.name, time.monotonic())
             if prefix_key is not None and route.num_prompt_tokens:
-                self.recent_prefixes.add(replica.name, prefix_key,
-                                         -(-route.num_prompt_tokens // hasher.block_size),
-                                         time.monotonic())
+                # At most the pool: a prompt the engine refuses as too long must not make
+                # the replica look full for a minute.
+                blocks = -(-route.num_prompt_tokens // hasher.block_size)
+                if replica.reported.num_blocks:
+                    blocks = min(blocks, replica.reported.num_blocks)
+                self.recent_prefixes.add(replica.name, prefix_key, blocks, time.monotonic())
             self.metrics.decisions.labels(decision.policy, replica.name).inc()
             if decision.fallback and self.index is not None:
                 self.metrics.fallbacks.inc()

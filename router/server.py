@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from pagedgen_api import prefix_index_pb2
-from prefix_index.tools.bind_error import BindError, serve_metrics
+from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
 from router.config import POLICIES, RouterConfig
 from router.core import Router
 from router.metrics import RouterMetrics
@@ -61,9 +61,7 @@ class RouterServer:
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
         address = f"{self.host}:{self.requested_port}"
-        self.port = self.server.add_insecure_port(address)
-        if self.port == 0:
-            raise BindError(f"could not bind {address}")
+        self.port = bind_grpc(self.server, address)
         if self.metrics_port:
             # Before the router's tasks and the server start: a port in use fails here, with
             # nothing running yet to stop (after them, the process died of SIGSEGV).
@@ -128,7 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="kv-aware: extra cost of an uncached block that would evict a prefix "
                         "recently sent to the replica (one its pool has no room beside) (0: off)")
     p.add_argument("--prefix-window", type=int, default=d.prefix_window,
-                   help="kv-aware: how many recent requests the replicas' prefixes count")
+                   help="kv-aware: how many recent requests (of the last minute) the replicas' "
+                        "prefixes count")
     p.add_argument("--share-window", type=int, default=d.share_window,
                    help="kv-aware: how many recent requests the replicas' shares count")
     p.add_argument("--pending-s", type=float, default=d.pending_s,

@@ -31,3 +31,17 @@ def test_a_metrics_port_in_use_is_a_clear_exit(server, tiny_llama_dir) -> None:
     assert done.returncode == 1, done.stderr
     assert f"cannot serve: metrics port 127.0.0.1:{port}: Address already in use" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_grpc_port_in_use_is_a_clear_exit() -> None:
+    """grpcio raises RuntimeError for a port it cannot bind: the router says which port."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", *SERVERS["router"], "--host", "127.0.0.1", "--port",
+             str(port)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot serve: gRPC port 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr

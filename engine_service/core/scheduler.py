@@ -262,6 +262,15 @@ class Scheduler:
             return False
         return self.kv.block_hashes(leader, group.cache_salt)[num_hits] in in_flight
 
+    def _num_in_flight(self, leader: Sequence, group: SequenceGroup, num_hits: int,
+                       in_flight: set[bytes]) -> int:
+        """How many of leader's prompt blocks after its hits are in flight, in a row."""
+        hashes = self.kv.block_hashes(leader, group.cache_salt)
+        count = 0
+        while num_hits + count < len(hashes) and hashes[num_hits + count] in in_flight:
+            count += 1
+        return count
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting groups in order while they fit. A group (re-)enters through one
         sequence, its leader: the leader's cache hits are acquired before anything is allocated;
@@ -300,7 +309,9 @@ class Scheduler:
                     return
                 num_deferred += 1
                 self.counters.num_prefill_deferrals += 1
-                held_blocks, held_seqs = needed, held_seqs + num_seqs
+                # Next step it shares the in-flight blocks instead of allocating them.
+                shared = self._num_in_flight(leader, group, len(hits), in_flight)
+                held_blocks, held_seqs = max(held_blocks, needed - shared), held_seqs + num_seqs
                 index += 1
                 continue
             self.waiting.pop(index)

@@ -39,7 +39,7 @@ from engine_service.serving.servicer import GenerationServicer, IndexLink
 from engine_service.serving.validation import RequestValidator
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
-from prefix_index.tools.bind_error import BindError, serve_metrics
+from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
 
 log = logging.getLogger("engine_service.serving.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -131,9 +131,7 @@ class EngineServer:
             self.server,
         )
         address = f"{self.options.host}:{self.options.port}"
-        self.port = self.server.add_insecure_port(address)
-        if self.port == 0:
-            raise BindError(f"could not bind {address}")
+        self.port = bind_grpc(self.server, address)
         if self.options.metrics_port:
             # Before the engine thread and the server start: a port in use fails here, with
             # nothing running yet to stop.

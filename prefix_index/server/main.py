@@ -28,7 +28,7 @@ from prefix_index.server.metrics import IndexMetrics
 from prefix_index.server.servicer import PrefixIndexServicer
 from prefix_index.server.store import IndexStore
 from prefix_index.server.sweeper import run_sweeper
-from prefix_index.tools.bind_error import BindError, serve_metrics
+from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
 
 log = logging.getLogger("prefix_index.server.main")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixIndex"].full_name
@@ -82,9 +82,7 @@ class IndexServer:
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
-        if self.port == 0:
-            raise BindError(f"could not bind {self.host}:{self.requested_port}")
+        self.port = bind_grpc(self.server, f"{self.host}:{self.requested_port}")
         if self.metrics_port:  # first: a port in use fails with nothing running to stop
             serve_metrics(self.metrics.serve, self.metrics_port, self.metrics_host)
         await self.health.drain_off()

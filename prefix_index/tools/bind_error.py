@@ -17,3 +17,15 @@ def serve_metrics(serve: Callable[[int, str], None], port: int, host: str) -> No
         serve(port, host)
     except OSError as error:
         raise BindError(f"metrics port {host}:{port}: {error.strerror or error}") from error
+
+
+def bind_grpc(server, address: str) -> int:
+    """server.add_insecure_port, its failure a BindError (grpcio raises RuntimeError, or
+    returns 0 in older versions); returns the bound port."""
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as error:
+        raise BindError(f"gRPC port {address}: {error}") from error
+    if port == 0:
+        raise BindError(f"gRPC port {address}: could not bind")
+    return port

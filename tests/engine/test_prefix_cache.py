@@ -182,3 +182,17 @@ def test_a_step_passes_over_at_most_its_bound_of_waiting_requests(make_llm, tiny
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert sorted(o.num_cached_tokens for o in finished.values()) == [0] + [32] * 39
+
+
+def test_a_deferred_request_holds_only_the_blocks_it_will_not_share(make_llm, tiny_llama_dir):
+    """A pool of 16: A (a 4-block prefix and a turn, 5 blocks) runs; B (A's prefix, 7 blocks)
+    waits a step and will share A's 4, so it holds 3; C (6 blocks) fits beside them at once."""
+    llm = make_llm(tiny_llama_dir, block_size=16, num_blocks=16)
+    prefix = list(range(500, 564))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    steps, final = _first_token_steps(llm.llm_engine, [
+        ("a", prefix + list(range(600, 608)), params),
+        ("b", prefix + list(range(700, 740)), params),
+        ("c", list(range(800, 896)), params)])
+    assert steps == {"a": 0, "c": 0, "b": 1}
+    assert final["b"].num_cached_tokens == 64

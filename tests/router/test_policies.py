@@ -325,14 +325,14 @@ def test_recent_prefixes_count_each_prefix_once_per_replica():
     from router.recent_prefixes import RecentPrefixes
 
     recent = RecentPrefixes(4, max_age_s=60.0)
-    recent.add("a", b"x", 34, 0.0)
-    recent.add("a", b"x", 36, 1.0)  # the same prefix, a longer prompt: its most blocks
+    recent.add("a", b"x", 40, 0.0)
+    recent.add("a", b"x", 34, 1.0)  # the same prefix twice: counted once, its most blocks
     recent.add("a", b"y", 10, 1.0)
     recent.add("b", b"x", 34, 1.0)
-    assert recent.blocks_of_others(b"z", 1.0) == {"a": 46, "b": 34}
+    assert recent.blocks_of_others(b"z", 1.0) == {"a": 50, "b": 34}
     assert recent.blocks_of_others(b"x", 1.0) == {"a": 10}  # the request's own prefix aside
-    recent.add("b", b"w", 5, 2.0)  # the window holds 4: the first "x" on "a" drops
-    assert recent.blocks_of_others(None, 2.0) == {"a": 46, "b": 39}
+    recent.add("b", b"w", 5, 2.0)  # the window holds 4: the 40-block "x" on "a" drops
+    assert recent.blocks_of_others(None, 2.0) == {"a": 44, "b": 39}
     assert recent.blocks_of_others(None, 61.5) == {"b": 5}  # older than a minute: gone
     with pytest.raises(ValueError, match="window must be >= 1"):
         RecentPrefixes(0)

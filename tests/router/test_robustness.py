@@ -208,4 +208,3 @@ def test_replicas_replaced_by_another_model_identity_are_routed(stack, router_st
     assert holder == "engine-0"
     details = router_stub.EngineStats(pb.EngineStatsRequest(), timeout=10).index_details
     assert details["replica.engine-0"].endswith(" up")
-
