@@ -253,21 +253,18 @@ class Scheduler:
         return {h for group in self.running for seq in group.seqs
                 for h in self.kv.blocks_in_flight(seq)}
 
-    def _waits_for_prefill(self, leader: Sequence, group: SequenceGroup, num_hits: int,
-                           in_flight: set[bytes]) -> bool:
-        """Whether the next prompt block leader would compute is being computed by a running
-        request: then it waits one step and finds it cached, instead of computing the same
-        prefix a second time in the same step (a burst of requests for a new system prompt)."""
-        if not in_flight or num_hits >= (leader.num_tokens - 1) // self.kv.block_size:
-            return False
-        return self.kv.block_hashes(leader, group.cache_salt)[num_hits] in in_flight
-
     def _num_in_flight(self, leader: Sequence, group: SequenceGroup, num_hits: int,
                        in_flight: set[bytes]) -> int:
-        """How many of leader's prompt blocks after its hits are in flight, in a row."""
+        """How many of leader's prompt blocks after its hits running requests are computing,
+        in a row (the block holding its last token aside: it is recomputed anyway). Above 0,
+        leader waits one step and finds them cached, instead of computing the same prefix a
+        second time in the same step (a burst of requests for a new system prompt)."""
+        if not in_flight:
+            return 0
         hashes = self.kv.block_hashes(leader, group.cache_salt)
+        limit = min(len(hashes), (leader.num_tokens - 1) // self.kv.block_size)
         count = 0
-        while num_hits + count < len(hashes) and hashes[num_hits + count] in in_flight:
+        while num_hits + count < limit and hashes[num_hits + count] in in_flight:
             count += 1
         return count
 
@@ -278,7 +275,7 @@ class Scheduler:
         once when they are cached, or park until the leader has recomputed them.
 
         A group whose next prompt block a running request is computing is passed over for this
-        step (_waits_for_prefill). It gives up only this step's tokens: the blocks and sequence
+        step (_num_in_flight). It gives up only this step's tokens: the blocks and sequence
         slots it would take now stay held for it, so the groups behind it are admitted only
         beside it (otherwise later arrivals took its memory and it waited for them to end),
         and past MAX_DEFERRED_PER_STEP passed-over groups this step admits no more (a long
@@ -304,13 +301,13 @@ class Scheduler:
             needed = self.kv.blocks_to_admit(leader, hits, num_new) + held_blocks
             if needed + self._watermark() > self._free_for(needed, not self.running):
                 return
-            if self._waits_for_prefill(leader, group, len(hits), in_flight):
+            # Next step it shares the in-flight blocks instead of allocating them.
+            shared = self._num_in_flight(leader, group, len(hits), in_flight)
+            if shared:
                 if num_deferred == MAX_DEFERRED_PER_STEP:
                     return
                 num_deferred += 1
                 self.counters.num_prefill_deferrals += 1
-                # Next step it shares the in-flight blocks instead of allocating them.
-                shared = self._num_in_flight(leader, group, len(hits), in_flight)
                 held_blocks, held_seqs = max(held_blocks, needed - shared), held_seqs + num_seqs
                 index += 1
                 continue
