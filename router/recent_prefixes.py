@@ -10,7 +10,7 @@ seconds, each prefix once per replica at the most blocks a request of it had.
 
 from __future__ import annotations
 
-from collections import deque
+from router.recent_window import RecentWindow
 
 
 class RecentPrefixes:
@@ -18,24 +18,20 @@ class RecentPrefixes:
     router's event loop only."""
 
     def __init__(self, window: int, max_age_s: float = 60.0) -> None:
-        if window < 1:
-            raise ValueError(f"window must be >= 1 decisions, got {window}")
-        self.window = window
-        self.max_age_s = max_age_s
-        # (when, replica name, prefix key, prompt blocks), oldest first
-        self._routed: deque[tuple[float, str, bytes, int]] = deque()
+        self._routed: RecentWindow[tuple[str, bytes, int]] = RecentWindow(window, max_age_s)
 
     def add(self, replica_name: str, key: bytes, blocks: int, now: float) -> None:
-        self._routed.append((now, replica_name, key, blocks))
-        while self._routed and (len(self._routed) > self.window
-                                or self._routed[0][0] < now - self.max_age_s):
-            self._routed.popleft()
+        self._routed.add((replica_name, key, blocks), now)
+
+    def forget(self, replica_name: str) -> None:
+        """The replica came back (restarted, its pool empty): none of its prefixes is held."""
+        self._routed.drop(lambda routed: routed[0] == replica_name)
 
     def blocks_of_others(self, key: bytes | None, now: float) -> dict[str, int]:
         """Replica name -> blocks of the recent prefixes other than `key` sent there."""
         largest: dict[tuple[str, bytes], int] = {}
-        for when, name, other, blocks in self._routed:
-            if other != key and when >= now - self.max_age_s:
+        for name, other, blocks in self._routed.items(now):
+            if other != key:
                 largest[name, other] = max(blocks, largest.get((name, other), 0))
         held: dict[str, int] = {}
         for (name, _), blocks in largest.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -118,8 +119,12 @@ class Replica:
 class ReplicaSet:
     """The replicas, by address, and the block hasher they all agree on."""
 
-    def __init__(self, rpc_timeout_s: float) -> None:
+    def __init__(self, rpc_timeout_s: float,
+                 on_up: Callable[[Replica], None] | None = None) -> None:
         self.rpc_timeout_s = rpc_timeout_s
+        # Called when a replica answers again after it was down (or at its first answer): it
+        # may be a new process under the same id, with an empty pool.
+        self.on_up = on_up
         self.replicas: dict[str, Replica] = {}
         self.hasher: BlockHasher | None = None  # from the first replica's ModelInfo
         self._retired: list[Replica] = []  # removed while requests still ran there
@@ -197,6 +202,8 @@ class ReplicaSet:
             return
         if not replica.healthy:
             log.info("replica %s (%s) is up", replica.name, replica.address)
+            if self.on_up is not None:
+                self.on_up(replica)
         replica.healthy = True
         replica.last_error = ""
 

@@ -413,8 +413,11 @@ def test_router_shape_overrides_name_the_field_and_what_is_allowed():
     assert shape_with(FULL_SHAPE, " num_engines = 2 ").num_engines == 2
     with pytest.raises(ValueError, match="names rate twice"):
         shape_with(FULL_SHAPE, "rate=1,rate=2")
-    with pytest.raises(ValueError, match=r"overhead_pairs >= 1 \(got 0\).*hot_share in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"overhead_pairs >= 1 \(got 0\).*hot_share in \(0, 1\)"):
         shape_with(FULL_SHAPE, "overhead_pairs=0,hot_share=1.5")
+    for edge in ("0", "1"):  # the workload would refuse them after the engines started
+        with pytest.raises(ValueError, match=rf"hot_share in \(0, 1\) \(got {edge}"):
+            shape_with(FULL_SHAPE, f"hot_share={edge}")
     with pytest.raises(ValueError, match="warm_up_requests < num_requests"):
         shape_with(FULL_SHAPE, "num_requests=10")
     for bad in ("0", "nan", "-1"):

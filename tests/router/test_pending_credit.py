@@ -94,6 +94,46 @@ def test_an_engine_restarted_at_the_same_address_inherits_no_credit():
     asyncio.run(body())
 
 
+class RestartedEngine:
+    """A replica's stub after its engine restarted under the same id: it answers again."""
+
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id
+
+    async def ModelInfo(self, request, timeout):  # noqa: N802 (the gRPC method's name)
+        return pb.ModelInfoResponse(engine_id=self.engine_id, model_identity="m",
+                                    block_size=BLOCK, num_blocks=128)
+
+    async def EngineStats(self, request, timeout):  # noqa: N802
+        return pb.EngineStatsResponse(num_blocks=128, num_free_blocks=128)
+
+
+def test_an_engine_back_under_the_same_id_keeps_no_credit_and_no_recent_prefixes():
+    """Down, then answering a poll again: the chains routed there and the prefixes counted in
+    its pool are gone (a restart empties the pool); another replica's stay."""
+    async def body():
+        router, replicas = make_router(["e0", "e1"])
+        router.index.matches = {"e0": 34}  # e0 holds the first prompt, e1 the second
+        first = await router.route(tokens(1), "", set())
+        router.index.matches = {"e1": 34}
+        second = await router.route(tokens(2), "", set())
+        e0, e1 = replicas
+        assert (first.decision.replica, second.decision.replica) == (e0, e1)
+        now = time.monotonic()
+        assert set(router.recent_prefixes.blocks_of_others(None, now)) == {e0.name, e1.name}
+        e0.mark_down("UNAVAILABLE: restarting")
+        e0.stub = RestartedEngine("e0")
+        await router.replicas.poll(e0)
+        assert e0.healthy
+        assert (e0.address, "e0") not in router.pending
+        assert (e1.address, "e1") in router.pending
+        assert set(router.recent_prefixes.blocks_of_others(None, now)) == {e1.name}
+        router.index.matches = {}  # and the index no longer says e0 holds it
+        again = await router.route(tokens(1), "", set())
+        assert again.decision.matched_blocks == 0
+    asyncio.run(body())
+
+
 def test_no_credit_is_kept_for_a_replica_without_an_engine_id_and_old_credit_goes():
     async def body():
         router, replicas = make_router(["", "e1"])
