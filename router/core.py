@@ -61,7 +61,7 @@ class Router:
         self.config = config
         self.static_engines = list(engines)
         self.metrics = metrics or RouterMetrics()
-        self.replicas = ReplicaSet(config.rpc_timeout_s, on_up=self._replica_up)
+        self.replicas = ReplicaSet(config.rpc_timeout_s, on_restart=self._replica_restarted)
         self.index = IndexView(index_target, config.lookup_timeout_s) if index_target else None
         self.policies = Policies(config)
         self.prompts = PromptReader(tokenizer_path, config.rpc_timeout_s)
@@ -77,10 +77,10 @@ class Router:
             self.metrics.index_up.set_function(lambda: 1.0 if self.index.up else 0.0)
         self.metrics.replicas_routable.set_function(lambda: len(self.replicas.routable()))
 
-    def _replica_up(self, replica: Replica) -> None:
-        """A replica answers again: if it restarted under the same id its pool is empty, so
-        neither the chains just routed there nor its recent prefixes are held any more (the
-        index's own view follows the engine's new epoch)."""
+    def _replica_restarted(self, replica: Replica) -> None:
+        """A new process answers at a replica's address: its pool is empty, so neither the
+        chains just routed there nor its recent prefixes are held any more (the index's own
+        view follows the engine's new epoch)."""
         self.pending.pop((replica.address, replica.engine_id), None)
         self.recent_prefixes.forget(replica.name)
 

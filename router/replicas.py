@@ -120,11 +120,11 @@ class ReplicaSet:
     """The replicas, by address, and the block hasher they all agree on."""
 
     def __init__(self, rpc_timeout_s: float,
-                 on_up: Callable[[Replica], None] | None = None) -> None:
+                 on_restart: Callable[[Replica], None] | None = None) -> None:
         self.rpc_timeout_s = rpc_timeout_s
-        # Called when a replica answers again after it was down (or at its first answer): it
-        # may be a new process under the same id, with an empty pool.
-        self.on_up = on_up
+        # Called when a replica answers as another process than before (ModelInfo's
+        # instance_id): whatever its old process held, its pool does not.
+        self.on_restart = on_restart
         self.replicas: dict[str, Replica] = {}
         self.hasher: BlockHasher | None = None  # from the first replica's ModelInfo
         self._retired: list[Replica] = []  # removed while requests still ran there
@@ -202,12 +202,17 @@ class ReplicaSet:
             return
         if not replica.healthy:
             log.info("replica %s (%s) is up", replica.name, replica.address)
-            if self.on_up is not None:
-                self.on_up(replica)
         replica.healthy = True
         replica.last_error = ""
 
     def _adopt(self, replica: Replica, info: pb.ModelInfoResponse) -> None:
+        before = replica.info
+        if (before is not None and before.instance_id != info.instance_id
+                and self.on_restart is not None):
+            # (Not routable until its stats come too; and told now, since that poll may fail
+            # and the next one would see this instance as the known one.)
+            log.info("replica %s (%s) restarted", replica.name, replica.address)
+            self.on_restart(replica)
         if info.engine_id and replica.engine_id and info.engine_id != replica.engine_id:
             log.warning("replica at %s says it is %s, registered as %s", replica.address,
                         info.engine_id, replica.engine_id)

@@ -303,6 +303,11 @@ def test_router_section_pure_parts_and_rendering(tmp_path):
     pooled = policy(0.8, 100)["pooled"]
     assert pooled["num_runs"] == 2 and pooled["num_requests"] == 199  # a failed one left out
     assert pooled["ttft_p99_ms"] == pytest.approx(300) and pooled["ttft_p50_ms"] == 100
+    assert pooled["tenant0_ttft_p99_ms"] == pytest.approx(300)  # every request is tenant 0's
+    assert pooled["other_tenants_ttft_p99_ms"] is None
+    split = _aggregate([run_of([10.0] * 50 + [None]) | {"requests": [
+        [tenant, ttft, 0] for tenant, ttft in [(0, 10.0)] * 90 + [(3, 900.0)] * 10]}])["pooled"]
+    assert split["tenant0_ttft_p99_ms"] == 10.0 and split["other_tenants_ttft_p99_ms"] == 900.0
     balanced = {"kv-aware": policy(0.8, 100), "round-robin": policy(0.4, 300),
                 "prefix-hash": policy(0.8, 100)}
     hot = {"kv-aware": policy(0.8, 100), "prefix-hash": policy(0.8, 200),
@@ -310,6 +315,7 @@ def test_router_section_pure_parts_and_rendering(tmp_path):
     targets = _targets(balanced, hot, (1.4, 2.6), (0.8, 1.3))
     assert all(targets["met"].values()), targets
     assert targets["figures"]["hot_ttft_p99_ph_over_kv"] == pytest.approx(2.0)
+    assert targets["figures"]["hot_ttft_p99_ph_over_kv_geomean"] == pytest.approx(2.0)
     # Against the bounded variant: a figure beside the target, never a verdict.
     assert targets["figures"]["hot_ttft_p99_phb_over_kv"] == pytest.approx(1.1)
     assert targets["figures"]["hot_ttft_p99_phb_over_kv_interval"] == [0.8, 1.3]

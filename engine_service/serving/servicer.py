@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -62,6 +63,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.validator = validator
         self.metrics = metrics
         self.engine_id = engine_id
+        # This process's own id (ModelInfo): a router tells a restart from an outage by it.
+        self.instance_id = secrets.token_hex(8)
         self.index_link = index_link
         self.draining = False
 
@@ -232,6 +235,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             max_logprobs=MAX_LOGPROBS,
             engine_id=self.engine_id,
             max_beam_width=engine.max_beam_width,
+            instance_id=self.instance_id,
         )
 
     async def EngineStats(self, request: pb.EngineStatsRequest, context) -> pb.EngineStatsResponse:

@@ -94,43 +94,54 @@ def test_an_engine_restarted_at_the_same_address_inherits_no_credit():
     asyncio.run(body())
 
 
-class RestartedEngine:
-    """A replica's stub after its engine restarted under the same id: it answers again."""
+class AnsweringEngine:
+    """A replica's stub that answers polls, as the process `instance_id`."""
 
-    def __init__(self, engine_id: str) -> None:
-        self.engine_id = engine_id
+    def __init__(self, engine_id: str, instance_id: str) -> None:
+        self.engine_id, self.instance_id = engine_id, instance_id
 
     async def ModelInfo(self, request, timeout):  # noqa: N802 (the gRPC method's name)
         return pb.ModelInfoResponse(engine_id=self.engine_id, model_identity="m",
-                                    block_size=BLOCK, num_blocks=128)
+                                    block_size=BLOCK, num_blocks=128,
+                                    instance_id=self.instance_id)
 
     async def EngineStats(self, request, timeout):  # noqa: N802
         return pb.EngineStatsResponse(num_blocks=128, num_free_blocks=128)
 
 
-def test_an_engine_back_under_the_same_id_keeps_no_credit_and_no_recent_prefixes():
-    """Down, then answering a poll again: the chains routed there and the prefixes counted in
-    its pool are gone (a restart empties the pool); another replica's stay."""
+def test_only_an_engine_restarted_under_the_same_id_loses_credit_and_recent_prefixes():
+    """A replica polled while up, or back after an outage as the same process, keeps the
+    chains routed there and the prefixes counted in its pool; one that answers as a new
+    process (a restart empties the pool) keeps neither, and the other replica keeps its own."""
     async def body():
         router, replicas = make_router(["e0", "e1"])
-        router.index.matches = {"e0": 34}  # e0 holds the first prompt, e1 the second
-        first = await router.route(tokens(1), "", set())
-        router.index.matches = {"e1": 34}
-        second = await router.route(tokens(2), "", set())
         e0, e1 = replicas
-        assert (first.decision.replica, second.decision.replica) == (e0, e1)
+        e0.info = pb.ModelInfoResponse(engine_id="e0", model_identity="m", block_size=BLOCK,
+                                       instance_id="first")
+        e0.stub = AnsweringEngine("e0", "first")
+        router.index.matches = {"e0": 34}  # e0 holds the first prompt, e1 the second
+        assert (await router.route(tokens(1), "", set())).decision.replica is e0
+        router.index.matches = {"e1": 34}
+        assert (await router.route(tokens(2), "", set())).decision.replica is e1
         now = time.monotonic()
-        assert set(router.recent_prefixes.blocks_of_others(None, now)) == {e0.name, e1.name}
-        e0.mark_down("UNAVAILABLE: restarting")
-        e0.stub = RestartedEngine("e0")
-        await router.replicas.poll(e0)
-        assert e0.healthy
-        assert (e0.address, "e0") not in router.pending
+
+        def kept() -> tuple[bool, bool]:
+            return ((e0.address, "e0") in router.pending,
+                    e0.name in router.recent_prefixes.blocks_of_others(None, now))
+
+        await router.replicas.poll(e0)  # up all along
+        assert kept() == (True, True)
+        e0.mark_down("DEADLINE_EXCEEDED: a slow poll")
+        await router.replicas.poll(e0)  # back, the same process
+        assert e0.healthy and kept() == (True, True)
+        e0.mark_down("UNAVAILABLE: connection refused")
+        e0.stub = AnsweringEngine("e0", "second")
+        await router.replicas.poll(e0)  # back, a new process
+        assert e0.healthy and kept() == (False, False)
         assert (e1.address, "e1") in router.pending
-        assert set(router.recent_prefixes.blocks_of_others(None, now)) == {e1.name}
-        router.index.matches = {}  # and the index no longer says e0 holds it
-        again = await router.route(tokens(1), "", set())
-        assert again.decision.matched_blocks == 0
+        assert e1.name in router.recent_prefixes.blocks_of_others(None, now)
+        router.index.matches = {}  # the index no longer says e0 holds it either
+        assert (await router.route(tokens(1), "", set())).decision.matched_blocks == 0
     asyncio.run(body())
 
 

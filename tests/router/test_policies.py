@@ -335,10 +335,15 @@ def test_recent_prefixes_count_each_prefix_once_per_replica():
     assert recent.blocks_of_others(None, 2.0) == {"a": 44, "b": 39}
     assert recent.blocks_of_others(None, 61.5) == {"b": 5}  # older than a minute: gone
     recent.add("a", b"v", 3, 62.0)
+    recent.add("b", b"u", 7, 62.0)
     recent.forget("b")  # "b" restarted: its pool is empty, "a"'s is not
-    assert recent.blocks_of_others(None, 62.0) == {"a": 3}
+    assert recent.blocks_of_others(None, 62.5) == {"a": 3}
     with pytest.raises(ValueError, match="window must be >= 1"):
         RecentPrefixes(0)
+    with pytest.raises(ValueError, match="prefix_window must be >= 1"):
+        RouterConfig(prefix_window=0).check()
+    with pytest.raises(ValueError, match="room_weight must be a finite number >= 0"):
+        RouterConfig(room_weight=-1.0).check()
 
 
 def test_the_recent_window_keeps_the_last_items_of_the_last_seconds_in_order():
@@ -348,11 +353,8 @@ def test_the_recent_window_keeps_the_last_items_of_the_last_seconds_in_order():
     for n in range(5):
         window.add(n, float(n))
     assert window.items(4.0) == [2, 3, 4]  # the last 3, oldest first
+    assert window.items(12.0) == [2, 3, 4]  # exactly 10 s old: still recent
     assert window.items(12.5) == [3, 4]  # 2 was added at 2.0: older than 10 s at 12.5
     window.drop(lambda n: n % 2 == 1)
     assert window.items(12.5) == [4] and len(window) == 1
     assert window.items(14.5) == []
-    with pytest.raises(ValueError, match="prefix_window must be >= 1"):
-        RouterConfig(prefix_window=0).check()
-    with pytest.raises(ValueError, match="room_weight must be a finite number >= 0"):
-        RouterConfig(room_weight=-1.0).check()
