@@ -766,10 +766,11 @@ def _router(x: dict, rel: str) -> list[str]:
     ]
     if "hot_ttft_p99" in met:
         per_run = f.get("hot_ttft_p99_ph_over_kv_per_run") or []
-        each = f"; each workload {', '.join(f'{v:.2f}x' for v in per_run)}" if per_run else ""
-        if per_run and "hot_ttft_p99_ph_over_kv_geomean" in f:
+        shown = (f"{v:.2f}x" if v is not None else "n/a" for v in per_run)
+        each = f"; each workload {', '.join(shown)}" if per_run else ""
+        if per_run and f.get("hot_ttft_p99_ph_over_kv_geomean") is not None:
             each += (f", geometric mean {f['hot_ttft_p99_ph_over_kv_geomean']:.2f}x, lower on "
-                     f"{sum(v > 1 for v in per_run)} of {len(per_run)}")
+                     f"{sum(v is not None and v > 1 for v in per_run)} of {len(per_run)}")
         pooled = " (requests pooled)" if per_run else ""  # (older results: one run's p99)
         interval = f.get("hot_ttft_p99_ph_over_kv_interval")
         level = f.get("hot_ttft_p99_interval_level", 0.9)

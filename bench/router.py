@@ -540,12 +540,15 @@ def _targets(balanced: dict, hot: dict, hot_interval: tuple[float, float] | None
                                               / kva["pooled"]["ttft_p50_ms"])
         figures["hot_ttft_settled_p99_ph_over_kv"] = (ph["pooled"]["ttft_settled_p99_ms"]
                                                       / kva["pooled"]["ttft_settled_p99_ms"])
-        figures["hot_ttft_p99_ph_over_kv_per_run"] = [
-            a / b for a, b in zip(ph["all"]["ttft_p99_ms"], kva["all"]["ttft_p99_ms"],
-                                  strict=True)]
+        # (None where a run has no p99: none of its requests got a token.)
+        per_run = [a / b if math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0 else None
+                   for a, b in zip(ph["all"]["ttft_p99_ms"], kva["all"]["ttft_p99_ms"],
+                                   strict=True)]
+        figures["hot_ttft_p99_ph_over_kv_per_run"] = per_run
         # The typical workload's ratio, beside the pooled one that the worst workloads set.
-        figures["hot_ttft_p99_ph_over_kv_geomean"] = math.exp(statistics.mean(
-            math.log(r) for r in figures["hot_ttft_p99_ph_over_kv_per_run"]))
+        known = [r for r in per_run if r is not None]
+        figures["hot_ttft_p99_ph_over_kv_geomean"] = (
+            math.exp(statistics.mean(math.log(r) for r in known)) if known else None)
         if "prefix-hash-bounded" in hot:
             phb = hot["prefix-hash-bounded"]
             figures["hot_ttft_p99_phb_over_kv"] = (phb["pooled"]["ttft_p99_ms"]

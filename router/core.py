@@ -78,9 +78,10 @@ class Router:
         self.metrics.replicas_routable.set_function(lambda: len(self.replicas.routable()))
 
     def _replica_restarted(self, replica: Replica) -> None:
-        """A new process answers at a replica's address: its pool is empty, so neither the
-        chains just routed there nor its recent prefixes are held any more (the index's own
-        view follows the engine's new epoch)."""
+        """A process the router has not seen answers as `replica` (ReplicaSet._adopt): its pool
+        is empty, so neither the chains just routed there nor the recent prefixes counted
+        under its name are held any more (the index's own view follows the engine's new
+        epoch)."""
         self.pending.pop((replica.address, replica.engine_id), None)
         self.recent_prefixes.forget(replica.name)
 

@@ -123,7 +123,7 @@ class ReplicaSet:
                  on_restart: Callable[[Replica], None] | None = None) -> None:
         self.rpc_timeout_s = rpc_timeout_s
         # Called when a replica answers as another process than before (ModelInfo's
-        # instance_id): whatever its old process held, its pool does not.
+        # instance_id; see _adopt): whatever the old one held, its pool does not.
         self.on_restart = on_restart
         self.replicas: dict[str, Replica] = {}
         self.hasher: BlockHasher | None = None  # from the first replica's ModelInfo
@@ -142,6 +142,7 @@ class ReplicaSet:
                 log.info("replica %s at %s added", engine_id or "?", address)
             elif engine_id and current.engine_id != engine_id:
                 current.engine_id = engine_id
+                current.info = None  # another engine there: asked who it is before routing
         for address in [a for a in self.replicas if a not in wanted]:
             if self.replicas[address].healthy:
                 continue
@@ -207,12 +208,16 @@ class ReplicaSet:
 
     def _adopt(self, replica: Replica, info: pb.ModelInfoResponse) -> None:
         before = replica.info
-        if (before is not None and before.instance_id != info.instance_id
-                and self.on_restart is not None):
-            # (Not routable until its stats come too; and told now, since that poll may fail
-            # and the next one would see this instance as the known one.)
-            log.info("replica %s (%s) restarted", replica.name, replica.address)
-            self.on_restart(replica)
+        # Another process than the one the router knew, as far as it can tell: a new
+        # instance_id; an engine that sends none (older ones), back after an outage; or a
+        # replica the router has not heard from (added, re-added after its lease lapsed,
+        # moved address under the same id, its engine id changed). Told now, not once it is
+        # routable: that poll may fail, and the next would take this instance as the known one.
+        if before is None or not info.instance_id or before.instance_id != info.instance_id:
+            if before is not None:
+                log.info("replica %s (%s) restarted", replica.name, replica.address)
+            if self.on_restart is not None:
+                self.on_restart(replica)
         if info.engine_id and replica.engine_id and info.engine_id != replica.engine_id:
             log.warning("replica at %s says it is %s, registered as %s", replica.address,
                         info.engine_id, replica.engine_id)

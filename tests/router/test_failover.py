@@ -75,12 +75,23 @@ def test_a_replica_killed_mid_stream_is_invisible_to_the_client(stack, router_st
     assert all(victim not in replicas for _, replicas in results)
 
 
+def model_info(target: str) -> pb.ModelInfoResponse:
+    with grpc.insecure_channel(target) as channel:
+        return pb_grpc.GenerationStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=10)
+
+
 def test_a_replica_restarted_under_its_id_gets_no_stale_credit(stack, router_stub):
     ids = prompt(11)  # cached on the killed replica before, and on the survivor since
     victim = next(e for e, p in stack.engines.items() if p.proc is None)
     survivor = next(e for e in stack.engines if e != victim)
-    stack.start_engine(victim)
+    # At its old address too, so the router may see it as the same replica come back: only
+    # its new instance_id tells the two processes apart.
+    restarted = stack.start_engine(victim, port=stack.engines[victim].port)
     stack.wait_routable(2)
+    ours, theirs = model_info(restarted.target), model_info(stack.engines[survivor].target)
+    assert ours.engine_id == victim and ours.instance_id
+    assert ours.instance_id != theirs.instance_id  # one per process
+    assert model_info(restarted.target).instance_id == ours.instance_id  # and stable in it
     chain = hasher_of(router_stub).chain(ids, None)
     wait_until(lambda: lookup(stack.index.target, chain).get(survivor, 0) >= PREFIX_BLOCKS,
                what="the survivor's copy of the prefix in the index")

@@ -145,6 +145,45 @@ def test_only_an_engine_restarted_under_the_same_id_loses_credit_and_recent_pref
     asyncio.run(body())
 
 
+def test_an_unknown_process_under_a_known_name_loses_the_recent_prefixes_too():
+    """The other ways a new process shows up: an engine that sends no instance_id (older ones)
+    back after an outage; the engine id at an address changed by discovery; and the same id
+    at a new address (a new replica object, first heard from)."""
+    async def body():
+        router, (e0, e1) = make_router(["e0", "e1"])
+        now = time.monotonic()
+
+        def held() -> set[str]:
+            return set(router.recent_prefixes.blocks_of_others(None, now))
+
+        for replica in (e0, e1):
+            router.recent_prefixes.add(replica.name, bytes([len(replica.name)]) * 8, 34, now)
+        e0.stub = AnsweringEngine("e0", "")  # an older engine: no instance_id
+        e0.info = await e0.stub.ModelInfo(None, 1.0)
+        await router.replicas.poll(e0)
+        assert held() == {"e0", "e1"}  # up all along: nothing asked, nothing dropped
+        e0.mark_down("UNAVAILABLE: connection refused")
+        await router.replicas.poll(e0)
+        assert held() == {"e1"}  # back, and it cannot say whether it is the same process
+
+        router.recent_prefixes.add("e9", b"n" * 8, 34, now)
+        e1.stub = AnsweringEngine("e9", "x")
+        await router.replicas.set_members({e0.address: "e0", e1.address: "e9"})
+        assert e1.name == "e9" and not e1.routable  # not routed to before it says who it is
+        await router.replicas.poll(e1)
+        # e9's stale prefixes go; e1's stay under a name no replica has now (they age out,
+        # and a replica that takes the name later drops them when first heard from).
+        assert e1.routable and held() == {"e1"}
+
+        router.recent_prefixes.add("e0", b"m" * 8, 34, now)
+        await router.replicas.set_members({"127.0.0.1:7100": "e0", e1.address: "e9"})
+        moved = router.replicas.replicas["127.0.0.1:7100"]
+        moved.stub = AnsweringEngine("e0", "z")
+        await router.replicas.poll(moved)
+        assert moved.routable and "e0" not in held()
+    asyncio.run(body())
+
+
 def test_no_credit_is_kept_for_a_replica_without_an_engine_id_and_old_credit_goes():
     async def body():
         router, replicas = make_router(["", "e1"])
