@@ -63,7 +63,9 @@ class PromptReader:
             self._loading = asyncio.ensure_future(self._load(replica))
 
     async def _load(self, replica: Replica) -> None:
-        self._checked_for = replica.info.model_identity
+        # Read before the awaits: discovery may reset replica.info meanwhile (another engine
+        # at the address), and the tokenizer checked is for this identity.
+        identity = self._checked_for = replica.info.model_identity
         path = self.tokenizer_path or replica.info.model_path
         if not path or not Path(path).exists():
             log.info("no local tokenizer (%s is not on this machine): prompts are tokenized by "
@@ -90,7 +92,7 @@ class PromptReader:
             return
         self.tokenizer = tokenizer
         self.source = "local"
-        self.identity = replica.info.model_identity
+        self.identity = identity
         log.info("tokenizing prompts locally with %s", path)
 
     async def token_ids(self, request, replicas: list[Replica]) -> list[int] | None:

@@ -142,7 +142,9 @@ class ReplicaSet:
                 log.info("replica %s at %s added", engine_id or "?", address)
             elif engine_id and current.engine_id != engine_id:
                 current.engine_id = engine_id
-                current.info = None  # another engine there: asked who it is before routing
+                # Another engine there: asked who it is before anything is routed to it.
+                current.info = None
+                current.last_error = f"engine id now {engine_id}: asking its ModelInfo"
         for address in [a for a in self.replicas if a not in wanted]:
             if self.replicas[address].healthy:
                 continue

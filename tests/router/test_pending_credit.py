@@ -170,6 +170,7 @@ def test_an_unknown_process_under_a_known_name_loses_the_recent_prefixes_too():
         e1.stub = AnsweringEngine("e9", "x")
         await router.replicas.set_members({e0.address: "e0", e1.address: "e9"})
         assert e1.name == "e9" and not e1.routable  # not routed to before it says who it is
+        assert "asking its ModelInfo" in e1.last_error  # (what the router's status shows)
         await router.replicas.poll(e1)
         # e9's stale prefixes go; e1's stay under a name no replica has now (they age out,
         # and a replica that takes the name later drops them when first heard from).
