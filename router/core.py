@@ -190,11 +190,12 @@ class Router:
                 if not replicas:
                     raise NoReplicaError(self._no_replica_message(exclude))
                 matches = self._with_pending(index_matches, replicas, chain)
+        now = time.monotonic()  # (one clock reading: the decision is one moment)
         # (Shares only where they are read: kv-aware with a hot-replica weight.)
-        shares = (self.recent.shares(time.monotonic())
+        shares = (self.recent.shares(now)
                   if matches is not None and self.config.hot_replica_weight > 0 else None)
         prefix_key = self._prefix_key(chain, token_ids, cache_salt)
-        others = (self.recent_prefixes.blocks_of_others(prefix_key, time.monotonic())
+        others = (self.recent_prefixes.blocks_of_others(prefix_key, now)
                   if matches is not None and self.config.room_weight > 0 else None)
         route = RouteInput(len(token_ids) if token_ids is not None else None, prefix_key,
                            matches, shares, others)
@@ -204,16 +205,16 @@ class Router:
             key = (replica.address, replica.engine_id)          # nothing)
             if key not in self.pending:
                 self.pending[key] = PendingPrefixes(self.config.pending_s)
-            self.pending[key].add(chain, time.monotonic())
+            self.pending[key].add(chain, now)
         if record:  # (a retry or resumed attempt counts too: it is traffic there)
-            self.recent.add(replica.name, time.monotonic())
+            self.recent.add(replica.name, now)
             if prefix_key is not None and route.num_prompt_tokens:
                 # At most the pool: a prompt the engine refuses as too long must not make
                 # the replica look full for a minute.
                 blocks = -(-route.num_prompt_tokens // hasher.block_size)
                 if replica.reported.num_blocks:
                     blocks = min(blocks, replica.reported.num_blocks)
-                self.recent_prefixes.add(replica.name, prefix_key, blocks, time.monotonic())
+                self.recent_prefixes.add(replica.name, prefix_key, blocks, now)
             self.metrics.decisions.labels(decision.policy, replica.name).inc()
             if decision.fallback and self.index is not None:
                 self.metrics.fallbacks.inc()

@@ -24,7 +24,7 @@ class RecentPrefixes:
         self._routed.add((replica_name, key, blocks), now)
 
     def forget(self, replica_name: str) -> None:
-        """The replica came back (restarted, its pool empty): none of its prefixes is held."""
+        """A new process answers as the replica (its pool empty): none of its prefixes is held."""
         self._routed.drop(lambda routed: routed[0] == replica_name)
 
     def blocks_of_others(self, key: bytes | None, now: float) -> dict[str, int]:
