@@ -26,7 +26,9 @@ NUM_BLOCKS = 128
 def engine_args(index_target: str, engine_id: str) -> list[str]:
     return ["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
             "--max-model-len", "2048", "--prefix-index", index_target,
-            "--engine-id", engine_id, "--index-lease-s", "2", "--grace-s", "2",
+            # The index lease is the shipped one (30 s): a replica killed and restarted under
+            # its id must be taken back at once, not after its dead process's lease lapsed.
+            "--engine-id", engine_id, "--grace-s", "2",
             "--log-level", "WARNING",
             "--dtype", "float32"]
 
