@@ -45,7 +45,7 @@ PIN_STATE_EXPLICIT: PinState
 PIN_STATE_AUTOMATIC: PinState
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("engine_id", "model_identity", "block_size", "num_blocks", "lease_s", "nonce", "serving_address")
+    __slots__ = ("engine_id", "model_identity", "block_size", "num_blocks", "lease_s", "nonce", "serving_address", "instance_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class RegisterRequest(_message.Message):
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     SERVING_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model_identity: str
     block_size: int
@@ -60,7 +61,8 @@ class RegisterRequest(_message.Message):
     lease_s: float
     nonce: str
     serving_address: str
-    def __init__(self, engine_id: _Optional[str] = ..., model_identity: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_s: _Optional[float] = ..., nonce: _Optional[str] = ..., serving_address: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., model_identity: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_s: _Optional[float] = ..., nonce: _Optional[str] = ..., serving_address: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("epoch", "lease_s", "pin_budget")

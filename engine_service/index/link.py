@@ -67,6 +67,13 @@ class IndexLinkOptions:
     # Where this engine serves Generation ("host:port"), registered so routers find it; ""
     # registers no address (the engine is then not a routable replica).
     serving_address: str = ""
+    # What this process's ModelInfo answers with. With serving_address, it lets the index
+    # take our engine id's lease over from a crashed process of ours at once (it asks that
+    # address who answers) instead of refusing us until the dead one's lease lapses.
+    instance_id: str = ""
+    # Register's deadline: the index may first ask a holder of our id at its address (up to
+    # its --holder-probe-timeout-s, 1 s by default).
+    register_timeout_s: float = 3.0
 
 
 @dataclass(slots=True)
@@ -335,7 +342,9 @@ class PrefixIndexLink:
         epoch = await self._timed("Register", self._client.register(
             self.engine_id, self.model_identity, self.block_size, self.num_blocks,
             self.options.lease_s, nonce=self.nonce,
-            serving_address=self.options.serving_address))
+            serving_address=self.options.serving_address,
+            instance_id=self.options.instance_id,
+            timeout_s=max(self.options.register_timeout_s, self.options.rpc_timeout_s)))
         self.refused = False
         self._seq = 0
         self._stats.epoch = epoch

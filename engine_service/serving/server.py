@@ -302,6 +302,7 @@ async def _serve(make_server: Callable[[], EngineServer], args: argparse.Namespa
     print(f"engine listening on {args.host}:{port}", flush=True)
     if link is not None:
         link.options.serving_address = advertised_address(args, port)
+        link.options.instance_id = server.servicer.instance_id
         link.start()
     state.loop = asyncio.get_running_loop()
     state.stopping = asyncio.Event()

@@ -65,9 +65,9 @@ class PrefixIndexClient:
         self.lease_s = 0.0
         self.pin_budget = 0
 
-    async def _call(self, method: str, request):
+    async def _call(self, method: str, request, timeout_s: float | None = None):
         try:
-            return await getattr(self._stub, method)(request, timeout=self.timeout_s)
+            return await getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise PrefixIndexClientError(method, exc.code(), exc.details() or "") from None
 
@@ -78,14 +78,18 @@ class PrefixIndexClient:
 
     async def register(self, engine_id: str, model_identity: str, block_size: int,
                        num_blocks: int, lease_s: float = 0.0, nonce: str = "",
-                       serving_address: str = "") -> int:
+                       serving_address: str = "", instance_id: str = "",
+                       timeout_s: float | None = None) -> int:
         """`nonce`: a token unique to this process (the same on every re-register); while
-        another nonce holds a live lease on engine_id the call fails with ALREADY_EXISTS.
-        `serving_address`: where the engine serves Generation (the router's replica list)."""
+        another nonce holds a live lease on engine_id the call fails with ALREADY_EXISTS,
+        unless the index finds that holder gone: it asks the holder's `serving_address` (where
+        the engine serves Generation, also the router's replica list) for ModelInfo and
+        compares the `instance_id` it answers with. `timeout_s`: this call's deadline (default
+        the client's), which should leave room for that probe."""
         reply = await self._call("Register", pb.RegisterRequest(
             engine_id=engine_id, model_identity=model_identity, block_size=block_size,
             num_blocks=num_blocks, lease_s=lease_s, nonce=nonce,
-            serving_address=serving_address))
+            serving_address=serving_address, instance_id=instance_id), timeout_s)
         self.engine_id, self.epoch = engine_id, reply.epoch
         self.lease_s, self.pin_budget = reply.lease_s, reply.pin_budget
         return reply.epoch

@@ -45,6 +45,9 @@ class IndexConfig:
     default_lease_s: float = 30.0
     redis_timeout_s: float = 1.0       # socket connect/read timeout: fail fast when Redis is gone
     probe_interval_s: float = 0.5      # health probe of Redis
+    # How long Register waits for a lease holder's ModelInfo when another process registers
+    # under its engine id (holder_probe.py); 0: never probe, the lease must lapse.
+    holder_probe_timeout_s: float = 1.0
     # Lookup's block hash -> engines view: an entry not refreshed (commit or admission hit) for
     # this long leaves the view, so the entries of engines that died do not pile up.
     view_ttl_s: float = 3600.0

@@ -20,7 +20,14 @@ class StaleEpochError(IndexRequestError):
 
 
 class EngineIdTakenError(IndexRequestError):
-    """Another process (another nonce) holds a live lease on the engine id (ALREADY_EXISTS)."""
+    """Another process (another nonce) holds a live lease on the engine id (ALREADY_EXISTS).
+    `holder_address` and `holder_instance` say where that process serves and the ModelInfo
+    instance id it registered ("" when it registered none): what the index probes."""
+
+    def __init__(self, message: str, holder_address: str = "", holder_instance: str = "") -> None:
+        super().__init__(message)
+        self.holder_address = holder_address
+        self.holder_instance = holder_instance
 
 
 class SequenceError(IndexRequestError):

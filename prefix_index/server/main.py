@@ -135,6 +135,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Lookup's view forgets a block not committed or hit for this long")
     p.add_argument("--redis-timeout-s", type=float, default=defaults.redis_timeout_s)
     p.add_argument("--probe-interval-s", type=float, default=defaults.probe_interval_s)
+    p.add_argument("--holder-probe-timeout-s", type=float,
+                   default=defaults.holder_probe_timeout_s,
+                   help="when another process registers under a held engine id, how long to "
+                        "wait for the holder's ModelInfo at its serving address before "
+                        "refusing (0 = never ask: the holder's lease must lapse)")
     p.add_argument("--max-ops", type=int, default=limits.max_ops)
     p.add_argument("--max-chain", type=int, default=limits.max_chain)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
@@ -150,6 +155,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "expected 0..1")
     if not 0 <= args.cool_fraction <= 1:
         p.error(f"--cool-fraction: {args.cool_fraction} is not allowed; expected 0..1")
+    if not 0 <= args.holder_probe_timeout_s <= 60:
+        p.error(f"--holder-probe-timeout-s: {args.holder_probe_timeout_s} is not allowed; "
+                "expected 0..60")
     for name in ("lease_s", "sweep_interval_s", "redis_timeout_s", "probe_interval_s",
                  "history_per_block", "view_ttl_s"):
         if getattr(args, name) <= 0:
@@ -163,6 +171,7 @@ def config_from_args(args: argparse.Namespace) -> IndexConfig:
         redis_url=args.redis_url, redis_cluster=args.redis_cluster,
         default_lease_s=args.lease_s,
         redis_timeout_s=args.redis_timeout_s, probe_interval_s=args.probe_interval_s,
+        holder_probe_timeout_s=args.holder_probe_timeout_s,
         view_ttl_s=args.view_ttl_s,
         pin_policy=PinPolicy(hot_threshold=args.hot_threshold, window_s=args.hot_window_s,
                              cool_fraction=args.cool_fraction,

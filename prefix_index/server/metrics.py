@@ -33,6 +33,9 @@ class IndexMetrics:
         self.forgotten_blocks = Counter("pagedgen_prefix_index_forgotten_blocks",
                                         "Blocks dropped because their engine evicted them "
                                         "on its own (forget).", registry=r)
+        self.lease_takeovers = Counter("pagedgen_prefix_index_lease_takeovers",
+                                       "Registrations that took an engine id's lease over "
+                                       "from a holder found gone.", registry=r)
         self.replayed_applies = Counter("pagedgen_prefix_index_replayed_applies",
                                         "Retried Applies answered from the stored result.",
                                         registry=r)

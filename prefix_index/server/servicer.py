@@ -27,6 +27,7 @@ from prefix_index.server.errors import (
     StaleEpochError,
 )
 from prefix_index.server.health import RedisHealth
+from prefix_index.server.holder_probe import HolderProber, HolderState
 from prefix_index.server.metrics import IndexMetrics
 from prefix_index.server.residency import MAX_WATCHERS, watch
 from prefix_index.server.store import IndexStore
@@ -57,15 +58,17 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         self.health = health
         self.metrics = metrics
         self.watchers = 0
+        self.prober = HolderProber(config.holder_probe_timeout_s)
 
     async def _call(self, method: str, context: grpc.aio.ServicerContext,
-                    work: Callable[[], Awaitable[T]]) -> T:
-        """Runs `work` within the caller's deadline and the Redis timeout; never hangs past
-        either. Aborts the RPC with the status code the error maps to."""
+                    work: Callable[[], Awaitable[T]], extra_s: float = 0.0) -> T:
+        """Runs `work` within the caller's deadline and the Redis timeout (plus `extra_s` for
+        work that waits on something else); never hangs past either. Aborts the RPC with the
+        status code the error maps to."""
         started = time.perf_counter()
         code, message = grpc.StatusCode.OK, ""
         remaining = context.time_remaining()
-        redis_budget = 2 * self.config.redis_timeout_s
+        redis_budget = 2 * self.config.redis_timeout_s + extra_s
         budget = redis_budget if remaining is None else min(remaining, redis_budget)
         try:
             async with asyncio.timeout(budget):
@@ -103,16 +106,44 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         async def work():
             nonlocal args
             args = validate.register(request, self.config.limits, self.config.default_lease_s)
-            return await self.store.register(args.engine_id, args.model_identity,
-                                             args.block_size, args.num_blocks, args.lease_s,
-                                             args.nonce, args.serving_address)
+            try:
+                return await self._register(args)
+            except EngineIdTakenError as taken:
+                return await self._take_over(args, taken)
 
-        reg = await self._call("Register", context, work)
+        reg = await self._call("Register", context, work,
+                               extra_s=self.config.holder_probe_timeout_s)
         log.info("registered engine %s epoch %d (%d blocks, lease %.1fs, serving at %s)",
                  args.engine_id, reg.epoch, args.num_blocks, reg.lease_s,
                  args.serving_address or "no address")
         return pb.RegisterResponse(epoch=reg.epoch, lease_s=reg.lease_s,
                                    pin_budget=reg.pin_budget)
+
+    async def _register(self, args: validate.RegisterArgs, replaces: str = ""):
+        return await self.store.register(args.engine_id, args.model_identity, args.block_size,
+                                         args.num_blocks, args.lease_s, args.nonce,
+                                         args.serving_address, args.instance_id, replaces)
+
+    async def _take_over(self, args: validate.RegisterArgs, taken: EngineIdTakenError):
+        """Registers `args` in place of a lease holder that is gone (crashed, restarted under
+        the same id), found by asking its serving address; refuses as before when the holder
+        answers, or cannot be asked (it registered no address or instance id, probes are off,
+        or it did not answer in time)."""
+        if not (taken.holder_address and taken.holder_instance
+                and self.config.holder_probe_timeout_s > 0):
+            raise taken
+        probe = await self.prober.probe(taken.holder_address, taken.holder_instance)
+        if probe.state is not HolderState.GONE:
+            raise EngineIdTakenError(f"{taken} ({probe.detail})", taken.holder_address,
+                                     taken.holder_instance) from None
+        # The script takes over only from that same holder: had it re-registered meanwhile,
+        # or another newcomer won, this is refused as above.
+        registration = await self._register(args, replaces=taken.holder_instance)
+        self.metrics.lease_takeovers.inc()
+        log.warning("engine %s: lease taken over by instance %s from instance %s, which is "
+                    "gone (%s); its blocks are dropped", args.engine_id,
+                    args.instance_id or "(none)", taken.holder_instance, probe.detail)
+        return registration
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         async def work():

@@ -103,6 +103,10 @@ def _script_error(exc: ResponseError, engine_id: str) -> Exception:
     return kind(f"engine_id {engine_id!r}: {rest}")
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def encode_ops(ops: Sequence[Op]) -> list[bytes | str | int]:
     """Flatten ops into the ARGV layout apply.lua reads."""
     args: list[bytes | str | int] = []
@@ -227,7 +231,10 @@ class IndexStore:
 
     async def register(self, engine_id: str, model_identity: str, block_size: int,
                        num_blocks: int, lease_s: float, nonce: str = "",
-                       serving_address: str = "") -> Registration:
+                       serving_address: str = "", instance_id: str = "",
+                       replaces: str = "") -> Registration:
+        """A new epoch for engine_id. `replaces`: the instance id of a holder the caller found
+        gone (servicer.Register probes it); the lease is taken over only from that holder."""
         policy = self.pin_policy
         budget = policy.budget(num_blocks)
         # The directory lives in another slot, so it cannot join the script's transaction. It
@@ -236,14 +243,15 @@ class IndexStore:
         await self.redis.sadd(ENGINES_KEY, engine_id)
         reply = await self._run("register", engine_id, [
             model_identity, block_size, num_blocks, round(lease_s * 1000), budget, nonce,
-            policy.history_cap(num_blocks), serving_address, engine_id])
+            policy.history_cap(num_blocks), serving_address, engine_id, instance_id, replaces])
         if int(reply[0]) == 0:
             remaining_s = max(int(reply[1]), 0) / 1000.0
             until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + remaining_s))
             raise EngineIdTakenError(
                 f"engine_id {engine_id!r} is held by another live process (another nonce); "
                 f"its lease expires in {remaining_s:.1f}s (at {until}) unless it heartbeats. "
-                "Stop the other process, or give this one another engine id")
+                "Stop the other process, or give this one another engine id",
+                holder_address=_text(reply[2]), holder_instance=_text(reply[3]))
         await self.redis.sadd(ENGINES_KEY, engine_id)
         self._registrations += 1  # Lookup reads the directory anew from now on
         return Registration(int(reply[0]), lease_s, budget)

@@ -46,6 +46,7 @@ class RegisterArgs:
     lease_s: float
     nonce: str = ""
     serving_address: str = ""
+    instance_id: str = ""  # what the engine's ModelInfo answers with (crash takeover)
 
 
 def _short(value: object) -> str:
@@ -114,12 +115,17 @@ def register(request: pb.RegisterRequest, limits: Limits, default_lease_s: float
     if len(request.nonce) > MAX_NONCE:
         raise InvalidRequestError(f"nonce: {len(request.nonce)} characters "
                                   f"({_short(request.nonce)}) is too long; at most {MAX_NONCE}")
+    if len(request.instance_id) > MAX_NONCE:
+        raise InvalidRequestError(f"instance_id: {len(request.instance_id)} characters "
+                                  f"({_short(request.instance_id)}) is too long; at most "
+                                  f"{MAX_NONCE}")
     address = request.serving_address
     if address and (len(address) > MAX_SERVING_ADDRESS or not _SERVING_ADDRESS.fullmatch(address)):
         raise InvalidRequestError(f"serving_address: {_short(address)} is not allowed; expected "
                                   f"empty or host:port (at most {MAX_SERVING_ADDRESS} characters)")
     return RegisterArgs(request.engine_id, request.model_identity, request.block_size,
-                        request.num_blocks, lease_s, request.nonce, address)
+                        request.num_blocks, lease_s, request.nonce, address,
+                        request.instance_id)
 
 
 def seq(value: int) -> int:
