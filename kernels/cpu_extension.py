@@ -12,8 +12,17 @@ kernels.cpu_extension`, which compiles it into a cache directory keyed by the so
 version and CPU, so the README's set-up command stays the only step and a second run is a no-op.
 If the build is unavailable (no compiler, no ninja), the engine logs one line and uses the torch
 reference path instead.
+
+That fallback is right for a machine with no compiler, and wrong where one exists: there a failed
+build is a bug that would otherwise pass unseen (the engine runs, slower, and the kernel tests
+skip). So `python -m kernels.cpu_extension --require`, or $PAGEDGEN_REQUIRE_CPU_EXTENSION=1, exits
+non-zero with the compiler's output on a failed build, and the kernel tests fail instead of
+skipping (tests/kernels/conftest.py); scripts/run_tests.sh sets the variable where a C++ compiler
+is on the PATH. Without the flag set-up stays lenient, so the README's one set-up command works
+on a machine without a compiler.
 """
 
+import argparse
 import functools
 import hashlib
 import logging
@@ -36,6 +45,8 @@ HEADERS = tuple(Path(__file__).resolve().parent / "csrc" / name
                 for name in ("cpu_math.h", "cpu_ops.h", "linear_blocks.h",
                              "linear_bf16_store.h"))  # in the cache key too
 EXTENSION_NAME = "pagedgen_cpu_attention"
+# "1": a failed build is an error (the CLI exits non-zero, the kernel tests fail), not a fallback.
+REQUIRE_ENV = "PAGEDGEN_REQUIRE_CPU_EXTENSION"
 # -march=native: the cache key includes this CPU's flags, so a copy of the cache moved to
 # another kind of CPU rebuilds instead of crashing on an unknown instruction.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
@@ -86,27 +97,72 @@ def build_and_load(verbose: bool = False) -> None:
     )
 
 
+def extension_required() -> bool:
+    """Whether $PAGEDGEN_REQUIRE_CPU_EXTENSION asks for a failed build to be an error."""
+    value = os.environ.get(REQUIRE_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"${REQUIRE_ENV} must be 1 (require the build) or 0 (fall back to "
+                         f"torch), got {value!r}")
+    return value == "1"
+
+
+@functools.cache
+def build_failure() -> str | None:
+    """None once the extension is loaded (building it if the cache lacks it); else why it could
+    not be: the error and, for a failed compile, the build's whole output. Cached: one attempt
+    per process."""
+    try:
+        build_and_load()
+    except Exception as error:  # any build failure means: use the torch path
+        return f"{type(error).__name__}: {str(error).strip()}"
+    return None
+
+
+def failure_summary(failure: str) -> str:
+    """One line of a build failure: the compiler's first error where there is one (a failed
+    compile's output ends on ninja's "build stopped", which says nothing), else its first line."""
+    lines = failure.strip().splitlines()
+    return next((line.strip() for line in lines if "error:" in line), lines[0])
+
+
 @functools.cache
 def cpu_attention_available() -> bool:
     """Load the extension (building it if the cache lacks it); False, with one log line, if it
     cannot be built here. Cached: one attempt per process."""
-    try:
-        build_and_load()
-    except Exception as error:  # any build failure means: use the torch path
-        log.warning(
-            "CPU paged-attention kernel unavailable (%s: %s); using the torch reference path",
-            type(error).__name__, str(error).strip().splitlines()[-1] if str(error) else "",
-        )
+    failure = build_failure()
+    if failure is not None:
+        log.warning("CPU paged-attention kernel unavailable (%s); using the torch reference path",
+                    failure_summary(failure))
         return False
     return True
 
 
-def main() -> None:
-    """`python -m kernels.cpu_extension`: build now (scripts/setup.sh), exit 0 either way."""
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kernels.cpu_extension [--require]`: build now (scripts/setup.sh). Exits 0 on a
+    failed build (the engine then uses torch) unless --require or $PAGEDGEN_REQUIRE_CPU_EXTENSION=1
+    asks for the build: then 1, with the compiler's output."""
+    parser = argparse.ArgumentParser(prog="python -m kernels.cpu_extension",
+                                     description="Build and load the CPU kernels now.")
+    parser.add_argument("--require", action="store_true",
+                        help=f"exit 1 if the build fails (also: ${REQUIRE_ENV}=1)")
+    args = parser.parse_args(argv)
+    try:
+        required = args.require or extension_required()
+    except ValueError as error:
+        parser.error(str(error))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if cpu_attention_available():
+    failure = build_failure()
+    if failure is None:
         print(f"CPU paged-attention kernel ready in {build_directory()}")
-
+        return 0
+    if not required:
+        log.warning("CPU kernels not built (%s); the engine will use the torch reference path",
+                    failure_summary(failure))
+        return 0
+    print(f"error: the CPU extension did not build in {build_directory()} "
+          f"({failure_summary(failure)}); it is required here (--require or "
+          f"${REQUIRE_ENV}=1). The build said:\n{failure}", file=sys.stderr)
+    return 1
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,6 +2,14 @@
 # Set up (idempotent) and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Where a C++ compiler exists (the one torch builds with: $CXX, else c++), the CPU extension must
+# build: set-up exits non-zero with the compiler's output, and the kernel tests fail rather than
+# skip (kernels/cpu_extension.py). Without one, they skip and say why, as the engine falls back
+# to torch. Set here, not in .ci/run, so the README's test command means what CI's does; an
+# explicit PAGEDGEN_REQUIRE_CPU_EXTENSION=0 opts out.
+if [ -z "${PAGEDGEN_REQUIRE_CPU_EXTENSION:-}" ] && command -v "${CXX:-c++}" >/dev/null 2>&1; then
+    export PAGEDGEN_REQUIRE_CPU_EXTENSION=1
+fi
 bash scripts/setup.sh
 python3 -m ruff check .
 python3 -m pytest -q "$@"

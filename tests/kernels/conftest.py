@@ -1,4 +1,5 @@
-"""Shared set-up for the kernel tests: interpreter mode, random paged batches, tolerances.
+"""Shared set-up for the kernel tests: interpreter mode, random paged batches, tolerances, and
+whether the C++ CPU extension's tests run, fail or skip (the `cpu_extension` fixture).
 
 Without CUDA the Triton kernels run in the Triton interpreter on CPU (kernels/triton_jit.py
 defines them interpreted whatever the import order); TRITON_INTERPRET=1 is also set here, before
@@ -15,6 +16,13 @@ if not torch.cuda.is_available():
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
+
+from kernels.cpu_extension import (  # noqa: E402
+    REQUIRE_ENV,
+    build_failure,
+    extension_required,
+    failure_summary,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -99,3 +107,20 @@ def make_paged_batch(
 def paged_batch():
     """Factory fixture: `paged_batch(query_lens, context_lens, **shape)` -> PagedBatch."""
     return make_paged_batch
+
+
+@pytest.fixture(scope="session")
+def cpu_extension() -> None:
+    """The C++ CPU extension, loaded (built first if the cache lacks it). Where it does not
+    build: a failure when $PAGEDGEN_REQUIRE_CPU_EXTENSION=1 (scripts/run_tests.sh sets it where
+    a C++ compiler exists, so a broken build cannot turn these tests into skips), else a skip
+    that says why. The one place that decides; test files take it with
+    `pytestmark = pytest.mark.usefixtures("cpu_extension")`."""
+    failure = build_failure()
+    if failure is None:
+        return
+    reason = f"the C++ CPU extension does not build here ({failure_summary(failure)})"
+    if extension_required():
+        pytest.fail(f"{reason}; it is required here ({REQUIRE_ENV}=1). For the compiler's "
+                    "output: python -m kernels.cpu_extension --require", pytrace=False)
+    pytest.skip(f"{reason}; {REQUIRE_ENV}=1 makes this a failure")

@@ -1,17 +1,22 @@
-"""The kernel backends behind one interface: selection, and a model-runner step through each.
+"""The kernel backends behind one interface: selection (the C++ CPU kernels where they build,
+torch where they cannot, and a failed build an error where it is required), and a model-runner
+step through each.
 
 The step does what the model runner does for one layer (write the new K/V by slot mapping, then
 attend through the block tables, copy-on-write a shared block), once with the torch backend and
 once with Triton, and compares caches and outputs.
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from kernels import TORCH_BACKEND, KernelBackend, get_kernel_backend
+from kernels import TORCH_BACKEND, KernelBackend, cpu_attention, get_kernel_backend
+from kernels.cpu_extension import REQUIRE_ENV
 from kernels.triton_backend import TRITON_BACKEND
 from tests.kernels.conftest import DEVICE
 
@@ -19,11 +24,59 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_backend_selection() -> None:
-    assert get_kernel_backend("auto", "cpu").name in ("cpu", "torch")  # torch: no C++ build
     assert get_kernel_backend("torch", "cpu") is TORCH_BACKEND
     assert get_kernel_backend("triton", "cpu") is TRITON_BACKEND
     assert TRITON_BACKEND.name == "triton"
     assert TRITON_BACKEND.build_attention_plan is None
+
+
+@pytest.mark.usefixtures("cpu_extension")  # fails where it must build and does not
+def test_auto_backend_uses_the_kernel_on_cpu() -> None:
+    backend = get_kernel_backend("auto", "cpu")
+    assert backend.name == "cpu"
+    assert backend.paged_attention is cpu_attention.paged_attention
+
+
+def _without_a_compiler(tmp_path: Path, **env: str) -> dict[str, str]:
+    """This environment with a fresh extension cache and a C++ compiler that fails."""
+    return dict(os.environ, PAGEDGEN_CACHE_DIR=str(tmp_path), CXX="/bin/false",
+                PYTHONPATH=str(REPO_ROOT), **env)
+
+
+def test_falls_back_to_torch_with_one_log_line_without_a_compiler(tmp_path) -> None:
+    """A fresh cache and no usable compiler: the engine's backend is torch, and it says so;
+    even with $PAGEDGEN_REQUIRE_CPU_EXTENSION=1, which is for set-up and tests, not the engine."""
+    code = (
+        "import logging; logging.basicConfig(level=logging.WARNING)\n"
+        "from kernels import get_kernel_backend\n"
+        "print(get_kernel_backend('auto', 'cpu').name)\n"
+        "print(get_kernel_backend('auto', 'cpu').name)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT,
+                          env=_without_a_compiler(tmp_path, **{REQUIRE_ENV: "1"}),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["torch", "torch"]
+    assert done.stderr.count("CPU paged-attention kernel unavailable") == 1, done.stderr
+
+
+def test_set_up_build_fails_only_when_required(tmp_path) -> None:
+    """`python -m kernels.cpu_extension` (scripts/setup.sh) with no usable compiler: exit 0 and
+    one line on the torch fallback; with --require or $PAGEDGEN_REQUIRE_CPU_EXTENSION=1, exit 1
+    and say what failed."""
+    def build(*args: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kernels.cpu_extension", *args],
+                              cwd=REPO_ROOT, env=_without_a_compiler(tmp_path, **env),
+                              capture_output=True, text=True, timeout=300)
+
+    lenient = build(**{REQUIRE_ENV: "0"})
+    assert lenient.returncode == 0, lenient.stderr
+    assert "CPU kernels not built" in lenient.stderr
+    assert "the engine will use the torch reference path" in lenient.stderr
+    for done in (build("--require", **{REQUIRE_ENV: "0"}), build(**{REQUIRE_ENV: "1"})):
+        assert done.returncode == 1, done.stderr
+        assert "error: the CPU extension did not build in " in done.stderr
+        assert str(tmp_path) in done.stderr and "/bin/false" in done.stderr, done.stderr
 
 
 def test_torch_path_does_not_import_triton() -> None:

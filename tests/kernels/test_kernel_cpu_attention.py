@@ -3,23 +3,14 @@ reference, over random block tables: mixed prefill/decode batches, GQA groups 1/
 64/128, block sizes 8/16/32, float32 and bfloat16, odd sequence lengths."""
 
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from kernels import cpu_attention, get_kernel_backend, reference
-from kernels.cpu_extension import cpu_attention_available
+from kernels import cpu_attention, reference
 from tests.kernels.conftest import TOLERANCES, PagedBatch, make_paged_batch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-pytestmark = pytest.mark.skipif(
-    not cpu_attention_available(), reason="the C++ kernel does not build on this machine"
-)
+pytestmark = pytest.mark.usefixtures("cpu_extension")  # fails or skips without it
 
 # (query_len, context_len): decodes at a block edge and past it, prefill chunks that start at
 # position 0 or after a cached prefix, chunks longer than one 16-token tile, odd lengths.
@@ -125,30 +116,6 @@ def test_block_ids_outside_the_pool_and_token_counts_that_disagree_are_refused()
     with pytest.raises(RuntimeError, match="must run from 0 to the 4 query tokens, got 0 to 40"):
         cpu_attention.paged_attention(*batch.args()[:5], too_far, batch.scale)
     _check(batch)  # the same batch, unchanged, is fine
-
-
-def test_auto_backend_uses_the_kernel_on_cpu() -> None:
-    backend = get_kernel_backend("auto", "cpu")
-    assert backend.name == "cpu"
-    assert backend.paged_attention is cpu_attention.paged_attention
-    assert get_kernel_backend("torch", "cpu").name == "torch"
-
-
-def test_falls_back_to_torch_with_one_log_line_without_a_compiler(tmp_path) -> None:
-    """A fresh cache and no usable compiler: the engine's backend is torch, and it says so."""
-    code = (
-        "import logging; logging.basicConfig(level=logging.WARNING)\n"
-        "from kernels import get_kernel_backend\n"
-        "print(get_kernel_backend('auto', 'cpu').name)\n"
-        "print(get_kernel_backend('auto', 'cpu').name)\n"
-    )
-    env = dict(os.environ, PAGEDGEN_CACHE_DIR=str(tmp_path), CXX=str(tmp_path / "no-such-c++"),
-               PYTHONPATH=str(REPO_ROOT))
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["torch", "torch"]
-    assert done.stderr.count("CPU paged-attention kernel unavailable") == 1, done.stderr
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

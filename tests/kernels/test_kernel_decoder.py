@@ -16,9 +16,7 @@ from engine_service.model.runner import ModelRunner
 from engine_service.model.step_inputs import StepInputs
 from kernels.cpu_extension import cpu_attention_available
 
-pytestmark = pytest.mark.skipif(
-    not cpu_attention_available(), reason="the C++ extension does not build on this machine"
-)
+pytestmark = pytest.mark.usefixtures("cpu_extension")  # fails or skips without it
 
 # Each step: (sequence, first new position, end) per scheduled sequence.
 STEPS = [
@@ -34,8 +32,10 @@ def _bf16_native() -> bool:
     return cpu_attention_available() and bool(torch.ops.pagedgen_cpu_linear.bf16_native())
 
 
+# (Without the extension the cpu_extension fixture fails or skips it, saying why.)
 DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
-    not _bf16_native(), reason="no AVX512-BF16: bf16 linears are oneDNN's, no fused loop"))]
+    cpu_attention_available() and not _bf16_native(),
+    reason="no AVX512-BF16: bf16 linears are oneDNN's, no fused loop"))]
 
 
 def _runner(model_dir: Path, block_size: int, dtype: str = "float32",

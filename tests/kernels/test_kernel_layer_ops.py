@@ -6,12 +6,9 @@ import pytest
 import torch
 
 from kernels import layer_ops
-from kernels.cpu_extension import cpu_attention_available
 from kernels.layer_ops import CPU_LAYER_OPS, TORCH_LAYER_OPS
 
-pytestmark = pytest.mark.skipif(
-    not cpu_attention_available(), reason="the C++ extension does not build on this machine"
-)
+pytestmark = pytest.mark.usefixtures("cpu_extension")  # fails or skips without it
 
 ROWS = (1, 3, 17, 70)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -14,11 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from engine_service.model.models.packed_linear import PackedLinear
-from kernels.cpu_extension import cpu_attention_available
 
-pytestmark = pytest.mark.skipif(
-    not cpu_attention_available(), reason="the C++ extension does not build on this machine"
-)
+pytestmark = pytest.mark.usefixtures("cpu_extension")  # fails or skips without it
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -18,10 +18,14 @@ from engine_service.model.dtype import cpu_flags
 from engine_service.model.models.packed_linear import PackedLinear
 from kernels.cpu_extension import cpu_attention_available
 
-pytestmark = pytest.mark.skipif(
-    not (cpu_attention_available() and torch.ops.pagedgen_cpu_linear.bf16_native()),
-    reason="no AVX512-BF16 build here: bf16 linears are oneDNN's",
-)
+pytestmark = [
+    pytest.mark.usefixtures("cpu_extension"),  # fails or skips without it
+    # (a CPU fact, asked of the extension only where it loaded)
+    pytest.mark.skipif(
+        cpu_attention_available() and not torch.ops.pagedgen_cpu_linear.bf16_native(),
+        reason="no AVX512-BF16 build here: bf16 linears are oneDNN's",
+    ),
+]
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
