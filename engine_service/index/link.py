@@ -429,6 +429,17 @@ class PrefixIndexLink:
                 self._on_rpc(method, seconds)
 
     # ---- pins (called from another event loop, e.g. the gRPC servicer's) ----------------------
+    def pin_prefix_future(self, chain: list[bytes], ttl_s: float, unpin: bool
+                          ) -> concurrent.futures.Future:
+        """pin_prefix for a caller outside any event loop (the engine core's step loop): a
+        future resolved on the link's thread."""
+        if self._closing:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_exception(IndexUnavailableError(
+                f"prefix index {self.target}: the link is closed"))
+            return future
+        return asyncio.run_coroutine_threadsafe(self._pin(chain, ttl_s, unpin), self._loop)
+
     async def pin_prefix(self, chain: list[bytes], ttl_s: float, unpin: bool) -> int:
         """Pins (or unpins) the held prefix of `chain` in the index and the mirror; how many
         blocks it changed. IndexUnavailableError while degraded."""

@@ -19,10 +19,11 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from engine_service.core.engine import LLMEngine
+from engine_service.core.engine import EngineStats, LLMEngine
 from engine_service.core.errors import EngineDeadError, RequestError
 from engine_service.core.outputs import RequestOutput
 from engine_service.model.sampling_params import SamplingParams
+from engine_service.serving.engine_info import EngineInfo
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,6 +58,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
+        self._info: EngineInfo | None = None
 
     # ---- event loop side ----------------------------------------------------------------
     def start(self) -> None:
@@ -73,6 +75,17 @@ class AsyncEngine:
         self._wake.set()
         await asyncio.to_thread(self._finished.wait)
         self._thread = None
+
+    @property
+    def info(self) -> EngineInfo:
+        """The engine's fixed facts (ModelInfo, request checks), as the core process gives them."""
+        if self._info is None:
+            self._info = EngineInfo.of(self.engine)
+        return self._info
+
+    @property
+    def snapshot(self) -> EngineStats:
+        return self.engine.snapshot  # published by the engine thread each step
 
     @property
     def num_live(self) -> int:

@@ -18,10 +18,8 @@ import re
 import signal
 import socket
 import sys
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -29,11 +27,14 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from engine_service.core.config import BLOCK_SIZES, DEVICES, PREEMPTION_MODES, EngineConfig
-from engine_service.core.engine import LLMEngine
-from engine_service.index.link import IndexLinkOptions, connect_prefix_index
+from engine_service.core.engine import EngineStats, LLMEngine
+from engine_service.index.link import IndexLinkOptions
 from engine_service.model.dtype import DTYPE_CHOICES
 from engine_service.model.tokenizer import load_tokenizer
 from engine_service.serving.async_engine import AsyncEngine
+from engine_service.serving.core_client import CoreClient
+from engine_service.serving.core_process import CoreOptions, CoreTarget, run_core
+from engine_service.serving.engine_info import EngineInfo
 from engine_service.serving.metrics import EngineMetrics
 from engine_service.serving.servicer import GenerationServicer, IndexLink
 from engine_service.serving.validation import RequestValidator
@@ -59,43 +60,62 @@ class ServerOptions:
 
 
 class EngineServer:
-    """The gRPC server around one engine: started and drained together. Usable in-process or
-    from main(). `index_link` (with the policy it steers already inside the engine) is optional:
-    without it the engine runs on its local LRU."""
+    """The gRPC server around one engine: started and drained together.
+
+    Two ways to hold the engine, one servicer for both: `core` (what pagedgen-engine runs) is
+    an engine core in a process of its own (core_client.py), with its index link inside it;
+    otherwise `engine` runs in this process on a thread of its own (or on the caller's with
+    step_on_caller), and `index_link` (with the policy it steers already inside the engine) is
+    optional: without it the engine runs on its local LRU."""
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | None,
         options: ServerOptions,
         index_link: IndexLink | None = None,
         metrics: EngineMetrics | None = None,
         step_on_caller: bool = False,
+        core: CoreClient | None = None,
     ) -> None:
         self.options = options
         self.metrics = metrics or EngineMetrics()
-        # step_on_caller: the engine is stepped by whoever calls async_engine.run() (main()).
-        self.async_engine = AsyncEngine(engine, on_step=self._on_step,
-                                        own_thread=not step_on_caller, on_dead=self._on_dead)
-        # The servicer tokenizes on the event loop thread while the engine thread detokenizes:
-        # two tokenizer objects, since HF fast tokenizers are not safe across threads.
-        tokenizer = None if engine.tokenizer is None else load_tokenizer(engine.model_config)
-        self.servicer = GenerationServicer(
-            self.async_engine,
-            RequestValidator(engine, tokenizer, options.max_live_requests),
-            self.metrics,
-            options.engine_id,
-            index_link,
-        )
+        self.engine = engine
+        if core is not None:
+            core.on_dead, core.on_stats = self._on_dead, self._on_core_stats
+            self.async_engine: AsyncEngine | CoreClient = core
+            index_link = core.link
+        else:
+            # step_on_caller: the engine is stepped by whoever calls async_engine.run().
+            self.async_engine = AsyncEngine(engine, on_step=self._on_step,
+                                            own_thread=not step_on_caller,
+                                            on_dead=self._on_dead)
+        self.index_link = index_link
+        self.servicer: GenerationServicer | None = None  # once the engine's facts are known
+        if core is None:
+            self.servicer = self._make_servicer(self.async_engine.info)
         if index_link is not None:
             self.metrics.watch_degraded(lambda: index_link.degraded)
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server()
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.engine_failed = asyncio.Event()  # set (on the loop) when the engine thread died
+        self.engine_failed = asyncio.Event()  # set (on the loop) when the engine died
+
+    def _make_servicer(self, info: EngineInfo) -> GenerationServicer:
+        # The servicer tokenizes on the event loop thread while the engine thread detokenizes:
+        # two tokenizer objects, since HF fast tokenizers are not safe across threads.
+        tokenizer = None if not info.limits.has_tokenizer else load_tokenizer(info.model_config)
+        return GenerationServicer(
+            self.async_engine,
+            RequestValidator(info.limits, tokenizer, self.options.max_live_requests),
+            self.metrics,
+            self.options.engine_id,
+            self.index_link,
+        )
 
     def _on_dead(self, error: BaseException) -> None:
-        """On the dying engine thread: NOT_SERVING at once, so load balancers stop sending."""
+        """On the dying engine thread (or the loop, for a core process): NOT_SERVING at once, so
+        load balancers stop sending."""
         if self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._mark_failed)
@@ -103,14 +123,15 @@ class EngineServer:
                 pass  # the loop is gone: the process is stopping anyway
 
     def _mark_failed(self) -> None:
-        self.servicer.draining = True
+        if self.servicer is not None:
+            self.servicer.draining = True
         self.engine_failed.set()
         self._loop.create_task(self._set_health(NOT_SERVING))
-        link = self.servicer.index_link
+        link = self.index_link
         if link is not None and hasattr(link, "close"):
             # Stop heartbeating: the index must not keep crediting blocks nobody can serve.
             self._loop.create_task(asyncio.to_thread(link.close))
-        log.error("the engine thread died: health NOT_SERVING, stopping")
+        log.error("the engine died: health NOT_SERVING, stopping")
 
     def _on_step(self, engine: LLMEngine, outputs: list) -> None:
         # On the engine thread, before the step's outputs are delivered: refresh the gauges
@@ -119,8 +140,11 @@ class EngineServer:
         self.metrics.refresh(engine.stats,
                              force=not outputs or any(o.finished for o in outputs))
 
+    def _on_core_stats(self, stats: EngineStats, force: bool) -> None:
+        # On the loop, as a core process's step arrives (before its outputs are read).
+        self.metrics.refresh(lambda: stats, force=force)
+
     async def start(self) -> int:
-        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [
@@ -138,7 +162,11 @@ class EngineServer:
             serve_metrics(self.metrics.serve, self.options.metrics_port,
                           self.options.metrics_host)
         self._loop = asyncio.get_running_loop()
-        self.async_engine.start()
+        if self.servicer is None:  # a core process: built (model, profile, warm-up) first
+            self.servicer = self._make_servicer(await self.async_engine.start())
+        else:
+            self.async_engine.start()
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         await self.server.start()
         await self._set_health(SERVING)
         log.info("engine serving on %s:%d", self.options.host, self.port)
@@ -152,7 +180,8 @@ class EngineServer:
         """Health NOT_SERVING and new requests refused first; in-flight requests get up to
         grace_s to finish; what is left is cancelled (and aborted in the engine)."""
         deadline = time.monotonic() + grace_s
-        self.servicer.draining = True
+        if self.servicer is not None:
+            self.servicer.draining = True
         await self._set_health(NOT_SERVING)
         while self.async_engine.num_live and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -273,56 +302,42 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
     )
 
 
-@dataclass
-class _LoopState:
-    """What the main thread needs from the event-loop thread."""
-
-    ready: threading.Event = field(default_factory=threading.Event)
-    server: EngineServer | None = None
-    loop: asyncio.AbstractEventLoop | None = None
-    stopping: asyncio.Event | None = None
-    error: BaseException | None = None
-
-    def request_stop(self, *_: object) -> None:
-        if self.loop is not None and self.stopping is not None:
-            self.loop.call_soon_threadsafe(self.stopping.set)
-
-
-async def _serve(make_server: Callable[[], EngineServer], args: argparse.Namespace,
-                 link: IndexLink | None, state: _LoopState) -> None:
+async def _serve(args: argparse.Namespace, options: ServerOptions, core_options: CoreOptions,
+                 metrics: EngineMetrics, core_target: CoreTarget) -> bool:
+    """Serves until SIGTERM / SIGINT has drained the server, or the engine core died (then
+    True)."""
+    core = CoreClient(core_options, core_target=core_target,
+                      on_rpc=lambda method, s: metrics.index_rpc_seconds.labels(method).observe(s))
+    server = EngineServer(None, options, metrics=metrics, core=core)
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
     try:
-        # Built on this thread: grpc.aio and the health servicer bind to the running loop.
-        server = state.server = make_server()
         port = await server.start()
-    except BaseException as error:
-        state.error = error  # raised on the main thread, once
-        state.ready.set()
-        return
+    except BaseException:
+        await core.stop()
+        raise
     # One line on stdout that launchers read to learn the port (--port 0).
     print(f"engine listening on {args.host}:{port}", flush=True)
-    if link is not None:
-        link.options.serving_address = advertised_address(args, port)
-        link.options.instance_id = server.servicer.instance_id
-        link.start()
-    state.loop = asyncio.get_running_loop()
-    state.stopping = asyncio.Event()
-    state.ready.set()
-    stopping = asyncio.ensure_future(state.stopping.wait())
-    failed = asyncio.ensure_future(server.engine_failed.wait())
-    await asyncio.wait([stopping, failed], return_when=asyncio.FIRST_COMPLETED)
-    for waiter in (stopping, failed):
+    # The index link (in the core) registers the address routers reach us at, now that we
+    # serve there, and the instance id our ModelInfo answers with.
+    core.start_link(advertised_address(args, port), server.servicer.instance_id)
+    waiters = [asyncio.ensure_future(stopping.wait()),
+               asyncio.ensure_future(server.engine_failed.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for waiter in waiters:
         waiter.cancel()
-    log.info("draining (grace %.1fs, %d live requests)", args.grace_s,
-             server.async_engine.num_live)
+    log.info("draining (grace %.1fs, %d live requests)", args.grace_s, core.num_live)
     await server.stop(args.grace_s)
-    if link is not None:
-        await asyncio.to_thread(link.close)
     log.info("stopped")
+    return core.dead is not None
 
 
-def serve(args: argparse.Namespace) -> None:
-    """Build the engine, serve gRPC from an event-loop thread, and step the engine on this
-    (the main) thread until SIGTERM / SIGINT has drained the server."""
+def serve(args: argparse.Namespace, core_target: CoreTarget = run_core) -> None:
+    """Serve gRPC on this process's event loop, with the engine core (the model, the step loop
+    and the prefix-index link) in a process of its own, until SIGTERM / SIGINT has drained
+    both; exit 1 when the core died."""
     model = args.model
     if model is None:
         from engine_service.tools.prepare_model import ensure_default_model
@@ -330,52 +345,25 @@ def serve(args: argparse.Namespace) -> None:
         model = str(ensure_default_model())
     config = engine_config_from_args(args, model)
     engine_id = args.engine_id or f"{socket.gethostname()}-{args.port or os.getpid()}"
-    metrics = EngineMetrics()
-    engine = LLMEngine(config)
     # The prefix index link (engine_service/index/link.py) installs its policy in the engine's
-    # pool and reports `degraded` / `health_details()` for stats, health and metrics; None for
+    # pool, in the core, and reports `degraded` / `health_details()` with each step; None for
     # --prefix-index none (the local LRU alone).
-    # Started once the server is bound: it registers the address routers reach us at.
-    link = connect_prefix_index(
-        engine, args.prefix_index, engine_id, IndexLinkOptions(lease_s=args.index_lease_s),
-        on_rpc=lambda method, seconds: metrics.index_rpc_seconds.labels(method).observe(seconds),
-        start=False,
-    )
+    core_options = CoreOptions(
+        config, None if args.prefix_index == "none" else args.prefix_index, engine_id,
+        IndexLinkOptions(lease_s=args.index_lease_s), args.log_level)
     options = ServerOptions(args.host, args.port, args.metrics_port, args.metrics_host,
                             args.max_live_requests, engine_id)
-    state = _LoopState()
-
-    def make_server() -> EngineServer:
-        return EngineServer(engine, options, link, metrics, step_on_caller=True)
-
-    loop_thread = threading.Thread(
-        target=asyncio.run, args=(_serve(make_server, args, link, state),), name="grpc-loop"
-    )
-    # Signals reach the main thread; the drain itself runs on the event loop.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, state.request_stop)
-    loop_thread.start()
-    state.ready.wait()
-    if state.error is None:
-        state.server.async_engine.run()
-    # run() returned: drained by a signal, or the engine thread died.
-    dead = state.server is not None and state.server.async_engine.dead is not None
-    if dead:
-        state.request_stop()
-    loop_thread.join()
-    if state.error is not None:
-        raise state.error
-    if dead:
+    if asyncio.run(_serve(args, options, core_options, EngineMetrics(), core_target)):
         sys.exit(1)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, core_target: CoreTarget = run_core) -> None:
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr,
         format="%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
     try:
-        serve(args)
+        serve(args, core_target)
     except ValueError as error:  # a bad model path or engine setting: say it, no traceback
         log.error("%s", error)
         sys.exit(2)

@@ -22,6 +22,7 @@ from engine_service.core.outputs import CompletionOutput, RequestOutput
 from engine_service.index.link import IndexUnavailableError, PinRefusedError
 from engine_service.model.sampling_params import MAX_LOGPROBS, MAX_N
 from engine_service.serving.async_engine import AsyncEngine
+from engine_service.serving.core_client import CoreClient
 from engine_service.serving.metrics import EngineMetrics
 from engine_service.serving.status import RequestRejected, status_for
 from engine_service.serving.validation import RequestValidator, ValidRequest
@@ -53,7 +54,7 @@ class IndexLink(Protocol):
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: AsyncEngine | CoreClient,
         validator: RequestValidator,
         metrics: EngineMetrics,
         engine_id: str,
@@ -218,29 +219,29 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # ---- introspection ----------------------------------------------------------------------
     async def ModelInfo(self, request: pb.ModelInfoRequest, context) -> pb.ModelInfoResponse:
-        engine = self.engine.engine
-        mc, config = engine.model_config, engine.config
+        info = self.engine.info
+        mc, limits = info.model_config, info.limits
         return pb.ModelInfoResponse(
             model_path=str(mc.path),
-            model_identity=engine.hasher.identity,  # what seeds the block-hash chain
+            model_identity=info.model_identity,  # what seeds the block-hash chain
             architecture=mc.architecture,
             vocab_size=mc.vocab_size,
-            max_model_len=engine.max_model_len,
-            eos_token_ids=sorted(engine.eos_token_ids),
-            block_size=config.block_size,
-            num_blocks=engine.pool.num_blocks,
-            dtype=config.dtype,
-            device=config.device,
+            max_model_len=limits.max_model_len,
+            eos_token_ids=info.eos_token_ids,
+            block_size=limits.block_size,
+            num_blocks=limits.num_blocks,
+            dtype=info.dtype,
+            device=info.device,
             max_n=MAX_N,
             max_logprobs=MAX_LOGPROBS,
             engine_id=self.engine_id,
-            max_beam_width=engine.max_beam_width,
+            max_beam_width=limits.max_beam_width,
             instance_id=self.instance_id,
         )
 
     async def EngineStats(self, request: pb.EngineStatsRequest, context) -> pb.EngineStatsResponse:
         await self._require_live_engine(context)
-        stats: EngineStats = self.engine.engine.snapshot  # published by the engine thread
+        stats: EngineStats = self.engine.snapshot  # published by the engine each step
         link = self.index_link
         queries = stats.prefix_cache_queries
         return pb.EngineStatsResponse(
@@ -279,12 +280,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             ttl_s = self.validator.ttl_s(request.ttl_s)
         except RequestRejected as error:
             await context.abort(*status_for(error))
-        engine = self.engine.engine
-        chain = engine.hasher.chain(prompt.token_ids, salt)
+        info = self.engine.info
+        chain = info.hasher.chain(prompt.token_ids, salt)
         if not chain:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt must hold at least one full block ({engine.config.block_size} tokens) "
+                f"prompt must hold at least one full block ({info.limits.block_size} tokens) "
                 f"to pin, got {len(prompt.token_ids)} tokens",
             )
         try:

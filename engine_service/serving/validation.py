@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine_service.core.engine import LLMEngine
 from engine_service.core.errors import DuplicateRequestError, QueueFullError
+from engine_service.core.request_limits import RequestLimits
 from engine_service.model.sampling_params import SamplingParams
 from engine_service.model.tokenizer import encode_rendered_chat, encode_text, render_chat
 from engine_service.serving.status import RequestRejected
@@ -76,11 +76,11 @@ class RequestValidator:
     `tokenizer` is the servicer's own copy: the engine thread uses the engine's, and HF fast
     tokenizers must not be used from two threads at once."""
 
-    def __init__(self, engine: LLMEngine, tokenizer, max_live_requests: int) -> None:
-        self.engine = engine
+    def __init__(self, limits: RequestLimits, tokenizer, max_live_requests: int) -> None:
+        self.limits = limits
         self.tokenizer = tokenizer
-        self.vocab_size = engine.model_config.vocab_size
-        self.max_prompt_chars = CHARS_PER_CONTEXT_TOKEN * engine.max_model_len
+        self.vocab_size = limits.vocab_size
+        self.max_prompt_chars = CHARS_PER_CONTEXT_TOKEN * limits.max_model_len
         self.max_live_requests = max_live_requests
 
     # ---- Generate / GenerateStream --------------------------------------------------------
@@ -120,7 +120,7 @@ class RequestValidator:
     def check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         """The engine's own checks (context, pool, vocabulary): reads only its fixed limits,
         so it is safe on the event loop thread; raises the engine's typed errors."""
-        self.engine.validate_request(token_ids, params)
+        self.limits.validate(token_ids, params)
 
     # ---- prompts --------------------------------------------------------------------------
     def prompt(self, req, oneof: str) -> Prompt:

@@ -1,0 +1,137 @@
+"""What an engine accepts, as plain data: the checks a request must pass before it is queued.
+
+The engine holds one; so does the serving front when the engine core runs in a process of its
+own (engine_service/serving/core_process.py), so a bad request is refused before it crosses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine_service.core.beam_search import max_abs_length_penalty
+from engine_service.core.errors import InvalidRequestError, RequestTooLargeError
+from engine_service.core.kv_cache_manager import blocks_for
+from engine_service.model.sampling_params import MAX_BEAM_WIDTH, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int  # in the device KV pool
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    has_tokenizer: bool  # stop strings need one
+
+    @property
+    def max_beam_width(self) -> int:
+        """The widest beam search this engine runs: all beams step in one forward."""
+        return min(MAX_BEAM_WIDTH, self.max_num_seqs, self.max_num_batched_tokens)
+
+    def blocks_for_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The most blocks the request's group ever holds: its sequences (n samples or
+        beam_width beams) share the prompt's full blocks and hold the rest (the partial prompt
+        block copied on write) each. Beams share more than the prompt while they agree; this
+        counts the worst case, where they share nothing else."""
+        max_len = num_prompt_tokens + (params.max_tokens or self.max_model_len)
+        per_seq = blocks_for(min(max_len, self.max_model_len), self.block_size)
+        num_seqs = params.num_sequences
+        shared = num_prompt_tokens // self.block_size if num_seqs > 1 else 0
+        return shared + num_seqs * (per_seq - shared)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError (RequestTooLargeError when it can never fit) naming the
+        field."""
+        if not prompt_token_ids:
+            raise InvalidRequestError(
+                "prompt", "prompt must contain at least one token, got an empty prompt"
+            )
+        vocab = self.vocab_size
+        bad = next(
+            (t for t in prompt_token_ids
+             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab),
+            None,
+        )
+        if bad is not None:
+            raise InvalidRequestError(
+                "prompt", f"prompt_token_ids must be ints in [0, {vocab}), got {bad!r}"
+            )
+        try:
+            params.check_for_model(vocab)
+        except ValueError as error:
+            raise InvalidRequestError("stop_token_ids", str(error)) from None
+        if not self.has_tokenizer and params.stop:
+            raise InvalidRequestError(
+                "stop", f"stop must be empty when the engine has no tokenizer "
+                f"(skip_tokenizer_init), got {params.stop!r}: use stop_token_ids"
+            )
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise RequestTooLargeError(
+                "prompt",
+                f"prompt must be at most {self.max_model_len - 1} tokens (the "
+                f"{self.max_model_len}-token context keeps one for the output), "
+                f"got {num_prompt} tokens",
+            )
+        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
+            raise RequestTooLargeError(
+                "max_tokens",
+                f"max_tokens must be at most {self.max_model_len - num_prompt} for this "
+                f"{num_prompt}-token prompt (context {self.max_model_len}), "
+                f"got {params.max_tokens}",
+            )
+        if params.use_beam_search:
+            self._check_beams(num_prompt, params)
+        if params.n > self.max_num_seqs:
+            raise RequestTooLargeError(
+                "n", f"n must be at most {self.max_num_seqs} (max_num_seqs: the "
+                f"sequences one step runs), got {params.n}"
+            )
+        self._check_pool(num_prompt, params)
+
+    def _check_beams(self, num_prompt: int, params: SamplingParams) -> None:
+        if params.beam_width > self.max_beam_width:
+            raise RequestTooLargeError(
+                "beam_width", f"beam_width must be at most {self.max_beam_width} on this engine "
+                f"(every beam takes its step in the same forward: max_num_seqs "
+                f"{self.max_num_seqs}, max_num_batched_tokens "
+                f"{self.max_num_batched_tokens}), got {params.beam_width}"
+            )
+        max_new = self.max_model_len - num_prompt
+        if params.max_tokens is not None:
+            max_new = min(max_new, params.max_tokens)
+        bound = max_abs_length_penalty(max_new)
+        if abs(params.length_penalty) > bound:
+            shown = math.floor(bound * 100) / 100  # rounded down: every value shown is fine
+            raise InvalidRequestError(
+                "length_penalty", f"length_penalty must be between {-shown} and "
+                f"{shown} for beams of up to {max_new} tokens (beams are scored "
+                f"cum_logprob / length ** length_penalty in float32, which must stay "
+                f"finite), got {params.length_penalty}"
+            )
+
+    def _check_pool(self, num_prompt: int, params: SamplingParams) -> None:
+        prompt_blocks = blocks_for(num_prompt + 1, self.block_size)
+        if prompt_blocks > self.num_blocks:
+            raise RequestTooLargeError(
+                "prompt",
+                f"prompt must fit this engine's KV pool of {self.num_blocks} blocks of "
+                f"{self.block_size} tokens with one output token "
+                f"({prompt_blocks} blocks), got {num_prompt} tokens",
+            )
+        needed = self.blocks_for_request(num_prompt, params)
+        if needed > self.num_blocks:
+            num_seqs = params.num_sequences
+            shared = num_prompt // self.block_size if num_seqs > 1 else 0
+            width = "beam_width" if params.use_beam_search else "n"
+            raise RequestTooLargeError(
+                "max_tokens",
+                f"max_tokens and {width} must fit this engine's KV pool: the request needs up "
+                f"to {needed} KV blocks but the pool has {self.num_blocks} blocks of "
+                f"{self.block_size} tokens ({num_seqs} sequences of {num_prompt} prompt "
+                f"tokens + max_tokens, {shared} full prompt blocks shared); got "
+                f"max_tokens={params.max_tokens}, {width}={num_seqs}: lower max_tokens or "
+                f"{width}",
+            )

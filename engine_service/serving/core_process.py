@@ -1,0 +1,229 @@
+"""The engine core in a process of its own: the step loop on its main thread, the prefix-index link
+beside it, and one channel to the serving front (engine_service/serving/core_client.py).
+
+Why a process: on a fast device a step takes a few milliseconds, and a gRPC front building a
+message per token per stream, in the same process, holds the GIL the step loop needs (measured:
+the served engine spent ~6x the offline API's CPU per token). Split, the front and the core each
+have an interpreter; they talk in batches:
+
+  front -> core  a list of commands per event-loop turn:
+                 ("add", request_id, prompt_token_ids, params, cache_salt, priority)
+                 ("abort", request_id)
+                 ("call", call_id, name, args)     pin_prefix
+                 ("start_link", serving_address, instance_id)
+                 ("stop",)                          abort what is live, close the link, exit
+  core -> front  ("ready", EngineInfo) once the engine is built, or ("failed", message);
+                 then one ("step", outputs, errors, stats, link_view, results, rpc_times) per
+                 step or state change: the step's RequestOutputs (deltas only; the front knows
+                 each request's prompt), requests refused at admission, the engine's stats, the
+                 index link's state (when it changed), call results, index RPC latencies.
+
+The core owns every piece of engine state, the index link included (the one writer of the pool's
+mirror). It ignores SIGINT and SIGTERM: the front drains and then sends "stop". When the front
+goes away (its end of the channel closes) the core exits; when the core dies the front sees its
+channel close and its process sentinel fire, and goes NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+from engine_service.core.config import EngineConfig
+from engine_service.core.engine import LLMEngine
+from engine_service.core.errors import RequestError
+from engine_service.core.outputs import RequestOutput
+from engine_service.index.link import IndexLinkOptions, connect_prefix_index
+from engine_service.serving.engine_info import EngineInfo
+
+log = logging.getLogger("engine_service.serving.core")
+
+# How often an idle core looks at the index link's state (degraded or not) to publish it.
+IDLE_PUBLISH_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class CoreOptions:
+    config: EngineConfig
+    prefix_index: str | None = None  # HOST:PORT, or None for the local LRU only
+    engine_id: str = ""
+    link_options: IndexLinkOptions | None = None
+    log_level: str = "INFO"
+    torch_threads: int = 0  # 0: torch's default
+
+
+def run_core(conn: Connection, options: CoreOptions) -> None:
+    """The core process's entry point (multiprocessing spawn target)."""
+    # The front owns the lifecycle: a Ctrl-C or SIGTERM to the process group drains through it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=options.log_level, stream=sys.stderr,
+        format="%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+    if options.torch_threads:
+        import torch
+
+        torch.set_num_threads(options.torch_threads)
+    # Index RPC latencies, appended by the link's thread, shipped to the front's metrics.
+    rpc_times: list[tuple[str, float]] = []
+    try:
+        engine = LLMEngine(options.config)
+        link = connect_prefix_index(engine, options.prefix_index, options.engine_id,
+                                    options.link_options, start=False,
+                                    on_rpc=lambda method, s: rpc_times.append((method, s)))
+    except Exception as error:  # noqa: BLE001 - said to the front, which exits with it
+        conn.send(("failed", f"{type(error).__name__}: {error}"))
+        raise SystemExit(2) from None
+    conn.send(("ready", EngineInfo.of(engine)))
+    try:
+        CoreLoop(engine, conn, link, rpc_times).run()
+    except BaseException as error:  # the front ends every stream with this and exits non-zero
+        log.exception("the engine core failed")
+        try:
+            conn.send(("died", f"{error!r}"))
+        except OSError:
+            pass
+        raise SystemExit(1) from None
+
+
+class CoreLoop:
+    """Receives command batches, steps the engine, sends one message per step."""
+
+    def __init__(self, engine: LLMEngine, conn: Connection, link,
+                 rpc_times: list[tuple[str, float]]) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.link = link
+        self.rpc_times = rpc_times
+        # The link posts commands to the engine from its own thread: a byte on this pipe wakes
+        # an idle core to run them.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        engine.wake = self._wake
+        self._outputs: list[RequestOutput] = []
+        self._errors: list[tuple[str, RequestError]] = []
+        self._results: list[tuple[int, object, BaseException | None]] = []
+        self._pending_calls: list[tuple[int, concurrent.futures.Future]] = []
+        self._link_view: tuple | None = None
+        self._last_publish = 0.0
+        self._stopping = False
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # already awake-pending
+
+    def run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                busy = engine.has_unfinished_requests()
+                if not self._receive(0.0 if busy else IDLE_PUBLISH_S):
+                    return  # the front is gone
+                engine.run_commands()
+                if self._stopping:
+                    break
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    self._outputs.extend(outputs)
+                    self._send(force=True)
+                else:
+                    self._send(force=False)
+            self._send(force=True)  # the aborts the front sent before "stop"
+        except (BrokenPipeError, EOFError, ConnectionResetError):
+            log.info("the serving front went away: the core stops")
+        finally:
+            if self.link is not None:
+                self.link.close()
+
+    # ---- commands ---------------------------------------------------------------------------
+    def _receive(self, timeout: float) -> bool:
+        """Applies every command batch that has arrived (waiting up to `timeout` for one);
+        False when the front closed the channel."""
+        ready = wait([self.conn, self._wake_r], timeout)
+        if self._wake_r in ready:
+            os.read(self._wake_r, 4096)
+        while self.conn in ready or self.conn.poll():
+            ready = ()
+            try:
+                batch = self.conn.recv()
+            except EOFError:
+                return False
+            for command in batch:
+                self._apply(command)
+        return True
+
+    def _apply(self, command: tuple) -> None:
+        kind = command[0]
+        engine = self.engine
+        if kind == "add":
+            _, request_id, prompt_token_ids, params, cache_salt, priority = command
+            try:
+                engine.add_request(request_id, prompt_token_ids, params,
+                                   cache_salt=cache_salt, priority=priority)
+            except RequestError as error:
+                self._errors.append((request_id, error))
+        elif kind == "abort":
+            output = engine.abort_request(command[1])
+            if output is not None:
+                self._outputs.append(output)
+        elif kind == "call":
+            self._call(command[1], command[2], command[3])
+        elif kind == "start_link":
+            if self.link is not None:
+                self.link.options.serving_address = command[1]
+                self.link.options.instance_id = command[2]
+                self.link.start()
+        elif kind == "stop":
+            self._stopping = True
+        else:
+            raise ValueError(f"unknown core command {kind!r}")
+
+    def _call(self, call_id: int, name: str, args: tuple) -> None:
+        if name != "pin_prefix" or self.link is None:
+            self._results.append((call_id, None, ValueError(f"no core call {name!r}")))
+            return
+        future = self.link.pin_prefix_future(*args)
+        future.add_done_callback(lambda _f: self._wake())
+        self._pending_calls.append((call_id, future))
+
+    # ---- what goes back -----------------------------------------------------------------------
+    def _send(self, force: bool) -> None:
+        """One message: the step's outputs, refusals, stats, the link's state when it changed,
+        finished calls. Sent after every step (force), else when something is new."""
+        still = []
+        for call_id, future in self._pending_calls:
+            if future.done():
+                error = future.exception()
+                self._results.append((call_id, None if error else future.result(), error))
+            else:
+                still.append((call_id, future))
+        self._pending_calls = still
+        link_view = None
+        if self.link is not None:
+            view = (self.link.degraded, self.link.health_details())
+            if view != self._link_view:
+                self._link_view = link_view = view
+        now = time.monotonic()
+        fresh = self._outputs or self._errors or self._results or link_view or self.rpc_times
+        if not (force or fresh or now - self._last_publish > 1.0):
+            return
+        self._last_publish = now
+        for output in self._outputs:  # the front knows each request's prompt
+            output.prompt_token_ids = output.prompt = None
+        times = self.rpc_times[:]
+        del self.rpc_times[:len(times)]
+        self.conn.send(("step", self._outputs, self._errors, self.engine.snapshot, link_view,
+                        self._results, times))
+        self._outputs, self._errors, self._results = [], [], []
+
+
+CoreTarget = Callable[[Connection, CoreOptions], None]

@@ -1,0 +1,53 @@
+"""What the serving front knows of its engine, fixed for the engine's life: ModelInfo, the checks a
+request must pass, the block-hash chain. Built by the engine core and handed to the front once
+(in-process, or over the core process's channel)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_service.core.block_hash import BlockHasher
+from engine_service.core.engine import LLMEngine
+from engine_service.core.request_limits import RequestLimits
+from engine_service.model.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    limits: RequestLimits
+    model_config: ModelConfig  # the front loads its own tokenizer from it
+    model_identity: str  # what block hashes are seeded with (BlockHasher.identity)
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    device: str
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineInfo:
+        config = engine.config
+        limits = RequestLimits(
+            vocab_size=engine.model_config.vocab_size,
+            max_model_len=engine.max_model_len,
+            num_blocks=engine.pool.num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            has_tokenizer=engine.tokenizer is not None,
+        )
+        return cls(limits, engine.model_config, engine.hasher.identity,
+                   tuple(sorted(engine.eos_token_ids)), config.dtype, config.device)
+
+    @property
+    def hasher(self) -> BlockHasher:
+        return BlockHasher.for_identity(self.model_identity, self.limits.block_size)
+
+    # What RequestValidator reads.
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    def validate_request(self, prompt_token_ids: list[int], params) -> None:
+        self.limits.validate(prompt_token_ids, params)
