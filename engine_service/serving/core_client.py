@@ -284,13 +284,14 @@ class CoreClient:
             self.on_stats(stats, finished or not streams)
 
     def _core_exited(self) -> None:
-        if self._process is None:
+        """The core's channel closed or its process ended: expected once stop() asked."""
+        if self._process is None or self.dead is not None:
             return
-        self._process.join(0.1)
-        code = self._process.exitcode
-        if self._stopping and code == 0:
+        if self._stopping:
+            self._close_channel()
             return
-        self._die(f"the engine core process exited (code {code})")
+        self._process.join(0.5)
+        self._die(f"the engine core process exited (code {self._process.exitcode})")
 
     def _die(self, reason: str) -> None:
         if self.dead is not None:

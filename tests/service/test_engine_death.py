@@ -4,9 +4,12 @@ health NOT_SERVING at once, live streams end with INTERNAL, the process exits no
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -14,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine_service.core.config import EngineConfig
 from engine_service.core.engine import LLMEngine
 from engine_service.serving.server import EngineServer, ServerOptions
+from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.redis_process import free_port
@@ -97,3 +101,97 @@ def test_engine_process_exits_non_zero_when_its_engine_thread_dies(tiny_llama_di
     assert code == grpc.StatusCode.INTERNAL
     assert returncode == 1, log_path.read_text()[-2000:]
     assert "injected engine failure at step 3" in log_path.read_text()
+
+
+def core_pid_of(front_pid: int) -> int:
+    """The engine core: the front's child running the step loop (multiprocessing spawn)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if ppid == front_pid and b"spawn_main" in cmdline:
+            return int(entry.name)
+    raise AssertionError(f"no engine core process under {front_pid}")
+
+
+def wait_gone(pid: int, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        stat = Path(f"/proc/{pid}/stat")
+        if stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return True  # exited, not reaped yet by a parent that is itself gone
+        time.sleep(0.05)
+    return False
+
+
+def test_a_killed_engine_core_ends_streams_and_the_front_exits_non_zero(tiny_llama_dir, tmp_path):
+    """SIGKILL of the core process (the OOM killer's way): no last word from it, so the front
+    must notice by itself: NOT_SERVING, live streams INTERNAL, exit 1."""
+    log_path = tmp_path / "engine.log"
+    engine = EngineProcess(tiny_llama_dir, ["--num-blocks", "256", "--grace-s", "2",
+                                            "--log-level", "INFO"], log_path=log_path).start()
+    try:
+        with grpc.insecure_channel(engine.target) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            stream = stub.GenerateStream(pb.GenerateRequest(
+                text="a long one", sampling=pb.SamplingParams(max_tokens=2000, ignore_eos=True)),
+                timeout=120)
+            next(stream)  # it is running
+            os.kill(core_pid_of(engine.proc.pid), signal.SIGKILL)
+            try:
+                for _ in stream:
+                    pass
+                code = None
+            except grpc.RpcError as error:
+                code, details = error.code(), error.details()
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            except grpc.RpcError:
+                status = None  # already exiting: nothing serves here any more
+        returncode = engine.proc.wait(timeout=30)
+    finally:
+        engine.kill()
+    assert code == grpc.StatusCode.INTERNAL
+    assert "engine core process exited" in details
+    assert status in (NOT_SERVING, None)
+    assert returncode == 1, log_path.read_text()[-2000:]
+
+
+def test_a_killed_front_takes_its_engine_core_with_it(tiny_llama_dir, tmp_path):
+    engine = EngineProcess(tiny_llama_dir, ["--num-blocks", "64", "--log-level", "WARNING"],
+                           log_path=tmp_path / "engine.log").start()
+    core = core_pid_of(engine.proc.pid)
+    engine.kill()  # SIGKILL: no drain, no word to the core
+    assert wait_gone(core), "the engine core outlived its front"
+
+
+def test_sigterm_drains_the_front_and_stops_the_core(tiny_llama_dir, tmp_path):
+    engine = EngineProcess(tiny_llama_dir, ["--num-blocks", "64", "--grace-s", "10",
+                                            "--log-level", "WARNING"],
+                           log_path=tmp_path / "engine.log").start()
+    core = core_pid_of(engine.proc.pid)
+    try:
+        with grpc.insecure_channel(engine.target) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            stream = stub.GenerateStream(pb.GenerateRequest(
+                text="finish me", sampling=pb.SamplingParams(max_tokens=40, ignore_eos=True)),
+                timeout=120)
+            first = next(stream)
+            engine.proc.send_signal(signal.SIGTERM)  # the in-flight request may finish
+            tokens = len(first.choices[0].token_ids) + sum(
+                len(c.token_ids) for m in stream for c in m.choices)
+        returncode = engine.proc.wait(timeout=60)
+    finally:
+        engine.kill()
+    assert tokens == 40
+    assert returncode == 0
+    assert wait_gone(core)
