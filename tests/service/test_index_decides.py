@@ -1,6 +1,7 @@
 """The prefix index's own decisions reach the engine, with the index's shipped defaults (no
-test-only --hot-threshold 0): a hot prefix that LRU would drop between visits is pinned by the
-index and stays cached; a second live process with the same engine id is refused, not fought.
+test-only --hot-threshold 0) and the link's (a 30 s lease): a hot prefix that LRU would drop
+between visits is pinned by the index and stays cached; a second live process with the same
+engine id is refused, not fought.
 
 The pinning trace is deterministic (one request at a time, each run to completion and mirrored
 in the index before the next), so the win is checked on every run; bench/ measures it under load.
@@ -8,16 +9,23 @@ in the index before the next), so the win is checked on every run; bench/ measur
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
 import pytest
 
 from engine_service import SamplingParams
-from engine_service.index.link import IndexLinkOptions, connect_prefix_index
+from engine_service.index.link import PrefixIndexLink, connect_prefix_index
+from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
 from tests.service.index_fixtures import (
     BLOCK_SIZE,
+    DEADLINE_S,
+    INDEX_ARGS,
     Driver,
     index_matches_pool,
+    index_stats,
     make_engine,
     prompt_ids,
     wait_until,
@@ -25,7 +33,6 @@ from tests.service.index_fixtures import (
 
 pytestmark = pytest.mark.timeout(240)
 
-OPTIONS = IndexLinkOptions(lease_s=3.0, rpc_timeout_s=1.0, retry_interval_s=0.2)
 NUM_BLOCKS = 128  # the index's default pin budget is 10% of it: 12 blocks
 HOT = prompt_ids(seed=7, length=10 * BLOCK_SIZE)  # a 10-block system prompt
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -36,7 +43,7 @@ WARM_UP_VISITS = 10  # the default hot threshold is 8 admissions
 @pytest.fixture(scope="module")
 def index_target():
     with RedisProcess() as redis:
-        index = IndexProcess(redis.url, ["--log-level", "WARNING", "--grace-s", "0.5"]).start()
+        index = IndexProcess(redis.url, INDEX_ARGS).start()
         try:
             yield index.target
         finally:
@@ -49,8 +56,8 @@ def hot_hit_rates(tiny_llama_dir, index_target: str | None, engine_id: str) -> l
     engine = make_engine(tiny_llama_dir, num_blocks=NUM_BLOCKS)
     link = None
     if index_target is not None:
-        link = connect_prefix_index(engine, index_target, engine_id, OPTIONS)
-        wait_until(lambda: not link.degraded, 10, "registration", engine=engine)
+        link = connect_prefix_index(engine, index_target, engine_id)
+        wait_until(lambda: not link.degraded, DEADLINE_S, "registration", engine=engine)
     driver = Driver(engine)
     rates = []
     try:
@@ -62,8 +69,8 @@ def hot_hit_rates(tiny_llama_dir, index_target: str | None, engine_id: str) -> l
                 driver.add({request_id: ids}, ONE_TOKEN)
                 driver.run_to_completion()
                 if link is not None:
-                    wait_until(lambda: index_matches_pool(index_target, engine_id, engine), 5,
-                               "the index mirrors the pool", engine=engine)
+                    wait_until(lambda: index_matches_pool(index_target, engine_id, engine),
+                               DEADLINE_S, "the index mirrors the pool", engine=engine)
             cached = driver.finished[f"hot{visit}"].num_cached_tokens
             rates.append(cached / len(HOT))
     finally:
@@ -84,26 +91,40 @@ def test_hot_prefix_is_pinned_by_the_index_where_lru_drops_it(tiny_llama_dir, in
     assert settled_index >= 0.9, index
 
 
+async def register_again(target: str, link: PrefixIndexLink) -> int:
+    """The Register a link sends on each retry (same identity, pool, lease and nonce)."""
+    async with PrefixIndexClient(target, timeout_s=5.0) as client:
+        return await client.register(link.engine_id, link.model_identity, link.block_size,
+                                     link.num_blocks, link.options.lease_s, nonce=link.nonce)
+
+
 def test_second_live_process_with_the_same_engine_id_is_refused(tiny_llama_dir, index_target):
     first_engine = make_engine(tiny_llama_dir)
-    first = connect_prefix_index(first_engine, index_target, "engine-twin", OPTIONS)
-    wait_until(lambda: not first.degraded, 10, "first registration", engine=first_engine)
+    first = connect_prefix_index(first_engine, index_target, "engine-twin")
+    wait_until(lambda: not first.degraded, DEADLINE_S, "first registration", engine=first_engine)
+    epoch = first.epoch
     second_engine = make_engine(tiny_llama_dir)
-    second = connect_prefix_index(second_engine, index_target, "engine-twin", OPTIONS)
+    second = connect_prefix_index(second_engine, index_target, "engine-twin")
     try:
-        wait_until(lambda: second.refused, 10, "the twin refused", engine=second_engine)
+        wait_until(lambda: second.refused, DEADLINE_S, "the twin refused", engine=second_engine)
         details = second.health_details()
         assert details["state"] == "refused"
         assert "engine-twin" in details["last_error"]
-        # The first one is never disturbed: sample it while the twin keeps retrying.
-        first_states = []
-        for _ in range(20):
-            wait_until(lambda: True, 0, "", engine=first_engine)
-            first_states.append(first.health_details()["state"])
-            second_engine.run_commands()
-            __import__("time").sleep(0.1)
-        assert set(first_states) == {"ok"}
+        # The twin retries every third of its 30 s lease; each retry is this call, refused
+        # again for as long as the first lives (sent now rather than waited for).
+        with pytest.raises(PrefixIndexClientError) as again:
+            asyncio.run(register_again(index_target, second))
+        assert again.value.code == grpc.StatusCode.ALREADY_EXISTS
+        # The first one is never disturbed: its epoch stands and its writes still land.
+        driver = Driver(first_engine)
+        driver.add({"first": HOT}, ONE_TOKEN)
+        driver.run_to_completion()
+        wait_until(lambda: index_matches_pool(index_target, "engine-twin", first_engine),
+                   DEADLINE_S, "the first one's blocks reach the index", engine=first_engine)
+        assert index_stats(index_target, "engine-twin").epoch == first.epoch == epoch
+        assert first.health_details()["state"] == "ok"
         assert first.stats().registrations == 1
+        assert second.refused
         # Serving goes on for the twin, on its local LRU.
         driver = Driver(second_engine)
         driver.add({"twin": HOT}, ONE_TOKEN)

@@ -1,6 +1,8 @@
 """The engine's prefix cache steered by the prefix index: real redis-server, the real index server
 as a subprocess, the real engine on a tiny model, all over loopback. Nothing is mocked: outages
-are real SIGKILLs and restarts on the same port."""
+are real SIGKILLs and restarts on the same port. The index runs at its shipped defaults
+(automatic pinning on) and the link at its shipped options (a 30 s lease): a test that must see
+something happen waits for the condition, or makes it happen, instead of a short lease."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess, free_port
 from tests.service.index_fixtures import (
     BLOCK_SIZE,
+    DEADLINE_S,
     INDEX_ARGS,
     Driver,
     call_pumping,
@@ -35,14 +38,17 @@ from tests.service.index_fixtures import (
 
 pytestmark = pytest.mark.timeout(120)
 
-# Short lease: an idle link heartbeats every lease/3, so an outage is noticed within a second.
-OPTIONS = IndexLinkOptions(lease_s=2.0, rpc_timeout_s=1.0, retry_interval_s=0.2)
 SHARED = prompt_ids(seed=1, length=4 * BLOCK_SIZE)  # 4 full blocks every request starts with
 
 
 def wave(name: str, count: int, seed: int) -> dict[str, list[int]]:
     """Requests sharing SHARED, each with its own tail (not block aligned)."""
     return {f"{name}{i}": SHARED + prompt_ids(seed * 100 + i, 5 + i) for i in range(count)}
+
+
+def split_last(requests: dict[str, list[int]]) -> tuple[dict, dict]:
+    *first, last = requests.items()
+    return dict(first), dict([last])
 
 
 @pytest.fixture
@@ -60,19 +66,24 @@ def index(redis):
 
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_llama_dir) -> dict[str, list[int]]:
-    """The outage script's outputs from an engine with no index (the local LRU only)."""
+    """The outage script's outputs from an engine with no index (the local LRU only), on the
+    same schedule: a0-a4, a5 after 3 steps, the b wave after one more."""
     driver = Driver(make_engine(tiny_llama_dir))
-    driver.add(wave("a", 6, seed=2))
-    driver.step(4)
+    first, last = split_last(wave("a", 6, seed=2))
+    driver.add(first)
+    driver.step(3)
+    driver.add(last)
+    driver.step()
     driver.add(wave("b", 4, seed=3))
     driver.run_to_completion()
     return driver.tokens()
 
 
-def connect(engine, index: IndexProcess, engine_id: str) -> PrefixIndexLink:
-    link = connect_prefix_index(engine, index.target, engine_id, OPTIONS)
+def connect(engine, index: IndexProcess, engine_id: str,
+            options: IndexLinkOptions | None = None) -> PrefixIndexLink:
+    link = connect_prefix_index(engine, index.target, engine_id, options)
     assert link is not None
-    wait_until(lambda: not link.degraded, 10, "first registration", engine=engine)
+    wait_until(lambda: not link.degraded, DEADLINE_S, "first registration", engine=engine)
     return link
 
 
@@ -96,14 +107,14 @@ def test_shared_prefix_is_served_through_the_index(tiny_llama_dir, index):
         second = SHARED + prompt_ids(11, 5)
         driver.add({"first": first})
         driver.run_to_completion()
-        wait_until(lambda: index_matches_pool(index.target, "engine-hit", engine), 5,
+        wait_until(lambda: index_matches_pool(index.target, "engine-hit", engine), DEADLINE_S,
                    "index holds the first request's blocks")
         held_after_first = index_stats(index.target, "engine-hit")
         assert held_after_first.blocks >= 4 and held_after_first.hits == 0
 
         driver.add({"second": second})
         driver.step()  # admission: the shared blocks are acquired (refcount 1 in the index)
-        wait_until(lambda: index_matches_pool(index.target, "engine-hit", engine), 5,
+        wait_until(lambda: index_matches_pool(index.target, "engine-hit", engine), DEADLINE_S,
                    "index mirrors the second request's acquire")
         running = index_stats(index.target, "engine-hit")
         assert running.evictable == local_view(engine)[1] < local_view(engine)[0]
@@ -111,7 +122,7 @@ def test_shared_prefix_is_served_through_the_index(tiny_llama_dir, index):
 
         assert driver.finished["second"].num_cached_tokens == 4 * BLOCK_SIZE
         assert driver.finished["first"].num_cached_tokens == 0
-        wait_until(lambda: index_matches_pool(index.target, "engine-hit", engine), 5,
+        wait_until(lambda: index_matches_pool(index.target, "engine-hit", engine), DEADLINE_S,
                    "index holds both requests' blocks, all idle")
         stats = index_stats(index.target, "engine-hit")
         # Each admission asks for the prompt's 4 cacheable blocks; the second finds all 4.
@@ -134,7 +145,8 @@ def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, refe
     try:
         first_epoch = link.epoch
         driver = Driver(engine)
-        driver.add(wave("a", 6, seed=2))
+        first, last = split_last(wave("a", 6, seed=2))
+        driver.add(first)
         driver.step(3)
         assert engine.has_unfinished_requests()
         if outage == "redis":
@@ -143,9 +155,12 @@ def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, refe
             redis.pause()  # SIGSTOP: sockets open, no answers; calls hit their deadlines
         else:
             index.kill()
+        # An admission: its Acquire is the link's next call (an idle link's next one would be
+        # a heartbeat, a third of the 30 s lease away).
+        driver.add(last)
         driver.step()
         # The step never waits on the index: the link notices on its own thread.
-        wait_until(lambda: link.degraded, 10, f"degraded after the {outage} was killed",
+        wait_until(lambda: link.degraded, DEADLINE_S, f"degraded after the {outage} was killed",
                    engine=engine)
         assert link.health_details()["state"] == "degraded"
         assert engine.has_unfinished_requests()
@@ -164,15 +179,14 @@ def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, refe
             redis.resume()
         else:
             replacement = IndexProcess(redis.url, INDEX_ARGS, port=index.port).start()
-        took = wait_until(lambda: not link.degraded, 15, f"recovery after the {outage} restart",
+        wait_until(lambda: not link.degraded, DEADLINE_S, f"recovery after the {outage} restart",
                    engine=engine)
         assert link.epoch > first_epoch
         assert link.stats().registrations >= 2
         # The re-sync gave the index every block the engine still caches, all idle.
-        wait_until(lambda: index_matches_pool(index.target, engine_id, engine), 5,
+        wait_until(lambda: index_matches_pool(index.target, engine_id, engine), DEADLINE_S,
                    "index re-synced with the pool")
         assert local_view(engine)[0] > 0
-        assert took < 10
     finally:
         link.close()
         redis.resume()
@@ -194,14 +208,14 @@ def test_forks_and_pins_stay_mirrored(tiny_llama_dir, index):
         driver.add({"forked": SHARED + prompt_ids(40, 8)},
                    SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12))
         driver.step()
-        wait_until(lambda: index_matches_pool(index.target, "engine-pins", engine), 5,
+        wait_until(lambda: index_matches_pool(index.target, "engine-pins", engine), DEADLINE_S,
                    "index follows the forked refcounts")
         # Evicting the filler's idle blocks locally while the forks hold the prompt blocks 3
         # times: the index forgets exactly those blocks and keeps the forks' refcounts.
         engine.pool.reset_prefix_cache()
         driver.run_to_completion()
         assert len(driver.finished["forked"].outputs) == 3
-        wait_until(lambda: index_matches_pool(index.target, "engine-pins", engine), 5,
+        wait_until(lambda: index_matches_pool(index.target, "engine-pins", engine), DEADLINE_S,
                    "every fork released in the index")
         assert link.policy.counters.forgets_sent > 0
         assert link.stats().registrations == 1
@@ -220,8 +234,8 @@ def test_forks_and_pins_stay_mirrored(tiny_llama_dir, index):
             return (-1, -1, -1) if stats is None else (stats.blocks, stats.pinned, stats.evictable)
 
         # Pinned idle blocks are not evictable in the index either.
-        wait_until(lambda: held() == (4, 4, 0), 5, "index forgot all but the 4 pinned blocks",
-                   engine=engine)
+        wait_until(lambda: held() == (4, 4, 0), DEADLINE_S,
+                   "index forgot all but the 4 pinned blocks", engine=engine)
         assert link.stats().registrations == 1
         assert call_pumping(engine, lambda: asyncio.run(link.pin_prefix(chain, 0.0, True))) == 4
         # The index refusing a pin is an answer, not an outage: no degraded link, no re-sync.
@@ -242,7 +256,7 @@ def test_forks_and_pins_stay_mirrored(tiny_llama_dir, index):
 def test_engine_started_before_the_index_serves_then_registers(tiny_llama_dir, redis):
     engine = make_engine(tiny_llama_dir)
     port = free_port()
-    link = connect_prefix_index(engine, f"127.0.0.1:{port}", "engine-early", OPTIONS)
+    link = connect_prefix_index(engine, f"127.0.0.1:{port}", "engine-early")
     index: IndexProcess | None = None
     try:
         driver = Driver(engine)
@@ -254,9 +268,9 @@ def test_engine_started_before_the_index_serves_then_registers(tiny_llama_dir, r
         # The local LRU shares the prefix meanwhile.
         assert driver.finished["early1"].num_cached_tokens == 4 * BLOCK_SIZE
         index = IndexProcess(redis.url, INDEX_ARGS, port=port).start()
-        wait_until(lambda: not link.degraded, 10, "registration once the index is up",
+        wait_until(lambda: not link.degraded, DEADLINE_S, "registration once the index is up",
                    engine=engine)
-        wait_until(lambda: index_matches_pool(index.target, "engine-early", engine), 5,
+        wait_until(lambda: index_matches_pool(index.target, "engine-early", engine), DEADLINE_S,
                    "the blocks cached while degraded reach the index")
     finally:
         link.close()
@@ -292,7 +306,7 @@ def test_index_chooses_the_victims_ahead_of_need(tiny_llama_dir, index):
         assert driver.tokens() == reference.tokens()
         counters = link.policy.counters
         assert counters.index_victims_applied > 0
-        wait_until(lambda: index_matches_pool(index.target, "engine-evict", engine), 5,
+        wait_until(lambda: index_matches_pool(index.target, "engine-evict", engine), DEADLINE_S,
                    "index and pool agree after the evictions")
         stats = index_stats(index.target, "engine-evict")
         assert stats.evictions >= counters.index_victims_applied
@@ -307,19 +321,27 @@ def test_index_chooses_the_victims_ahead_of_need(tiny_llama_dir, index):
 
 
 def test_engine_restart_fences_the_old_epoch(tiny_llama_dir, index):
+    """A restarted engine under the same id, at the shipped 30 s lease: the old process
+    registered where it served and its instance id, as pagedgen-engine does; dead, nothing
+    answers there, so the index hands the lease to the new process at once (no lapse to wait
+    for) and fences the old epoch."""
     first_engine = make_engine(tiny_llama_dir)
-    first = connect(first_engine, index, "engine-restarted")
+    dead_address = f"127.0.0.1:{free_port()}"  # where the first process served, now nobody
+    first = connect(first_engine, index, "engine-restarted", IndexLinkOptions(
+        serving_address=dead_address, instance_id="first-instance"))
     driver = Driver(first_engine)
     driver.add({"before": SHARED + prompt_ids(20, 3)})
     driver.run_to_completion()
-    wait_until(lambda: index_matches_pool(index.target, "engine-restarted", first_engine), 5,
-               "the first instance's blocks reach the index")
+    wait_until(lambda: index_matches_pool(index.target, "engine-restarted", first_engine),
+               DEADLINE_S, "the first instance's blocks reach the index")
     old_epoch = first.epoch
     first.close()  # the process "dies"; a new instance comes up under the same id
 
     second_engine = make_engine(tiny_llama_dir)
-    second = connect(second_engine, index, "engine-restarted")
+    second = connect(second_engine, index, "engine-restarted",
+                     IndexLinkOptions(instance_id="second-instance"))
     try:
+        assert second.stats().rpc_calls["Register"] == 1  # taken over at once, not refused
         assert second.epoch > old_epoch
         stats = index_stats(index.target, "engine-restarted")
         assert stats.epoch == second.epoch
@@ -339,7 +361,7 @@ def test_engine_restart_fences_the_old_epoch(tiny_llama_dir, index):
         driver.run_to_completion()
         assert driver.finished["after"].num_cached_tokens == 0  # a fresh pool: nothing shared
         wait_until(lambda: index_matches_pool(index.target, "engine-restarted", second_engine),
-                   5, "the second instance's blocks reach the index")
+                   DEADLINE_S, "the second instance's blocks reach the index")
     finally:
         second.close()
 
@@ -371,7 +393,7 @@ def test_grpc_server_reports_cached_tokens_through_the_index(tiny_llama_dir, ind
                 held = index_stats(index.target, "engine-e2e")
                 return -1 if held is None else held.hits
 
-            wait_until(lambda: index_hits() == 2, 10,
+            wait_until(lambda: index_hits() == 2, DEADLINE_S,
                        "the index counts the second request's 2 shared blocks")
             stats = stub.EngineStats(gen_pb.EngineStatsRequest(), timeout=10)
             assert not stats.degraded
