@@ -119,12 +119,14 @@ class EvictOp(_message.Message):
     def __init__(self, k: _Optional[int] = ...) -> None: ...
 
 class PinOp(_message.Message):
-    __slots__ = ("chain", "ttl_s")
+    __slots__ = ("chain", "ttl_s", "automatic")
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
     chain: _containers.RepeatedScalarFieldContainer[bytes]
     ttl_s: float
-    def __init__(self, chain: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    automatic: bool
+    def __init__(self, chain: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., automatic: _Optional[bool] = ...) -> None: ...
 
 class UnpinOp(_message.Message):
     __slots__ = ("chain",)

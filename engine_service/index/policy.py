@@ -322,14 +322,16 @@ class IndexPolicy:
                 chunk = shared[i : i + MAX_HASHES_PER_OP]
                 ops.append(PendingOp(Acquire(chunk, AcquireKind.RESYNC), local_hits=len(chunk)))
             level += 1
-        # Automatic pins come back by themselves (the index keeps the hit history); explicit
-        # ones do not survive a registration: send them again.
-        for block_hash in list(self._auto_pins):
-            self._unpin_locally(block_hash)
+        # Pins do not survive a registration: send them again, explicit ones with what is left
+        # of their TTL, then the automatic ones as automatic. The index re-decides those from
+        # its hit history, or takes our word when it has none (Redis lost it with the pins);
+        # any it does not pin again are unpinned here when the results come back.
         now = time.monotonic()
         for h, expiry in self._pins.items():
-            ttl = 0.0 if math.isinf(expiry) else max(0.001, expiry - now)
-            ops.append(PendingOp(Pin([h], ttl)))
+            if h not in self._auto_pins:
+                ttl = 0.0 if math.isinf(expiry) else max(0.001, expiry - now)
+                ops.append(PendingOp(Pin([h], ttl)))
+        ops += [PendingOp(Pin([h], automatic=True)) for h in self._pins if h in self._auto_pins]
         self._recording = True
         self.needs_resync = False
         self._covered_acquires = 0
@@ -409,7 +411,9 @@ class IndexPolicy:
                 self._ask_for_resync()
         elif isinstance(op, Forget) and not result.ok:
             self.counters.mismatches += 1  # the index had dropped or moved it already
-        elif isinstance(op, Pin) and not result.ok:
-            for block_hash in op.chain:
+        elif isinstance(op, Pin) and (not result.ok or result.count < len(op.chain)):
+            # Refused (the pin budget), or not pinned again (a re-stated automatic pin the
+            # index no longer finds hot): not pinned here either.
+            for block_hash in op.chain[result.count if result.ok else 0 :]:
                 if block_hash in self._pins:
                     self._unpin_locally(block_hash)

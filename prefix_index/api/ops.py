@@ -69,6 +69,8 @@ class Evict:
 class Pin:
     chain: list[bytes]
     ttl_s: float = 0.0  # 0 = until unpinned
+    # A re-sync re-stating the index's automatic pins (proto PinOp.automatic); ttl_s is 0.
+    automatic: bool = False
 
 
 @dataclass(frozen=True, slots=True)

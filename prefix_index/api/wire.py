@@ -36,8 +36,8 @@ def op_to_proto(op: Op) -> pb.Op:
             return pb.Op(release=pb.ReleaseOp(hashes=hashes))
         case Evict(k=k):
             return pb.Op(evict=pb.EvictOp(k=k))
-        case Pin(chain=chain, ttl_s=ttl_s):
-            return pb.Op(pin=pb.PinOp(chain=chain, ttl_s=ttl_s))
+        case Pin(chain=chain, ttl_s=ttl_s, automatic=automatic):
+            return pb.Op(pin=pb.PinOp(chain=chain, ttl_s=ttl_s, automatic=automatic))
         case Unpin(chain=chain):
             return pb.Op(unpin=pb.UnpinOp(chain=chain))
         case Forget(hash=h, block_id=block_id):

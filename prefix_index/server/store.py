@@ -120,6 +120,8 @@ def encode_ops(ops: Sequence[Op]) -> list[bytes | str | int]:
                 args += ["R", len(hashes), *hashes]
             case Evict(k=k):
                 args += ["E", k]
+            case Pin(chain=chain, automatic=True):
+                args += ["H", len(chain), *chain]
             case Pin(chain=chain, ttl_s=ttl_s):
                 args += ["P", round(ttl_s * 1000), len(chain), *chain]
             case Unpin(chain=chain):

@@ -180,7 +180,11 @@ def apply_ops(request: pb.ApplyRequest, limits: Limits) -> list[Op]:
             if not math.isfinite(ttl_s) or not 0 <= ttl_s <= limits.max_pin_ttl_s:
                 raise InvalidRequestError(f"{path}.pin.ttl_s: {ttl_s} is not allowed; expected 0 "
                                           f"(no expiry) or 0..{limits.max_pin_ttl_s:.0f} seconds")
-            ops.append(Pin(hashes(f"{path}.pin.chain", op.pin.chain, limits, chain=True), ttl_s))
+            if op.pin.automatic and ttl_s != 0:
+                raise InvalidRequestError(f"{path}.pin.ttl_s: {ttl_s} is not allowed with "
+                                          "automatic; expected 0 (an automatic pin cools instead)")
+            ops.append(Pin(hashes(f"{path}.pin.chain", op.pin.chain, limits, chain=True), ttl_s,
+                           op.pin.automatic))
             total_hashes += len(op.pin.chain)
         elif kind == "unpin":
             ops.append(Unpin(hashes(f"{path}.unpin.chain", op.unpin.chain, limits)))

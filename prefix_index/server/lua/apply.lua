@@ -2,7 +2,8 @@
 -- automatic pins, no hit history), window_ms, view_refresh_ms, engine_id, then the ops, each a
 -- code and its arguments:
 --   A admit n h1..hn | C h parent block_id | R n h1..hn | E k | P ttl_ms n h1..hn |
---   U n h1..hn | F h block_id          (admit: 1 = admission, 0 = fork / re-sync)
+--   U n h1..hn | F h block_id | H n h1..hn
+--   (admit: 1 = admission, 0 = fork / re-sync; H: a re-sync re-stating automatic pins)
 -- Returns {results, pin_changes, replayed, view_writes}: one {status, detail, block_ids,
 -- evicted (hash, id, ...), count} per op (status numbers are the proto's OpStatus), the pin
 -- changes since the previous Apply as (hash, state, block_id, ...), 1 when seq was already
@@ -77,7 +78,7 @@ while pos <= #ARGV do
   if code == 'A' then
     op.admit = ARGV[pos + 1] == '1'
     op.list, pos = take_list(pos + 2)
-  elseif code == 'R' or code == 'U' then
+  elseif code == 'R' or code == 'U' or code == 'H' then
     op.list, pos = take_list(pos + 1)
   elseif code == 'C' then
     op.h, op.parent, op.block = ARGV[pos + 1], ARGV[pos + 2], tonumber(ARGV[pos + 3])
@@ -125,6 +126,17 @@ local function held_prefix(chain)
   return hashes, blocks
 end
 
+-- Bounded: past the cap, the hashes used longest ago leave the history.
+local function trim_history()
+  local over = redis.call('ZCARD', K.hage) - num(K.meta, 'history_cap')
+  if over > 0 then
+    local gone = redis.call('ZPOPMIN', K.hage, over)
+    local names = {}
+    for i = 1, #gone, 2 do names[#names + 1] = gone[i] end
+    call_sliced('HDEL', K.hot, names)
+  end
+end
+
 -- One more use of every hash of an admitted chain, held or not; returns the estimates. The
 -- chain's leaf gets the oldest history tick, so trimming drops leaves before shared roots.
 local function count_uses(chain)
@@ -141,14 +153,7 @@ local function count_uses(chain)
   call_sliced('HSET', K.hot, hot_args)
   call_sliced('ZADD', K.hage, age_args)
   redis.call('HSET', K.meta, 'hclock', clock + n)
-  -- Bounded: past the cap, the hashes used longest ago leave the history.
-  local over = redis.call('ZCARD', K.hage) - num(K.meta, 'history_cap')
-  if over > 0 then
-    local gone = redis.call('ZPOPMIN', K.hage, over)
-    local names = {}
-    for i = 1, #gone, 2 do names[#names + 1] = gone[i] end
-    call_sliced('HDEL', K.hot, names)
-  end
+  trim_history()
   return estimates
 end
 
@@ -373,6 +378,29 @@ local function pin(op)
   return {OK, '', {}, {}, #hashes}
 end
 
+-- A re-sync re-stating automatic pins. The history decides, as for a commit; a hash with no
+-- history (Redis lost it) is taken on the engine's word: its uses are set to the threshold,
+-- so it cools like a pin just earned. Within the budget; no other pin gives way.
+local function restore_auto_pins(op)
+  local hashes = held_prefix(op.list)
+  if threshold == 0 then return {OK, '', {}, {}, 0} end
+  local packed = hmget(K.hot, hashes)
+  local count = 0
+  for i, h in ipairs(hashes) do
+    local estimate = hot_update(packed[i], now, window_ms, 0)
+    if not packed[i] then
+      local _, state = hot_update(nil, now, window_ms, threshold)
+      redis.call('HSET', K.hot, h, state)
+      redis.call('ZADD', K.hage, redis.call('HINCRBY', K.meta, 'hclock', 1), h)
+      estimate = threshold
+    end
+    maybe_auto_pin(h, estimate)
+    if redis.call('HEXISTS', K.pin, h) == 1 then count = count + 1 end
+  end
+  trim_history()
+  return {OK, '', {}, {}, count}
+end
+
 local function unpin_op(op)
   local count = 0
   for _, h in ipairs(op.list) do
@@ -385,7 +413,7 @@ local function unpin_op(op)
 end
 
 local handlers = {A = acquire, C = commit, R = release, E = evict, P = pin, U = unpin_op,
-                  F = forget}
+                  F = forget, H = restore_auto_pins}
 local results = {}
 for i, op in ipairs(ops) do
   results[i] = handlers[op.code](op)
