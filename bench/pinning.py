@@ -285,7 +285,7 @@ def run_policy(
                     if out.request_id != request_id:
                         continue
                     t = time.monotonic()
-                    if not timing.first_token and out.outputs[0].token_ids:
+                    if not timing.first_token and out.outputs[0].token_ids_delta:
                         timing.first_token = t
                     if out.finished:
                         timing.finish = t

@@ -120,7 +120,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        self.sampler = Sampler(mc.vocab_size, eos, seed=config.seed)
+        self.sampler = Sampler(mc.vocab_size, eos, seed=config.seed, device=self.runner.device)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
@@ -325,6 +325,7 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = "abort"
+                self._release_penalty_slot(seq)
         return self._make_output(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -415,7 +416,6 @@ class LLMEngine:
         group.beam.advance(group, beam_logits, self.kv, lambda: next(self._seq_ids))
 
     def _sample_rows(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> None:
-        rows: list[SamplingRow] = []
         row_seqs: list[tuple[Sequence, SequenceGroup]] = []
         logit_rows: list[int] = []
         for i, item in enumerate(items):
@@ -423,15 +423,21 @@ class LLMEngine:
             if item.group.params.n > 1 and not item.group.has_forked:
                 seqs += self._fork(item.group, item.seq)
             for seq in seqs:
-                rows.append(
-                    SamplingRow(
-                        item.group.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator
-                    )
-                )
                 row_seqs.append((seq, item.group))
                 logit_rows.append(i)
-        if not rows:
+        if not row_seqs:
             return
+        # Penalty counts: built from the tokens once per sequence (all of a step's new ones in
+        # one upload); the sampler keeps them up to date from then on.
+        new = [seq for seq, group in row_seqs
+               if group.params.has_penalties and seq.penalty_slot is None]
+        if new:
+            slots = self.sampler.token_counts.add([(s.prompt_view, s.output_view) for s in new])
+            for seq, slot in zip(new, slots, strict=True):
+                seq.penalty_slot = slot
+        # Views, not copies: a step's work must not grow with the tokens so far.
+        rows = [SamplingRow(group.params, seq.prompt_view, seq.output_view, seq.generator,
+                            seq.penalty_slot) for seq, group in row_seqs]
         if len(logit_rows) != len(items):
             logits = logits[torch.tensor(logit_rows, device=logits.device)]
         result = self.sampler(logits, rows)
@@ -446,6 +452,12 @@ class LLMEngine:
             self._check_stop(seq, group, token)
             if seq.is_finished:
                 self.kv.forget(seq)
+                self._release_penalty_slot(seq)
+
+    def _release_penalty_slot(self, seq: Sequence) -> None:
+        if seq.penalty_slot is not None:
+            self.sampler.token_counts.release(seq.penalty_slot)
+            seq.penalty_slot = None
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
         """Parallel sampling: n-1 children share every block of the computed prompt."""
@@ -465,7 +477,8 @@ class LLMEngine:
         params = group.params
         detokenizer = seq.detokenizer
         if detokenizer is not None:
-            detokenizer.add_token(token)  # text is read from it when building outputs
+            # Kept until the next output; usually this token's text alone (or nothing).
+            seq.unstreamed_text += detokenizer.add_token(token)
         reason = None
         stop_reason = None
         num_out = seq.num_output_tokens
@@ -482,21 +495,21 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             if detokenizer is not None:
-                detokenizer.finish()
+                seq.unstreamed_text += detokenizer.finish()
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
             seq.stop_reason = stop_reason
 
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
+        finished = group.is_finished
         completions = (
-            self._sampled_completions(group) if group.beam is None
+            self._sampled_completions(group, finished) if group.beam is None
             else self._beam_completions(group)
         )
-        finished = group.is_finished
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
-            prompt_token_ids=group.seqs[0].prompt_token_ids,
+            prompt_token_ids=group.prompt_token_ids,  # one list for every output
             outputs=completions,
             finished=finished,
             num_cached_tokens=group.num_cached_tokens or 0,
@@ -531,6 +544,7 @@ class LLMEngine:
                     cumulative_logprob=cum_logprob,
                     text_delta=text,
                     token_ids_delta=list(token_ids),
+                    num_tokens=len(token_ids),
                 )
             )
         return completions
@@ -548,31 +562,34 @@ class LLMEngine:
         detokenizer.finish()
         return detokenizer.text
 
-    def _sampled_completions(self, group: SequenceGroup) -> list[CompletionOutput]:
+    def _sampled_completions(self, group: SequenceGroup, final: bool) -> list[CompletionOutput]:
+        """What each sequence added since the request's previous output: O(new tokens), never
+        a copy of everything so far. The final output also carries each whole completion
+        (once per request)."""
         completions = []
         for seq in sorted(group.seqs, key=lambda s: s.index):
-            out_ids = seq.output_token_ids
-            new = out_ids[seq.num_streamed_tokens :]
-            text = seq.detokenizer.text if seq.detokenizer is not None else ""
-            text_delta = text[seq.num_streamed_chars :]
+            start = seq.num_prompt_tokens + seq.num_streamed_tokens
+            new = seq.token_ids[start:]
+            num_tokens = seq.num_output_tokens
             lp_delta = None
             if seq.logprobs is not None:
                 lp_delta = seq.logprobs[seq.num_streamed_tokens :]
-            seq.num_streamed_tokens = len(out_ids)
-            seq.num_streamed_chars = len(text)
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=text,
-                    token_ids=list(out_ids),
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=seq.logprobs,
-                    text_delta=text_delta,
-                    token_ids_delta=new,
-                    logprobs_delta=lp_delta,
-                )
+            completion = CompletionOutput(
+                index=seq.index,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                text_delta=seq.unstreamed_text,
+                token_ids_delta=new,
+                logprobs_delta=lp_delta,
+                num_tokens=num_tokens,
             )
+            seq.num_streamed_tokens = num_tokens
+            seq.unstreamed_text = ""
+            if final:
+                completion.text = seq.detokenizer.text if seq.detokenizer is not None else ""
+                completion.token_ids = seq.output_token_ids
+                completion.logprobs = seq.logprobs
+            completions.append(completion)
         return completions
 
     # ---- introspection ------------------------------------------------------------------
@@ -617,4 +634,7 @@ class LLMEngine:
                 problems.append(
                     f"{self.kv.num_free_cpu_blocks} of {self.kv.num_cpu_blocks} CPU blocks free"
                 )
+            if self.sampler.token_counts.num_held:
+                problems.append(f"no request is live but {self.sampler.token_counts.num_held} "
+                                f"rows of penalty counts are held")
         return problems

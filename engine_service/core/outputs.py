@@ -5,12 +5,23 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """One of a request's completions, as one engine step reports it.
+
+    A step reports what is new since the request's previous output (`*_delta`) and a few O(1)
+    facts; the whole completion (`text`, `token_ids`, `logprobs`) is filled in only in the
+    request's final output (`RequestOutput.finished`) and is None before: copying every
+    sequence's output into every step's output made the host's work per step grow with the
+    tokens generated so far. `LLM.generate` returns final outputs only, so its users always
+    see the whole completion; a stream accumulates the deltas.
+    """
+
     index: int
-    text: str
-    token_ids: list[int]
+    text: str | None = None  # the whole text (final output only)
+    token_ids: list[int] | None = None  # every output token (final output only)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
-    logprobs: list | None = None  # one TokenLogprobs per output token when asked for
+    # One TokenLogprobs per output token when asked for (final output only).
+    logprobs: list | None = None
     # Only what is new since the previous output of this request (for streaming).
     text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
@@ -18,6 +29,7 @@ class CompletionOutput:
     # Beam search: the sum of the beam's token logprobs (what beams are ranked by, before the
     # length penalty). None for sampled completions.
     cumulative_logprob: float | None = None
+    num_tokens: int = 0  # output tokens so far, this output's delta included
 
     @property
     def finished(self) -> bool:

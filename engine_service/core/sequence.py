@@ -6,7 +6,10 @@ A sequence carries its tokens and its progress; its KV blocks belong to the KV c
 from __future__ import annotations
 
 import enum
+import itertools
 import time
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,6 +19,34 @@ from engine_service.model.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine_service.core.beam_search import BeamSearch
+
+
+class TokenView(SequenceABC):
+    """tokens[start:] (or [start:stop]) read in place: O(1) to make and to len(), where a slice
+    copies. Each step hands the sampler one per sequence (its prompt and its output so far)."""
+
+    __slots__ = ("_tokens", "_start", "_stop")
+
+    def __init__(self, tokens: list[int], start: int, stop: int | None = None) -> None:
+        self._tokens, self._start, self._stop = tokens, start, stop
+
+    def __len__(self) -> int:
+        stop = len(self._tokens) if self._stop is None else self._stop
+        return max(0, stop - self._start)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._tokens[self._start : self._start + len(self)][index]
+        size = len(self)
+        if not -size <= index < size:
+            raise IndexError(f"token index {index} out of range for {size} tokens")
+        return self._tokens[self._start + index % size]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._tokens, self._start, self._start + len(self))
+
+    def __repr__(self) -> str:
+        return f"TokenView({list(self)!r})"
 
 
 class SequenceStatus(enum.Enum):
@@ -42,9 +73,13 @@ class Sequence:
     generator: torch.Generator | None = None
     detokenizer: object | None = None
     logprobs: list | None = None
-    # Output text/token ids already handed to the caller (for streaming deltas).
+    # Output tokens already handed to the caller, and text released by the detokenizer since
+    # the last output (streaming deltas: nothing is re-read from the start).
     num_streamed_tokens: int = 0
-    num_streamed_chars: int = 0
+    unstreamed_text: str = ""
+    # The sampler's row of penalty counts for this sequence (Sampler.token_counts), kept up
+    # to date with every sampled token; None until its first penalized step.
+    penalty_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -56,11 +91,21 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """A copy (O(tokens)): off the per-step path; a step reads `output_view`."""
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def prompt_token_ids(self) -> list[int]:
+        """A copy (O(prompt)): off the per-step path; a step reads `prompt_view`."""
         return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_view(self) -> TokenView:
+        return TokenView(self.token_ids, self.num_prompt_tokens)
+
+    @property
+    def prompt_view(self) -> TokenView:
+        return TokenView(self.token_ids, 0, self.num_prompt_tokens)
 
     @property
     def is_finished(self) -> bool:
@@ -85,6 +130,7 @@ class SequenceGroup:
     first_token_time: float | None = None
     has_forked: bool = False
     beam: BeamSearch | None = None  # the search state of a beam search request
+    _prompt_token_ids: list[int] | None = field(default=None, repr=False)
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
@@ -96,6 +142,13 @@ class SequenceGroup:
     @property
     def num_prompt_tokens(self) -> int:
         return self.seqs[0].num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt, copied once: every output of the request shares this list."""
+        if self._prompt_token_ids is None:
+            self._prompt_token_ids = self.seqs[0].prompt_token_ids
+        return self._prompt_token_ids
 
     def num_shared_prompt_blocks(self, block_size: int) -> int:
         """Full prompt blocks every sequence of a forked group holds in common."""

@@ -8,12 +8,22 @@ SmolLM2-135M took 17-29 ms at batch 1 and a Llama-8B-shaped one 19-26 ms, agains
 
 - Graphs are captured once, at start, for padded batch sizes (`capture_sizes`); a decode batch
   of n sequences replays the smallest graph of at least n rows.
-- A graph reads its inputs from fixed device buffers. Each step writes the batch into a pinned
-  host mirror of them and copies that in two transfers; the block table has one row per
-  sequence as wide as the longest context (`max_model_len`), written in place.
+- A graph reads its inputs from fixed device buffers. Each step writes token ids, positions,
+  slots and context lengths (one entry per row) into a pinned host mirror and copies them.
+- The block table has one row per sequence, as wide as the longest context (`max_model_len`).
+  A sequence keeps its row while it decodes: a row is written whole once, when a sequence
+  takes it, and after that only the entries that changed are written (a new block, and the
+  block a copy-on-write replaced), into the host mirror and, as (index, value) pairs, into the
+  device buffer (one scatter). So a step's host work and upload are O(batch), not O(context):
+  uploading whole rows every step was 2 MiB at 256 rows and 32k tokens, and its host side
+  grew with every sequence's length. This relies on how the KV cache manager changes a table
+  in place (kv_cache_manager.py): it appends blocks and replaces only the block being written
+  (copy-on-write); every other change (swap-in, recompute, fork) gives the sequence a new
+  list, which is rewritten whole.
+- When a sequence leaves, the last rows move into the holes (as vLLM condenses its persistent
+  batch): rows follow arrivals, not the schedule's order, and the logits rows are gathered back
+  into schedule order when the two differ.
 - Padding rows write no K/V (slot -1), attend to one key of block 0 and are never sampled.
-- The block table's width is fixed, so each step uploads rows x ceil(max_model_len / block
-  size) entries (2 MiB at 256 rows and 32k tokens); vLLM uploads full rows too.
 - A graph's attention was captured with the split-KV count of the widest table, so it does
   not match an eager step bit for bit; greedy tokens match (tests/engine/test_cuda_graphs.py).
 
@@ -77,6 +87,24 @@ class DecodeGraphs:
         self._ids, self._positions, self._slots = self.host64.numpy()
         self._seq_lens = self.host32[:rows].numpy()
         self._tables = self.host32[self.region :].view(rows, width).numpy()
+        self._dev_tables = self.dev32[self.region :]  # flat, what the scatter writes
+        # Table entries changed this step, as flat indices into the table and their values.
+        self._stage_index = torch.zeros(rows * width, dtype=torch.int64, pin_memory=self.on_cuda)
+        self._stage_values = torch.zeros(rows * width, dtype=torch.int32,
+                                         pin_memory=self.on_cuda)
+        self._dev_stage_index = torch.zeros_like(self._stage_index, device=dev)
+        self._dev_stage_values = torch.zeros_like(self._stage_values, device=dev)
+        self._stage_index_np = self._stage_index.numpy()
+        self._stage_values_np = self._stage_values.numpy()
+        # Who holds each row: a seq_id, and the table list written there (the KV cache
+        # manager's own list: the same list means only appends and a copy-on-write of the
+        # block being written happened since) and how many of its entries. None: a free row,
+        # its table entry 0 is block 0 (a padding row's one key).
+        self._owners: list[int | None] = [None] * rows
+        self._owner_tables: list[list[int] | None] = [None] * rows
+        self._written = [0] * rows
+        self._row_of: dict[int, int] = {}  # seq_id -> its row
+        self._num_staged = 0
         self._pad_rows(0, rows)
         # Set when a step's host-to-device copies are queued: the mirror is not rewritten
         # before they have run.
@@ -89,11 +117,77 @@ class DecodeGraphs:
         self.num_replays = 0  # decode steps that ran through these buffers
 
     def _pad_rows(self, start: int, end: int) -> None:
+        """Rows start..end-1 as padding (a row that held a sequence is freed)."""
         self._ids[start:end] = 0
         self._positions[start:end] = 0
         self._slots[start:end] = -1  # no K/V write
         self._seq_lens[start:end] = 1  # one key, the first of block 0
-        self._tables[start:end, 0] = 0
+        for row in range(start, end):
+            if self._owners[row] is not None:
+                self._release(row, free=True)
+
+    def _release(self, row: int, free: bool) -> None:
+        """The row's sequence leaves it; a row left free gets table entry 0 back to block 0
+        (a row taken by another sequence is about to be written whole)."""
+        del self._row_of[self._owners[row]]
+        self._owners[row] = None
+        self._owner_tables[row] = None
+        self._written[row] = 0
+        if free:
+            self._tables[row, 0] = 0
+            self._stage(row * self.width, [0])
+
+    def _stage(self, index: int, values: list[int]) -> None:
+        """values go to table entries index, index + 1, ... on the device this step."""
+        staged, count = self._num_staged, len(values)
+        self._stage_index_np[staged : staged + count] = range(index, index + count)
+        self._stage_values_np[staged : staged + count] = values
+        self._num_staged = staged + count
+
+    def _place(self, scheduled: list[ScheduledSeq]) -> list[int]:
+        """Each sequence's row, all in 0..n-1: its own when it has one there, else a row left
+        by a sequence not in this step (its table then written whole)."""
+        n = len(scheduled)
+        rows = [-1] * n
+        kept = [False] * n
+        for i, item in enumerate(scheduled):
+            row = self._row_of.get(item.seq.seq_id)
+            if row is not None and row < n:
+                rows[i] = row
+                kept[row] = True
+        free = [row for row in range(n - 1, -1, -1) if not kept[row]]
+        for i, item in enumerate(scheduled):
+            if rows[i] >= 0:
+                continue
+            row = free.pop()
+            seq_id = item.seq.seq_id
+            if self._owners[row] is not None:
+                self._release(row, free=False)
+            old = self._row_of.get(seq_id)  # a row past this batch's end
+            if old is not None:
+                self._release(old, free=True)
+            self._owners[row] = seq_id
+            self._row_of[seq_id] = row
+            rows[i] = row
+        return rows
+
+    def _write_table(self, row: int, table: list[int]) -> None:
+        """Row `row`'s table brought up to `table`: the entries that changed, into the host
+        mirror and staged for the device."""
+        start = 0
+        written = self._written[row]
+        if self._owner_tables[row] is table and written:
+            # The same list: blocks were appended, and the last block written so far may have
+            # been replaced by a copy-on-write (a block's first write after a fork).
+            start = written - 1 if self._tables[row, written - 1] != table[written - 1] else written
+        else:
+            self._owner_tables[row] = table
+        end = len(table)
+        if end > start:
+            changed = table[start:end]
+            self._tables[row, start:end] = changed
+            self._stage(row * self.width + start, changed)
+        self._written[row] = end
 
     def _forward(self, size: int) -> torch.Tensor:
         """The decode forward over the first `size` rows of the fixed buffers."""
@@ -165,18 +259,26 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.synchronize()
         ids, positions, slots = self._ids, self._positions, self._slots
-        for i, item in enumerate(scheduled):
+        self._num_staged = 0
+        rows = self._place(scheduled)
+        for row, item in zip(rows, scheduled, strict=True):
             seq, table = item.seq, item.block_table
             pos = seq.num_computed_tokens
-            ids[i] = seq.token_ids[pos]
-            positions[i] = pos
-            slots[i] = table[pos // bs] * bs + pos % bs
-            self._seq_lens[i] = pos + 1
-            self._tables[i, : len(table)] = table
+            ids[row] = seq.token_ids[pos]
+            positions[row] = pos
+            slots[row] = table[pos // bs] * bs + pos % bs
+            self._seq_lens[row] = pos + 1
+            self._write_table(row, table)
         self._pad_rows(n, size)
+        staged = self._num_staged
         self.dev64.copy_(self.host64, non_blocking=True)
-        used32 = self.region + size * self.width
-        self.dev32[:used32].copy_(self.host32[:used32], non_blocking=True)
+        self.dev32[: self.region].copy_(self.host32[: self.region], non_blocking=True)
+        if staged:
+            index = self._dev_stage_index[:staged]
+            values = self._dev_stage_values[:staged]
+            index.copy_(self._stage_index[:staged], non_blocking=True)
+            values.copy_(self._stage_values[:staged], non_blocking=True)
+            self._dev_tables.index_copy_(0, index, values)
         if self.on_cuda:
             self._copied.record()
             self.graphs[size].replay()
@@ -184,9 +286,8 @@ class DecodeGraphs:
             self._forward(size)
         logits = self.logits  # what the graph wrote (the CPU path reads it the same way)
         self.num_replays += 1
-        sample_rows = [i for i, item in enumerate(scheduled) if item.samples]
-        if len(sample_rows) == n:
+        # Rows not sampled: one-token chunks of a longer prompt (budget of 1).
+        sample_rows = [row for row, item in zip(rows, scheduled, strict=True) if item.samples]
+        if sample_rows == list(range(n)):
             return logits[:n]
-        # A row that does not sample: a one-token chunk of a longer prompt (budget of 1).
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)
-        return logits[rows]
+        return logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]

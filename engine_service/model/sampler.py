@@ -2,7 +2,9 @@
 
 Order of operations per row, as in vLLM:
   1. logprobs are taken from the raw logits (log_softmax before any processing);
-  2. penalties: repetition over prompt + output tokens, presence/frequency over output tokens;
+  2. penalties: repetition over prompt + output tokens, presence/frequency over output tokens
+     (from per-sequence counts kept on the device and updated with each sampled token,
+     `TokenCounts`: a step never rebuilds them from the token lists);
   3. min_tokens: while the output is shorter, stop_token_ids and EOS are masked to -inf. With
      `ignore_eos`, EOS is an ordinary token (vLLM leaves it out of the stop set), so it is not
      masked;
@@ -22,6 +24,7 @@ on the rest of the batch or on which path was taken.
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,13 +41,20 @@ _CDF_BLOCK = 256  # entries per block of the two-level inverse-CDF draw
 
 @dataclass(slots=True)
 class SamplingRow:
-    """One sequence to sample a next token for, in batch order."""
+    """One sequence to sample a next token for, in batch order.
+
+    The token sequences are read for their length (min_tokens) every step, and for their
+    contents only where a penalized row has no `penalty_slot` (a row of the sampler's
+    `token_counts`, kept up to date with every token it samples for the row): the engine
+    passes views of its sequences (O(1)) and a slot, so a step costs the same at any length.
+    """
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
     # Per-sequence generator when params.seed is set; None: the sampler's shared one.
     generator: torch.Generator | None = None
+    penalty_slot: int | None = None
 
 
 @dataclass(slots=True)
@@ -117,17 +127,78 @@ def _searchsorted_positive(weights: torch.Tensor, target: torch.Tensor, with_bel
     return index, torch.where(index > 0, before, torch.zeros_like(before))
 
 
-def _token_counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(lists), vocab] float: how often each token occurs in each list. Dense, built by a
-    scatter from one padded upload: no step of it depends on device data (unique or
-    repeat_interleave would make the host wait for the device)."""
-    width = max((len(t) for t in lists), default=0)
-    # Padding points at an extra column that is dropped.
-    padded = torch.tensor([t + [vocab] * (width - len(t)) for t in lists], dtype=torch.long,
-                          device=device).view(len(lists), width)
-    counts = torch.zeros(len(lists), vocab + 1, device=device)
-    counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
-    return counts[:, :vocab]
+class TokenCounts:
+    """Per-sequence token statistics for the penalties, one row per sequence, on the sampling
+    device: how often each token occurs in the output (`counts`, float: it multiplies the
+    frequency penalty) and whether it occurs in the prompt or the output (`seen`, for the
+    repetition penalty). A row is built from the sequence's tokens once (`add`), then every
+    sampled token is added on the device (`record`), so a penalized step reads its rows with
+    one gather instead of rebuilding them from Python lists (which grew with the output).
+
+    Rows are reused after `release`; the tensors grow by doubling to the most penalized
+    sequences alive at once (each row is vocab x 5 bytes: 640 KiB for a 128k vocabulary).
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.counts = torch.zeros(0, vocab_size, device=self.device)
+        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
+        self._free: list[int] = []
+        self._one = torch.ones(1, device=self.device)
+
+    @property
+    def num_held(self) -> int:
+        return self.counts.shape[0] - len(self._free)
+
+    def add(self, sequences: list[tuple[Sequence[int], Sequence[int]]]) -> list[int]:
+        """Rows for sequences with these (prompt, output) tokens: O(tokens), once per sequence,
+        in one upload for all of them."""
+        while len(self._free) < len(sequences):
+            self._grow()
+        slots = [self._free.pop() for _ in sequences]
+        row_of_token: list[int] = []
+        tokens: list[int] = []
+        is_output: list[int] = []
+        for slot, (prompt, output) in zip(slots, sequences, strict=True):
+            row_of_token += [slot] * (len(prompt) + len(output))
+            tokens += prompt
+            tokens += output
+            is_output += [0] * len(prompt) + [1] * len(output)
+        num = len(tokens)
+        upload = torch.tensor(slots + row_of_token + tokens + is_output, dtype=torch.long,
+                              device=self.device)
+        new_rows = upload[: len(slots)]
+        rows, ids, weights = upload[len(slots):].view(3, num)
+        self.counts[new_rows] = 0.0
+        self.seen[new_rows] = False
+        # Prompt tokens add 0 (a mask would make the host wait for the device).
+        self.counts.index_put_((rows, ids), weights.float(), accumulate=True)
+        self.seen[rows, ids] = True
+        return slots
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """counts and seen of these rows, [len(slots), vocab] each (copies)."""
+        return self.counts.index_select(0, slots), self.seen.index_select(0, slots)
+
+    def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """token_ids[i] was sampled for row slots[i] (distinct rows): on the device, no wait."""
+        self.counts.index_put_((slots, token_ids), self._one.expand(len(slots)),
+                               accumulate=True)
+        self.seen[slots, token_ids] = True
+
+    def _grow(self) -> None:
+        held = self.counts.shape[0]
+        size = max(8, 2 * held)
+        for name in ("counts", "seen"):
+            old = getattr(self, name)
+            new = old.new_zeros((size, self.vocab_size))
+            new[:held] = old
+            setattr(self, name, new)
+        self._free.extend(range(size - 1, held - 1, -1))  # the lowest row is handed out first
 
 
 def _select_rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
@@ -142,11 +213,14 @@ def _min_tokens_active(row: SamplingRow) -> bool:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int | None = None) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self._seed = seed
         self._shared_generators: dict[torch.device, torch.Generator] = {}
+        # Penalty statistics of the sequences that use penalties (SamplingRow.penalty_slot).
+        self.token_counts = TokenCounts(vocab_size, device)
 
     def shared_generator(self, device: torch.device) -> torch.Generator:
         """The generator of rows without their own (one per device, created on first use)."""
@@ -177,15 +251,40 @@ class Sampler:
 
         penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
         min_tokens = [i for i, r in enumerate(rows) if _min_tokens_active(r)]
+        slots = None
         if penalized or min_tokens:
             # Never modify the caller's logits (raw logprobs need them); contiguous for view(-1).
             processed = raw.clone(memory_format=torch.contiguous_format)
             if penalized:
-                self._apply_penalties(processed, rows, penalized)
+                slots = self._penalty_slots(rows, penalized)
+                self._apply_penalties(processed, rows, penalized, slots[0])
             if min_tokens:
                 self._mask_stop_tokens(processed, rows, min_tokens)
         else:
             processed = raw  # nothing modifies the logits in place
+        try:
+            return self._pick(raw, processed, rows, want_logprobs, penalized, slots)
+        finally:
+            if slots is not None:
+                for slot in slots[1]:
+                    self.token_counts.release(slot)
+
+    def _penalty_slots(self, rows: list[SamplingRow], idx: list[int]
+                       ) -> tuple[torch.Tensor, list[int]]:
+        """The token_counts rows of the penalized rows idx (on the device), and the rows made
+        for this call only (rows without a slot of their own, built from their tokens)."""
+        untracked = [i for i in idx if rows[i].penalty_slot is None]
+        temporary = self.token_counts.add(
+            [(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in untracked]
+        ) if untracked else []
+        made = dict(zip(untracked, temporary, strict=True))
+        slots = [made[i] if rows[i].penalty_slot is None else rows[i].penalty_slot for i in idx]
+        device = self.token_counts.device
+        return torch.tensor(slots, dtype=torch.long, device=device), temporary
+
+    def _pick(self, raw: torch.Tensor, processed: torch.Tensor, rows: list[SamplingRow],
+                want_logprobs: bool, penalized: list[int],
+                slots: tuple[torch.Tensor, list[int]] | None) -> SamplerOutput:
         draw = None
         if all(r.params.is_greedy for r in rows):
             token_ids = _greedy(processed)  # the common fast path: one reduction
@@ -215,30 +314,32 @@ class Sampler:
                     draw = None
                     continue
             break
+        if slots is not None:  # the penalty counts follow the sampled tokens, on the device
+            chosen = token_ids if len(penalized) == len(rows) else _select_rows(token_ids,
+                                                                                penalized)
+            self.token_counts.record(slots[0], chosen)
         if lp_parts is None:
             return SamplerOutput(token_ids=token_list, logprobs=[None] * len(rows))
         return SamplerOutput(
             token_ids=token_list, logprobs=lp_parts.unpack(host[offset:], rows, token_list)
         )
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]):
-        """vLLM's penalties, in place on rows idx: repetition over prompt + output tokens,
-        then frequency (x count) and presence over output tokens. Dense over the vocabulary
-        (an untouched token gets exactly its own logit back), so nothing waits for the
-        device."""
-        device, vocab = logits.device, logits.shape[1]
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], idx: list[int],
+                         slots: torch.Tensor):
+        """vLLM's penalties, in place on rows idx (whose token_counts rows are `slots`):
+        repetition over prompt + output tokens, then frequency (x count) and presence over
+        output tokens. Dense over the vocabulary (an untouched token gets exactly its own
+        logit back), so nothing waits for the device."""
+        device = logits.device
         params = [rows[i].params for i in idx]
         repetition, frequency, presence = torch.tensor(
             [[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
              [p.presence_penalty for p in params]], device=device,
         ).unsqueeze(-1)
         selected = _select_rows(logits, idx)
-        out_counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, device)
+        out_counts, seen = self.token_counts.rows(slots)
         in_output = out_counts > 0
         if any(p.repetition_penalty != 1.0 for p in params):
-            seen = in_output | (
-                _token_counts([rows[i].prompt_token_ids for i in idx], vocab, device) > 0
-            )
             # Positive logits shrink, negative ones grow: both make the token less likely.
             penalized = torch.where(selected > 0, selected / repetition, selected * repetition)
             selected = torch.where(seen, penalized, selected)

@@ -335,6 +335,6 @@ def _completion(c: CompletionOutput, delta: bool) -> pb.Completion:
 def _usage(output: RequestOutput) -> pb.Usage:
     return pb.Usage(
         prompt_tokens=len(output.prompt_token_ids),
-        completion_tokens=sum(len(c.token_ids) for c in output.outputs),
+        completion_tokens=sum(c.num_tokens for c in output.outputs),  # token_ids: final only
         cached_tokens=output.num_cached_tokens,
     )

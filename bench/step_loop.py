@@ -1,0 +1,219 @@
+"""Host work per engine step, on a model whose compute is tiny (issue 36).
+
+    python -m bench.step_loop --host-time                  # 64 sequences, 100 and 1,000 tokens
+    python -m bench.step_loop --host-time --repeats 2 --json out.json
+
+The model is a random Llama of one layer, hidden 32 (4 heads of 8, 2 KV heads, MLP 64), with
+SmolLM2's tokenizer and its 49,152-token vocabulary, written once into a cache directory. One
+torch thread. What is measured:
+
+- **offline**: `batch` greedy `ignore_eos` requests of 8-token prompts through `LLM.generate`,
+  for each output length. Host time per sequence per step = (time of `generate` - time inside
+  the model's forward and LM head - time of the sampler's greedy reduction over the vocabulary)
+  / (batch x output tokens). The forward, the LM head and the reduction are wrapped in timers
+  (torch's CPU ops are synchronous, so the time around a call is its cost); they are device
+  work on a GPU and grow with context (attention) and vocabulary, not with the engine's
+  bookkeeping. What remains is the Python around them: scheduling, step inputs, sampling rows,
+  outputs, detokenization, `generate`'s own loop.
+- **direct steps**: the same requests stepped with `LLMEngine.step`; the median step over the
+  first 20 decode steps, and over 20 steps after 1,000 output tokens, in total and host-only.
+
+Times are thread CPU time (`time.thread_time`: with one torch thread every op runs on the
+calling thread), so a busy shared machine inflates them less than wall time would; wall time
+is printed beside them. Each figure is the best of `--repeats` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+MODEL_SHAPE = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, intermediate_size=64)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+PROMPT_LEN = 8
+DIRECT_WINDOW = 20  # steps per median in the direct-step figures
+
+
+def tiny_llama(out_dir: Path, max_model_len: int) -> Path:
+    """The random one-layer Llama (written once; kept while its config is the same)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engine_service.tools.prepare_model import ensure_default_model
+
+    config = LlamaConfig(vocab_size=49152, max_position_embeddings=max_model_len,
+                         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                         tie_word_embeddings=False, **MODEL_SHAPE)
+    marker = out_dir / "step_loop.json"
+    if marker.is_file() and json.loads(marker.read_text()) == config.to_dict():
+        return out_dir
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.1)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer_dir = ensure_default_model(quiet=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    marker.write_text(json.dumps(config.to_dict()))
+    return out_dir
+
+
+class ComputeTimer:
+    """Thread CPU and wall time spent inside the wrapped calls."""
+
+    def __init__(self) -> None:
+        self.cpu = 0.0
+        self.wall = 0.0
+
+    def wrap(self, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            c, w = time.thread_time(), time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.cpu += time.thread_time() - c
+                self.wall += time.perf_counter() - w
+        return timed
+
+
+def instrument(llm) -> ComputeTimer:
+    """Time the model's forward, its LM head and the sampler's greedy reduction."""
+    from engine_service.model import sampler as sampler_module
+
+    timer = ComputeTimer()
+    model = llm.llm_engine.runner.model
+    model.forward = timer.wrap(model.forward)
+    model.compute_logits = timer.wrap(model.compute_logits)
+    sampler_module._greedy = timer.wrap(sampler_module._greedy)
+    return timer
+
+
+def prompts(batch: int, vocab: int = 49152) -> list[dict]:
+    """Distinct 8-token prompts (no prefix sharing between them)."""
+    gen = torch.Generator().manual_seed(1)
+    return [{"prompt_token_ids": torch.randint(3, vocab, (PROMPT_LEN,), generator=gen).tolist()}
+            for _ in range(batch)]
+
+
+def offline_host_us(llm, timer: ComputeTimer, batch: int, max_tokens: int) -> dict:
+    from engine_service import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    requests = prompts(batch)
+    timer.cpu = timer.wall = 0.0
+    c, w = time.thread_time(), time.perf_counter()
+    outputs = llm.generate(requests, params)
+    cpu, wall = time.thread_time() - c, time.perf_counter() - w
+    if any(len(o.outputs[0].token_ids) != max_tokens for o in outputs):
+        raise RuntimeError("a request did not produce max_tokens tokens")
+    seq_steps = batch * max_tokens
+    return {
+        "host_us_per_seq_step": (cpu - timer.cpu) / seq_steps * 1e6,
+        "host_wall_us_per_seq_step": (wall - timer.wall) / seq_steps * 1e6,
+        "total_us_per_seq_step": cpu / seq_steps * 1e6,
+        "compute_us_per_seq_step": timer.cpu / seq_steps * 1e6,
+    }
+
+
+def direct_steps(llm, timer: ComputeTimer, batch: int, after: int) -> dict:
+    """Median step (ms) over the first decode steps and over the steps after `after` tokens."""
+    from engine_service import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=after + DIRECT_WINDOW + 1,
+                            ignore_eos=True)
+    for i, request in enumerate(prompts(batch)):
+        engine.add_request(f"direct-{i}", request["prompt_token_ids"], params)
+    engine.step()  # the prefill (and each sequence's first token)
+    steps: list[tuple[float, float, float]] = []  # (cpu, host cpu, wall) per decode step
+    while engine.has_unfinished_requests():
+        timer.cpu = 0.0
+        c, w = time.thread_time(), time.perf_counter()
+        engine.step()
+        cpu = time.thread_time() - c
+        steps.append((cpu, cpu - timer.cpu, time.perf_counter() - w))
+
+    def median_ms(window: list[tuple[float, float, float]], k: int) -> float:
+        return statistics.median(s[k] for s in window) * 1e3
+
+    start, late = steps[:DIRECT_WINDOW], steps[after - 1 : after - 1 + DIRECT_WINDOW]
+    return {
+        "start_ms": median_ms(start, 0), "start_host_ms": median_ms(start, 1),
+        "start_wall_ms": median_ms(start, 2),
+        "late_ms": median_ms(late, 0), "late_host_ms": median_ms(late, 1),
+        "late_wall_ms": median_ms(late, 2),
+    }
+
+
+def host_time(batch: int, lengths: list[int], repeats: int, model_dir: Path) -> dict:
+    from engine_service import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    longest = max(lengths)
+    max_model_len = PROMPT_LEN + longest + DIRECT_WINDOW + 8
+    tiny_llama(model_dir, max_model_len)
+    llm = LLM(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=batch,
+              max_model_len=max_model_len, enable_prefix_caching=False)
+    timer = instrument(llm)
+    llm.generate(prompts(batch), SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    result: dict = {"batch": batch, "offline": {}, "direct": None}
+    for _ in range(repeats):  # alternated lengths, best of each
+        for n in lengths:
+            run = offline_host_us(llm, timer, batch, n)
+            best = result["offline"].get(n)
+            if best is None or run["host_us_per_seq_step"] < best["host_us_per_seq_step"]:
+                result["offline"][n] = run
+        run = direct_steps(llm, timer, batch, longest)
+        best = result["direct"]
+        result["direct"] = run if best is None else {k: min(v, best[k]) for k, v in run.items()}
+    return result
+
+
+def report(result: dict) -> str:
+    lines = [f"batch {result['batch']}, thread CPU time (wall in brackets), best of runs"]
+    for n, r in result["offline"].items():
+        lines.append(
+            f"offline, {n:>5} tokens: host {r['host_us_per_seq_step']:6.2f} us/seq/step "
+            f"[{r['host_wall_us_per_seq_step']:6.2f}]; total {r['total_us_per_seq_step']:6.2f}, "
+            f"of which model + LM head + argmax {r['compute_us_per_seq_step']:6.2f}"
+        )
+    d = result["direct"]
+    lines.append(
+        f"direct step: at start {d['start_ms']:.2f} ms (host {d['start_host_ms']:.2f}) "
+        f"[{d['start_wall_ms']:.2f}]; after {max(result['offline'])} tokens "
+        f"{d['late_ms']:.2f} ms (host {d['late_host_ms']:.2f}) [{d['late_wall_ms']:.2f}]"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.step_loop",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--host-time", action="store_true", required=True,
+                   help="host time per sequence per step (the only measurement so far)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--tokens", default="100,1000", help="output lengths, comma-separated")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each; the best is kept")
+    p.add_argument("--model-dir", type=Path,
+                   default=Path.home() / ".cache" / "pagedgen" / "bench" / "step-loop-llama")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = p.parse_args(argv)
+    lengths = [int(n) for n in args.tokens.split(",")]
+    result = host_time(args.batch, lengths, args.repeats, args.model_dir)
+    print(report(result), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
