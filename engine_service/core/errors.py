@@ -11,6 +11,10 @@ class RequestError(ValueError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self):
+        # Refusals cross from the engine core's process to the front pickled: keep the field.
+        return type(self), (self.field, str(self))
+
 
 class InvalidRequestError(RequestError):
     """A value no engine like this one accepts (the client must change the request)."""

@@ -55,6 +55,10 @@ class PinRefusedError(Exception):
         super().__init__(message)
         self.reason = reason
 
+    def __reduce__(self):
+        # Crosses from the engine core's process to the front pickled: keep the reason.
+        return type(self), (self.reason, str(self))
+
 
 @dataclass(slots=True)
 class IndexLinkOptions:

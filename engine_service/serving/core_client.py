@@ -243,9 +243,13 @@ class CoreClient:
     def _readable(self) -> None:
         try:
             while self._conn is not None and self._conn.poll():
-                self._dispatch(self._conn.recv())
+                message = self._conn.recv()
+                self._dispatch(message)
         except (EOFError, ConnectionResetError, OSError):
             self._core_exited()
+        except Exception as error:  # noqa: BLE001 - a step's outputs lost: streams would hang
+            log.exception("a message from the engine core could not be read")
+            self._die(f"a message from the engine core could not be read: {error!r}")
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
