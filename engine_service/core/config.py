@@ -31,6 +31,10 @@ class EngineConfig:
     seed: int = 0
     # Serve token ids only: no tokenizer is loaded, text input is refused, outputs carry ids.
     skip_tokenizer_init: bool = False
+    # False: the engine makes no text (outputs carry token ids; stop strings are matched by
+    # whoever detokenizes and call finish_sequence): the serving front does it, in its own
+    # process (engine_service/serving/output_text.py).
+    detokenize: bool = True
     # CUDA: run decode steps eagerly, without the captured CUDA graphs (a debugging switch).
     enforce_eager: bool = False
     # A waiting request whose next prompt block a running request is computing waits a step

@@ -254,7 +254,11 @@ class LLMEngine:
         prompt: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        final_output_only: bool = False,
     ) -> None:
+        """Queue a request. Each step that runs it reports what is new (deltas), its last
+        output the whole completions; with final_output_only (the offline API), only that
+        last output is made."""
         if request_id in self._groups:
             raise DuplicateRequestError(
                 "request_id", f"request_id must be unique among live requests, got {request_id!r}"
@@ -268,6 +272,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             priority=priority,
             arrival_order=next(self._arrivals),
+            final_output_only=final_output_only,
         )
         if params.use_beam_search:
             # Beams stream nothing (the best ones are known only at the end): no detokenizer.
@@ -303,7 +308,7 @@ class LLMEngine:
         )
         if params.seed is not None:
             seq.generator = make_generator(params.seed, index, self.runner.device)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.config.detokenize:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 token_ids,
@@ -327,6 +332,25 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self._release_penalty_slot(seq)
         return self._make_output(group)
+
+    def finish_sequence(self, request_id: str, index: int, stop: str) -> RequestOutput | None:
+        """A stop string matched outside the engine (the serving front detokenizes when the
+        config says detokenize=False): sequence `index` of the request ends now, its blocks
+        freed. The request's final output when that was its last live sequence, else None."""
+        group = self._groups.get(request_id)
+        seq = None if group is None else next((s for s in group.seqs if s.index == index), None)
+        if seq is None or seq.is_finished:
+            return None
+        if all(s is seq or s.is_finished for s in group.seqs):
+            seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, "stop", stop
+            self._release_penalty_slot(seq)
+            return self.abort_request(request_id)  # frees the group wherever it waits
+        if seq.status == SequenceStatus.SWAPPED:
+            self.kv.free_cpu([seq])
+        seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, "stop", stop
+        self.kv.forget(seq)
+        self._release_penalty_slot(seq)
+        return None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -378,7 +402,8 @@ class LLMEngine:
         touched = {id(s.group): s.group for s in sched.scheduled}
         # A beam search request has no output before its end: which beams win is not known.
         outputs = [
-            self._make_output(g) for g in touched.values() if g.beam is None or g.is_finished
+            self._make_output(g) for g in touched.values()
+            if (g.beam is None and not g.final_output_only) or g.is_finished
         ]
         for group in self.scheduler.remove_finished():
             self._groups.pop(group.request_id, None)
@@ -435,9 +460,15 @@ class LLMEngine:
             slots = self.sampler.token_counts.add([(s.prompt_view, s.output_view) for s in new])
             for seq, slot in zip(new, slots, strict=True):
                 seq.penalty_slot = slot
-        # Views, not copies: a step's work must not grow with the tokens so far.
-        rows = [SamplingRow(group.params, seq.prompt_view, seq.output_view, seq.generator,
-                            seq.penalty_slot) for seq, group in row_seqs]
+        rows = []
+        for seq, group in row_seqs:
+            row = seq.sampling_row
+            if row is None:
+                # Views, not copies: a step's work must not grow with the tokens so far.
+                row = seq.sampling_row = SamplingRow(group.params, seq.prompt_view,
+                                                     seq.output_view, seq.generator)
+            row.penalty_slot = seq.penalty_slot
+            rows.append(row)
         if len(logit_rows) != len(items):
             logits = logits[torch.tensor(logit_rows, device=logits.device)]
         result = self.sampler(logits, rows)
@@ -478,7 +509,9 @@ class LLMEngine:
         detokenizer = seq.detokenizer
         if detokenizer is not None:
             # Kept until the next output; usually this token's text alone (or nothing).
-            seq.unstreamed_text += detokenizer.add_token(token)
+            delta = detokenizer.add_token(token)
+            if delta:
+                seq.unstreamed_text.append(delta)
         reason = None
         stop_reason = None
         num_out = seq.num_output_tokens
@@ -495,7 +528,7 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             if detokenizer is not None:
-                seq.unstreamed_text += detokenizer.finish()
+                seq.unstreamed_text.append(detokenizer.finish())
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
             seq.stop_reason = stop_reason
@@ -552,7 +585,7 @@ class LLMEngine:
     def _decode(self, prompt_token_ids: list[int], token_ids: list[int],
                 params: SamplingParams) -> str:
         """A finished beam's text, detokenized as a streamed sequence's would be."""
-        if self.tokenizer is None:
+        if self.tokenizer is None or not self.config.detokenize:
             return ""
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, [], skip_special_tokens=params.skip_special_tokens
@@ -578,13 +611,13 @@ class LLMEngine:
                 index=seq.index,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
-                text_delta=seq.unstreamed_text,
+                text_delta="".join(seq.unstreamed_text),
                 token_ids_delta=new,
                 logprobs_delta=lp_delta,
                 num_tokens=num_tokens,
             )
             seq.num_streamed_tokens = num_tokens
-            seq.unstreamed_text = ""
+            seq.unstreamed_text.clear()
             if final:
                 completion.text = seq.detokenizer.text if seq.detokenizer is not None else ""
                 completion.token_ids = seq.output_token_ids

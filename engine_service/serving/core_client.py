@@ -26,6 +26,7 @@ from engine_service.index.link import IndexUnavailableError
 from engine_service.model.sampling_params import SamplingParams
 from engine_service.serving.core_process import CoreOptions, CoreTarget, run_core
 from engine_service.serving.engine_info import EngineInfo
+from engine_service.serving.output_text import RequestText
 
 log = logging.getLogger("engine_service.serving.core_client")
 
@@ -57,17 +58,21 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
 class OutputBuffer:
     """A request's outputs on their way to its stream: at most one pending item, merged."""
 
-    __slots__ = ("_pending", "_ready", "prompt_token_ids", "prompt")
+    __slots__ = ("_pending", "_ready", "prompt_token_ids", "prompt", "text")
 
-    def __init__(self, prompt_token_ids: list[int], prompt: str | None) -> None:
+    def __init__(self, prompt_token_ids: list[int], prompt: str | None,
+                 text: RequestText | None) -> None:
         self._pending: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
         self.prompt_token_ids = prompt_token_ids
         self.prompt = prompt
+        self.text = text  # makes the text of each output, in order (None: ids only)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, RequestOutput):
             item.prompt_token_ids, item.prompt = self.prompt_token_ids, self.prompt
+            if self.text is not None:
+                self.text.apply(item)
             if isinstance(self._pending, RequestOutput):
                 item = merge_outputs(self._pending, item)
             elif isinstance(self._pending, BaseException):
@@ -114,6 +119,9 @@ class CoreClient:
         self.on_rpc = on_rpc
         self._core_target = core_target
         self.info: EngineInfo | None = None
+        # The front's tokenizer (the servicer's: one thread uses it), for the outputs' text: the
+        # core makes none. Set before the first request; None serves token ids only.
+        self.tokenizer = None
         self.snapshot: EngineStats | None = None
         self.link = CoreLinkView(self) if options.prefix_index else None
         self.dead: BaseException | None = None
@@ -202,7 +210,12 @@ class CoreClient:
         self.check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id must be unique among live requests, got {request_id!r}")
-        buffer = OutputBuffer(prompt_token_ids, prompt)
+        text = None
+        if self.tokenizer is not None:
+            text = RequestText(self.tokenizer, prompt_token_ids, params,
+                               lambda index, stop: self._send(
+                                   ("finish_seq", request_id, index, stop)))
+        buffer = OutputBuffer(prompt_token_ids, prompt, text)
         self._streams[request_id] = buffer
         self._send(("add", request_id, prompt_token_ids, params, cache_salt, priority))
         return buffer

@@ -9,14 +9,17 @@ have an interpreter; they talk in batches:
   front -> core  a list of commands per event-loop turn:
                  ("add", request_id, prompt_token_ids, params, cache_salt, priority)
                  ("abort", request_id)
+                 ("finish_seq", request_id, index, stop_string)  a stop string matched in the
+                                                    front ends that sequence
                  ("call", call_id, name, args)     pin_prefix
                  ("start_link", serving_address, instance_id)
                  ("stop",)                          abort what is live, close the link, exit
   core -> front  ("ready", EngineInfo) once the engine is built, or ("failed", message);
                  then one ("step", outputs, errors, stats, link_view, results, rpc_times) per
-                 step or state change: the step's RequestOutputs (deltas only; the front knows
-                 each request's prompt), requests refused at admission, the engine's stats, the
-                 index link's state (when it changed), call results, index RPC latencies.
+                 step or state change: the step's RequestOutputs (token id deltas only: the
+                 front detokenizes, and knows each request's prompt), requests refused at
+                 admission, the engine's stats, the index link's state (when it changed), call
+                 results, index RPC latencies.
 
 The core owns every piece of engine state, the index link included (the one writer of the pool's
 mirror). It ignores SIGINT and SIGTERM: the front drains and then sends "stop". When the front
@@ -173,6 +176,10 @@ class CoreLoop:
                 self._errors.append((request_id, error))
         elif kind == "abort":
             output = engine.abort_request(command[1])
+            if output is not None:
+                self._outputs.append(output)
+        elif kind == "finish_seq":  # a stop string the front matched
+            output = engine.finish_sequence(command[1], command[2], command[3])
             if output is not None:
                 self._outputs.append(output)
         elif kind == "call":

@@ -105,6 +105,8 @@ class EngineServer:
         # The servicer tokenizes on the event loop thread while the engine thread detokenizes:
         # two tokenizer objects, since HF fast tokenizers are not safe across threads.
         tokenizer = None if not info.limits.has_tokenizer else load_tokenizer(info.model_config)
+        if isinstance(self.async_engine, CoreClient):
+            self.async_engine.tokenizer = tokenizer  # the core makes no text: we do
         return GenerationServicer(
             self.async_engine,
             RequestValidator(info.limits, tokenizer, self.options.max_live_requests),
@@ -344,6 +346,7 @@ def serve(args: argparse.Namespace, core_target: CoreTarget = run_core) -> None:
 
         model = str(ensure_default_model())
     config = engine_config_from_args(args, model)
+    config.detokenize = False  # the front makes the text (serving/output_text.py)
     engine_id = args.engine_id or f"{socket.gethostname()}-{args.port or os.getpid()}"
     # The prefix index link (engine_service/index/link.py) installs its policy in the engine's
     # pool, in the core, and reports `degraded` / `health_details()` with each step; None for

@@ -1,0 +1,103 @@
+"""Text for a request's outputs, made in the serving front: the engine core sends token ids only.
+
+Each sampled sequence has an incremental detokenizer here (stop strings, min_tokens,
+include_stop_str_in_output, skip_special_tokens, as the engine's own would). When a stop string
+matches, that sequence is finished on the spot: its completion says "stop" with the string, the
+tokens and text after it are dropped, and the core is told to finish the sequence (it may have
+run one more step meanwhile; what that step made never leaves). Beams are decoded whole at the
+end, as the engine decodes them offline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine_service.core.outputs import CompletionOutput, RequestOutput
+from engine_service.model.detokenizer import IncrementalDetokenizer
+from engine_service.model.sampling_params import SamplingParams
+
+# (request_id, sequence index, the stop string): tells the core to finish that sequence.
+FinishSequence = Callable[[int, str], None]
+
+
+class _SequenceText:
+    __slots__ = ("detokenizer", "num_kept", "stop")
+
+    def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
+        self.detokenizer = detokenizer
+        self.num_kept = 0  # output tokens passed on (those up to a matched stop string)
+        self.stop: str | None = None  # the stop string that finished it here
+
+
+class RequestText:
+    """One request's detokenizers; `apply` turns each core output into the client's."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+                 finish_sequence: FinishSequence) -> None:
+        self._tokenizer = tokenizer
+        self._prompt_token_ids = prompt_token_ids
+        self._params = params
+        self._finish_sequence = finish_sequence
+        self._sequences: dict[int, _SequenceText] = {}
+
+    def _sequence(self, index: int) -> _SequenceText:
+        sequence = self._sequences.get(index)
+        if sequence is None:
+            params = self._params
+            sequence = self._sequences[index] = _SequenceText(IncrementalDetokenizer(
+                self._tokenizer, self._prompt_token_ids, params.stop,
+                params.include_stop_str_in_output, params.skip_special_tokens,
+                min_tokens=params.min_tokens))
+        return sequence
+
+    def apply(self, output: RequestOutput) -> None:
+        if self._params.use_beam_search:
+            if output.finished:
+                for completion in output.outputs:
+                    self._decode_beam(completion)
+            return
+        for completion in output.outputs:
+            self._apply(completion, output.finished)
+
+    def _apply(self, completion: CompletionOutput, final: bool) -> None:
+        sequence = self._sequence(completion.index)
+        detokenizer = sequence.detokenizer
+        if sequence.stop is not None:  # finished here already: only its whole fields remain
+            completion.token_ids_delta, completion.text_delta = [], ""
+            if completion.logprobs_delta is not None:
+                completion.logprobs_delta = []
+        else:
+            text: list[str] = []
+            kept = 0
+            for token in completion.token_ids_delta:
+                text.append(detokenizer.add_token(token))
+                kept += 1
+                if detokenizer.matched_stop is not None:
+                    sequence.stop = detokenizer.matched_stop
+                    self._finish_sequence(completion.index, sequence.stop)
+                    break
+            if kept < len(completion.token_ids_delta):
+                completion.token_ids_delta = completion.token_ids_delta[:kept]
+                if completion.logprobs_delta is not None:
+                    completion.logprobs_delta = completion.logprobs_delta[:kept]
+            sequence.num_kept += kept
+            if sequence.stop is None and completion.finish_reason is not None:
+                text.append(detokenizer.finish())  # EOS, length or abort: release the tail
+            completion.text_delta = "".join(text)
+        if sequence.stop is not None:
+            completion.finish_reason, completion.stop_reason = "stop", sequence.stop
+        completion.num_tokens = min(completion.num_tokens, sequence.num_kept)
+        if final:
+            completion.text = detokenizer.text
+            completion.token_ids = completion.token_ids[:sequence.num_kept]
+            if completion.logprobs is not None:
+                completion.logprobs = completion.logprobs[:sequence.num_kept]
+
+    def _decode_beam(self, completion: CompletionOutput) -> None:
+        detokenizer = IncrementalDetokenizer(
+            self._tokenizer, self._prompt_token_ids, [],
+            skip_special_tokens=self._params.skip_special_tokens)
+        for token in completion.token_ids:
+            detokenizer.add_token(token)
+        detokenizer.finish()
+        completion.text = completion.text_delta = detokenizer.text
