@@ -50,7 +50,7 @@ class RouterServer:
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
         self.servicer = RouterServicer(router)
         self.health = health_aio.HealthServicer()
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port fails
         self.port = 0
         self._health_task: asyncio.Task | None = None
 

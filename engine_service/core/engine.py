@@ -7,7 +7,6 @@ they run between two steps. Readers use `snapshot`, the stats the engine publish
 
 import itertools
 import logging
-import math
 import queue
 import time
 from collections.abc import Callable
@@ -15,18 +14,18 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_service.core.beam_search import BeamSearch, max_abs_length_penalty
+from engine_service.core.beam_search import BeamSearch
 from engine_service.core.block_hash import BlockHasher
 from engine_service.core.block_pool import BlockPool
 from engine_service.core.config import EngineConfig
 from engine_service.core.errors import (
     DuplicateRequestError,
-    InvalidRequestError,
     RequestTooLargeError,
 )
-from engine_service.core.kv_cache_manager import KVCacheManager, blocks_for
+from engine_service.core.kv_cache_manager import KVCacheManager
 from engine_service.core.outputs import CompletionOutput, RequestOutput
 from engine_service.core.prefix_policy import PrefixPolicy
+from engine_service.core.request_limits import RequestLimits
 from engine_service.core.scheduler import Scheduler, SchedulerConfig
 from engine_service.core.scheduler_output import ScheduledSeq
 from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -35,7 +34,7 @@ from engine_service.model.detokenizer import IncrementalDetokenizer
 from engine_service.model.kv_cache_setup import graph_rows, setup_kv_cache, uses_cuda_graphs
 from engine_service.model.runner import ModelRunner, kv_bytes_per_block
 from engine_service.model.sampler import Sampler, SamplingRow, make_generator
-from engine_service.model.sampling_params import MAX_BEAM_WIDTH, SamplingParams
+from engine_service.model.sampling_params import SamplingParams
 from engine_service.model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -120,6 +119,13 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
+        # What a request must fit (the serving front checks the same, from EngineInfo).
+        self.limits = RequestLimits(
+            vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
+            num_blocks=self.pool.num_blocks, block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            has_tokenizer=self.tokenizer is not None)
         self.sampler = Sampler(mc.vocab_size, eos, seed=config.seed, device=self.runner.device)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -143,108 +149,17 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError (RequestTooLargeError when it can never fit) naming the
-        field. Reads only this engine's fixed limits: safe from any thread."""
-        if not prompt_token_ids:
-            raise InvalidRequestError(
-                "prompt", "prompt must contain at least one token, got an empty prompt"
-            )
-        vocab = self.model_config.vocab_size
-        bad = next(
-            (t for t in prompt_token_ids
-             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab),
-            None,
-        )
-        if bad is not None:
-            raise InvalidRequestError(
-                "prompt", f"prompt_token_ids must be ints in [0, {vocab}), got {bad!r}"
-            )
-        try:
-            params.check_for_model(vocab)
-        except ValueError as error:
-            raise InvalidRequestError("stop_token_ids", str(error)) from None
-        if self.tokenizer is None and params.stop:
-            raise InvalidRequestError(
-                "stop", f"stop must be empty when the engine has no tokenizer "
-                f"(skip_tokenizer_init), got {params.stop!r}: use stop_token_ids"
-            )
-        num_prompt = len(prompt_token_ids)
-        if num_prompt >= self.max_model_len:
-            raise RequestTooLargeError(
-                "prompt",
-                f"prompt must be at most {self.max_model_len - 1} tokens (the "
-                f"{self.max_model_len}-token context keeps one for the output), "
-                f"got {num_prompt} tokens",
-            )
-        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
-            raise RequestTooLargeError(
-                "max_tokens",
-                f"max_tokens must be at most {self.max_model_len - num_prompt} for this "
-                f"{num_prompt}-token prompt (context {self.max_model_len}), "
-                f"got {params.max_tokens}",
-            )
-        if params.use_beam_search and params.beam_width > self.max_beam_width:
-            raise RequestTooLargeError(
-                "beam_width", f"beam_width must be at most {self.max_beam_width} on this engine "
-                f"(every beam takes its step in the same forward: max_num_seqs "
-                f"{self.config.max_num_seqs}, max_num_batched_tokens "
-                f"{self.config.max_num_batched_tokens}), got {params.beam_width}"
-            )
-        if params.use_beam_search:
-            max_new = self.max_model_len - num_prompt
-            if params.max_tokens is not None:
-                max_new = min(max_new, params.max_tokens)
-            bound = max_abs_length_penalty(max_new)
-            if abs(params.length_penalty) > bound:
-                shown = math.floor(bound * 100) / 100  # rounded down: every value shown is fine
-                raise InvalidRequestError(
-                    "length_penalty", f"length_penalty must be between {-shown} and "
-                    f"{shown} for beams of up to {max_new} tokens (beams are scored "
-                    f"cum_logprob / length ** length_penalty in float32, which must stay "
-                    f"finite), got {params.length_penalty}"
-                )
-        if params.n > self.config.max_num_seqs:
-            raise RequestTooLargeError(
-                "n", f"n must be at most {self.config.max_num_seqs} (max_num_seqs: the "
-                f"sequences one step runs), got {params.n}"
-            )
-        prompt_blocks = blocks_for(num_prompt + 1, self.config.block_size)
-        if prompt_blocks > self.pool.num_blocks:
-            raise RequestTooLargeError(
-                "prompt",
-                f"prompt must fit this engine's KV pool of {self.pool.num_blocks} blocks of "
-                f"{self.config.block_size} tokens with one output token "
-                f"({prompt_blocks} blocks), got {num_prompt} tokens",
-            )
-        needed = self.blocks_for_request(num_prompt, params)
-        if needed > self.pool.num_blocks:
-            num_seqs = params.num_sequences
-            shared = num_prompt // self.config.block_size if num_seqs > 1 else 0
-            width = "beam_width" if params.use_beam_search else "n"
-            raise RequestTooLargeError(
-                "max_tokens",
-                f"max_tokens and {width} must fit this engine's KV pool: the request needs up "
-                f"to {needed} KV blocks but the pool has {self.pool.num_blocks} blocks of "
-                f"{self.config.block_size} tokens ({num_seqs} sequences of {num_prompt} prompt "
-                f"tokens + max_tokens, {shared} full prompt blocks shared); got "
-                f"max_tokens={params.max_tokens}, {width}={num_seqs}: lower max_tokens or "
-                f"{width}",
-            )
+        field. Reads only this engine's fixed limits (RequestLimits, which the serving front
+        holds too): safe from any thread."""
+        self.limits.validate(prompt_token_ids, params)
 
     @property
     def max_beam_width(self) -> int:
         """The widest beam search this engine runs: all beams step in one forward."""
-        return min(MAX_BEAM_WIDTH, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        return self.limits.max_beam_width
 
     def blocks_for_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """The most blocks the request's group ever holds: its sequences (n samples or
-        beam_width beams) share the prompt's full blocks and hold the rest (the partial prompt
-        block copied on write) each. Beams share more than the prompt while they agree; this
-        counts the worst case, where they share nothing else."""
-        max_len = num_prompt_tokens + (params.max_tokens or self.max_model_len)
-        per_seq = blocks_for(min(max_len, self.max_model_len), self.config.block_size)
-        num_seqs = params.num_sequences
-        shared = num_prompt_tokens // self.config.block_size if num_seqs > 1 else 0
-        return shared + num_seqs * (per_seq - shared)
+        return self.limits.blocks_for_request(num_prompt_tokens, params)
 
     def add_request(
         self,

@@ -16,7 +16,10 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
+import struct
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from engine_service.core.engine import EngineStats
@@ -24,46 +27,56 @@ from engine_service.core.errors import EngineDeadError
 from engine_service.core.outputs import CompletionOutput, RequestOutput
 from engine_service.index.link import IndexUnavailableError
 from engine_service.model.sampling_params import SamplingParams
-from engine_service.serving.core_process import CoreOptions, CoreTarget, run_core
+from engine_service.serving.core_process import CoreChannel, CoreOptions, CoreTarget, run_core
 from engine_service.serving.engine_info import EngineInfo
 from engine_service.serving.output_text import RequestText
 
 log = logging.getLogger("engine_service.serving.core_client")
 
-_DELTA_FIELDS = tuple(n for n in CompletionOutput.__slots__ if n.endswith("_delta"))
+# Core messages handled per reader callback before the loop gets a turn.
+MESSAGES_PER_CALLBACK = 8
+
 _WHOLE_FIELDS = tuple(n for n in CompletionOutput.__slots__ if not n.endswith("_delta"))
 
 
-def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """One output saying what `older` and then `newer` said: deltas joined, the rest newer's."""
+def merge_outputs(older: RequestOutput, newer: RequestOutput,
+                  text_parts: dict[int, list[str]]) -> RequestOutput:
+    """`older` updated to say what it and then `newer` said: token and logprob deltas extended
+    in place, text deltas collected in `text_parts` (joined once, when the stream takes the
+    output), the rest newer's. Amortized O(new tokens) however long the stream has waited."""
     by_index = {c.index: c for c in older.outputs}
     for completion in newer.outputs:
         kept = by_index.get(completion.index)
         if kept is None:
             by_index[completion.index] = completion
             continue
-        for name in _DELTA_FIELDS:
-            before, after = getattr(kept, name), getattr(completion, name)
-            if before is None or after is None:
-                setattr(kept, name, after if before is None else before)
-            else:
-                setattr(kept, name, before + after)
+        kept.token_ids_delta.extend(completion.token_ids_delta)
+        if kept.logprobs_delta is None:
+            kept.logprobs_delta = completion.logprobs_delta
+        elif completion.logprobs_delta:
+            kept.logprobs_delta.extend(completion.logprobs_delta)
+        if completion.text_delta:
+            text_parts.setdefault(completion.index, []).append(completion.text_delta)
         for name in _WHOLE_FIELDS:
             setattr(kept, name, getattr(completion, name))
-    newer.outputs = sorted(by_index.values(), key=lambda c: c.index)
-    newer.first_token_time = older.first_token_time or newer.first_token_time
-    return newer
+    if len(by_index) != len(older.outputs):
+        older.outputs = sorted(by_index.values(), key=lambda c: c.index)
+    for name in ("finished", "num_cached_tokens", "finished_time"):
+        setattr(older, name, getattr(newer, name))
+    older.first_token_time = older.first_token_time or newer.first_token_time
+    return older
 
 
 class OutputBuffer:
     """A request's outputs on their way to its stream: at most one pending item, merged."""
 
-    __slots__ = ("_pending", "_ready", "prompt_token_ids", "prompt", "text")
+    __slots__ = ("_pending", "_ready", "_text_parts", "prompt_token_ids", "prompt", "text")
 
     def __init__(self, prompt_token_ids: list[int], prompt: str | None,
                  text: RequestText | None) -> None:
         self._pending: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
+        self._text_parts: dict[int, list[str]] = {}
         self.prompt_token_ids = prompt_token_ids
         self.prompt = prompt
         self.text = text  # makes the text of each output, in order (None: ids only)
@@ -74,7 +87,7 @@ class OutputBuffer:
             if self.text is not None:
                 self.text.apply(item)
             if isinstance(self._pending, RequestOutput):
-                item = merge_outputs(self._pending, item)
+                item = merge_outputs(self._pending, item, self._text_parts)
             elif isinstance(self._pending, BaseException):
                 return  # an error ends the stream; nothing after it counts
         self._pending = item
@@ -84,6 +97,12 @@ class OutputBuffer:
         await self._ready.wait()
         item, self._pending = self._pending, None
         self._ready.clear()
+        if self._text_parts and isinstance(item, RequestOutput):
+            for completion in item.outputs:
+                parts = self._text_parts.get(completion.index)
+                if parts:
+                    completion.text_delta += "".join(parts)
+            self._text_parts = {}
         return item
 
 
@@ -129,9 +148,13 @@ class CoreClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self._outbox: list[tuple] = []
+        self._unsent = bytearray()  # framed commands the pipe could not take yet
+        self._writing = False  # a writer callback waits for room in the pipe
         self._loop: asyncio.AbstractEventLoop | None = None
         self._process = None
-        self._conn = None
+        self._commands = None  # our end of the front -> core pipe
+        self._outputs = None  # our end of the core -> front pipe
+        self._started = False
         self._stopping = False
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -140,26 +163,35 @@ class CoreClient:
         profiling, warm-up): ValueError with the core's message when it cannot start."""
         self._loop = asyncio.get_running_loop()
         context = multiprocessing.get_context("spawn")  # no fork of a process with threads
-        self._conn, child_end = context.Pipe(duplex=True)
-        self._process = context.Process(target=self._core_target, args=(child_end, self.options),
+        # One pipe each way. The front never blocks writing: its end is non-blocking and what
+        # the pipe cannot take now waits in _unsent until the loop says it is writable, so the
+        # loop always goes on reading what the core sends (two blocking writers on one full
+        # socketpair would wait for each other for good).
+        commands_in, self._commands = context.Pipe(duplex=False)
+        self._outputs, outputs_out = context.Pipe(duplex=False)
+        self._process = context.Process(target=self._core_target,
+                                        args=(CoreChannel(commands_in, outputs_out), self.options),
                                         name="pagedgen-engine-core", daemon=True)
         self._process.start()
-        child_end.close()
+        commands_in.close()
+        outputs_out.close()
+        os.set_blocking(self._commands.fileno(), False)
         first = await asyncio.to_thread(self._first_message)
         if first[0] != "ready":
             await asyncio.to_thread(self._process.join, 10)
             raise ValueError(f"the engine core could not start: {first[1]}")
         self.info = first[1]
-        self._loop.add_reader(self._conn.fileno(), self._readable)
+        self._loop.add_reader(self._outputs.fileno(), self._readable)
         self._loop.add_reader(self._process.sentinel, self._core_exited)
+        self._started = True
         return self.info
 
     def _first_message(self) -> tuple:
-        while not self._conn.poll(0.2):
+        while not self._outputs.poll(0.2):
             if not self._process.is_alive():
                 return ("failed", f"the core process exited with code {self._process.exitcode}")
         try:
-            return self._conn.recv()
+            return self._outputs.recv()
         except EOFError:
             return ("failed", "the core process closed its channel")
 
@@ -168,29 +200,36 @@ class CoreClient:
         self._send(("start_link", serving_address, instance_id))
 
     async def stop(self) -> None:
-        """Aborts what is live, tells the core to stop, waits for it to exit."""
-        for request_id in list(self._streams):
-            self.abort(request_id)
+        """Aborts what is live, tells the core to stop, waits for it to exit. A core that never
+        finished starting (a signal during the model load, a port in use) is killed."""
         self._stopping = True
-        if self.dead is None:
-            self._send(("stop",))
-            self._flush()
         process = self._process
         if process is None:
             return
-        await asyncio.to_thread(process.join, 30)
+        if self._started and self.dead is None:
+            for request_id in list(self._streams):
+                self.abort(request_id)
+            self._send(("stop",))
+            self._flush()
+            await asyncio.to_thread(process.join, 30)
         if process.is_alive():
-            log.warning("the engine core did not stop in 30 s: killing it")
+            if self._started:
+                log.warning("the engine core did not stop in 30 s: killing it")
             process.kill()
             await asyncio.to_thread(process.join, 5)
         self._close_channel()
 
     def _close_channel(self) -> None:
-        if self._conn is not None and self._loop is not None:
-            self._loop.remove_reader(self._conn.fileno())
+        if self._outputs is None:
+            return
+        if self._started:
+            self._loop.remove_reader(self._outputs.fileno())
             self._loop.remove_reader(self._process.sentinel)
-            self._conn.close()
-            self._conn = None
+            if self._writing:
+                self._loop.remove_writer(self._commands.fileno())
+        self._outputs.close()
+        self._commands.close()
+        self._outputs = self._commands = None
 
     # ---- requests (the servicer's AsyncEngine interface) --------------------------------------
     @property
@@ -244,20 +283,43 @@ class CoreClient:
         self._outbox.append(command)
 
     def _flush(self) -> None:
-        if not self._outbox or self._conn is None or self.dead is not None:
+        """This loop turn's commands, as one message in multiprocessing's framing (what the
+        core's Connection.recv reads), written without blocking."""
+        if not self._outbox or self._commands is None or self.dead is not None:
             self._outbox = []
             return
         batch, self._outbox = self._outbox, []
-        try:
-            self._conn.send(batch)
-        except (BrokenPipeError, ConnectionResetError, OSError) as error:
-            self._die(f"the engine core's channel broke: {error!r}")
+        payload = ForkingPickler.dumps(batch)
+        self._unsent += struct.pack("!i", len(payload)) + payload
+        self._write()
 
-    def _readable(self) -> None:
+    def _write(self) -> None:
+        if self._commands is None:
+            return
         try:
-            while self._conn is not None and self._conn.poll():
-                message = self._conn.recv()
-                self._dispatch(message)
+            while self._unsent:
+                written = os.write(self._commands.fileno(), self._unsent)
+                del self._unsent[:written]
+        except BlockingIOError:
+            pass  # the core is mid-step: the rest goes when the pipe has room
+        except OSError as error:
+            self._die(f"the engine core's channel broke: {error!r}")
+            return
+        if self._unsent and not self._writing:
+            self._loop.add_writer(self._commands.fileno(), self._write)
+            self._writing = True
+        elif not self._unsent and self._writing:
+            self._loop.remove_writer(self._commands.fileno())
+            self._writing = False
+
+    def _readable(self, limit: int = MESSAGES_PER_CALLBACK) -> None:
+        """At most `limit` messages, then back to the loop (it calls again while more wait):
+        a core outrunning the front must not starve the streams, health and signals."""
+        try:
+            for _ in range(limit):
+                if self._outputs is None or not self._outputs.poll():
+                    return
+                self._dispatch(self._outputs.recv())
         except (EOFError, ConnectionResetError, OSError):
             self._core_exited()
         except Exception as error:  # noqa: BLE001 - a step's outputs lost: streams would hang
@@ -302,7 +364,15 @@ class CoreClient:
 
     def _core_exited(self) -> None:
         """The core's channel closed or its process ended: expected once stop() asked."""
-        if self._process is None or self.dead is not None:
+        if self._process is None or self.dead is not None or self._outputs is None:
+            return
+        # What it sent before it went (its last step's outputs, its last word) counts first.
+        try:
+            while self._outputs is not None and self._outputs.poll():
+                self._dispatch(self._outputs.recv())
+        except (EOFError, OSError):
+            pass
+        if self.dead is not None:
             return
         if self._stopping:
             self._close_channel()

@@ -43,7 +43,12 @@ from engine_service.core.config import EngineConfig
 from engine_service.core.engine import LLMEngine
 from engine_service.core.errors import RequestError
 from engine_service.core.outputs import RequestOutput
-from engine_service.index.link import IndexLinkOptions, connect_prefix_index
+from engine_service.index.link import (
+    IndexLinkOptions,
+    IndexUnavailableError,
+    PinRefusedError,
+    connect_prefix_index,
+)
 from engine_service.serving.engine_info import EngineInfo
 
 log = logging.getLogger("engine_service.serving.core")
@@ -62,8 +67,47 @@ class CoreOptions:
     torch_threads: int = 0  # 0: torch's default
 
 
-def run_core(conn: Connection, options: CoreOptions) -> None:
+@dataclass(frozen=True, slots=True)
+class CoreChannel:
+    """The core's ends of its two pipes to the front."""
+
+    commands: Connection  # front -> core: command batches
+    outputs: Connection  # core -> front: one message per step
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the front dies, even mid model load (a core
+    outliving its front would hold the model's memory, a GPU's included, for nothing)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the core still exits when the front's end of the pipe closes
+
+
+def _shippable(error: BaseException) -> BaseException:
+    """An error the front can unpickle and map: the known kinds as they are, others as text."""
+    if isinstance(error, (RequestError, PinRefusedError, IndexUnavailableError)):
+        return error
+    return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def default_torch_threads(device: str) -> int:
+    """On the CPU, one core is left to the front (gRPC, tokenizer, detokenizer): torch's
+    threads spin at their barriers, so sharing every core with a busy front slows both."""
+    if device != "cpu":
+        return 0
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+def run_core(channel: CoreChannel, options: CoreOptions) -> None:
     """The core process's entry point (multiprocessing spawn target)."""
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:  # the front died before the request took effect
+        raise SystemExit(1)
+    conn = channel.outputs
     # The front owns the lifecycle: a Ctrl-C or SIGTERM to the process group drains through it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -86,7 +130,7 @@ def run_core(conn: Connection, options: CoreOptions) -> None:
         raise SystemExit(2) from None
     conn.send(("ready", EngineInfo.of(engine)))
     try:
-        CoreLoop(engine, conn, link, rpc_times).run()
+        CoreLoop(engine, channel, link, rpc_times).run()
     except BaseException as error:  # the front ends every stream with this and exits non-zero
         log.exception("the engine core failed")
         try:
@@ -99,10 +143,11 @@ def run_core(conn: Connection, options: CoreOptions) -> None:
 class CoreLoop:
     """Receives command batches, steps the engine, sends one message per step."""
 
-    def __init__(self, engine: LLMEngine, conn: Connection, link,
+    def __init__(self, engine: LLMEngine, channel: CoreChannel, link,
                  rpc_times: list[tuple[str, float]]) -> None:
         self.engine = engine
-        self.conn = conn
+        self.commands = channel.commands
+        self.conn = channel.outputs
         self.link = link
         self.rpc_times = rpc_times
         # The link posts commands to the engine from its own thread: a byte on this pipe wakes
@@ -151,13 +196,13 @@ class CoreLoop:
     def _receive(self, timeout: float) -> bool:
         """Applies every command batch that has arrived (waiting up to `timeout` for one);
         False when the front closed the channel."""
-        ready = wait([self.conn, self._wake_r], timeout)
+        ready = wait([self.commands, self._wake_r], timeout)
         if self._wake_r in ready:
             os.read(self._wake_r, 4096)
-        while self.conn in ready or self.conn.poll():
+        while self.commands in ready or self.commands.poll():
             ready = ()
             try:
-                batch = self.conn.recv()
+                batch = self.commands.recv()
             except EOFError:
                 return False
             for command in batch:
@@ -210,7 +255,8 @@ class CoreLoop:
         for call_id, future in self._pending_calls:
             if future.done():
                 error = future.exception()
-                self._results.append((call_id, None if error else future.result(), error))
+                self._results.append((call_id, None if error else future.result(),
+                                      None if error is None else _shippable(error)))
             else:
                 still.append((call_id, future))
         self._pending_calls = still
@@ -233,4 +279,4 @@ class CoreLoop:
         self._outputs, self._errors, self._results = [], [], []
 
 
-CoreTarget = Callable[[Connection, CoreOptions], None]
+CoreTarget = Callable[[CoreChannel, CoreOptions], None]

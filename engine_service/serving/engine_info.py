@@ -24,16 +24,7 @@ class EngineInfo:
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
         config = engine.config
-        limits = RequestLimits(
-            vocab_size=engine.model_config.vocab_size,
-            max_model_len=engine.max_model_len,
-            num_blocks=engine.pool.num_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            has_tokenizer=engine.tokenizer is not None,
-        )
-        return cls(limits, engine.model_config, engine.hasher.identity,
+        return cls(engine.limits, engine.model_config, engine.hasher.identity,
                    tuple(sorted(engine.eos_token_ids)), config.dtype, config.device)
 
     @property

@@ -33,7 +33,12 @@ from engine_service.model.dtype import DTYPE_CHOICES
 from engine_service.model.tokenizer import load_tokenizer
 from engine_service.serving.async_engine import AsyncEngine
 from engine_service.serving.core_client import CoreClient
-from engine_service.serving.core_process import CoreOptions, CoreTarget, run_core
+from engine_service.serving.core_process import (
+    CoreOptions,
+    CoreTarget,
+    default_torch_threads,
+    run_core,
+)
 from engine_service.serving.engine_info import EngineInfo
 from engine_service.serving.metrics import EngineMetrics
 from engine_service.serving.servicer import GenerationServicer, IndexLink
@@ -96,7 +101,9 @@ class EngineServer:
         if index_link is not None:
             self.metrics.watch_degraded(lambda: index_link.degraded)
         self.health = health_aio.HealthServicer()
-        self.server = grpc.aio.server()
+        # No SO_REUSEPORT: a second process on our port must fail to bind, not share it (the
+        # index tells a live engine from a crashed one by who answers at its address).
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine_failed = asyncio.Event()  # set (on the loop) when the engine died
@@ -255,6 +262,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="load no tokenizer: token-id input and output only")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly, without CUDA graphs")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch threads in the engine core (default: on the CPU, every core but "
+                        "one, which the front keeps for gRPC and text; on CUDA, torch's choice)")
     p.add_argument("--max-live-requests", type=int, default=ServerOptions().max_live_requests,
                    help="requests accepted and unfinished before RESOURCE_EXHAUSTED")
     p.add_argument("--prefix-index", default="none",
@@ -274,6 +284,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_live_requests < 1:
         p.error(f"--max-live-requests must be >= 1, got {args.max_live_requests}")
+    if args.torch_threads is not None and args.torch_threads < 0:
+        p.error(f"--torch-threads must be >= 0 (0: torch's default), got {args.torch_threads}")
     if args.grace_s < 0:
         p.error(f"--grace-s must be >= 0, got {args.grace_s}")
     if args.prefix_index != "none" and not re.fullmatch(r"[^\s:]+:\d{1,5}", args.prefix_index):
@@ -315,8 +327,23 @@ async def _serve(args: argparse.Namespace, options: ServerOptions, core_options:
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    # A signal during start-up (the model load can take minutes) stops it there.
+    starting = asyncio.ensure_future(server.start())
+    stop_asked = asyncio.ensure_future(stopping.wait())
     try:
-        port = await server.start()
+        await asyncio.wait([starting, stop_asked], return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        starting.cancel()
+        await core.stop()
+        raise
+    if not starting.done():
+        starting.cancel()
+        log.info("stopped during start-up")
+        await core.stop()
+        return False
+    stop_asked.cancel()
+    try:
+        port = starting.result()
     except BaseException:
         await core.stop()
         raise
@@ -353,7 +380,9 @@ def serve(args: argparse.Namespace, core_target: CoreTarget = run_core) -> None:
     # --prefix-index none (the local LRU alone).
     core_options = CoreOptions(
         config, None if args.prefix_index == "none" else args.prefix_index, engine_id,
-        IndexLinkOptions(lease_s=args.index_lease_s), args.log_level)
+        IndexLinkOptions(lease_s=args.index_lease_s), args.log_level,
+        default_torch_threads(config.device) if args.torch_threads is None
+        else args.torch_threads)
     options = ServerOptions(args.host, args.port, args.metrics_port, args.metrics_host,
                             args.max_live_requests, engine_id)
     if asyncio.run(_serve(args, options, core_options, EngineMetrics(), core_target)):

@@ -60,6 +60,11 @@ class HolderProber:
                     # Alive but stalled, or a host that drops packets: not proof of death.
                     return ProbeResult(HolderState.UNKNOWN, f"{address} did not answer ModelInfo "
                                        f"within {self.timeout_s:g}s")
+                details = error.details() or ""
+                if code == grpc.StatusCode.UNAVAILABLE and ("resolv" in details
+                                                            or "DNS" in details):
+                    # A name that does not resolve from here says nothing of the process.
+                    return ProbeResult(HolderState.UNKNOWN, f"{address} does not resolve here")
                 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED):
                     # Nothing listens there (connection refused, a name that no longer
                     # resolves), or something that is not an engine does.

@@ -72,7 +72,8 @@ class IndexServer:
         # until the kernel's keepalive, hours later.
         self.server = grpc.aio.server(options=[
             ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1)])
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.so_reuseport", 0)])  # a second index on our port fails to bind
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> int:

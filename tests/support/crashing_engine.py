@@ -9,16 +9,15 @@ started by spawn: the fault is installed there, by the core's entry point below.
 
 import os
 import sys
-from multiprocessing.connection import Connection
 
 from engine_service.core.engine import LLMEngine
 from engine_service.serving import server
-from engine_service.serving.core_process import CoreOptions, run_core
+from engine_service.serving.core_process import CoreChannel, CoreOptions, run_core
 
 CRASH_AT_ENV = "PAGEDGEN_TEST_CRASH_AT_STEP"
 
 
-def crashing_core(conn: Connection, options: CoreOptions) -> None:
+def crashing_core(channel: CoreChannel, options: CoreOptions) -> None:
     crash_at = int(os.environ[CRASH_AT_ENV])
     step = LLMEngine.step
 
@@ -28,7 +27,7 @@ def crashing_core(conn: Connection, options: CoreOptions) -> None:
         return step(self)
 
     LLMEngine.step = crashing_step
-    run_core(conn, options)
+    run_core(channel, options)
 
 
 def main() -> None:
