@@ -103,9 +103,9 @@ class LLM:
             )
         order = {}
         for index, (request_id, token_ids, params, text, salt, prio) in enumerate(requests):
-            engine.add_request(
-                request_id, token_ids, params, prompt=text, cache_salt=salt, priority=prio
-            )
+            # Only the final outputs are read here: the engine makes no output per step.
+            engine.add_request(request_id, token_ids, params, prompt=text, cache_salt=salt,
+                               priority=prio, final_output_only=True)
             order[request_id] = index
         results: list[RequestOutput | None] = [None] * len(requests)
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm)

@@ -19,6 +19,7 @@ from engine_service.model.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine_service.core.beam_search import BeamSearch
+    from engine_service.model.sampler import SamplingRow
 
 
 class TokenView(SequenceABC):
@@ -73,13 +74,15 @@ class Sequence:
     generator: torch.Generator | None = None
     detokenizer: object | None = None
     logprobs: list | None = None
-    # Output tokens already handed to the caller, and text released by the detokenizer since
-    # the last output (streaming deltas: nothing is re-read from the start).
+    # Output tokens already handed to the caller, and the text the detokenizer released since
+    # the last output, in pieces (streaming deltas: nothing is re-read from the start).
     num_streamed_tokens: int = 0
-    unstreamed_text: str = ""
+    unstreamed_text: list[str] = field(default_factory=list)
     # The sampler's row of penalty counts for this sequence (Sampler.token_counts), kept up
     # to date with every sampled token; None until its first penalized step.
     penalty_slot: int | None = None
+    # What the sampler reads of this sequence each step (a SamplingRow of views), made once.
+    sampling_row: SamplingRow | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +133,8 @@ class SequenceGroup:
     first_token_time: float | None = None
     has_forked: bool = False
     beam: BeamSearch | None = None  # the search state of a beam search request
+    # Outputs only when the request ends (the offline API): no output is built per step.
+    final_output_only: bool = False
     _prompt_token_ids: list[int] | None = field(default=None, repr=False)
 
     def live_seqs(self) -> list[Sequence]:

@@ -114,23 +114,24 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode_new(self, flush: bool) -> str:
-        if self._read_offset >= len(self._token_ids):
+        token_ids, start, read = self._token_ids, self._prefix_offset, self._read_offset
+        if read >= len(token_ids):
             return ""
-        decode = self._decode
-        skip = self._skip_special_tokens
-        prefix_text = decode(
-            self._token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip
-        )
-        new_text = decode(self._token_ids[self._prefix_offset :], skip_special_tokens=skip)
+        # Positional skip_special_tokens: the second parameter of every decode we call, and
+        # cheaper to pass than a keyword (this runs twice per token).
+        prefix_text = self._decode(token_ids[start:read], self._skip_special_tokens)
+        new_text = self._decode(token_ids[start:], self._skip_special_tokens)
         # Nothing new (a skipped special token), or a character still incomplete: wait for
         # more tokens; the window then simply grows. At the end, flush it as decode() would.
         if not flush and (len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT)):
             return ""
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._token_ids)
+        self._prefix_offset = read
+        self._read_offset = len(token_ids)
         return new_text[len(prefix_text) :]
 
     def _release(self, new_text: str, final: bool) -> str:
+        if not self._stop:  # nothing to look for, nothing held back
+            return self._emit(new_text)
         if not new_text and not final:
             return ""
         buffer = self._context + self._held + new_text

@@ -247,10 +247,20 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[])
         # Models often pad the embedding past the tokenizer's vocab: those columns are no tokens.
         raw = logits[:, : self.vocab_size].float()
-        want_logprobs = any(r.params.logprobs is not None for r in rows)
-
-        penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
-        min_tokens = [i for i, r in enumerate(rows) if _min_tokens_active(r)]
+        # One pass over the rows (the host's share of a step is per row).
+        want_logprobs, all_greedy = False, True
+        penalized: list[int] = []
+        min_tokens: list[int] = []
+        for i, r in enumerate(rows):
+            params = r.params
+            if params.logprobs is not None:
+                want_logprobs = True
+            if params.has_penalties:
+                penalized.append(i)
+            if params.min_tokens and _min_tokens_active(r):
+                min_tokens.append(i)
+            if not params.is_greedy:
+                all_greedy = False
         slots = None
         if penalized or min_tokens:
             # Never modify the caller's logits (raw logprobs need them); contiguous for view(-1).
@@ -263,7 +273,7 @@ class Sampler:
         else:
             processed = raw  # nothing modifies the logits in place
         try:
-            return self._pick(raw, processed, rows, want_logprobs, penalized, slots)
+            return self._pick(raw, processed, rows, want_logprobs, all_greedy, penalized, slots)
         finally:
             if slots is not None:
                 for slot in slots[1]:
@@ -283,10 +293,10 @@ class Sampler:
         return torch.tensor(slots, dtype=torch.long, device=device), temporary
 
     def _pick(self, raw: torch.Tensor, processed: torch.Tensor, rows: list[SamplingRow],
-                want_logprobs: bool, penalized: list[int],
-                slots: tuple[torch.Tensor, list[int]] | None) -> SamplerOutput:
+              want_logprobs: bool, all_greedy: bool, penalized: list[int],
+              slots: tuple[torch.Tensor, list[int]] | None) -> SamplerOutput:
         draw = None
-        if all(r.params.is_greedy for r in rows):
+        if all_greedy:
             token_ids = _greedy(processed)  # the common fast path: one reduction
         else:
             draw = self._choose(processed, rows)
@@ -302,9 +312,12 @@ class Sampler:
             lp_parts = self._logprob_tensors(raw, rows, token_ids) if want_logprobs else None
             if lp_parts is not None:
                 parts += lp_parts.flat()
-            host = torch.cat([t.reshape(-1).double() for t in parts]).tolist()
             n = len(rows)
-            token_list = [int(t) for t in host[:n]]
+            if len(parts) == 1:  # tokens alone: as ints, no float round trip
+                host = token_list = token_ids.tolist()
+            else:
+                host = torch.cat([t.reshape(-1).double() for t in parts]).tolist()
+                token_list = [int(t) for t in host[:n]]
             offset = n
             if draw is not None:
                 redo = [i for i, flag in enumerate(host[n : 2 * n]) if flag]

@@ -96,6 +96,27 @@ def test_generate_returns_whole_completions(make_llm, tiny_llama_dir):
                                                          skip_special_tokens=True)
 
 
+def test_final_output_only_makes_no_output_per_step(make_llm, tiny_llama_dir):
+    """The offline API's requests get one output, the final one, whole; the same request
+    streamed gives deltas that add up to it."""
+    engine = make_llm(tiny_llama_dir, num_blocks=64).llm_engine
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+    engine.add_request("final", [7, 8, 9], params, final_output_only=True)
+    engine.add_request("streamed", [7, 8, 9], params)
+    outputs: dict[str, list] = {"final": [], "streamed": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    [final] = outputs["final"]
+    assert len(outputs["streamed"]) == 30 and outputs["streamed"][-1].finished
+    whole, streamed = final.outputs[0], outputs["streamed"][-1].outputs[0]
+    assert final.finished and whole.token_ids == streamed.token_ids and len(whole.token_ids) == 30
+    assert whole.text == streamed.text and whole.logprobs == streamed.logprobs
+    # Its one output's deltas are the whole completion (nothing was streamed before).
+    assert whole.token_ids_delta == whole.token_ids and whole.text_delta == whole.text
+    assert whole.logprobs_delta == whole.logprobs
+
+
 def _counts_from_scratch(token_ids: list[int], num_prompt: int, vocab: int):
     counts = torch.zeros(vocab)
     for token in token_ids[num_prompt:]:
