@@ -37,12 +37,14 @@ class RouterStack:
     """Start with `with RouterStack(...) as stack:`; engines are named engine-0, engine-1, ..."""
 
     def __init__(self, model_dir: Path, log_dir: Path, num_engines: int = 2,
-                 router_args: list[str] | None = None, with_index: bool = True) -> None:
+                 router_args: list[str] | None = None, with_index: bool = True,
+                 with_router: bool = True) -> None:
         self.model_dir = model_dir
         self.log_dir = log_dir
         self.num_engines = num_engines
         self.router_args = router_args or []
         self.with_index = with_index
+        self.with_router = with_router  # False: a test runs its own router (in its process)
         self.engines: dict[str, EngineProcess] = {}
         self._stack = ExitStack()
         self.redis: RedisProcess | None = None
@@ -57,7 +59,8 @@ class RouterStack:
             for i in range(self.num_engines):
                 self.start_engine(f"engine-{i}")
             self._stack.callback(self._stop_engines)
-            self.start_router()
+            if self.with_router:
+                self.start_router()
         except BaseException:
             self._stack.close()
             raise
