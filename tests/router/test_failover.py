@@ -80,10 +80,28 @@ def model_info(target: str) -> pb.ModelInfoResponse:
         return pb_grpc.GenerationStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=10)
 
 
+def restart_dead_engines(stack) -> None:
+    """Every engine of the stack up (a test before may have killed one), at its old port."""
+    for engine_id, engine in list(stack.engines.items()):
+        if engine.proc is None or engine.proc.poll() is not None:
+            stack.start_engine(engine_id, port=engine.port)
+    stack.wait_routable(len(stack.engines))
+
+
 def test_a_replica_restarted_under_its_id_gets_no_stale_credit(stack, router_stub):
-    ids = prompt(11)  # cached on the killed replica before, and on the survivor since
-    victim = next(e for e, p in stack.engines.items() if p.proc is None)
-    survivor = next(e for e in stack.engines if e != victim)
+    # Its own victim, whatever ran before: a replica that cached the prompt, then killed; the
+    # prompt then runs (and is cached) on the survivor.
+    restart_dead_engines(stack)
+    ids = prompt(13)
+    _, [victim] = generate(router_stub, ids)
+    chain = hasher_of(router_stub).chain(ids, None)
+    wait_until(lambda: lookup(stack.index.target, chain).get(victim) == PREFIX_BLOCKS,
+               what="the victim's copy of the prefix in the index")
+    stack.kill_engine(victim)
+    wait_until(lambda: not router_details(router_stub).get(f"replica.{victim}", "").endswith(
+        " up"), what="the router seeing the victim down")
+    _, [survivor] = generate(router_stub, ids)
+    assert survivor != victim
     # At its old address too, so the router may see it as the same replica come back: only
     # its new instance_id tells the two processes apart.
     restarted = stack.start_engine(victim, port=stack.engines[victim].port)
