@@ -155,22 +155,39 @@ def test_stale_epoch_is_fenced(index_server, engine_id):
     run(body())
 
 
+async def eventually(condition, what: str, timeout_s: float = 30.0) -> None:
+    """Polls the coroutine function `condition`; fails only if it never holds."""
+    deadline = time.monotonic() + timeout_s
+    while not await condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s}s"
+        await asyncio.sleep(0.1)
+
+
+# Leases and TTLs of seconds: a loaded machine can hold a test a good part of a second
+# between two calls; what must lapse is waited for, not slept over.
+LEASE_S = 3.0
+
+
 def test_lease_expiry_drops_the_engine(index_server, engine_id):
     async def body():
-        c = await _registered(index_server.target, engine_id, lease_s=0.6)
+        c = await _registered(index_server.target, engine_id, lease_s=LEASE_S)
         chain = make_chain("lease", 2)
         await c.apply(commit_ops(chain, 0))
-        for _ in range(4):                      # heartbeats keep it alive past its lease
-            await asyncio.sleep(0.3)
-            assert await c.heartbeat() == pytest.approx(0.6)
+        alive_until = time.monotonic() + 1.5 * LEASE_S
+        while time.monotonic() < alive_until:   # heartbeats keep it alive past its lease
+            await asyncio.sleep(LEASE_S / 10)
+            assert await c.heartbeat() == pytest.approx(LEASE_S)
         [acq] = await c.apply([Acquire(chain)])
         assert acq.block_ids == [0, 1]
-        await asyncio.sleep(1.0)                # then silence: the lease runs out
+
+        async def gone() -> bool:               # then silence: the lease runs out
+            return all(m.engine_id != engine_id for m in await c.lookup(chain))
+
+        await eventually(gone, "the engine dropped once its lease ran out")
         with pytest.raises(PrefixIndexClientError) as err:
             await c.apply([Acquire(chain)])
         assert err.value.code == grpc.StatusCode.NOT_FOUND
-        assert all(m.engine_id != engine_id for m in await c.lookup(chain))
-        await c.register(engine_id, "test-model", 16, 64, 0.6)
+        await c.register(engine_id, "test-model", 16, 64, LEASE_S)
         [acq] = await c.apply([Acquire(chain)])
         assert acq.block_ids == []
         await c.close()
@@ -234,12 +251,18 @@ def test_pin_ttl_expires(index_server, engine_id):
     async def body():
         async with await _registered(index_server.target, engine_id) as c:
             chain = make_chain("ttl", 2)
-            await c.apply(commit_ops(chain, 0) + [Release(chain), Pin(chain, ttl_s=0.3)])
+            await c.apply(commit_ops(chain, 0) + [Release(chain), Pin(chain, ttl_s=LEASE_S)])
             [ev] = await c.apply([Evict(2)])
             assert ev.evicted == []
-            await asyncio.sleep(0.5)
-            [ev] = await c.apply([Evict(2)])
-            assert [e.block_id for e in ev.evicted] == [1, 0]
+            evicted = []
+
+            async def pin_lapsed() -> bool:     # an Evict changes nothing while it holds
+                [ev] = await c.apply([Evict(2)])
+                evicted.extend(e.block_id for e in ev.evicted)
+                return bool(evicted)
+
+            await eventually(pin_lapsed, "the pin's TTL ran out")
+            assert evicted == [1, 0]
     run(body())
 
 
@@ -264,8 +287,10 @@ def test_lookup_finds_the_longest_prefix_per_engine(index_server, engine_id):
 
 
 def test_cooled_blocks_are_unpinned(redis_server, engine_id):
-    """A short window: a block pinned while hot is unpinned by the sweeper once it cools."""
-    args = ["--hot-threshold", "2", "--hot-window-s", "0.5", "--sweep-interval-s", "0.1",
+    """A short window: a block pinned while hot is unpinned by the sweeper once it cools
+    (its estimate halves 1.5 windows after its hits: seconds after the check that it is
+    pinned)."""
+    args = ["--hot-threshold", "2", "--hot-window-s", "2", "--sweep-interval-s", "0.1",
             "--pin-budget-fraction", "0.5", "--log-level", "WARNING"]
 
     async def body(target):
@@ -274,9 +299,11 @@ def test_cooled_blocks_are_unpinned(redis_server, engine_id):
             await c.apply(commit_ops(chain, 0) + [Release(chain)])
             await c.apply([Acquire(chain), Release(chain), Acquire(chain), Release(chain)])
             assert (await c.stats())[0].auto_pinned == 1
-            deadline = time.monotonic() + 5
-            while (await c.stats())[0].auto_pinned and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
+
+            async def cooled() -> bool:
+                return not (await c.stats())[0].auto_pinned
+
+            await eventually(cooled, "the block unpinned as it cooled")
             s = (await c.stats())[0]
             assert (s.auto_pinned, s.evictable) == (0, 1)
 

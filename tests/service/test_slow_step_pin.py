@@ -6,6 +6,7 @@ killed it."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -20,31 +21,46 @@ from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
-from tests.service.index_fixtures import wait_until
+from tests.service.index_fixtures import index_stats, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
+RPC_TIMEOUT_S = 0.5  # the link's deadline for every call
+ENGINE_ID = "slow-step"
+
+
 def test_pin_during_a_slow_step_waits_and_the_engine_lives(tiny_llama_dir, monkeypatch):
-    slow = {"pending": False}
+    slow = threading.Event()  # set: the next step is the slow one
+    inside = threading.Event()  # the engine thread is in the slow step
+    index_pinned = threading.Event()  # ... and saw the index hold the pin meanwhile
     real_step = LLMEngine.step
+    index_target = ""
 
     def step(self: LLMEngine):
-        if slow["pending"]:
-            slow["pending"] = False
-            time.sleep(1.5)  # one long step: longer than any RPC deadline of the link
+        if slow.is_set():
+            slow.clear()
+            inside.set()
+            # The pin reaches the index without the engine thread; then the link waits for
+            # this thread to put it in the mirror. The step lasts five of the link's deadlines
+            # more (a starved machine only makes the link wait longer).
+            wait_until(lambda: (s := index_stats(index_target, ENGINE_ID)) is not None
+                       and s.pinned >= 4, 30, "the pin at the index during the slow step")
+            index_pinned.set()
+            time.sleep(5 * RPC_TIMEOUT_S)
         return real_step(self)
 
     monkeypatch.setattr(LLMEngine, "step", step)
     with RedisProcess() as redis:
         index = IndexProcess(redis.url, ["--log-level", "WARNING"]).start()
+        index_target = index.target
         try:
             engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=8,
                                             num_blocks=64))
-            link = connect_prefix_index(engine, index.target, "slow-step",
-                                        IndexLinkOptions(rpc_timeout_s=0.1))
-            wait_until(lambda: not link.degraded, 10, "registration", engine=engine)
+            link = connect_prefix_index(engine, index.target, ENGINE_ID,
+                                        IndexLinkOptions(rpc_timeout_s=RPC_TIMEOUT_S))
+            wait_until(lambda: not link.degraded, 30, "registration", engine=engine)
 
             async def body():
                 server = EngineServer(engine, ServerOptions(port=0), index_link=link)
@@ -61,10 +77,11 @@ def test_pin_during_a_slow_step_waits_and_the_engine_lives(tiny_llama_dir, monke
                             token_ids=pb.TokenIds(ids=[7] * 20),
                             sampling=pb.SamplingParams(max_tokens=60, ignore_eos=True)))
                         await stream.read()
-                        slow["pending"] = True
-                        await asyncio.sleep(0.1)  # the engine thread is inside the slow step
+                        slow.set()
+                        assert await asyncio.to_thread(inside.wait, 30), "no slow step"
                         pinned = await stub.PinPrefix(pb.PinPrefixRequest(
                             token_ids=pb.TokenIds(ids=prompt)))
+                        assert index_pinned.is_set()  # it waited for the slow step
                         rest = []
                         while (message := await stream.read()) != grpc.aio.EOF:
                             rest.append(message)
