@@ -19,9 +19,15 @@ LONG = 2000
 
 
 def _copy_counter(monkeypatch) -> dict[str, int]:
-    """Counts the whole-list copies a sequence makes (its copying properties)."""
-    calls = {"output": 0, "prompt": 0}
+    """Counts the whole-list copies a sequence makes (its copying properties) and the reads
+    of a detokenizer's whole text."""
+    calls = {"output": 0, "prompt": 0, "text": 0}
     output_prop, prompt_prop = Sequence.output_token_ids, Sequence.prompt_token_ids
+    text_prop = IncrementalDetokenizer.text
+
+    def text(detokenizer):
+        calls["text"] += 1
+        return text_prop.fget(detokenizer)
 
     def output(seq):
         calls["output"] += 1
@@ -33,6 +39,7 @@ def _copy_counter(monkeypatch) -> dict[str, int]:
 
     monkeypatch.setattr(Sequence, "output_token_ids", property(output))
     monkeypatch.setattr(Sequence, "prompt_token_ids", property(prompt))
+    monkeypatch.setattr(IncrementalDetokenizer, "text", property(text))
     return calls
 
 
@@ -72,7 +79,8 @@ def test_outputs_carry_deltas_only_over_2000_tokens(make_llm, tiny_llama_dir, mo
             if out.finished:
                 finals[out.request_id] = out
     assert num_steps >= LONG
-    assert calls == {"output": 3, "prompt": 2}  # each sequence's final output, each request's
+    # Once per sequence (its final output) and per request (its prompt): not per step.
+    assert calls == {"output": 3, "prompt": 2, "text": 3}
     for (request_id, index), seen in streamed.items():
         final = finals[request_id].outputs[index]
         assert len(final.token_ids) == LONG and final.num_tokens == LONG
