@@ -1,8 +1,9 @@
-"""Greedy reference outputs from HF transformers, the ground truth the engine is compared with.
+"""Reference outputs from HF transformers, the ground truth the engine is compared with: greedy
+runs, beam search, and teacher-forced logprobs of the engine's own outputs.
 
-One prompt at a time, float32, no padding: an unpadded forward is what our engine computes, so
-the numerics line up. Loaded models and finished generations are cached per process (several
-test files ask for the same references).
+One prompt at a time, float32 unless a test asks for another dtype, no padding: an unpadded
+forward is what our engine computes, so the numerics line up. Loaded models and finished
+generations are cached per process (several test files ask for the same references).
 """
 
 import functools
@@ -141,8 +142,9 @@ def _beam_search_one(
     early_stopping: bool | str,
     eos_token_ids: tuple[int, ...],
     min_new_tokens: int,
+    dtype: torch.dtype,
 ) -> tuple[tuple[tuple[int, ...], float], ...]:
-    model = load_hf_model(model_dir)
+    model = load_hf_model(model_dir, dtype)
     base = model.generation_config
     generation_config = GenerationConfig(
         do_sample=False,
@@ -186,13 +188,33 @@ def hf_beam_search(
     early_stopping: bool | str = False,
     eos_token_ids: list[int] | tuple[int, ...] = (),
     min_new_tokens: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> list[tuple[list[int], float]]:
-    """HF `generate(num_beams=..., do_sample=False)` of one prompt in float32: the returned
-    beams, best first, as (generated ids with the EOS that ended them, length-penalized score).
-    Cached per process."""
+    """HF `generate(num_beams=..., do_sample=False)` of one prompt in `dtype` (float32 unless
+    asked): the returned beams, best first, as (generated ids with the EOS that ended them,
+    length-penalized score). Cached per process."""
     key = str(Path(model_dir).resolve())
     beams = _beam_search_one(
         key, tuple(prompt), num_beams, num_return_sequences, max_new_tokens, length_penalty,
-        early_stopping, tuple(eos_token_ids), min_new_tokens,
+        early_stopping, tuple(eos_token_ids), min_new_tokens, dtype,
     )
     return [(list(tokens), score) for tokens, score in beams]
+
+
+def hf_teacher_forced_logprobs(
+    model_dir: Path | str, prompt: list[int], continuation: list[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """Log-probabilities [len(continuation), vocab] (float32) the HF model in `dtype` gives
+    each position of `continuation` after `prompt` and the continuation's earlier tokens: one
+    forward pass over prompt + continuation, log-softmax of the raw logits in float32 (as
+    `hf_greedy_top_logprobs`). Row i is the distribution continuation[i] was drawn from."""
+    if not prompt or not continuation:
+        raise ValueError(
+            f"prompt and continuation must hold at least one token id each, got "
+            f"{len(prompt)} and {len(continuation)}"
+        )
+    model = load_hf_model(str(Path(model_dir).resolve()), dtype)
+    input_ids = torch.tensor([list(prompt) + list(continuation)], dtype=torch.long)
+    with torch.inference_mode():
+        logits = model(input_ids).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), dim=-1)
