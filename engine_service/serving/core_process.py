@@ -207,6 +207,9 @@ class CoreLoop:
                 return False
             for command in batch:
                 self._apply(command)
+            # An abort or a stop string can end the last request with no step to follow:
+            # the stats the front reads must show that, not the last step's.
+            self.engine.snapshot = self.engine.stats()
         return True
 
     def _apply(self, command: tuple) -> None:
