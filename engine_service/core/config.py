@@ -1,6 +1,7 @@
 """Engine configuration: one slotted dataclass, validated on construction."""
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine_service.model.dtype import DTYPE_CHOICES, resolve_dtype
 
@@ -8,6 +9,13 @@ BLOCK_SIZES = (8, 16, 32, 64)
 PREEMPTION_MODES = ("recompute", "swap")
 DEVICES = ("cpu", "cuda")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV on the CPU unless told otherwise
+MAX_SERVED_NAME = 256
+
+
+def default_served_model_name(model: str) -> str:
+    """The model directory's name, or a GGUF file's name without its suffix."""
+    path = Path(model).expanduser()
+    return (path.stem if path.suffix == ".gguf" else path.resolve().name) or "model"
 
 
 @dataclass(slots=True)
@@ -41,6 +49,10 @@ class EngineConfig:
     # and finds it cached (core/scheduler.py); False computes it again in the same step, as
     # before (the benchmark's baseline).
     defer_shared_prefill: bool = True
+    # What clients name the model by (ModelInfo, the HTTP API's /v1/models) and, with a
+    # fingerprint of the weights' content, what seeds block hashes; None: the model directory's
+    # name (a GGUF file's name without .gguf).
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, value: object, allowed: str) -> None:
@@ -104,3 +116,10 @@ class EngineConfig:
             f"one of {PREEMPTION_MODES}",
         )
         need(self.swap_space >= 0, "swap_space", self.swap_space, "a number of bytes >= 0")
+        if self.served_model_name is None:
+            self.served_model_name = default_served_model_name(self.model)
+        name = self.served_model_name
+        need(isinstance(name, str) and 0 < len(name) <= MAX_SERVED_NAME
+             and name.isprintable() and not any(c.isspace() for c in name),
+             "served_model_name", name,
+             f"1 to {MAX_SERVED_NAME} printable characters without spaces")

@@ -31,6 +31,7 @@ from engine_service.core.scheduler_output import ScheduledSeq
 from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine_service.model.config import DTYPES, ModelConfig, load_model_config
 from engine_service.model.detokenizer import IncrementalDetokenizer
+from engine_service.model.fingerprint import model_identity, weights_fingerprint
 from engine_service.model.kv_cache_setup import graph_rows, setup_kv_cache, uses_cuda_graphs
 from engine_service.model.runner import ModelRunner, kv_bytes_per_block
 from engine_service.model.sampler import Sampler, SamplingRow, make_generator
@@ -103,7 +104,9 @@ class LLMEngine:
                      else f"the {self.runner.kernels.name} kernels have no CUDA graphs")
         num_blocks = self.kv_setup.num_blocks
         # The one block-hash chain of this engine: the cache, PinPrefix and the index link.
-        self.hasher = BlockHasher(mc.identity, config.dtype, config.block_size)
+        fingerprint = weights_fingerprint(mc.path, mc.gguf_file)
+        identity = model_identity(config.served_model_name, fingerprint, mc.architecture)
+        self.hasher = BlockHasher(identity, config.dtype, config.block_size)
         self.pool = BlockPool(num_blocks, policy)
         self.kv = KVCacheManager(
             self.pool, self.hasher, config.enable_prefix_caching, num_cpu_blocks

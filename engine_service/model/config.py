@@ -27,11 +27,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     hf_config: object  # the transformers config, for RoPE parameters
 
-    @property
-    def identity(self) -> str:
-        """Names the weights, for block hashes: same identity => same KV for same tokens."""
-        return f"{self.path.resolve()}:{self.gguf_file or ''}:{self.architecture}"
-
 
 def load_model_config(model: str | Path) -> ModelConfig:
     from transformers import AutoConfig

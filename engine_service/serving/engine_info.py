@@ -17,6 +17,7 @@ class EngineInfo:
     limits: RequestLimits
     model_config: ModelConfig  # the front loads its own tokenizer from it
     model_identity: str  # what block hashes are seeded with (BlockHasher.identity)
+    served_model_name: str  # what clients name the model by
     eos_token_ids: tuple[int, ...]
     dtype: str
     device: str
@@ -25,7 +26,8 @@ class EngineInfo:
     def of(cls, engine: LLMEngine) -> EngineInfo:
         config = engine.config
         return cls(engine.limits, engine.model_config, engine.hasher.identity,
-                   tuple(sorted(engine.eos_token_ids)), config.dtype, config.device)
+                   config.served_model_name, tuple(sorted(engine.eos_token_ids)),
+                   config.dtype, config.device)
 
     @property
     def hasher(self) -> BlockHasher:

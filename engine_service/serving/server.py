@@ -230,6 +230,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="local HF directory or GGUF file (default: SmolLM2-135M-Instruct, "
                         "prepared into the cache)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients call the model by (ModelInfo, the HTTP API); with a "
+                        "fingerprint of the weights it seeds block hashes, so replicas that "
+                        "mount one checkpoint at different paths share prefixes (default: the "
+                        "model directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
     p.add_argument("--advertise-address", default="",
@@ -296,6 +301,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
     return EngineConfig(
         model=model,
+        served_model_name=args.served_model_name,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory,

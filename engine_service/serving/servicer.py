@@ -237,6 +237,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             engine_id=self.engine_id,
             max_beam_width=limits.max_beam_width,
             instance_id=self.instance_id,
+            served_model_name=info.served_model_name,
         )
 
     async def EngineStats(self, request: pb.EngineStatsRequest, context) -> pb.EngineStatsResponse:

@@ -4,6 +4,7 @@ concurrent streams give the offline API's outputs token for token."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
 import pytest
@@ -96,6 +97,11 @@ def test_tokenize_detokenize_and_model_info(stub, offline_llm):
         49152, 4096, 16, 240)
     assert info.architecture == "LlamaForCausalLM" and 2 in info.eos_token_ids
     assert info.dtype == "float32"  # what the server was started with (--dtype float32)
+    # Named by its directory; the hash identity is that name and the weights' fingerprint,
+    # not the path (tests/engine/test_model_identity.py).
+    assert info.served_model_name == Path(info.model_path).name
+    assert info.model_identity.startswith(info.served_model_name + ":")
+    assert info.model_path not in info.model_identity
 
 
 PROMPT_TOPICS = ["rivers", "mountains", "the moon", "bread", "trains", "music", "chess", "rain"]
