@@ -1,11 +1,13 @@
 """Runs one forward for the whole mixed batch (prefill chunks + decode tokens) per step."""
 
+import numpy as np
 import torch
 
 from engine_service.core.scheduler_output import BlockMoves, ScheduledSeq
 from engine_service.model.config import ModelConfig
 from engine_service.model.cuda_graphs import DecodeGraphs
 from engine_service.model.dtype import DTYPES
+from engine_service.model.eager_block_tables import EagerBlockTables
 from engine_service.model.huge_pages import huge_page_zeros
 from engine_service.model.loader import load_model, model_weight_bytes
 from engine_service.model.memory_plan import check_weights_fit
@@ -50,6 +52,7 @@ class ModelRunner:
             model_config, max_model_len, self.dtype, self.device
         )
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
+        self.eager_tables = EagerBlockTables(-(-max_model_len // block_size))
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
         """Capture the decode forward as CUDA graphs (engine_service/model/cuda_graphs.py),
@@ -129,8 +132,6 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_start_loc = [0]
         sample_rows: list[int] = []
-        max_blocks = max(len(s.block_table) for s in scheduled)
-        block_tables = []
         for item in scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
@@ -141,27 +142,23 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
-            block_tables.append(table + [0] * (max_blocks - len(table)))
             if item.samples:
                 sample_rows.append(query_start_loc[-1] - 1)
 
         return self.run_batch(
-            StepInputs(input_ids, positions, slots, seq_lens, query_start_loc, block_tables,
-                       sample_rows)
+            StepInputs(input_ids, positions, slots, seq_lens, query_start_loc,
+                       self.eager_tables.gather(scheduled), sample_rows)
         )
 
     def run_batch(self, inputs: StepInputs) -> torch.Tensor:
         """Upload one step's host-side lists (two copies, pinned and non-blocking on CUDA),
         run the model over them, and return the logits of the sampling rows."""
         int64_parts = (inputs.input_ids, inputs.positions, inputs.slots, inputs.sample_rows)
-        int32_parts = (
-            inputs.seq_lens,
-            inputs.query_start_loc,
-            [b for row in inputs.block_tables for b in row],
-        )
+        tables = np.asarray(inputs.block_tables, dtype=np.int32)
+        int32_parts = (inputs.seq_lens, inputs.query_start_loc, tables.reshape(-1))
         input_ids_t, positions_t, slots_t, rows_t = self._upload(int64_parts, torch.int64)
         seq_lens_t, query_start_loc_t, tables_flat = self._upload(int32_parts, torch.int32)
-        block_tables_t = tables_flat.view(len(inputs.block_tables), -1)
+        block_tables_t = tables_flat.view(tables.shape)
         plan = None
         if self.kernels.build_attention_plan is not None:
             plan = self.kernels.build_attention_plan(
@@ -182,7 +179,8 @@ class ModelRunner:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[rows_t])
 
-    def _upload(self, parts: tuple[list[int], ...], dtype: torch.dtype) -> list[torch.Tensor]:
+    def _upload(self, parts: tuple[list[int] | np.ndarray, ...],
+                dtype: torch.dtype) -> list[torch.Tensor]:
         """The lists as one host tensor, copied to the device in one transfer; views of it.
 
         On CUDA the host tensor is pinned, so the copy is asynchronous (no wait for the GPU to
@@ -191,13 +189,15 @@ class ModelRunner:
         view whose alignment changed with the batch would compile another kernel variant.
         """
         per_16_bytes = 16 // torch.empty((), dtype=dtype).element_size()
-        flat: list[int] = []
         starts = []
+        total = 0
         for part in parts:
-            starts.append(len(flat))
-            flat.extend(part)
-            flat.extend([0] * (-len(part) % per_16_bytes))
+            starts.append(total)
+            total += len(part) + (-len(part) % per_16_bytes)
         on_cuda = self.device.type == "cuda"
-        host = torch.tensor(flat, dtype=dtype, pin_memory=on_cuda)
+        host = torch.zeros(total, dtype=dtype, pin_memory=on_cuda)
+        flat = host.numpy()
+        for start, part in zip(starts, parts, strict=True):
+            flat[start : start + len(part)] = part
         device_flat = host.to(self.device, non_blocking=True) if on_cuda else host
         return [device_flat[s : s + len(part)] for s, part in zip(starts, parts, strict=True)]

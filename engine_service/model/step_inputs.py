@@ -3,6 +3,8 @@ of a chosen shape for the profiling forward and the warm-up."""
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(slots=True)
 class StepInputs:
@@ -11,7 +13,9 @@ class StepInputs:
     slots: list[int]  # block_id * block_size + offset of each token's K/V
     seq_lens: list[int]  # context length of each sequence, new tokens included
     query_start_loc: list[int]  # [num_seqs + 1] cumulative new-token counts
-    block_tables: list[list[int]]  # one row per sequence, padded to the longest
+    # One row per sequence, padded to the longest (the engine's steps pass an int32 array,
+    # model/eager_block_tables.py; synthetic batches lists).
+    block_tables: list[list[int]] | np.ndarray
     sample_rows: list[int]  # token rows whose logits are sampled (each sequence's last)
 
 

@@ -299,3 +299,53 @@ def test_token_view_reads_in_place() -> None:
     group = SequenceGroup("r", [seq], SamplingParams(), None)
     assert group.prompt_token_ids is group.prompt_token_ids == [9, 8]
     assert list(seq.output_view) == [7] and list(seq.prompt_view) == [9, 8]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_eager_step_tables_are_kept_and_equal_the_tables(make_llm, tiny_llama_dir, mode):
+    """The eager path's block tables (model/eager_block_tables.py): every step's gathered
+    tables equal the scheduled sequences' block tables, zero padded, and a sequence keeps its
+    row from step to step (rows are made again only on a new table: arrival, fork, swap-in,
+    recompute), under chunked prefills, forks (n = 2 and beams, whose continuing beam copies its
+    partial block on write), arrivals, departures and preemption."""
+    engine = make_llm(tiny_llama_dir, num_blocks=24, block_size=8, max_num_seqs=8,
+                      max_num_batched_tokens=32, preemption_mode=mode,
+                      swap_space=8 << 20).llm_engine
+    tables = engine.runner.eager_tables
+    plain_gather = tables.gather
+    rows_made = rows_kept = 0
+
+    def checked_gather(scheduled):
+        nonlocal rows_made, rows_kept
+        before = dict(tables._rows)
+        gathered = plain_gather(scheduled)
+        longest = max(len(item.block_table) for item in scheduled)
+        expected = [item.block_table + [0] * (longest - len(item.block_table))
+                    for item in scheduled]
+        assert gathered.tolist() == expected
+        for item in scheduled:
+            previous = before.get(item.seq.seq_id)
+            kept = previous is tables._rows[item.seq.seq_id]
+            if previous is not None and previous.table is item.block_table:
+                assert kept, "a row made again for a table changed in place"
+            rows_kept += kept
+            rows_made += not kept
+        return gathered
+
+    tables.gather = checked_gather
+    rng = random.Random(1)
+    plan = {0: 3, 5: 2, 9: 1, 20: 2}  # step -> requests added
+    step = 0
+    while plan or engine.has_unfinished_requests():
+        for i in range(plan.pop(step, 0)):
+            prompt = [rng.randrange(3, 5000) for _ in range(rng.randint(3, 40))]
+            engine.add_request(f"{step}-{i}", prompt, SamplingParams(
+                temperature=1.0, seed=i, n=2 if i == 0 else 1, max_tokens=rng.randint(20, 60),
+                ignore_eos=True))
+        if step == 2:
+            engine.add_request("beams", [rng.randrange(3, 5000) for _ in range(5)],
+                               BeamSearchParams(beam_width=3, max_tokens=30).sampling_params())
+        engine.step()
+        step += 1
+    assert engine.stats().num_preemptions > 0
+    assert rows_kept > 4 * rows_made > 0, (rows_kept, rows_made)
