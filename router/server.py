@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from pagedgen_api import prefix_index_pb2
+from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
 from router.config import POLICIES, RouterConfig
 from router.core import Router
@@ -60,7 +61,7 @@ class RouterServer:
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
-        address = f"{self.host}:{self.requested_port}"
+        address = join_host_port(self.host, self.requested_port)
         self.port = bind_grpc(self.server, address)
         if self.metrics_port:
             # Before the router's tasks and the server start: a port in use fails here, with
@@ -181,7 +182,7 @@ async def serve(args: argparse.Namespace) -> None:
     server = RouterServer(router, args.host, args.port, args.metrics_port, args.metrics_host)
     port = await server.start()
     # One line on stdout that launchers read to learn the port (--port 0).
-    print(f"router listening on {args.host}:{port}", flush=True)
+    print(f"router listening on {join_host_port(args.host, port)}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

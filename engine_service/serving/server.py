@@ -45,6 +45,7 @@ from engine_service.serving.servicer import GenerationServicer, IndexLink
 from engine_service.serving.validation import RequestValidator
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
+from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
 
 log = logging.getLogger("engine_service.serving.server")
@@ -163,7 +164,7 @@ class EngineServer:
             ],
             self.server,
         )
-        address = f"{self.options.host}:{self.options.port}"
+        address = join_host_port(self.options.host, self.options.port)
         self.port = bind_grpc(self.server, address)
         if self.options.metrics_port:
             # Before the engine thread and the server start: a port in use fails here, with
@@ -212,7 +213,7 @@ def advertised_address(args: argparse.Namespace, port: int) -> str:
     host = args.host
     if host in ("0.0.0.0", "::", "[::]", ""):
         host = socket.gethostname()
-    return f"{host}:{port}"
+    return join_host_port(host, port)
 
 
 def parse_bytes(text: str) -> int:
@@ -354,7 +355,7 @@ async def _serve(args: argparse.Namespace, options: ServerOptions, core_options:
         await core.stop()
         raise
     # One line on stdout that launchers read to learn the port (--port 0).
-    print(f"engine listening on {args.host}:{port}", flush=True)
+    print(f"engine listening on {join_host_port(args.host, port)}", flush=True)
     # The index link (in the core) registers the address routers reach us at, now that we
     # serve there, and the instance id our ModelInfo answers with.
     core.start_link(advertised_address(args, port), server.servicer.instance_id)

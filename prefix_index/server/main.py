@@ -28,6 +28,7 @@ from prefix_index.server.metrics import IndexMetrics
 from prefix_index.server.servicer import PrefixIndexServicer
 from prefix_index.server.store import IndexStore
 from prefix_index.server.sweeper import run_sweeper
+from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
 
 log = logging.getLogger("prefix_index.server.main")
@@ -83,7 +84,7 @@ class IndexServer:
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
-        self.port = bind_grpc(self.server, f"{self.host}:{self.requested_port}")
+        self.port = bind_grpc(self.server, join_host_port(self.host, self.requested_port))
         if self.metrics_port:  # first: a port in use fails with nothing running to stop
             serve_metrics(self.metrics.serve, self.metrics_port, self.metrics_host)
         await self.health.drain_off()
@@ -187,7 +188,7 @@ async def serve(args: argparse.Namespace) -> None:
                          args.metrics_host)
     port = await server.start()
     # One line on stdout that launchers read to learn the port (--port 0).
-    print(f"prefix-index listening on {args.host}:{port}", flush=True)
+    print(f"prefix-index listening on {join_host_port(args.host, port)}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

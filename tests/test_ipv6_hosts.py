@@ -1,0 +1,46 @@
+"""A server bound to an IPv6 host: its bind address, the line launchers read and the address
+it registers are bracketed ('[::1]:port'), so gRPC can parse them."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine_service.serving.server import advertised_address
+from prefix_index.tools.addresses import join_host_port
+
+
+def test_host_port_brackets_ipv6_only() -> None:
+    assert join_host_port("127.0.0.1", 5) == "127.0.0.1:5"
+    assert join_host_port("engine-0.pagedgen", 5) == "engine-0.pagedgen:5"
+    assert join_host_port("::1", 5) == "[::1]:5"
+    assert join_host_port("[::1]", 5) == "[::1]:5"
+    assert join_host_port("fd00::2", 5) == "[fd00::2]:5"
+
+
+def test_the_engine_registers_a_bracketed_ipv6_address() -> None:
+    args = argparse.Namespace(advertise_address="", host="::1")
+    assert advertised_address(args, 50051) == "[::1]:50051"
+
+
+def test_a_router_on_ipv6_loopback_answers_there() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.server", "--host", "::1", "--port", "0",
+         "--engines", "127.0.0.1:9", "--prefix-index", "none"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("router listening on [::1]:"), (line, proc.stderr.read())
+        target = line.split()[-1]
+        with grpc.insecure_channel(target) as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=30)
+        assert answer.status in (health_pb2.HealthCheckResponse.SERVING,
+                                 health_pb2.HealthCheckResponse.NOT_SERVING)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
