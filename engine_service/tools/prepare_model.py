@@ -266,7 +266,7 @@ def _default_out_dir(gguf_path: Path) -> Path:
     return models_dir() / gguf_path.stem
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="pagedgen-prepare-model",
         description=f"Convert a GGUF model (default: the bundled {DEFAULT_MODEL_NAME}) into an "
@@ -278,8 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--force", action="store_true", help="convert even if up to date")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
