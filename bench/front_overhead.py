@@ -115,8 +115,14 @@ async def stream_all(target: str, batch: int, max_tokens: int) -> int:
 
 
 def served(model_dir: Path, batch: int, max_tokens: int, checkout: Path | None) -> dict:
-    env_before = {k: os.environ.get(k) for k in ONE_THREAD}
-    os.environ.update(ONE_THREAD)
+    env = dict(ONE_THREAD)
+    if checkout is not None:
+        # Its own cache: the CPU extension built from another checkout's sources in the shared
+        # cache would be rebuilt there (ninja's build file names the source paths), and ours
+        # again after it.
+        env["PAGEDGEN_CACHE_DIR"] = str(checkout / ".cache" / "pagedgen")
+    env_before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         engine = EngineProcess(model_dir, engine_args(batch))
         if checkout is not None:  # another checkout's server: its code first on the path

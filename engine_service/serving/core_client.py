@@ -93,8 +93,11 @@ class OutputBuffer:
         self._pending = item
         self._ready.set()
 
+    put_nowait = put  # what the servicer calls on this and on AsyncEngine's asyncio.Queue
+
     async def get(self) -> RequestOutput | BaseException:
-        await self._ready.wait()
+        if self._pending is None:
+            await self._ready.wait()
         item, self._pending = self._pending, None
         self._ready.clear()
         if self._text_parts and isinstance(item, RequestOutput):

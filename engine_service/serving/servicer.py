@@ -39,6 +39,10 @@ FINISH_REASONS = {
 }
 
 
+class DeadlinePassed(Exception):
+    """Put in a request's outputs when its gRPC deadline passes."""
+
+
 class IndexLink(Protocol):
     """What the servicer needs from the prefix index link (engine_service/index/policy.py)."""
 
@@ -149,12 +153,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finished = False
         first_token_at = None
         num_tokens = 0
+        # One timer for the request's deadline, which puts a marker in its outputs: a
+        # wait_for around every output cost a task and a timer per streamed message.
+        timer = None
+        if deadline is not None:
+            timer = asyncio.get_running_loop().call_later(
+                max(0.0, deadline - time.monotonic()), outputs.put_nowait, DeadlinePassed())
         try:
             while not finished:
-                try:
-                    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    item = await asyncio.wait_for(outputs.get(), timeout)
-                except TimeoutError:
+                item = await outputs.get()
+                if isinstance(item, DeadlinePassed):
                     self.engine.abort(valid.request_id)
                     finished = True  # the abort above is enough; do not send a second one
                     await context.abort(
@@ -178,6 +186,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     self._observe_finished(item, arrival, first, num_tokens)
                 yield item
         finally:
+            if timer is not None:
+                timer.cancel()
             if not finished:
                 # Cancelled by the client, or the server is stopping: free the blocks now.
                 self.engine.abort(valid.request_id)
