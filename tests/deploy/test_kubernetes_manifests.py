@@ -1,0 +1,349 @@
+"""deploy/kubernetes renders (base and both overlays) into resources that are valid against the
+Kubernetes schemas, run the console scripts with flags their real parsers accept, and agree
+with those flags: ports, probes, Services, NetworkPolicies, drain times, the model volume and
+the Redis password."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import SchemaNotFoundError, latest_version
+
+from engine_service.serving.server import parse_args as engine_args
+from engine_service.tools.prepare_model import parse_args as prepare_model_args
+from prefix_index.server.main import parse_args as index_args
+from router.server import parse_args as router_args
+from tests.deploy.kustomize_render import RenderError, render, strategic_merge
+from tests.deploy.network_paths import ANYWHERE, allowed_paths
+from tests.deploy.pods import POD_IP, Pod, expanded_args, pods, secret_placeholder, selects
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBE = ROOT / "deploy" / "kubernetes"
+BUILDS = {"base": KUBE / "base", "cpu": KUBE / "overlays" / "cpu",
+          "gpu": KUBE / "overlays" / "gpu"}
+# The oldest Kubernetes the manifests claim (README.md) and the newest the schemas know.
+KUBERNETES_VERSIONS = ("1.30", latest_version())
+PARSERS = {"pagedgen-engine": engine_args, "pagedgen-prefix-index": index_args,
+           "pagedgen-router": router_args, "pagedgen-prepare-model": prepare_model_args}
+SERVERS = ("pagedgen-engine", "pagedgen-prefix-index", "pagedgen-router")
+REDIS_SECRET = ("pagedgen-redis", "password")
+MONITORING = 'namespace{"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}'
+DNS = ('namespace{"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}} '
+       'pods{"matchLabels": {"k8s-app": "kube-dns"}}')
+
+
+@functools.cache
+def _rendered(build: str) -> tuple:
+    return tuple(render(BUILDS[build]))
+
+
+@pytest.fixture(params=sorted(BUILDS))
+def resources(request) -> list[dict]:
+    return list(_rendered(request.param))
+
+
+def _by_kind(resources: list[dict], kind: str) -> list[dict]:
+    return [r for r in resources if r["kind"] == kind]
+
+
+def _script(container: dict) -> str | None:
+    command = container.get("command") or []
+    return command[0] if command and command[0].startswith("pagedgen-") else None
+
+
+def _servers(resources: list[dict]) -> dict[str, tuple[Pod, dict, object]]:
+    """Console script -> (its pod, its container, its parsed args); one of each."""
+    found: dict[str, tuple[Pod, dict, object]] = {}
+    for pod in pods(resources):
+        for container in pod.spec["containers"]:
+            script = _script(container)
+            if script in SERVERS:
+                assert script not in found, f"{script} runs in two workloads"
+                found[script] = (pod, container, PARSERS[script](expanded_args(pod, container)))
+    assert set(found) == set(SERVERS), f"workloads found for {sorted(found)}"
+    return found
+
+
+def _workload(resources: list[dict], script: str) -> Pod:
+    return _servers(resources)[script][0]
+
+
+def test_every_resource_is_valid_against_the_kubernetes_schemas(resources):
+    errors = []
+    for resource in resources:
+        for version in KUBERNETES_VERSIONS:
+            name = f"{resource['kind']}/{resource['metadata']['name']} (Kubernetes {version})"
+            try:
+                kubernetes_validate.validate(resource, version, strict=True)
+            except kubernetes_validate.ValidationError as error:
+                path = ".".join(str(part) for part in error.path)
+                errors.append(f"{name}: {path}: {error.message}")
+            except SchemaNotFoundError as error:
+                errors.append(f"{name}: {error.message}")
+    assert not errors, "\n".join(errors)
+
+
+def test_containers_run_console_scripts_with_flags_their_parsers_accept(resources):
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    ran = set()
+    for pod in pods(resources):
+        for container in pod.containers():
+            script = _script(container)
+            if not container["image"].startswith("pagedgen:"):
+                assert script is None, f"{pod.workload}/{container['name']}: {script} in " \
+                                       f"{container['image']}"
+                continue
+            where = f"{pod.workload}/{container['name']}"
+            assert script in scripts, f"{where}: command {container.get('command')} is not a " \
+                                      f"console script of pyproject.toml ({sorted(scripts)})"
+            args = expanded_args(pod, container)
+            try:
+                PARSERS[script](args)
+            except SystemExit as exit_:  # argparse names the flag on stderr
+                pytest.fail(f"{where}: {script} refuses {args} (exit {exit_.code})")
+            ran.add(script)
+    assert ran == set(PARSERS), f"console scripts run: {sorted(ran)}"
+
+
+def test_a_bad_flag_is_refused_by_the_parser_the_test_calls():
+    with pytest.raises(SystemExit):
+        engine_args(["--port=50051", "--no-such-flag"])
+    with pytest.raises(SystemExit):
+        prepare_model_args(["--outt=/models/x"])
+
+
+def test_container_ports_probes_and_annotations_agree_with_the_flags(resources):
+    for script, (pod, container, args) in _servers(resources).items():
+        expected = {"grpc": args.port}
+        if args.metrics_port:
+            expected["metrics"] = args.metrics_port
+        if getattr(args, "http_port", 0):
+            expected["http"] = args.http_port
+        declared = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+        assert declared == expected, f"{script}: containerPorts {declared}, flags {expected}"
+        assert pod.annotations.get("prometheus.io/port") == str(args.metrics_port), script
+        assert "readinessProbe" in container and "livenessProbe" in container, script
+        assert container["readinessProbe"]["grpc"]["port"] == args.port, script
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = container.get(kind)
+            if probe is None:
+                continue
+            if "grpc" in probe:
+                assert probe["grpc"]["port"] == args.port, f"{script} {kind}"
+                assert probe["grpc"].get("service", "") == "", f"{script} {kind}: the " \
+                    "servers report health under '' and their service's full name"
+            else:
+                assert pod.resolve_port(probe["tcpSocket"]["port"]) == args.port, \
+                    f"{script} {kind}: {probe}"
+    engine_pod, engine, _ = _servers(resources)["pagedgen-engine"]
+    assert "grpc" in engine["livenessProbe"] and "grpc" in engine["startupProbe"]
+
+
+def test_services_select_pods_and_target_their_ports(resources):
+    workloads = pods(resources)
+    for service in _by_kind(resources, "Service"):
+        name = service["metadata"]["name"]
+        selected = [p for p in workloads
+                    if selects({"matchLabels": service["spec"]["selector"]}, p.labels)]
+        assert len(selected) == 1, f"Service {name} selects {[p.workload for p in selected]}"
+        for port in service["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            number = selected[0].resolve_port(target)
+            declared = [p["containerPort"] for p in selected[0].container_ports()]
+            assert number in declared, f"Service {name} port {port['port']} targets " \
+                                       f"{target!r}, not a containerPort of {selected[0].workload}"
+
+
+def _service_target(resources: list[dict], address: str) -> tuple[Pod, int]:
+    """host:port of a Service in the namespace -> (the pod it selects, the container port)."""
+    host, port = address.rsplit(":", 1)
+    [service] = [s for s in _by_kind(resources, "Service") if s["metadata"]["name"] == host] \
+        or [None]
+    assert service is not None, f"{address}: no Service named {host!r}"
+    [entry] = [p for p in service["spec"]["ports"] if p["port"] == int(port)] or [None]
+    assert entry is not None, f"{address}: Service {host} has no port {port}"
+    [pod] = [p for p in pods(resources)
+             if selects({"matchLabels": service["spec"]["selector"]}, p.labels)]
+    return pod, pod.resolve_port(entry.get("targetPort", entry["port"]))
+
+
+def test_addresses_in_the_flags_reach_the_right_servers(resources):
+    servers = _servers(resources)
+    index_pod, _, index = servers["pagedgen-prefix-index"]
+    for script in ("pagedgen-engine", "pagedgen-router"):
+        pod, port = _service_target(resources, servers[script][2].prefix_index)
+        assert (pod, port) == (index_pod, index.port), f"{script} --prefix-index"
+    url = urlsplit(index.redis_url)
+    redis_pod, redis_port = _service_target(resources, f"{url.hostname}:{url.port}")
+    assert redis_pod.workload == "redis" and redis_port == url.port
+    engine_pod, _, engine = servers["pagedgen-engine"]
+    # The engine id is the pod name; routers and the index reach the engine at its pod IP.
+    assert engine.engine_id == engine_pod.name
+    assert engine.advertise_address == f"{POD_IP}:{engine.port}"
+    for _, _, args in servers.values():
+        assert args.host == "0.0.0.0"
+
+
+def test_termination_grace_exceeds_the_drain(resources):
+    for script, (pod, container, args) in _servers(resources).items():
+        pause = 0.0
+        pre_stop = container.get("lifecycle", {}).get("preStop")
+        if pre_stop is not None:
+            command = pre_stop["exec"]["command"]
+            assert command[0] == "sleep", f"{script}: preStop {command}"
+            pause = float(command[1])
+        grace = pod.spec.get("terminationGracePeriodSeconds", 30)
+        assert grace > pause + args.grace_s, \
+            f"{script}: terminationGracePeriodSeconds {grace} <= preStop {pause} + " \
+            f"--grace-s {args.grace_s}"
+
+
+def test_network_policies_allow_only_the_architectures_paths(resources):
+    servers = _servers(resources)
+    engine, index, router = (servers[s][2] for s in SERVERS)
+    redis_port = urlsplit(index.redis_url).port
+    [namespace] = _by_kind(resources, "Namespace") or [None]
+    labels = {**namespace["metadata"].get("labels", {}),
+              "kubernetes.io/metadata.name": namespace["metadata"]["name"]}
+    expected = {
+        ("router", "engine", f"{engine.port}/TCP"),
+        ("router", "prefix-index", f"{index.port}/TCP"),
+        ("engine", "prefix-index", f"{index.port}/TCP"),
+        ("prefix-index", "engine", f"{engine.port}/TCP"),  # a lease holder's address asked
+        ("prefix-index", "redis", f"{redis_port}/TCP"),
+        (ANYWHERE, "router", f"{router.port}/TCP"),
+        (MONITORING, "engine", f"{engine.metrics_port}/TCP"),
+        (MONITORING, "prefix-index", f"{index.metrics_port}/TCP"),
+        (MONITORING, "router", f"{router.metrics_port}/TCP"),
+        *((workload, DNS, f"53/{protocol}") for workload in ("engine", "prefix-index", "router")
+          for protocol in ("UDP", "TCP")),
+    }
+    paths = allowed_paths(_by_kind(resources, "NetworkPolicy"), pods(resources), labels)
+    assert paths == expected, f"allowed but not in the architecture: {paths - expected}; " \
+                              f"in the architecture but denied: {expected - paths}"
+
+
+def test_the_model_volume_is_filled_by_an_init_container_and_mounted_read_only(resources):
+    engine_pod, engine_container, engine = _servers(resources)["pagedgen-engine"]
+    router_pod = _workload(resources, "pagedgen-router")
+    for pod in (engine_pod, router_pod):
+        [init] = [c for c in pod.spec.get("initContainers", [])
+                  if _script(c) == "pagedgen-prepare-model"]
+        out = prepare_model_args(expanded_args(pod, init)).out
+        # The router tokenizes locally when the replicas' model directory is at the same path.
+        assert str(out) == engine.model, f"{pod.workload}: prepares {out}, engines serve " \
+                                         f"{engine.model}"
+        [server] = pod.spec["containers"]
+        for container, read_only in ((init, False), (server, True)):
+            mounts = [m for m in container.get("volumeMounts", [])
+                      if out.is_relative_to(m["mountPath"])]
+            assert len(mounts) == 1, f"{pod.workload}/{container['name']}: mounts {mounts}"
+            assert mounts[0].get("readOnly", False) == read_only, container["name"]
+            volume = mounts[0]["name"]
+        claims = pod.volume_claim_templates(resources)
+        emptied = [v["name"] for v in pod.spec.get("volumes", []) if "emptyDir" in v]
+        assert volume in (claims if pod.workload == engine_pod.workload else emptied), \
+            f"{pod.workload}: the model volume {volume} (claims {claims}, emptyDirs {emptied})"
+
+
+def test_the_redis_password_comes_from_one_secret_and_is_not_shipped(resources):
+    password = secret_placeholder(*REDIS_SECRET)
+    _, _, index = _servers(resources)["pagedgen-prefix-index"]
+    assert urlsplit(index.redis_url).password == password
+    [redis] = [p for p in pods(resources) if p.workload == "redis"]
+    [container] = redis.spec["containers"]
+    args = expanded_args(redis, container)
+    assert args[args.index("--requirepass") + 1] == password
+    probe_auth = [v for v in container["env"] if v["name"] == "REDISCLI_AUTH"]
+    assert probe_auth and probe_auth[0]["valueFrom"]["secretKeyRef"] == dict(
+        zip(("name", "key"), REDIS_SECRET, strict=True))
+    assert not _by_kind(resources, "Secret"), "secrets are made at install time (README.md)"
+
+
+def test_engines_have_a_disruption_budget(resources):
+    engine_pod = _workload(resources, "pagedgen-engine")
+    [budget] = _by_kind(resources, "PodDisruptionBudget")
+    assert selects(budget["spec"]["selector"], engine_pod.labels)
+    others = [p.workload for p in pods(resources) if p.workload != engine_pod.workload
+              and selects(budget["spec"]["selector"], p.labels)]
+    assert not others and budget["spec"]["maxUnavailable"] == 1
+
+
+def test_every_container_requests_resources(resources):
+    for pod in pods(resources):
+        for container in pod.containers():
+            resources_ = container.get("resources", {})
+            where = f"{pod.workload}/{container['name']}"
+            assert {"cpu", "memory"} <= set(resources_.get("requests", {})), where
+            assert "memory" in resources_.get("limits", {}), where
+
+
+def test_overlays_place_the_engines():
+    def engine(build: str):
+        pod, container, args = _servers(list(_rendered(build)))["pagedgen-engine"]
+        return pod, container["resources"], args
+
+    pod, resources_, args = engine("gpu")
+    assert args.device == "cuda" and resources_["limits"]["nvidia.com/gpu"] == 1
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod.spec["tolerations"])
+    assert all(c["image"] == "pagedgen:gpu" for c in pod.containers())
+    for build in ("base", "cpu"):
+        pod, resources_, args = engine(build)
+        assert args.device == "cpu" and "nvidia.com/gpu" not in resources_.get("limits", {})
+        assert all(c["image"] == "pagedgen:cpu" for c in pod.containers())
+    # The engine counts the node's cores, not its limit: the overlay says how many threads,
+    # one core fewer than it gets (the front's).
+    _, resources_, args = engine("cpu")
+    cpus = int(resources_["limits"]["cpu"])
+    assert resources_["requests"]["cpu"] == resources_["limits"]["cpu"]
+    assert args.torch_threads is not None and 1 <= args.torch_threads <= cpus - 1
+
+
+def test_the_renderer_merges_as_kustomize_does():
+    pod = {"containers": [{"name": "a", "args": ["--x"], "env": [{"name": "A", "value": "1"}]},
+                          {"name": "b", "ports": [{"containerPort": 1}]}],
+           "tolerations": [{"key": "k"}]}
+    patch = {"containers": [{"name": "b", "ports": [{"containerPort": 2}]},
+                            {"name": "a", "args": ["--y"], "env": [{"name": "B", "value": "2"}]}],
+             "tolerations": [{"key": "t"}]}
+    assert strategic_merge(pod, patch) == {
+        "containers": [{"name": "a", "args": ["--y"],
+                        "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]},
+                       {"name": "b", "ports": [{"containerPort": 1}, {"containerPort": 2}]}],
+        "tolerations": [{"key": "t"}]}
+    with pytest.raises(RenderError, match=r"\$patch"):
+        strategic_merge(pod, {"containers": [{"name": "a", "$patch": "delete"}]})
+
+
+def _kustomize_command() -> list[str] | None:
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    return None
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_the_renderer_agrees_with_kustomize(build):
+    command = _kustomize_command()
+    if command is None:
+        pytest.skip("neither kustomize nor kubectl is installed: the renderer is checked "
+                    "against them where they are")
+    done = subprocess.run([*command, str(BUILDS[build])], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+
+    def keyed(items) -> dict:
+        return {(r["kind"], r["metadata"].get("namespace"), r["metadata"]["name"]): r
+                for r in items}
+
+    theirs = keyed(doc for doc in yaml.safe_load_all(done.stdout) if doc)
+    assert keyed(_rendered(build)) == theirs
