@@ -5,7 +5,8 @@ workload names; peers outside it are described by their selectors ("anywhere" fo
 no peers, "namespace{...}" or "namespace{...} pods{...}" for selectors, "ip{...}" for a CIDR).
 A connection inside the namespace needs both ends: the destination's ingress rules and the
 source's egress rules. A pod that no policy of a direction selects is open in that direction:
-it gets the path (ANYWHERE, pod, "*") or (pod, ANYWHERE, "*").
+it gets the path (ANYWHERE, pod, "*") or (pod, ANYWHERE, "*"). A rule that opens every port of
+a destination gives a path to "other/TCP" (and UDP, SCTP) beside its containerPorts.
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ import json
 from tests.deploy.pods import Pod, selects
 
 ANYWHERE = "anywhere"
+OTHER_PORT = "other"
 Path = tuple[str, str, str]
 
 
-def allowed_paths(policies: list[dict], pods: list[Pod], namespace_labels: dict) -> set[Path]:
+def allowed_paths(policies: list[dict], pods: list[Pod], namespace_labels: dict,
+                  directions: tuple[str, ...] = ("Ingress", "Egress")) -> set[Path]:
+    """The paths the policies of `directions` allow: with both, what connects; with one, what
+    that side's policies alone would let through (each side should be as tight as the pair)."""
     paths: set[Path] = set()
     for pod in pods:
-        for direction in ("Ingress", "Egress"):
+        for direction in directions:
             rules = _rules(policies, pod, direction)
             if rules is None:
                 paths.add((ANYWHERE, pod.workload, "*") if direction == "Ingress"
@@ -30,9 +35,10 @@ def allowed_paths(policies: list[dict], pods: list[Pod], namespace_labels: dict)
             for rule in rules:
                 paths |= _outside_paths(pod, rule, direction)
     for source in pods:
-        egress = _rules(policies, source, "Egress")
+        egress = _rules(policies, source, "Egress") if "Egress" in directions else None
         for destination in pods:
-            ingress = _rules(policies, destination, "Ingress")
+            ingress = _rules(policies, destination, "Ingress") if "Ingress" in directions \
+                else None
             for port in _pod_ports(destination):
                 if (_allows(ingress, "from", destination, source, destination, port,
                             namespace_labels)
@@ -59,8 +65,10 @@ def _rules(policies: list[dict], pod: Pod, direction: str) -> list[dict] | None:
 
 
 def _pod_ports(pod: Pod) -> list[str]:
-    return sorted({f"{p['containerPort']}/{p.get('protocol', 'TCP')}"
-                   for p in pod.container_ports()})
+    """The pod's containerPorts, and any other port of each protocol: a rule that opens every
+    port shows up as a path to OTHER_PORT (nothing may listen there today, but that is luck)."""
+    declared = {f"{p['containerPort']}/{p.get('protocol', 'TCP')}" for p in pod.container_ports()}
+    return sorted(declared | {f"{OTHER_PORT}/{protocol}" for protocol in ("TCP", "UDP", "SCTP")})
 
 
 def _port_matches(rule: dict, port: str, destination: Pod) -> bool:
@@ -72,6 +80,8 @@ def _port_matches(rule: dict, port: str, destination: Pod) -> bool:
             continue
         if "port" not in entry:
             return True
+        if number == OTHER_PORT:
+            continue
         first = destination.resolve_port(entry["port"])
         if first is not None and first <= int(number) <= entry.get("endPort", first):
             return True

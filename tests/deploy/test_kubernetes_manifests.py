@@ -226,9 +226,20 @@ def test_network_policies_allow_only_the_architectures_paths(resources):
         *((workload, DNS, f"53/{protocol}") for workload in ("engine", "prefix-index", "router")
           for protocol in ("UDP", "TCP")),
     }
-    paths = allowed_paths(_by_kind(resources, "NetworkPolicy"), pods(resources), labels)
-    assert paths == expected, f"allowed but not in the architecture: {paths - expected}; " \
-                              f"in the architecture but denied: {expected - paths}"
+    policies, workloads = _by_kind(resources, "NetworkPolicy"), pods(resources)
+    internal = {p for p in expected if p[0] in ("router", "engine", "prefix-index")
+                and p[1] in ("redis", "router", "engine", "prefix-index")}
+    sides = {("Ingress", "Egress"): expected,
+             # Each side alone as tight as both: the ingress rules admit only the paths' sources
+             # on their ports, the egress rules reach only the paths' destinations.
+             # (the router's clients come from anywhere, this namespace's pods included)
+             ("Ingress",): {p for p in expected if p[1] != DNS}
+             | {(w.workload, "router", f"{router.port}/TCP") for w in workloads},
+             ("Egress",): internal | {p for p in expected if p[1] == DNS}}
+    for directions, want in sides.items():
+        paths = allowed_paths(policies, workloads, labels, directions)
+        assert paths == want, f"{directions}: allowed but not in the architecture: " \
+                              f"{paths - want}; in the architecture but denied: {want - paths}"
 
 
 def test_the_model_volume_is_filled_by_an_init_container_and_mounted_read_only(resources):
