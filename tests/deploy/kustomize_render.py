@@ -161,8 +161,11 @@ def _json_patch_op(resource: dict, op: dict) -> None:
         raise RenderError(f"JSON patch path {path!r} must start with /")
     *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
     node: Any = resource
-    for part in parents:
-        node = node[int(part)] if isinstance(node, list) else node[part]
+    try:
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+    except (KeyError, IndexError, ValueError, TypeError) as error:
+        raise RenderError(f"JSON patch {kind} of {path}: {part!r} is not there") from error
     if isinstance(node, list):
         if kind == "add":
             node.insert(len(node) if last == "-" else int(last), copy.deepcopy(op["value"]))
