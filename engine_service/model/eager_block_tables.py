@@ -23,38 +23,69 @@ from engine_service.core.scheduler_output import ScheduledSeq
 
 @dataclass(slots=True)
 class _Row:
+    index: int  # its row in the mirror
     table: list[int]  # the KV cache manager's list this row mirrors
-    entries: np.ndarray  # int32, as wide as the longest context
     written: int  # how many of the table's entries the row holds
+    last: int  # the last entry written (a copy-on-write replaces it)
 
 
 class EagerBlockTables:
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, rows: int = 64) -> None:
         self.width = width  # block table columns for max_model_len
+        self._mirror = np.zeros((rows, width), dtype=np.int32)
+        self._free = list(range(rows - 1, -1, -1))
         self._rows: dict[int, _Row] = {}  # seq_id -> its row
 
     def gather(self, scheduled: list[ScheduledSeq]) -> np.ndarray:
         """The batch's tables [len(scheduled), longest table] (int32, zero padded), in
-        schedule order. Sequences not in this batch lose their rows (rebuilt if they return)."""
-        rows: dict[int, _Row] = {}
-        batch: list[np.ndarray] = []
+        schedule order. Sequences not in this batch give their rows back (rebuilt if they
+        return)."""
+        previous, rows = self._rows, {}
+        indices = []
         longest = 0
         for item in scheduled:
-            table = item.block_table
-            row = self._rows.get(item.seq.seq_id)
-            if row is None or row.table is not table or len(table) > len(row.entries):
-                row = _Row(table, np.zeros(max(self.width, len(table)), dtype=np.int32), 0)
-            written, end = row.written, len(table)
-            if end < written:  # a shorter table in the same list: padding is zeros
-                row.entries[end:written] = 0
-                written = end
-            if written and row.entries[written - 1] != table[written - 1]:
-                written -= 1  # copy-on-write of the last block written so far
-            if end > written:
-                row.entries[written:end] = table[written:end]
-            row.written = end
-            rows[item.seq.seq_id] = row
-            batch.append(row.entries)
-            longest = max(longest, end)
+            seq_id, table = item.seq.seq_id, item.block_table
+            row = previous.pop(seq_id, None)
+            if row is None:
+                row = _Row(self._take(), table, 0, -1)
+            rows[seq_id] = row
+            end = len(table)
+            # Most steps change nothing in most rows: a block is added every block_size tokens.
+            if row.table is not table or row.written != end or (end and row.last != table[-1]):
+                self._update(row, table)
+            indices.append(row.index)
+            if end > longest:
+                longest = end
+        for row in previous.values():  # rows are handed out zeroed
+            self._mirror[row.index, : row.written] = 0
+            self._free.append(row.index)
         self._rows = rows
-        return np.stack([entries[:longest] for entries in batch])
+        return self._mirror[indices, :longest]
+
+    def _update(self, row: _Row, table: list[int]) -> None:
+        """The row brought up to `table`: the entries that changed."""
+        mirror, index, end = self._mirror, row.index, len(table)
+        if end > self.width:
+            raise ValueError(f"a block table of {end} blocks; the width is {self.width}")
+        if row.table is not table:  # a new list: written whole
+            mirror[index, end : row.written] = 0
+            row.table, row.written = table, 0
+        written = row.written
+        if end < written:  # a shorter table in the same list: padding is zeros
+            mirror[index, end:written] = 0
+            written = end
+        elif written and row.last != table[written - 1]:
+            written -= 1  # copy-on-write of the last block written so far
+        if end > written:
+            mirror[index, written:end] = table[written:end]
+        row.last = table[end - 1] if end else -1
+        row.written = end
+
+    def _take(self) -> int:
+        """A free row of the mirror, which doubles when none is left."""
+        if not self._free:
+            old = self._mirror
+            self._mirror = np.zeros((2 * len(old), self.width), dtype=np.int32)
+            self._mirror[: len(old)] = old
+            self._free = list(range(2 * len(old) - 1, len(old) - 1, -1))
+        return self._free.pop()
