@@ -210,6 +210,9 @@ def test_network_policies_allow_only_the_architectures_paths(resources):
     servers = _servers(resources)
     engine, index, router = (servers[s][2] for s in SERVERS)
     redis_port = urlsplit(index.redis_url).port
+    # The router's client ports: gRPC, and the OpenAI HTTP API where it serves one. Clients reach
+    # engines only through the router, so an engine's HTTP port gets no path.
+    front_ports = [router.port, *([router.http_port] if getattr(router, "http_port", 0) else [])]
     [namespace] = _by_kind(resources, "Namespace") or [None]
     labels = {**namespace["metadata"].get("labels", {}),
               "kubernetes.io/metadata.name": namespace["metadata"]["name"]}
@@ -219,7 +222,7 @@ def test_network_policies_allow_only_the_architectures_paths(resources):
         ("engine", "prefix-index", f"{index.port}/TCP"),
         ("prefix-index", "engine", f"{engine.port}/TCP"),  # a lease holder's address asked
         ("prefix-index", "redis", f"{redis_port}/TCP"),
-        (ANYWHERE, "router", f"{router.port}/TCP"),
+        *((ANYWHERE, "router", f"{port}/TCP") for port in front_ports),
         (MONITORING, "engine", f"{engine.metrics_port}/TCP"),
         (MONITORING, "prefix-index", f"{index.metrics_port}/TCP"),
         (MONITORING, "router", f"{router.metrics_port}/TCP"),
@@ -234,7 +237,7 @@ def test_network_policies_allow_only_the_architectures_paths(resources):
              # on their ports, the egress rules reach only the paths' destinations.
              # (the router's clients come from anywhere, this namespace's pods included)
              ("Ingress",): {p for p in expected if p[1] != DNS}
-             | {(w.workload, "router", f"{router.port}/TCP") for w in workloads},
+             | {(w.workload, "router", f"{port}/TCP") for w in workloads for port in front_ports},
              ("Egress",): internal | {p for p in expected if p[1] == DNS}}
     for directions, want in sides.items():
         paths = allowed_paths(policies, workloads, labels, directions)
