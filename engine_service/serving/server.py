@@ -40,9 +40,12 @@ from engine_service.serving.core_process import (
     run_core,
 )
 from engine_service.serving.engine_info import EngineInfo
+from engine_service.serving.http_backend import engine_backend
 from engine_service.serving.metrics import EngineMetrics
 from engine_service.serving.servicer import GenerationServicer, IndexLink
 from engine_service.serving.validation import RequestValidator
+from openai_api.auth import API_KEY_ENV, api_key_from
+from openai_api.server import HttpServer
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.addresses import join_host_port
@@ -63,6 +66,9 @@ class ServerOptions:
     metrics_host: str = "0.0.0.0"
     max_live_requests: int = 1024
     engine_id: str = ""
+    http_port: int = 0  # the OpenAI-compatible HTTP API (openai_api/); 0 = off
+    http_host: str = "127.0.0.1"
+    api_key: str | None = None  # when set, HTTP /v1/* needs Authorization: Bearer <key>
 
 
 class EngineServer:
@@ -106,6 +112,8 @@ class EngineServer:
         # index tells a live engine from a crashed one by who answers at its address).
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.port = 0
+        self.http = (HttpServer(options.http_host, options.http_port, options.api_key)
+                     if options.http_port else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine_failed = asyncio.Event()  # set (on the loop) when the engine died
 
@@ -166,6 +174,8 @@ class EngineServer:
         )
         address = join_host_port(self.options.host, self.options.port)
         self.port = bind_grpc(self.server, address)
+        if self.http is not None:  # bound now, served once the servicer exists
+            self.http.bind()
         if self.options.metrics_port:
             # Before the engine thread and the server start: a port in use fails here, with
             # nothing running yet to stop.
@@ -178,6 +188,8 @@ class EngineServer:
             self.async_engine.start()
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         await self.server.start()
+        if self.http is not None:
+            await self.http.start(engine_backend(self.servicer))
         await self._set_health(SERVING)
         log.info("engine serving on %s:%d", self.options.host, self.port)
         return self.port
@@ -198,6 +210,8 @@ class EngineServer:
         if self.async_engine.num_live:
             log.warning("%d requests still live after %.1fs: cancelling them",
                         self.async_engine.num_live, grace_s)
+        if self.http is not None:
+            await self.http.stop(max(0.5, deadline - time.monotonic()))
         await self.server.stop(max(0.5, deadline - time.monotonic()))
         await self.async_engine.stop()
 
@@ -282,6 +296,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-id", default=None,
                    help="this engine's id at the prefix index (default: HOSTNAME-PORT, or -PID "
                         "with --port 0)")
+    p.add_argument("--http-port", type=int, default=0,
+                   help="port of the OpenAI-compatible HTTP API (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health, ...); 0 = off")
+    p.add_argument("--http-host", default=None, help="address the HTTP API binds (default: "
+                                                     "--host)")
+    p.add_argument("--api-key", default=None,
+                   help=f"HTTP /v1/* requests need Authorization: Bearer KEY (default: "
+                        f"${API_KEY_ENV}; unset: no key needed)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--grace-s", type=float, default=30.0,
@@ -294,6 +316,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--torch-threads must be >= 0 (0: torch's default), got {args.torch_threads}")
     if args.grace_s < 0:
         p.error(f"--grace-s must be >= 0, got {args.grace_s}")
+    if not 0 <= args.http_port <= 65535:
+        p.error(f"--http-port must be in [0, 65535] (0 = off), got {args.http_port}")
+    args.http_host = args.host if args.http_host is None else args.http_host
+    args.api_key = api_key_from(args.api_key)
     if args.prefix_index != "none" and not re.fullmatch(r"[^\s:]+:\d{1,5}", args.prefix_index):
         p.error(f"--prefix-index must be HOST:PORT or none, got {args.prefix_index!r}")
     return args
@@ -356,6 +382,9 @@ async def _serve(args: argparse.Namespace, options: ServerOptions, core_options:
         raise
     # One line on stdout that launchers read to learn the port (--port 0).
     print(f"engine listening on {join_host_port(args.host, port)}", flush=True)
+    if server.http is not None:
+        print(f"engine HTTP API on http://{join_host_port(args.http_host, server.http.port)}",
+              flush=True)
     # The index link (in the core) registers the address routers reach us at, now that we
     # serve there, and the instance id our ModelInfo answers with.
     core.start_link(advertised_address(args, port), server.servicer.instance_id)
@@ -391,7 +420,8 @@ def serve(args: argparse.Namespace, core_target: CoreTarget = run_core) -> None:
         default_torch_threads(config.device) if args.torch_threads is None
         else args.torch_threads)
     options = ServerOptions(args.host, args.port, args.metrics_port, args.metrics_host,
-                            args.max_live_requests, engine_id)
+                            args.max_live_requests, engine_id, args.http_port, args.http_host,
+                            args.api_key)
     if asyncio.run(_serve(args, options, core_options, EngineMetrics(), core_target)):
         sys.exit(1)
 

@@ -1,0 +1,294 @@
+"""The OpenAI-compatible HTTP API as a Starlette app over a Backend (the engine's or the
+router's servicer): handlers parse, map to a GenerateRequest, call the servicer, render.
+
+    POST /v1/completions, POST /v1/chat/completions (stream: true -> server-sent events)
+    GET /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /version
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from http import HTTPStatus
+from importlib import metadata
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from openai_api import schemas
+from openai_api.auth import ApiKeyCheck
+from openai_api.backend import Backend, ServedModel
+from openai_api.call_context import CallAborted, HttpCallContext
+from openai_api.disconnect import ClientGone, EventStream, unless_disconnected
+from openai_api.errors import ApiError, from_status
+from openai_api.from_engine import Renderer, usage_json
+from openai_api.to_engine import (
+    EngineCall,
+    chat_call,
+    chat_messages,
+    completion_call,
+    rest_of_context,
+)
+from pagedgen_api import generation_pb2 as pb
+
+DONE = b"data: [DONE]\n\n"
+
+
+def create_app(backend: Backend, api_key: str | None = None) -> Starlette:
+    api = _Api(backend)
+    routes = [
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
+        Route("/version", api.version, methods=["GET"]),
+    ]
+    return Starlette(
+        routes=routes,
+        middleware=[Middleware(_Authenticated, check=ApiKeyCheck(api_key))],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error})
+
+
+class _Authenticated:
+    """The API key check before routing, so a wrong key on an unknown path is still a 401."""
+
+    def __init__(self, app: ASGIApp, check: ApiKeyCheck) -> None:
+        self.app, self.check = app, check
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            auth = headers.get(b"authorization")
+            try:
+                self.check.check(scope["path"], None if auth is None else auth.decode("latin-1"))
+            except ApiError as error:
+                await _error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+    return _error_response(error)
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    headers = {"www-authenticate": "Bearer"} if error.status == HTTPStatus.UNAUTHORIZED else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    status = HTTPStatus(error.status_code)
+    detail = (f"{request.method} {request.url.path} is not served here"
+              if status in (HTTPStatus.NOT_FOUND, HTTPStatus.METHOD_NOT_ALLOWED)
+              else str(error.detail))
+    return JSONResponse(ApiError(status, detail).body(), status_code=status,
+                        headers=error.headers)
+
+
+class _Api:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.servicer = backend.servicer
+
+    # ---- generation -------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        body = schemas.parse(schemas.CompletionRequest, await request.body())
+        model = self._model(body.model)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        call = completion_call(body, request_id)
+        return await self._answer(request, call, Renderer(
+            request_id, body.model or model.name, False, call.n, call.logprobs,
+            self.backend.token_texts))
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = schemas.parse(schemas.ChatCompletionRequest, await request.body())
+        model = self._model(body.model)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        call = chat_call(body, request_id)
+        if call.to_end_of_context:
+            wire = call.requests[0]
+            reply = await self._unary("Tokenize", pb.TokenizeRequest(chat=wire.chat),
+                                      call.field_names[0])
+            rest_of_context(wire, list(reply.token_ids), model.context_tokens)
+        return await self._answer(request, call, Renderer(
+            request_id, body.model or model.name, True, call.n, call.logprobs,
+            self.backend.token_texts))
+
+    def _model(self, name: str | None) -> ServedModel:
+        """The served model `name` asks for (404 when none by that name); None asks for the
+        default, the first."""
+        served = self.backend.models()
+        if not served:  # no replica known yet: the servicer says what is wrong
+            return ServedModel(name or "", 0, 0)
+        if name is None:
+            return served[0]
+        for model in served:
+            if model.name == name:
+                return model
+        raise ApiError(HTTPStatus.NOT_FOUND,
+                       f"model must be one of {', '.join(repr(m.name) for m in served)} "
+                       f"(GET /v1/models), got {name!r}", "model", "model_not_found")
+
+    async def _answer(self, request: Request, call: EngineCall, render: Renderer) -> Response:
+        if call.stream:
+            events = self._events(call, render)
+            try:  # the first event decides the status: a refusal is an HTTP error, not a stream
+                first = await unless_disconnected(request.receive, anext(events))
+            except ClientGone:
+                await events.aclose()
+                return Response(status_code=499)
+            return EventStream(_prepend(first, events))
+        try:
+            replies = await unless_disconnected(request.receive, asyncio.gather(
+                *(self._unary("Generate", r, names)
+                  for r, names in zip(call.requests, call.field_names, strict=True))))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it (nginx's code for the case)
+        return JSONResponse(await render.response(replies))
+
+    async def _unary(self, method: str, message, field_names: dict[str, str]):
+        try:
+            return await getattr(self.servicer, method)(message, HttpCallContext())
+        except CallAborted as aborted:
+            raise from_status(aborted.code, aborted.details, field_names) from None
+
+    async def _events(self, call: EngineCall, render: Renderer
+                      ) -> AsyncGenerator[bytes, None]:
+        """The stream's events; a refusal before the first one raises ApiError, one after it
+        is an error event (the status is sent by then)."""
+        usages = [pb.Usage() for _ in call.requests]
+        started = False
+        try:
+            async with contextlib.aclosing(self._messages(call)) as messages:
+                async for prompt_index, message in messages:
+                    if not started:
+                        started = True
+                        for chunk in render.role_chunks(len(call.requests)):
+                            yield _event(chunk)
+                    usages[prompt_index] = message.usage
+                    usage = usage_json(usages) if call.continuous_usage else None
+                    for choice in await render.stream_choices(prompt_index, message):
+                        yield _event(render.chunk([choice], usage))
+        except ApiError as error:
+            if not started:
+                raise
+            yield _event(error.body())
+        else:
+            if call.include_usage:
+                yield _event(render.chunk([], usage_json(usages)))
+        yield DONE
+
+    async def _messages(self, call: EngineCall
+                        ) -> AsyncIterator[tuple[int, pb.GenerateStreamResponse]]:
+        """The servicer's stream messages of every prompt, as they come, with the prompt's
+        index; closing this ends (aborts) every stream still running."""
+        if len(call.requests) == 1:  # the common case, without a task per stream
+            async for message in self._stream(call.requests[0], call.field_names[0]):
+                yield 0, message
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def run(i: int) -> None:
+            try:
+                async for message in self._stream(call.requests[i], call.field_names[i]):
+                    queue.put_nowait((i, message))
+                queue.put_nowait((i, None))
+            except Exception as error:  # noqa: BLE001 - handed to the reader
+                queue.put_nowait((i, error))
+
+        tasks = [asyncio.ensure_future(run(i)) for i in range(len(call.requests))]
+        try:
+            running = len(tasks)
+            while running:
+                i, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stream(self, wire: pb.GenerateRequest, field_names: dict[str, str]
+                      ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        stream = self.servicer.GenerateStream(wire, HttpCallContext())
+        try:
+            async with contextlib.aclosing(stream):
+                async for message in stream:
+                    yield message
+        except CallAborted as aborted:
+            raise from_status(aborted.code, aborted.details, field_names) from None
+
+    # ---- the rest ---------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": 0, "owned_by": "pagedgen",
+             "root": m.name, "max_model_len": m.max_model_len}
+            for m in self.backend.models()]})
+
+    async def health(self, request: Request) -> Response:
+        serving = self.backend.serving()
+        return JSONResponse({"status": "serving" if serving else "not serving"},
+                            status_code=HTTPStatus.OK if serving
+                            else HTTPStatus.SERVICE_UNAVAILABLE)
+
+    async def tokenize(self, request: Request) -> Response:
+        body = schemas.parse(schemas.TokenizeRequest, await request.body())
+        model = self._model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(HTTPStatus.BAD_REQUEST,
+                           "give exactly one of prompt (text) or messages (chat), got "
+                           f"{'both' if body.prompt is not None else 'neither'}", "prompt")
+        if body.prompt is not None:
+            wire, names = pb.TokenizeRequest(text=body.prompt), {"text": "prompt",
+                                                                  "input": "prompt"}
+        else:
+            wire = pb.TokenizeRequest(chat=chat_messages(body.messages))
+            names = {"chat.messages": "messages", "chat": "messages", "input": "messages"}
+        reply = await self._unary("Tokenize", wire, names)
+        return JSONResponse({"count": len(reply.token_ids), "max_model_len": model.max_model_len,
+                             "tokens": list(reply.token_ids)})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = schemas.parse(schemas.DetokenizeRequest, await request.body())
+        self._model(body.model)
+        reply = await self._unary("Detokenize", pb.DetokenizeRequest(token_ids=body.tokens),
+                                  {"token_ids": "tokens"})
+        return JSONResponse({"prompt": reply.text})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": _version()})
+
+
+def _version() -> str:
+    try:
+        return metadata.version("pagedgen")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _prepend(first: bytes, rest: AsyncGenerator[bytes, None]
+                   ) -> AsyncGenerator[bytes, None]:
+    try:
+        yield first
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()

@@ -1,0 +1,41 @@
+"""API keys for the HTTP API (--api-key / PAGEDGEN_API_KEY), checked in one place: every /v1/*
+request needs `Authorization: Bearer <key>`, as vLLM's --api-key does. (A later issue extends
+this to gRPC and to tenants; the check stays here.)"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from http import HTTPStatus
+
+from openai_api.errors import ApiError
+
+API_KEY_ENV = "PAGEDGEN_API_KEY"
+PROTECTED_PREFIX = "/v1/"
+
+
+def api_key_from(flag: str | None) -> str | None:
+    """--api-key when given, else the environment's; None (no check) when neither is set."""
+    key = flag if flag is not None else os.environ.get(API_KEY_ENV)
+    return key or None
+
+
+class ApiKeyCheck:
+    def __init__(self, api_key: str | None) -> None:
+        self._expected = None if api_key is None else api_key.encode()
+
+    def check(self, path: str, authorization: str | None) -> None:
+        """Raises a 401 unless the path is open or the header carries the key."""
+        if self._expected is None or not path.startswith(PROTECTED_PREFIX):
+            return
+        if not authorization:
+            raise ApiError(HTTPStatus.UNAUTHORIZED,
+                           "this server needs an API key: send Authorization: Bearer <key>",
+                           code="invalid_api_key")
+        scheme, _, token = authorization.partition(" ")
+        # Compared in constant time: a key must not be guessable byte by byte from timings.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 self._expected):
+            raise ApiError(HTTPStatus.UNAUTHORIZED,
+                           "the API key is not valid (Authorization: Bearer <key>)",
+                           code="invalid_api_key")

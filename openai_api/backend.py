@@ -1,0 +1,33 @@
+"""What the HTTP API needs of the front it is mounted on: the engine's or the router's gRPC
+servicer (called in-process, with openai_api/call_context.HttpCallContext), whether it serves,
+the models it serves, and the text of single tokens (for logprobs)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    name: str  # what clients put in `model` (ModelInfo.served_model_name)
+    max_model_len: int
+    # The longest sequence a request can reach: the context, or the KV pool when smaller
+    # (the default max_tokens of a chat request runs to it).
+    context_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    # pagedgen.generation.v1.Generation's servicer: GenerateStream, Generate, Tokenize,
+    # Detokenize, taking (request, context) as gRPC calls them
+    servicer: object
+    serving: Callable[[], bool]  # /health: True only while new requests are accepted
+    models: Callable[[], list[ServedModel]]  # empty: not known yet (no replica up)
+    token_texts: Callable[[list[int]], Awaitable[list[str]]]  # one text per token id
+
+
+def model_of(info) -> ServedModel:
+    """A ModelInfoResponse (or the engine's fixed facts) as a served model."""
+    return ServedModel(info.served_model_name, info.max_model_len,
+                       min(info.max_model_len, info.num_blocks * info.block_size))

@@ -1,0 +1,34 @@
+"""What a gRPC servicer method needs of its `context`, for calls that come over HTTP.
+
+The servicers (the engine's and the router's) read three things from their context: the time
+left (no deadline over HTTP), trailing metadata to set, and `abort`, which raises. Calling the
+servicer's own methods with this context is what keeps one request path: the same validation,
+the same sampling mapping, the same routing and failover, whichever protocol the client spoke.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class CallAborted(Exception):
+    """The servicer refused or ended the call (gRPC's context.abort raises too)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class HttpCallContext:
+    def __init__(self) -> None:
+        self.trailing_metadata: tuple[tuple[str, str], ...] = ()
+
+    def time_remaining(self) -> float | None:
+        return None  # HTTP requests carry no deadline; a client that leaves aborts its request
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self.trailing_metadata = tuple(metadata)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise CallAborted(code, details)

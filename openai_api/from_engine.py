@@ -1,0 +1,165 @@
+"""The servicer's messages (pb.GenerateStreamResponse / GenerateResponse) -> OpenAI's JSON:
+completions and chat, whole or as stream chunks, with logprobs as each endpoint defines them
+and usage with cached tokens."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from pagedgen_api import generation_pb2 as pb
+
+FINISH_REASONS = {
+    pb.FINISH_REASON_UNSPECIFIED: None,
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+# JSON has no -inf: the floor vLLM reports for a token the model gives no chance.
+MIN_LOGPROB = -9999.0
+
+
+def usage_json(usages: list[pb.Usage]) -> dict:
+    prompt = sum(u.prompt_tokens for u in usages)
+    completion = sum(u.completion_tokens for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in usages)}}
+
+
+def stop_reason(c: pb.Completion) -> str | int | None:
+    """vLLM's `stop_reason`: the stop string or token id that ended the completion."""
+    which = c.WhichOneof("stop_reason")
+    return None if which is None else getattr(c, which)
+
+
+@dataclass(slots=True)
+class _ChoiceState:
+    text_offset: int = 0  # characters of the completion so far (completions' text_offset)
+    started: bool = False  # chat: the role chunk was sent
+
+
+@dataclass(slots=True)
+class Renderer:
+    """Builds one HTTP request's responses; `chat` picks the endpoint's shapes."""
+
+    request_id: str
+    model: str
+    chat: bool
+    n: int
+    logprobs: int | None  # None: no logprobs asked for
+    token_texts: Callable[[list[int]], Awaitable[list[str]]]
+    created: int = field(default_factory=lambda: int(time.time()))
+    _choices: dict[int, _ChoiceState] = field(default_factory=dict)
+
+    @property
+    def object_name(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def choice_index(self, prompt_index: int, c: pb.Completion) -> int:
+        return prompt_index * self.n + c.index
+
+    # ---- whole responses ----------------------------------------------------------------------
+    async def response(self, replies: list[pb.GenerateResponse]) -> dict:
+        choices = []
+        for prompt_index, reply in enumerate(replies):
+            for c in reply.completions:
+                index = self.choice_index(prompt_index, c)
+                choice: dict = {"index": index}
+                if self.chat:
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                else:
+                    choice["text"] = c.text
+                choice["logprobs"] = await self._logprobs(index, c.logprobs)
+                choice["finish_reason"] = FINISH_REASONS[c.finish_reason]
+                choice["stop_reason"] = stop_reason(c)
+                choices.append(choice)
+        return {"id": self.request_id, "object": self.object_name, "created": self.created,
+                "model": self.model, "choices": choices,
+                "usage": usage_json([r.usage for r in replies])}
+
+    # ---- stream chunks ------------------------------------------------------------------------
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        return {"id": self.request_id,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": usage}
+
+    def role_chunks(self, num_prompts: int) -> list[dict]:
+        """Chat streams open each choice with the assistant's role (as OpenAI's do)."""
+        if not self.chat:
+            return []
+        out = []
+        for index in range(num_prompts * self.n):
+            self._state(index).started = True
+            out.append(self.chunk([{"index": index,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]))
+        return out
+
+    async def stream_choices(self, prompt_index: int, message: pb.GenerateStreamResponse
+                             ) -> list[dict]:
+        """The stream choices of one servicer message: one per completion that progressed."""
+        out = []
+        for c in message.choices:
+            index = self.choice_index(prompt_index, c)
+            choice: dict = {"index": index}
+            if self.chat:
+                choice["delta"] = {"content": c.text} if c.text or not c.finish_reason else {}
+                state = self._state(index)
+                if not state.started:  # (beams arrive at the end, all at once)
+                    state.started = True
+                    choice["delta"]["role"] = "assistant"
+            else:
+                choice["text"] = c.text
+            choice["logprobs"] = await self._logprobs(index, c.logprobs)
+            choice["finish_reason"] = FINISH_REASONS[c.finish_reason]
+            if c.finish_reason:
+                choice["stop_reason"] = stop_reason(c)
+            out.append(choice)
+        return out
+
+    # ---- logprobs -----------------------------------------------------------------------------
+    def _state(self, index: int) -> _ChoiceState:
+        state = self._choices.get(index)
+        if state is None:
+            state = self._choices[index] = _ChoiceState()
+        return state
+
+    async def _logprobs(self, index: int, logprobs) -> dict | None:
+        if self.logprobs is None:
+            return None
+        ids = sorted({lp.token_id for lp in logprobs} | {t.token_id for lp in logprobs
+                                                          for t in lp.top})
+        texts = dict(zip(ids, await self.token_texts(ids), strict=True)) if ids else {}
+        if self.chat:
+            return {"content": [self._chat_token(lp, texts) for lp in logprobs]}
+        state = self._state(index)
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for lp in logprobs:
+            text = texts[lp.token_id]
+            tokens.append(text)
+            token_logprobs.append(_finite(lp.logprob))
+            top = {texts[t.token_id]: _finite(t.logprob) for t in lp.top}
+            top.setdefault(text, _finite(lp.logprob))  # the sampled token, as OpenAI's has
+            tops.append(top)
+            offsets.append(state.text_offset)
+            state.text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _chat_token(self, lp: pb.TokenLogprob, texts: dict[int, str]) -> dict:
+        best = sorted(lp.top, key=lambda t: t.logprob, reverse=True)[:self.logprobs]
+        entry = _chat_entry(texts[lp.token_id], lp.logprob)
+        entry["top_logprobs"] = [_chat_entry(texts[t.token_id], t.logprob) for t in best]
+        return entry
+
+
+def _chat_entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": _finite(logprob),
+            "bytes": list(text.encode("utf-8", errors="replace"))}
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)

@@ -1,0 +1,195 @@
+"""The request bodies the HTTP API accepts, one model per endpoint (OpenAI's fields, vLLM's
+extensions), parsed strictly: a wrong type, an unknown field or a field we do not serve is a 400
+naming it. What the values may be (ranges, limits) is the engine's validation's to say, once,
+for gRPC and HTTP alike; only the wire types' ranges are checked here."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from openai_api.errors import ApiError, bad_request
+
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # a seed on the wire
+MAX_PROMPTS = 256  # prompts in one completions request: each is a request of its own
+# Fields of OpenAI's API (or vLLM's) this server does not serve, and the values that ask for
+# nothing (clients send some of them by default): any other value is refused by name.
+UNSERVED_FIELDS: dict[str, tuple[object, ...]] = {
+    "echo": (False,), "suffix": ("",), "best_of": (), "logit_bias": ({},), "tools": ([],),
+    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (False, True), "response_format": ({"type": "text"},),
+    "store": (False,), "metadata": ({},), "modalities": (["text"],), "audio": (),
+    "prediction": (), "reasoning_effort": (), "service_tier": ("auto", "default"),
+    "web_search_options": (), "prompt_logprobs": (), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "logits_processors": (),
+    "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
+    "return_tokens_as_token_ids": (False,),
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk
+
+
+class _Sampling(_Strict):
+    """The fields both generation endpoints share."""
+
+    model: str | None = None
+    n: Int32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, as OpenAI's is: for the caller's own tracking
+    # vLLM's extensions
+    top_k: Int32 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Int32 | None = None
+    stop_token_ids: list[Int32] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    cache_salt: str | None = None
+    priority: Int32 | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unserved(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, neutral in UNSERVED_FIELDS.items():
+                if name not in data:
+                    continue
+                value = data.pop(name)
+                if value is None or value in neutral or (name == "best_of" and value in (
+                        1, data.get("n"))):
+                    continue
+                raise bad_request(name, f"{name} is not supported by this server, got "
+                                        f"{_shown(value)}: remove it")
+        return data
+
+
+class CompletionRequest(_Sampling):
+    prompt: Any  # text, token ids, or a list of either: checked in to_engine.prompts
+    max_tokens: Int32 | None = None
+    logprobs: Int32 | None = None  # top-k logprobs per token, as OpenAI's legacy API
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: Int32 | None = None  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: Int32 | None = None
+    logprobs: bool | None = None
+    top_logprobs: Int32 | None = None
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # accepted: the engine tokenizes as Generate does
+    add_generation_prompt: bool | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Int32]
+
+
+def parse(model: type[BaseModel], body: bytes) -> BaseModel:
+    """`body` as `model`; a 400 naming the first field that is wrong."""
+    try:
+        return model.model_validate_json(body or b"null")
+    except pydantic.ValidationError as error:
+        raise _first_error(error, body) from None
+
+
+def _first_error(error: pydantic.ValidationError, body: bytes) -> ApiError:
+    first = error.errors(include_url=False)[0]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, ApiError):  # our own refusal, raised inside a validator
+        return cause
+    if first["type"] == "json_invalid":
+        return bad_request(None, f"the request body must be JSON: {first['msg']}")
+    fields = [part for part in first["loc"] if not _is_union_tag(part)]
+    field = _dotted(fields)
+    kind = first["type"]
+    if not fields:
+        return bad_request(None, "the request body must be a JSON object")
+    if kind == "missing":
+        return bad_request(field, f"{field} is required")
+    if kind == "extra_forbidden":
+        return bad_request(field, f"{field} is not a field this server knows, got "
+                                  f"{_shown(first['input'])}: remove it")
+    if len(fields) < len(first["loc"]) and fields[-1] in _UNION_TYPES:
+        # A union's first member failed: say what every member allows, with the whole value.
+        whole = _walk(_loads(body), fields)
+        return bad_request(field, f"{field} must be {_UNION_TYPES[fields[-1]]}, got "
+                                  f"{_shown(whole)}")
+    what = first["msg"].removeprefix("Input should be ").removeprefix("Input ")
+    return bad_request(field, f"{field} must be {what}, got {_shown(first['input'])}")
+
+
+_UNION_TYPES = {
+    "stop": "a string or a list of strings",
+    "content": 'a string or a list of text parts ({"type": "text", "text": "..."})',
+}
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool")
+                                      or "[" in part or "-" in part)
+
+
+def _walk(value: object, fields: list) -> object:
+    for part in fields:
+        try:
+            value = value[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return value
+
+
+def _dotted(loc: list) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _loads(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    text = json.dumps(value) if not isinstance(value, bytes) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"

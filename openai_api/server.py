@@ -1,0 +1,91 @@
+"""The HTTP API served by uvicorn on the caller's event loop (the gRPC server's), so the HTTP
+handlers call the servicer in-process, on the same loop as its gRPC calls."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+import uvicorn
+
+from openai_api.app import create_app
+from openai_api.backend import Backend
+from prefix_index.tools.bind_error import BindError
+
+log = logging.getLogger("openai_api.server")
+
+
+class _LoopServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the process's own (drain on SIGTERM) stay."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpServer:
+    """Bound early (a taken port fails before anything else starts, as the gRPC port does),
+    served once the backend exists."""
+
+    def __init__(self, host: str, port: int, api_key: str | None = None) -> None:
+        self.host, self.requested_port = host, port
+        self.api_key = api_key
+        self.port = 0
+        self._socket: socket.socket | None = None
+        self._server: _LoopServer | None = None
+        self._task: asyncio.Task | None = None
+
+    def bind(self) -> int:
+        """BindError when the port is taken; returns the bound port."""
+        self._socket = _bind(self.host, self.requested_port)
+        self.port = self._socket.getsockname()[1]
+        return self.port
+
+    async def start(self, backend: Backend) -> None:
+        if self._socket is None:
+            self.bind()
+        config = uvicorn.Config(create_app(backend, self.api_key), lifespan="off",
+                                log_level="warning", access_log=False)
+        self._server = _LoopServer(config)
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))
+        while not self._server.started:  # bound already: this is uvicorn's own set-up
+            if self._task.done():
+                self._task.result()  # its error, if it failed
+                raise BindError(f"HTTP port {self.host}:{self.port}: the server did not start")
+            await asyncio.sleep(0.01)
+        log.info("HTTP API on %s:%d", self.host, self.port)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Stops accepting; open connections get `grace_s` to finish (the caller drained
+        first: new requests were answered 503 meanwhile), then their tasks are cancelled,
+        which aborts what they still run."""
+        if self._task is None:
+            if self._socket is not None:
+                self._socket.close()
+            return
+        self._server.config.timeout_graceful_shutdown = max(0.1, grace_s)
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    bare = host.strip("[]")
+    sock = None
+    try:
+        family = socket.getaddrinfo(bare or None, port, type=socket.SOCK_STREAM,
+                                     flags=socket.AI_PASSIVE)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and bare in ("::", ""):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((bare, port))
+        sock.listen(2048)
+    except OSError as error:
+        if sock is not None:
+            sock.close()
+        raise BindError(f"HTTP port {host}:{port}: {error.strerror or error}") from error
+    sock.setblocking(False)
+    return sock

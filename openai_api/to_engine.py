@@ -1,0 +1,196 @@
+"""OpenAI request bodies -> the engine's wire request (pb.GenerateRequest), field by field.
+
+Nothing here judges a value: the servicer validates the GenerateRequest as it validates a gRPC
+client's, and its refusals name the wire field, which `field_names` maps back to the client's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from openai_api.errors import bad_request
+from openai_api.schemas import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    _Sampling,
+)
+from pagedgen_api import generation_pb2 as pb
+
+# OpenAI's roles onto the chat template's; "developer" is OpenAI's newer name for "system".
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
+              "assistant": "assistant"}
+
+
+@dataclass(slots=True)
+class EngineCall:
+    """What one HTTP generation request asks of the engine, and how to answer it."""
+
+    requests: list[pb.GenerateRequest]  # one per prompt, run concurrently
+    field_names: list[dict[str, str]]  # per request: wire field -> the client's field
+    n: int
+    stream: bool
+    include_usage: bool  # a last chunk with the usage (stream_options.include_usage)
+    continuous_usage: bool  # usage in every chunk (vLLM's stream_options extension)
+    # Completions: the top-k per token (OpenAI's integer). Chat: top_logprobs when logprobs.
+    logprobs: int | None
+    # Chat with neither max_tokens nor max_completion_tokens: OpenAI's default is the rest of
+    # the context, which only the prompt's length tells (see rest_of_context).
+    to_end_of_context: bool = False
+    batch_prompt: bool = False  # the completions prompt was a list (choices by prompt)
+
+
+def completion_call(req: CompletionRequest, request_id: str) -> EngineCall:
+    prompts, batch = _prompts(req.prompt)
+    requests, names = [], []
+    for i, prompt in enumerate(prompts):
+        wire = _generate_request(req, f"{request_id}-{i}" if batch else request_id)
+        if isinstance(prompt, str):
+            wire.text = prompt
+        else:
+            wire.token_ids.ids.extend(prompt)
+        _set_sampling(wire.sampling, req, req.max_tokens, req.logprobs)
+        where = f"prompt[{i}]" if batch else "prompt"
+        requests.append(wire)
+        names.append(_field_names(where, "max_tokens", "logprobs"))
+    return _call(req, requests, names, req.logprobs, batch_prompt=batch)
+
+
+def chat_call(req: ChatCompletionRequest, request_id: str) -> EngineCall:
+    wire = _generate_request(req, request_id)
+    wire.chat.CopyFrom(chat_messages(req.messages))
+    if req.max_tokens is not None and req.max_completion_tokens is not None and (
+            req.max_tokens != req.max_completion_tokens):
+        raise bad_request("max_completion_tokens",
+                          f"max_completion_tokens and max_tokens must agree when both are "
+                          f"given, got {req.max_completion_tokens} and {req.max_tokens}")
+    max_name = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else (
+        req.max_tokens)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs",
+                          f"top_logprobs needs logprobs: true, got top_logprobs "
+                          f"{req.top_logprobs} with logprobs {_json(req.logprobs)}")
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    _set_sampling(wire.sampling, req, max_tokens, top)
+    call = _call(req, [wire], [_field_names("messages", max_name, "top_logprobs")], top)
+    call.to_end_of_context = max_tokens is None
+    return call
+
+
+def chat_messages(messages: list[ChatMessage], where: str = "messages") -> pb.ChatMessages:
+    out = pb.ChatMessages()
+    for i, message in enumerate(messages):
+        role = CHAT_ROLES.get(message.role)
+        if role is None:
+            raise bad_request(f"{where}[{i}].role",
+                              f"{where}[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
+                              f"{_json(message.role)}")
+        content = message.content
+        if content is None:
+            if role != "assistant":
+                raise bad_request(f"{where}[{i}].content",
+                                  f"{where}[{i}].content must be a string or text parts "
+                                  f"(null only for an assistant), got null")
+            content = ""
+        elif not isinstance(content, str):  # text parts, joined as vLLM joins them
+            content = "\n".join(part.text for part in content)
+        out.messages.add(role=role, content=content)
+    return out
+
+
+def rest_of_context(request: pb.GenerateRequest, token_ids: list[int], context_tokens: int
+                    ) -> None:
+    """A chat request without max_tokens, given its tokenized prompt: generate up to the end of
+    the context (OpenAI's default), sent as token ids so it is tokenized once."""
+    request.token_ids.ids[:] = token_ids  # replaces the chat messages (the input oneof)
+    request.sampling.max_tokens = max(1, context_tokens - len(token_ids))
+
+
+def _call(req: _Sampling, requests: list[pb.GenerateRequest], names: list[dict[str, str]],
+          logprobs: int | None, batch_prompt: bool = False) -> EngineCall:
+    options = req.stream_options
+    if options is not None and not req.stream:
+        raise bad_request("stream_options",
+                          "stream_options is only allowed with stream: true, got stream "
+                          f"{_json(req.stream)}")
+    return EngineCall(
+        requests=requests, field_names=names, n=1 if req.n is None else req.n,
+        stream=bool(req.stream),
+        include_usage=bool(options and (options.include_usage or options.continuous_usage_stats)),
+        continuous_usage=bool(options and options.continuous_usage_stats),
+        logprobs=logprobs, batch_prompt=batch_prompt)
+
+
+def _generate_request(req: _Sampling, request_id: str) -> pb.GenerateRequest:
+    wire = pb.GenerateRequest(request_id=request_id)
+    if req.cache_salt is not None:
+        wire.cache_salt = req.cache_salt
+    if req.priority is not None:
+        wire.priority = req.priority
+    return wire
+
+
+def _set_sampling(s: pb.SamplingParams, req: _Sampling, max_tokens: int | None,
+                  logprobs: int | None) -> None:
+    """The one mapping of OpenAI's sampling fields (and vLLM's) onto SamplingParams."""
+    for name in ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                 "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+                 "include_stop_str_in_output", "skip_special_tokens", "length_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            setattr(s, name, value)
+    if max_tokens is not None:
+        s.max_tokens = max_tokens
+    if logprobs is not None:
+        s.logprobs = logprobs
+    if req.stop is not None:
+        s.stop.extend([req.stop] if isinstance(req.stop, str) else req.stop)
+    if req.stop_token_ids:
+        s.stop_token_ids.extend(req.stop_token_ids)
+    if req.use_beam_search:  # vLLM's: n beams, the n best returned
+        s.beam_width = s.n if s.HasField("n") else 1
+
+
+def _field_names(prompt: str, max_tokens: str, logprobs: str) -> dict[str, str]:
+    return {
+        "input": prompt, "text": prompt, "token_ids.ids": prompt, "token_ids": prompt,
+        "prompt": prompt, "prompt_token_ids": prompt, "chat.messages": prompt,
+        "chat": prompt, "sampling.max_tokens": max_tokens, "sampling.logprobs": logprobs,
+        "sampling.beam_width": "n", "request": "request",
+    }
+
+
+def _prompts(prompt: object) -> tuple[list[str | list[int]], bool]:
+    """OpenAI's prompt forms: a string, token ids, or a list of either; and whether it was a
+    list of prompts."""
+    allowed = ("a string, a list of token ids (32-bit ints), or a list of strings or of "
+               "token-id lists")
+    if isinstance(prompt, str):
+        return [prompt], False
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request("prompt", f"prompt must be {allowed}, got {_json(prompt)}")
+    if all(_is_int(t) for t in prompt):
+        return [prompt], False
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request("prompt", f"prompt must hold at most {MAX_PROMPTS} prompts, got "
+                                    f"{len(prompt)}")
+    for i, item in enumerate(prompt):
+        if not (isinstance(item, str) or (isinstance(item, list)
+                                          and all(_is_int(t) for t in item))):
+            raise bad_request(f"prompt[{i}]", f"prompt[{i}] must be a string or a list of "
+                                              f"token ids, got {_json(item)}")
+    return list(prompt), True
+
+
+def _is_int(value: object) -> bool:
+    """A token id the wire can carry (int32); which are in the vocabulary, the engine says."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**31) <= value < 2**31
+
+
+def _json(value: object) -> str:
+    import json
+
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:60] + "..."

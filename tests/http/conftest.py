@@ -1,0 +1,75 @@
+"""An engine serving the OpenAI-compatible HTTP API next to gRPC (a subprocess on the tiny
+Llama, loopback), with an API key, shared by the HTTP tests; clients are the official `openai`
+package's, sync and async."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+
+from engine_service.tools.launch import EngineProcess
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+from prefix_index.tools.redis_process import free_port
+from tests.service.conftest import engine_args
+
+API_KEY = "test-key-0123456789"
+
+
+@dataclass
+class HttpEngine:
+    process: EngineProcess
+    http_port: int
+    log_path: Path
+
+    @property
+    def target(self) -> str:  # gRPC
+        return self.process.target
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def model(self) -> str:
+        return Path(self.process.model).name  # the default served model name
+
+
+def start_engine(model_dir: Path, log_path: Path, extra: list[str] = ()) -> HttpEngine:
+    http_port = free_port()
+    args = [*engine_args(free_port(), None), "--http-port", str(http_port), *extra]
+    process = EngineProcess(model_dir, args, log_path=log_path).start()
+    return HttpEngine(process, http_port, log_path)
+
+
+@pytest.fixture(scope="session")
+def http_engine(tiny_llama_dir, tmp_path_factory) -> Iterator[HttpEngine]:
+    log_path = tmp_path_factory.mktemp("http_engine") / "engine.log"
+    engine = start_engine(tiny_llama_dir, log_path, ["--api-key", API_KEY])
+    try:
+        yield engine
+    finally:
+        engine.process.terminate()
+
+
+@pytest.fixture(scope="session")
+def client(http_engine) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{http_engine.base_url}/v1", api_key=API_KEY,
+                       max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+def async_client(http_engine) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{http_engine.base_url}/v1", api_key=API_KEY,
+                              max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def engine_stub(http_engine) -> Iterator[pb_grpc.GenerationStub]:
+    with grpc.insecure_channel(http_engine.target) as channel:
+        yield pb_grpc.GenerationStub(channel)
