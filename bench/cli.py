@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import math
 import os
 import shlex
 import time
@@ -524,27 +523,30 @@ def report_path(out: Path) -> Path:
     return out / "README_results.md"
 
 
-def write_outputs(results: dict, out: Path, report: bool = True) -> None:
-    import json
+# Sections whose per-request records go only to the file of their own (<section>.json), not
+# into bench.json: the router's are ~500 KB a run, and nothing rendered from bench.json reads them.
+RECORDS_APART = {"router"}
 
+
+def write_outputs(results: dict, out: Path, report: bool = True) -> None:
     from bench.plots import make_plots
+    from bench.results_json import write_results
 
     path = out / "bench.json"
-    path.write_text(json.dumps(_finite(results), indent=2, allow_nan=False) + "\n")
+    write_results(path, {key: _without_records(key, value) for key, value in results.items()})
     _log(f"wrote {path}")
     for section in ("pinning", "router"):  # sections also kept in a file of their own
         if section not in results:
             continue
+        if section in RECORDS_APART and _records_left_out(results[section]):
+            continue  # carried over from bench.json: its records are in the file already
         # Taken by this run (no meta of its own), or stamped with the machine that took it.
         own = results[section].get("meta")
         machine = own.get("machine") if own is not None else _machine(results["meta"])
         if machine is None:  # carried over from a run that did not stamp its machine: the
             continue  # file of its own already says which one took it
         path = out / f"{section}.json"
-        path.write_text(
-            json.dumps(_finite(results[section] | {"machine": machine}), indent=2, allow_nan=False)
-            + "\n"
-        )
+        write_results(path, results[section] | {"machine": machine})
         _log(f"wrote {path}")
     for png in make_plots(results, out):
         _log(f"wrote {png}")
@@ -560,17 +562,32 @@ def write_outputs(results: dict, out: Path, report: bool = True) -> None:
         print(text[start : text.find("###", start + 3)], flush=True)
 
 
-def _finite(value):
-    """Strict JSON: an infinite rate is written "inf", a missing figure (NaN) null."""
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    if isinstance(value, float) and math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    return value
+def _runs_of(section: dict) -> list[dict]:
+    by_scenario = section.get("runs")
+    if not isinstance(by_scenario, dict):
+        return []
+    return [run for by_policy in by_scenario.values() for runs in by_policy.values()
+            for run in runs]
+
+
+def _has_records(section: dict) -> bool:
+    return any("requests" in run for run in _runs_of(section))
+
+
+def _records_left_out(section: dict) -> bool:
+    runs = _runs_of(section)
+    return bool(runs) and not any("requests" in run for run in runs)
+
+
+def _without_records(key: str, value):
+    """A section of RECORDS_APART with each run's summary kept, its "requests" left out."""
+    if key not in RECORDS_APART or not _has_records(value):
+        return value
+    runs = {scenario: {policy: [{k: v for k, v in run.items() if k != "requests"}
+                                for run in runs]
+                       for policy, runs in by_policy.items()}
+            for scenario, by_policy in value["runs"].items()}
+    return value | {"runs": runs}
 
 
 if __name__ == "__main__":

@@ -393,6 +393,32 @@ def test_section_files_name_the_machine_that_took_them(tmp_path, monkeypatch):
     assert section["runs"] == 2 and section["machine"]["cpu"] == "Intel Xeon"
 
 
+def test_router_requests_go_to_router_json_only(tmp_path, monkeypatch):
+    """bench.json keeps each router run's summary without its per-request records (they are
+    in router.json); re-rendering from that bench.json leaves router.json's records alone."""
+    import json
+
+    import bench.plots
+    from bench.cli import write_outputs
+
+    monkeypatch.setattr(bench.plots, "make_plots", lambda results, out: [])  # not under test
+    meta = {"time_utc": "t", "git_commit": "c", "cpu": "cpu", "model": "m", "num_cpus": 2,
+            "versions": {}}
+    run = {"hit_rate": 0.5, "requests": [[0, 12.5, 16], [1, 30.0, 0]]}
+    results = {"meta": meta, "router": {"runs": {"hot": {"kv-aware": [run]}}}}
+    write_outputs(results, tmp_path, report=False)
+    kept = json.loads((tmp_path / "bench.json").read_text())
+    assert kept["router"]["runs"] == {"hot": {"kv-aware": [{"hit_rate": 0.5}]}}
+    records = json.loads((tmp_path / "router.json").read_text())
+    assert records["runs"]["hot"]["kv-aware"][0]["requests"] == run["requests"]
+    assert records["machine"]["cpu"] == "cpu"
+    assert "[0, 12.5, 16]" in (tmp_path / "router.json").read_text()  # a record on one line
+
+    kept["router"]["meta"] = {"machine": {"cpu": "cpu"}}  # as a section taken by --only is
+    write_outputs(kept, tmp_path, report=False)
+    assert json.loads((tmp_path / "router.json").read_text()) == records
+
+
 def test_a_bf16_run_reads_against_the_bf16_peak():
     """achieved() with a run's own dtype peak: the same work, twice the peak, half the
     fraction and twice the compute bound; without one, float32's peak (older results)."""
