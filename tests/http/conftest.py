@@ -4,6 +4,7 @@ package's, sync and async."""
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ API_KEY = "test-key-0123456789"
 class HttpEngine:
     process: EngineProcess
     http_port: int
+    metrics_port: int
     log_path: Path
 
     @property
@@ -38,12 +40,20 @@ class HttpEngine:
     def model(self) -> str:
         return Path(self.process.model).name  # the default served model name
 
+    def metric(self, name: str) -> float:
+        """One sample of the engine's Prometheus metrics (`name` with its labels)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        return 0.0
+
 
 def start_engine(model_dir: Path, log_path: Path, extra: list[str] = ()) -> HttpEngine:
-    http_port = free_port()
-    args = [*engine_args(free_port(), None), "--http-port", str(http_port), *extra]
+    http_port, metrics_port = free_port(), free_port()
+    args = [*engine_args(metrics_port, None), "--http-port", str(http_port), *extra]
     process = EngineProcess(model_dir, args, log_path=log_path).start()
-    return HttpEngine(process, http_port, log_path)
+    return HttpEngine(process, http_port, metrics_port, log_path)
 
 
 @pytest.fixture(scope="session")

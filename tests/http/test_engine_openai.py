@@ -1,0 +1,291 @@
+"""The engine's OpenAI-compatible HTTP API through the official `openai` client (sync and async,
+streaming and not), checked against the same engine's gRPC answers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from pagedgen_api import generation_pb2 as pb
+from tests.http.conftest import API_KEY
+from tests.http.http_util import call
+from tests.service.test_cancel import wait_all_free
+
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three colours."}]
+
+
+def stream_text(chunks) -> tuple[dict[int, str], dict[int, str], list]:
+    """Texts and finish reasons by choice index, and the chunks' usages (last one last)."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    usages = []
+    for chunk in chunks:
+        usages.append(chunk.usage)
+        for choice in chunk.choices:
+            piece = choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+            texts[choice.index] = texts.get(choice.index, "") + piece
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    return texts, reasons, usages
+
+
+# ---- completions and chat, whole and streamed ------------------------------------------------
+def test_completion_greedy_stream_equals_whole(client, http_engine):
+    whole = client.completions.create(model=http_engine.model, prompt=PROMPT, max_tokens=12,
+                                      temperature=0)
+    assert whole.object == "text_completion" and whole.model == http_engine.model
+    [choice] = whole.choices
+    assert choice.finish_reason == "length" and choice.text
+    assert whole.usage.completion_tokens == 12
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12
+    chunks = list(client.completions.create(
+        model=http_engine.model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    texts, reasons, usages = stream_text(chunks)
+    assert texts == {0: choice.text} and reasons == {0: "length"}
+    assert all(u is None for u in usages[:-1])  # usage only in the last chunk, asked for
+    assert chunks[-1].choices == [] and usages[-1].completion_tokens == 12
+    assert usages[-1].prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_greedy_sync_and_async_stream_equal_whole(client, async_client, http_engine):
+    whole = client.chat.completions.create(model=http_engine.model, messages=CHAT,
+                                           max_completion_tokens=10, temperature=0)
+    assert whole.object == "chat.completion"
+    [choice] = whole.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert whole.usage.completion_tokens == 10
+
+    async def streamed():
+        stream = await async_client.chat.completions.create(
+            model=http_engine.model, messages=CHAT, max_tokens=10, temperature=0, stream=True)
+        chunks = [chunk async for chunk in stream]
+        unstreamed = await async_client.chat.completions.create(
+            model=http_engine.model, messages=CHAT, max_tokens=10, temperature=0)
+        await async_client.close()
+        return chunks, unstreamed
+
+    chunks, unstreamed = asyncio.run(streamed())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    texts, reasons, usages = stream_text(chunks)
+    assert texts == {0: choice.message.content} and reasons == {0: "length"}
+    assert all(u is None for u in usages)  # not asked for
+    assert unstreamed.choices[0].message.content == choice.message.content
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(client, http_engine):
+    """OpenAI's default: no max_tokens means up to the context (here, the KV pool's 3840
+    tokens, which is smaller); ignore_eos makes it run there."""
+    from tests.service.conftest import BLOCK_SIZE, NUM_BLOCKS
+
+    reply = client.chat.completions.create(model=http_engine.model, messages=CHAT,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    usage = reply.usage
+    assert reply.choices[0].finish_reason == "length"
+    assert usage.prompt_tokens + usage.completion_tokens == NUM_BLOCKS * BLOCK_SIZE
+
+
+def test_n_and_a_list_of_prompts(client, http_engine):
+    prompts = [PROMPT, [1, 2, 3, 4, 5]]
+    reply = client.completions.create(model=http_engine.model, prompt=prompts, n=2,
+                                      max_tokens=6, temperature=0.8, seed=11)
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3]
+    alone = [client.completions.create(model=http_engine.model, prompt=p, n=2, max_tokens=6,
+                                       temperature=0.8, seed=11) for p in prompts]
+    by_index = {c.index: c.text for c in reply.choices}
+    for i, single in enumerate(alone):
+        for c in single.choices:  # choice i*n + k is prompt i's k-th
+            assert by_index[i * 2 + c.index] == c.text
+    assert reply.usage.completion_tokens == 4 * 6
+    assert reply.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in alone)
+    chunks = list(client.completions.create(model=http_engine.model, prompt=prompts, n=2,
+                                            max_tokens=6, temperature=0.8, seed=11,
+                                            stream=True))
+    texts, reasons, _ = stream_text(chunks)
+    assert texts == by_index and set(reasons) == {0, 1, 2, 3}
+
+
+def test_chat_n_streams_every_choice(client, http_engine):
+    chunks = list(client.chat.completions.create(
+        model=http_engine.model, messages=CHAT, n=3, max_tokens=5, temperature=1.0, seed=3,
+        stream=True))
+    texts, reasons, _ = stream_text(chunks)
+    assert set(texts) == {0, 1, 2} and reasons == {0: "length", 1: "length", 2: "length"}
+    whole = client.chat.completions.create(model=http_engine.model, messages=CHAT, n=3,
+                                           max_tokens=5, temperature=1.0, seed=3)
+    assert {c.index: c.message.content for c in whole.choices} == texts
+
+
+# ---- logprobs -----------------------------------------------------------------------------
+def test_completion_logprobs_integer(client, http_engine):
+    reply = client.completions.create(model=http_engine.model, prompt=PROMPT, max_tokens=8,
+                                      temperature=0, logprobs=3)
+    [choice] = reply.choices
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 3 <= len(top) <= 4 and top[token] == logprob
+        assert logprob == max(top.values())  # greedy: the sampled token is the likeliest
+    chunks = list(client.completions.create(model=http_engine.model, prompt=PROMPT,
+                                            max_tokens=8, temperature=0, logprobs=3,
+                                            stream=True))
+    streamed = [t for c in chunks for ch in c.choices for t in ch.logprobs.tokens]
+    assert streamed == lp.tokens
+    offsets = [o for c in chunks for ch in c.choices for o in ch.logprobs.text_offset]
+    assert offsets == lp.text_offset
+
+
+def test_chat_logprobs_and_top_logprobs(client, http_engine):
+    reply = client.chat.completions.create(model=http_engine.model, messages=CHAT,
+                                           max_tokens=6, temperature=0, logprobs=True,
+                                           top_logprobs=2)
+    [choice] = reply.choices
+    content = choice.logprobs.content
+    assert len(content) == 6
+    assert "".join(t.token for t in content) == choice.message.content
+    for token in content:
+        assert len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+        assert token.top_logprobs[0].token == token.token  # greedy
+        assert bytes(token.bytes).decode() == token.token
+    plain = client.chat.completions.create(model=http_engine.model, messages=CHAT,
+                                           max_tokens=6, temperature=0, logprobs=True)
+    assert [t.top_logprobs for t in plain.choices[0].logprobs.content] == [[]] * 6
+    assert [t.logprob for t in plain.choices[0].logprobs.content] == [t.logprob
+                                                                       for t in content]
+    none = client.chat.completions.create(model=http_engine.model, messages=CHAT,
+                                          max_tokens=6, temperature=0)
+    assert none.choices[0].logprobs is None
+
+
+# ---- stop, seed, cached tokens ----------------------------------------------------------------
+def test_stop_strings(client, http_engine):
+    free = client.completions.create(model=http_engine.model, prompt=PROMPT, max_tokens=16,
+                                     temperature=0).choices[0].text
+    stop = free[len(free) // 2:len(free) // 2 + 3]
+    cut = free[:free.index(stop)]
+    for stream in (False, True):
+        reply = client.completions.create(model=http_engine.model, prompt=PROMPT,
+                                          max_tokens=16, temperature=0, stop=[stop, "\x00"],
+                                          stream=stream)
+        if stream:
+            texts, reasons, _ = stream_text(list(reply))
+            assert texts == {0: cut} and reasons == {0: "stop"}
+        else:
+            choice = reply.choices[0]
+            assert choice.text == cut and choice.finish_reason == "stop"
+            assert choice.model_extra["stop_reason"] == stop
+
+
+def test_seed_reproduces(client, async_client, http_engine):
+    def sample(seed: int) -> str:
+        return client.completions.create(model=http_engine.model, prompt=PROMPT,
+                                         max_tokens=20, temperature=1.0, top_p=0.95,
+                                         seed=seed).choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert sample(4321) != first
+
+    async def async_sample() -> str:
+        reply = await async_client.completions.create(model=http_engine.model, prompt=PROMPT,
+                                                      max_tokens=20, temperature=1.0,
+                                                      top_p=0.95, seed=1234)
+        await async_client.close()
+        return reply.choices[0].text
+
+    assert asyncio.run(async_sample()) == first
+
+
+def test_usage_counts_cached_tokens_on_a_repeated_prefix(client, http_engine):
+    from tests.service.conftest import BLOCK_SIZE
+
+    system = "You answer questions about the cached prefix test. " * 12  # several blocks
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi?"}]
+    first = client.chat.completions.create(model=http_engine.model, messages=messages,
+                                           max_tokens=2, temperature=0,
+                                           extra_body={"cache_salt": "usage-test"})
+    messages[1]["content"] = "And now?"
+    again = client.chat.completions.create(model=http_engine.model, messages=messages,
+                                           max_tokens=2, temperature=0,
+                                           extra_body={"cache_salt": "usage-test"})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 4 * BLOCK_SIZE and cached % BLOCK_SIZE == 0
+    assert cached < again.usage.prompt_tokens
+
+
+# ---- the same request over gRPC ---------------------------------------------------------------
+def test_greedy_tokens_over_http_equal_grpc(client, http_engine, engine_stub):
+    for max_tokens in (1, 17):
+        http = client.completions.create(model=http_engine.model, prompt=PROMPT,
+                                         max_tokens=max_tokens, temperature=0, logprobs=0)
+        grpc_reply = engine_stub.Generate(pb.GenerateRequest(
+            text=PROMPT, sampling=pb.SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                    logprobs=0)), timeout=60)
+        [completion] = grpc_reply.completions
+        [choice] = http.choices
+        assert choice.text == completion.text
+        detokenized = [call(f"{http_engine.base_url}/detokenize", {"tokens": [t]})[1]["prompt"]
+                       for t in completion.token_ids]
+        assert choice.logprobs.tokens == detokenized
+        assert choice.logprobs.token_logprobs == pytest.approx(
+            [lp.logprob for lp in completion.logprobs], abs=1e-5)
+        assert http.usage.prompt_tokens == grpc_reply.usage.prompt_tokens
+    chat = client.chat.completions.create(model=http_engine.model, messages=CHAT,
+                                          max_tokens=9, temperature=0)
+    grpc_chat = engine_stub.Generate(pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in CHAT]),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=9)), timeout=60)
+    assert chat.choices[0].message.content == grpc_chat.completions[0].text
+    assert chat.usage.prompt_tokens == grpc_chat.usage.prompt_tokens
+
+
+# ---- disconnects --------------------------------------------------------------------------
+ABORTED = 'pagedgen_engine_requests_finished_total{finish_reason="abort"}'
+TOKENS = "pagedgen_engine_generation_tokens_total"
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(http_engine, engine_stub):
+    async def body():
+        client = openai.AsyncOpenAI(base_url=f"{http_engine.base_url}/v1", api_key=API_KEY,
+                                    max_retries=0, timeout=120)
+        stream = await client.chat.completions.create(
+            model=http_engine.model, messages=CHAT, max_tokens=3000, temperature=0,
+            stream=True, extra_body={"ignore_eos": True})
+        received = 0
+        async for chunk in stream:
+            received += len(chunk.choices)
+            if received >= 5:
+                break
+        busy = engine_stub.EngineStats(pb.EngineStatsRequest(), timeout=10)
+        await stream.close()
+        await client.close()
+        return busy
+
+    aborted, tokens = http_engine.metric(ABORTED), http_engine.metric(TOKENS)
+    busy = asyncio.run(body())
+    assert busy.num_running == 1 and busy.num_free_blocks < busy.num_blocks
+    wait_all_free(engine_stub)
+    assert http_engine.metric(ABORTED) == aborted + 1
+    assert http_engine.metric(TOKENS) - tokens < 3000
+
+
+def test_client_disconnect_while_waiting_for_a_whole_reply_aborts(http_engine, engine_stub):
+    """Not streamed: the client gives up (its timeout) while the engine generates."""
+    aborted, tokens = http_engine.metric(ABORTED), http_engine.metric(TOKENS)
+    client = openai.OpenAI(base_url=f"{http_engine.base_url}/v1", api_key=API_KEY,
+                           max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model=http_engine.model, prompt=PROMPT, max_tokens=3000,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    wait_all_free(engine_stub)
+    assert http_engine.metric(ABORTED) == aborted + 1  # ended by the client, not finished
+    assert http_engine.metric(TOKENS) - tokens < 3000
+
