@@ -1,0 +1,188 @@
+"""Every error status of the engine's HTTP API, in OpenAI's shape, as the official client sees
+it: 400 a bad field (named in `param`), 401 no or a wrong key, 404 an unknown model or path,
+429 the queue full, 503 draining; and the plain endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import openai
+import pytest
+
+from tests.http.conftest import API_KEY, start_engine
+from tests.http.http_util import call
+
+CHAT = [{"role": "user", "content": "Hello"}]
+
+
+def error_of(raised: pytest.ExceptionInfo) -> dict:
+    body = raised.value.response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize(("kwargs", "param", "words"), [
+    ({"temperature": -1}, "temperature", "temperature must be >= 0"),
+    ({"max_tokens": 10_000}, "max_tokens", "max_tokens must be at most"),
+    ({"logprobs": 21}, "logprobs", "logprobs must be between 0 and 20"),
+    ({"n": 0}, "n", "n must be between 1 and"),
+    ({"top_p": 1.5}, "top_p", "top_p"),
+    ({"stop": [1]}, "stop", "stop must be a string or a list of strings"),
+    ({"echo": True}, "echo", "echo is not supported"),
+    ({"suffix": "x"}, "suffix", "suffix is not supported"),
+    ({"extra_body": {"guided_json": None, "echo": False}}, None, None),  # asks for nothing
+    ({"extra_body": {"colour": "red"}}, "colour", "colour is not a field"),
+    ({"extra_body": {"top_k": -5}}, "top_k", "top_k"),
+    ({"extra_body": {"min_tokens": 20}, "max_tokens": 4}, "min_tokens", "min_tokens must be <="),
+    ({"prompt": ""}, "prompt", "prompt must be a non-empty string"),
+    ({"prompt": [99_999_999]}, "prompt", "the vocabulary"),
+    ({"prompt": ["ok", [1, "x"]]}, "prompt[1]", "prompt[1] must be a string or a list"),
+])
+def test_completions_400_names_the_field(client, http_engine, kwargs, param, words):
+    kwargs = {"prompt": "Hello", "max_tokens": 4, **kwargs}
+    if words is None:
+        assert client.completions.create(model=http_engine.model, **kwargs).choices
+        return
+    for stream in (False, True):  # refused before the stream starts: a status, not an event
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model=http_engine.model, stream=stream, **kwargs)
+        error = error_of(raised)
+        assert error["param"] == param and words in error["message"], error
+        assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("kwargs", "param", "words"), [
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0]", ""),
+    ({"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role", "must be one of"),
+    ({"messages": []}, "messages", "at least one message"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                 "image_url": {"url": "http://x"}}]}]},
+     "messages[0].content", "text parts"),
+    ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be between"),
+    ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", "must agree"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"response_format": {"type": "text"}}, None, None),  # asks for nothing: accepted
+    ({"logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
+])
+def test_chat_400_names_the_field(client, http_engine, kwargs, param, words):
+    kwargs = {"messages": CHAT, "max_tokens": 4, **kwargs}
+    if "max_completion_tokens" in kwargs and "max_tokens" in kwargs and (
+            kwargs["max_completion_tokens"] == 0):
+        del kwargs["max_tokens"]
+    if words is None:
+        assert client.chat.completions.create(model=http_engine.model, **kwargs).choices
+        return
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=http_engine.model, **kwargs)
+    error = error_of(raised)
+    assert error["param"].startswith(param) and words in error["message"], error
+
+
+def test_bodies_that_are_not_requests(http_engine):
+    url = f"{http_engine.base_url}/v1/chat/completions"
+    status, body = call(url, b"{not json", API_KEY)
+    assert status == 400 and "must be JSON" in body["error"]["message"]
+    status, body = call(url, b"[1, 2]", API_KEY)
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    status, body = call(url, {"model": http_engine.model}, API_KEY)
+    assert status == 400 and body["error"]["param"] == "messages"
+    assert body["error"]["message"] == "messages is required"
+
+
+def test_401_without_or_with_a_wrong_key(http_engine):
+    with openai.OpenAI(base_url=f"{http_engine.base_url}/v1", api_key="wrong-key",
+                       max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError) as raised:
+            bad.completions.create(model=http_engine.model, prompt="Hi", max_tokens=2)
+        error = error_of(raised)
+        assert error["code"] == "invalid_api_key" and error["type"] == "authentication_error"
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    for path, body in (("/v1/models", None), ("/v1/chat/completions", {"messages": CHAT})):
+        status, reply = call(f"{http_engine.base_url}{path}", body)  # no Authorization header
+        assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+        assert "needs an API key" in reply["error"]["message"]
+    # Outside /v1 (probes, tokenizer tools) no key is needed, as with vLLM's --api-key.
+    assert call(f"{http_engine.base_url}/health")[0] == 200
+    assert call(f"{http_engine.base_url}/version")[0] == 200
+
+
+def test_404_unknown_model_and_path(client, http_engine):
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
+    error = error_of(raised)
+    assert error["param"] == "model" and error["code"] == "model_not_found"
+    assert repr(http_engine.model) in error["message"]
+    status, body = call(f"{http_engine.base_url}/v1/embeddings", {"input": "x"}, API_KEY)
+    assert status == 404 and "not served here" in body["error"]["message"]
+
+
+def test_models_tokenize_detokenize_version(client, http_engine):
+    from tests.service.conftest import MAX_MODEL_LEN
+
+    [model] = client.models.list().data
+    assert model.id == http_engine.model and model.owned_by == "pagedgen"
+    assert model.model_extra["max_model_len"] == MAX_MODEL_LEN
+    base = http_engine.base_url
+    status, tokens = call(f"{base}/tokenize", {"model": model.id, "prompt": "Hello world"})
+    assert status == 200 and tokens["count"] == len(tokens["tokens"]) > 0
+    assert tokens["max_model_len"] == MAX_MODEL_LEN
+    status, text = call(f"{base}/detokenize", {"tokens": tokens["tokens"]})
+    assert status == 200 and text == {"prompt": "Hello world"}
+    status, chat = call(f"{base}/tokenize", {"messages": CHAT})
+    reply = client.chat.completions.create(model=model.id, messages=CHAT, max_tokens=1)
+    assert status == 200 and chat["count"] == reply.usage.prompt_tokens
+    status, body = call(f"{base}/tokenize", {"prompt": "x", "messages": CHAT})
+    assert status == 400 and "exactly one of" in body["error"]["message"]
+    status, body = call(f"{base}/detokenize", {"tokens": [10**9]})
+    assert status == 400 and body["error"]["param"] == "tokens"
+    status, version = call(f"{base}/version")
+    assert status == 200 and version["version"]
+
+
+# ---- 429 and 503 on an engine of their own ----------------------------------------------------
+def test_429_when_the_queue_is_full_then_503_while_draining(tiny_llama_dir, tmp_path):
+    engine = start_engine(tiny_llama_dir, tmp_path / "engine.log",
+                          ["--max-live-requests", "1", "--grace-s", "120"])
+    base = f"{engine.base_url}/v1"
+
+    async def body() -> None:
+        client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0,
+                                    timeout=120)
+        long = await client.chat.completions.create(
+            model=engine.model, messages=CHAT, max_tokens=3000, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        first = await long.__anext__()  # admitted: the one live request
+        assert first.choices[0].delta.role == "assistant"
+        with pytest.raises(openai.RateLimitError) as raised:
+            await client.completions.create(model=engine.model, prompt="Hi", max_tokens=2)
+        error = error_of(raised)
+        assert error["type"] == "rate_limit_error" and "queue limit" in error["message"]
+
+        engine.process.proc.send_signal(signal.SIGTERM)  # drains: the long stream keeps it up
+        while (await asyncio.to_thread(call, f"{engine.base_url}/health"))[0] == 200:
+            await asyncio.sleep(0.05)
+        status, health = await asyncio.to_thread(call, f"{engine.base_url}/health")
+        assert status == 503 and health["status"] == "not serving"
+        with pytest.raises(openai.InternalServerError) as raised:
+            await client.chat.completions.create(model=engine.model, messages=CHAT,
+                                                 max_tokens=2)
+        assert raised.value.status_code == 503
+        error = error_of(raised)
+        assert "draining" in error["message"] and error["type"] == "service_unavailable_error"
+        async for _ in long:  # the live stream still runs while the engine drains
+            break
+        await long.close()  # and leaving it lets the drain end
+        await client.close()
+
+    try:
+        asyncio.run(body())
+        assert engine.process.proc.wait(60) == 0
+    finally:
+        engine.process.kill()
