@@ -21,6 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from openai_api.auth import API_KEY_ENV, api_key_from
+from openai_api.server import HttpServer
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from pagedgen_api import prefix_index_pb2
@@ -28,6 +30,7 @@ from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
 from router.config import POLICIES, RouterConfig
 from router.core import Router
+from router.http_backend import router_backend
 from router.metrics import RouterMetrics
 from router.servicer import RouterServicer
 
@@ -45,7 +48,8 @@ class RouterServer:
     """The gRPC server around a Router: health follows whether any replica can take work."""
 
     def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 50050,
-                 metrics_port: int = 0, metrics_host: str = "0.0.0.0") -> None:
+                 metrics_port: int = 0, metrics_host: str = "0.0.0.0",
+                 http: HttpServer | None = None) -> None:
         self.router = router
         self.host, self.requested_port = host, port
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
@@ -53,6 +57,7 @@ class RouterServer:
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port fails
         self.port = 0
+        self.http = http  # the OpenAI-compatible HTTP API, when served
         self._health_task: asyncio.Task | None = None
 
     async def start(self) -> int:
@@ -63,6 +68,8 @@ class RouterServer:
              reflection.SERVICE_NAME], self.server)
         address = join_host_port(self.host, self.requested_port)
         self.port = bind_grpc(self.server, address)
+        if self.http is not None:  # bound now, served once the router runs
+            self.http.bind()
         if self.metrics_port:
             # Before the router's tasks and the server start: a port in use fails here, with
             # nothing running yet to stop (after them, the process died of SIGSEGV).
@@ -70,6 +77,8 @@ class RouterServer:
         await self.router.start()
         await self._update_health()
         await self.server.start()
+        if self.http is not None:
+            await self.http.start(router_backend(self.router, self.servicer))
         self._health_task = asyncio.ensure_future(self._follow_health())
         log.info("router serving on %s:%d (policy %s)", self.host, self.port,
                  self.router.config.policy)
@@ -96,8 +105,14 @@ class RouterServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         await self._update_health()
-        await self.server.stop(grace_s)
+        # Both fronts' running streams get the same grace, together.
+        await asyncio.gather(self.server.stop(grace_s),
+                             self.http.stop(grace_s) if self.http is not None else _nothing())
         await self.router.stop()
+
+
+async def _nothing() -> None:
+    return None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -151,6 +166,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory (default: the replicas' model directory when it "
                         "is on this machine, else a replica tokenizes)")
+    p.add_argument("--http-port", type=int, default=0,
+                   help="port of the OpenAI-compatible HTTP API (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health, ...), routed as gRPC "
+                        "requests are; 0 = off")
+    p.add_argument("--http-host", default=None, help="address the HTTP API binds (default: "
+                                                     "--host)")
+    p.add_argument("--api-key", default=None,
+                   help=f"HTTP /v1/* requests need Authorization: Bearer KEY (default: "
+                        f"${API_KEY_ENV}; unset: no key needed)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")
@@ -159,6 +183,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.engine_list = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not args.engine_list and args.prefix_index == "none":
         p.error("give --engines host:port,... or --prefix-index HOST:PORT")
+    if not 0 <= args.http_port <= 65535:
+        p.error(f"--http-port must be in [0, 65535] (0 = off), got {args.http_port}")
+    args.http_host = args.host if args.http_host is None else args.http_host
+    args.api_key = api_key_from(args.api_key)
     return args
 
 
@@ -179,10 +207,16 @@ async def serve(args: argparse.Namespace) -> None:
     index = None if args.prefix_index == "none" else args.prefix_index
     router = Router(config_from_args(args), args.engine_list, index, args.tokenizer,
                     RouterMetrics())
-    server = RouterServer(router, args.host, args.port, args.metrics_port, args.metrics_host)
+    http = (HttpServer(args.http_host, args.http_port, args.api_key) if args.http_port
+            else None)
+    server = RouterServer(router, args.host, args.port, args.metrics_port, args.metrics_host,
+                          http)
     port = await server.start()
     # One line on stdout that launchers read to learn the port (--port 0).
     print(f"router listening on {join_host_port(args.host, port)}", flush=True)
+    if http is not None:
+        print(f"router HTTP API on http://{join_host_port(args.http_host, http.port)}",
+              flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,40 @@
+"""The router's side of the HTTP API (openai_api/): its own gRPC servicer, called in-process, so
+an HTTP request is routed, failed over and resumed exactly as a gRPC one."""
+
+from __future__ import annotations
+
+import asyncio
+
+from openai_api.backend import Backend, ServedModel, model_of
+from openai_api.call_context import HttpCallContext
+from pagedgen_api import generation_pb2 as pb
+from router.core import Router
+from router.servicer import RouterServicer
+
+
+def router_backend(router: Router, servicer: RouterServicer) -> Backend:
+    def models() -> list[ServedModel]:
+        """The models the routable replicas serve (compatible replicas share one), each with
+        the smallest context among them: a request may go to any of them."""
+        served: dict[str, ServedModel] = {}
+        for replica in router.replicas.routable():
+            model = model_of(replica.info)
+            known = served.get(model.name)
+            served[model.name] = model if known is None else ServedModel(
+                model.name, min(known.max_model_len, model.max_model_len),
+                min(known.context_tokens, model.context_tokens))
+        return sorted(served.values(), key=lambda m: m.name)
+
+    async def token_texts(token_ids: list[int]) -> list[str]:
+        tokenizer = router.prompts.local(router.replicas.routable())
+        if tokenizer is not None:  # on the tokenizer's own thread (router/prompt.py)
+            return await router.prompts.run(lambda: [tokenizer.decode([t]) for t in token_ids])
+        replies = await asyncio.gather(*(
+            servicer.Detokenize(pb.DetokenizeRequest(token_ids=[t], skip_special_tokens=False),
+                                HttpCallContext())
+            for t in token_ids))
+        return [reply.text for reply in replies]
+
+    return Backend(servicer=servicer,
+                   serving=lambda: router.serving and not servicer.draining,
+                   models=models, token_texts=token_texts)
