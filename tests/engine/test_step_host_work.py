@@ -243,21 +243,7 @@ def test_decode_graph_tables_are_written_incrementally(make_llm, tiny_llama_dir,
         return logits
 
     graphs.run = checked_run
-    rng = random.Random(0)
-    plan = {0: 3, 5: 2, 9: 1, 20: 2}  # step -> requests added
-    step = 0
-    while plan or engine.has_unfinished_requests():
-        for i in range(plan.pop(step, 0)):
-            prompt = [rng.randrange(3, 5000) for _ in range(rng.randint(3, 20))]
-            n = 2 if i == 0 else 1
-            engine.add_request(f"{step}-{i}", prompt, SamplingParams(
-                temperature=1.0, seed=i, n=n, max_tokens=rng.randint(20, 60), ignore_eos=True))
-        if step == 2:  # beams: a continuing beam writes its partial block after a fork
-            engine.add_request("beams", [rng.randrange(3, 5000) for _ in range(5)],
-                               BeamSearchParams(beam_width=3, max_tokens=30).sampling_params())
-        engine.step()
-        step += 1
-    assert engine.stats().num_preemptions > 0
+    _run_forking_workload(engine, random.Random(0), max_prompt=20)
     assert sum(took for took, *_ in steps) >= 5 and len(steps) > 40
     for took, batch, new_blocks, uploaded, _ in steps:
         if not took:  # new blocks, one copy-on-write per row at most, padding rows freed
@@ -333,12 +319,19 @@ def test_eager_step_tables_are_kept_and_equal_the_tables(make_llm, tiny_llama_di
         return gathered
 
     tables.gather = checked_gather
-    rng = random.Random(1)
+    _run_forking_workload(engine, random.Random(1), max_prompt=40)
+    assert rows_kept > 4 * rows_made > 0, (rows_kept, rows_made)
+
+
+def _run_forking_workload(engine, rng: random.Random, max_prompt: int) -> None:
+    """Arrivals over 20 steps (the first of each n = 2), a beam search from step 2 (a
+    continuing beam writes its partial block after a fork), run to the end: into a small pool,
+    so sequences are preempted."""
     plan = {0: 3, 5: 2, 9: 1, 20: 2}  # step -> requests added
     step = 0
     while plan or engine.has_unfinished_requests():
         for i in range(plan.pop(step, 0)):
-            prompt = [rng.randrange(3, 5000) for _ in range(rng.randint(3, 40))]
+            prompt = [rng.randrange(3, 5000) for _ in range(rng.randint(3, max_prompt))]
             engine.add_request(f"{step}-{i}", prompt, SamplingParams(
                 temperature=1.0, seed=i, n=2 if i == 0 else 1, max_tokens=rng.randint(20, 60),
                 ignore_eos=True))
@@ -348,4 +341,3 @@ def test_eager_step_tables_are_kept_and_equal_the_tables(make_llm, tiny_llama_di
         engine.step()
         step += 1
     assert engine.stats().num_preemptions > 0
-    assert rows_kept > 4 * rows_made > 0, (rows_kept, rows_made)
