@@ -6,10 +6,12 @@ the Redis password."""
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import subprocess
 import tomllib
 from pathlib import Path
+from unittest import mock
 from urllib.parse import urlsplit
 
 import kubernetes_validate
@@ -23,7 +25,15 @@ from prefix_index.server.main import parse_args as index_args
 from router.server import parse_args as router_args
 from tests.deploy.kustomize_render import RenderError, render, strategic_merge
 from tests.deploy.network_paths import ANYWHERE, allowed_paths
-from tests.deploy.pods import POD_IP, Pod, expanded_args, pods, secret_placeholder, selects
+from tests.deploy.pods import (
+    POD_IP,
+    Pod,
+    container_env,
+    expanded_args,
+    pods,
+    secret_placeholder,
+    selects,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
@@ -35,6 +45,7 @@ PARSERS = {"pagedgen-engine": engine_args, "pagedgen-prefix-index": index_args,
            "pagedgen-router": router_args, "pagedgen-prepare-model": prepare_model_args}
 SERVERS = ("pagedgen-engine", "pagedgen-prefix-index", "pagedgen-router")
 REDIS_SECRET = ("pagedgen-redis", "password")
+API_KEY_SECRET = ("pagedgen-api-key", "api-key")
 MONITORING = 'namespace{"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}'
 DNS = ('namespace{"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}} '
        'pods{"matchLabels": {"k8s-app": "kube-dns"}}')
@@ -59,6 +70,13 @@ def _script(container: dict) -> str | None:
     return command[0] if command and command[0].startswith("pagedgen-") else None
 
 
+def _parse(script: str, pod: Pod, container: dict):
+    """The container's args through the script's parser, in the container's environment (the
+    servers read some settings, such as $PAGEDGEN_API_KEY, from it)."""
+    with mock.patch.dict(os.environ, container_env(pod, container)):
+        return PARSERS[script](expanded_args(pod, container))
+
+
 def _servers(resources: list[dict]) -> dict[str, tuple[Pod, dict, object]]:
     """Console script -> (its pod, its container, its parsed args); one of each."""
     found: dict[str, tuple[Pod, dict, object]] = {}
@@ -67,7 +85,7 @@ def _servers(resources: list[dict]) -> dict[str, tuple[Pod, dict, object]]:
             script = _script(container)
             if script in SERVERS:
                 assert script not in found, f"{script} runs in two workloads"
-                found[script] = (pod, container, PARSERS[script](expanded_args(pod, container)))
+                found[script] = (pod, container, _parse(script, pod, container))
     assert set(found) == set(SERVERS), f"workloads found for {sorted(found)}"
     return found
 
@@ -104,11 +122,11 @@ def test_containers_run_console_scripts_with_flags_their_parsers_accept(resource
             where = f"{pod.workload}/{container['name']}"
             assert script in scripts, f"{where}: command {container.get('command')} is not a " \
                                       f"console script of pyproject.toml ({sorted(scripts)})"
-            args = expanded_args(pod, container)
             try:
-                PARSERS[script](args)
+                _parse(script, pod, container)
             except SystemExit as exit_:  # argparse names the flag on stderr
-                pytest.fail(f"{where}: {script} refuses {args} (exit {exit_.code})")
+                pytest.fail(f"{where}: {script} refuses {expanded_args(pod, container)} "
+                            f"(exit {exit_.code})")
             ran.add(script)
     assert ran == set(PARSERS), f"console scripts run: {sorted(ran)}"
 
@@ -160,6 +178,20 @@ def test_services_select_pods_and_target_their_ports(resources):
             declared = [p["containerPort"] for p in selected[0].container_ports()]
             assert number in declared, f"Service {name} port {port['port']} targets " \
                                        f"{target!r}, not a containerPort of {selected[0].workload}"
+
+
+def test_the_router_service_publishes_the_client_ports_and_http_needs_a_key(resources):
+    servers = _servers(resources)
+    router_pod, _, router = servers["pagedgen-router"]
+    http_port = getattr(router, "http_port", 0)
+    [service] = [s for s in _by_kind(resources, "Service") if s["metadata"]["name"] == "router"]
+    reached = {router_pod.resolve_port(p.get("targetPort", p["port"]))
+               for p in service["spec"]["ports"]}
+    assert reached == {router.port, *([http_port] if http_port else [])}
+    if http_port:  # the front door's HTTP API takes a Bearer key, from a Secret
+        assert router.api_key == secret_placeholder(*API_KEY_SECRET)
+    # Clients reach the engines only through the router.
+    assert not getattr(servers["pagedgen-engine"][2], "http_port", 0)
 
 
 def _service_target(resources: list[dict], address: str) -> tuple[Pod, int]:
