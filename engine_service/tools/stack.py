@@ -1,6 +1,7 @@
 """pagedgen-stack: the whole stack on this machine, no Docker: Redis, the prefix index and the
-engine on the default model, each a real process on a free loopback port; then one chat prompt
-streamed through the generated gRPC stubs, printed as the deltas arrive; then a clean shutdown.
+engine on the default model, each a real process on a free loopback port (the OpenAI-compatible
+HTTP API on port 8000); then one chat prompt streamed through the generated gRPC stubs, printed
+as the deltas arrive; then a clean shutdown.
 
     pagedgen-stack [--prompt TEXT] [--max-tokens N] [--keep-running]
     pagedgen-stack --replicas 3    # three engines behind pagedgen-router; streamed through it
@@ -28,6 +29,7 @@ from prefix_index.tools.redis_process import RedisProcess, free_port
 from router.tools.launch import RouterProcess
 
 log = logging.getLogger("engine_service.tools.stack")
+DEFAULT_HTTP_PORT = 8000  # vLLM's: OpenAI clients and examples expect it
 DEFAULT_PROMPT = "What is a KV cache in a language model? Answer in two sentences."
 
 
@@ -44,6 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-port", type=int, default=0,
                    help="0 = a free port (with --replicas > 1: the router's port)")
     p.add_argument("--index-port", type=int, default=0, help="0 = a free port")
+    p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                   help="the OpenAI-compatible HTTP API of the stack's front door (the router "
+                        "with --replicas > 1, else the engine); 0 = a free port, -1 = off")
     p.add_argument("--metrics-port", type=int, default=0, help="engine Prometheus port (0 = off)")
     p.add_argument("--keep-running", action="store_true",
                    help="after the completion, serve until Ctrl-C / SIGTERM")
@@ -54,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not 1 <= args.replicas <= 16:
         p.error(f"--replicas must be in 1..16, got {args.replicas}")
+    if not -1 <= args.http_port <= 65535:
+        p.error(f"--http-port must be in [-1, 65535] (0 = a free port, -1 = off), got "
+                f"{args.http_port}")
     return args
 
 
@@ -116,11 +124,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefix index  {index.target}", flush=True)
         engines = []
         stack_id = free_port()
+        http_port = None if args.http_port < 0 else (args.http_port or free_port())
+        http_args = [] if http_port is None else ["--http-port", str(http_port)]
         for i in range(args.replicas):
             engine_args = ["--device", args.device, "--prefix-index", index.target,
                            "--engine-id", f"stack-{stack_id}-{i}"]
             if args.metrics_port:
                 engine_args += ["--metrics-port", str(args.metrics_port + i)]
+            if args.replicas == 1:  # the front door
+                engine_args += http_args
             port = (args.engine_port or None) if args.replicas == 1 else None
             log_path = log_dir / f"engine-{i}.log"
             engine = EngineProcess(model, engine_args, port=port, log_path=log_path)
@@ -130,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         target = engines[0].target
         if args.replicas > 1:
             # Replicas found through the index, where each engine registered its address.
-            router = RouterProcess(["--prefix-index", index.target, "--log-level", "WARNING"],
+            router = RouterProcess(["--prefix-index", index.target, "--log-level", "WARNING",
+                                    *http_args],
                                    port=args.engine_port or None,
                                    log_path=log_dir / "router.log")
             stack.enter_context(router)
@@ -138,13 +151,17 @@ def run(args: argparse.Namespace) -> int:
             target = router.target
             print(f"router        {target}  (kv-aware over {args.replicas} engines, log "
                   f"{log_dir / 'router.log'})", flush=True)
+        if http_port is not None:
+            print(f"http          http://127.0.0.1:{http_port}  (OpenAI API: /v1/completions, "
+                  f"/v1/chat/completions, /v1/models)", flush=True)
         print(f"stack up in {time.monotonic() - started:.1f}s\n", flush=True)
         print(f"user: {args.prompt}\nassistant: ", end="", flush=True)
         usage = stream_completion(target, args.prompt, args.max_tokens, args.temperature)
         print(f"\n[usage: {usage.prompt_tokens} prompt tokens ({usage.cached_tokens} cached), "
               f"{usage.completion_tokens} completion tokens]", flush=True)
         if args.keep_running:
-            print(f"serving on {target}; Ctrl-C to stop", flush=True)
+            http = "" if http_port is None else f" and http://127.0.0.1:{http_port}"
+            print(f"serving on {target}{http}; Ctrl-C to stop", flush=True)
             wait_for_signal()
         print("shutting down ...", flush=True)
         # ExitStack stops the rest in reverse: the router, the engines (each drained), the

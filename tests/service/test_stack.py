@@ -17,7 +17,9 @@ def run_stack(tmp_path, *extra: str) -> str:
     script = shutil.which("pagedgen-stack")
     command = [script] if script else [sys.executable, "-m", "engine_service.tools.stack"]
     done = subprocess.run(
-        command + ["--prompt", PROMPT, "--max-tokens", "16", "--log-dir", str(tmp_path), *extra],
+        # A free HTTP port: the default 8000 may be taken on a shared machine.
+        command + ["--prompt", PROMPT, "--max-tokens", "16", "--log-dir", str(tmp_path),
+                   "--http-port", "0", *extra],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
@@ -38,7 +40,8 @@ def assert_streamed_the_reference(out: str, smollm2_dir) -> None:
 def test_stack_streams_a_completion_and_stops_cleanly(smollm2_dir, tmp_path):
     out = run_stack(tmp_path)
     assert_streamed_the_reference(out, smollm2_dir)
-    for line in ("redis ", "prefix index ", "engine ", "stopped cleanly"):
+    for line in ("redis ", "prefix index ", "engine ", "http          http://127.0.0.1:",
+                 "stopped cleanly"):
         assert line in out
     assert "draining" in (tmp_path / "engine-0.log").read_text()  # SIGTERM, not a kill
 
@@ -48,6 +51,7 @@ def test_stack_with_replicas_streams_through_the_router(smollm2_dir, tmp_path):
     assert_streamed_the_reference(out, smollm2_dir)
     assert out.count("engine        ") == 2, out
     assert "router        " in out and "kv-aware over 2 engines" in out, out
+    assert "http          http://127.0.0.1:" in out, out
     assert "stopped cleanly" in out
     for i in range(2):  # both engines drained on SIGTERM, neither killed
         assert "draining" in (tmp_path / f"engine-{i}.log").read_text()
