@@ -9,7 +9,7 @@ and its Redis, all real processes on loopback. Every request is greedy with igno
 produces exactly --max-tokens tokens; each run's prompts are new (a run's number leads each
 user message), so no run reuses another's cached blocks beyond the shared chat template. The
 HTTP client is the official `openai` package (AsyncOpenAI, stream with include_usage), the gRPC
-one grpc.aio with the generated stubs, both in this process. Writes
+one grpc.aio with the generated stubs, both in this process, each kept across its runs. Writes
 bench/results/http_vs_grpc.json and bench/results/http_vs_grpc.md.
 """
 
@@ -79,22 +79,16 @@ async def http_request(client: openai.AsyncOpenAI, model: str, run: int, i: int,
     return first - sent, time.monotonic(), tokens
 
 
-async def one_run(protocol: str, grpc_target: str, http_url: str, model: str, run: int,
-                  concurrency: int, max_tokens: int) -> dict:
+async def one_run(protocol: str, clients: dict, model: str, run: int, concurrency: int,
+                  max_tokens: int) -> dict:
     started = time.monotonic()
     if protocol == "grpc":
-        async with grpc.aio.insecure_channel(grpc_target) as channel:
-            stub = pb_grpc.GenerationStub(channel)
-            results = await asyncio.gather(*(grpc_request(stub, run, i, max_tokens)
-                                             for i in range(concurrency)))
+        results = await asyncio.gather(*(grpc_request(clients["grpc"], run, i, max_tokens)
+                                         for i in range(concurrency)))
     else:
-        client = openai.AsyncOpenAI(base_url=f"{http_url}/v1", api_key="none", max_retries=0,
-                                    timeout=600)
-        try:
-            results = await asyncio.gather(*(http_request(client, model, run, i, max_tokens)
-                                             for i in range(concurrency)))
-        finally:
-            await client.close()
+        results = await asyncio.gather(*(http_request(clients["http"], model, run, i,
+                                                      max_tokens)
+                                         for i in range(concurrency)))
     duration = max(end for _, end, _ in results) - started
     tokens = sum(n for _, _, n in results)
     ttfts = [ttft for ttft, _, _ in results]
@@ -102,6 +96,28 @@ async def one_run(protocol: str, grpc_target: str, http_url: str, model: str, ru
             "output_throughput": tokens / duration,
             "ttft_p50_ms": percentile(ttfts, 50) * 1e3,
             "ttft_p90_ms": percentile(ttfts, 90) * 1e3}
+
+
+async def all_runs(schedule: list[tuple[str, bool]], grpc_target: str, http_url: str,
+                   model: str, concurrency: int, max_tokens: int) -> list[dict]:
+    """Every run on one event loop, each protocol's client kept across its runs (as a real
+    client keeps its channel, or its pool of connections: the warm-up opens them)."""
+    http = openai.AsyncOpenAI(base_url=f"{http_url}/v1", api_key="none", max_retries=0,
+                              timeout=600)
+    runs = []
+    async with grpc.aio.insecure_channel(grpc_target) as channel:
+        clients = {"grpc": pb_grpc.GenerationStub(channel), "http": http}
+        try:
+            for number, (protocol, warmup) in enumerate(schedule):
+                run = await one_run(protocol, clients, model, number, concurrency, max_tokens)
+                run["warmup"] = warmup
+                runs.append(run)
+                print(f"run {number:2d} {protocol:4s}{' (warm-up)' if warmup else '':10s} "
+                      f"{run['output_throughput']:7.1f} tok/s, TTFT p50 "
+                      f"{run['ttft_p50_ms']:6.0f} ms", flush=True)
+        finally:
+            await http.close()
+    return runs
 
 
 def summary(runs: list[dict]) -> dict:
@@ -159,7 +175,6 @@ def measure(args: argparse.Namespace) -> dict:
         model = str(ensure_default_model(quiet=True))
     log_dir = Path(tempfile.mkdtemp(prefix="pagedgen-http-vs-grpc-"))
     http_port = free_port()
-    runs: list[dict] = []
     with ExitStack() as stack:
         redis = stack.enter_context(RedisProcess())
         index = stack.enter_context(IndexProcess(redis.url, ["--log-level", "WARNING"]))
@@ -174,14 +189,8 @@ def measure(args: argparse.Namespace) -> dict:
         order = [("grpc", "http") if k % 2 == 0 else ("http", "grpc") for k in range(args.runs)]
         schedule = [("grpc", True), ("http", True)] + [(p, False) for pair in order
                                                         for p in pair]
-        for number, (protocol, warmup) in enumerate(schedule):
-            run = asyncio.run(one_run(protocol, routed.target, http_url, served, number,
-                                      args.concurrency, args.max_tokens))
-            run["warmup"] = warmup
-            runs.append(run)
-            print(f"run {number:2d} {protocol:4s}{' (warm-up)' if warmup else '':10s} "
-                  f"{run['output_throughput']:7.1f} tok/s, TTFT p50 {run['ttft_p50_ms']:6.0f} ms",
-                  flush=True)
+        runs = asyncio.run(all_runs(schedule, routed.target, http_url, served,
+                                    args.concurrency, args.max_tokens))
     config = {"concurrency": args.concurrency, "max_tokens": args.max_tokens,
               "runs": args.runs, "model": Path(model).name, "num_blocks": args.num_blocks,
               "replicas": 1}
