@@ -9,8 +9,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
+from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -93,8 +95,8 @@ class IndexServer:
         self._tasks = [asyncio.create_task(self.health.run()),
                        asyncio.create_task(run_sweeper(
                            self.store, self.metrics, self.config.pin_policy.sweep_interval_s))]
-        log.info("prefix index serving on %s:%d (redis %s)", self.host, self.port,
-                 self.config.redis_url)
+        log.info("prefix index serving on %s (redis %s)", join_host_port(self.host, self.port),
+                 redacted_url(self.config.redis_url))
         return self.port
 
     async def stop(self, grace_s: float = 5.0) -> None:
@@ -112,10 +114,28 @@ class IndexServer:
         await self.server.wait_for_termination()
 
 
+REDIS_URL_ENV = "PAGEDGEN_REDIS_URL"
+
+
+def redacted_url(url: str) -> str:
+    """The URL with its password, if any, replaced by '***' (for logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults, policy, limits = IndexConfig(), PinPolicy(), Limits()
     p = argparse.ArgumentParser(prog="pagedgen-prefix-index", description=__doc__.split("\n")[0])
-    p.add_argument("--redis-url", default=defaults.redis_url)
+    p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or defaults.redis_url,
+                   help=f"default ${REDIS_URL_ENV}, else {defaults.redis_url} (the variable keeps "
+                        "a password off the command line, where any process can read it)")
     p.add_argument("--redis-cluster", action="store_true",
                    help="--redis-url names one node of a Redis Cluster")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")

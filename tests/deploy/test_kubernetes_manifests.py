@@ -304,6 +304,10 @@ def test_the_redis_password_comes_from_one_secret_and_is_not_shipped(resources):
     password = secret_placeholder(*REDIS_SECRET)
     _, _, index = _servers(resources)["pagedgen-prefix-index"]
     assert urlsplit(index.redis_url).password == password
+    # ... from the environment (PAGEDGEN_REDIS_URL), not the index's command line.
+    [index_pod] = [p for p in pods(resources) if p.workload == "prefix-index"]
+    for container in index_pod.containers():
+        assert not any(password in arg for arg in expanded_args(index_pod, container))
     [redis] = [p for p in pods(resources) if p.workload == "redis"]
     [container] = redis.spec["containers"]
     args = expanded_args(redis, container)
