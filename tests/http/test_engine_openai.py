@@ -289,3 +289,16 @@ def test_client_disconnect_while_waiting_for_a_whole_reply_aborts(http_engine, e
     assert http_engine.metric(ABORTED) == aborted + 1  # ended by the client, not finished
     assert http_engine.metric(TOKENS) - tokens < 3000
 
+
+
+def test_chat_text_parts_and_developer_role_are_the_plain_forms(client, http_engine):
+    """OpenAI's content parts join as text, and its "developer" role is the template's
+    system role: the same prompt (tokens) as the plain forms."""
+    plain = client.chat.completions.create(model=http_engine.model, messages=CHAT,
+                                           max_tokens=4, temperature=0)
+    parts = client.chat.completions.create(
+        model=http_engine.model, max_tokens=4, temperature=0,
+        messages=[{"role": "developer", "content": CHAT[0]["content"]},
+                  {"role": "user", "content": [{"type": "text", "text": CHAT[1]["content"]}]}])
+    assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert parts.choices[0].message.content == plain.choices[0].message.content
