@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.report import engine_vs_llamacpp
+from bench.sections.peers import engine_vs_llamacpp
 
 # (key in a run's `ratios`, what it compares)
 ENGINE_RATIOS = (

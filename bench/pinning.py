@@ -33,7 +33,7 @@ after warm-up; the targets use the after-warm-up figures, the steady state pinni
 On a loaded shared machine run it with one torch thread (`--threads 1`): two OpenMP threads
 competing with other processes for 2 cores make every step several times slower and noisier.
 
-    python -m bench.pinning [--quick] [--threads 1]   # = pagedgen-bench --only pinning ...
+    pagedgen-bench pinning [--quick] [--threads 1]   # = pagedgen-bench --only pinning ...
 """
 
 from __future__ import annotations
@@ -478,16 +478,3 @@ def pinning_under_pressure(
     if {"local_lru", "index_autopin"} <= set(policies):
         result["targets"] = _targets(aggregated)
     return result
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Runs only this section: the same as `pagedgen-bench --only pinning`."""
-    from bench.cli import main as bench_main
-
-    bench_main(["--only", "pinning", *(argv or [])])
-
-
-if __name__ == "__main__":
-    import sys
-
-    main(sys.argv[1:])

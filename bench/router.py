@@ -23,7 +23,7 @@ to the upstream call, i.e. hashing + the residency copy's longest prefixes + cho
 once, the router's whole cost as a client sees it: TTFT through the router vs straight to a
 replica, one short request at a time, alternating.
 
-    python -m bench.router [--quick]      # = pagedgen-bench --only router [--quick]
+    pagedgen-bench router [--quick]      # = pagedgen-bench --only router [--quick]
 """
 
 from __future__ import annotations
@@ -654,16 +654,3 @@ def _tenant_counts(workload: Workload, num_tenants: int) -> list[int]:
     for r in workload.requests:
         counts[int(r.cache_salt.removeprefix("tenant-"))] += 1
     return counts
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Runs only this section: the same as `pagedgen-bench --only router`."""
-    from bench.cli import main as bench_main
-
-    bench_main(["--only", "router", *(argv or [])])
-
-
-if __name__ == "__main__":
-    import sys
-
-    main(sys.argv[1:])

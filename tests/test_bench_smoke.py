@@ -156,7 +156,7 @@ def test_report_renders_the_cpu_dtype_section(tmp_path):
 
 
 def test_llamacpp_rows_compare_decode_with_decode_and_the_whole_job_with_the_whole_job():
-    from bench.report import _cpu_dtype_targets
+    from bench.sections.peers import cpu_dtype_targets
 
     peers = {"engine_offline_b1": {"output_throughput": 20.0, "tpot": {"mean_ms": 25.0}},
              "engine_offline": {"output_throughput": 150.0}}
@@ -172,7 +172,7 @@ def test_llamacpp_rows_compare_decode_with_decode_and_the_whole_job_with_the_who
          "prompt_tok_s": 400.0, "decode_tok_s": 256.0},
     ]}
     peers["engine_offline_bf16"] = {"output_throughput": 200.0}
-    rows = _cpu_dtype_targets({"peers": peers, "ratios": {}, "roofline": {}, "llamacpp": llama})
+    rows = cpu_dtype_targets({"peers": peers, "ratios": {}, "roofline": {}, "llamacpp": llama})
     # Decode rate 1000 / 25 ms = 40 tok/s against llama.cpp's decode 38 (not our 20 tok/s end
     # to end, which includes the prompt's prefill).
     assert "| engine f32 decode >= 1.0x llama.cpp's at 1 sequence | 1.05x (40.0 vs 38.0 tok/s) " \
@@ -192,7 +192,7 @@ def test_pinning_lru_drops_the_hot_prefix_and_the_section_renders(tmp_path, tiny
 
     from bench.pinning import PinningShape, _aggregate, run_policy, summarize_run
     from bench.plots import plot_pinning
-    from bench.report import _pinning
+    from bench.sections import pinning as pinning_section
     from engine_service.core.config import EngineConfig
     from engine_service.core.engine import LLMEngine
 
@@ -215,7 +215,7 @@ def test_pinning_lru_drops_the_hot_prefix_and_the_section_renders(tmp_path, tiny
         "policies": {"local_lru": _aggregate([summary])},
         "runs": {"local_lru": [summary]},
     }
-    text = "\n".join(_pinning(pinning, "bench/results"))
+    text = "\n".join(pinning_section.report({"pinning": pinning}, "bench/results"))
     assert "| local LRU (no index) | 0.0% / 0.0% |" in text
     assert plot_pinning({"pinning": pinning}, tmp_path).name == "pinning.png"
 
@@ -225,7 +225,7 @@ def test_beam_section_on_a_tiny_model(tmp_path, tiny_llama_dir):
     than admission reserved, our beams equal HF's, and the section renders."""
     from bench.beam import BeamShape, beam_search_bench
     from bench.plots import plot_beam
-    from bench.report import _beam
+    from bench.sections import beam as beam_section
 
     shape = BeamShape(memory_prompt_lens=(16, 40), memory_widths=(2, 4), memory_max_tokens=20,
                       throughput_prompts=2, throughput_widths=(2,), throughput_max_tokens=4,
@@ -244,7 +244,7 @@ def test_beam_section_on_a_tiny_model(tmp_path, tiny_llama_dir):
     assert len(beam["throughput"]["runs"]) == 3  # the best of each peer
     assert set(beam["throughput"]["ratios"]) == {
         "engine_beam_k2/hf_generate_beam_k2", "engine_beam_k2/hf_generate_beam_k2_b1"}
-    text = "\n".join(_beam(beam, "bench/results"))
+    text = "\n".join(beam_section.report({"beam": beam}, "bench/results"))
     assert "| 40 | 4 |" in text and "beams equal HF's" in text
     assert plot_beam({"beam": beam}, tmp_path).name == "beam.png"
 
@@ -254,9 +254,9 @@ def test_router_section_pure_parts_and_rendering(tmp_path):
     parsed into shares and a route-latency quantile, and the section's table and plot."""
     from bench.metrics import percentile
     from bench.plots import plot_router
-    from bench.report import _router
     from bench.router import QUICK_SHAPE, _aggregate, _targets
     from bench.router_stack import RouterFigures
+    from bench.sections import router as router_section
     from bench.workloads import multi_tenant, zipf_weights
 
     w = multi_tenant(4, 200, 64, 8, 4, zipf_s=1.1, seed=0)
@@ -344,7 +344,10 @@ def test_router_section_pure_parts_and_rendering(tmp_path):
                      "ttft_direct_p50_ms": 79.0, "added_p50_ms": 1.0, "added_mean_ms": 1.0,
                      "route_p50_ms": 0.9, "route_p99_ms": 1.5},
     }
-    section = "\n".join(_router(router, "bench/results"))
+    def rendered() -> str:
+        return "\n".join(router_section.report({"router": router}, "bench/results"))
+
+    section = rendered()
     assert "| kv-aware hit rate >= 2x round-robin's | 2.00x | met |" in section
     assert "| 0 | " in section and "**not met**" not in section
     kv_pooled = next(line for line in section.split("\n") if line.startswith("| kv-aware | 199 |"))
@@ -356,9 +359,9 @@ def test_router_section_pure_parts_and_rendering(tmp_path):
     assert "1.10x lower, 90% interval 0.80x-1.30x (better: above 1)" in section
     assert "older than the stateless prefix-hash" in section  # no "prefix_hash" key
     router["prefix_hash"] = "stateless"
-    assert "older than" not in "\n".join(_router(router, "bench/results"))
+    assert "older than" not in rendered()
     targets["figures"]["hot_ttft_p99_ph_over_kv_interval"] = None  # a --quick run: 1 workload
-    assert "no interval (fewer than 5 workloads" in "\n".join(_router(router, "bench/results"))
+    assert "no interval (fewer than 5 workloads" in rendered()
     assert plot_router({"router": router}, tmp_path).name == "router.png"
     assert QUICK_SHAPE.num_requests < 50
 
@@ -369,7 +372,7 @@ def test_section_files_name_the_machine_that_took_them(tmp_path, monkeypatch):
     import json
 
     import bench.plots
-    from bench.cli import _carry_over, _merge, write_outputs
+    from bench.outputs import carry_over, merge, write_outputs
 
     monkeypatch.setattr(bench.plots, "make_plots", lambda results, out: [])  # not under test
 
@@ -382,12 +385,12 @@ def test_section_files_name_the_machine_that_took_them(tmp_path, monkeypatch):
     old = {"meta": meta("AMD EPYC", "t0"), "router": {"runs": 1, "meta": {"time_utc": "t0"}}}
     (out / "bench.json").write_text(json.dumps(old))
     (out / "router.json").write_text(json.dumps({"runs": 1, "machine": {"cpu": "AMD EPYC"}}))
-    carried = _carry_over({"meta": meta("Intel Xeon", "t1")}, out / "bench.json", {"router"})
+    carried = carry_over({"meta": meta("Intel Xeon", "t1")}, out / "bench.json", {"router"})
     write_outputs(carried, out, report=False)
     assert json.loads((out / "router.json").read_text())["machine"]["cpu"] == "AMD EPYC"
 
     taken = {"meta": meta("Intel Xeon", "t2"), "router": {"runs": 2}}
-    merged = _merge(taken, out / "bench.json", {"router"}, "pagedgen-bench --only router")
+    merged = merge(taken, out / "bench.json", {"router"}, "pagedgen-bench --only router")
     write_outputs(merged, out, report=False)
     section = json.loads((out / "router.json").read_text())
     assert section["runs"] == 2 and section["machine"]["cpu"] == "Intel Xeon"
@@ -399,7 +402,7 @@ def test_router_requests_go_to_router_json_only(tmp_path, monkeypatch):
     import json
 
     import bench.plots
-    from bench.cli import write_outputs
+    from bench.outputs import write_outputs
 
     monkeypatch.setattr(bench.plots, "make_plots", lambda results, out: [])  # not under test
     meta = {"time_utc": "t", "git_commit": "c", "cpu": "cpu", "model": "m", "num_cpus": 2,
@@ -530,7 +533,8 @@ def test_the_hot_p99_interval_draws_whole_workloads_with_both_policies():
 
 
 def test_a_report_of_a_run_elsewhere_stays_in_its_own_directory(tmp_path):
-    from bench.cli import DEFAULT_OUT, main, report_path
+    from bench.cli import main
+    from bench.outputs import DEFAULT_OUT, report_path
 
     assert report_path(DEFAULT_OUT) == DEFAULT_OUT.parent / "README_results.md"
     assert report_path(tmp_path / "x") == tmp_path / "x" / "README_results.md"
@@ -548,7 +552,7 @@ def test_the_burst_defers_and_its_table_renders(tiny_llama_dir):
     once, without it the requests that arrived together compute it again; the report's rows
     follow."""
     from bench.prefix import burst_deferral
-    from bench.report import _burst_lines
+    from bench.sections.prefix import _burst_lines
     from engine_service import LLM
 
     def make_engine(**overrides):
