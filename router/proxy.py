@@ -137,6 +137,7 @@ class RoutedRequest:
         router = self.router
         request_id = upstream.request_id
         failed: set[str] = set()
+        refusals: list[grpc.StatusCode] = []  # why each attempt that never started failed
         first_route: Route | None = None
         while True:
             prompt_ids = token_ids if not self.resumed_at else list(upstream.token_ids.ids)
@@ -147,6 +148,11 @@ class RoutedRequest:
             try:
                 route = await router.route(prompt_ids, upstream.cache_salt, failed)
             except NoReplicaError as error:
+                if refusals and all(c == grpc.StatusCode.RESOURCE_EXHAUSTED for c in refusals):
+                    # Every replica tried was full: the client should back off and retry (an
+                    # HTTP client gets 429), not take the service for down.
+                    await self._refuse(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"every replica tried is at its request limit; {error}")
                 await self._refuse(grpc.StatusCode.UNAVAILABLE, str(error))
             if first_route is None:
                 first_route = route
@@ -191,6 +197,7 @@ class RoutedRequest:
             if not failure.got_output and (gone or code in _RETRY_BEFORE_OUTPUT):
                 # This attempt never started: the same request (a resume included) elsewhere.
                 failed.add(replica.address)
+                refusals.append(code)
                 router.metrics.retries.labels(code.name).inc()
                 continue
             if not gone:
