@@ -40,12 +40,27 @@ class HolderProber:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_PROBES)
+        # One probe at a time per holder: Registers repeated under one id while its probe runs
+        # (a restart loop, a client retrying) wait for that probe's answer instead of dialling
+        # the holder again each.
+        self._running: dict[tuple[str, str], asyncio.Task[ProbeResult]] = {}
 
     async def probe(self, address: str, instance_id: str) -> ProbeResult:
         """What answers ModelInfo at `address`, against the holder's `instance_id`."""
-        if self._slots.locked():
-            return ProbeResult(HolderState.UNKNOWN,
-                               f"not probed: {MAX_CONCURRENT_PROBES} probes already running")
+        key = (address, instance_id)
+        task = self._running.get(key)
+        if task is None:
+            if self._slots.locked():
+                return ProbeResult(HolderState.UNKNOWN,
+                                   f"not probed: {MAX_CONCURRENT_PROBES} probes already running")
+            task = self._running[key] = asyncio.create_task(self._probe_in_slot(address,
+                                                                                instance_id))
+            task.add_done_callback(lambda _t: self._running.pop(key, None))
+        # Shielded: one waiting Register cancelled (its caller left) does not cancel the probe
+        # the others wait for.
+        return await asyncio.shield(task)
+
+    async def _probe_in_slot(self, address: str, instance_id: str) -> ProbeResult:
         async with self._slots:
             return await self._ask(address, instance_id)
 

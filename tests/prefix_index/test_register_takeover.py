@@ -194,3 +194,53 @@ def test_an_instance_id_too_long_is_refused(index_server, engine_id):
             assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
             assert "instance_id" in err.value.details and "128" in err.value.details
     asyncio.run(body())
+
+
+class CountedProcess(OneProcess):
+    """Counts ModelInfo calls and answers each only once released."""
+
+    def __init__(self, engine_id: str, instance_id: str) -> None:
+        super().__init__(engine_id, instance_id)
+        self.calls = 0
+        self.called = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def ModelInfo(self, request, context) -> gen_pb.ModelInfoResponse:
+        self.calls += 1
+        self.called.set()
+        await self.release.wait()
+        return await super().ModelInfo(request, context)
+
+
+def test_registers_racing_under_one_id_share_one_probe_of_the_holder():
+    """Ten probes of one holder at once (Registers repeated under one id while the first is
+    being decided) dial it once and all get its answer; a waiter that leaves does not cancel
+    the probe the others wait for."""
+    from prefix_index.server.holder_probe import HolderProber, HolderState
+
+    async def body():
+        holder = CountedProcess("engine-x", "instance-old")
+        server = grpc.aio.server()
+        gen_grpc.add_GenerationServicer_to_server(holder, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        try:
+            prober = HolderProber(timeout_s=60.0)
+            probes = [asyncio.create_task(prober.probe(address, "instance-old"))
+                      for _ in range(10)]
+            await asyncio.wait_for(holder.called.wait(), 60)
+            probes[0].cancel()  # its Register's caller went away
+            await asyncio.sleep(0)
+            holder.release.set()
+            results = await asyncio.gather(*probes[1:])
+            assert holder.calls == 1
+            assert {r.state for r in results} == {HolderState.ALIVE}
+            assert probes[0].cancelled()
+            # Once answered, the next Register probes afresh.
+            assert (await prober.probe(address, "instance-old")).state is HolderState.ALIVE
+            assert holder.calls == 2
+        finally:
+            await server.stop(None)
+
+    asyncio.run(body())
