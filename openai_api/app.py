@@ -11,9 +11,10 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
 from http import HTTPStatus
 from importlib import metadata
+from typing import TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -40,6 +41,7 @@ from openai_api.to_engine import (
 from pagedgen_api import generation_pb2 as pb
 
 DONE = b"data: [DONE]\n\n"
+T = TypeVar("T")
 
 
 def create_app(backend: Backend, api_key: str | None = None) -> Starlette:
@@ -149,9 +151,9 @@ class _Api:
                 return Response(status_code=499)
             return EventStream(_prepend(first, events))
         try:
-            replies = await unless_disconnected(request.receive, asyncio.gather(
-                *(self._unary("Generate", r, names)
-                  for r, names in zip(call.requests, call.field_names, strict=True))))
+            replies = await unless_disconnected(request.receive, _all_or_none(
+                self._unary("Generate", r, names)
+                for r, names in zip(call.requests, call.field_names, strict=True)))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it (nginx's code for the case)
         return JSONResponse(await render.response(replies))
@@ -278,6 +280,18 @@ def _version() -> str:
         return metadata.version("pagedgen")
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+async def _all_or_none(calls: Iterable[Awaitable[T]]) -> list[T]:
+    """Every call's result; when one fails, the others are cancelled (their requests aborted)
+    before the error is raised: asyncio.gather would leave them generating for nobody."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _event(payload: dict) -> bytes:
