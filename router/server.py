@@ -21,7 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from openai_api.auth import API_KEY_ENV, api_key_from
+from openai_api.auth import api_key_from
+from openai_api.cli_args import add_http_args
 from openai_api.server import HttpServer
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
@@ -166,15 +167,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory (default: the replicas' model directory when it "
                         "is on this machine, else a replica tokenizes)")
-    p.add_argument("--http-port", type=int, default=0,
-                   help="port of the OpenAI-compatible HTTP API (/v1/completions, "
-                        "/v1/chat/completions, /v1/models, /health, ...), routed as gRPC "
-                        "requests are; 0 = off")
-    p.add_argument("--http-host", default=None, help="address the HTTP API binds (default: "
-                                                     "--host)")
-    p.add_argument("--api-key", default=None,
-                   help=f"HTTP /v1/* requests need Authorization: Bearer KEY (default: "
-                        f"${API_KEY_ENV}; unset: no key needed)")
+    add_http_args(p, routed=True)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")

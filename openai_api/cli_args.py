@@ -1,0 +1,21 @@
+"""The HTTP API's command-line flags, one definition for pagedgen-engine and pagedgen-router."""
+
+from __future__ import annotations
+
+import argparse
+
+from openai_api.auth import API_KEY_ENV
+
+
+def add_http_args(p: argparse.ArgumentParser, routed: bool) -> None:
+    """--http-port, --http-host, --api-key; `routed`: the router's help says requests are
+    routed as gRPC ones are."""
+    how = ", routed as gRPC requests are" if routed else ""
+    p.add_argument("--http-port", type=int, default=0,
+                   help="port of the OpenAI-compatible HTTP API (/v1/completions, "
+                        f"/v1/chat/completions, /v1/models, /health, ...){how}; 0 = off")
+    p.add_argument("--http-host", default=None,
+                   help="address the HTTP API binds (default: --host)")
+    p.add_argument("--api-key", default=None,
+                   help=f"HTTP /v1/* requests need Authorization: Bearer KEY (default: "
+                        f"${API_KEY_ENV}; unset: no key needed)")
