@@ -181,10 +181,10 @@ class SamplingParams:
             raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         for s in stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(
-                    f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
+                    f"stop must hold strings of at most {MAX_STOP_STRING_CHARS} characters, "
                     f"got one of {len(s)}"
                 )
         return list(stop)

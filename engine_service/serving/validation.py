@@ -182,8 +182,8 @@ class RequestValidator:
             total_chars += len(message.content)
         if total_chars > self.max_prompt_chars:
             raise _invalid(
-                f"chat.messages content must be at most {self.max_prompt_chars} characters in "
-                f"all, got {total_chars}"
+                f"chat.messages must hold at most {self.max_prompt_chars} characters of content "
+                f"in all, got {total_chars}"
             )
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         try:

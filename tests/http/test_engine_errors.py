@@ -39,6 +39,8 @@ def error_of(raised: pytest.ExceptionInfo) -> dict:
     ({"prompt": ""}, "prompt", "prompt must be a non-empty string"),
     ({"prompt": [99_999_999]}, "prompt", "the vocabulary"),
     ({"prompt": ["ok", [1, "x"]]}, "prompt[1]", "prompt[1] must be a string or a list"),
+    ({"stop": ["ok", ""]}, "stop", "stop must hold non-empty strings"),
+    ({"stop": "z" * 300}, "stop", "stop must hold strings of at most 256 characters"),
 ])
 def test_completions_400_names_the_field(client, http_engine, kwargs, param, words):
     kwargs = {"prompt": "Hello", "max_tokens": 4, **kwargs}
@@ -69,6 +71,8 @@ def test_completions_400_names_the_field(client, http_engine, kwargs, param, wor
     ({"response_format": {"type": "text"}}, None, None),  # asks for nothing: accepted
     ({"logit_bias": {"5": 10}}, "logit_bias", "not supported"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
+    ({"messages": [{"role": "user", "content": "x" * 1_000_000}]}, "messages",
+     "messages must hold at most"),
 ])
 def test_chat_400_names_the_field(client, http_engine, kwargs, param, words):
     kwargs = {"messages": CHAT, "max_tokens": 4, **kwargs}

@@ -77,9 +77,10 @@ def bad_cases() -> list[BadCase]:
             stop=[f"s{i}" for i in range(17)])), INVALID,
             "sampling.stop must hold at most 16 strings, got 17"),
         BadCase("empty stop string", pb.GenerateRequest(text="x", sampling=sampling(
-            stop=["ok", ""])), INVALID, "sampling.stop strings must be non-empty strings"),
+            stop=["ok", ""])), INVALID, "sampling.stop must hold non-empty strings"),
         BadCase("huge stop string", pb.GenerateRequest(text="x", sampling=sampling(
-            stop=["z" * 300])), INVALID, "sampling.stop strings must be at most 256 characters"),
+            stop=["z" * 300])), INVALID,
+            "sampling.stop must hold strings of at most 256 characters"),
         BadCase("stop token id past the vocabulary", pb.GenerateRequest(
             text="x", sampling=sampling(stop_token_ids=[2, 60000])), INVALID,
             "sampling.stop_token_ids must be < the model's vocab size 49152, got 60000"),
@@ -105,7 +106,7 @@ def bad_cases() -> list[BadCase]:
                 INVALID, "chat.messages must hold at most 256 messages, got 257"),
         BadCase("oversized chat message", pb.GenerateRequest(chat=chat(
             ("user", "b" * (32 * MAX_MODEL_LEN + 1)))), INVALID,
-            f"chat.messages content must be at most {32 * MAX_MODEL_LEN} characters"),
+            f"chat.messages must hold at most {32 * MAX_MODEL_LEN} characters of content"),
         BadCase("bad request id", pb.GenerateRequest(request_id="has space", **ok), INVALID,
                 "request_id must be 1 to 128 characters of [A-Za-z0-9._:-]"),
         BadCase("oversized cache salt", pb.GenerateRequest(cache_salt="s" * 257, **ok), INVALID,
