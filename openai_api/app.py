@@ -121,7 +121,7 @@ class _Api:
             wire = call.requests[0]
             reply = await self._unary("Tokenize", pb.TokenizeRequest(chat=wire.chat),
                                       call.field_names[0])
-            rest_of_context(wire, list(reply.token_ids), model.context_tokens)
+            rest_of_context(wire, list(reply.token_ids), model.longest_sequence(call.n))
         return await self._answer(request, call, Renderer(
             request_id, body.model or model.name, True, call.n, call.logprobs,
             self.backend.token_texts))
@@ -131,7 +131,7 @@ class _Api:
         default, the first."""
         served = self.backend.models()
         if not served:  # no replica known yet: the servicer says what is wrong
-            return ServedModel(name or "", 0, 0)
+            return ServedModel(name or "", 0, 0, 1)
         if name is None:
             return served[0]
         for model in served:

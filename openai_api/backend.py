@@ -12,9 +12,14 @@ from dataclasses import dataclass
 class ServedModel:
     name: str  # what clients put in `model` (ModelInfo.served_model_name)
     max_model_len: int
-    # The longest sequence a request can reach: the context, or the KV pool when smaller
-    # (the default max_tokens of a chat request runs to it).
-    context_tokens: int
+    kv_blocks: int  # the KV pool, which all the sequences of one request must fit in
+    block_size: int
+
+    def longest_sequence(self, num_seqs: int) -> int:
+        """The most tokens each of a request's `num_seqs` sequences can reach: the context, or
+        their share of the KV pool when smaller (the engine refuses a request whose sequences
+        could outgrow the pool). The default max_tokens of a chat request runs to it."""
+        return min(self.max_model_len, self.kv_blocks // max(1, num_seqs) * self.block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,5 +34,5 @@ class Backend:
 
 def model_of(info) -> ServedModel:
     """A ModelInfoResponse (or the engine's fixed facts) as a served model."""
-    return ServedModel(info.served_model_name, info.max_model_len,
-                       min(info.max_model_len, info.num_blocks * info.block_size))
+    return ServedModel(info.served_model_name, info.max_model_len, info.num_blocks,
+                       info.block_size)

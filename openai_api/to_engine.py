@@ -100,12 +100,13 @@ def chat_messages(messages: list[ChatMessage], where: str = "messages") -> pb.Ch
     return out
 
 
-def rest_of_context(request: pb.GenerateRequest, token_ids: list[int], context_tokens: int
+def rest_of_context(request: pb.GenerateRequest, token_ids: list[int], longest_sequence: int
                     ) -> None:
     """A chat request without max_tokens, given its tokenized prompt: generate up to the end of
-    the context (OpenAI's default), sent as token ids so it is tokenized once."""
+    the context (OpenAI's default) or what its sequences can hold of the KV pool
+    (`longest_sequence`), sent as token ids so it is tokenized once."""
     request.token_ids.ids[:] = token_ids  # replaces the chat messages (the input oneof)
-    request.sampling.max_tokens = max(1, context_tokens - len(token_ids))
+    request.sampling.max_tokens = max(1, longest_sequence - len(token_ids))
 
 
 def _call(req: _Sampling, requests: list[pb.GenerateRequest], names: list[dict[str, str]],

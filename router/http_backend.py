@@ -14,15 +14,16 @@ from router.servicer import RouterServicer
 
 def router_backend(router: Router, servicer: RouterServicer) -> Backend:
     def models() -> list[ServedModel]:
-        """The models the routable replicas serve (compatible replicas share one), each with
-        the smallest context among them: a request may go to any of them."""
+        """The models the routable replicas serve (compatible replicas share one and its
+        block size), each with the smallest context and KV pool among them: a request may go
+        to any of them."""
         served: dict[str, ServedModel] = {}
         for replica in router.replicas.routable():
             model = model_of(replica.info)
             known = served.get(model.name)
             served[model.name] = model if known is None else ServedModel(
                 model.name, min(known.max_model_len, model.max_model_len),
-                min(known.context_tokens, model.context_tokens))
+                min(known.kv_blocks, model.kv_blocks), model.block_size)
         return sorted(served.values(), key=lambda m: m.name)
 
     async def token_texts(token_ids: list[int]) -> list[str]:

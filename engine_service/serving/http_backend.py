@@ -9,8 +9,8 @@ from openai_api.backend import Backend, ServedModel
 def engine_backend(servicer: GenerationServicer) -> Backend:
     info = servicer.engine.info
     limits = info.limits
-    model = ServedModel(info.served_model_name, limits.max_model_len,
-                        min(limits.max_model_len, limits.num_blocks * limits.block_size))
+    model = ServedModel(info.served_model_name, limits.max_model_len, limits.num_blocks,
+                        limits.block_size)
     tokenizer = servicer.validator.tokenizer
 
     async def token_texts(token_ids: list[int]) -> list[str]:

@@ -27,3 +27,16 @@ def test_a_refused_prompt_aborts_the_prompts_already_running(http_engine, engine
     assert stats.num_live_requests == 0
     # Ended by the refusal (aborted), not run to their 3000 tokens.
     assert http_engine.metric(ABORTED) == aborted + running
+
+
+def test_chat_without_max_tokens_and_n_above_one_fits_the_pool(client, http_engine):
+    """OpenAI's default max_tokens for chat is the rest of the context; with n sequences it
+    must also be what n of them can hold in the KV pool (the engine refuses a request that
+    could outgrow it), not a 400 about a max_tokens the client never sent."""
+    from tests.service.conftest import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS
+
+    assert NUM_BLOCKS * BLOCK_SIZE < 2 * MAX_MODEL_LEN  # two full-context sequences overflow
+    reply = client.chat.completions.create(
+        model=http_engine.model, messages=[{"role": "user", "content": "Hello"}], n=2)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert all(c.finish_reason in ("stop", "length") for c in reply.choices)
