@@ -33,8 +33,9 @@ ERROR_TYPES = {
     HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
     HTTPStatus.SERVICE_UNAVAILABLE: "service_unavailable_error",
 }
-# The field a servicer's message starts with ("sampling.temperature must be ...").
-_LEADING_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*) (must|is|needs)\b")
+# The field a servicer's message starts with ("sampling.temperature must be ..."); the first
+# of two ("sampling.max_tokens and n must fit ...") is the one the client is told to change.
+_LEADING_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*) (?:and [\w.]+ )?(must|is|needs)\b")
 
 
 @dataclass(slots=True)

@@ -41,6 +41,9 @@ def error_of(raised: pytest.ExceptionInfo) -> dict:
     ({"prompt": ["ok", [1, "x"]]}, "prompt[1]", "prompt[1] must be a string or a list"),
     ({"stop": ["ok", ""]}, "stop", "stop must hold non-empty strings"),
     ({"stop": "z" * 300}, "stop", "stop must hold strings of at most 256 characters"),
+    ({"max_tokens": 3000, "n": 2}, "max_tokens", "max_tokens and n must fit"),
+    ({"extra_body": {"length_penalty": 2.0}}, "length_penalty",
+     "length_penalty and early_stopping must"),
 ])
 def test_completions_400_names_the_field(client, http_engine, kwargs, param, words):
     kwargs = {"prompt": "Hello", "max_tokens": 4, **kwargs}
