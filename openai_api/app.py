@@ -104,7 +104,7 @@ class _Api:
 
     # ---- generation -------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        body = schemas.parse(schemas.CompletionRequest, await request.body())
+        body = schemas.parse(schemas.CompletionRequest, await _body(request))
         model = self._model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         call = completion_call(body, request_id)
@@ -113,7 +113,7 @@ class _Api:
             self.backend.token_texts))
 
     async def chat_completions(self, request: Request) -> Response:
-        body = schemas.parse(schemas.ChatCompletionRequest, await request.body())
+        body = schemas.parse(schemas.ChatCompletionRequest, await _body(request))
         model = self._model(body.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         call = chat_call(body, request_id)
@@ -248,7 +248,7 @@ class _Api:
                             else HTTPStatus.SERVICE_UNAVAILABLE)
 
     async def tokenize(self, request: Request) -> Response:
-        body = schemas.parse(schemas.TokenizeRequest, await request.body())
+        body = schemas.parse(schemas.TokenizeRequest, await _body(request))
         model = self._model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(HTTPStatus.BAD_REQUEST,
@@ -265,7 +265,7 @@ class _Api:
                              "tokens": list(reply.token_ids)})
 
     async def detokenize(self, request: Request) -> Response:
-        body = schemas.parse(schemas.DetokenizeRequest, await request.body())
+        body = schemas.parse(schemas.DetokenizeRequest, await _body(request))
         self._model(body.model)
         reply = await self._unary("Detokenize", pb.DetokenizeRequest(token_ids=body.tokens),
                                   {"token_ids": "tokens"})
@@ -273,6 +273,28 @@ class _Api:
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": _version()})
+
+
+async def _body(request: Request) -> bytes:
+    """The request's body, refused with a 413 as soon as it is known to pass MAX_BODY_BYTES
+    (by its Content-Length, else by what has arrived), before it is held whole."""
+    limit = schemas.MAX_BODY_BYTES
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"got {declared}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large("got more")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(got: str) -> ApiError:
+    return ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                    f"the request body must be at most {schemas.MAX_BODY_BYTES} bytes, {got}: "
+                    "send fewer or shorter prompts")
 
 
 def _version() -> str:

@@ -16,6 +16,9 @@ from openai_api.errors import ApiError, bad_request
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # a seed on the wire
 MAX_PROMPTS = 256  # prompts in one completions request: each is a request of its own
+# A request body's bytes: parsing holds several times a body's size, and no prompt the engine
+# takes comes near this (its own limit is 32 characters per context token).
+MAX_BODY_BYTES = 64 << 20
 # Fields of OpenAI's API (or vLLM's) this server does not serve, and the values that ask for
 # nothing (clients send some of them by default): any other value is refused by name.
 UNSERVED_FIELDS: dict[str, tuple[object, ...]] = {
