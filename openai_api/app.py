@@ -149,7 +149,7 @@ class _Api:
             except ClientGone:
                 await events.aclose()
                 return Response(status_code=499)
-            return EventStream(_prepend(first, events))
+            return EventStream(_prepend(first, events), SHUTTING_DOWN)
         try:
             replies = await unless_disconnected(request.receive, _all_or_none(
                 self._unary("Generate", r, names)
@@ -318,6 +318,12 @@ async def _all_or_none(calls: Iterable[Awaitable[T]]) -> list[T]:
 
 def _event(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+# How a stream still running when the server stops (its drain's grace is over) ends.
+SHUTTING_DOWN = _event(ApiError(
+    HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down (its drain's grace ran out) "
+    "before this stream finished: retry the request", code="unavailable").body()) + DONE
 
 
 async def _prepend(first: bytes, rest: AsyncGenerator[bytes, None]
