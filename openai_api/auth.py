@@ -15,9 +15,19 @@ PROTECTED_PREFIX = "/v1/"
 
 
 def api_key_from(flag: str | None) -> str | None:
-    """--api-key when given, else the environment's; None (no check) when neither is set."""
-    key = flag if flag is not None else os.environ.get(API_KEY_ENV)
-    return key or None
+    """--api-key when given, else the environment's; None (no check) when neither is set.
+    ValueError for an empty one: an empty Secret or a variable that expanded to nothing must
+    not serve an open API its operator meant to close."""
+    if flag is not None:
+        source, key = "--api-key", flag
+    elif API_KEY_ENV in os.environ:
+        source, key = API_KEY_ENV, os.environ[API_KEY_ENV]
+    else:
+        return None
+    if not key.strip():
+        raise ValueError(f"{source} must be a non-empty key (leave it unset to serve without "
+                         f"one), got {key!r}")
+    return key
 
 
 class ApiKeyCheck:

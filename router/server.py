@@ -179,7 +179,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.http_port <= 65535:
         p.error(f"--http-port must be in [0, 65535] (0 = off), got {args.http_port}")
     args.http_host = args.host if args.http_host is None else args.http_host
-    args.api_key = api_key_from(args.api_key)
+    try:
+        args.api_key = api_key_from(args.api_key)
+    except ValueError as error:
+        p.error(str(error))
     return args
 
 
