@@ -99,9 +99,27 @@ class TextPart(_Strict):
     text: str
 
 
+# Fields of OpenAI's chat messages, and the values that ask for nothing: a reply's message sent
+# back as history (openai's message.model_dump()) carries them all, null. Other values are
+# refused as unknown fields, by name.
+EMPTY_MESSAGE_FIELDS: dict[str, tuple[object, ...]] = {
+    "refusal": (None,), "annotations": (None, []), "audio": (None,),
+    "function_call": (None,), "tool_calls": (None, []),
+}
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_empty_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, empty in EMPTY_MESSAGE_FIELDS.items():
+                if name in data and any(data[name] == e for e in empty):
+                    del data[name]
+        return data
 
 
 class ChatCompletionRequest(_Sampling):
