@@ -13,9 +13,11 @@ MAX_SERVED_NAME = 256
 
 
 def default_served_model_name(model: str) -> str:
-    """The model directory's name, or a GGUF file's name without its suffix."""
+    """The model directory's name, or a GGUF file's name without its suffix; spaces and other
+    unprintable characters become '-' (a name is one token in URLs, logs and metrics)."""
     path = Path(model).expanduser()
-    return (path.stem if path.suffix == ".gguf" else path.resolve().name) or "model"
+    name = (path.stem if path.suffix == ".gguf" else path.resolve().name) or "model"
+    return "".join(c if c.isprintable() and not c.isspace() else "-" for c in name)
 
 
 @dataclass(slots=True)

@@ -98,3 +98,8 @@ def test_bad_served_model_names_are_refused_by_field(tiny_llama_dir, name):
 def test_a_gguf_file_is_named_by_its_stem(tmp_path):
     model = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert EngineConfig(model=str(model)).served_model_name == "SmolLM2-135M-Instruct.Q4_1"
+
+
+def test_a_directory_name_with_spaces_gives_a_usable_default_name(tmp_path):
+    model = tmp_path / "My Model\tv2"
+    assert EngineConfig(model=str(model)).served_model_name == "My-Model-v2"
