@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from openai_api.auth import API_KEY_ENV
+from openai_api.auth import API_KEY_ENV, api_key_from
 
 
 def add_http_args(p: argparse.ArgumentParser, routed: bool) -> None:
@@ -19,3 +19,14 @@ def add_http_args(p: argparse.ArgumentParser, routed: bool) -> None:
     p.add_argument("--api-key", default=None,
                    help=f"HTTP /v1/* requests need Authorization: Bearer KEY (default: "
                         f"${API_KEY_ENV}; unset: no key needed)")
+
+
+def resolve_http_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks the flags (p.error on a bad one) and fills in --http-host and the API key."""
+    if not 0 <= args.http_port <= 65535:
+        p.error(f"--http-port must be in [0, 65535] (0 = off), got {args.http_port}")
+    args.http_host = args.host if args.http_host is None else args.http_host
+    try:
+        args.api_key = api_key_from(args.api_key)
+    except ValueError as error:
+        p.error(str(error))

@@ -21,8 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from openai_api.auth import api_key_from
-from openai_api.cli_args import add_http_args
+from openai_api.cli_args import add_http_args, resolve_http_args
 from openai_api.server import HttpServer
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
@@ -176,13 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.engine_list = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not args.engine_list and args.prefix_index == "none":
         p.error("give --engines host:port,... or --prefix-index HOST:PORT")
-    if not 0 <= args.http_port <= 65535:
-        p.error(f"--http-port must be in [0, 65535] (0 = off), got {args.http_port}")
-    args.http_host = args.host if args.http_host is None else args.http_host
-    try:
-        args.api_key = api_key_from(args.api_key)
-    except ValueError as error:
-        p.error(str(error))
+    resolve_http_args(p, args)
     return args
 
 

@@ -44,8 +44,7 @@ from engine_service.serving.http_backend import engine_backend
 from engine_service.serving.metrics import EngineMetrics
 from engine_service.serving.servicer import GenerationServicer, IndexLink
 from engine_service.serving.validation import RequestValidator
-from openai_api.auth import api_key_from
-from openai_api.cli_args import add_http_args
+from openai_api.cli_args import add_http_args, resolve_http_args
 from openai_api.server import HttpServer
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
@@ -310,13 +309,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--torch-threads must be >= 0 (0: torch's default), got {args.torch_threads}")
     if args.grace_s < 0:
         p.error(f"--grace-s must be >= 0, got {args.grace_s}")
-    if not 0 <= args.http_port <= 65535:
-        p.error(f"--http-port must be in [0, 65535] (0 = off), got {args.http_port}")
-    args.http_host = args.host if args.http_host is None else args.http_host
-    try:
-        args.api_key = api_key_from(args.api_key)
-    except ValueError as error:
-        p.error(str(error))
+    resolve_http_args(p, args)
     if args.prefix_index != "none" and not re.fullmatch(r"[^\s:]+:\d{1,5}", args.prefix_index):
         p.error(f"--prefix-index must be HOST:PORT or none, got {args.prefix_index!r}")
     return args
