@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
 from http import HTTPStatus
@@ -41,6 +42,7 @@ from openai_api.to_engine import (
 from pagedgen_api import generation_pb2 as pb
 
 DONE = b"data: [DONE]\n\n"
+log = logging.getLogger("openai_api.app")
 T = TypeVar("T")
 
 
@@ -57,7 +59,8 @@ def create_app(backend: Backend, api_key: str | None = None) -> Starlette:
     ]
     return Starlette(
         routes=routes,
-        middleware=[Middleware(_Authenticated, check=ApiKeyCheck(api_key))],
+        middleware=[Middleware(_Authenticated, check=ApiKeyCheck(api_key)),
+                    Middleware(_InternalErrors)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error})
 
 
@@ -95,6 +98,38 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
               else str(error.detail))
     return JSONResponse(ApiError(status, detail).body(), status_code=status,
                         headers=error.headers)
+
+
+_INTERNAL_ERROR = ApiError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                           "the server failed to answer this request (an internal error; its "
+                           "log has the details)", code="internal_error")
+
+
+class _InternalErrors:
+    """A bug's 500, still in OpenAI's shape (clients parse `error` whatever the status), the
+    exception itself not told (it may carry internals) but logged. Handled here, not by
+    Starlette's 500 handler: that one re-raises to uvicorn, which then closes the connection
+    under a keep-alive client's feet (the openai client saw a reset, not the 500)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracking(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking)
+        except Exception:
+            if started or scope["type"] != "http":
+                raise  # the status is sent: only closing the connection is left
+            log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            await JSONResponse(_INTERNAL_ERROR.body(),
+                               status_code=HTTPStatus.INTERNAL_SERVER_ERROR)(scope, receive, send)
 
 
 class _Api:
@@ -185,6 +220,13 @@ class _Api:
             if not started:
                 raise
             yield _event(error.body())
+        except Exception:
+            if not started:
+                raise  # the 500 handler answers
+            # The status is sent: the client still gets an error event and [DONE], not a
+            # broken body; the traceback goes to the log alone.
+            log.exception("stream %s failed", render.request_id)
+            yield _event(_INTERNAL_ERROR.body())
         else:
             if call.include_usage:
                 yield _event(render.chunk([], usage_json(usages)))

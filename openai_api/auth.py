@@ -1,6 +1,7 @@
-"""API keys for the HTTP API (--api-key / PAGEDGEN_API_KEY), checked in one place: every /v1/*
-request needs `Authorization: Bearer <key>`, as vLLM's --api-key does. (A later issue extends
-this to gRPC and to tenants; the check stays here.)"""
+"""API keys for the HTTP API (--api-key / PAGEDGEN_API_KEY), checked in one place: every request
+but the probes (/health, /version) needs `Authorization: Bearer <key>` (vLLM's --api-key guards
+/v1 alone; here the tokenizer tools and unknown paths are refused too). A later issue extends
+this to gRPC and to tenants; the check stays here."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from http import HTTPStatus
 from openai_api.errors import ApiError
 
 API_KEY_ENV = "PAGEDGEN_API_KEY"
-PROTECTED_PREFIX = "/v1/"
+# Only the probes stay open: /tokenize and /detokenize answer about the served model too, so an
+# unauthenticated caller must get nothing from them but the 401.
+OPEN_PATHS = frozenset({"/health", "/version"})
 
 
 def api_key_from(flag: str | None) -> str | None:
@@ -36,7 +39,7 @@ class ApiKeyCheck:
 
     def check(self, path: str, authorization: str | None) -> None:
         """Raises a 401 unless the path is open or the header carries the key."""
-        if self._expected is None or not path.startswith(PROTECTED_PREFIX):
+        if self._expected is None or path in OPEN_PATHS:
             return
         if not authorization:
             raise ApiError(HTTPStatus.UNAUTHORIZED,

@@ -162,4 +162,5 @@ def _chat_entry(text: str, logprob: float) -> dict:
 
 
 def _finite(logprob: float) -> float:
-    return max(logprob, MIN_LOGPROB)
+    """-inf (a token the sampler ruled out) and NaN are not JSON: both become MIN_LOGPROB."""
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB

@@ -5,6 +5,7 @@ it: 400 a bad field (named in `param`), 401 no or a wrong key, 404 an unknown mo
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 
 import openai
@@ -115,7 +116,13 @@ def test_401_without_or_with_a_wrong_key(http_engine):
         status, reply = call(f"{http_engine.base_url}{path}", body)  # no Authorization header
         assert status == 401 and reply["error"]["code"] == "invalid_api_key"
         assert "needs an API key" in reply["error"]["message"]
-    # Outside /v1 (probes, tokenizer tools) no key is needed, as with vLLM's --api-key.
+    # The tokenizer tools and unknown paths need the key too: a caller without one learns
+    # nothing (not the model's name from a 404, not a token count); only the probes are open.
+    for path, body in (("/tokenize", {"prompt": "Hello"}), ("/detokenize", {"tokens": [1]}),
+                       ("/v1/embeddings", {"input": "x"}), ("/metrics", None)):
+        status, reply = call(f"{http_engine.base_url}{path}", body)
+        assert status == 401 and reply["error"]["code"] == "invalid_api_key", path
+        assert http_engine.model not in json.dumps(reply)
     assert call(f"{http_engine.base_url}/health")[0] == 200
     assert call(f"{http_engine.base_url}/version")[0] == 200
 
@@ -137,17 +144,18 @@ def test_models_tokenize_detokenize_version(client, http_engine):
     assert model.id == http_engine.model and model.owned_by == "pagedgen"
     assert model.model_extra["max_model_len"] == MAX_MODEL_LEN
     base = http_engine.base_url
-    status, tokens = call(f"{base}/tokenize", {"model": model.id, "prompt": "Hello world"})
+    status, tokens = call(f"{base}/tokenize", {"model": model.id, "prompt": "Hello world"},
+                          API_KEY)
     assert status == 200 and tokens["count"] == len(tokens["tokens"]) > 0
     assert tokens["max_model_len"] == MAX_MODEL_LEN
-    status, text = call(f"{base}/detokenize", {"tokens": tokens["tokens"]})
+    status, text = call(f"{base}/detokenize", {"tokens": tokens["tokens"]}, API_KEY)
     assert status == 200 and text == {"prompt": "Hello world"}
-    status, chat = call(f"{base}/tokenize", {"messages": CHAT})
+    status, chat = call(f"{base}/tokenize", {"messages": CHAT}, API_KEY)
     reply = client.chat.completions.create(model=model.id, messages=CHAT, max_tokens=1)
     assert status == 200 and chat["count"] == reply.usage.prompt_tokens
-    status, body = call(f"{base}/tokenize", {"prompt": "x", "messages": CHAT})
+    status, body = call(f"{base}/tokenize", {"prompt": "x", "messages": CHAT}, API_KEY)
     assert status == 400 and "exactly one of" in body["error"]["message"]
-    status, body = call(f"{base}/detokenize", {"tokens": [10**9]})
+    status, body = call(f"{base}/detokenize", {"tokens": [10**9]}, API_KEY)
     assert status == 400 and body["error"]["param"] == "tokens"
     status, version = call(f"{base}/version")
     assert status == 200 and version["version"]
