@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--index-port", type=int, default=0, help="0 = a free port")
     p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                    help="the OpenAI-compatible HTTP API of the stack's front door (the router "
-                        "with --replicas > 1, else the engine); 0 = off, as on the services")
+                        "with --replicas > 1, else the engine); 0 = a free port, -1 = off")
     p.add_argument("--metrics-port", type=int, default=0, help="engine Prometheus port (0 = off)")
     p.add_argument("--keep-running", action="store_true",
                    help="after the completion, serve until Ctrl-C / SIGTERM")
@@ -59,8 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not 1 <= args.replicas <= 16:
         p.error(f"--replicas must be in 1..16, got {args.replicas}")
-    if not 0 <= args.http_port <= 65535:
-        p.error(f"--http-port must be in [0, 65535] (0 = off), got {args.http_port}")
+    if not -1 <= args.http_port <= 65535:
+        p.error(f"--http-port must be in [-1, 65535] (0 = a free port, -1 = off), got "
+                f"{args.http_port}")
     return args
 
 
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefix index  {index.target}", flush=True)
         engines = []
         stack_id = free_port()
-        http_port = args.http_port or None
+        http_port = None if args.http_port < 0 else (args.http_port or free_port())
         http_args = [] if http_port is None else ["--http-port", str(http_port)]
         for i in range(args.replicas):
             engine_args = ["--device", args.device, "--prefix-index", index.target,
