@@ -253,3 +253,36 @@ def _running_on(stack: RouterStack) -> str | None:
             return engine_id
     time.sleep(0.01)
     return None
+
+
+def test_logprob_tokens_without_a_local_tokenizer(router, tmp_path):
+    """A router with no tokenizer of its own (--tokenizer names a folder that is not there, as
+    when the model lives only on the engines' machines) asks a replica for each token's text:
+    the same tokens and logprobs as the router that tokenizes locally."""
+    http_port = free_port()
+    second = RouterProcess(["--prefix-index", router.stack.index.target, "--http-port",
+                            str(http_port), "--tokenizer", str(tmp_path / "not-here"),
+                            "--log-level", "INFO"],
+                           log_path=router.stack.log_dir / "router-no-tokenizer.log").start()
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        wait_until(lambda: call(f"{base}/v1/models")[1]["data"], 30, "replicas known")
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
+                           timeout=120) as remote, router.client() as local:
+            asked = {"model": router.model, "prompt": PROMPT, "max_tokens": 10,
+                     "temperature": 0, "logprobs": 3}
+            [theirs], [ours] = (remote.completions.create(**asked).choices,
+                                local.completions.create(**asked).choices)
+            chat = remote.chat.completions.create(model=router.model, messages=CHAT,
+                                                  max_tokens=6, temperature=0, logprobs=True,
+                                                  top_logprobs=2)
+    finally:
+        second.kill()
+    log = (router.stack.log_dir / "router-no-tokenizer.log").read_text()
+    assert "no local tokenizer" in log  # the fallback is what was exercised
+    assert theirs.text == ours.text and theirs.logprobs.tokens == ours.logprobs.tokens
+    assert "".join(theirs.logprobs.tokens) == theirs.text
+    assert theirs.logprobs.top_logprobs == ours.logprobs.top_logprobs
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 for t in content)
