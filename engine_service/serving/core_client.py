@@ -68,15 +68,23 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput,
 
 
 class OutputBuffer:
-    """A request's outputs on their way to its stream: at most one pending item, merged."""
+    """A request's outputs on their way to its stream: at most one pending item, merged.
 
-    __slots__ = ("_pending", "_ready", "_text_parts", "prompt_token_ids", "prompt", "text")
+    `stream_interval` > 1 holds the stream back until that many new tokens (in its longest
+    sequence) have gathered, as vLLM's and SGLang's --stream-interval: the first tokens, the
+    last output, and errors go at once. Fewer messages a token is what a stream costs less of
+    in the front (grpcio's own work is most of a message's cost)."""
+
+    __slots__ = ("_pending", "_ready", "_text_parts", "_interval", "_started", "prompt_token_ids",
+                 "prompt", "text")
 
     def __init__(self, prompt_token_ids: list[int], prompt: str | None,
-                 text: RequestText | None) -> None:
+                 text: RequestText | None, stream_interval: int = 1) -> None:
         self._pending: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
         self._text_parts: dict[int, list[str]] = {}
+        self._interval = stream_interval
+        self._started = False  # the stream has taken an output with tokens
         self.prompt_token_ids = prompt_token_ids
         self.prompt = prompt
         self.text = text  # makes the text of each output, in order (None: ids only)
@@ -91,21 +99,31 @@ class OutputBuffer:
             elif isinstance(self._pending, BaseException):
                 return  # an error ends the stream; nothing after it counts
         self._pending = item
-        self._ready.set()
+        if self._interval <= 1 or not isinstance(item, RequestOutput) or self._due(item):
+            self._ready.set()
 
     put_nowait = put  # what the servicer calls on this and on AsyncEngine's asyncio.Queue
 
+    def _due(self, output: RequestOutput) -> bool:
+        if output.finished:
+            return True
+        most = max((len(c.token_ids_delta) for c in output.outputs), default=0)
+        # (A sequence of several that ends early waits for the next message with the others.)
+        return most >= self._interval or (most > 0 and not self._started)
+
     async def get(self) -> RequestOutput | BaseException:
-        if self._pending is None:
+        if not self._ready.is_set():  # set only with something pending, and only when due
             await self._ready.wait()
         item, self._pending = self._pending, None
         self._ready.clear()
-        if self._text_parts and isinstance(item, RequestOutput):
-            for completion in item.outputs:
-                parts = self._text_parts.get(completion.index)
-                if parts:
-                    completion.text_delta += "".join(parts)
-            self._text_parts = {}
+        if isinstance(item, RequestOutput):
+            self._started = self._started or any(c.token_ids_delta for c in item.outputs)
+            if self._text_parts:
+                for completion in item.outputs:
+                    parts = self._text_parts.get(completion.index)
+                    if parts:
+                        completion.text_delta += "".join(parts)
+                self._text_parts = {}
         return item
 
 
@@ -144,6 +162,7 @@ class CoreClient:
         # The front's tokenizer (the servicer's: one thread uses it), for the outputs' text: the
         # core makes none. Set before the first request; None serves token ids only.
         self.tokenizer = None
+        self.stream_interval = 1  # OutputBuffer's: new tokens gathered per streamed message
         self.snapshot: EngineStats | None = None
         self.link = CoreLinkView(self) if options.prefix_index else None
         self.dead: BaseException | None = None
@@ -257,7 +276,7 @@ class CoreClient:
             text = RequestText(self.tokenizer, prompt_token_ids, params,
                                lambda index, stop: self._send(
                                    ("finish_seq", request_id, index, stop)))
-        buffer = OutputBuffer(prompt_token_ids, prompt, text)
+        buffer = OutputBuffer(prompt_token_ids, prompt, text, self.stream_interval)
         self._streams[request_id] = buffer
         self._send(("add", request_id, prompt_token_ids, params, cache_salt, priority))
         return buffer

@@ -69,6 +69,7 @@ class ServerOptions:
     http_port: int = 0  # the OpenAI-compatible HTTP API (openai_api/); 0 = off
     http_host: str = "127.0.0.1"
     api_key: str | None = None  # when set, HTTP /v1/* needs Authorization: Bearer <key>
+    stream_interval: int = 1  # new tokens gathered per streamed message (core_client.py)
 
 
 class EngineServer:
@@ -123,6 +124,7 @@ class EngineServer:
         tokenizer = None if not info.limits.has_tokenizer else load_tokenizer(info.model_config)
         if isinstance(self.async_engine, CoreClient):
             self.async_engine.tokenizer = tokenizer  # the core makes no text: we do
+            self.async_engine.stream_interval = self.options.stream_interval
         return GenerationServicer(
             self.async_engine,
             RequestValidator(info.limits, tokenizer, self.options.max_live_requests),
@@ -287,6 +289,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "one, which the front keeps for gRPC and text; on CUDA, torch's choice)")
     p.add_argument("--max-live-requests", type=int, default=ServerOptions().max_live_requests,
                    help="requests accepted and unfinished before RESOURCE_EXHAUSTED")
+    p.add_argument("--stream-interval", type=int, default=ServerOptions().stream_interval,
+                   help="streamed messages carry this many new tokens each (the first tokens "
+                        "and the last message go at once): fewer messages, less CPU a token")
     p.add_argument("--prefix-index", default="none",
                    help="HOST:PORT of the prefix index, or 'none' for a local LRU only")
     p.add_argument("--index-lease-s", type=float, default=IndexLinkOptions().lease_s,
@@ -305,6 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_live_requests < 1:
         p.error(f"--max-live-requests must be >= 1, got {args.max_live_requests}")
+    if not 1 <= args.stream_interval <= 1024:
+        p.error(f"--stream-interval must be in [1, 1024] tokens, got {args.stream_interval}")
     if args.torch_threads is not None and args.torch_threads < 0:
         p.error(f"--torch-threads must be >= 0 (0: torch's default), got {args.torch_threads}")
     if args.grace_s < 0:
@@ -411,7 +418,7 @@ def serve(args: argparse.Namespace, core_target: CoreTarget = run_core) -> None:
         else args.torch_threads)
     options = ServerOptions(args.host, args.port, args.metrics_port, args.metrics_host,
                             args.max_live_requests, engine_id, args.http_port, args.http_host,
-                            args.api_key)
+                            args.api_key, args.stream_interval)
     if asyncio.run(_serve(args, options, core_options, EngineMetrics(), core_target)):
         sys.exit(1)
 
