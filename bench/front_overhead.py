@@ -3,6 +3,7 @@
     python -m bench.front_overhead                       # this checkout, best of 2, alternated
     python -m bench.front_overhead --baseline /tmp/base  # and a server from another checkout
     python -m bench.front_overhead --json out.json
+    python -m bench.front_overhead --stream-interval 4   # and a server streaming 4 tokens a message
 
 64 concurrent greedy `ignore_eos` requests of 500 tokens (8-token prompts) on the random
 one-layer Llama of bench/step_loop.py, one torch thread:
@@ -114,7 +115,8 @@ async def stream_all(target: str, batch: int, max_tokens: int) -> int:
     return sum(counts)
 
 
-def served(model_dir: Path, batch: int, max_tokens: int, checkout: Path | None) -> dict:
+def served(model_dir: Path, batch: int, max_tokens: int, checkout: Path | None,
+           extra: tuple[str, ...] = ()) -> dict:
     env = dict(ONE_THREAD)
     if checkout is not None:
         # Its own cache: the CPU extension built from another checkout's sources in the shared
@@ -124,7 +126,7 @@ def served(model_dir: Path, batch: int, max_tokens: int, checkout: Path | None) 
     env_before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        engine = EngineProcess(model_dir, engine_args(batch))
+        engine = EngineProcess(model_dir, [*engine_args(batch), *extra])
         if checkout is not None:  # another checkout's server: its code first on the path
             boot = (f"import sys; sys.path.insert(0, {str(checkout)!r}); "
                     "from engine_service.serving.server import main; main()")
@@ -159,17 +161,24 @@ def best(runs: list[dict]) -> dict:
             "runs": runs}
 
 
-def measure(batch: int, max_tokens: int, repeats: int, baseline: Path | None) -> dict:
+def measure(batch: int, max_tokens: int, repeats: int, baseline: Path | None,
+            stream_interval: int = 1) -> dict:
     model_dir = tiny_llama(CACHE / "models" / "step-loop-tiny", MAX_MODEL_LEN)
     runs: dict[str, list[dict]] = {"offline": [], "served": []}
     if baseline is not None:
         runs["baseline_served"] = []
+    interval_run = f"served_interval_{stream_interval}"
+    if stream_interval > 1:
+        runs[interval_run] = []
     for _ in range(repeats):
         runs["offline"].append(figures(offline(model_dir, batch, max_tokens)))
         runs["served"].append(figures(served(model_dir, batch, max_tokens, None)))
         if baseline is not None:
             runs["baseline_served"].append(
                 figures(served(model_dir, batch, max_tokens, baseline)))
+        if stream_interval > 1:
+            runs[interval_run].append(figures(served(
+                model_dir, batch, max_tokens, None, ("--stream-interval", str(stream_interval)))))
     result = {name: best(r) for name, r in runs.items()}
     off = result["offline"]
     for name in [n for n in result if n != "offline"]:
@@ -177,16 +186,15 @@ def measure(batch: int, max_tokens: int, repeats: int, baseline: Path | None) ->
         result[name]["throughput_vs_offline"] = (result[name]["tokens_per_s"]
                                                  / off["tokens_per_s"])
     result["setup"] = {"batch": batch, "max_tokens": max_tokens, "repeats": repeats,
-                       "baseline": str(baseline) if baseline else None}
+                       "baseline": str(baseline) if baseline else None,
+                       "stream_interval": stream_interval}
     return result
 
 
 def report(result: dict) -> str:
     lines = ["| run | tokens/s | CPU µs/token | CPU vs offline | throughput vs offline |",
              "|---|---:|---:|---:|---:|"]
-    for name in ("offline", "served", "baseline_served"):
-        if name not in result:
-            continue
+    for name in [n for n in result if n != "setup"]:
         r = result[name]
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['cpu_us_per_token']:.0f} | "
                      f"{r.get('cpu_vs_offline', 1.0):.2f}x | "
@@ -202,9 +210,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--baseline", type=Path, default=None,
                    help="a checkout whose server to measure too (e.g. a git worktree of main)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="above 1: also a server with --stream-interval this many tokens")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    result = measure(args.batch, args.max_tokens, args.repeats, args.baseline)
+    result = measure(args.batch, args.max_tokens, args.repeats, args.baseline,
+                     args.stream_interval)
     print(report(result))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1))
