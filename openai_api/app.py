@@ -40,13 +40,15 @@ from openai_api.to_engine import (
     rest_of_context,
 )
 from pagedgen_api import generation_pb2 as pb
+from tenancy.gate import Gate
 
 DONE = b"data: [DONE]\n\n"
+CALLER_SCOPE_KEY = "pagedgen.caller"
 log = logging.getLogger("openai_api.app")
 T = TypeVar("T")
 
 
-def create_app(backend: Backend, api_key: str | None = None) -> Starlette:
+def create_app(backend: Backend, gate: Gate | None = None) -> Starlette:
     api = _Api(backend)
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -59,13 +61,14 @@ def create_app(backend: Backend, api_key: str | None = None) -> Starlette:
     ]
     return Starlette(
         routes=routes,
-        middleware=[Middleware(_Authenticated, check=ApiKeyCheck(api_key)),
+        middleware=[Middleware(_Authenticated, check=ApiKeyCheck(gate)),
                     Middleware(_InternalErrors)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error})
 
 
 class _Authenticated:
-    """The API key check before routing, so a wrong key on an unknown path is still a 401."""
+    """The API key check before routing, so a wrong key on an unknown path is still a 401;
+    the caller it finds goes with the request (scope[CALLER_SCOPE_KEY]) to the servicer."""
 
     def __init__(self, app: ASGIApp, check: ApiKeyCheck) -> None:
         self.app, self.check = app, check
@@ -75,7 +78,8 @@ class _Authenticated:
             headers = dict(scope["headers"])
             auth = headers.get(b"authorization")
             try:
-                self.check.check(scope["path"], None if auth is None else auth.decode("latin-1"))
+                scope[CALLER_SCOPE_KEY] = self.check.check(
+                    scope["path"], None if auth is None else auth.decode("latin-1"))
             except ApiError as error:
                 await _error_response(error)(scope, receive, send)
                 return
@@ -155,7 +159,7 @@ class _Api:
         if call.to_end_of_context:
             wire = call.requests[0]
             reply = await self._unary("Tokenize", pb.TokenizeRequest(chat=wire.chat),
-                                      call.field_names[0])
+                                      call.field_names[0], _caller(request))
             rest_of_context(wire, list(reply.token_ids), model.longest_sequence(call.n))
         return await self._answer(request, call, Renderer(
             request_id, body.model or model.name, True, call.n, call.logprobs,
@@ -178,7 +182,7 @@ class _Api:
 
     async def _answer(self, request: Request, call: EngineCall, render: Renderer) -> Response:
         if call.stream:
-            events = self._events(call, render)
+            events = self._events(call, render, _caller(request))
             try:  # the first event decides the status: a refusal is an HTTP error, not a stream
                 first = await unless_disconnected(request.receive, anext(events))
             except ClientGone:
@@ -187,26 +191,26 @@ class _Api:
             return EventStream(_prepend(first, events), SHUTTING_DOWN)
         try:
             replies = await unless_disconnected(request.receive, _all_or_none(
-                self._unary("Generate", r, names)
+                self._unary("Generate", r, names, _caller(request))
                 for r, names in zip(call.requests, call.field_names, strict=True)))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it (nginx's code for the case)
         return JSONResponse(await render.response(replies))
 
-    async def _unary(self, method: str, message, field_names: dict[str, str]):
+    async def _unary(self, method: str, message, field_names: dict[str, str], caller):
         try:
-            return await getattr(self.servicer, method)(message, HttpCallContext())
+            return await getattr(self.servicer, method)(message, HttpCallContext(caller))
         except CallAborted as aborted:
             raise from_status(aborted.code, aborted.details, field_names) from None
 
-    async def _events(self, call: EngineCall, render: Renderer
+    async def _events(self, call: EngineCall, render: Renderer, caller
                       ) -> AsyncGenerator[bytes, None]:
         """The stream's events; a refusal before the first one raises ApiError, one after it
         is an error event (the status is sent by then)."""
         usages = [pb.Usage() for _ in call.requests]
         started = False
         try:
-            async with contextlib.aclosing(self._messages(call)) as messages:
+            async with contextlib.aclosing(self._messages(call, caller)) as messages:
                 async for prompt_index, message in messages:
                     if not started:
                         started = True
@@ -232,19 +236,20 @@ class _Api:
                 yield _event(render.chunk([], usage_json(usages)))
         yield DONE
 
-    async def _messages(self, call: EngineCall
+    async def _messages(self, call: EngineCall, caller
                         ) -> AsyncIterator[tuple[int, pb.GenerateStreamResponse]]:
         """The servicer's stream messages of every prompt, as they come, with the prompt's
         index; closing this ends (aborts) every stream still running."""
         if len(call.requests) == 1:  # the common case, without a task per stream
-            async for message in self._stream(call.requests[0], call.field_names[0]):
+            async for message in self._stream(call.requests[0], call.field_names[0], caller):
                 yield 0, message
             return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def run(i: int) -> None:
             try:
-                async for message in self._stream(call.requests[i], call.field_names[i]):
+                async for message in self._stream(call.requests[i], call.field_names[i],
+                                                   caller):
                     queue.put_nowait((i, message))
                 queue.put_nowait((i, None))
             except Exception as error:  # noqa: BLE001 - handed to the reader
@@ -266,9 +271,9 @@ class _Api:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _stream(self, wire: pb.GenerateRequest, field_names: dict[str, str]
+    async def _stream(self, wire: pb.GenerateRequest, field_names: dict[str, str], caller
                       ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        stream = self.servicer.GenerateStream(wire, HttpCallContext())
+        stream = self.servicer.GenerateStream(wire, HttpCallContext(caller))
         try:
             async with contextlib.aclosing(stream):
                 async for message in stream:
@@ -302,7 +307,7 @@ class _Api:
         else:
             wire = pb.TokenizeRequest(chat=chat_messages(body.messages))
             names = {"chat.messages": "messages", "chat": "messages", "input": "messages"}
-        reply = await self._unary("Tokenize", wire, names)
+        reply = await self._unary("Tokenize", wire, names, _caller(request))
         return JSONResponse({"count": len(reply.token_ids), "max_model_len": model.max_model_len,
                              "tokens": list(reply.token_ids)})
 
@@ -310,11 +315,16 @@ class _Api:
         body = schemas.parse(schemas.DetokenizeRequest, await _body(request))
         self._model(body.model)
         reply = await self._unary("Detokenize", pb.DetokenizeRequest(token_ids=body.tokens),
-                                  {"token_ids": "tokens"})
+                                  {"token_ids": "tokens"}, _caller(request))
         return JSONResponse({"prompt": reply.text})
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": _version()})
+
+
+def _caller(request: Request):
+    """Who sent the request (tenancy/gate.py's Caller), as the key check found it."""
+    return request.scope.get(CALLER_SCOPE_KEY)
 
 
 async def _body(request: Request) -> bytes:

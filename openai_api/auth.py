@@ -1,15 +1,15 @@
-"""API keys for the HTTP API (--api-key / PAGEDGEN_API_KEY), checked in one place: every request
-but the probes (/health, /version) needs `Authorization: Bearer <key>` (vLLM's --api-key guards
-/v1 alone; here the tokenizer tools and unknown paths are refused too). A later issue extends
-this to gRPC and to tenants; the check stays here."""
+"""API keys for the HTTP API, checked by tenancy/gate.py as gRPC calls are: every request but
+the probes (/health, /version) needs `Authorization: Bearer <key>` (vLLM's --api-key guards /v1
+alone; here the tokenizer tools and unknown paths are refused too). --api-key (or
+$PAGEDGEN_API_KEY) is the one-key shorthand of --api-key-file (tenancy/cli_args.py)."""
 
 from __future__ import annotations
 
-import hmac
 import os
 from http import HTTPStatus
 
 from openai_api.errors import ApiError
+from tenancy.gate import OPEN_CALLER, Caller, Gate, Unauthenticated
 
 API_KEY_ENV = "PAGEDGEN_API_KEY"
 # Only the probes stay open: /tokenize and /detokenize answer about the served model too, so an
@@ -34,21 +34,18 @@ def api_key_from(flag: str | None) -> str | None:
 
 
 class ApiKeyCheck:
-    def __init__(self, api_key: str | None) -> None:
-        self._expected = None if api_key is None else api_key.encode()
+    """The HTTP side of tenancy/gate.py: the same keys and tenants as the gRPC calls."""
 
-    def check(self, path: str, authorization: str | None) -> None:
-        """Raises a 401 unless the path is open or the header carries the key."""
-        if self._expected is None or path in OPEN_PATHS:
-            return
-        if not authorization:
-            raise ApiError(HTTPStatus.UNAUTHORIZED,
-                           "this server needs an API key: send Authorization: Bearer <key>",
-                           code="invalid_api_key")
-        scheme, _, token = authorization.partition(" ")
-        # Compared in constant time: a key must not be guessable byte by byte from timings.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 self._expected):
-            raise ApiError(HTTPStatus.UNAUTHORIZED,
-                           "the API key is not valid (Authorization: Bearer <key>)",
-                           code="invalid_api_key")
+    def __init__(self, gate: Gate | None = None) -> None:
+        self.gate = gate or Gate(None)
+
+    def check(self, path: str, authorization: str | None) -> Caller:
+        """The request's caller; a 401 unless the path is open or the header carries a key."""
+        if path in OPEN_PATHS:
+            return OPEN_CALLER
+        try:
+            return self.gate.from_authorization(authorization)
+        except Unauthenticated:
+            message = ("the API key is not valid (Authorization: Bearer <key>)" if authorization
+                       else "this server needs an API key: send Authorization: Bearer <key>")
+            raise ApiError(HTTPStatus.UNAUTHORIZED, message, code="invalid_api_key") from None

@@ -1,9 +1,10 @@
 """What a gRPC servicer method needs of its `context`, for calls that come over HTTP.
 
-The servicers (the engine's and the router's) read three things from their context: the time
-left (no deadline over HTTP), trailing metadata to set, and `abort`, which raises. Calling the
-servicer's own methods with this context is what keeps one request path: the same validation,
-the same sampling mapping, the same routing and failover, whichever protocol the client spoke.
+The servicers (the engine's and the router's) read four things from their context: the time
+left (no deadline over HTTP), trailing metadata to set, `abort`, which raises, and who calls
+(`caller`). Calling the servicer's own methods with this context is what keeps one request
+path: the same validation, the same sampling mapping, the same routing and failover, whichever
+protocol the client spoke.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ class CallAborted(Exception):
 
 
 class HttpCallContext:
-    def __init__(self) -> None:
+    def __init__(self, caller=None) -> None:
+        # Who sent it (tenancy/gate.py's Caller, from the HTTP API's key check); None: an
+        # open server, the same as gate.OPEN_CALLER.
+        self.caller = caller
         self.trailing_metadata: tuple[tuple[str, str], ...] = ()
 
     def time_remaining(self) -> float | None:

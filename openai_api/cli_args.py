@@ -17,8 +17,10 @@ def add_http_args(p: argparse.ArgumentParser, routed: bool) -> None:
     p.add_argument("--http-host", default=None,
                    help="address the HTTP API binds (default: --host)")
     p.add_argument("--api-key", default=None,
-                   help=f"HTTP /v1/* requests need Authorization: Bearer KEY (default: "
-                        f"${API_KEY_ENV}; unset: no key needed)")
+                   help=f"one API key for every gRPC and HTTP call but health and "
+                        f"reflection (authorization: Bearer KEY), the shorthand of a key file "
+                        f"of one tenant allowed everything (default: ${API_KEY_ENV}; unset: "
+                        f"no key needed)")
 
 
 def resolve_http_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -13,6 +13,7 @@ import uvicorn
 from openai_api.app import create_app
 from openai_api.backend import Backend
 from prefix_index.tools.bind_error import BindError
+from tenancy.gate import Gate
 
 log = logging.getLogger("openai_api.server")
 
@@ -29,9 +30,9 @@ class HttpServer:
     """Bound early (a taken port fails before anything else starts, as the gRPC port does),
     served once the backend exists."""
 
-    def __init__(self, host: str, port: int, api_key: str | None = None) -> None:
+    def __init__(self, host: str, port: int, gate: Gate | None = None) -> None:
         self.host, self.requested_port = host, port
-        self.api_key = api_key
+        self.gate = gate  # who may call (tenancy/gate.py); None: anyone
         self.port = 0
         self._socket: socket.socket | None = None
         self._server: _LoopServer | None = None
@@ -46,7 +47,7 @@ class HttpServer:
     async def start(self, backend: Backend) -> None:
         if self._socket is None:
             self.bind()
-        config = uvicorn.Config(create_app(backend, self.api_key), lifespan="off",
+        config = uvicorn.Config(create_app(backend, self.gate), lifespan="off",
                                 log_level="warning", access_log=False)
         self._server = _LoopServer(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))

@@ -40,6 +40,7 @@ from pagedgen_api import generation_pb2 as pb
 from router.core import NoReplicaError, Route, Router
 from router.replicas import Replica
 from router.resumed_text import ResumedText
+from tenancy.gate import TENANT_METADATA
 
 # Refused before it started: the same request can run elsewhere.
 _RETRY_BEFORE_OUTPUT = frozenset({grpc.StatusCode.UNAVAILABLE,
@@ -72,6 +73,12 @@ class Progress:
     finished: bool = False
 
 
+def tenant_metadata(tenant: str | None) -> tuple[tuple[str, str], ...] | None:
+    """What tells a replica whose request it runs (its Abort is that tenant's alone); an
+    engine believes it only from a router's certificate (tenancy/gate.py)."""
+    return None if tenant is None else ((TENANT_METADATA, tenant),)
+
+
 def route_label(route: Route) -> str:
     """The policy that chose a replica, as trailing metadata names it."""
     decision = route.decision
@@ -80,10 +87,11 @@ def route_label(route: Route) -> str:
 
 class RoutedRequest:
     def __init__(self, router: Router, request: pb.GenerateRequest,
-                 context: grpc.aio.ServicerContext) -> None:
+                 context: grpc.aio.ServicerContext, tenant: str | None = None) -> None:
         self.router = router
-        self.request = request
+        self.request = request  # its cache_salt is the tenant's (router/servicer.py)
         self.context = context
+        self.tenant = tenant  # who may Abort it; None: no tenants (an open router)
         self.progress: dict[int, Progress] = {}
         self.first_usage: pb.Usage | None = None  # from the first replica that answered
         self.resumed_at = 0  # tokens generated before the latest switch of replica
@@ -234,8 +242,8 @@ class RoutedRequest:
         replica.pending_prefill_tokens += uncached
         replica.pending_prompt_tokens += prompt
         router.metrics.in_flight.labels(name).inc()
-        call = self._call = replica.stub.GenerateStream(upstream,
-                                                        timeout=self.context.time_remaining())
+        call = self._call = replica.stub.GenerateStream(
+            upstream, timeout=self.context.time_remaining(), metadata=tenant_metadata(self.tenant))
         self._ended_here = False
         got_output = False
         lost = False

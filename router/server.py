@@ -33,6 +33,9 @@ from router.core import Router
 from router.http_backend import router_backend
 from router.metrics import RouterMetrics
 from router.servicer import RouterServicer
+from tenancy.cli_args import add_tenancy_args, door_from_args, resolve_tenancy_args
+from tenancy.door import TenantDoor
+from tenancy.gate import GateInterceptor
 
 log = logging.getLogger("router.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -49,13 +52,16 @@ class RouterServer:
 
     def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 50050,
                  metrics_port: int = 0, metrics_host: str = "0.0.0.0",
-                 http: HttpServer | None = None) -> None:
+                 http: HttpServer | None = None, door: TenantDoor | None = None) -> None:
         self.router = router
         self.host, self.requested_port = host, port
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
-        self.servicer = RouterServicer(router)
+        door = door or TenantDoor()  # who may call (tenancy/); the HTTP API's gate is its gate
+        self.servicer = RouterServicer(router, door)
         self.health = health_aio.HealthServicer()
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port fails
+        self.server = grpc.aio.server(  # (no SO_REUSEPORT: a taken port fails)
+            options=[("grpc.so_reuseport", 0)],
+            interceptors=[GateInterceptor(door.gate)] if door.gate.takes_keys else None)
         self.port = 0
         self.http = http  # the OpenAI-compatible HTTP API, when served
         self._health_task: asyncio.Task | None = None
@@ -167,6 +173,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tokenizer directory (default: the replicas' model directory when it "
                         "is on this machine, else a replica tokenizes)")
     add_http_args(p, routed=True)
+    add_tenancy_args(p)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")
@@ -176,6 +183,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.engine_list and args.prefix_index == "none":
         p.error("give --engines host:port,... or --prefix-index HOST:PORT")
     resolve_http_args(p, args)
+    resolve_tenancy_args(p, args)
     return args
 
 
@@ -196,10 +204,11 @@ async def serve(args: argparse.Namespace) -> None:
     index = None if args.prefix_index == "none" else args.prefix_index
     router = Router(config_from_args(args), args.engine_list, index, args.tokenizer,
                     RouterMetrics())
-    http = (HttpServer(args.http_host, args.http_port, args.api_key) if args.http_port
+    door = door_from_args(args)
+    http = (HttpServer(args.http_host, args.http_port, door.gate) if args.http_port
             else None)
     server = RouterServer(router, args.host, args.port, args.metrics_port, args.metrics_host,
-                          http)
+                          http, door)
     port = await server.start()
     # One line on stdout that launchers read to learn the port (--port 0).
     print(f"router listening on {join_host_port(args.host, port)}", flush=True)
@@ -210,6 +219,8 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    if args.keyring is not None:
+        args.keyring.reload_on_sighup(loop)
     await stopping.wait()
     log.info("draining (grace %.1fs)", args.grace_s)
     await server.stop(args.grace_s)

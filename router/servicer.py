@@ -10,16 +10,23 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from engine_service.serving.validation import MAX_CACHE_SALT_CHARS
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from router.core import NoReplicaError, Router
-from router.proxy import RoutedRequest
+from router.proxy import RoutedRequest, tenant_metadata
 from router.replicas import Replica
+from tenancy.door import TenantDoor, TenantRefused
+from tenancy.gate import Caller
 
 
 class RouterServicer(pb_grpc.GenerationServicer):
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, door: TenantDoor | None = None) -> None:
         self.router = router
+        # Who calls, and what their tenant may do (tenancy/): the router is the front door, so
+        # tenants' limits are counted here and their salts derived here, the engines told
+        # the tenant (x-pagedgen-tenant) for Abort only.
+        self.door = door or TenantDoor()
         self.draining = False
         self._turn = 0  # where the next forwarded call starts among the replicas
 
@@ -35,20 +42,51 @@ class RouterServicer(pb_grpc.GenerationServicer):
     # ---- generation -------------------------------------------------------------------------
     async def GenerateStream(self, request: pb.GenerateRequest, context
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        await self._refuse_if_draining(context)
-        routed = RoutedRequest(self.router, request, context)
-        async with contextlib.aclosing(routed.stream()) as messages:
+        async with contextlib.aclosing(self._routed(request, context)) as messages:
             async for message in messages:
                 yield message
+
+    async def _routed(self, request: pb.GenerateRequest, context
+                      ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        """The request routed as its tenant's: its salt, its limits, its Abort."""
+        caller = await self.door.caller(context)
+        await self._refuse_if_draining(context)
+        salted = await self._salted(caller, request, context)
+        try:
+            self.door.check_priority(caller, request.priority)
+            self.door.enter(caller)
+        except TenantRefused as error:
+            self.router.metrics.failed.labels(error.code.name).inc()
+            await context.abort(error.code, error.message)
+        try:
+            routed = RoutedRequest(self.router, salted, context, caller.tenant)
+            async with contextlib.aclosing(routed.stream()) as messages:
+                async for message in messages:
+                    yield message
+        finally:
+            self.door.leave(caller)
+
+    async def _salted(self, caller: Caller, request, context):
+        """`request` (a GenerateRequest or PinPrefixRequest) with its tenant's cache salt, the
+        one the engines hash with: routes read the same chains as the engines hold."""
+        if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:  # (as the engine says it)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, "
+                                f"got {len(request.cache_salt)}")
+        salt = self.door.cache_salt(caller, request.cache_salt)
+        if salt == request.cache_salt:
+            return request
+        salted = type(request)()
+        salted.CopyFrom(request)
+        salted.cache_salt = salt
+        return salted
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         """The stream, gathered: a unary request is resumed like a stream when its replica
         fails."""
-        await self._refuse_if_draining(context)
-        routed = RoutedRequest(self.router, request, context)
         completions: dict[int, pb.Completion] = {}
         last = None
-        async with contextlib.aclosing(routed.stream()) as messages:
+        async with contextlib.aclosing(self._routed(request, context)) as messages:
             async for message in messages:
                 last = message
                 for delta in message.choices:
@@ -69,8 +107,9 @@ class RouterServicer(pb_grpc.GenerationServicer):
                                    usage=last.usage)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        caller = await self.door.caller(context)
         routed = self.router.live.get(request.request_id)
-        if routed is None:
+        if routed is None or routed.tenant != caller.tenant:  # another tenant's: as unknown
             return pb.AbortResponse(found=False)
         routed.aborted = True  # never sent (again): not routed, not resumed elsewhere
         replica = routed.replica
@@ -80,7 +119,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
         timeout = self.router.config.rpc_timeout_s
         try:
             reply = await replica.stub.Abort(
-                request, timeout=timeout if remaining is None else min(remaining, timeout))
+                request, timeout=timeout if remaining is None else min(remaining, timeout),
+                metadata=tenant_metadata(routed.tenant))
             if reply.found:  # the replica ends the stream with ABORT
                 return pb.AbortResponse(found=True)
         except grpc.aio.AioRpcError:
@@ -91,7 +131,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
         return pb.AbortResponse(found=True)
 
     # ---- forwarded ----------------------------------------------------------------------------
-    async def _forward(self, context, method: str, request, replicas: list[Replica] | None = None):
+    async def _forward(self, context, method: str, request, replicas: list[Replica] | None = None,
+                       metadata=None):
         """`method` on the first of `replicas` (default: every routable one) that is up; its
         error, if it answers with one, is the client's."""
         if replicas is None:  # spread: each call starts at the next replica
@@ -105,7 +146,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
             remaining = context.time_remaining()
             timeout = own_timeout if remaining is None else min(remaining, own_timeout)
             try:
-                return await getattr(replica.stub, method)(request, timeout=timeout)
+                return await getattr(replica.stub, method)(request, timeout=timeout,
+                                                           metadata=metadata)
             except grpc.aio.AioRpcError as error:
                 code = error.code()
                 # Our own deadline passing means this replica stalls: try the next one.
@@ -134,14 +176,25 @@ class RouterServicer(pb_grpc.GenerationServicer):
         """Pinned on the replica the prefix routes to (where its requests will go); not a
         routing decision of the metrics. Refused while draining, like generation: a pin is
         work for the requests that follow, which should go to another router."""
+        caller = await self.door.caller(context)
         await self._refuse_if_draining(context, count_failed=False)
+        request = await self._salted(caller, request, context)
         router = self.router
         token_ids = await router.prompts.token_ids(request, router.replicas.routable())
         try:
             route = await router.route(token_ids, request.cache_salt, set(), record=False)
         except NoReplicaError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        return await self._forward(context, "PinPrefix", request, [route.decision.replica])
+        chain = list(route.chain)  # what the replica will pin (hashed as it hashes them)
+        try:
+            if not request.unpin:
+                self.door.check_pin(caller, chain)
+        except TenantRefused as error:
+            await context.abort(error.code, error.message)
+        reply = await self._forward(context, "PinPrefix", request, [route.decision.replica],
+                                    tenant_metadata(caller.tenant))
+        self.door.record_pin(caller, chain, request.ttl_s, request.unpin)
+        return reply
 
     async def EngineStats(self, request: pb.EngineStatsRequest, context
                           ) -> pb.EngineStatsResponse:

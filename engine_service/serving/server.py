@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -50,6 +50,9 @@ from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
+from tenancy.cli_args import add_tenancy_args, door_from_args, resolve_tenancy_args
+from tenancy.door import TenantDoor
+from tenancy.gate import GateInterceptor
 
 log = logging.getLogger("engine_service.serving.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -68,8 +71,10 @@ class ServerOptions:
     engine_id: str = ""
     http_port: int = 0  # the OpenAI-compatible HTTP API (openai_api/); 0 = off
     http_host: str = "127.0.0.1"
-    api_key: str | None = None  # when set, HTTP /v1/* needs Authorization: Bearer <key>
     stream_interval: int = 1  # new tokens gathered per streamed message (core_client.py)
+    # Who may call, their tenants and limits (tenancy/): every gRPC and HTTP call but health
+    # and reflection needs a key when the door's gate takes keys.
+    door: TenantDoor = field(default_factory=TenantDoor)
 
 
 class EngineServer:
@@ -111,9 +116,12 @@ class EngineServer:
         self.health = health_aio.HealthServicer()
         # No SO_REUSEPORT: a second process on our port must fail to bind, not share it (the
         # index tells a live engine from a crashed one by who answers at its address).
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        gate = options.door.gate
+        self.server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0)],
+            interceptors=[GateInterceptor(gate)] if gate.takes_keys else None)
         self.port = 0
-        self.http = (HttpServer(options.http_host, options.http_port, options.api_key)
+        self.http = (HttpServer(options.http_host, options.http_port, gate)
                      if options.http_port else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine_failed = asyncio.Event()  # set (on the loop) when the engine died
@@ -131,6 +139,7 @@ class EngineServer:
             self.metrics,
             self.options.engine_id,
             self.index_link,
+            self.options.door,
         )
 
     def _on_dead(self, error: BaseException) -> None:
@@ -302,6 +311,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="this engine's id at the prefix index (default: HOSTNAME-PORT, or -PID "
                         "with --port 0)")
     add_http_args(p, routed=False)
+    add_tenancy_args(p)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--grace-s", type=float, default=30.0,
@@ -317,6 +327,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.grace_s < 0:
         p.error(f"--grace-s must be >= 0, got {args.grace_s}")
     resolve_http_args(p, args)
+    resolve_tenancy_args(p, args)
     if args.prefix_index != "none" and not re.fullmatch(r"[^\s:]+:\d{1,5}", args.prefix_index):
         p.error(f"--prefix-index must be HOST:PORT or none, got {args.prefix_index!r}")
     return args
@@ -357,6 +368,8 @@ async def _serve(args: argparse.Namespace, options: ServerOptions, core_options:
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    if args.keyring is not None:
+        args.keyring.reload_on_sighup(loop)
     # A signal during start-up (the model load can take minutes) stops it there.
     starting = asyncio.ensure_future(server.start())
     stop_asked = asyncio.ensure_future(stopping.wait())
@@ -418,7 +431,7 @@ def serve(args: argparse.Namespace, core_target: CoreTarget = run_core) -> None:
         else args.torch_threads)
     options = ServerOptions(args.host, args.port, args.metrics_port, args.metrics_host,
                             args.max_live_requests, engine_id, args.http_port, args.http_host,
-                            args.api_key, args.stream_interval)
+                            args.stream_interval, door_from_args(args))
     if asyncio.run(_serve(args, options, core_options, EngineMetrics(), core_target)):
         sys.exit(1)
 

@@ -28,6 +28,8 @@ from engine_service.serving.status import RequestRejected, status_for
 from engine_service.serving.validation import RequestValidator, ValidRequest
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
+from tenancy.door import TenantDoor, TenantRefused
+from tenancy.gate import Caller
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         metrics: EngineMetrics,
         engine_id: str,
         index_link: IndexLink | None = None,
+        door: TenantDoor | None = None,
     ) -> None:
         self.engine = engine
         self.validator = validator
@@ -71,15 +74,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # This process's own id (ModelInfo): a router tells a restart from an outage by it.
         self.instance_id = secrets.token_hex(8)
         self.index_link = index_link
+        self.door = door or TenantDoor()  # who calls; tenants' salts and limits (tenancy/)
+        # Live request id -> the tenant that started it: only that tenant may Abort it.
+        self.owners: dict[str, str | None] = {}
         self.draining = False
 
     # ---- generation -------------------------------------------------------------------------
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        valid = await self._admit(request, context)
+        valid, caller = await self._admit(request, context)
         finished_indices: set[int] = set()
-        async with contextlib.aclosing(self._run(valid, context)) as outputs:
+        async with contextlib.aclosing(self._run(valid, caller, context)) as outputs:
             async for output in outputs:
                 choices = []
                 for c in output.outputs:
@@ -97,9 +103,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> pb.GenerateResponse:
-        valid = await self._admit(request, context)
+        valid, caller = await self._admit(request, context)
         last = None
-        async with contextlib.aclosing(self._run(valid, context)) as outputs:
+        async with contextlib.aclosing(self._run(valid, caller, context)) as outputs:
             async for output in outputs:
                 last = output
         assert last is not None and last.finished
@@ -111,15 +117,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _admit(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> ValidRequest:
+    ) -> tuple[ValidRequest, Caller]:
+        caller = await self.door.caller(context)
         if self.draining:
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE,
                                "the engine is draining (shutting down): retry on another one")
         try:
-            return self.validator.generate(request, self.engine.is_live, self.engine.num_live)
+            self.door.check_priority(caller, request.priority)
+            valid = self.validator.generate(request, self.engine.is_live, self.engine.num_live)
         except (RequestRejected, RequestError) as error:
             await self._refuse(context, *status_for(error))
-        raise AssertionError("unreachable: context.abort raises")
+        except TenantRefused as error:
+            await self._refuse(context, error.code, error.message)
+        # The tenant's salt, not the client's alone: tenants never share blocks (tenancy/).
+        valid.cache_salt = self.door.cache_salt(caller, valid.cache_salt or "") or None
+        return valid, caller
 
     async def _require_live_engine(self, context) -> None:
         try:
@@ -132,9 +144,25 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         await context.abort(code, message)
 
     async def _run(
-        self, valid: ValidRequest, context: grpc.aio.ServicerContext
+        self, valid: ValidRequest, caller: Caller, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs until the last; aborts it in the engine on any early exit."""
+        try:
+            self.door.enter(caller)
+        except TenantRefused as error:
+            await self._refuse(context, error.code, error.message)
+        try:
+            self.owners[valid.request_id] = caller.tenant
+            async with contextlib.aclosing(self._outputs(valid, context)) as outputs:
+                async for output in outputs:
+                    yield output
+        finally:
+            self.owners.pop(valid.request_id, None)
+            self.door.leave(caller)
+
+    async def _outputs(
+        self, valid: ValidRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[RequestOutput]:
         arrival = time.monotonic()
         remaining = context.time_remaining()
         deadline = None if remaining is None else arrival + remaining
@@ -206,6 +234,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.metrics.requests_finished.labels(completion.finish_reason or "abort").inc()
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        caller = await self.door.caller(context)
+        owner = self.owners.get(request.request_id, caller.tenant)
+        if owner != caller.tenant:  # another tenant's: answered as an unknown id is
+            return pb.AbortResponse(found=False)
         return pb.AbortResponse(found=self.engine.abort(request.request_id))
 
     # ---- tokenizer --------------------------------------------------------------------------
@@ -276,6 +308,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
     async def PinPrefix(self, request: pb.PinPrefixRequest, context) -> pb.PinPrefixResponse:
+        caller = await self.door.caller(context)
         await self._require_live_engine(context)
         if self.draining:  # its blocks go with it: pin where the requests will go instead
             await context.abort(grpc.StatusCode.UNAVAILABLE,
@@ -292,6 +325,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except RequestRejected as error:
             await context.abort(*status_for(error))
         info = self.engine.info
+        salt = self.door.cache_salt(caller, salt or "") or None  # as its requests get it
         chain = info.hasher.chain(prompt.token_ids, salt)
         if not chain:
             await context.abort(
@@ -300,7 +334,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 f"to pin, got {len(prompt.token_ids)} tokens",
             )
         try:
+            if not request.unpin:
+                self.door.check_pin(caller, chain)
             changed = await self.index_link.pin_prefix(chain, ttl_s, request.unpin)
+            self.door.record_pin(caller, chain, ttl_s, request.unpin)
+        except TenantRefused as error:
+            await context.abort(error.code, error.message)
         except (PinRefusedError, IndexUnavailableError) as error:
             await context.abort(*status_for(error))
         except (ConnectionError, TimeoutError, grpc.RpcError) as error:

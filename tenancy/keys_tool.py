@@ -1,0 +1,109 @@
+"""pagedgen-keys: add an API key to a key file (creating it, and the tenant's table, when
+missing) and print the key, once: only its SHA-256 is written.
+
+    pagedgen-keys add --file keys.toml --tenant acme [--max-live-requests 64] [--max-pins 512]
+                      [--may-set-priority] [--cache-group shared] [--label ci]
+    pagedgen-keys hash KEY      # the SHA-256 the file stores for KEY
+
+Servers read the file again on SIGHUP (`kill -HUP PID`). To remove a key, delete its [[keys]]
+entry and send SIGHUP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+from pathlib import Path
+
+from tenancy.keys import (
+    DEFAULT_MAX_LIVE_REQUESTS,
+    DEFAULT_MAX_PINS,
+    TENANT_NAME,
+    hash_key,
+    load_key_file,
+)
+
+KEY_PREFIX = "pg-"
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def add_key(path: Path, tenant: str, label: str = "", settings: dict | None = None) -> str:
+    """Appends a new key of `tenant` to the file at `path` (and a [tenants.NAME] table with
+    `settings` when the tenant has none); returns the key. ValueError when the file, or the
+    file as it would be, does not load."""
+    if not TENANT_NAME.fullmatch(tenant):
+        raise ValueError(f"--tenant must be 1 to 64 characters of [A-Za-z0-9._-], got {tenant!r}")
+    text = path.read_text() if path.exists() else ""
+    known = load_key_file(path).tenants if text else []
+    if tenant not in {t.name for t in known}:
+        lines = [f"\n[tenants.{tenant}]"]
+        for name, value in (settings or {}).items():
+            lines.append(f"{name} = {_toml(value)}")
+        text += "\n".join(lines) + "\n"
+    key = new_key()
+    entry = ["\n[[keys]]", f"tenant = {_toml(tenant)}", f"sha256 = {_toml(hash_key(key))}"]
+    if label:
+        entry.append(f"label = {_toml(label)}")
+    text += "\n".join(entry) + "\n"
+    # Written whole, then moved into place: a server reloading meanwhile reads the old file or
+    # the new one, never half of it.
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.chmod(partial, 0o600)
+    load_key_file(partial)  # the file as it will be must load
+    partial.replace(path)
+    return key
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="pagedgen-keys", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    add = sub.add_parser("add", help="add a key of a tenant and print it once")
+    add.add_argument("--file", type=Path, required=True, help="the key file (created if absent)")
+    add.add_argument("--tenant", required=True)
+    add.add_argument("--label", default="", help="which key this is, for its owner")
+    add.add_argument("--may-set-priority", action="store_true",
+                     help="a new tenant may set GenerateRequest.priority")
+    add.add_argument("--max-live-requests", type=int, default=DEFAULT_MAX_LIVE_REQUESTS,
+                     help="a new tenant's unfinished requests at once (-1: no limit)")
+    add.add_argument("--max-pins", type=int, default=DEFAULT_MAX_PINS,
+                     help="a new tenant's blocks pinned at once through PinPrefix (-1: no "
+                          "limit)")
+    add.add_argument("--cache-group", default="",
+                     help="a new tenant shares cached blocks with the tenants of this group "
+                          "(default: none but itself)")
+    show = sub.add_parser("hash", help="print the SHA-256 a key file stores for KEY")
+    show.add_argument("key")
+    args = p.parse_args(argv)
+    if args.command == "hash":
+        print(hash_key(args.key))
+        return
+    settings = {"may_set_priority": args.may_set_priority,
+                "max_live_requests": args.max_live_requests, "max_pins": args.max_pins}
+    if args.cache_group:
+        settings["cache_group"] = args.cache_group
+    try:
+        key = add_key(args.file, args.tenant, args.label, settings)
+    except ValueError as error:
+        p.exit(2, f"pagedgen-keys: {error}\n")
+    print(key)
+    print(f"(the key of tenant {args.tenant!r}, shown once: {args.file} keeps its SHA-256 "
+          "only; send SIGHUP to running servers to load it)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
