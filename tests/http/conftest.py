@@ -16,6 +16,7 @@ import pytest
 from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.redis_process import free_port
+from tenancy.client import with_api_key
 from tests.service.conftest import engine_args
 
 API_KEY = "test-key-0123456789"
@@ -81,5 +82,5 @@ def async_client(http_engine) -> openai.AsyncOpenAI:
 
 @pytest.fixture(scope="session")
 def engine_stub(http_engine) -> Iterator[pb_grpc.GenerationStub]:
-    with grpc.insecure_channel(http_engine.target) as channel:
-        yield pb_grpc.GenerationStub(channel)
+    with grpc.insecure_channel(http_engine.target) as channel:  # the key guards gRPC too
+        yield pb_grpc.GenerationStub(with_api_key(channel, API_KEY))

@@ -232,7 +232,8 @@ def test_greedy_tokens_over_http_equal_grpc(client, http_engine, engine_stub):
         [completion] = grpc_reply.completions
         [choice] = http.choices
         assert choice.text == completion.text
-        detokenized = [call(f"{http_engine.base_url}/detokenize", {"tokens": [t]})[1]["prompt"]
+        detokenized = [call(f"{http_engine.base_url}/detokenize", {"tokens": [t]},
+                            api_key=API_KEY)[1]["prompt"]
                        for t in completion.token_ids]
         assert choice.logprobs.tokens == detokenized
         assert choice.logprobs.token_logprobs == pytest.approx(

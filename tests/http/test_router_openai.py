@@ -43,14 +43,14 @@ class HttpRouter:
 def router(tiny_llama_dir, tmp_path_factory):
     http_port = free_port()
     with RouterStack(tiny_llama_dir, tmp_path_factory.mktemp("http-router"),
-                     router_args=["--http-port", str(http_port), "--api-key", API_KEY]
-                     ) as stack:
+                     router_args=["--http-port", str(http_port), "--api-key", API_KEY],
+                     api_key=API_KEY) as stack:
         yield HttpRouter(stack, http_port)
 
 
 @pytest.fixture(scope="module")
 def router_stub(router):
-    with grpc.insecure_channel(router.stack.router.target) as channel:
+    with router.stack.channel() as channel:  # (with the key: it guards gRPC too)
         yield pb_grpc.GenerationStub(channel)
 
 

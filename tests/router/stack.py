@@ -18,6 +18,7 @@ from pagedgen_api import prefix_index_pb2_grpc as pi_grpc
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
 from router.tools.launch import RouterProcess
+from tenancy.client import with_api_key
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 128
@@ -38,13 +39,14 @@ class RouterStack:
 
     def __init__(self, model_dir: Path, log_dir: Path, num_engines: int = 2,
                  router_args: list[str] | None = None, with_index: bool = True,
-                 with_router: bool = True) -> None:
+                 with_router: bool = True, api_key: str | None = None) -> None:
         self.model_dir = model_dir
         self.log_dir = log_dir
         self.num_engines = num_engines
         self.router_args = router_args or []
         self.with_index = with_index
         self.with_router = with_router  # False: a test runs its own router (in its process)
+        self.api_key = api_key  # the router's (--api-key / --api-key-file): channel() sends it
         self.engines: dict[str, EngineProcess] = {}
         self._stack = ExitStack()
         self.redis: RedisProcess | None = None
@@ -105,7 +107,8 @@ class RouterStack:
         return self.router
 
     def channel(self, target: str | None = None) -> grpc.Channel:
-        return grpc.insecure_channel(target or self.router.target)
+        """A channel to the router (or `target`), with the router's API key if it takes one."""
+        return with_api_key(grpc.insecure_channel(target or self.router.target), self.api_key)
 
     def router_stats(self) -> pb.EngineStatsResponse:
         with self.channel() as channel:

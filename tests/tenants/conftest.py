@@ -12,7 +12,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.redis_process import free_port
 from tenancy.keys_tool import add_key
@@ -46,22 +45,9 @@ def bearer(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
 
-class KeyedRouterStack(RouterStack):
-    """The router stack with a key file at the router: its own calls carry a key too."""
-
-    def __init__(self, *args, admin_key: str, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.admin_key = admin_key
-
-    def router_stats(self) -> pb.EngineStatsResponse:
-        with self.channel() as channel:
-            return pb_grpc.GenerationStub(channel).EngineStats(
-                pb.EngineStatsRequest(), timeout=10, metadata=bearer(self.admin_key))
-
-
 @dataclass
 class TenantStack:
-    stack: KeyedRouterStack
+    stack: RouterStack
     keys: Keys
     http_port: int
 
@@ -83,8 +69,8 @@ def tenant_stack(tiny_llama_dir, tmp_path_factory) -> Iterator[TenantStack]:
     http_port = free_port()
     router_args = ["--api-key-file", str(keys.path), "--tenant-secret-file", str(secret),
                    "--http-port", str(http_port)]
-    with KeyedRouterStack(tiny_llama_dir, folder, num_engines=1, router_args=router_args,
-                          admin_key=keys["alice"]) as stack:
+    with RouterStack(tiny_llama_dir, folder, num_engines=1, router_args=router_args,
+                     api_key=keys["alice"]) as stack:
         yield TenantStack(stack, keys, http_port)
 
 
