@@ -85,6 +85,10 @@ class ServerProcess:
             self.proc = None
 
     def __enter__(self):
+        # `with server.start():` (started already) must not start a second process: that one
+        # fails to bind the port, and the first, no longer tracked, outlives the block.
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

@@ -4,11 +4,14 @@ requests UNAVAILABLE, in-flight requests finish, exit 0)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_service.tools.launch import EngineProcess
@@ -105,3 +108,34 @@ def test_sigterm_drains_in_flight_requests(tiny_llama_dir, tmp_path):
         assert "draining (grace 60.0s, 1 live requests)" in log  # it was in flight at SIGTERM
     finally:
         engine.kill()
+
+
+def _engines_on_port(port: int) -> list[int]:
+    """Our children whose command line serves `port`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if ppid == os.getpid() and str(port).encode() in args:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_with_on_a_started_engine_runs_one_and_stops_it(tiny_llama_dir, tmp_path):
+    """`with EngineProcess(...).start() as e:` (as tests and benchmarks write it) must not
+    start a second engine on the same port: the first one, no longer tracked, outlived the
+    block (found as leaked engines after benchmark runs)."""
+    engine = EngineProcess(tiny_llama_dir, ["--prefix-index", "none"],
+                           log_path=tmp_path / "engine.log")
+    with engine.start() as same:
+        assert same is engine
+        assert _engines_on_port(engine.port) == [engine.proc.pid]
+        pid = engine.proc.pid
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert _engines_on_port(engine.port) == []
