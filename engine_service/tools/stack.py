@@ -5,12 +5,17 @@ as the deltas arrive; then a clean shutdown.
 
     pagedgen-stack [--prompt TEXT] [--max-tokens N] [--keep-running]
     pagedgen-stack --replicas 3    # three engines behind pagedgen-router; streamed through it
+
+The front door takes API keys: a key file of the stack's own (one tenant allowed everything,
+its key printed) unless --api-key-file names yours (then --api-key is the one the stack's own
+request sends); every engine and the router share one --tenant-secret-file.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 import signal
 import sys
 import tempfile
@@ -27,6 +32,8 @@ from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess, free_port
 from router.tools.launch import RouterProcess
+from tenancy.client import with_api_key
+from tenancy.keys_tool import add_key
 
 log = logging.getLogger("engine_service.tools.stack")
 DEFAULT_HTTP_PORT = 8000  # vLLM's: OpenAI clients and examples expect it
@@ -54,7 +61,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after the completion, serve until Ctrl-C / SIGTERM")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="where the engine's log goes (default: a temporary folder)")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="the front door's keys and tenants (pagedgen-keys add); default: a "
+                        "file of one new key, printed, in the log folder")
+    p.add_argument("--api-key", default=None,
+                   help="with --api-key-file: a key of it, for the stack's own request")
+    p.add_argument("--tenant-secret-file", type=Path, default=None,
+                   help="the secret tenants' cache salts are derived with, for every engine "
+                        "and the router (default: a new one in the log folder)")
     args = p.parse_args(argv)
+    if (args.api_key_file is None) != (args.api_key is None):
+        p.error("give --api-key-file and --api-key (a key of that file, for the stack's own "
+                "request) together, or neither (the stack makes a key)")
     if args.max_tokens < 1:
         p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not 1 <= args.replicas <= 16:
@@ -66,14 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def stream_completion(target: str, prompt: str, max_tokens: int, temperature: float,
-                      out=sys.stdout) -> pb.Usage:
+                      out=sys.stdout, api_key: str | None = None) -> pb.Usage:
     """One chat prompt through GenerateStream; deltas printed as they arrive."""
     request = pb.GenerateRequest(
         chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=prompt)]),
         sampling=pb.SamplingParams(temperature=temperature, max_tokens=max_tokens),
     )
     usage = pb.Usage()
-    with grpc.insecure_channel(target) as channel:
+    with with_api_key(grpc.insecure_channel(target), api_key) as channel:
         stub = pb_grpc.GenerationStub(channel)
         for chunk in stub.GenerateStream(request, timeout=600):
             for choice in chunk.choices:
@@ -84,10 +102,10 @@ def stream_completion(target: str, prompt: str, max_tokens: int, temperature: fl
     return usage
 
 
-def _wait_for_replicas(target: str, count: int, timeout_s: float = 30.0) -> None:
+def _wait_for_replicas(target: str, count: int, api_key: str, timeout_s: float = 30.0) -> None:
     """Until the router routes to all `count` engines (it learns them from the index)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
+    with with_api_key(grpc.insecure_channel(target), api_key) as channel:
         stub = pb_grpc.GenerationStub(channel)
         while True:
             details = stub.EngineStats(pb.EngineStatsRequest(), timeout=5).index_details
@@ -115,6 +133,19 @@ def run(args: argparse.Namespace) -> int:
         model = str(ensure_default_model(quiet=False))
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pagedgen-stack-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    key_file, api_key = args.api_key_file, args.api_key
+    if key_file is None:
+        key_file = log_dir / "api-keys.toml"
+        key_file.unlink(missing_ok=True)  # (a log folder used before: one key, this run's)
+        api_key = add_key(key_file, "stack", "pagedgen-stack", {
+            "may_set_priority": True, "max_live_requests": -1, "max_pins": -1})
+    secret_file = args.tenant_secret_file
+    if secret_file is None:
+        secret_file = log_dir / "tenant-secret"
+        secret_file.touch(mode=0o600)
+        secret_file.write_text(secrets.token_hex(32))
+    tenancy_args = ["--tenant-secret-file", str(secret_file)]
+    door_args = ["--api-key-file", str(key_file)]  # the front door's: the router, or the engine
     started = time.monotonic()
     with ExitStack() as stack:
         redis = stack.enter_context(RedisProcess())
@@ -128,11 +159,11 @@ def run(args: argparse.Namespace) -> int:
         http_args = [] if http_port is None else ["--http-port", str(http_port)]
         for i in range(args.replicas):
             engine_args = ["--device", args.device, "--prefix-index", index.target,
-                           "--engine-id", f"stack-{stack_id}-{i}"]
+                           "--engine-id", f"stack-{stack_id}-{i}", *tenancy_args]
             if args.metrics_port:
                 engine_args += ["--metrics-port", str(args.metrics_port + i)]
             if args.replicas == 1:  # the front door
-                engine_args += http_args
+                engine_args += http_args + door_args
             port = (args.engine_port or None) if args.replicas == 1 else None
             log_path = log_dir / f"engine-{i}.log"
             engine = EngineProcess(model, engine_args, port=port, log_path=log_path)
@@ -143,20 +174,24 @@ def run(args: argparse.Namespace) -> int:
         if args.replicas > 1:
             # Replicas found through the index, where each engine registered its address.
             router = RouterProcess(["--prefix-index", index.target, "--log-level", "WARNING",
-                                    *http_args],
+                                    *http_args, *tenancy_args, *door_args],
                                    port=args.engine_port or None,
                                    log_path=log_dir / "router.log")
             stack.enter_context(router)
-            _wait_for_replicas(router.target, args.replicas)
+            _wait_for_replicas(router.target, args.replicas, api_key)
             target = router.target
             print(f"router        {target}  (kv-aware over {args.replicas} engines, log "
                   f"{log_dir / 'router.log'})", flush=True)
         if http_port is not None:
             print(f"http          http://127.0.0.1:{http_port}  (OpenAI API: /v1/completions, "
                   f"/v1/chat/completions, /v1/models)", flush=True)
+        shown = api_key if args.api_key_file is None else "(--api-key)"  # (not yours: ours)
+        print(f"api key       {shown}  (authorization: Bearer KEY on gRPC; the OpenAI "
+              f"client's api_key; keys in {key_file})", flush=True)
         print(f"stack up in {time.monotonic() - started:.1f}s\n", flush=True)
         print(f"user: {args.prompt}\nassistant: ", end="", flush=True)
-        usage = stream_completion(target, args.prompt, args.max_tokens, args.temperature)
+        usage = stream_completion(target, args.prompt, args.max_tokens, args.temperature,
+                                  api_key=api_key)
         print(f"\n[usage: {usage.prompt_tokens} prompt tokens ({usage.cached_tokens} cached), "
               f"{usage.completion_tokens} completion tokens]", flush=True)
         if args.keep_running:
