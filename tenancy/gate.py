@@ -22,14 +22,9 @@ import grpc
 from openai_api.call_context import HttpCallContext
 from tenancy.keyring import KeyRing
 from tenancy.keys import Tenant
-
-try:  # the TLS part's; until it is installed every connection is plain text: no roles
-    from trust.identity import peer_identity
-except ModuleNotFoundError:  # pragma: no cover - depends on the checkout
-    peer_identity = None
+from trust.identity import ROUTER_ROLE, peer_identity
 
 TENANT_METADATA = "x-pagedgen-tenant"
-ROUTER_ROLE = "router"
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 NO_KEY = "this server needs an API key: send the metadata authorization: Bearer <key>"
 BAD_KEY = "the API key is not valid (authorization: Bearer <key>)"
@@ -91,9 +86,7 @@ class Gate:
 
 
 def _peer_role(context) -> str | None:
-    if peer_identity is None:
-        return None
-    identity = peer_identity(context)
+    identity = peer_identity(context)  # None in plain text: nobody has a role
     return None if identity is None else identity.role
 
 

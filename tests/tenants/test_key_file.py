@@ -1,0 +1,57 @@
+"""The key file: pagedgen-keys (the real console script) adds keys and prints each once; a
+file that is not valid is refused naming the entry, the field and what is allowed."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tenancy.keys import hash_key, load_key_file
+
+VALID_HASH = "0" * 64
+
+
+def test_pagedgen_keys_adds_a_key_and_stores_only_its_hash(tmp_path):
+    path = tmp_path / "keys.toml"
+    done = subprocess.run(["pagedgen-keys", "add", "--file", str(path), "--tenant", "acme",
+                           "--max-pins", "8", "--may-set-priority"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    key = done.stdout.strip()
+    assert key and key not in path.read_text()
+    assert hash_key(key) in path.read_text()
+    tenant = load_key_file(path).tenant_for(key)
+    assert (tenant.name, tenant.max_pins, tenant.may_set_priority) == ("acme", 8, True)
+    assert load_key_file(path).tenant_for(key + "x") is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[tenants.a]\nmax_pins = 'many'\n", "tenants.a.max_pins must be an integer >= 0"),
+    ("[tenants.a]\ncolour = 1\n", "tenants.a: fields must be among"),
+    ("[tenants.a]\n[[keys]]\ntenant = 'b'\nsha256 = '" + VALID_HASH + "'\n",
+     "keys[0].tenant must name a [tenants.NAME] table of the file (a), got 'b'"),
+    ("[tenants.a]\n[[keys]]\ntenant = 'a'\nsha256 = 'secret'\n",
+     "keys[0].sha256 must be the key's SHA-256 as 64 lowercase hex digits"),
+    ("[tenants.a]\n[[keys]]\ntenant = 'a'\nsha256 = '" + VALID_HASH + "'\n"
+     "[[keys]]\ntenant = 'a'\nsha256 = '" + VALID_HASH + "'\n", "keys[1].sha256 must be unique"),
+    ("[tenants.'a b']\n", "a tenant's name must be 1 to 64 characters"),
+    ("tenants = 3\n", "tenants must be a table"),
+    ("[tenants.a\n", "not valid TOML"),
+])
+def test_a_bad_key_file_is_refused_naming_the_field(tmp_path, text, message):
+    path = tmp_path / "keys.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as refused:
+        load_key_file(path)
+    assert message in str(refused.value)
+    assert str(path) in str(refused.value)
+
+
+def test_a_server_refuses_to_start_on_a_bad_key_file(tmp_path):
+    path = tmp_path / "keys.toml"
+    path.write_text("[tenants.a]\nmax_live_requests = -5\n")
+    done = subprocess.run(["pagedgen-router", "--engines", "127.0.0.1:1", "--api-key-file",
+                           str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "tenants.a.max_live_requests must be an integer >= 0 (-1: no limit), got -5" in (
+        done.stderr)
