@@ -14,6 +14,7 @@ from openai_api.app import create_app
 from openai_api.backend import Backend
 from prefix_index.tools.bind_error import BindError
 from tenancy.gate import Gate
+from trust.credentials import TlsMaterial
 
 log = logging.getLogger("openai_api.server")
 
@@ -30,9 +31,13 @@ class HttpServer:
     """Bound early (a taken port fails before anything else starts, as the gRPC port does),
     served once the backend exists."""
 
-    def __init__(self, host: str, port: int, gate: Gate | None = None) -> None:
+    def __init__(self, host: str, port: int, gate: Gate | None = None,
+                 tls: TlsMaterial | None = None) -> None:
         self.host, self.requested_port = host, port
         self.gate = gate  # who may call (tenancy/gate.py); None: anyone
+        self.tls = tls  # HTTPS with the gRPC port's certificate; None: plain HTTP
+        if tls is not None and tls.files is None:
+            raise ValueError("tls: HTTPS needs the certificate and key as files (uvicorn)")
         self.port = 0
         self._socket: socket.socket | None = None
         self._server: _LoopServer | None = None
@@ -47,8 +52,11 @@ class HttpServer:
     async def start(self, backend: Backend) -> None:
         if self._socket is None:
             self.bind()
+        files = self.tls.files if self.tls is not None else None
         config = uvicorn.Config(create_app(backend, self.gate), lifespan="off",
-                                log_level="warning", access_log=False)
+                                log_level="warning", access_log=False,
+                                ssl_certfile=str(files.cert) if files else None,
+                                ssl_keyfile=str(files.key) if files else None)
         self._server = _LoopServer(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))
         while not self._server.started:  # bound already: this is uvicorn's own set-up
@@ -56,7 +64,11 @@ class HttpServer:
                 self._task.result()  # its error, if it failed
                 raise BindError(f"HTTP port {self.host}:{self.port}: the server did not start")
             await asyncio.sleep(0.01)
-        log.info("HTTP API on %s:%d", self.host, self.port)
+        log.info("HTTP API on %s://%s:%d", self.scheme, self.host, self.port)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stops accepting; open connections get `grace_s` to finish (the caller drained

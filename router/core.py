@@ -27,6 +27,7 @@ from router.prompt import PromptReader
 from router.recent_prefixes import RecentPrefixes
 from router.recent_routes import RecentRoutes
 from router.replicas import Replica, ReplicaSet
+from trust.credentials import TlsMaterial
 
 if TYPE_CHECKING:
     from router.proxy import RoutedRequest
@@ -52,8 +53,10 @@ class Route:
 
 class Router:
     def __init__(self, config: RouterConfig, engines: list[str], index_target: str | None,
-                 tokenizer_path: str | None = None, metrics: RouterMetrics | None = None
-                 ) -> None:
+                 tokenizer_path: str | None = None, metrics: RouterMetrics | None = None,
+                 tls: TlsMaterial | None = None) -> None:
+        """`tls`: mutual TLS to the index and to every replica (only engines' certificates
+        accepted); None: plain text."""
         config.check()
         if not engines and not index_target:
             raise ValueError("engines: give --engines host:port,... or --prefix-index HOST:PORT "
@@ -61,8 +64,10 @@ class Router:
         self.config = config
         self.static_engines = list(engines)
         self.metrics = metrics or RouterMetrics()
-        self.replicas = ReplicaSet(config.rpc_timeout_s, on_restart=self._replica_restarted)
-        self.index = IndexView(index_target, config.lookup_timeout_s) if index_target else None
+        self.replicas = ReplicaSet(config.rpc_timeout_s, on_restart=self._replica_restarted,
+                                   tls=tls)
+        self.index = (IndexView(index_target, config.lookup_timeout_s, tls) if index_target
+                      else None)
         self.policies = Policies(config)
         self.prompts = PromptReader(tokenizer_path, config.rpc_timeout_s)
         # request id -> the request (router/proxy.py RoutedRequest): its replica, if it runs

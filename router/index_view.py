@@ -20,6 +20,7 @@ import grpc
 
 from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
 from router.residency import MirrorDivergedError, ResidencyMirror
+from trust.credentials import TlsMaterial
 
 log = logging.getLogger("router.index_view")
 # Answers that mean the index itself is unreachable or failing (else: this one request was
@@ -36,9 +37,9 @@ WATCH_STABLE_S = 10.0
 
 
 class IndexView:
-    def __init__(self, target: str, timeout_s: float) -> None:
+    def __init__(self, target: str, timeout_s: float, tls: TlsMaterial | None = None) -> None:
         self.target = target
-        self.client = PrefixIndexClient(target, timeout_s)
+        self.client = PrefixIndexClient(target, timeout_s, tls)
         self.up = False
         self.last_error = "not reached yet"
         self.down_since = time.monotonic()

@@ -20,6 +20,8 @@ import grpc
 from engine_service.core.block_hash import BlockHasher
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
+from trust.credentials import TlsMaterial, aio_channel
+from trust.identity import ENGINE_ROLE
 
 log = logging.getLogger("router.replicas")
 
@@ -38,10 +40,13 @@ class ReportedLoad:
 class Replica:
     """One engine as the router sees it. Changed on the router's event loop only."""
 
-    def __init__(self, address: str, engine_id: str = "") -> None:
+    def __init__(self, address: str, engine_id: str = "",
+                 tls: TlsMaterial | None = None) -> None:
         self.address = address
         self.engine_id = engine_id  # from the index, else from ModelInfo
-        self.channel = grpc.aio.insecure_channel(address)
+        # TLS: the router's certificate presented, and only a server holding an engine's
+        # certificate is talked to (whatever address was registered at the index).
+        self.channel = aio_channel(address, tls, ENGINE_ROLE)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.info: pb.ModelInfoResponse | None = None
         self.reported = ReportedLoad()
@@ -120,8 +125,10 @@ class ReplicaSet:
     """The replicas, by address, and the block hasher they all agree on."""
 
     def __init__(self, rpc_timeout_s: float,
-                 on_restart: Callable[[Replica], None] | None = None) -> None:
+                 on_restart: Callable[[Replica], None] | None = None,
+                 tls: TlsMaterial | None = None) -> None:
         self.rpc_timeout_s = rpc_timeout_s
+        self.tls = tls  # None: plain text to every replica
         # Called when a replica answers as another process than before (ModelInfo's
         # instance_id; see _adopt): whatever the old one held, its pool does not.
         self.on_restart = on_restart
@@ -138,7 +145,7 @@ class ReplicaSet:
         for address, engine_id in wanted.items():
             current = self.replicas.get(address)
             if current is None:
-                self.replicas[address] = Replica(address, engine_id)
+                self.replicas[address] = Replica(address, engine_id, self.tls)
                 log.info("replica %s at %s added", engine_id or "?", address)
             elif engine_id and current.engine_id != engine_id:
                 current.engine_id = engine_id

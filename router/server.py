@@ -36,6 +36,8 @@ from router.servicer import RouterServicer
 from tenancy.cli_args import add_tenancy_args, door_from_args, resolve_tenancy_args
 from tenancy.door import TenantDoor
 from tenancy.gate import GateInterceptor
+from trust.cli_args import add_tls_args, resolve_tls_args, warn_if_plain_text
+from trust.credentials import TlsMaterial
 
 log = logging.getLogger("router.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -52,8 +54,11 @@ class RouterServer:
 
     def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 50050,
                  metrics_port: int = 0, metrics_host: str = "0.0.0.0",
-                 http: HttpServer | None = None, door: TenantDoor | None = None) -> None:
+                 http: HttpServer | None = None, door: TenantDoor | None = None,
+                 tls: TlsMaterial | None = None) -> None:
         self.router = router
+        # The front door: server-authenticated TLS (clients bring API keys, not certificates).
+        self.credentials = tls.server_credentials(require_client_cert=False) if tls else None
         self.host, self.requested_port = host, port
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
         door = door or TenantDoor()  # who may call (tenancy/); the HTTP API's gate is its gate
@@ -73,7 +78,7 @@ class RouterServer:
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
         address = join_host_port(self.host, self.requested_port)
-        self.port = bind_grpc(self.server, address)
+        self.port = bind_grpc(self.server, address, self.credentials)
         if self.http is not None:  # bound now, served once the router runs
             self.http.bind()
         if self.metrics_port:
@@ -86,8 +91,8 @@ class RouterServer:
         if self.http is not None:
             await self.http.start(router_backend(self.router, self.servicer))
         self._health_task = asyncio.ensure_future(self._follow_health())
-        log.info("router serving on %s:%d (policy %s)", self.host, self.port,
-                 self.router.config.policy)
+        log.info("router serving on %s:%d (policy %s, %s)", self.host, self.port,
+                 self.router.config.policy, "TLS" if self.credentials else "plain text")
         return self.port
 
     async def _update_health(self) -> None:
@@ -174,6 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "is on this machine, else a replica tokenizes)")
     add_http_args(p, routed=True)
     add_tenancy_args(p)
+    add_tls_args(p)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")
@@ -184,6 +190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("give --engines host:port,... or --prefix-index HOST:PORT")
     resolve_http_args(p, args)
     resolve_tenancy_args(p, args)
+    resolve_tls_args(p, args)
     return args
 
 
@@ -202,18 +209,19 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 async def serve(args: argparse.Namespace) -> None:
     index = None if args.prefix_index == "none" else args.prefix_index
+    warn_if_plain_text("pagedgen-router", args.tls, args.insecure)
     router = Router(config_from_args(args), args.engine_list, index, args.tokenizer,
-                    RouterMetrics())
+                    RouterMetrics(), args.tls)
     door = door_from_args(args)
-    http = (HttpServer(args.http_host, args.http_port, door.gate) if args.http_port
+    http = (HttpServer(args.http_host, args.http_port, door.gate, args.tls) if args.http_port
             else None)
     server = RouterServer(router, args.host, args.port, args.metrics_port, args.metrics_host,
-                          http, door)
+                          http, door, args.tls)
     port = await server.start()
     # One line on stdout that launchers read to learn the port (--port 0).
     print(f"router listening on {join_host_port(args.host, port)}", flush=True)
     if http is not None:
-        print(f"router HTTP API on http://{join_host_port(args.http_host, http.port)}",
+        print(f"router HTTP API on {http.scheme}://{join_host_port(args.http_host, http.port)}",
               flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -20,7 +20,9 @@ PLAIN_TEXT_WARNING = ("%s runs in PLAIN TEXT (%s): anyone on the network can rea
                       "calls; give --tls-cert, --tls-key and --tls-ca (pagedgen-certs makes them)")
 
 
-def add_tls_args(p: argparse.ArgumentParser) -> None:
+def add_tls_args(p: argparse.ArgumentParser, server_only_option: bool = False) -> None:
+    """server_only_option: the engine's --tls-server-only (its port takes routers and the
+    index with their certificates, or end clients without)."""
     g = p.add_argument_group("TLS (pagedgen-certs makes a development CA and certificates)")
     g.add_argument("--tls-cert", default=None,
                    help="this process's certificate, PEM; served to clients and presented to "
@@ -32,6 +34,12 @@ def add_tls_args(p: argparse.ArgumentParser) -> None:
                         f"verified against it (default: ${TLS_ENV['ca']})")
     g.add_argument("--insecure", action="store_true",
                    help="plain text, no TLS (logs a warning); refused with TLS files")
+    if server_only_option:
+        g.add_argument("--tls-server-only", action="store_true",
+                       help="TLS that asks clients for no certificate: an engine served alone "
+                            "to end clients (who bring API keys). grpcio cannot ask for a "
+                            "certificate without requiring it, so a router is then not known "
+                            "as one (its tenant header is not believed). Default: mutual TLS")
 
 
 def resolve_tls_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

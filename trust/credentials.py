@@ -24,7 +24,8 @@ class TlsFiles:
     ca: Path  # the CA that signs every peer's certificate, PEM
 
     def load(self) -> TlsMaterial:
-        return TlsMaterial(self.cert.read_bytes(), self.key.read_bytes(), self.ca.read_bytes())
+        return TlsMaterial(self.cert.read_bytes(), self.key.read_bytes(), self.ca.read_bytes(),
+                           self)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class TlsMaterial:
     cert: bytes
     key: bytes
     ca: bytes
+    files: TlsFiles | None = None  # where they were read (Python's ssl, uvicorn, take paths)
 
     def server_credentials(self, require_client_cert: bool = True) -> grpc.ServerCredentials:
         """require_client_cert=False: server-authenticated TLS, for end clients; grpcio then

@@ -33,6 +33,7 @@ import grpc
 from engine_service.index.policy import IndexPolicy, LowWaterMark, OpBatch, PendingOp
 from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
 from prefix_index.api.ops import Acquire, ApplyResult, OpStatus, Pin, Release, Unpin
+from trust.credentials import TlsMaterial
 
 if TYPE_CHECKING:
     from engine_service.core.engine import LLMEngine
@@ -78,6 +79,8 @@ class IndexLinkOptions:
     # Register's deadline: the index may first ask a holder of our id at its address (up to
     # its --holder-probe-timeout-s, 1 s by default).
     register_timeout_s: float = 3.0
+    # Mutual TLS to the index, presenting this engine's certificate; None: plain text.
+    tls: TlsMaterial | None = None
 
 
 @dataclass(slots=True)
@@ -251,7 +254,8 @@ class PrefixIndexLink:
 
     # ---- the loop (link thread) ---------------------------------------------------------------
     async def _run(self) -> None:
-        self._client = PrefixIndexClient(self.target, self.options.rpc_timeout_s)
+        self._client = PrefixIndexClient(self.target, self.options.rpc_timeout_s,
+                                         self.options.tls)
         heartbeat_every = max(0.05, self.options.lease_s / 3)
         try:
             while not self._closing:
@@ -341,7 +345,8 @@ class PrefixIndexLink:
             # A fresh channel connects at once; the old one may sit in its reconnect backoff.
             self._channel_failed = False
             await self._client.close()
-            self._client = PrefixIndexClient(self.target, self.options.rpc_timeout_s)
+            self._client = PrefixIndexClient(self.target, self.options.rpc_timeout_s,
+                                             self.options.tls)
         self._registered = False
         epoch = await self._timed("Register", self._client.register(
             self.engine_id, self.model_identity, self.block_size, self.num_blocks,

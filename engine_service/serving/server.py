@@ -53,6 +53,8 @@ from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
 from tenancy.cli_args import add_tenancy_args, door_from_args, resolve_tenancy_args
 from tenancy.door import TenantDoor
 from tenancy.gate import GateInterceptor
+from trust.cli_args import add_tls_args, resolve_tls_args, warn_if_plain_text
+from trust.credentials import TlsMaterial
 
 log = logging.getLogger("engine_service.serving.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -75,6 +77,10 @@ class ServerOptions:
     # Who may call, their tenants and limits (tenancy/): every gRPC and HTTP call but health
     # and reflection needs a key when the door's gate takes keys.
     door: TenantDoor = field(default_factory=TenantDoor)
+    tls: TlsMaterial | None = None  # None: plain text
+    # TLS: require a client certificate (routers, the index's probe, tools with a client
+    # certificate); False: server-authenticated TLS for end clients (--tls-server-only).
+    tls_client_cert: bool = True
 
 
 class EngineServer:
@@ -121,7 +127,7 @@ class EngineServer:
             options=[("grpc.so_reuseport", 0)],
             interceptors=[GateInterceptor(gate)] if gate.takes_keys else None)
         self.port = 0
-        self.http = (HttpServer(options.http_host, options.http_port, gate)
+        self.http = (HttpServer(options.http_host, options.http_port, gate, options.tls)
                      if options.http_port else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine_failed = asyncio.Event()  # set (on the loop) when the engine died
@@ -184,7 +190,9 @@ class EngineServer:
             self.server,
         )
         address = join_host_port(self.options.host, self.options.port)
-        self.port = bind_grpc(self.server, address)
+        tls = self.options.tls
+        credentials = tls.server_credentials(self.options.tls_client_cert) if tls else None
+        self.port = bind_grpc(self.server, address, credentials)
         if self.http is not None:  # bound now, served once the servicer exists
             self.http.bind()
         if self.options.metrics_port:
@@ -312,6 +320,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "with --port 0)")
     add_http_args(p, routed=False)
     add_tenancy_args(p)
+    add_tls_args(p, server_only_option=True)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--grace-s", type=float, default=30.0,
@@ -328,6 +337,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--grace-s must be >= 0, got {args.grace_s}")
     resolve_http_args(p, args)
     resolve_tenancy_args(p, args)
+    resolve_tls_args(p, args)
+    if args.tls_server_only and args.tls is None:
+        p.error("--tls-server-only: needs TLS (--tls-cert, --tls-key, --tls-ca)")
     if args.prefix_index != "none" and not re.fullmatch(r"[^\s:]+:\d{1,5}", args.prefix_index):
         p.error(f"--prefix-index must be HOST:PORT or none, got {args.prefix_index!r}")
     return args
@@ -393,8 +405,8 @@ async def _serve(args: argparse.Namespace, options: ServerOptions, core_options:
     # One line on stdout that launchers read to learn the port (--port 0).
     print(f"engine listening on {join_host_port(args.host, port)}", flush=True)
     if server.http is not None:
-        print(f"engine HTTP API on http://{join_host_port(args.http_host, server.http.port)}",
-              flush=True)
+        print(f"engine HTTP API on {server.http.scheme}://"
+              f"{join_host_port(args.http_host, server.http.port)}", flush=True)
     # The index link (in the core) registers the address routers reach us at, now that we
     # serve there, and the instance id our ModelInfo answers with.
     core.start_link(advertised_address(args, port), server.servicer.instance_id)
@@ -426,12 +438,14 @@ def serve(args: argparse.Namespace, core_target: CoreTarget = run_core) -> None:
     # --prefix-index none (the local LRU alone).
     core_options = CoreOptions(
         config, None if args.prefix_index == "none" else args.prefix_index, engine_id,
-        IndexLinkOptions(lease_s=args.index_lease_s), args.log_level,
+        IndexLinkOptions(lease_s=args.index_lease_s, tls=args.tls), args.log_level,
         default_torch_threads(config.device) if args.torch_threads is None
         else args.torch_threads)
     options = ServerOptions(args.host, args.port, args.metrics_port, args.metrics_host,
                             args.max_live_requests, engine_id, args.http_port, args.http_host,
-                            args.stream_interval, door_from_args(args))
+                            args.stream_interval, door_from_args(args), args.tls,
+                            not args.tls_server_only)
+    warn_if_plain_text("pagedgen-engine", args.tls, args.insecure)
     if asyncio.run(_serve(args, options, core_options, EngineMetrics(), core_target)):
         sys.exit(1)
 

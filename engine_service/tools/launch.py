@@ -14,12 +14,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prefix_index.tools.redis_process import free_port
 from prefix_index.tools.server_process import ServerProcess, wait_serving
+from trust.cli_args import add_tls_args, resolve_tls_args, tls_argv
+from trust.credentials import TlsFiles, sync_channel
+from trust.identity import ENGINE_ROLE
 
 
 def wait_engine_serving(target: str, timeout_s: float, proc: subprocess.Popen | None = None,
-                        log_path: Path | None = None) -> None:
-    """Blocks until the engine's health service at `target` reports SERVING."""
-    wait_serving(target, timeout_s, name="engine", proc=proc, log_path=log_path)
+                        log_path: Path | None = None, tls: TlsFiles | None = None) -> None:
+    """Blocks until the engine's health service at `target` reports SERVING (`tls`: over
+    mutual TLS, presenting that certificate)."""
+    wait_serving(target, timeout_s, name="engine", proc=proc, log_path=log_path,
+                 tls=tls.load() if tls else None, peer_role=ENGINE_ROLE)
 
 
 class EngineProcess(ServerProcess):
@@ -28,8 +33,11 @@ class EngineProcess(ServerProcess):
 
     def __init__(self, model: str | Path, extra_args: Sequence[str] = (),
                  port: int | None = None, host: str = "127.0.0.1",
-                 start_timeout_s: float = 120.0, log_path: Path | None = None) -> None:
+                 start_timeout_s: float = 120.0, log_path: Path | None = None,
+                 tls: TlsFiles | None = None) -> None:
+        """`tls`: the engine's certificate, key and CA; None: plain text."""
         self.model = str(model)
+        self.tls = tls
         self.extra_args = list(extra_args)
         self.host = host
         self.port = port if port is not None else free_port(host)
@@ -41,12 +49,13 @@ class EngineProcess(ServerProcess):
         script = shutil.which("pagedgen-engine")
         base = [script] if script else [sys.executable, "-m", "engine_service.serving.server"]
         return base + ["--model", self.model, "--host", self.host, "--port", str(self.port),
-                       *self.extra_args]
+                       *self.extra_args, *(tls_argv(self.tls) if self.tls else [])]
 
     def start(self) -> EngineProcess:
         self.spawn(self.command(), self.log_path)
         try:
-            wait_engine_serving(self.target, self.start_timeout_s, self.proc, self.log_path)
+            wait_engine_serving(self.target, self.start_timeout_s, self.proc, self.log_path,
+                                self.tls)
         except BaseException:
             self.kill()
             raise
@@ -65,9 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m engine_service.tools.launch")
     p.add_argument("--check", required=True, metavar="HOST:PORT")
     p.add_argument("--timeout-s", type=float, default=3.0)
+    add_tls_args(p)
     args = p.parse_args(argv)
+    resolve_tls_args(p, args)
     try:
-        with grpc.insecure_channel(args.check) as channel:
+        with sync_channel(args.check, args.tls) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=args.timeout_s)
     except grpc.RpcError as error:

@@ -27,6 +27,8 @@ from prefix_index.api.ops import (
     OpResult,
     ResidencyChange,
 )
+from trust.credentials import TlsMaterial, aio_channel
+from trust.identity import INDEX_ROLE
 
 # WatchResidency: the index sends a heartbeat after each quiet IDLE_PING_S (2 s; prefix_index/
 # server/residency.py), and at most twice that after Redis stops answering it ends the stream;
@@ -55,10 +57,13 @@ class PrefixIndexClient:
     """One engine's session with the index: register once, then heartbeat / apply with the
     epoch it got. Every call has a deadline of `timeout_s`."""
 
-    def __init__(self, target: str, timeout_s: float = 1.0) -> None:
+    def __init__(self, target: str, timeout_s: float = 1.0,
+                 tls: TlsMaterial | None = None) -> None:
+        """`tls`: mutual TLS, presenting this process's certificate (an engine's or a
+        router's) to an index that must present the index's; None: plain text."""
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(target)
+        self._channel = aio_channel(target, tls, INDEX_ROLE)
         self._stub = pb_grpc.PrefixIndexStub(self._channel)
         self.engine_id = ""
         self.epoch = 0

@@ -32,3 +32,8 @@ class EngineIdTakenError(IndexRequestError):
 
 class SequenceError(IndexRequestError):
     """An Apply's sequence number shows lost or duplicated writes (ABORTED): register again."""
+
+
+class NotOwnerError(IndexRequestError):
+    """An engine's certificate acting on an engine id another certificate registered
+    (PERMISSION_DENIED)."""

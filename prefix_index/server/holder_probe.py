@@ -17,6 +17,8 @@ import grpc
 
 from pagedgen_api import generation_pb2 as gen_pb
 from pagedgen_api import generation_pb2_grpc as gen_grpc
+from trust.credentials import TlsMaterial, aio_channel
+from trust.identity import ENGINE_ROLE
 
 # Probes at once: each one is an outbound connection and up to timeout_s of waiting, so a burst
 # of registrations cannot make the index dial without bound. Past it, a holder is not probed
@@ -37,8 +39,9 @@ class ProbeResult:
 
 
 class HolderProber:
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, tls: TlsMaterial | None = None) -> None:
         self.timeout_s = timeout_s
+        self.tls = tls  # TLS: the index's certificate presented, an engine's demanded
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_PROBES)
         # One probe at a time per holder: Registers repeated under one id while its probe runs
         # (a restart loop, a client retrying) wait for that probe's answer instead of dialling
@@ -65,7 +68,7 @@ class HolderProber:
             return await self._ask(address, instance_id)
 
     async def _ask(self, address: str, instance_id: str) -> ProbeResult:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with aio_channel(address, self.tls, ENGINE_ROLE) as channel:
             try:
                 reply = await gen_grpc.GenerationStub(channel).ModelInfo(
                     gen_pb.ModelInfoRequest(), timeout=self.timeout_s)

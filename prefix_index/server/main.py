@@ -32,6 +32,8 @@ from prefix_index.server.store import IndexStore
 from prefix_index.server.sweeper import run_sweeper
 from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
+from trust.cli_args import add_tls_args, resolve_tls_args, warn_if_plain_text
+from trust.credentials import TlsMaterial
 
 log = logging.getLogger("prefix_index.server.main")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixIndex"].full_name
@@ -56,8 +58,10 @@ class IndexServer:
     together. Usable in-process (tests) or from main()."""
 
     def __init__(self, config: IndexConfig, host: str = "127.0.0.1", port: int = 0,
-                 metrics_port: int = 0, metrics_host: str = "0.0.0.0") -> None:
+                 metrics_port: int = 0, metrics_host: str = "0.0.0.0",
+                 tls: TlsMaterial | None = None) -> None:
         self.config = config
+        self.tls = tls  # None: plain text, every caller allowed everything
         self.host = host
         self.requested_port = port
         self.metrics_port = metrics_port
@@ -80,13 +84,17 @@ class IndexServer:
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> int:
-        servicer = PrefixIndexServicer(self.store, self.config, self.health, self.metrics)
+        servicer = PrefixIndexServicer(self.store, self.config, self.health, self.metrics,
+                                       self.tls)
         pb_grpc.add_PrefixIndexServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, self.server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
-        self.port = bind_grpc(self.server, join_host_port(self.host, self.requested_port))
+        # Mutual TLS: every caller is an engine or a router with a certificate (authorize.py).
+        credentials = self.tls.server_credentials(require_client_cert=True) if self.tls else None
+        self.port = bind_grpc(self.server, join_host_port(self.host, self.requested_port),
+                              credentials)
         if self.metrics_port:  # first: a port in use fails with nothing running to stop
             serve_metrics(self.metrics.serve, self.metrics_port, self.metrics_host)
         await self.health.drain_off()
@@ -95,8 +103,9 @@ class IndexServer:
         self._tasks = [asyncio.create_task(self.health.run()),
                        asyncio.create_task(run_sweeper(
                            self.store, self.metrics, self.config.pin_policy.sweep_interval_s))]
-        log.info("prefix index serving on %s (redis %s)", join_host_port(self.host, self.port),
-                 redacted_url(self.config.redis_url))
+        log.info("prefix index serving on %s (%s, redis %s)",
+                 join_host_port(self.host, self.port),
+                 "mutual TLS" if self.tls else "plain text", redacted_url(self.config.redis_url))
         return self.port
 
     async def stop(self, grace_s: float = 5.0) -> None:
@@ -169,7 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_tls_args(p)
     args = p.parse_args(argv)
+    resolve_tls_args(p, args)
     if args.hot_window_s <= 0:
         p.error(f"--hot-window-s: {args.hot_window_s} is not allowed; expected > 0")
     if not 0 <= args.pin_budget_fraction <= 1:
@@ -204,8 +215,9 @@ def config_from_args(args: argparse.Namespace) -> IndexConfig:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    warn_if_plain_text("pagedgen-prefix-index", args.tls, args.insecure)
     server = IndexServer(config_from_args(args), args.host, args.port, args.metrics_port,
-                         args.metrics_host)
+                         args.metrics_host, args.tls)
     port = await server.start()
     # One line on stdout that launchers read to learn the port (--port 0).
     print(f"prefix-index listening on {join_host_port(args.host, port)}", flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -18,11 +19,13 @@ from pagedgen_api import prefix_index_pb2 as pb
 from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
 from prefix_index.api import wire
 from prefix_index.server import validate
+from prefix_index.server.authorize import Caller, Denied, authorize
 from prefix_index.server.config import IndexConfig
 from prefix_index.server.errors import (
     EngineIdTakenError,
     EngineNotFoundError,
     InvalidRequestError,
+    NotOwnerError,
     SequenceError,
     StaleEpochError,
 )
@@ -31,6 +34,7 @@ from prefix_index.server.holder_probe import HolderProber, HolderState
 from prefix_index.server.metrics import IndexMetrics
 from prefix_index.server.residency import MAX_WATCHERS, watch
 from prefix_index.server.store import IndexStore
+from trust.credentials import TlsMaterial
 
 log = logging.getLogger("prefix_index.server.servicer")
 T = TypeVar("T")
@@ -43,7 +47,9 @@ _REQUEST_ERRORS = {
     # gRPC's own guidance: ABORTED is for a failed sequencer check; the client must restart
     # from a higher level (register and re-sync), not retry the same call.
     SequenceError: grpc.StatusCode.ABORTED,
+    NotOwnerError: grpc.StatusCode.PERMISSION_DENIED,
 }
+_OWNERS_CACHED = 4096  # (engine id, epoch) -> the registration's nonce; cleared when full
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 # Redis error replies that mean "not now" (loading, failover, busy script), not "wrong".
 _REDIS_TRANSIENT = ("LOADING", "BUSY", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN",
@@ -52,13 +58,17 @@ _REDIS_TRANSIENT = ("LOADING", "BUSY", "MASTERDOWN", "READONLY", "TRYAGAIN", "CL
 
 class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
     def __init__(self, store: IndexStore, config: IndexConfig, health: RedisHealth,
-                 metrics: IndexMetrics) -> None:
+                 metrics: IndexMetrics, tls: TlsMaterial | None = None) -> None:
         self.store = store
+        self.secure = tls is not None  # TLS: callers are authorized by role (authorize.py)
+        # A registration's nonce never changes under its epoch: what Heartbeat and Apply
+        # check their caller against, read from Redis once per registration.
+        self._owners: dict[tuple[str, int], str] = {}
         self.config = config
         self.health = health
         self.metrics = metrics
         self.watchers = 0
-        self.prober = HolderProber(config.holder_probe_timeout_s)
+        self.prober = HolderProber(config.holder_probe_timeout_s, tls)
 
     async def _call(self, method: str, context: grpc.aio.ServicerContext,
                     work: Callable[[], Awaitable[T]], extra_s: float = 0.0) -> T:
@@ -100,12 +110,41 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         await context.abort(code, message)
         raise AssertionError("unreachable: context.abort raises")
 
+    async def _authorize(self, method: str, context, engine_id: str | None = None) -> Caller:
+        try:
+            return authorize(method, context, self.secure, engine_id)
+        except Denied as denied:
+            self.metrics.rpcs.labels(method, denied.code.name).inc()
+            log.warning("%s refused (%s) to %s: %s", method, denied.code.name, context.peer(),
+                        denied)
+            await context.abort(denied.code, str(denied))
+            raise AssertionError("unreachable: context.abort raises") from None
+
+    async def _check_owner(self, caller: Caller, engine_id: str, epoch: int) -> None:
+        """NotOwnerError when `engine_id` is registered at `epoch` by another principal (a
+        stale or unknown epoch is left to the store's own refusal)."""
+        if caller.principal is None:
+            return
+        nonce = self._owners.get((engine_id, epoch))
+        if nonce is None:
+            nonce = await self.store.registration_nonce(engine_id, epoch)
+            if nonce is None:
+                return
+            if len(self._owners) >= _OWNERS_CACHED:
+                self._owners.clear()
+            self._owners[(engine_id, epoch)] = nonce
+        if not caller.owns(nonce):
+            raise NotOwnerError(f"engine_id {engine_id!r} is registered by another engine's "
+                                "certificate; an engine acts only on the ids it registered")
+
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
+        caller = await self._authorize("Register", context, request.engine_id)
         args = None
 
         async def work():
             nonlocal args
             args = validate.register(request, self.config.limits, self.config.default_lease_s)
+            args = dataclasses.replace(args, nonce=caller.stored_nonce(args.nonce))
             try:
                 return await self._register(args)
             except EngineIdTakenError as taken:
@@ -146,18 +185,23 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         return registration
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        caller = await self._authorize("Heartbeat", context, request.engine_id)
+
         async def work():
             validate.engine_id(request.engine_id)
             validate.epoch(request.epoch)
+            await self._check_owner(caller, request.engine_id, request.epoch)
             return await self.store.heartbeat(request.engine_id, request.epoch)
 
         return pb.HeartbeatResponse(lease_s=await self._call("Heartbeat", context, work))
 
     async def Apply(self, request: pb.ApplyRequest, context) -> pb.ApplyResponse:
+        caller = await self._authorize("Apply", context, request.engine_id)
         ops = []
 
         async def work():
             ops.extend(validate.apply_ops(request, self.config.limits))
+            await self._check_owner(caller, request.engine_id, request.epoch)
             return await self.store.apply(request.engine_id, request.epoch, ops, request.seq)
 
         result = await self._call("Apply", context, work)
@@ -168,6 +212,8 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         return wire.apply_result_to_proto(result)
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        await self._authorize("Lookup", context)
+
         async def work():
             chain = validate.hashes("chain", request.chain, self.config.limits)
             return await self.store.lookup(chain, request.model_identity)
@@ -176,6 +222,8 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         return pb.LookupResponse(engines=[wire.match_to_proto(m) for m in matches])
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        await self._authorize("Stats", context)
+
         async def work():
             if request.engine_id:
                 validate.engine_id(request.engine_id)
@@ -185,6 +233,7 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         return pb.StatsResponse(engines=[wire.stats_to_proto(s) for s in stats])
 
     async def WatchResidency(self, request: pb.WatchResidencyRequest, context):
+        await self._authorize("WatchResidency", context)
         if self.watchers >= MAX_WATCHERS:
             self.metrics.rpcs.labels("WatchResidency", "RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -258,6 +258,14 @@ class IndexStore:
         self._registrations += 1  # Lookup reads the directory anew from now on
         return Registration(int(reply[0]), lease_s, budget)
 
+    async def registration_nonce(self, engine_id: str, epoch: int) -> str | None:
+        """The nonce engine_id is registered under, if `epoch` is its current epoch."""
+        current, nonce = await self.redis.hmget(engine_keys(engine_id, ("meta",))[0],
+                                                ["epoch", "nonce"])
+        if current is None or int(current) != epoch:
+            return None
+        return _text(nonce or b"")
+
     async def heartbeat(self, engine_id: str, epoch: int) -> float:
         lease_ms = await self._run("heartbeat", engine_id, [str(epoch)])
         await self.redis.sadd(ENGINES_KEY, engine_id)

@@ -19,11 +19,13 @@ def serve_metrics(serve: Callable[[int, str], None], port: int, host: str) -> No
         raise BindError(f"metrics port {host}:{port}: {error.strerror or error}") from error
 
 
-def bind_grpc(server, address: str) -> int:
-    """server.add_insecure_port, its failure a BindError (grpcio raises RuntimeError, or
-    returns 0 in older versions); returns the bound port."""
+def bind_grpc(server, address: str, credentials=None) -> int:
+    """server.add_secure_port with `credentials` (grpc.ServerCredentials), else
+    add_insecure_port; its failure a BindError (grpcio raises RuntimeError, or returns 0 in
+    older versions); returns the bound port."""
     try:
-        port = server.add_insecure_port(address)
+        port = (server.add_insecure_port(address) if credentials is None
+                else server.add_secure_port(address, credentials))
     except RuntimeError as error:
         raise BindError(f"gRPC port {address}: {error}") from error
     if port == 0:

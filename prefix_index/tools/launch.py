@@ -11,12 +11,17 @@ from collections.abc import Sequence
 from prefix_index.tools.redis_process import free_port
 from prefix_index.tools.server_process import ServerProcess
 from prefix_index.tools.server_process import wait_serving as wait_until_serving
+from trust.cli_args import tls_argv
+from trust.credentials import TlsFiles
+from trust.identity import INDEX_ROLE
 
 
 def wait_serving(target: str, timeout_s: float, service: str = "",
-                 proc: subprocess.Popen | None = None) -> None:
-    """Blocks until the prefix index at `target` reports SERVING."""
-    wait_until_serving(target, timeout_s, name="prefix index", service=service, proc=proc)
+                 proc: subprocess.Popen | None = None, tls: TlsFiles | None = None) -> None:
+    """Blocks until the prefix index at `target` reports SERVING (`tls`: over mutual TLS,
+    presenting that certificate)."""
+    wait_until_serving(target, timeout_s, name="prefix index", service=service, proc=proc,
+                       tls=tls.load() if tls else None, peer_role=INDEX_ROLE)
 
 
 class IndexProcess(ServerProcess):
@@ -26,8 +31,10 @@ class IndexProcess(ServerProcess):
 
     def __init__(self, redis_url: str, extra_args: Sequence[str] = (), port: int | None = None,
                  host: str = "127.0.0.1", start_timeout_s: float = 20.0,
-                 wait_for_redis: bool = True) -> None:
+                 wait_for_redis: bool = True, tls: TlsFiles | None = None) -> None:
+        """`tls`: the index's certificate, key and CA (mutual TLS); None: plain text."""
         self.redis_url = redis_url
+        self.tls = tls
         self.extra_args = list(extra_args)
         self.host = host
         self.port = port if port is not None else free_port(host)
@@ -39,13 +46,14 @@ class IndexProcess(ServerProcess):
         script = shutil.which("pagedgen-prefix-index")
         base = [script] if script else [sys.executable, "-m", "prefix_index.server.main"]
         return base + ["--redis-url", self.redis_url, "--host", self.host,
-                       "--port", str(self.port), *self.extra_args]
+                       "--port", str(self.port), *self.extra_args,
+                       *(tls_argv(self.tls) if self.tls else [])]
 
     def start(self) -> IndexProcess:
         self.spawn(self.command())
         if self.wait_for_redis:
             try:
-                wait_serving(self.target, self.start_timeout_s, proc=self.proc)
+                wait_serving(self.target, self.start_timeout_s, proc=self.proc, tls=self.tls)
             except BaseException:
                 self.kill()
                 raise

@@ -14,13 +14,17 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from trust.credentials import TlsMaterial, sync_channel
+
 
 def wait_serving(target: str, timeout_s: float, *, name: str = "server", service: str = "",
-                 proc: subprocess.Popen | None = None, log_path: Path | None = None) -> None:
+                 proc: subprocess.Popen | None = None, log_path: Path | None = None,
+                 tls: TlsMaterial | None = None, peer_role: str | None = None) -> None:
     """Blocks until the health service at `target` reports SERVING; fails early if `proc`
-    exits first (with the tail of its log, when there is one)."""
+    exits first (with the tail of its log, when there is one). `tls`: asked over mutual TLS
+    (presenting that certificate; the server must hold a `peer_role` one), else plain text."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
+    with sync_channel(target, tls, peer_role) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if proc is not None and proc.poll() is not None:
