@@ -148,78 +148,71 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs until the last; aborts it in the engine on any early exit."""
         try:
-            self.door.enter(caller)
+            self.door.enter(caller)  # (its tenant's live requests: counted until it ends)
         except TenantRefused as error:
             await self._refuse(context, error.code, error.message)
+        self.owners[valid.request_id] = caller.tenant
         try:
-            self.owners[valid.request_id] = caller.tenant
-            async with contextlib.aclosing(self._outputs(valid, context)) as outputs:
-                async for output in outputs:
-                    yield output
+            arrival = time.monotonic()
+            remaining = context.time_remaining()
+            deadline = None if remaining is None else arrival + remaining
+            try:
+                outputs = self.engine.add(
+                    valid.request_id,
+                    valid.prompt.token_ids,
+                    valid.params,
+                    prompt=valid.prompt.text,
+                    cache_salt=valid.cache_salt,
+                    priority=valid.priority,
+                )
+            except EngineDeadError as error:
+                await context.abort(*status_for(error))
+            self.metrics.prompt_tokens.inc(len(valid.prompt.token_ids))
+            finished = False
+            first_token_at = None
+            num_tokens = 0
+            # One timer for the request's deadline, which puts a marker in its outputs: a
+            # wait_for around every output cost a task and a timer per streamed message.
+            timer = None
+            if deadline is not None:
+                timer = asyncio.get_running_loop().call_later(
+                    max(0.0, deadline - time.monotonic()), outputs.put_nowait, DeadlinePassed())
+            try:
+                while not finished:
+                    item = await outputs.get()
+                    if isinstance(item, DeadlinePassed):
+                        self.engine.abort(valid.request_id)
+                        finished = True  # the abort above is enough; do not send a second one
+                        await context.abort(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"deadline exceeded after {time.monotonic() - arrival:.3f}s and "
+                            f"{num_tokens} generated tokens; the request was aborted",
+                        )
+                    if isinstance(item, BaseException):
+                        finished = True
+                        await context.abort(*status_for(item))
+                    finished = item.finished
+                    new_tokens = sum(len(c.token_ids_delta) for c in item.outputs)
+                    if new_tokens and first_token_at is None:
+                        first_token_at = time.monotonic()
+                        self.metrics.time_to_first_token.observe(first_token_at - arrival)
+                    num_tokens += new_tokens
+                    self.metrics.generation_tokens.inc(new_tokens)
+                    if finished:
+                        # Beams arrive all at once, at the end: no time per output token to observe.
+                        first = None if valid.params.use_beam_search else first_token_at
+                        self._observe_finished(item, arrival, first, num_tokens)
+                    yield item
+            finally:
+                if timer is not None:
+                    timer.cancel()
+                if not finished:
+                    # Cancelled by the client, or the server is stopping: free the blocks now.
+                    self.engine.abort(valid.request_id)
+                    self.metrics.requests_finished.labels("abort").inc()
         finally:
             self.owners.pop(valid.request_id, None)
             self.door.leave(caller)
-
-    async def _outputs(
-        self, valid: ValidRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[RequestOutput]:
-        arrival = time.monotonic()
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else arrival + remaining
-        try:
-            outputs = self.engine.add(
-                valid.request_id,
-                valid.prompt.token_ids,
-                valid.params,
-                prompt=valid.prompt.text,
-                cache_salt=valid.cache_salt,
-                priority=valid.priority,
-            )
-        except EngineDeadError as error:
-            await context.abort(*status_for(error))
-        self.metrics.prompt_tokens.inc(len(valid.prompt.token_ids))
-        finished = False
-        first_token_at = None
-        num_tokens = 0
-        # One timer for the request's deadline, which puts a marker in its outputs: a
-        # wait_for around every output cost a task and a timer per streamed message.
-        timer = None
-        if deadline is not None:
-            timer = asyncio.get_running_loop().call_later(
-                max(0.0, deadline - time.monotonic()), outputs.put_nowait, DeadlinePassed())
-        try:
-            while not finished:
-                item = await outputs.get()
-                if isinstance(item, DeadlinePassed):
-                    self.engine.abort(valid.request_id)
-                    finished = True  # the abort above is enough; do not send a second one
-                    await context.abort(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"deadline exceeded after {time.monotonic() - arrival:.3f}s and "
-                        f"{num_tokens} generated tokens; the request was aborted",
-                    )
-                if isinstance(item, BaseException):
-                    finished = True
-                    await context.abort(*status_for(item))
-                finished = item.finished
-                new_tokens = sum(len(c.token_ids_delta) for c in item.outputs)
-                if new_tokens and first_token_at is None:
-                    first_token_at = time.monotonic()
-                    self.metrics.time_to_first_token.observe(first_token_at - arrival)
-                num_tokens += new_tokens
-                self.metrics.generation_tokens.inc(new_tokens)
-                if finished:
-                    # Beams arrive all at once, at the end: no time per output token to observe.
-                    first = None if valid.params.use_beam_search else first_token_at
-                    self._observe_finished(item, arrival, first, num_tokens)
-                yield item
-        finally:
-            if timer is not None:
-                timer.cancel()
-            if not finished:
-                # Cancelled by the client, or the server is stopping: free the blocks now.
-                self.engine.abort(valid.request_id)
-                self.metrics.requests_finished.labels("abort").inc()
 
     def _observe_finished(
         self, output: RequestOutput, arrival: float, first_token_at: float | None,
