@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch_counter import count_launch
 from kernels.triton_jit import INTERPRETED, MAX_COMBINE, SUM_COMBINE, jit
 
 LOG2_E = 1.4426950408889634
@@ -316,6 +317,7 @@ def paged_attention(
         partial_sum = torch.empty_like(partial_max)
     else:
         partial_acc = partial_max = partial_sum = out  # unused (NUM_SPLITS == 1)
+    count_launch("paged_attention")
     paged_attention_kernel[(num_q_tiles, num_kv_heads, num_kv_splits)](
         out, partial_acc, partial_max, partial_sum,
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
@@ -337,6 +339,7 @@ def paged_attention(
         num_warps=_num_warps(query.dtype, head_pad),
     )
     if num_kv_splits > 1:
+        count_launch("combine_splits")
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, partial_acc, partial_max, partial_sum, out.stride(0), out.stride(1),
             HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_kv_splits,

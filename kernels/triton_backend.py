@@ -12,6 +12,8 @@ from kernels.triton_cache_ops import (
     reshape_and_cache,
     reshape_and_cache_kernel,
 )
+from kernels.triton_layer_ops import JIT_KERNELS as LAYER_KERNELS
+from kernels.triton_layer_ops import TRITON_LAYER_OPS
 
 TRITON_BACKEND = KernelBackend(
     name="triton",
@@ -20,6 +22,8 @@ TRITON_BACKEND = KernelBackend(
     copy_blocks=copy_blocks,
     # The kernel reads block tables and lengths directly: no per-step plan to build.
     build_attention_plan=None,
+    # Norms, rotary and SiLU * up one launch each (kernels/triton_layer_ops.py).
+    layer_ops=TRITON_LAYER_OPS,
 )
 
 JIT_KERNELS = {
@@ -27,6 +31,7 @@ JIT_KERNELS = {
     "combine_splits": _combine_splits_kernel,
     "reshape_and_cache": reshape_and_cache_kernel,
     "copy_blocks": copy_blocks_kernel,
+    **LAYER_KERNELS,
 }
 
 

@@ -4,6 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch_counter import count_launch
 from kernels.triton_jit import jit
 
 ROWS_PER_PROGRAM = 16  # (token, kv head) rows written by one reshape_and_cache program
@@ -113,6 +114,7 @@ def reshape_and_cache(
     num_rows = num_tokens * num_kv_heads
     if num_rows == 0:
         return
+    count_launch("reshape_and_cache")
     reshape_and_cache_kernel[(triton.cdiv(num_rows, ROWS_PER_PROGRAM),)](
         key, value, key_cache, value_cache, slot_mapping, num_rows, num_kv_heads,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -145,6 +147,7 @@ def copy_blocks(
     chunk = min(MAX_COPY_CHUNK, triton.next_power_of_2(block_numel))
     mapping = block_mapping.to(torch.int64).contiguous()
     grid = (mapping.shape[0], num_layers * 2, triton.cdiv(block_numel, chunk))
+    count_launch("copy_blocks")
     copy_blocks_kernel[grid](
         kv_caches, mapping, num_blocks * block_numel, BLOCK_NUMEL=block_numel, CHUNK=chunk
     )

@@ -4,11 +4,12 @@ Run as a script (`python tests/kernels/cuda_compile_probe.py '<json scenarios>'`
 process, because the test process defines the kernels for the interpreter. Here they are
 defined compiled (torch.cuda.is_available is made to answer True before they are imported),
 and each kernel's launch is captured instead of run: the host wrappers (paged_attention,
-reshape_and_cache, copy_blocks) are called with CPU tensors of the scenario's shapes, so every
-argument, constexpr and grid is exactly what the engine would pass. Each captured launch is
-then specialized the way Triton's JITFunction.run does it (its binder: integer values of 1 and
-multiples of 16, 16-byte pointer alignment, minus do_not_specialize), the distinct variants are
-compiled for the target with triton.compile, and ptxas -v reports registers and spills.
+reshape_and_cache, copy_blocks, the layer ops) are called with CPU tensors of the scenario's
+shapes, so every argument, constexpr and grid is exactly what the engine would pass. Each
+captured launch is then specialized the way Triton's JITFunction.run does it (its binder:
+integer values of 1 and multiples of 16, 16-byte pointer alignment, minus
+do_not_specialize), the distinct variants are compiled for the target with triton.compile,
+and ptxas -v reports registers and spills.
 
 The wrappers' own host work is counted too (tests/support/step_ops.py): on CUDA they must
 neither wait for the device nor upload host data, since they run once per layer and step.
@@ -36,7 +37,7 @@ from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from kernels import triton_attention, triton_cache_ops  # noqa: E402
+from kernels import triton_attention, triton_cache_ops, triton_layer_ops  # noqa: E402
 from tests.support.step_ops import StepOps, count_ops  # noqa: E402
 
 KERNELS = {
@@ -44,7 +45,8 @@ KERNELS = {
     "combine": triton_attention._combine_splits_kernel,
     "reshape_and_cache": triton_cache_ops.reshape_and_cache_kernel,
     "copy_blocks": triton_cache_ops.copy_blocks_kernel,
-}
+    **triton_layer_ops.JIT_KERNELS,  # rms_norm (with and without the residual add), rotary,
+}                                    # silu_mul
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PTXAS_USAGE = re.compile(r"Used (\d+) registers")
 PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
@@ -91,6 +93,20 @@ def drive(scenario: dict, host_ops: StepOps) -> None:
                 head**-0.5, num_kv_splits=step.get("num_kv_splits"),
             )
             triton_cache_ops.copy_blocks(kv_caches, mapping)
+            drive_layer_ops(qkv, heads, kv_heads, head)
+
+
+def drive_layer_ops(qkv: torch.Tensor, heads: int, kv_heads: int, head: int) -> None:
+    """The layer ops on a step of these shapes: hidden = heads x head, the MLP 3.5x wider."""
+    num_tokens, dtype = qkv.shape[0], qkv.dtype
+    hidden = heads * head
+    x = torch.zeros(num_tokens, hidden, dtype=dtype)
+    weight = torch.ones(hidden, dtype=dtype)
+    triton_layer_ops.rms_norm(x, weight, 1e-5)
+    triton_layer_ops.add_rms_norm(x, x.clone(), weight, 1e-5)
+    cos = torch.zeros(num_tokens, head, dtype=dtype)
+    triton_layer_ops.rotary(qkv, cos, cos.clone(), heads, kv_heads, head)
+    triton_layer_ops.silu_mul(torch.zeros(num_tokens, 7 * hidden, dtype=dtype))
 
 
 def ptxas_report(ptx: str, arch: int) -> dict:

@@ -77,7 +77,8 @@ def test_every_variant_compiles_without_spills(compile_report: dict, case: dict)
     report = compile_report[case["id"]]
     assert "error" not in report, report.get("error")
     kernels = {v["kernel"] for v in report["variants"]}
-    assert kernels == {"attention", "combine", "reshape_and_cache", "copy_blocks"}
+    assert kernels == {"attention", "combine", "reshape_and_cache", "copy_blocks", "rms_norm",
+                       "rotary", "silu_mul"}
     for variant in report["variants"]:
         where = f"{variant['kernel']} {variant.get('constexprs')}"
         assert "error" not in variant, f"{where}: {variant.get('error')}"
@@ -123,3 +124,9 @@ def test_per_step_integers_do_not_multiply_variants(compile_report: dict, case: 
     assert decode["launches"] == 3  # 1 x 1, 17 x 33 and 64 x 100: one variant
     [reshape] = by_kernel["reshape_and_cache"]
     assert reshape["launches"] == len(steps)  # 1 .. 2048 tokens: one variant
+    # The layer ops: one variant each whatever the token count (the norm: with and without
+    # the residual add).
+    assert sorted(v["constexprs"]["HAS_DELTA"] for v in by_kernel["rms_norm"]) == [False, True]
+    assert [len(by_kernel[k]) for k in ("rotary", "silu_mul")] == [1, 1]
+    assert all(v["launches"] == len(steps) for k in ("rms_norm", "rotary", "silu_mul")
+               for v in by_kernel[k])

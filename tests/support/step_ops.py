@@ -11,7 +11,8 @@ here, where CI runs.
 
 Phases come from real hooks on the real objects: "forward" between the model's forward pre-
 and post-hooks, "kernel" inside a kernel-backend call (the backend's functions wrapped to mark
-the phase, then called), "step" elsewhere (input preparation, lm_head, sampling).
+the phase, then called), "layer_ops" inside the backend's norms, rotary and SiLU * up, "step"
+elsewhere (input preparation, lm_head, sampling).
 """
 
 from collections import Counter
@@ -123,6 +124,13 @@ def _mark(ops: StepOps, name: str, fn: Callable) -> Callable:
     return marked
 
 
+def _in_phase(ops: StepOps, phase: str, fn: Callable) -> Callable:
+    def marked(*args, **kwargs):
+        with ops.phase(phase):
+            return fn(*args, **kwargs)
+    return marked
+
+
 @contextmanager
 def count_ops(ops: StepOps) -> Iterator[StepOps]:
     """Count the ops of whatever runs inside into ops (phase "step" unless marked)."""
@@ -143,13 +151,19 @@ def count_step_ops(runner) -> Iterator[StepOps]:
 
     pre = model.register_forward_pre_hook(enter_forward)
     post = model.register_forward_hook(leave_forward)
+    layer_ops = original_kernels.layer_ops
     runner.kernels = replace(original_kernels, **{
         f.name: _mark(ops, f.name, getattr(original_kernels, f.name))
         for f in fields(original_kernels)
-        # (layer_ops: norms, rotary, SiLU * up run inside the forward, counted as its ops;
-        # plain settings such as fused_layers are not calls)
+        # (plain settings such as fused_layers are not calls)
         if f.name != "layer_ops" and callable(getattr(original_kernels, f.name))
-    })
+    }, layer_ops=replace(layer_ops, **{
+        # Norms, rotary, SiLU * up: their aten ops in a phase of their own, "layer_ops" (torch
+        # ops on the torch path; on the Triton path, the interpreter's own copies, while the
+        # launches are kernels.launch_counter's).
+        f.name: _in_phase(ops, "layer_ops", getattr(layer_ops, f.name))
+        for f in fields(layer_ops)
+    }))
     try:
         with count_ops(ops):
             yield ops

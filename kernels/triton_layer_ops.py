@@ -1,0 +1,208 @@
+"""The per-layer ops of kernels/layer_ops.py as Triton kernels, one launch each: RMSNorm
+(with the residual add before it, in place), rotary embedding of q and k (in place on the qkv
+projection), SiLU(gate) * up. With them a CUDA decode layer is 10-11 launches (2 norms, 4
+linears, rotary, the cache write, attention and its split combine, SiLU * up) instead of ~30
+torch ops (issue 30).
+
+The math is kernels/layer_ops.py's torch reference, rounding where it rounds: every product and
+sum that torch computes in the model's dtype is computed in float32 and rounded to that dtype
+at the same place, so bfloat16 results match torch's bit for bit except where a float32 sum
+order (the norm's mean of squares) lands on the other side of a rounding edge.
+
+Every wrapper reports its launch to kernels/launch_counter.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch_counter import count_launch
+from kernels.layer_ops import LayerOps
+from kernels.triton_jit import SUM_COMBINE, jit
+
+# Rows of the norm and SiLU kernels per program: one row of up to 16K elements in registers.
+MAX_NORM_WIDTH = 16384
+SILU_COLUMNS = 1024  # columns of one SiLU * up program
+ROTARY_HEADS = 4  # heads rotated by one program
+
+@jit
+def _rounded(x, dtype: tl.constexpr):
+    """float32 `x` rounded to `dtype` (to nearest, ties to even), as float32. bfloat16 by hand:
+    Triton's interpreter truncates float32 -> bfloat16 casts where a GPU rounds, and the same
+    bits must come out of both (the CPU tests check the GPU's math)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@jit(do_not_specialize=["num_rows"])
+def _rms_norm_kernel(
+    x_ptr,  # [rows, hidden]: the input, or the residual stream (updated in place with delta)
+    delta_ptr,  # [rows, hidden], read only when HAS_DELTA
+    weight_ptr,  # [hidden]
+    out_ptr,  # [rows, hidden]
+    num_rows,
+    stride_x,
+    stride_delta,
+    stride_out,
+    eps,
+    HIDDEN: tl.constexpr,
+    WIDTH: tl.constexpr,  # next power of two >= HIDDEN, masked
+    HAS_DELTA: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, WIDTH)
+    mask = cols < HIDDEN
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    x32 = x.to(tl.float32)
+    if HAS_DELTA:
+        # residual + delta, rounded to the model's dtype as torch's add is, kept in place.
+        delta = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0)
+        x32 = _rounded(x32 + delta.to(tl.float32), dtype)
+        tl.store(x_ptr + row * stride_x + cols, x32.to(dtype), mask=mask)
+    mean_square = tl.reduce(x32 * x32, 0, SUM_COMBINE) / HIDDEN
+    normed = _rounded(x32 * (1.0 / tl.sqrt(mean_square + eps)), dtype)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # HF: weight * normed.to(dtype), one product rounded to the dtype.
+    tl.store(out_ptr + row * stride_out + cols, _rounded(weight * normed, dtype).to(dtype),
+             mask=mask)
+
+
+def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+          eps: float) -> torch.Tensor:
+    rows, hidden = x.shape
+    if hidden > MAX_NORM_WIDTH or x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError(f"rms_norm takes rows of at most {MAX_NORM_WIDTH} contiguous elements "
+                         f"and a contiguous weight, got {tuple(x.shape)} strides {x.stride()}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if rows == 0:
+        return out
+    has_delta = delta is not None
+    if has_delta and delta.stride(1) != 1:
+        delta = delta.contiguous()
+    count_launch("add_rms_norm" if has_delta else "rms_norm")
+    _rms_norm_kernel[(rows,)](
+        x, delta if has_delta else x, weight, out, rows, x.stride(0),
+        delta.stride(0) if has_delta else 0, out.stride(0), eps,
+        HIDDEN=hidden, WIDTH=triton.next_power_of_2(hidden), HAS_DELTA=has_delta)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _norm(x, None, weight, eps)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + delta, its norm); the residual is updated in place (the decoder's own
+    stream: nothing else reads the old value)."""
+    if residual.stride(1) != 1:
+        residual = residual.contiguous()
+    return residual, _norm(residual, delta, weight, eps)
+
+
+@jit(do_not_specialize=["num_tokens"])
+def _rotary_kernel(
+    qkv_ptr,  # [tokens, (heads + kv_heads + kv_heads) * head_dim], rotated in place
+    cos_ptr,  # [tokens, head_dim]
+    sin_ptr,  # [tokens, head_dim]
+    num_tokens,
+    num_rotated_heads,  # heads + kv_heads: q and k, side by side
+    stride_qkv,
+    stride_cos,
+    stride_sin,
+    HALF: tl.constexpr,  # head_dim // 2
+    HALF_PAD: tl.constexpr,  # next power of two >= HALF, masked
+    HEADS: tl.constexpr,  # heads per program
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    dims = tl.arange(0, HALF_PAD)
+    dim_ok = dims < HALF
+    mask = (heads < num_rotated_heads)[:, None] & dim_ok[None, :]
+    first = qkv_ptr + token * stride_qkv + (heads * 2 * HALF)[:, None] + dims[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    cos1 = tl.load(cos_ptr + token * stride_cos + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + token * stride_cos + HALF + dims, mask=dim_ok,
+                   other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + token * stride_sin + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + token * stride_sin + HALF + dims, mask=dim_ok,
+                   other=0.0).to(tl.float32)
+    dtype = qkv_ptr.dtype.element_ty
+    # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); each product and the sum
+    # rounded to the dtype as torch rounds them.
+    out1 = _rounded(_rounded(x1 * cos1[None, :], dtype) + _rounded(-x2 * sin1[None, :], dtype),
+                    dtype)
+    out2 = _rounded(_rounded(x2 * cos2[None, :], dtype) + _rounded(x1 * sin2[None, :], dtype),
+                    dtype)
+    tl.store(first, out1.to(dtype), mask=mask)
+    tl.store(first + HALF, out2.to(dtype), mask=mask)
+
+
+def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+           num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated in place in the projection's output (read by nothing else); returns
+    them as views of it."""
+    if head_dim % 2 or qkv.stride(1) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError(f"rotary takes an even head_dim and rows of contiguous elements, got "
+                         f"head_dim {head_dim}, qkv strides {qkv.stride()}")
+    tokens = qkv.shape[0]
+    rotated = num_heads + num_kv_heads
+    if tokens:
+        half = head_dim // 2
+        count_launch("rotary")
+        _rotary_kernel[(tokens, triton.cdiv(rotated, ROTARY_HEADS))](
+            qkv, cos, sin, tokens, rotated, qkv.stride(0), cos.stride(0), sin.stride(0),
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), HEADS=ROTARY_HEADS)
+    q = qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : rotated * head_dim].view(tokens, num_kv_heads, head_dim)
+    return q, k
+
+
+@jit(do_not_specialize=["num_rows"])
+def _silu_mul_kernel(
+    gate_up_ptr,  # [rows, 2 * width]: gate then up
+    out_ptr,  # [rows, width]
+    num_rows,
+    width,
+    stride_in,
+    stride_out,
+    COLUMNS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
+    mask = cols < width
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + width + cols, mask=mask,
+                 other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    # torch: silu(gate) rounded to the dtype, then one product rounded again.
+    silu = _rounded(gate / (1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row * stride_out + cols, _rounded(silu * up, dtype).to(dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    rows, double = gate_up.shape
+    if double % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"silu_mul takes rows of even width, contiguous, got "
+                         f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
+    width = double // 2
+    out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        count_launch("silu_mul")
+        _silu_mul_kernel[(rows, triton.cdiv(width, SILU_COLUMNS))](
+            gate_up, out, rows, width, gate_up.stride(0), out.stride(0), COLUMNS=SILU_COLUMNS)
+    return out
+
+
+TRITON_LAYER_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=rotary,
+                            silu_mul=silu_mul)
+JIT_KERNELS = {"rms_norm": _rms_norm_kernel, "rotary": _rotary_kernel,
+               "silu_mul": _silu_mul_kernel}
