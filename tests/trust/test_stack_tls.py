@@ -1,0 +1,192 @@
+"""Real processes over loopback, every link TLS with certificates from pagedgen-certs: Redis,
+the prefix index (mutual TLS), two engines (mutual TLS, each registering under the id its
+certificate names) and the router (TLS front door; mutual TLS to the index and the engines)."""
+
+from __future__ import annotations
+
+import ssl
+import time
+import urllib.error
+import urllib.request
+from contextlib import ExitStack
+
+import grpc
+import pytest
+
+from engine_service.tools.launch import EngineProcess
+from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+from pagedgen_api import prefix_index_pb2 as pi_pb
+from pagedgen_api import prefix_index_pb2_grpc as pi_grpc
+from prefix_index.tools.redis_process import free_port
+from prefix_index.tools.server_process import wait_serving
+from router.tools.launch import RouterProcess
+from tests.trust.conftest import files, make_certs
+from trust.cli_args import tls_argv
+from trust.credentials import channel_options
+
+ENGINE_ARGS = ["--num-blocks", "128", "--block-size", "16", "--max-model-len", "512",
+               "--grace-s", "1", "--log-level", "WARNING", "--dtype", "float32"]
+ROUTER_ARGS = ["--stats-interval-s", "0.05", "--discovery-interval-s", "0.2",
+               "--log-level", "INFO"]
+
+
+class TlsStack:
+    def __init__(self, model_dir, certs, index, log_dir) -> None:
+        self.model_dir, self.certs, self.index, self.log_dir = model_dir, certs, index, log_dir
+        self.engines: dict[str, EngineProcess] = {}
+        self.http_port = free_port()
+        self.router: RouterProcess | None = None
+
+    def start_engine(self, engine_id: str, port: int | None = None) -> EngineProcess:
+        args = [*ENGINE_ARGS, "--engine-id", engine_id, "--prefix-index", self.index.target]
+        engine = EngineProcess(self.model_dir, args, port=port,
+                               log_path=self.log_dir / f"{engine_id}.log",
+                               tls=files(self.certs, f"engine-{engine_id}"))
+        engine.start()
+        self.engines[engine_id] = engine
+        return engine
+
+    def start_rogue(self, engine_id: str, stem: str) -> EngineProcess:
+        """An engine serving with the `stem` certificate, which is not an engine's (the
+        launcher's own check would wait for an engine's: asked here by its host name)."""
+        rogue_files = files(self.certs, stem)
+        engine = EngineProcess(self.model_dir, [*ENGINE_ARGS, "--engine-id", engine_id,
+                                                *tls_argv(rogue_files)],
+                               log_path=self.log_dir / f"{engine_id}.log")
+        self.engines[engine_id] = engine
+        engine.spawn(engine.command(), engine.log_path)
+        wait_serving(engine.target, 120.0, name=engine_id, proc=engine.proc,
+                     log_path=engine.log_path, tls=rogue_files.load())
+        return engine
+
+    def start_router(self, extra: list[str], name: str = "router") -> RouterProcess:
+        router = RouterProcess([*ROUTER_ARGS, *extra], log_path=self.log_dir / f"{name}.log",
+                               tls=files(self.certs, "router"))
+        return router.start()
+
+    def client(self, target: str) -> grpc.Channel:
+        """An end client: trusts the CA, presents no certificate."""
+        ca = (self.certs / "ca.pem").read_bytes()
+        return grpc.secure_channel(target, grpc.ssl_channel_credentials(ca))
+
+    def router_details(self, router: RouterProcess) -> dict[str, str]:
+        with self.client(router.target) as channel:
+            return dict(pb_grpc.GenerationStub(channel).EngineStats(
+                pb.EngineStatsRequest(), timeout=10).index_details)
+
+    def wait_routable(self, router: RouterProcess, count: int, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while int(self.router_details(router).get("replicas_routable", "0")) != count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{count} routable replicas expected: "
+                                   f"{self.router_details(router)}")
+            time.sleep(0.1)
+
+    def index_stats(self, engine_id: str) -> pi_pb.EngineStats:
+        tls = files(self.certs, "router").load()
+        with grpc.secure_channel(self.index.target, tls.channel_credentials(),
+                                 options=channel_options("index")) as channel:
+            reply = pi_grpc.PrefixIndexStub(channel).Stats(pi_pb.StatsRequest(
+                engine_id=engine_id), timeout=10)
+        return reply.engines[0]
+
+
+def generate(channel: grpc.Channel, ids: list[int]) -> tuple[pb.GenerateResponse, list[str]]:
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True))
+    reply, call = pb_grpc.GenerationStub(channel).Generate.with_call(request, timeout=60)
+    served = dict(call.trailing_metadata() or ()).get("pagedgen-replicas", "")
+    return reply, [name for name in served.split(",") if name]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir, certs, tls_index, tmp_path_factory):
+    running = TlsStack(tiny_llama_dir, certs, tls_index, tmp_path_factory.mktemp("tls-stack"))
+    with ExitStack() as exits:
+        for engine_id in ("stack-0", "stack-1"):
+            exits.callback(lambda e=engine_id: running.engines[e].kill()
+                           if e in running.engines else None)
+            running.start_engine(engine_id)
+        running.router = running.start_router(["--prefix-index", tls_index.target,
+                                               "--http-port", str(running.http_port)])
+        exits.callback(running.router.kill)
+        running.wait_routable(running.router, 2)
+        yield running
+
+
+def test_a_request_is_served_end_to_end_over_tls(stack):
+    with stack.client(stack.router.target) as channel:
+        reply, served = generate(channel, list(range(10, 60)))
+    assert reply.usage.completion_tokens == 4
+    assert served and set(served) <= {"stack-0", "stack-1"}
+    assert stack.router_details(stack.router)["index_up"] == "true"
+    # The HTTP front serves HTTPS with the same certificate.
+    trusting_ca = ssl.create_default_context(cafile=str(stack.certs / "ca.pem"))
+    with urllib.request.urlopen(f"https://127.0.0.1:{stack.http_port}/v1/models",
+                                context=trusting_ca, timeout=30) as reply:
+        assert reply.status == 200 and b'"data"' in reply.read()
+
+
+def test_plain_text_clients_are_refused(stack):
+    for target in (stack.router.target, stack.engines["stack-0"].target, stack.index.target):
+        with grpc.insecure_channel(target) as channel:
+            with pytest.raises(grpc.RpcError) as caught:
+                pb_grpc.GenerationStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=5)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/v1/models", timeout=10)
+
+
+def test_an_engine_refuses_a_client_without_a_certificate(stack):
+    """Engines behind a router take only callers with a certificate (mutual TLS)."""
+    with stack.client(stack.engines["stack-0"].target) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            pb_grpc.GenerationStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_router_refuses_a_replica_without_an_engine_certificate(stack):
+    """A replica serving with a client's certificate (one the CA signed, not an engine's) is
+    never routable; the engine beside it serves every request."""
+    rogue = stack.start_rogue("rogue", stem="client")
+    router = stack.start_router(["--engines", f"{stack.engines['stack-0'].target},"
+                                              f"{rogue.target}",
+                                 "--policy", "round-robin"], name="router-static")
+    try:
+        stack.wait_routable(router, 1)
+        time.sleep(1.0)  # several polls of both replicas
+        details = stack.router_details(router)
+        assert details["replicas_routable"] == "1", details
+        rogue_state = [v for v in details.values() if v.startswith(rogue.target)]
+        assert rogue_state and "down" in rogue_state[0], details
+        with stack.client(router.target) as channel:
+            for start in range(6):
+                _, served = generate(channel, list(range(start, start + 40)))
+                assert served == ["stack-0"], served
+    finally:
+        router.kill()
+        stack.engines.pop("rogue").kill()
+
+
+def test_an_engine_restarted_with_a_new_certificate_rejoins(stack):
+    """stack-1 killed, its certificate and key issued anew by the same CA, started again on its
+    port under its id: the index takes it back (a new epoch) and the router routes to it."""
+    old = stack.engines["stack-1"]
+    port, epoch = old.port, stack.index_stats("stack-1").epoch
+    old_cert = (stack.certs / "engine-stack-1.pem").read_bytes()
+    old.kill()
+    for name in ("engine-stack-1.pem", "engine-stack-1-key.pem"):
+        (stack.certs / name).unlink()
+    make_certs(stack.certs, "--engine", "stack-1")
+    assert (stack.certs / "engine-stack-1.pem").read_bytes() != old_cert
+    stack.start_engine("stack-1", port=port)
+    stack.wait_routable(stack.router, 2)
+    assert stack.index_stats("stack-1").epoch > epoch
+    served: set[str] = set()
+    with stack.client(stack.router.target) as channel:
+        for start in range(12):
+            served.update(generate(channel, list(range(100 + 7 * start, 150 + 7 * start)))[1])
+            if "stack-1" in served:
+                break
+    assert "stack-1" in served
