@@ -63,6 +63,15 @@ def aio_channel(target: str, tls: TlsMaterial | None, peer_role: str | None = No
                                    options=channel_options(peer_role, options))
 
 
+def end_client_channel(target: str, ca: bytes | None) -> grpc.Channel:
+    """An end client's blocking channel to a front door: server-authenticated TLS trusting
+    `ca` (no client certificate; the server must name the target's host); plain text for
+    None."""
+    if ca is None:
+        return grpc.insecure_channel(target)
+    return grpc.secure_channel(target, grpc.ssl_channel_credentials(ca))
+
+
 def sync_channel(target: str, tls: TlsMaterial | None, peer_role: str | None = None,
                  options=()) -> grpc.Channel:
     """aio_channel's blocking twin (launchers' health checks)."""

@@ -6,6 +6,10 @@ as the deltas arrive; then a clean shutdown.
     pagedgen-stack [--prompt TEXT] [--max-tokens N] [--keep-running]
     pagedgen-stack --replicas 3    # three engines behind pagedgen-router; streamed through it
 
+Secure by default: a development CA and a certificate per service (trust/certs.py) under the log
+folder's certs/; the index and the engines talk mutual TLS, the front door serves TLS, and the
+stack prints the CA file clients verify it with. --insecure runs everything in plain text.
+
 The front door takes API keys: a key file of the stack's own (one tenant allowed everything,
 its key printed) unless --api-key-file names yours (then --api-key is the one the stack's own
 request sends); every engine and the router share one --tenant-secret-file.
@@ -34,6 +38,8 @@ from prefix_index.tools.redis_process import RedisProcess, free_port
 from router.tools.launch import RouterProcess
 from tenancy.client import with_api_key
 from tenancy.keys_tool import add_key
+from trust.certs import ensure_ca, ensure_leaf
+from trust.credentials import TlsFiles, end_client_channel
 
 log = logging.getLogger("engine_service.tools.stack")
 DEFAULT_HTTP_PORT = 8000  # vLLM's: OpenAI clients and examples expect it
@@ -66,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "file of one new key, printed, in the log folder")
     p.add_argument("--api-key", default=None,
                    help="with --api-key-file: a key of it, for the stack's own request")
+    p.add_argument("--insecure", action="store_true",
+                   help="plain text everywhere, no certificates (logs a warning)")
     p.add_argument("--tenant-secret-file", type=Path, default=None,
                    help="the secret tenants' cache salts are derived with, for every engine "
                         "and the router (default: a new one in the log folder)")
@@ -84,14 +92,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def stream_completion(target: str, prompt: str, max_tokens: int, temperature: float,
-                      out=sys.stdout, api_key: str | None = None) -> pb.Usage:
+                      out=sys.stdout, api_key: str | None = None,
+                      ca: bytes | None = None) -> pb.Usage:
     """One chat prompt through GenerateStream; deltas printed as they arrive."""
     request = pb.GenerateRequest(
         chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=prompt)]),
         sampling=pb.SamplingParams(temperature=temperature, max_tokens=max_tokens),
     )
     usage = pb.Usage()
-    with with_api_key(grpc.insecure_channel(target), api_key) as channel:
+    with with_api_key(end_client_channel(target, ca), api_key) as channel:
         stub = pb_grpc.GenerationStub(channel)
         for chunk in stub.GenerateStream(request, timeout=600):
             for choice in chunk.choices:
@@ -102,10 +111,11 @@ def stream_completion(target: str, prompt: str, max_tokens: int, temperature: fl
     return usage
 
 
-def _wait_for_replicas(target: str, count: int, api_key: str, timeout_s: float = 30.0) -> None:
+def _wait_for_replicas(target: str, count: int, api_key: str, ca: bytes | None,
+                       timeout_s: float = 30.0) -> None:
     """Until the router routes to all `count` engines (it learns them from the index)."""
     deadline = time.monotonic() + timeout_s
-    with with_api_key(grpc.insecure_channel(target), api_key) as channel:
+    with with_api_key(end_client_channel(target, ca), api_key) as channel:
         stub = pb_grpc.GenerationStub(channel)
         while True:
             details = stub.EngineStats(pb.EngineStatsRequest(), timeout=5).index_details
@@ -115,6 +125,17 @@ def _wait_for_replicas(target: str, count: int, api_key: str, timeout_s: float =
                 raise TimeoutError(f"router at {target}: {count} replicas expected, "
                                    f"got {dict(details)}")
             time.sleep(0.1)
+
+
+def print_how_to_connect(target: str, certs: Path | None, api_key: str) -> None:
+    if certs is None:
+        print(f"tls           off (--insecure): grpcurl -plaintext -H 'authorization: Bearer "
+              f"{api_key}' {target} list", flush=True)
+        return
+    print(f"tls           CA {certs / 'ca.pem'}  (clients verify the stack with it; services' "
+          f"certificates and keys beside it)", flush=True)
+    print(f"grpcurl       grpcurl -cacert {certs / 'ca.pem'} -H 'authorization: Bearer "
+          f"{api_key}' {target} list", flush=True)
 
 
 def wait_for_signal() -> None:
@@ -146,27 +167,42 @@ def run(args: argparse.Namespace) -> int:
         secret_file.write_text(secrets.token_hex(32))
     tenancy_args = ["--tenant-secret-file", str(secret_file)]
     door_args = ["--api-key-file", str(key_file)]  # the front door's: the router, or the engine
+    certs = None if args.insecure else log_dir / "certs"
+    if certs is None:
+        log.warning("pagedgen-stack --insecure: every service in PLAIN TEXT")
+    stack_id = free_port()
+    engine_ids = [f"stack-{stack_id}-{i}" for i in range(args.replicas)]
+
+    def tls_files(role: str, engine_id: str | None = None) -> TlsFiles | None:
+        if certs is None:
+            return None
+        issued = ensure_leaf(certs, role, engine_id)
+        return TlsFiles(issued.cert, issued.key, certs / "ca.pem")
+
+    ca = None if certs is None else ensure_ca(certs).cert.read_bytes()
     started = time.monotonic()
     with ExitStack() as stack:
         redis = stack.enter_context(RedisProcess())
         print(f"redis         {redis.url}", flush=True)
-        index = IndexProcess(redis.url, ["--log-level", "WARNING"], port=args.index_port or None)
+        index = IndexProcess(redis.url, ["--log-level", "WARNING"], port=args.index_port or None,
+                             tls=tls_files("index"))
         stack.enter_context(index)
         print(f"prefix index  {index.target}", flush=True)
         engines = []
-        stack_id = free_port()
         http_port = None if args.http_port < 0 else (args.http_port or free_port())
         http_args = [] if http_port is None else ["--http-port", str(http_port)]
         for i in range(args.replicas):
             engine_args = ["--device", args.device, "--prefix-index", index.target,
-                           "--engine-id", f"stack-{stack_id}-{i}", *tenancy_args]
+                           "--engine-id", engine_ids[i], *tenancy_args]
             if args.metrics_port:
                 engine_args += ["--metrics-port", str(args.metrics_port + i)]
-            if args.replicas == 1:  # the front door
-                engine_args += http_args + door_args
+            if args.replicas == 1:  # the front door: clients bring keys, not certificates
+                engine_args += http_args + door_args + ([] if certs is None
+                                                        else ["--tls-server-only"])
             port = (args.engine_port or None) if args.replicas == 1 else None
             log_path = log_dir / f"engine-{i}.log"
-            engine = EngineProcess(model, engine_args, port=port, log_path=log_path)
+            engine = EngineProcess(model, engine_args, port=port, log_path=log_path,
+                                   tls=tls_files("engine", engine_ids[i]))
             stack.enter_context(engine)
             engines.append(engine)
             print(f"engine        {engine.target}  (model {model}, log {log_path})", flush=True)
@@ -176,26 +212,28 @@ def run(args: argparse.Namespace) -> int:
             router = RouterProcess(["--prefix-index", index.target, "--log-level", "WARNING",
                                     *http_args, *tenancy_args, *door_args],
                                    port=args.engine_port or None,
-                                   log_path=log_dir / "router.log")
+                                   log_path=log_dir / "router.log", tls=tls_files("router"))
             stack.enter_context(router)
-            _wait_for_replicas(router.target, args.replicas, api_key)
+            _wait_for_replicas(router.target, args.replicas, api_key, ca)
             target = router.target
             print(f"router        {target}  (kv-aware over {args.replicas} engines, log "
                   f"{log_dir / 'router.log'})", flush=True)
+        scheme = "http" if certs is None else "https"
         if http_port is not None:
-            print(f"http          http://127.0.0.1:{http_port}  (OpenAI API: /v1/completions, "
-                  f"/v1/chat/completions, /v1/models)", flush=True)
+            print(f"http          {scheme}://127.0.0.1:{http_port}  (OpenAI API: "
+                  f"/v1/completions, /v1/chat/completions, /v1/models)", flush=True)
         shown = api_key if args.api_key_file is None else "(--api-key)"  # (not yours: ours)
         print(f"api key       {shown}  (authorization: Bearer KEY on gRPC; the OpenAI "
               f"client's api_key; keys in {key_file})", flush=True)
+        print_how_to_connect(target, certs, shown)
         print(f"stack up in {time.monotonic() - started:.1f}s\n", flush=True)
         print(f"user: {args.prompt}\nassistant: ", end="", flush=True)
         usage = stream_completion(target, args.prompt, args.max_tokens, args.temperature,
-                                  api_key=api_key)
+                                  api_key=api_key, ca=ca)
         print(f"\n[usage: {usage.prompt_tokens} prompt tokens ({usage.cached_tokens} cached), "
               f"{usage.completion_tokens} completion tokens]", flush=True)
         if args.keep_running:
-            http = "" if http_port is None else f" and http://127.0.0.1:{http_port}"
+            http = "" if http_port is None else f" and {scheme}://127.0.0.1:{http_port}"
             print(f"serving on {target}{http}; Ctrl-C to stop", flush=True)
             wait_for_signal()
         print("shutting down ...", flush=True)

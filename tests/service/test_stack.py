@@ -40,8 +40,9 @@ def assert_streamed_the_reference(out: str, smollm2_dir) -> None:
 def test_stack_streams_a_completion_and_stops_cleanly(smollm2_dir, tmp_path):
     out = run_stack(tmp_path)
     assert_streamed_the_reference(out, smollm2_dir)
-    for line in ("redis ", "prefix index ", "engine ", "http          http://127.0.0.1:",
-                 "stopped cleanly"):
+    # Secure by default: HTTPS, and how a client verifies the stack (issue 32).
+    for line in ("redis ", "prefix index ", "engine ", "http          https://127.0.0.1:",
+                 "tls           CA ", "grpcurl       grpcurl -cacert ", "stopped cleanly"):
         assert line in out
     assert "draining" in (tmp_path / "engine-0.log").read_text()  # SIGTERM, not a kill
 
@@ -51,7 +52,8 @@ def test_stack_with_replicas_streams_through_the_router(smollm2_dir, tmp_path):
     assert_streamed_the_reference(out, smollm2_dir)
     assert out.count("engine        ") == 2, out
     assert "router        " in out and "kv-aware over 2 engines" in out, out
-    assert "http          http://127.0.0.1:" in out, out
+    assert "http          https://127.0.0.1:" in out, out
+    assert (tmp_path / "certs" / "ca.pem").exists() and "grpcurl -cacert" in out, out
     assert "stopped cleanly" in out
     for i in range(2):  # both engines drained on SIGTERM, neither killed
         assert "draining" in (tmp_path / f"engine-{i}.log").read_text()
