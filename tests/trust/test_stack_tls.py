@@ -4,11 +4,16 @@ certificate names) and the router (TLS front door; mutual TLS to the index and t
 
 from __future__ import annotations
 
+import json
+import re
+import shlex
 import ssl
+import subprocess
 import time
 import urllib.error
 import urllib.request
 from contextlib import ExitStack
+from pathlib import Path
 
 import grpc
 import pytest
@@ -190,3 +195,23 @@ def test_an_engine_restarted_with_a_new_certificate_rejoins(stack):
             if "stack-1" in served:
                 break
     assert "stack-1" in served
+
+
+def test_the_readmes_tls_grpcurl_commands_work_as_written(stack):
+    """README's TLS section, with this stack's certificates and addresses put in."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text[text.index("### TLS and certificates"):]
+    block = re.search(r"```console\n(.*?)```", section, flags=re.S).group(1)
+    commands = [line for line in block.splitlines() if line.startswith("grpcurl ")]
+    assert len(commands) == 3
+    outputs = []
+    for command in commands:
+        command = (command.replace("certs/", f"{stack.certs}/")
+                   .replace("localhost:50050", stack.router.target)
+                   .replace("localhost:50051", stack.engines["stack-0"].target))
+        done = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, f"{command}\n{done.stderr}"
+        outputs.append(done.stdout)
+    assert "pagedgen.generation.v1.Generation" in outputs[0]
+    assert json.loads(outputs[1])["usage"]["completion_tokens"] == 4  # (grpcurl: proto names)
+    assert json.loads(outputs[2])["engine_id"] == "stack-0"
