@@ -24,6 +24,10 @@ class LayerOps:
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # gate_up [rows, 2 * intermediate] -> silu(gate) * up [rows, intermediate]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    # rotary and the backend's reshape_and_cache in one op, where a backend fuses them:
+    # (qkv, cos, sin, num_heads, num_kv_heads, head_dim, key_cache, value_cache, slot_mapping)
+    # -> q; None: the model calls the two
+    rotary_and_cache: Callable[..., torch.Tensor] | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

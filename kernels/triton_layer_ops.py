@@ -1,8 +1,8 @@
 """The per-layer ops of kernels/layer_ops.py as Triton kernels, one launch each: RMSNorm
 (with the residual add before it, in place), rotary embedding of q and k (in place on the qkv
-projection), SiLU(gate) * up. With them a CUDA decode layer is 10-11 launches (2 norms, 4
-linears, rotary, the cache write, attention and its split combine, SiLU * up) instead of ~30
-torch ops (issue 30).
+projection; fused with the KV-cache write in the model's forward), SiLU(gate) * up. With them
+a CUDA decode layer is 9-10 launches (2 norms, 4 linears, rotary with the cache write,
+attention and its split combine, SiLU * up) instead of ~30 torch ops (issue 30).
 
 The math is kernels/layer_ops.py's torch reference, rounding where it rounds: every product and
 sum that torch computes in the model's dtype is computed in float32 and rounded to that dtype
@@ -166,6 +166,110 @@ def rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: i
     return q, k
 
 
+@jit(do_not_specialize=["num_tokens"])
+def _rotary_cache_kernel(
+    qkv_ptr,  # [tokens, (heads + 2 * kv_heads) * head_dim]: q and k rotated in place
+    cos_ptr,  # [tokens, head_dim]
+    sin_ptr,  # [tokens, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, kv_heads, head_dim]
+    slot_mapping_ptr,  # [tokens] int64, block_id * block_size + offset, -1 = padding
+    num_tokens,
+    num_heads,
+    num_kv_heads,
+    stride_qkv,
+    stride_cos,
+    stride_sin,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    HALF: tl.constexpr,  # head_dim // 2
+    HALF_PAD: tl.constexpr,
+    HEADS: tl.constexpr,  # heads (of q, k and v together) per program
+    BLOCK_SIZE: tl.constexpr,
+):
+    """rotary's math on q and k, then k (rotated) and v written into their cache slot: the
+    two kernels of an attention layer's input in one pass over the projection."""
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # over q, then k, then v heads
+    dims = tl.arange(0, HALF_PAD)
+    dim_ok = dims < HALF
+    num_qk = num_heads + num_kv_heads
+    is_v = heads >= num_qk
+    is_k = (heads >= num_heads) & (heads < num_qk)
+    valid = (heads < num_qk + num_kv_heads)[:, None] & dim_ok[None, :]
+    first = qkv_ptr + token * stride_qkv + (heads * 2 * HALF)[:, None] + dims[None, :]
+    x1 = tl.load(first, mask=valid, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=valid, other=0.0).to(tl.float32)
+    cos1 = tl.load(cos_ptr + token * stride_cos + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + token * stride_cos + HALF + dims, mask=dim_ok,
+                   other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + token * stride_sin + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + token * stride_sin + HALF + dims, mask=dim_ok,
+                   other=0.0).to(tl.float32)
+    dtype = qkv_ptr.dtype.element_ty
+    out1 = _rounded(_rounded(x1 * cos1[None, :], dtype) + _rounded(-x2 * sin1[None, :], dtype),
+                    dtype)
+    out2 = _rounded(_rounded(x2 * cos2[None, :], dtype) + _rounded(x1 * sin2[None, :], dtype),
+                    dtype)
+    rotated = valid & (heads < num_qk)[:, None]
+    tl.store(first, out1.to(dtype), mask=rotated)
+    tl.store(first + HALF, out2.to(dtype), mask=rotated)
+    # k rotated, v as it is: into the token's slot (none for a padding token).
+    # The slot once per head (a vector, not a scalar: masks stay [HEADS, HALF_PAD] tensors).
+    slot = tl.load(slot_mapping_ptr + token + tl.zeros([HEADS], tl.int64)).to(tl.int64)
+    cached = valid & (slot >= 0)[:, None]
+    block_id = (slot // BLOCK_SIZE)[:, None]
+    in_block = (slot % BLOCK_SIZE)[:, None]
+    k_head = (heads - num_heads).to(tl.int64)
+    k_dst = (key_cache_ptr + block_id * stride_kc_block + in_block * stride_kc_slot
+             + (k_head * stride_kc_head)[:, None] + dims[None, :])
+    k_mask = cached & is_k[:, None]
+    cache_dtype = key_cache_ptr.dtype.element_ty
+    tl.store(k_dst, out1.to(dtype).to(cache_dtype), mask=k_mask)
+    tl.store(k_dst + HALF, out2.to(dtype).to(cache_dtype), mask=k_mask)
+    v_head = (heads - num_qk).to(tl.int64)
+    v_dst = (value_cache_ptr + block_id * stride_vc_block + in_block * stride_vc_slot
+             + (v_head * stride_vc_head)[:, None] + dims[None, :])
+    v_mask = cached & is_v[:, None]
+    value_dtype = value_cache_ptr.dtype.element_ty
+    tl.store(v_dst, x1.to(dtype).to(value_dtype), mask=v_mask)
+    tl.store(v_dst + HALF, x2.to(dtype).to(value_dtype), mask=v_mask)
+
+
+def rotary_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                     num_kv_heads: int, head_dim: int, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """rotary (q and k in place) and reshape_and_cache (k and v into their slots) in one
+    launch; returns q, a view of the projection."""
+    if head_dim % 2 or qkv.stride(1) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError(f"rotary takes an even head_dim and rows of contiguous elements, got "
+                         f"head_dim {head_dim}, qkv strides {qkv.stride()}")
+    expected = (num_kv_heads, head_dim)
+    if (key_cache.shape[2:] != expected or value_cache.shape != key_cache.shape
+            or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1):
+        raise ValueError(f"key and value caches must be [num_blocks, block_size, "
+                         f"{num_kv_heads}, {head_dim}], contiguous in head_dim, got "
+                         f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    tokens = qkv.shape[0]
+    if slot_mapping.shape[0] != tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {tokens} tokens")
+    if tokens:
+        half = head_dim // 2
+        count_launch("rotary_and_cache")
+        _rotary_cache_kernel[(tokens, triton.cdiv(num_heads + 2 * num_kv_heads, ROTARY_HEADS))](
+            qkv, cos, sin, key_cache, value_cache, slot_mapping, tokens, num_heads, num_kv_heads,
+            qkv.stride(0), cos.stride(0), sin.stride(0),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), HEADS=ROTARY_HEADS,
+            BLOCK_SIZE=key_cache.shape[1])
+    return qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
+
+
 @jit(do_not_specialize=["num_rows"])
 def _silu_mul_kernel(
     gate_up_ptr,  # [rows, 2 * width]: gate then up
@@ -203,6 +307,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 TRITON_LAYER_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=rotary,
-                            silu_mul=silu_mul)
+                            silu_mul=silu_mul, rotary_and_cache=rotary_and_cache)
 JIT_KERNELS = {"rms_norm": _rms_norm_kernel, "rotary": _rotary_kernel,
-               "silu_mul": _silu_mul_kernel}
+               "rotary_and_cache": _rotary_cache_kernel, "silu_mul": _silu_mul_kernel}

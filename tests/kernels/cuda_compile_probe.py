@@ -106,6 +106,9 @@ def drive_layer_ops(qkv: torch.Tensor, heads: int, kv_heads: int, head: int) -> 
     triton_layer_ops.add_rms_norm(x, x.clone(), weight, 1e-5)
     cos = torch.zeros(num_tokens, head, dtype=dtype)
     triton_layer_ops.rotary(qkv, cos, cos.clone(), heads, kv_heads, head)
+    caches = torch.zeros(2, 8, 16, kv_heads, head, dtype=dtype)
+    triton_layer_ops.rotary_and_cache(qkv, cos, cos.clone(), heads, kv_heads, head, caches[0],
+                                      caches[1], torch.arange(num_tokens) % 128)
     triton_layer_ops.silu_mul(torch.zeros(num_tokens, 7 * hidden, dtype=dtype))
 
 

@@ -97,3 +97,43 @@ def test_empty_batches_and_bad_shapes() -> None:
         TRITON_LAYER_OPS.rotary(torch.randn(2, 12), torch.ones(2, 3), torch.ones(2, 3), 1, 0, 3)
     with pytest.raises(ValueError, match="even width"):
         TRITON_LAYER_OPS.silu_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (2, 1, 128), (4, 4, 24)])
+def test_rotary_and_cache_is_rotary_then_the_cache_write(dtype, heads, kv_heads, head_dim):
+    """The fused op leaves q, the cache's K and V exactly where rotary followed by
+    reshape_and_cache leaves them (the torch reference for both), padding tokens (slot -1)
+    written nowhere, other slots untouched."""
+    from kernels import reference
+    from kernels.triton_layer_ops import rotary_and_cache
+
+    g = torch.Generator().manual_seed(heads * 31 + head_dim)
+    tokens, block_size, num_blocks = 7, 4, 6
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    angles = torch.rand(tokens, head_dim // 2, generator=g) * 6.3
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(dtype)
+    slots = torch.tensor([5, 0, 13, -1, 22, 9, 3], dtype=torch.int64)
+    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+    caches = [torch.randn(cache_shape, generator=g).to(dtype) for _ in range(2)]
+
+    expected_qkv, expected_k, expected_v = qkv.clone(), caches[0].clone(), caches[1].clone()
+    q, k = TORCH_LAYER_OPS.rotary(expected_qkv, cos, sin, heads, kv_heads, head_dim)
+    v = expected_qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    reference.reshape_and_cache(k, v, expected_k, expected_v, slots)
+
+    got_qkv, got_k, got_v = qkv.clone(), caches[0].clone(), caches[1].clone()
+    with launch_counter() as launches:
+        got_q = rotary_and_cache(got_qkv, cos, sin, heads, kv_heads, head_dim, got_k, got_v,
+                                 slots)
+    assert launches == {"rotary_and_cache": 1}
+    assert got_q.data_ptr() == got_qkv.data_ptr()
+    _close(got_q.contiguous(), q.contiguous())
+    _close(got_k, expected_k)
+    assert torch.equal(got_v, expected_v)  # copied, not computed
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    untouched = ~written.view(num_blocks, block_size)
+    assert torch.equal(got_k[untouched], caches[0][untouched])
+    assert torch.equal(got_v[untouched], caches[1][untouched])

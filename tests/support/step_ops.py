@@ -162,7 +162,7 @@ def count_step_ops(runner) -> Iterator[StepOps]:
         # ops on the torch path; on the Triton path, the interpreter's own copies, while the
         # launches are kernels.launch_counter's).
         f.name: _in_phase(ops, "layer_ops", getattr(layer_ops, f.name))
-        for f in fields(layer_ops)
+        for f in fields(layer_ops) if getattr(layer_ops, f.name) is not None
     }))
     try:
         with count_ops(ops):

@@ -74,11 +74,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k = kernels.layer_ops.rotary(qkv, ctx.cos, ctx.sin, self.num_heads,
-                                        self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping)
+        fused = kernels.layer_ops.rotary_and_cache
+        if fused is not None:  # one launch for both (kernels/triton_layer_ops.py)
+            q = fused(qkv, ctx.cos, ctx.sin, self.num_heads, self.num_kv_heads, self.head_dim,
+                      key_cache, value_cache, ctx.slot_mapping)
+        else:
+            q, k = kernels.layer_ops.rotary(qkv, ctx.cos, ctx.sin, self.num_heads,
+                                            self.num_kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads,
+                                                          self.head_dim)
+            kernels.reshape_and_cache(k, v, key_cache, value_cache, ctx.slot_mapping)
         out = kernels.paged_attention(
             q,
             key_cache,
