@@ -3,10 +3,15 @@ their own engine ids, routers only read, no certificate is UNAUTHENTICATED (issu
 
 from __future__ import annotations
 
+import datetime
 import uuid
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from pagedgen_api import prefix_index_pb2 as pb
 from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
@@ -132,3 +137,29 @@ def test_certificates_naming_no_id_own_what_they_registered(tls_index, certs, tm
     assert code_of(lambda: register(second, engine_id, nonce="n1")) == \
         grpc.StatusCode.ALREADY_EXISTS
     first.Heartbeat(pb.HeartbeatRequest(engine_id=engine_id, epoch=epoch), timeout=10)
+
+
+def test_a_certificate_naming_no_role_is_unauthenticated(tls_index, certs, tmp_path):
+    """Signed by the CA (so the handshake passes) but with no pagedgen identity in it."""
+    ca_cert = x509.load_pem_x509_certificate((certs / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((certs / "ca-key.pem").read_bytes(), None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "nobody")]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    tls = TlsMaterial(cert.public_bytes(serialization.Encoding.PEM),
+                      key.private_bytes(serialization.Encoding.PEM,
+                                        serialization.PrivateFormat.PKCS8,
+                                        serialization.NoEncryption()),
+                      (certs / "ca.pem").read_bytes())
+    s = stub(tls_index, tls)
+    assert code_of(lambda: register(s, "nobody")) == grpc.StatusCode.UNAUTHENTICATED
+    assert code_of(lambda: s.Stats(pb.StatsRequest(), timeout=10)) == \
+        grpc.StatusCode.UNAUTHENTICATED
