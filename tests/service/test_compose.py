@@ -89,3 +89,24 @@ def test_healthcheck_probe_reports_serving(engine_server):
                            engine_server.target], capture_output=True, text=True, timeout=30,
                           cwd=ROOT)
     assert done.returncode == 0 and done.stdout.strip().endswith("SERVING"), done
+
+
+def test_every_service_runs_tls_with_certificates_from_the_certs_job(services):
+    """The `certs` job's command is one pagedgen-certs accepts; the index, the engines and the
+    router read their own certificate from the volume it fills (issue 32)."""
+    from trust.certs_tool import parse_args as certs_args
+
+    script, *argv = services["certs"]["command"]
+    assert script == "pagedgen-certs"
+    made = certs_args(argv)
+    assert made.router and made.index and made.engine == [""]
+    assert {"localhost", "router", "prefix-index"} <= set(made.host)
+    for name, stem in (("prefix-index", "index"), ("engine", "engine"), ("engine-cpu", "engine"),
+                       ("router", "router")):
+        env = services[name]["environment"]
+        assert env == {"PAGEDGEN_TLS_CERT": f"/certs/{stem}.pem",
+                       "PAGEDGEN_TLS_KEY": f"/certs/{stem}-key.pem",
+                       "PAGEDGEN_TLS_CA": "/certs/ca.pem"}, name
+        assert "pagedgen-certs:/certs:ro" in services[name]["volumes"], name
+    assert services["prefix-index"]["depends_on"]["certs"] == {
+        "condition": "service_completed_successfully"}
