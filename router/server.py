@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from engine_service.serving.connection_limits import generation_limits
 from openai_api.cli_args import add_http_args, resolve_http_args
 from openai_api.server import HttpServer
 from pagedgen_api import generation_pb2 as pb
@@ -28,6 +29,7 @@ from pagedgen_api import generation_pb2_grpc as pb_grpc
 from pagedgen_api import prefix_index_pb2
 from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
+from prefix_index.tools.server_options import ConnectionLimits
 from router.config import POLICIES, RouterConfig
 from router.core import Router
 from router.http_backend import router_backend
@@ -47,6 +49,10 @@ INDEX_SERVICE_NAME = prefix_index_pb2.DESCRIPTOR.services_by_name["PrefixIndex"]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 HEALTH_INTERVAL_S = 0.2
+# The longest context among the replicas a router fronts, by default: it sizes the largest
+# request the router takes (--max-context-tokens); 128K tokens is 16 MiB of text.
+DEFAULT_CONTEXT_TOKENS = 1 << 17
+DEFAULT_STREAMS_PER_CONNECTION = 1024  # calls one client connection may hold open at once
 
 
 class RouterServer:
@@ -55,7 +61,8 @@ class RouterServer:
     def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 50050,
                  metrics_port: int = 0, metrics_host: str = "0.0.0.0",
                  http: HttpServer | None = None, door: TenantDoor | None = None,
-                 tls: TlsMaterial | None = None) -> None:
+                 tls: TlsMaterial | None = None,
+                 connection: ConnectionLimits | None = None) -> None:
         self.router = router
         # The front door: server-authenticated TLS (clients bring API keys, not certificates).
         self.credentials = tls.server_credentials(require_client_cert=False) if tls else None
@@ -64,8 +71,12 @@ class RouterServer:
         door = door or TenantDoor()  # who may call (tenancy/); the HTTP API's gate is its gate
         self.servicer = RouterServicer(router, door)
         self.health = health_aio.HealthServicer()
-        self.server = grpc.aio.server(  # (no SO_REUSEPORT: a taken port fails)
-            options=[("grpc.so_reuseport", 0)],
+        # Message sizes for the longest context it fronts, streams per connection, keepalive
+        # (no SO_REUSEPORT: a taken port fails).
+        connection = connection or generation_limits(DEFAULT_CONTEXT_TOKENS,
+                                                     DEFAULT_STREAMS_PER_CONNECTION)
+        self.server = grpc.aio.server(
+            options=connection.options(),
             interceptors=[GateInterceptor(door.gate)] if door.gate.takes_keys else None)
         self.port = 0
         self.http = http  # the OpenAI-compatible HTTP API, when served
@@ -177,6 +188,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory (default: the replicas' model directory when it "
                         "is on this machine, else a replica tokenizes)")
+    p.add_argument("--max-context-tokens", type=int, default=DEFAULT_CONTEXT_TOKENS,
+                   help="the longest context of the replicas: sizes the largest request "
+                        "message taken (a whole context of text), past which gRPC answers "
+                        "RESOURCE_EXHAUSTED")
+    p.add_argument("--max-streams-per-connection", type=int,
+                   default=DEFAULT_STREAMS_PER_CONNECTION,
+                   help="calls one client connection may have open at once (more wait)")
     add_http_args(p, routed=True)
     add_tenancy_args(p)
     add_tls_args(p)
@@ -188,6 +206,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.engine_list = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not args.engine_list and args.prefix_index == "none":
         p.error("give --engines host:port,... or --prefix-index HOST:PORT")
+    if args.max_context_tokens < 1:
+        p.error(f"--max-context-tokens must be >= 1, got {args.max_context_tokens}")
+    if args.max_streams_per_connection < 1:
+        p.error(f"--max-streams-per-connection must be >= 1, got "
+                f"{args.max_streams_per_connection}")
     resolve_http_args(p, args)
     resolve_tenancy_args(p, args)
     resolve_tls_args(p, args)
@@ -216,7 +239,9 @@ async def serve(args: argparse.Namespace) -> None:
     http = (HttpServer(args.http_host, args.http_port, door.gate, args.tls) if args.http_port
             else None)
     server = RouterServer(router, args.host, args.port, args.metrics_port, args.metrics_host,
-                          http, door, args.tls)
+                          http, door, args.tls,
+                          generation_limits(args.max_context_tokens,
+                                            args.max_streams_per_connection))
     port = await server.start()
     # One line on stdout that launchers read to learn the port (--port 0).
     print(f"router listening on {join_host_port(args.host, port)}", flush=True)

@@ -29,9 +29,11 @@ from grpc_reflection.v1alpha import reflection
 from engine_service.core.config import BLOCK_SIZES, DEVICES, PREEMPTION_MODES, EngineConfig
 from engine_service.core.engine import EngineStats, LLMEngine
 from engine_service.index.link import IndexLinkOptions
+from engine_service.model.config import load_model_config
 from engine_service.model.dtype import DTYPE_CHOICES
 from engine_service.model.tokenizer import load_tokenizer
 from engine_service.serving.async_engine import AsyncEngine
+from engine_service.serving.connection_limits import generation_limits
 from engine_service.serving.core_client import CoreClient
 from engine_service.serving.core_process import (
     CoreOptions,
@@ -50,6 +52,7 @@ from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
+from prefix_index.tools.server_options import ConnectionLimits
 from tenancy.cli_args import add_tenancy_args, door_from_args, resolve_tenancy_args
 from tenancy.door import TenantDoor
 from tenancy.gate import GateInterceptor
@@ -81,6 +84,9 @@ class ServerOptions:
     # TLS: require a client certificate (routers, the index's probe, tools with a client
     # certificate); False: server-authenticated TLS for end clients (--tls-server-only).
     tls_client_cert: bool = True
+    # Message sizes, streams per connection, keepalive (connection_limits.py); None: computed
+    # from the in-process engine's context.
+    connection: ConnectionLimits | None = None
 
 
 class EngineServer:
@@ -123,8 +129,11 @@ class EngineServer:
         # No SO_REUSEPORT: a second process on our port must fail to bind, not share it (the
         # index tells a live engine from a crashed one by who answers at its address).
         gate = options.door.gate
+        connection = options.connection or generation_limits(
+            engine.max_model_len if engine is not None else served_context(core.options.config),
+            options.max_live_requests)
         self.server = grpc.aio.server(
-            options=[("grpc.so_reuseport", 0)],
+            options=connection.options(),
             interceptors=[GateInterceptor(gate)] if gate.takes_keys else None)
         self.port = 0
         self.http = (HttpServer(options.http_host, options.http_port, gate, options.tls)
@@ -367,6 +376,13 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         skip_tokenizer_init=args.skip_tokenizer_init,
         enforce_eager=args.enforce_eager,
     )
+
+
+def served_context(config: EngineConfig) -> int:
+    """The context the engine will serve (as LLMEngine computes it), read from the model's
+    config now: the server's message size limit is set before the core loads the model."""
+    longest = load_model_config(config.model).max_position_embeddings
+    return min(config.max_model_len or longest, longest)
 
 
 async def _serve(args: argparse.Namespace, options: ServerOptions, core_options: CoreOptions,

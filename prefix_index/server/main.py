@@ -24,6 +24,7 @@ from redis.backoff import NoBackoff
 
 from pagedgen_api import prefix_index_pb2 as pb
 from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
+from prefix_index.api.ops import HASH_BYTES
 from prefix_index.server.config import IndexConfig, Limits, PinPolicy
 from prefix_index.server.health import RedisHealth
 from prefix_index.server.metrics import IndexMetrics
@@ -32,6 +33,7 @@ from prefix_index.server.store import IndexStore
 from prefix_index.server.sweeper import run_sweeper
 from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
+from prefix_index.tools.server_options import ConnectionLimits, apply_message_bytes
 from trust.cli_args import add_tls_args, resolve_tls_args, warn_if_plain_text
 from trust.credentials import TlsMaterial
 
@@ -77,10 +79,7 @@ class IndexServer:
         # Pings to clients on idle connections: a router whose host vanished without a TCP
         # reset would otherwise hold its residency watcher (a slot and a Redis connection)
         # until the kernel's keepalive, hours later.
-        self.server = grpc.aio.server(options=[
-            ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.so_reuseport", 0)])  # a second index on our port fails to bind
+        self.server = grpc.aio.server(options=connection_limits(config.limits).options())
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> int:
@@ -121,6 +120,17 @@ class IndexServer:
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
+
+
+def connection_limits(limits: Limits) -> ConnectionLimits:
+    """Requests up to the largest Apply or Lookup `limits` allow (an engine's full re-sync
+    comes in Applies of at most that size); replies unbounded here: each answers a bounded
+    request (results per op, victims among the engine's own blocks), and its reader sets its
+    own receive limit. Keepalive every 30 s (a second index on our port fails to bind)."""
+    return ConnectionLimits(
+        max_receive_bytes=apply_message_bytes(limits.max_ops, limits.max_hashes,
+                                              limits.max_chain, HASH_BYTES),
+        max_send_bytes=-1, keepalive_time_ms=30_000, keepalive_timeout_ms=10_000)
 
 
 REDIS_URL_ENV = "PAGEDGEN_REDIS_URL"
