@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from engine_service.serving.validation import MAX_CHAT_MESSAGES
 from openai_api import schemas
 from openai_api.auth import ApiKeyCheck
 from openai_api.backend import Backend, ServedModel
@@ -152,7 +153,9 @@ class _Api:
             self.backend.token_texts))
 
     async def chat_completions(self, request: Request) -> Response:
-        body = schemas.parse(schemas.ChatCompletionRequest, await _body(request))
+        raw = await _body(request)
+        schemas.check_message_count(raw, MAX_CHAT_MESSAGES)
+        body = schemas.parse(schemas.ChatCompletionRequest, raw)
         model = self._model(body.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         call = chat_call(body, request_id)
@@ -295,7 +298,9 @@ class _Api:
                             else HTTPStatus.SERVICE_UNAVAILABLE)
 
     async def tokenize(self, request: Request) -> Response:
-        body = schemas.parse(schemas.TokenizeRequest, await _body(request))
+        raw = await _body(request)
+        schemas.check_message_count(raw, MAX_CHAT_MESSAGES)
+        body = schemas.parse(schemas.TokenizeRequest, raw)
         model = self._model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(HTTPStatus.BAD_REQUEST,

@@ -143,6 +143,24 @@ class DetokenizeRequest(_Strict):
     tokens: list[Int32]
 
 
+def check_message_count(body: bytes, limit: int) -> None:
+    """A body's chat `messages` past `limit`, refused before pydantic builds a model per message
+    (about 4 us each: half a million empty messages took 2 s). Each message is a JSON object,
+    and a structural '{' cannot be escaped: a body with no more than `limit` of them (the usual
+    case) cannot hold too many, and the scan runs at C speed; otherwise the count is read from
+    the plain JSON parse, several times cheaper than the models."""
+    if body.count(b"{") <= limit + 1:
+        return
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return  # not JSON: parse() says so
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if isinstance(messages, list) and len(messages) > limit:
+        raise bad_request("messages", f"messages must hold at most {limit} messages, got "
+                                      f"{len(messages)}")
+
+
 def parse(model: type[BaseModel], body: bytes) -> BaseModel:
     """`body` as `model`; a 400 naming the first field that is wrong."""
     try:

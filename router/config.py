@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# The longest context among the replicas a router fronts, until they say theirs: it sizes the
+# largest request the router takes (--max-context-tokens); 128K tokens is 16 MiB of text.
+DEFAULT_CONTEXT_TOKENS = 1 << 17
 POLICIES = ("kv-aware", "round-robin", "least-load", "prefix-hash", "prefix-hash-bounded")
 
 

@@ -29,8 +29,7 @@ from pagedgen_api import generation_pb2_grpc as pb_grpc
 from pagedgen_api import prefix_index_pb2
 from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
-from prefix_index.tools.server_options import ConnectionLimits
-from router.config import POLICIES, RouterConfig
+from router.config import DEFAULT_CONTEXT_TOKENS, POLICIES, RouterConfig
 from router.core import Router
 from router.http_backend import router_backend
 from router.metrics import RouterMetrics
@@ -49,9 +48,6 @@ INDEX_SERVICE_NAME = prefix_index_pb2.DESCRIPTOR.services_by_name["PrefixIndex"]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 HEALTH_INTERVAL_S = 0.2
-# The longest context among the replicas a router fronts, by default: it sizes the largest
-# request the router takes (--max-context-tokens); 128K tokens is 16 MiB of text.
-DEFAULT_CONTEXT_TOKENS = 1 << 17
 DEFAULT_STREAMS_PER_CONNECTION = 1024  # calls one client connection may hold open at once
 
 
@@ -62,19 +58,19 @@ class RouterServer:
                  metrics_port: int = 0, metrics_host: str = "0.0.0.0",
                  http: HttpServer | None = None, door: TenantDoor | None = None,
                  tls: TlsMaterial | None = None,
-                 connection: ConnectionLimits | None = None) -> None:
+                 max_context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+                 max_streams_per_connection: int = DEFAULT_STREAMS_PER_CONNECTION) -> None:
         self.router = router
         # The front door: server-authenticated TLS (clients bring API keys, not certificates).
         self.credentials = tls.server_credentials(require_client_cert=False) if tls else None
         self.host, self.requested_port = host, port
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
         door = door or TenantDoor()  # who may call (tenancy/); the HTTP API's gate is its gate
-        self.servicer = RouterServicer(router, door)
+        self.servicer = RouterServicer(router, door, max_context_tokens)
         self.health = health_aio.HealthServicer()
         # Message sizes for the longest context it fronts, streams per connection, keepalive
         # (no SO_REUSEPORT: a taken port fails).
-        connection = connection or generation_limits(DEFAULT_CONTEXT_TOKENS,
-                                                     DEFAULT_STREAMS_PER_CONNECTION)
+        connection = generation_limits(max_context_tokens, max_streams_per_connection)
         self.server = grpc.aio.server(
             options=connection.options(),
             interceptors=[GateInterceptor(door.gate)] if door.gate.takes_keys else None)
@@ -239,9 +235,8 @@ async def serve(args: argparse.Namespace) -> None:
     http = (HttpServer(args.http_host, args.http_port, door.gate, args.tls) if args.http_port
             else None)
     server = RouterServer(router, args.host, args.port, args.metrics_port, args.metrics_host,
-                          http, door, args.tls,
-                          generation_limits(args.max_context_tokens,
-                                            args.max_streams_per_connection))
+                          http, door, args.tls, args.max_context_tokens,
+                          args.max_streams_per_connection)
     port = await server.start()
     # One line on stdout that launchers read to learn the port (--port 0).
     print(f"router listening on {join_host_port(args.host, port)}", flush=True)

@@ -10,9 +10,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from engine_service.serving.validation import MAX_CACHE_SALT_CHARS
+from engine_service.serving.status import RequestRejected
+from engine_service.serving.validation import (
+    CHARS_PER_CONTEXT_TOKEN,
+    MAX_CACHE_SALT_CHARS,
+    check_chat_size,
+    check_text_size,
+)
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
+from router.config import DEFAULT_CONTEXT_TOKENS
 from router.core import NoReplicaError, Router
 from router.proxy import RoutedRequest, tenant_metadata
 from router.replicas import Replica
@@ -21,8 +28,12 @@ from tenancy.gate import Caller
 
 
 class RouterServicer(pb_grpc.GenerationServicer):
-    def __init__(self, router: Router, door: TenantDoor | None = None) -> None:
+    def __init__(self, router: Router, door: TenantDoor | None = None,
+                 max_context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> None:
         self.router = router
+        # Prompts are sized against the longest context among the replicas; this one until
+        # a replica has said its own (--max-context-tokens).
+        self.max_context_tokens = max_context_tokens
         # Who calls, and what their tenant may do (tenancy/): the router is the front door, so
         # tenants' limits are counted here and their salts derived here, the engines told
         # the tenant (x-pagedgen-tenant) for Abort only.
@@ -51,6 +62,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         """The request routed as its tenant's: its salt, its limits, its Abort."""
         caller = await self.door.caller(context)
         await self._refuse_if_draining(context)
+        await self._refuse_oversized(request, context)
         salted = await self._salted(caller, request, context)
         try:
             self.door.check_priority(caller, request.priority)
@@ -65,6 +77,31 @@ class RouterServicer(pb_grpc.GenerationServicer):
                     yield message
         finally:
             self.door.leave(caller)
+
+    async def _refuse_oversized(self, request, context, count_failed: bool = True) -> None:
+        """A chat's message count and size, or a text's size, refused here as an engine refuses
+        them, before anything reads them further (the local tokenizer renders a chat message
+        by message: half a million empty ones took seconds of the router's tokenizer thread)."""
+        which = request.WhichOneof("input")
+        if which not in ("chat", "text"):
+            return
+        max_chars = CHARS_PER_CONTEXT_TOKEN * self._context_tokens()
+        try:
+            if which == "chat":
+                check_chat_size(request.chat.messages, max_chars)
+            else:
+                check_text_size(request.text, max_chars)
+        except RequestRejected as error:
+            if count_failed:
+                self.router.metrics.failed.labels(error.code.name).inc()
+            await context.abort(error.code, error.message)
+
+    def _context_tokens(self) -> int:
+        """The longest context among the routable replicas (--max-context-tokens until one
+        has said its own)."""
+        lengths = [r.info.max_model_len for r in self.router.replicas.routable()
+                   if r.info is not None]
+        return max(lengths) if lengths else self.max_context_tokens
 
     async def _salted(self, caller: Caller, request, context):
         """`request` (a GenerateRequest or PinPrefixRequest) with its tenant's cache salt, the
@@ -163,10 +200,16 @@ class RouterServicer(pb_grpc.GenerationServicer):
                             f"no engine replica answered {method}{detail}")
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        await self._refuse_oversized(request, context, count_failed=False)
         return await self._forward(context, "Tokenize", request)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context
                          ) -> pb.DetokenizeResponse:
+        limit = self._context_tokens()  # (as the engines count them, before they are sent)
+        if len(request.token_ids) > limit:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token_ids must hold at most {limit} ids (the replicas' "
+                                f"context), got {len(request.token_ids)}")
         return await self._forward(context, "Detokenize", request)
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context) -> pb.ModelInfoResponse:
@@ -178,6 +221,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         work for the requests that follow, which should go to another router."""
         caller = await self.door.caller(context)
         await self._refuse_if_draining(context, count_failed=False)
+        await self._refuse_oversized(request, context, count_failed=False)
         request = await self._salted(caller, request, context)
         router = self.router
         token_ids = await router.prompts.token_ids(request, router.replicas.routable())

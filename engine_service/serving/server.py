@@ -45,6 +45,7 @@ from engine_service.serving.engine_info import EngineInfo
 from engine_service.serving.http_backend import engine_backend
 from engine_service.serving.metrics import EngineMetrics
 from engine_service.serving.servicer import GenerationServicer, IndexLink
+from engine_service.serving.text_worker import TextWorker
 from engine_service.serving.validation import RequestValidator
 from openai_api.cli_args import add_http_args, resolve_http_args
 from openai_api.server import HttpServer
@@ -148,6 +149,8 @@ class EngineServer:
         if isinstance(self.async_engine, CoreClient):
             self.async_engine.tokenizer = tokenizer  # the core makes no text: we do
             self.async_engine.stream_interval = self.options.stream_interval
+        # A third copy for Tokenize / Detokenize on a thread of their own (text_worker.py).
+        text_tokenizer = None if tokenizer is None else load_tokenizer(info.model_config)
         return GenerationServicer(
             self.async_engine,
             RequestValidator(info.limits, tokenizer, self.options.max_live_requests),
@@ -155,6 +158,8 @@ class EngineServer:
             self.options.engine_id,
             self.index_link,
             self.options.door,
+            TextWorker(RequestValidator(info.limits, text_tokenizer,
+                                        self.options.max_live_requests)),
         )
 
     def _on_dead(self, error: BaseException) -> None:
@@ -242,6 +247,8 @@ class EngineServer:
             await self.http.stop(max(0.5, deadline - time.monotonic()))
         await self.server.stop(max(0.5, deadline - time.monotonic()))
         await self.async_engine.stop()
+        if self.servicer is not None and self.servicer.text_worker is not None:
+            self.servicer.text_worker.close()
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()

@@ -25,7 +25,8 @@ from engine_service.serving.async_engine import AsyncEngine
 from engine_service.serving.core_client import CoreClient
 from engine_service.serving.metrics import EngineMetrics
 from engine_service.serving.status import RequestRejected, status_for
-from engine_service.serving.validation import RequestValidator, ValidRequest
+from engine_service.serving.text_worker import TextWorker
+from engine_service.serving.validation import Prompt, RequestValidator, ValidRequest
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from tenancy.door import TenantDoor, TenantRefused
@@ -66,9 +67,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         engine_id: str,
         index_link: IndexLink | None = None,
         door: TenantDoor | None = None,
+        text_worker: TextWorker | None = None,
     ) -> None:
         self.engine = engine
         self.validator = validator
+        self.text_worker = text_worker  # Tokenize / Detokenize off the loop (None: on it)
         self.metrics = metrics
         self.engine_id = engine_id
         # This process's own id (ModelInfo): a router tells a restart from an outage by it.
@@ -234,9 +237,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.AbortResponse(found=self.engine.abort(request.request_id))
 
     # ---- tokenizer --------------------------------------------------------------------------
+    # Both on the text worker's thread (text_worker.py): their size is the client's to choose
+    # (up to a context's worth), and the loop serves every other stream meanwhile.
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         try:
-            prompt = self.validator.prompt(request, "input")
+            prompt = await self._text_work(_tokenize, request)
         except RequestRejected as error:
             await context.abort(*status_for(error))
         return pb.TokenizeResponse(token_ids=prompt.token_ids, prompt=prompt.text or "")
@@ -244,13 +249,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         try:
             self.validator.need_tokenizer("Detokenize")
-            ids = self.validator.token_ids("token_ids", request.token_ids, allow_empty=True)
+            # Counted here, at once: a million ids are refused before the worker reads them.
+            ids = self.validator.detokenize_ids(request.token_ids)
         except RequestRejected as error:
             await context.abort(*status_for(error))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return pb.DetokenizeResponse(
-            text=self.validator.tokenizer.decode(ids, skip_special_tokens=skip)
-        )
+        return pb.DetokenizeResponse(text=await self._text_work(_detokenize, ids, skip))
+
+    async def _text_work(self, work, *args):
+        if self.text_worker is None:  # (no worker: on the loop, with the loop's tokenizer)
+            return work(self.validator, *args)
+        return await self.text_worker.run(work, *args)
 
     # ---- introspection ----------------------------------------------------------------------
     async def ModelInfo(self, request: pb.ModelInfoRequest, context) -> pb.ModelInfoResponse:
@@ -340,6 +349,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 grpc.StatusCode.UNAVAILABLE, f"the prefix index did not answer: {error}"
             )
         return pb.PinPrefixResponse(num_blocks=len(chain), num_pinned=changed)
+
+
+def _tokenize(validator: RequestValidator, request: pb.TokenizeRequest) -> Prompt:
+    return validator.prompt(request, "input")
+
+
+def _detokenize(validator: RequestValidator, ids: list[int], skip_special_tokens: bool) -> str:
+    return validator.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _newly_finished(completion: CompletionOutput, finished_indices: set[int]) -> bool:

@@ -46,6 +46,27 @@ EARLY_STOPPING = {
 
 
 
+def check_chat_size(messages, max_chars: int) -> None:
+    """A chat's message count, then its characters in all (every field of every message), before
+    anything else reads it: rendering a template costs time per message, so a chat of half a
+    million empty messages must be refused here, at once. Also the router's check."""
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise _invalid(
+            f"chat.messages must hold at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}"
+        )
+    total_chars = sum(len(m.role) + len(m.content) for m in messages)
+    if total_chars > max_chars:
+        raise _invalid(
+            f"chat.messages must hold at most {max_chars} characters in all (roles and "
+            f"contents), got {total_chars}"
+        )
+
+
+def check_text_size(text: str, max_chars: int) -> None:
+    if len(text) > max_chars:
+        raise _invalid(f"text must be at most {max_chars} characters, got {len(text)}")
+
+
 def _invalid(message: str) -> RequestRejected:
     return RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, message)
 
@@ -145,10 +166,7 @@ class RequestValidator:
         self.need_tokenizer("text input")
         if not text:
             raise _invalid("text must be a non-empty string, got ''")
-        if len(text) > self.max_prompt_chars:
-            raise _invalid(
-                f"text must be at most {self.max_prompt_chars} characters, got {len(text)}"
-            )
+        check_text_size(text, self.max_prompt_chars)
         return Prompt(encode_text(self.tokenizer, text), text)
 
     def token_ids(self, field: str, ids, allow_empty: bool = False) -> list[int]:
@@ -162,29 +180,28 @@ class RequestValidator:
                 )
         return list(ids)
 
+    def detokenize_ids(self, ids) -> list[int]:
+        """Detokenize's ids: at most a context of them (every sequence this engine makes fits
+        one), counted before anything reads them."""
+        limit = self.limits.max_model_len
+        if len(ids) > limit:
+            raise _invalid(
+                f"token_ids must hold at most {limit} ids (the engine's context), got {len(ids)}"
+            )
+        return self.token_ids("token_ids", ids, allow_empty=True)
+
     def chat_prompt(self, chat: pb.ChatMessages) -> Prompt:
         self.need_tokenizer("chat input")
         messages = chat.messages
         if not messages:
             raise _invalid("chat.messages must hold at least one message, got []")
-        if len(messages) > MAX_CHAT_MESSAGES:
-            raise _invalid(
-                f"chat.messages must hold at most {MAX_CHAT_MESSAGES} messages, "
-                f"got {len(messages)}"
-            )
-        total_chars = 0
+        check_chat_size(messages, self.max_prompt_chars)
         for i, message in enumerate(messages):
             if message.role not in CHAT_ROLES:
                 raise _invalid(
                     f"chat.messages[{i}].role must be one of {CHAT_ROLES}, "
                     f"got {_shown(message.role)}"
                 )
-            total_chars += len(message.content)
-        if total_chars > self.max_prompt_chars:
-            raise _invalid(
-                f"chat.messages must hold at most {self.max_prompt_chars} characters of content "
-                f"in all, got {total_chars}"
-            )
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         try:
             text = render_chat(self.tokenizer, conversation)

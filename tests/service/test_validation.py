@@ -106,7 +106,8 @@ def bad_cases() -> list[BadCase]:
                 INVALID, "chat.messages must hold at most 256 messages, got 257"),
         BadCase("oversized chat message", pb.GenerateRequest(chat=chat(
             ("user", "b" * (32 * MAX_MODEL_LEN + 1)))), INVALID,
-            f"chat.messages must hold at most {32 * MAX_MODEL_LEN} characters of content"),
+            f"chat.messages must hold at most {32 * MAX_MODEL_LEN} characters in all (roles and "
+            f"contents), got {32 * MAX_MODEL_LEN + 5}"),
         BadCase("bad request id", pb.GenerateRequest(request_id="has space", **ok), INVALID,
                 "request_id must be 1 to 128 characters of [A-Za-z0-9._:-]"),
         BadCase("oversized cache salt", pb.GenerateRequest(cache_salt="s" * 257, **ok), INVALID,
