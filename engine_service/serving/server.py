@@ -466,8 +466,8 @@ def serve(args: argparse.Namespace, core_target: CoreTarget = run_core) -> None:
         else args.torch_threads)
     options = ServerOptions(args.host, args.port, args.metrics_port, args.metrics_host,
                             args.max_live_requests, engine_id, args.http_port, args.http_host,
-                            args.stream_interval, door_from_args(args), args.tls,
-                            not args.tls_server_only)
+                            args.stream_interval, door=door_from_args(args), tls=args.tls,
+                            tls_client_cert=not args.tls_server_only)
     warn_if_plain_text("pagedgen-engine", args.tls, args.insecure)
     if asyncio.run(_serve(args, options, core_options, EngineMetrics(), core_target)):
         sys.exit(1)
