@@ -168,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
     tenancy_args = ["--tenant-secret-file", str(secret_file)]
     door_args = ["--api-key-file", str(key_file)]  # the front door's: the router, or the engine
     certs = None if args.insecure else log_dir / "certs"
+    # Plain text is asked for by name, each service told so (and each logs its warning).
+    plain = ["--insecure"] if certs is None else []
     if certs is None:
         log.warning("pagedgen-stack --insecure: every service in PLAIN TEXT")
     stack_id = free_port()
@@ -184,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         redis = stack.enter_context(RedisProcess())
         print(f"redis         {redis.url}", flush=True)
-        index = IndexProcess(redis.url, ["--log-level", "WARNING"], port=args.index_port or None,
+        index = IndexProcess(redis.url, ["--log-level", "WARNING", *plain],
+                             port=args.index_port or None,
                              tls=tls_files("index"))
         stack.enter_context(index)
         print(f"prefix index  {index.target}", flush=True)
@@ -193,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         http_args = [] if http_port is None else ["--http-port", str(http_port)]
         for i in range(args.replicas):
             engine_args = ["--device", args.device, "--prefix-index", index.target,
-                           "--engine-id", engine_ids[i], *tenancy_args]
+                           "--engine-id", engine_ids[i], *tenancy_args, *plain]
             if args.metrics_port:
                 engine_args += ["--metrics-port", str(args.metrics_port + i)]
             if args.replicas == 1:  # the front door: clients bring keys, not certificates
@@ -210,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         if args.replicas > 1:
             # Replicas found through the index, where each engine registered its address.
             router = RouterProcess(["--prefix-index", index.target, "--log-level", "WARNING",
-                                    *http_args, *tenancy_args, *door_args],
+                                    *http_args, *tenancy_args, *door_args, *plain],
                                    port=args.engine_port or None,
                                    log_path=log_dir / "router.log", tls=tls_files("router"))
             stack.enter_context(router)
