@@ -66,7 +66,9 @@ def from_status(code: grpc.StatusCode, details: str, field_names: dict[str, str]
     status = HTTP_STATUS_FOR_CODE.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
     param = None
     match = _LEADING_FIELD.match(details)
-    if match and status == HTTPStatus.BAD_REQUEST:
+    # Any refusal of the client's own input names its field: a 400, and a 403 as well (a
+    # tenant's `priority` it may not set).
+    if match and HTTPStatus.BAD_REQUEST <= status < HTTPStatus.INTERNAL_SERVER_ERROR:
         wire = match.group(1)
         param = client_field(wire, field_names)
         details = param + details[len(wire):]
