@@ -37,6 +37,15 @@ class ReportedLoad:
     num_blocks: int = 0  # the pool's size (0: not reported yet)
 
 
+# The router relays a replica's stream only as fast as its client takes it. Without BDP probing
+# the replica's stream runs at most HTTP/2's 64 KiB window ahead of that (probing grows the
+# window to megabytes on a fast link): a client that stops reading stops the replica's stream
+# too, and the engine's bound on unsent output (--max-unsent-tokens) stops the request and
+# frees its blocks, instead of the router's transport holding the stream. Token streams are
+# small: a 64 KiB window is far more than they need in flight.
+REPLICA_CHANNEL_OPTIONS = (("grpc.http2.bdp_probe", 0),)
+
+
 class Replica:
     """One engine as the router sees it. Changed on the router's event loop only."""
 
@@ -46,7 +55,7 @@ class Replica:
         self.engine_id = engine_id  # from the index, else from ModelInfo
         # TLS: the router's certificate presented, and only a server holding an engine's
         # certificate is talked to (whatever address was registered at the index).
-        self.channel = aio_channel(address, tls, ENGINE_ROLE)
+        self.channel = aio_channel(address, tls, ENGINE_ROLE, REPLICA_CHANNEL_OPTIONS)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.info: pb.ModelInfoResponse | None = None
         self.reported = ReportedLoad()

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import grpc
+
 from engine_service.core.engine import EngineStats
 from engine_service.core.errors import EngineDeadError
 from engine_service.core.outputs import CompletionOutput, RequestOutput
@@ -30,11 +32,17 @@ from engine_service.model.sampling_params import SamplingParams
 from engine_service.serving.core_process import CoreChannel, CoreOptions, CoreTarget, run_core
 from engine_service.serving.engine_info import EngineInfo
 from engine_service.serving.output_text import RequestText
+from engine_service.serving.status import RequestRejected
 
 log = logging.getLogger("engine_service.serving.core_client")
 
 # Core messages handled per reader callback before the loop gets a turn.
 MESSAGES_PER_CALLBACK = 8
+# What may wait for a stream its client does not read, in tokens (each top logprob one more):
+# a reader that pauses lets a request's output merge into one larger message, up to this,
+# which is still ~1 MiB at most; past it the request is stopped (OutputBuffer._overflow). At
+# 64 sequences of ~50 tokens/s it is 20 s of not reading; at one sequence, many minutes.
+DEFAULT_MAX_UNSENT_TOKENS = 1 << 16
 
 _WHOLE_FIELDS = tuple(n for n in CompletionOutput.__slots__ if not n.endswith("_delta"))
 
@@ -76,10 +84,12 @@ class OutputBuffer:
     in the front (grpcio's own work is most of a message's cost)."""
 
     __slots__ = ("_pending", "_ready", "_text_parts", "_interval", "_started", "prompt_token_ids",
-                 "prompt", "text")
+                 "prompt", "text", "_unsent", "_max_unsent", "_on_overflow")
 
     def __init__(self, prompt_token_ids: list[int], prompt: str | None,
-                 text: RequestText | None, stream_interval: int = 1) -> None:
+                 text: RequestText | None, stream_interval: int = 1,
+                 max_unsent_tokens: int = 0,
+                 on_overflow: Callable[[], None] | None = None) -> None:
         self._pending: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
         self._text_parts: dict[int, list[str]] = {}
@@ -88,19 +98,46 @@ class OutputBuffer:
         self.prompt_token_ids = prompt_token_ids
         self.prompt = prompt
         self.text = text  # makes the text of each output, in order (None: ids only)
+        # Tokens (each top logprob counted as one more) merged since the stream last took an
+        # output; past _max_unsent (0: no bound) while the stream has one waiting, nobody is
+        # reading it: the request is stopped (_on_overflow aborts it in the engine).
+        self._unsent = 0
+        self._max_unsent = max_unsent_tokens
+        self._on_overflow = on_overflow
 
     def put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, RequestOutput):
             item.prompt_token_ids, item.prompt = self.prompt_token_ids, self.prompt
             if self.text is not None:
                 self.text.apply(item)
+            if isinstance(self._pending, BaseException):
+                return  # an error ends the stream; nothing after it counts
+            if self._max_unsent:
+                self._unsent += _output_size(item)
+                if self._unsent > self._max_unsent and self._ready.is_set() and (
+                        not item.finished):
+                    self._overflow()
+                    return
             if isinstance(self._pending, RequestOutput):
                 item = merge_outputs(self._pending, item, self._text_parts)
-            elif isinstance(self._pending, BaseException):
-                return  # an error ends the stream; nothing after it counts
         self._pending = item
         if self._interval <= 1 or not isinstance(item, RequestOutput) or self._due(item):
             self._ready.set()
+
+    def _overflow(self) -> None:
+        """The stream has not taken what waits for it while more than the bound piled up: its
+        client is not reading. What waits is dropped, the request stops (its blocks freed at
+        the engine's next step), and the stream ends with RESOURCE_EXHAUSTED when its client
+        reads on (or goes away)."""
+        self._pending = RequestRejected(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the stream was not read: {self._unsent} tokens (top logprobs counted) waited "
+            f"unsent, past this engine's --max-unsent-tokens {self._max_unsent}; the request "
+            f"was stopped: read the stream as it comes")
+        self._text_parts = {}
+        self._ready.set()
+        if self._on_overflow is not None:
+            self._on_overflow()
 
     put_nowait = put  # what the servicer calls on this and on AsyncEngine's asyncio.Queue
 
@@ -116,6 +153,7 @@ class OutputBuffer:
             await self._ready.wait()
         item, self._pending = self._pending, None
         self._ready.clear()
+        self._unsent = 0
         if isinstance(item, RequestOutput):
             self._started = self._started or any(c.token_ids_delta for c in item.outputs)
             if self._text_parts:
@@ -125,6 +163,16 @@ class OutputBuffer:
                         completion.text_delta += "".join(parts)
                 self._text_parts = {}
         return item
+
+
+def _output_size(output: RequestOutput) -> int:
+    """An output's new tokens, each top logprob counted as one more (what a message carries)."""
+    size = 0
+    for completion in output.outputs:
+        size += len(completion.token_ids_delta)
+        for logprob in completion.logprobs_delta or ():
+            size += len(logprob.top)
+    return size
 
 
 class CoreLinkView:
@@ -163,6 +211,8 @@ class CoreClient:
         # core makes none. Set before the first request; None serves token ids only.
         self.tokenizer = None
         self.stream_interval = 1  # OutputBuffer's: new tokens gathered per streamed message
+        # OutputBuffer's bound on what waits for a stream that is not read (0: none).
+        self.max_unsent_tokens = DEFAULT_MAX_UNSENT_TOKENS
         self.snapshot: EngineStats | None = None
         self.link = CoreLinkView(self) if options.prefix_index else None
         self.dead: BaseException | None = None
@@ -276,7 +326,8 @@ class CoreClient:
             text = RequestText(self.tokenizer, prompt_token_ids, params,
                                lambda index, stop: self._send(
                                    ("finish_seq", request_id, index, stop)))
-        buffer = OutputBuffer(prompt_token_ids, prompt, text, self.stream_interval)
+        buffer = OutputBuffer(prompt_token_ids, prompt, text, self.stream_interval,
+                              self.max_unsent_tokens, lambda: self.abort(request_id))
         self._streams[request_id] = buffer
         self._send(("add", request_id, prompt_token_ids, params, cache_salt, priority))
         return buffer

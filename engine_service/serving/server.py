@@ -34,7 +34,7 @@ from engine_service.model.dtype import DTYPE_CHOICES
 from engine_service.model.tokenizer import load_tokenizer
 from engine_service.serving.async_engine import AsyncEngine
 from engine_service.serving.connection_limits import generation_limits
-from engine_service.serving.core_client import CoreClient
+from engine_service.serving.core_client import DEFAULT_MAX_UNSENT_TOKENS, CoreClient
 from engine_service.serving.core_process import (
     CoreOptions,
     CoreTarget,
@@ -88,6 +88,9 @@ class ServerOptions:
     # Message sizes, streams per connection, keepalive (connection_limits.py); None: computed
     # from the in-process engine's context.
     connection: ConnectionLimits | None = None
+    # What may wait unsent for a stream its client does not read before the request is stopped
+    # with RESOURCE_EXHAUSTED, in tokens (core_client.py); 0: no bound.
+    max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS
 
 
 class EngineServer:
@@ -149,6 +152,7 @@ class EngineServer:
         if isinstance(self.async_engine, CoreClient):
             self.async_engine.tokenizer = tokenizer  # the core makes no text: we do
             self.async_engine.stream_interval = self.options.stream_interval
+            self.async_engine.max_unsent_tokens = self.options.max_unsent_tokens
         # A third copy for Tokenize / Detokenize on a thread of their own (text_worker.py).
         text_tokenizer = None if tokenizer is None else load_tokenizer(info.model_config)
         return GenerationServicer(
@@ -325,6 +329,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-interval", type=int, default=ServerOptions().stream_interval,
                    help="streamed messages carry this many new tokens each (the first tokens "
                         "and the last message go at once): fewer messages, less CPU a token")
+    p.add_argument("--max-unsent-tokens", type=int,
+                   default=ServerOptions().max_unsent_tokens,
+                   help="a stream whose client does not read it is stopped (RESOURCE_EXHAUSTED, "
+                        "the request aborted) once this many tokens, each top logprob counted "
+                        "as one more, wait unsent for it; a reader that pauses gets them merged "
+                        "into one message (0: no bound)")
     p.add_argument("--prefix-index", default="none",
                    help="HOST:PORT of the prefix index, or 'none' for a local LRU only")
     p.add_argument("--index-lease-s", type=float, default=IndexLinkOptions().lease_s,
@@ -347,6 +357,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-live-requests must be >= 1, got {args.max_live_requests}")
     if not 1 <= args.stream_interval <= 1024:
         p.error(f"--stream-interval must be in [1, 1024] tokens, got {args.stream_interval}")
+    if args.max_unsent_tokens < 0:
+        p.error(f"--max-unsent-tokens must be >= 0 (0: no bound), got {args.max_unsent_tokens}")
     if args.torch_threads is not None and args.torch_threads < 0:
         p.error(f"--torch-threads must be >= 0 (0: torch's default), got {args.torch_threads}")
     if args.grace_s < 0:
@@ -468,6 +480,7 @@ def serve(args: argparse.Namespace, core_target: CoreTarget = run_core) -> None:
                             args.max_live_requests, engine_id, args.http_port, args.http_host,
                             args.stream_interval, door=door_from_args(args), tls=args.tls,
                             tls_client_cert=not args.tls_server_only)
+    options.max_unsent_tokens = args.max_unsent_tokens
     warn_if_plain_text("pagedgen-engine", args.tls, args.insecure)
     if asyncio.run(_serve(args, options, core_options, EngineMetrics(), core_target)):
         sys.exit(1)
