@@ -3,8 +3,8 @@ the bounds tests (tests/bounds): what one client sends or leaves unread must not
 
 The engine's pool (4096 blocks of 16 tokens; the tiny model's blocks are small) runs four
 n = 64 requests of a few hundred tokens at once; its unsent-token bound is small so an unread
-stream is stopped after a few steps. The router fronts a 4096-token context
-(--max-context-tokens), so its message size limit is the engine's.
+stream is stopped after a few steps. The router runs at its defaults: it learns the engine's
+context from ModelInfo, and its message size limit is sized for a 128K-token context.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def bounded(tiny_llama_dir, tmp_path_factory) -> Iterator[Bounded]:
         "--prefix-index", "none", "--http-port", str(http_port), "--grace-s", "2",
         "--log-level", "WARNING"], log_path=log_dir / "engine.log")
     with engine:
+        # The router at its default --max-context-tokens (128K: 16 MiB messages), as deployed.
         router = RouterProcess(["--engines", engine.target, "--prefix-index", "none",
-                                "--max-context-tokens", str(CONTEXT_TOKENS),
                                 "--log-level", "WARNING"], log_path=log_dir / "router.log")
         with router:
             wait_until(lambda: engine_stats(router.target).index_details.get(
