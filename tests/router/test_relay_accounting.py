@@ -57,7 +57,7 @@ def setup(script, matched=32):
     replica.reported = ReportedLoad()
     replica.healthy, replica.retired, replica.last_error = True, False, ""
     call = FakeCall(script)
-    replica.stub = SimpleNamespace(GenerateStream=lambda upstream, timeout: call)
+    replica.stub = SimpleNamespace(GenerateStream=lambda upstream, timeout, metadata=(): call)
     router = SimpleNamespace(metrics=RouterMetrics(),
                              replicas=SimpleNamespace(hasher=SimpleNamespace(block_size=BLOCK)),
                              config=SimpleNamespace(rpc_timeout_s=2.0))
