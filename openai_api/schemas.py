@@ -9,7 +9,7 @@ import json
 from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from openai_api.errors import ApiError, bad_request
 
@@ -111,6 +111,9 @@ EMPTY_MESSAGE_FIELDS: dict[str, tuple[object, ...]] = {
 class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart] | None = None
+    # A participant's name (multi-agent clients such as AutoGen send it): accepted and not
+    # rendered, as the chat templates of the models served here have no place for it.
+    name: Annotated[str, StringConstraints(max_length=256)] | None = None
 
     @model_validator(mode="before")
     @classmethod

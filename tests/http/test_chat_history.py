@@ -32,3 +32,19 @@ def test_a_dumped_reply_message_is_accepted_as_history(client, http_engine):
         client.chat.completions.create(model=http_engine.model, max_tokens=3,
                                        messages=[*first, called, history[-1]])
     assert error_of(raised)["param"] == "messages[1].tool_calls"
+
+
+def test_a_message_name_is_accepted_and_not_rendered(client, http_engine):
+    """Multi-agent clients name the participants (`name`): accepted, the prompt unchanged
+    (the served templates have no place for it); past 256 characters it is refused by name."""
+    plain = [{"role": "user", "content": "Hello"}]
+    named = [{"role": "user", "content": "Hello", "name": "planner"}]
+    replies = [client.chat.completions.create(model=http_engine.model, messages=m,
+                                              max_tokens=3, temperature=0)
+               for m in (plain, named)]
+    assert replies[0].usage.prompt_tokens == replies[1].usage.prompt_tokens
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=http_engine.model, max_tokens=3,
+                                       messages=[{**named[0], "name": "x" * 257}])
+    assert error_of(raised)["param"] == "messages[0].name"
