@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 
 import uvicorn
 
@@ -32,10 +33,13 @@ class HttpServer:
     served once the backend exists."""
 
     def __init__(self, host: str, port: int, gate: Gate | None = None,
-                 tls: TlsMaterial | None = None) -> None:
+                 tls: TlsMaterial | None = None, require_client_cert: bool = False) -> None:
         self.host, self.requested_port = host, port
         self.gate = gate  # who may call (tenancy/gate.py); None: anyone
         self.tls = tls  # HTTPS with the gRPC port's certificate; None: plain HTTP
+        # As the gRPC port asks: a client certificate the CA signed, or the handshake fails
+        # (an engine behind a router); False: any client (a front door, an engine alone).
+        self.require_client_cert = require_client_cert
         if tls is not None and tls.files is None:
             raise ValueError("tls: HTTPS needs the certificate and key as files (uvicorn)")
         self.port = 0
@@ -53,10 +57,13 @@ class HttpServer:
         if self._socket is None:
             self.bind()
         files = self.tls.files if self.tls is not None else None
+        mutual = files is not None and self.require_client_cert
         config = uvicorn.Config(create_app(backend, self.gate), lifespan="off",
                                 log_level="warning", access_log=False,
                                 ssl_certfile=str(files.cert) if files else None,
-                                ssl_keyfile=str(files.key) if files else None)
+                                ssl_keyfile=str(files.key) if files else None,
+                                ssl_ca_certs=str(files.ca) if mutual else None,
+                                ssl_cert_reqs=ssl.CERT_REQUIRED if mutual else ssl.CERT_NONE)
         self._server = _LoopServer(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))
         while not self._server.started:  # bound already: this is uvicorn's own set-up

@@ -140,7 +140,8 @@ class EngineServer:
             options=connection.options(),
             interceptors=[GateInterceptor(gate)] if gate.takes_keys else None)
         self.port = 0
-        self.http = (HttpServer(options.http_host, options.http_port, gate, options.tls)
+        self.http = (HttpServer(options.http_host, options.http_port, gate, options.tls,
+                                require_client_cert=options.tls_client_cert)
                      if options.http_port else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine_failed = asyncio.Event()  # set (on the loop) when the engine died
