@@ -213,9 +213,9 @@ def test_an_engine_restarted_with_a_new_certificate_rejoins(stack):
 
 
 def test_the_readmes_tls_grpcurl_commands_work_as_written(stack):
-    """README's TLS section, with this stack's certificates and addresses put in."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text[text.index("### TLS and certificates"):]
+    """docs/security.md's TLS section, with this stack's certificates and addresses put in."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    section = text[text.index("## TLS and certificates"):]
     block = re.search(r"```console\n(.*?)```", section, flags=re.S).group(1)
     commands = [line for line in block.splitlines() if line.startswith("grpcurl ")]
     assert len(commands) == 3
