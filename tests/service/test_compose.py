@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import yaml
@@ -31,7 +34,7 @@ def test_compose_matches_the_compose_spec():
 
 
 def test_dependencies_healthchecks_and_gpu(services):
-    assert services["redis"]["healthcheck"]["test"][-1] == "ping"
+    assert "redis-cli ping" in services["redis"]["healthcheck"]["test"][-1]
     index = services["prefix-index"]
     assert index["depends_on"]["redis"] == {"condition": "service_healthy"}
     assert "localhost:50061" in index["healthcheck"]["test"]
@@ -51,24 +54,26 @@ def test_dependencies_healthchecks_and_gpu(services):
         assert (ROOT / services[name]["build"]["dockerfile"]).exists()
 
 
-def test_commands_parse_with_the_real_console_scripts(services):
+def test_commands_parse_with_the_real_console_scripts(services, secret_files, tmp_path):
     """The flags in compose.yaml are ones the servers accept (argparse exits on a bad one)."""
     for name in ("engine", "engine-cpu"):
         script, *argv = services[name]["command"]
         assert script == "pagedgen-engine"
-        args = engine_args(argv)
+        args = engine_args([_on_this_machine(a, secret_files, tmp_path) for a in argv])
         assert args.prefix_index == "prefix-index:50061" and args.port == 50051
     script, *argv = services["prefix-index"]["command"]
     assert script == "pagedgen-prefix-index"
-    assert index_args(argv).redis_url == "redis://redis:6379/0"
+    # The URL, password included, comes from the environment its entrypoint sets (below).
+    assert not any(arg.startswith("--redis-url") for arg in argv)
+    assert index_args(argv).port == 50061
     script, *argv = services["router"]["command"]
     assert script == "pagedgen-router"
-    args = router_args(argv)
+    args = router_args([_on_this_machine(a, secret_files, tmp_path) for a in argv])
     assert args.prefix_index == "prefix-index:50061" and args.engine_list == []
     assert args.policy == "kv-aware" and args.port == 50051
 
 
-def test_the_router_fronts_scalable_engine_replicas(services):
+def test_the_router_fronts_scalable_engine_replicas(services, secret_files, tmp_path):
     """Only the router is published; replicas have no fixed id or host port (so --scale works)
     and register hostname:50051 (the default advertised address when bound to 0.0.0.0)."""
     router = services["router"]
@@ -79,7 +84,8 @@ def test_the_router_fronts_scalable_engine_replicas(services):
     for name in ("engine", "engine-cpu"):
         engine = services[name]
         assert "ports" not in engine, name
-        args = engine_args(engine["command"][1:])
+        args = engine_args([_on_this_machine(a, secret_files, tmp_path)
+                            for a in engine["command"][1:]])
         assert args.engine_id is None and args.advertise_address == "" and args.host == "0.0.0.0"
     assert services["engine-cpu"]["deploy"]["replicas"] >= 2
 
@@ -110,3 +116,171 @@ def test_every_service_runs_tls_with_certificates_from_the_certs_job(services):
         assert "pagedgen-certs:/certs:ro" in services[name]["volumes"], name
     assert services["prefix-index"]["depends_on"]["certs"] == {
         "condition": "service_completed_successfully"}
+
+
+def _interpolated(text: str) -> str:
+    """What compose hands the container for a string of compose.yaml: $$ is a literal $."""
+    return text.replace("$$", "$")
+
+
+def _header_commands() -> list[str]:
+    """The secret-making commands of compose.yaml's header, as written."""
+    lines = COMPOSE.read_text().split("# Secrets", 1)[1].splitlines()[2:]
+    commands = []
+    for line in lines:
+        if not line.startswith("#   "):
+            break
+        commands.append(line.removeprefix("#   "))
+    return commands
+
+
+@pytest.fixture(scope="module")
+def secret_files(tmp_path_factory) -> dict[str, Path]:
+    """compose.yaml's secrets, made by the header's commands as written (in a scratch
+    directory): secret name -> the file compose would mount at /run/secrets/<name>."""
+    work = tmp_path_factory.mktemp("compose")
+    commands = _header_commands()
+    assert any(c.startswith("pagedgen-keys add") for c in commands), commands
+    done = subprocess.run(["bash", "-euc", "\n".join(commands)], cwd=work, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    declared = yaml.safe_load(COMPOSE.read_text())["secrets"]
+    files = {}
+    for name, source in declared.items():
+        assert set(source) == {"file"}, f"secret {name}: {source} (a file, never inline)"
+        assert source["file"].startswith("./secrets/"), source
+        files[name] = work / source["file"]
+        assert files[name].is_file(), f"the header's commands do not make {source['file']}"
+    return files
+
+
+def _on_this_machine(text: str, secret_files: dict[str, Path], certs: Path) -> str:
+    for name, path in secret_files.items():
+        text = text.replace(f"/run/secrets/{name}", str(path))
+    return text.replace("/certs/", f"{certs}/")
+
+
+def test_only_the_router_client_ports_are_published(services):
+    """The front door (gRPC and HTTP, TLS with an API key) is the only way in: the index, the
+    engines, Redis and every metrics port stay on the internal network (issue 32)."""
+    published = {name: service["ports"] for name, service in services.items()
+                 if "ports" in service}
+    assert published == {"router": ["50051:50051", "8000:8000"]}, published
+    args = router_args([a for a in services["router"]["command"][1:]
+                        if not a.startswith(("--api-key-file", "--tenant-secret-file"))])
+    assert (args.port, args.http_port) == (50051, 8000)
+    for name in ("prefix-index", "engine", "engine-cpu", "router"):
+        assert "network_mode" not in services[name], name
+
+
+def test_redis_takes_its_password_from_a_secret_and_bounds_its_memory(services, secret_files,
+                                                                      tmp_path):
+    """Runs compose's Redis entrypoint and command with the real redis-server (the image's
+    docker-entrypoint.sh, which only drops to the redis user, stands in as `exec "$@"`): the
+    password is the secret's, maxmemory and noeviction are set, no argument holds the password,
+    and the healthcheck is healthy only with the password."""
+    import socket
+
+    redis = services["redis"]
+    assert redis["secrets"] == ["redis-password"]
+    password = secret_files["redis-password"].read_text()
+    assert password and password.strip() == password, "the password sits in a URL as it is"
+    command = [_interpolated(arg) for arg in redis["command"]]
+    assert not any(password in arg for arg in command)
+    assert command[command.index("--maxmemory") + 1] == "512mb"
+    # noeviction: an engine's keys in the index are one consistent whole (compose.yaml says why).
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker-entrypoint.sh").write_text('#!/bin/sh\nexec "$@"\n')
+    (bin_dir / "docker-entrypoint.sh").chmod(0o755)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    entrypoint = [_on_this_machine(_interpolated(a), secret_files, tmp_path)
+                  for a in redis["entrypoint"]]
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin:/usr/local/bin"}
+    server = subprocess.Popen([*entrypoint, *command, "--port", str(port), "--dir",
+                               str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        def cli(*argv: str, auth: str | None = None) -> str:
+            return subprocess.run(["redis-cli", "-p", str(port), *argv], capture_output=True,
+                                  text=True, timeout=10,
+                                  env={**env, **({"REDISCLI_AUTH": auth} if auth else {})}
+                                  ).stdout.strip()
+
+        for _ in range(100):
+            if cli("ping", auth=password) == "PONG":
+                break
+            subprocess.run(["sleep", "0.1"], check=True)
+        assert cli("ping", auth=password) == "PONG", server.stdout
+        assert "NOAUTH" in cli("ping")
+        assert cli("config", "get", "maxmemory-policy", auth=password).split() == [
+            "maxmemory-policy", "noeviction"]
+        assert cli("config", "get", "maxmemory", auth=password).split()[1] == str(512 << 20)
+        check = _on_this_machine(_interpolated(redis["healthcheck"]["test"][1]), secret_files,
+                                 tmp_path).replace("redis-cli", f"redis-cli -p {port}")
+        assert redis["healthcheck"]["test"][0] == "CMD-SHELL"
+        assert subprocess.run(["sh", "-c", check], env=env, timeout=10).returncode == 0
+        wrong = tmp_path / "wrong"
+        wrong.write_text("not-the-password")
+        bad = check.replace(str(secret_files["redis-password"]), str(wrong))
+        assert subprocess.run(["sh", "-c", bad], env=env, timeout=10).returncode != 0
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_the_index_reads_the_password_in_its_redis_url_from_the_secret(services, secret_files,
+                                                                        tmp_path):
+    """The index's entrypoint puts PAGEDGEN_REDIS_URL, with the secret's password, in its
+    environment (not its arguments), and the real parser takes the URL from there."""
+    index = services["prefix-index"]
+    assert index["secrets"] == ["redis-password"]
+    entrypoint = [_on_this_machine(_interpolated(a), secret_files, tmp_path)
+                  for a in index["entrypoint"]]
+    script = ("import sys; from prefix_index.server.main import parse_args, redacted_url; "
+              "url = parse_args(sys.argv[1:]).redis_url; print(url); print(redacted_url(url))")
+    done = subprocess.run([*entrypoint, sys.executable, "-c", script,
+                           *index["command"][1:]], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    password = secret_files["redis-password"].read_text()
+    url, redacted = done.stdout.split()
+    assert url == f"redis://:{password}@redis:6379/0"
+    assert password not in redacted
+    assert not any(password in _interpolated(arg) for arg in index["command"])
+
+
+def test_the_router_takes_api_keys_and_shares_the_tenant_secret_with_engines(
+        services, secret_files, tmp_path):
+    """With the secrets the header makes and the certificates the certs job makes, every
+    service's command and TLS environment parse with its real parser: the router reads the API
+    key file (pagedgen-keys'), router and engines one tenant secret, each its certificate."""
+    from tenancy.salt import read_secret
+    from trust.certs_tool import main as make_certs
+
+    script, *argv = services["certs"]["command"]
+    certs = tmp_path / "certs"
+    assert argv[:2] == ["--out", "/certs"] and script == "pagedgen-certs"
+    make_certs(["--out", str(certs), *argv[2:]])
+    parsers = {"router": router_args, "engine": engine_args, "engine-cpu": engine_args,
+               "prefix-index": index_args}
+    secret = read_secret(str(secret_files["tenant-secret"]))
+    for name, parse in parsers.items():
+        service = services[name]
+        env = {k: _on_this_machine(v, secret_files, certs)
+               for k, v in service["environment"].items()}
+        argv = [_on_this_machine(a, secret_files, certs) for a in service["command"][1:]]
+        with mock.patch.dict(os.environ, env):
+            args = parse(argv)
+        assert args.tls is not None, name
+        if name == "prefix-index":
+            continue
+        assert "tenant-secret" in service["secrets"], name
+        assert args.tenant_secret == secret, name
+    router = router_args([_on_this_machine(a, secret_files, certs)
+                          for a in services["router"]["command"][1:]])
+    assert set(services["router"]["secrets"]) == {"api-keys", "tenant-secret"}
+    assert router.keyring is not None and router.tenant_secret == secret
