@@ -66,9 +66,8 @@ class EngineProcess(ServerProcess):
         return super().terminate(timeout_s)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`python -m engine_service.tools.launch --check HOST:PORT`: exit 0 when the gRPC server there
-    reports SERVING (container healthchecks; works for the engine and the prefix index)."""
+def parse_check_args(argv: list[str] | None = None):
+    """The --check command's flags (deployment tests parse their probes with it)."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m engine_service.tools.launch")
@@ -77,6 +76,13 @@ def main(argv: list[str] | None = None) -> None:
     add_tls_args(p)
     args = p.parse_args(argv)
     resolve_tls_args(p, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m engine_service.tools.launch --check HOST:PORT`: exit 0 when the gRPC server there
+    reports SERVING (container healthchecks; works for the engine and the prefix index)."""
+    args = parse_check_args(argv)
     try:
         with sync_channel(args.check, args.tls) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(

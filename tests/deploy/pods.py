@@ -136,3 +136,15 @@ def selects(selector: dict, labels: dict) -> bool:
         if operator not in ("In", "NotIn", "Exists", "DoesNotExist"):
             raise ValueError(f"selector operator {operator!r} is not a Kubernetes one")
     return True
+
+
+def on_this_machine(pod: Pod, container: dict, text: str, secrets_root) -> str:
+    """`text` with a path under one of the container's Secret volume mounts turned into the file
+    <secrets_root>/<secret name>/<key> (where a test keeps stand-ins of the Secrets' files)."""
+    volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        secret = volumes.get(mount["name"], {}).get("secret")
+        root = mount["mountPath"].rstrip("/") + "/"
+        if secret is not None and root in text:
+            text = text.replace(root, f"{secrets_root}/{secret['secretName']}/")
+    return text

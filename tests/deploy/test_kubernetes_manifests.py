@@ -9,6 +9,7 @@ import functools
 import os
 import shutil
 import subprocess
+import tempfile
 import tomllib
 from pathlib import Path
 from unittest import mock
@@ -20,6 +21,7 @@ import yaml
 from kubernetes_validate.utils import SchemaNotFoundError, latest_version
 
 from engine_service.serving.server import parse_args as engine_args
+from engine_service.tools.launch import parse_check_args
 from engine_service.tools.prepare_model import parse_args as prepare_model_args
 from prefix_index.server.main import parse_args as index_args
 from router.server import parse_args as router_args
@@ -30,6 +32,7 @@ from tests.deploy.pods import (
     Pod,
     container_env,
     expanded_args,
+    on_this_machine,
     pods,
     secret_placeholder,
     selects,
@@ -45,7 +48,11 @@ PARSERS = {"pagedgen-engine": engine_args, "pagedgen-prefix-index": index_args,
            "pagedgen-router": router_args, "pagedgen-prepare-model": prepare_model_args}
 SERVERS = ("pagedgen-engine", "pagedgen-prefix-index", "pagedgen-router")
 REDIS_SECRET = ("pagedgen-redis", "password")
-API_KEY_SECRET = ("pagedgen-api-key", "api-key")
+API_KEYS_SECRET = "pagedgen-api-keys"
+TENANT_SECRET = "pagedgen-tenant-secret"
+# The role whose certificate each server's pod mounts (one Secret per role, README.md).
+TLS_ROLES = {"pagedgen-engine": "engine", "pagedgen-prefix-index": "index",
+             "pagedgen-router": "router"}
 MONITORING = 'namespace{"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}'
 DNS = ('namespace{"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}} '
        'pods{"matchLabels": {"k8s-app": "kube-dns"}}')
@@ -70,11 +77,40 @@ def _script(container: dict) -> str | None:
     return command[0] if command and command[0].startswith("pagedgen-") else None
 
 
+@functools.cache
+def _secret_files() -> Path:
+    """The Secrets README.md makes, as files (<secret name>/<key>), made the README's way:
+    pagedgen-certs per role, a pagedgen-keys key file, a tenant secret."""
+    from tenancy.keys_tool import add_key
+    from trust.certs_tool import main as make_certs
+
+    root = Path(tempfile.mkdtemp(prefix="pagedgen-secrets-"))
+    certs = root / "certs"
+    make_certs(["--out", str(certs), "--engine", "", "--router", "--index", "--client",
+                "--host", "localhost"])
+    for role in ("engine", "router", "index", "client"):
+        secret = root / f"pagedgen-tls-{role}"
+        secret.mkdir()
+        for key, made in (("tls.crt", f"{role}.pem"), ("tls.key", f"{role}-key.pem"),
+                          ("ca.crt", "ca.pem")):
+            (secret / key).write_bytes((certs / made).read_bytes())
+    (root / API_KEYS_SECRET).mkdir()
+    add_key(root / API_KEYS_SECRET / "api-keys.toml", "default")
+    (root / TENANT_SECRET).mkdir()
+    (root / TENANT_SECRET / "tenant-secret").write_text(secret_placeholder(TENANT_SECRET, "x"))
+    return root
+
+
 def _parse(script: str, pod: Pod, container: dict):
     """The container's args through the script's parser, in the container's environment (the
-    servers read some settings, such as $PAGEDGEN_API_KEY, from it)."""
-    with mock.patch.dict(os.environ, container_env(pod, container)):
-        return PARSERS[script](expanded_args(pod, container))
+    servers read some settings, such as $PAGEDGEN_TLS_CERT, from it), with the files its Secret
+    volumes mount read from _secret_files()."""
+    env = {name: on_this_machine(pod, container, value, _secret_files())
+           for name, value in container_env(pod, container).items()}
+    argv = [on_this_machine(pod, container, arg, _secret_files())
+            for arg in expanded_args(pod, container)]
+    with mock.patch.dict(os.environ, env):
+        return PARSERS[script](argv)
 
 
 def _servers(resources: list[dict]) -> dict[str, tuple[Pod, dict, object]]:
@@ -149,20 +185,55 @@ def test_container_ports_probes_and_annotations_agree_with_the_flags(resources):
         assert declared == expected, f"{script}: containerPorts {declared}, flags {expected}"
         assert pod.annotations.get("prometheus.io/port") == str(args.metrics_port), script
         assert "readinessProbe" in container and "livenessProbe" in container, script
-        assert container["readinessProbe"]["grpc"]["port"] == args.port, script
+        assert "exec" in container["readinessProbe"], script
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = container.get(kind)
             if probe is None:
                 continue
-            if "grpc" in probe:
-                assert probe["grpc"]["port"] == args.port, f"{script} {kind}"
-                assert probe["grpc"].get("service", "") == "", f"{script} {kind}: the " \
-                    "servers report health under '' and their service's full name"
+            # The kubelet's grpc probe speaks plain text only: against a TLS port it fails.
+            assert "grpc" not in probe, f"{script} {kind}: a grpc probe of a TLS port"
+            if "exec" in probe:
+                check = _probe_check(pod, container, probe)
+                assert check.check == f"localhost:{args.port}", f"{script} {kind}"
+                assert check.tls is not None and check.tls.ca == args.tls.ca, \
+                    f"{script} {kind}: the probe does not speak TLS with the pod's CA"
+                assert probe["timeoutSeconds"] >= 5, f"{script} {kind}: python starts slowly"
             else:
                 assert pod.resolve_port(probe["tcpSocket"]["port"]) == args.port, \
                     f"{script} {kind}: {probe}"
     engine_pod, engine, _ = _servers(resources)["pagedgen-engine"]
-    assert "grpc" in engine["livenessProbe"] and "grpc" in engine["startupProbe"]
+    assert "exec" in engine["livenessProbe"] and "exec" in engine["startupProbe"]
+
+
+def _probe_check(pod: Pod, container: dict, probe: dict):
+    """An exec probe's command through launch --check's own parser (its TLS files read)."""
+    command = probe["exec"]["command"]
+    assert command[:3] == ["python", "-m", "engine_service.tools.launch"], command
+    env = {name: on_this_machine(pod, container, value, _secret_files())
+           for name, value in container_env(pod, container).items()}
+    with mock.patch.dict(os.environ, env):
+        return parse_check_args([on_this_machine(pod, container, arg, _secret_files())
+                                 for arg in command[3:]])
+
+
+def test_every_server_runs_tls_with_its_roles_certificate_from_a_secret(resources):
+    """Each server's pod mounts its role's Secret (pagedgen-tls-<role>) read-only and points
+    PAGEDGEN_TLS_CERT / _KEY / _CA at it; the real parser loads the three files."""
+    from trust.cli_args import TLS_ENV
+
+    for script, (pod, container, args) in _servers(resources).items():
+        env = container_env(pod, container)
+        paths = {part: env.get(name) for part, name in TLS_ENV.items()}
+        assert all(paths.values()), f"{script}: TLS variables {paths}"
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod.spec["volumes"]}
+        for part, path in paths.items():
+            [mount] = [m for root, m in mounts.items() if path.startswith(root + "/")] or [None]
+            assert mount is not None and mount.get("readOnly"), f"{script}: {part} {path}"
+            secret = volumes[mount["name"]].get("secret", {}).get("secretName")
+            assert secret == f"pagedgen-tls-{TLS_ROLES[script]}", f"{script}: {part} from " \
+                                                                   f"{secret}"
+        assert args.tls is not None, script
 
 
 def test_services_select_pods_and_target_their_ports(resources):
@@ -188,8 +259,11 @@ def test_the_router_service_publishes_the_client_ports_and_http_needs_a_key(reso
     reached = {router_pod.resolve_port(p.get("targetPort", p["port"]))
                for p in service["spec"]["ports"]}
     assert reached == {router.port, *([http_port] if http_port else [])}
-    if http_port:  # the front door's HTTP API takes a Bearer key, from a Secret
-        assert router.api_key == secret_placeholder(*API_KEY_SECRET)
+    # The front door takes Bearer keys of tenants (gRPC and HTTP), from a Secret's key file.
+    assert router.keyring is not None and router.api_key is None
+    keys = on_this_machine(router_pod, servers["pagedgen-router"][1], router.api_key_file,
+                           _secret_files())
+    assert Path(keys).is_relative_to(_secret_files() / API_KEYS_SECRET), router.api_key_file
     # Clients reach the engines only through the router.
     assert not getattr(servers["pagedgen-engine"][2], "http_port", 0)
 
@@ -316,6 +390,21 @@ def test_the_redis_password_comes_from_one_secret_and_is_not_shipped(resources):
     assert probe_auth and probe_auth[0]["valueFrom"]["secretKeyRef"] == dict(
         zip(("name", "key"), REDIS_SECRET, strict=True))
     assert not _by_kind(resources, "Secret"), "secrets are made at install time (README.md)"
+    # Bounded, and never evicting a piece of an engine's state (redis.yaml says why).
+    assert args[args.index("--maxmemory") + 1] == "512mb"
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    limit = container["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and int(limit[:-2]) * 1024 > 512, limit
+
+
+def test_router_and_engines_share_one_tenant_secret(resources):
+    servers = _servers(resources)
+    engine, router = servers["pagedgen-engine"][2], servers["pagedgen-router"][2]
+    assert router.tenant_secret is not None and engine.tenant_secret == router.tenant_secret
+    for script in ("pagedgen-engine", "pagedgen-router"):
+        pod, container, args = servers[script]
+        local = on_this_machine(pod, container, args.tenant_secret_file, _secret_files())
+        assert Path(local).is_relative_to(_secret_files() / TENANT_SECRET), script
 
 
 def test_engines_have_a_disruption_budget(resources):
