@@ -219,8 +219,9 @@ def _rotary_cache_kernel(
     tl.store(first, out1.to(dtype), mask=rotated)
     tl.store(first + HALF, out2.to(dtype), mask=rotated)
     # k rotated, v as it is: into the token's slot (none for a padding token).
-    # The slot once per head (a vector, not a scalar: masks stay [HEADS, HALF_PAD] tensors).
-    slot = tl.load(slot_mapping_ptr + token + tl.zeros([HEADS], tl.int64)).to(tl.int64)
+    # The slot once per head (a vector, not a scalar: masks stay [HEADS, HALF_PAD] tensors;
+    # heads * 0, not tl.zeros, a standard-library jit function: see kernels/triton_jit.py).
+    slot = tl.load(slot_mapping_ptr + token + heads * 0).to(tl.int64)
     cached = valid & (slot >= 0)[:, None]
     block_id = (slot // BLOCK_SIZE)[:, None]
     in_block = (slot % BLOCK_SIZE)[:, None]
