@@ -65,6 +65,10 @@ class RouterConfig:
     stats_interval_s: float = 0.1  # each replica's EngineStats poll
     discovery_interval_s: float = 1.0  # replicas from the index; also the index's recovery probe
     rpc_timeout_s: float = 2.0  # the router's own calls to replicas (not generation)
+    # What may wait for a client that does not read its stream, in tokens (each top logprob
+    # one more), before its request is stopped with RESOURCE_EXHAUSTED (router/relay_buffer.py;
+    # the engine's --max-unsent-tokens, the same default); 0: no bound.
+    max_unsent_tokens: int = 1 << 16
 
     def check(self) -> None:
         """Raises ValueError naming a setting outside what is allowed."""
@@ -84,6 +88,9 @@ class RouterConfig:
             raise ValueError(f"share_window must be >= 1 requests, got {self.share_window}")
         if self.prefix_window < 1:
             raise ValueError(f"prefix_window must be >= 1 requests, got {self.prefix_window}")
+        if self.max_unsent_tokens < 0:
+            raise ValueError(f"max_unsent_tokens must be >= 0 (0: no bound), got "
+                             f"{self.max_unsent_tokens}")
         if self.prefix_hash_blocks < 1:
             raise ValueError(f"prefix_hash_blocks must be >= 1, got {self.prefix_hash_blocks}")
         for name in ("lookup_timeout_s", "stats_interval_s", "discovery_interval_s",

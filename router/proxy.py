@@ -38,6 +38,7 @@ from engine_service.model.sampling_params import SamplingParams
 from engine_service.serving.validation import REQUEST_ID_PATTERN
 from pagedgen_api import generation_pb2 as pb
 from router.core import NoReplicaError, Route, Router
+from router.relay_buffer import RelayBuffer
 from router.replicas import Replica
 from router.resumed_text import ResumedText
 from tenancy.gate import TENANT_METADATA
@@ -229,7 +230,9 @@ class RoutedRequest:
                      ) -> AsyncIterator[pb.GenerateStreamResponse | Failure]:
         """The replica's messages as the client gets them; a failure is the last item. A
         replica that goes silent and is found down meanwhile (it hangs, or is partitioned
-        away) fails the attempt, so the stream can go on elsewhere instead of waiting."""
+        away) fails the attempt, so the stream can go on elsewhere instead of waiting. The
+        replica's stream is read as it comes, whatever the client's pace (router/relay_buffer.py):
+        a client that stops reading stops the request (RESOURCE_EXHAUSTED)."""
         router = self.router
         name = replica.name  # the metric label for the whole attempt
         block_size = router.replicas.hasher.block_size
@@ -245,13 +248,71 @@ class RoutedRequest:
         call = self._call = replica.stub.GenerateStream(
             upstream, timeout=self.context.time_remaining(), metadata=tenant_metadata(self.tenant))
         self._ended_here = False
+        buffer = RelayBuffer(router.config.max_unsent_tokens)
         got_output = False
         lost = False
+        released = False
         last_message_at = time.monotonic()
+
+        def release() -> None:
+            """The replica no longer runs it: out of its load (once)."""
+            nonlocal released, uncached, prompt
+            if released:
+                return
+            released = True
+            replica.in_flight -= 1
+            replica.num_finished += 1  # its last EngineStats may still count this request
+            replica.pending_prefill_tokens -= uncached
+            replica.pending_prompt_tokens -= prompt
+            uncached = prompt = 0
+            router.metrics.in_flight.labels(name).dec()
+
+        async def read() -> None:
+            nonlocal got_output, last_message_at, uncached, prompt
+            try:
+                async for message in call:
+                    last_message_at = time.monotonic()
+                    # Its first message (a token, or the first chunk of a long prompt: the
+                    # engine then reports the rest itself): no longer queued here.
+                    if prompt:
+                        replica.pending_prefill_tokens -= uncached
+                        replica.pending_prompt_tokens -= prompt
+                        replica.prefilled_prompt_tokens += prompt
+                        uncached = prompt = 0
+                    got_output = True
+                    if not buffer.put(message):
+                        call.cancel()  # the replica aborts it and frees its blocks
+                        # It leaves the replica's load now, not when its client reads on.
+                        release()
+                        buffer.end(Failure(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"the stream was not read: more than {buffer.max_unsent_tokens} "
+                            f"tokens (top logprobs counted) waited unsent, past the router's "
+                            f"--max-unsent-tokens; the request was stopped: read the stream "
+                            f"as it comes", True))
+                        return
+                buffer.end()
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as error:
+                if lost:  # our watchdog cancelled the call, not the client
+                    buffer.end(Failure(grpc.StatusCode.UNAVAILABLE,
+                                       f"replica {name} went silent and is down "
+                                       f"({replica.last_error or 'removed'})", got_output))
+                elif self._ended_here:  # Abort cancelled it, not the client
+                    buffer.end(Failure(grpc.StatusCode.CANCELLED, "aborted by the client",
+                                       got_output))
+                elif isinstance(error, grpc.aio.AioRpcError):
+                    buffer.end(Failure(error.code(), error.details() or "", got_output))
+                else:
+                    raise  # this reader was cancelled: the relay is closing
+            finally:
+                # (Ends nothing that ended above; here only a bug's exception would reach.)
+                buffer.end(Failure(grpc.StatusCode.INTERNAL,
+                                   "the router failed relaying the replica's stream",
+                                   got_output))
 
         async def watch() -> None:
             nonlocal lost
-            while True:
+            while not reader.done():
                 await asyncio.sleep(_WATCH_INTERVAL_S)
                 silent_s = time.monotonic() - last_message_at
                 if silent_s > router.config.rpc_timeout_s and replica.lost:
@@ -259,41 +320,24 @@ class RoutedRequest:
                     call.cancel()
                     return
 
+        reader = asyncio.ensure_future(read())
         watchdog = asyncio.ensure_future(watch())
         try:
-            async for message in call:
-                last_message_at = time.monotonic()
-                # Its first message (a token, or the first chunk of a long prompt: the engine
-                # then reports the rest itself): no longer queued here.
-                if prompt:
-                    replica.pending_prefill_tokens -= uncached
-                    replica.pending_prompt_tokens -= prompt
-                    replica.prefilled_prompt_tokens += prompt
-                    uncached = prompt = 0
-                got_output = True
+            while True:
+                message, ended, end = await buffer.get()
+                if ended:
+                    if end is not None:
+                        yield end
+                    return
                 if self.resumed_text is not None:
                     message = await self._rewrite(message)
                 yield self._record(message)
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as error:
-            if lost:  # our watchdog cancelled the call, not the client
-                yield Failure(grpc.StatusCode.UNAVAILABLE,
-                              f"replica {name} went silent and is down "
-                              f"({replica.last_error or 'removed'})", got_output)
-            elif self._ended_here:  # Abort cancelled it, not the client
-                yield Failure(grpc.StatusCode.CANCELLED, "aborted by the client", got_output)
-            elif isinstance(error, grpc.aio.AioRpcError):
-                yield Failure(error.code(), error.details() or "", got_output)
-            else:
-                raise
         finally:
             self._call = None
             watchdog.cancel()
+            reader.cancel()
             call.cancel()  # the client went away (or we did): the replica aborts it
-            replica.in_flight -= 1
-            replica.num_finished += 1  # its last EngineStats may still count this request
-            replica.pending_prefill_tokens -= uncached
-            replica.pending_prompt_tokens -= prompt
-            router.metrics.in_flight.labels(name).dec()
+            release()
 
     def _record(self, message: pb.GenerateStreamResponse) -> pb.GenerateStreamResponse:
         """Notes what the client receives; after a switch, rewrites usage to the original

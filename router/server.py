@@ -184,6 +184,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory (default: the replicas' model directory when it "
                         "is on this machine, else a replica tokenizes)")
+    p.add_argument("--max-unsent-tokens", type=int, default=d.max_unsent_tokens,
+                   help="a client that does not read its stream has its request stopped "
+                        "(RESOURCE_EXHAUSTED) once this many tokens, each top logprob one "
+                        "more, wait unsent for it (0: no bound)")
     p.add_argument("--max-context-tokens", type=int, default=DEFAULT_CONTEXT_TOKENS,
                    help="the longest context of the replicas: sizes the largest request "
                         "message taken (a whole context of text), past which gRPC answers "
@@ -223,7 +227,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         load_bound=args.load_bound, load_slack=args.load_slack,
         prefix_hash_blocks=args.prefix_hash_blocks,
         lookup_timeout_s=args.lookup_timeout_s, stats_interval_s=args.stats_interval_s,
-        discovery_interval_s=args.discovery_interval_s)
+        discovery_interval_s=args.discovery_interval_s,
+        max_unsent_tokens=args.max_unsent_tokens)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -3,13 +3,15 @@ the bounds tests (tests/bounds): what one client sends or leaves unread must not
 
 The engine's pool (4096 blocks of 16 tokens; the tiny model's blocks are small) runs four
 n = 64 requests of a few hundred tokens at once; its unsent-token bound is small so an unread
-stream is stopped after a few steps. The router runs at its defaults: it learns the engine's
-context from ModelInfo, and its message size limit is sized for a 128K-token context.
+stream is stopped after a few steps (the router's too). The router runs at its defaults
+otherwise: it learns the engine's context from ModelInfo, and its message size limit is sized
+for a 128K-token context.
 """
 
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,15 @@ class Bounded:
     engine: EngineProcess
     router: RouterProcess
     http_port: int  # the engine's OpenAI-compatible HTTP API
+    router_metrics_port: int
     log_dir: Path
+
+    def router_in_flight(self) -> float:
+        """The requests the router counts as running on its replicas (its metrics)."""
+        url = f"http://127.0.0.1:{self.router_metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("pagedgen_router_in_flight_requests{"))
 
     def engine_stub(self, channel: grpc.Channel) -> pb_grpc.GenerationStub:
         return pb_grpc.GenerationStub(channel)
@@ -50,13 +60,18 @@ def bounded(tiny_llama_dir, tmp_path_factory) -> Iterator[Bounded]:
         "--prefix-index", "none", "--http-port", str(http_port), "--grace-s", "2",
         "--log-level", "WARNING"], log_path=log_dir / "engine.log")
     with engine:
-        # The router at its default --max-context-tokens (128K: 16 MiB messages), as deployed.
+        # The router at its default --max-context-tokens (128K: 16 MiB messages), as deployed;
+        # its unsent-token bound the engine's.
+        metrics_port = free_port()
         router = RouterProcess(["--engines", engine.target, "--prefix-index", "none",
-                                "--log-level", "WARNING"], log_path=log_dir / "router.log")
+                                "--max-unsent-tokens", str(MAX_UNSENT_TOKENS),
+                                "--metrics-port", str(metrics_port),
+                                "--metrics-host", "127.0.0.1", "--log-level", "WARNING"],
+                               log_path=log_dir / "router.log")
         with router:
             wait_until(lambda: engine_stats(router.target).index_details.get(
                 "replicas_routable") == "1", "the router routing to the engine")
-            yield Bounded(engine, router, http_port, log_dir)
+            yield Bounded(engine, router, http_port, metrics_port, log_dir)
 
 
 def wait_until(predicate, what: str, timeout_s: float = 60.0):

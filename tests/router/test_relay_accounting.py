@@ -60,7 +60,7 @@ def setup(script, matched=32):
     replica.stub = SimpleNamespace(GenerateStream=lambda upstream, timeout, metadata=(): call)
     router = SimpleNamespace(metrics=RouterMetrics(),
                              replicas=SimpleNamespace(hasher=SimpleNamespace(block_size=BLOCK)),
-                             config=SimpleNamespace(rpc_timeout_s=2.0))
+                             config=SimpleNamespace(rpc_timeout_s=2.0, max_unsent_tokens=0))
     context = SimpleNamespace(time_remaining=lambda: None)
     routed = RoutedRequest(router, pb.GenerateRequest(request_id="r"), context)
     route = Route(Decision(replica, "kv-aware", matched, False), 34 * BLOCK)
