@@ -3,7 +3,8 @@
 LLMEngine has one writer, the engine thread. Callers on the event loop (adds, aborts, calls) and
 other threads (the prefix-index link) send commands through the engine's command queue
 (`LLMEngine.post`); the engine thread runs them between two steps. Each request's outputs come
-back on its own asyncio.Queue, fed with loop.call_soon_threadsafe. The thread sleeps on an Event
+back in its own OutputBuffer (core_client.py: merged while its stream is busy, bounded when
+nobody reads it), fed with loop.call_soon_threadsafe. The thread sleeps on an Event
 when there is nothing to do, so an idle server costs no CPU. An abort takes effect between two
 steps, i.e. within one forward, and frees the request's blocks there and then.
 
@@ -23,6 +24,7 @@ from engine_service.core.engine import EngineStats, LLMEngine
 from engine_service.core.errors import EngineDeadError, RequestError
 from engine_service.core.outputs import RequestOutput
 from engine_service.model.sampling_params import SamplingParams
+from engine_service.serving.core_client import DEFAULT_MAX_UNSENT_TOKENS, OutputBuffer
 from engine_service.serving.engine_info import EngineInfo
 
 log = logging.getLogger(__name__)
@@ -52,8 +54,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         engine.wake = self._wake.set
         self._stopping = False
-        # request id -> its output queue; only touched on the loop thread.
-        self._streams: dict[str, asyncio.Queue] = {}
+        # request id -> its outputs on their way; only touched on the loop thread.
+        self._streams: dict[str, OutputBuffer] = {}
+        self.max_unsent_tokens = DEFAULT_MAX_UNSENT_TOKENS  # OutputBuffer's bound
         self._calls: set[asyncio.Future] = set()  # awaiting a result from the engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -107,13 +110,17 @@ class AsyncEngine:
         prompt: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
-    ) -> asyncio.Queue:
+    ) -> OutputBuffer:
         """Submits a validated request; its RequestOutputs (the last one `finished`), or an
-        exception, arrive on the returned queue. The caller checked the id is not live."""
+        exception, arrive on the returned buffer. The caller checked the id is not live."""
         self.check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id must be unique among live requests, got {request_id!r}")
-        outputs: asyncio.Queue = asyncio.Queue()
+        # Merged while the stream is busy sending, and bounded for a stream nobody reads (the
+        # request is stopped), as in the core process's front (core_client.py).
+        outputs = OutputBuffer(prompt_token_ids, prompt, None,
+                               max_unsent_tokens=self.max_unsent_tokens,
+                               on_overflow=lambda: self.abort(request_id))
         self._streams[request_id] = outputs
 
         def add(engine: LLMEngine) -> None:

@@ -139,7 +139,7 @@ class OutputBuffer:
         if self._on_overflow is not None:
             self._on_overflow()
 
-    put_nowait = put  # what the servicer calls on this and on AsyncEngine's asyncio.Queue
+    put_nowait = put  # what the servicer's deadline timer calls
 
     def _due(self, output: RequestOutput) -> bool:
         if output.finished:

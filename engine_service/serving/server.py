@@ -150,10 +150,10 @@ class EngineServer:
         # The servicer tokenizes on the event loop thread while the engine thread detokenizes:
         # two tokenizer objects, since HF fast tokenizers are not safe across threads.
         tokenizer = None if not info.limits.has_tokenizer else load_tokenizer(info.model_config)
+        self.async_engine.max_unsent_tokens = self.options.max_unsent_tokens
         if isinstance(self.async_engine, CoreClient):
             self.async_engine.tokenizer = tokenizer  # the core makes no text: we do
             self.async_engine.stream_interval = self.options.stream_interval
-            self.async_engine.max_unsent_tokens = self.options.max_unsent_tokens
         # A third copy for Tokenize / Detokenize on a thread of their own (text_worker.py).
         text_tokenizer = None if tokenizer is None else load_tokenizer(info.model_config)
         return GenerationServicer(
