@@ -107,6 +107,22 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
     return residual, _norm(residual, delta, weight, eps)
 
 
+@jit
+def _rotated(x1, x2, cos_row, sin_row, dims, dim_ok, dtype: tl.constexpr, HALF: tl.constexpr):
+    """The halves of x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), for rows of
+    heads (x1, x2: [heads, HALF_PAD] float32) at one token's cos / sin rows; each product and
+    the sum rounded to the dtype as torch rounds them."""
+    cos1 = tl.load(cos_row + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_row + HALF + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_row + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_row + HALF + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    out1 = _rounded(_rounded(x1 * cos1[None, :], dtype) + _rounded(-x2 * sin1[None, :], dtype),
+                    dtype)
+    out2 = _rounded(_rounded(x2 * cos2[None, :], dtype) + _rounded(x1 * sin2[None, :], dtype),
+                    dtype)
+    return out1, out2
+
+
 @jit(do_not_specialize=["num_tokens"])
 def _rotary_kernel(
     qkv_ptr,  # [tokens, (heads + kv_heads + kv_heads) * head_dim], rotated in place
@@ -129,19 +145,9 @@ def _rotary_kernel(
     first = qkv_ptr + token * stride_qkv + (heads * 2 * HALF)[:, None] + dims[None, :]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    cos1 = tl.load(cos_ptr + token * stride_cos + dims, mask=dim_ok, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + token * stride_cos + HALF + dims, mask=dim_ok,
-                   other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + token * stride_sin + dims, mask=dim_ok, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + token * stride_sin + HALF + dims, mask=dim_ok,
-                   other=0.0).to(tl.float32)
     dtype = qkv_ptr.dtype.element_ty
-    # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); each product and the sum
-    # rounded to the dtype as torch rounds them.
-    out1 = _rounded(_rounded(x1 * cos1[None, :], dtype) + _rounded(-x2 * sin1[None, :], dtype),
-                    dtype)
-    out2 = _rounded(_rounded(x2 * cos2[None, :], dtype) + _rounded(x1 * sin2[None, :], dtype),
-                    dtype)
+    out1, out2 = _rotated(x1, x2, cos_ptr + token * stride_cos, sin_ptr + token * stride_sin,
+                          dims, dim_ok, dtype, HALF)
     tl.store(first, out1.to(dtype), mask=mask)
     tl.store(first + HALF, out2.to(dtype), mask=mask)
 
@@ -204,17 +210,9 @@ def _rotary_cache_kernel(
     first = qkv_ptr + token * stride_qkv + (heads * 2 * HALF)[:, None] + dims[None, :]
     x1 = tl.load(first, mask=valid, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=valid, other=0.0).to(tl.float32)
-    cos1 = tl.load(cos_ptr + token * stride_cos + dims, mask=dim_ok, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + token * stride_cos + HALF + dims, mask=dim_ok,
-                   other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + token * stride_sin + dims, mask=dim_ok, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + token * stride_sin + HALF + dims, mask=dim_ok,
-                   other=0.0).to(tl.float32)
     dtype = qkv_ptr.dtype.element_ty
-    out1 = _rounded(_rounded(x1 * cos1[None, :], dtype) + _rounded(-x2 * sin1[None, :], dtype),
-                    dtype)
-    out2 = _rounded(_rounded(x2 * cos2[None, :], dtype) + _rounded(x1 * sin2[None, :], dtype),
-                    dtype)
+    out1, out2 = _rotated(x1, x2, cos_ptr + token * stride_cos, sin_ptr + token * stride_sin,
+                          dims, dim_ok, dtype, HALF)
     rotated = valid & (heads < num_qk)[:, None]
     tl.store(first, out1.to(dtype), mask=rotated)
     tl.store(first + HALF, out2.to(dtype), mask=rotated)
