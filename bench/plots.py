@@ -317,6 +317,8 @@ def plot_router(results: dict, out: Path) -> Path | None:
 
 
 def make_plots(results: dict, out: Path) -> list[Path]:
+    from bench.plots_ablations import ABLATION_PLOTS
+
     plotters = (
         plot_throughput,
         plot_latency,
@@ -326,5 +328,6 @@ def make_plots(results: dict, out: Path) -> list[Path]:
         plot_pinning,
         plot_beam,
         plot_router,
+        *ABLATION_PLOTS,
     )
     return [path for plot in plotters if (path := plot(results, out)) is not None]

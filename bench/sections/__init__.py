@@ -11,9 +11,18 @@ Each is one module with:
           (some) its rows of the issue #6 targets table.
 The measuring itself lives in the modules beside this package (bench/router.py, ...)."""
 
-from bench.sections import beam, index, memory, peers, pinning, prefix, router
+from bench.sections import (
+    beam,
+    index,
+    memory,
+    parallel_sampling,
+    peers,
+    pinning,
+    prefix,
+    router,
+)
 
-SECTIONS = (peers, memory, prefix, index, pinning, beam, router)
+SECTIONS = (peers, memory, prefix, index, pinning, beam, parallel_sampling, router)
 PART_NAMES = tuple(part for section in SECTIONS for part in section.PARTS)
 # Sections that stand alone (no ratio or roofline depends on them): `--only` re-takes them and
 # merges them into an existing bench.json, each with its own machine, load and commit.
