@@ -13,16 +13,19 @@ The measuring itself lives in the modules beside this package (bench/router.py, 
 
 from bench.sections import (
     beam,
+    block_sizes,
     index,
     memory,
     parallel_sampling,
     peers,
     pinning,
+    preemption,
     prefix,
     router,
 )
 
-SECTIONS = (peers, memory, prefix, index, pinning, beam, parallel_sampling, router)
+SECTIONS = (peers, memory, prefix, index, pinning, beam, parallel_sampling, preemption,
+            block_sizes, router)
 PART_NAMES = tuple(part for section in SECTIONS for part in section.PARTS)
 # Sections that stand alone (no ratio or roofline depends on them): `--only` re-takes them and
 # merges them into an existing bench.json, each with its own machine, load and commit.
