@@ -123,6 +123,32 @@ class LLM:
             bar.close()
         return results
 
+    def pin_prefix(self, prompt: Prompt, ttl_s: float = 0.0, unpin: bool = False,
+                   cache_salt: str | None = None) -> int:
+        """Keeps the full blocks of `prompt` cached however full the pool gets, computing them
+        first when they are not cached (a prefill-only request): later prompts that start
+        with it find them cached. Pins last ttl_s seconds (0: until unpinned) and count
+        against the pin budget (10% of the pool): PinBudgetFull past it, nothing pinned.
+        unpin=True removes them. Returns how many blocks it pinned or unpinned."""
+        engine = self.llm_engine
+        token_ids, _ = self._token_ids(prompt)
+        salt = prompt.get("cache_salt", cache_salt) if isinstance(prompt, dict) else cache_salt
+        if not (isinstance(ttl_s, (int, float)) and 0 <= ttl_s < float("inf")):
+            raise InvalidRequestError("ttl_s", f"ttl_s must be a number of seconds >= 0 (0: "
+                                      f"until unpinned), got {ttl_s!r}")
+        chain = engine.hasher.chain(token_ids, salt)
+        if not chain:
+            raise InvalidRequestError(
+                "prompt", f"prompt must hold at least one full block ({engine.config.block_size} "
+                f"tokens) to pin, got {len(token_ids)} tokens")
+        pin = getattr(engine.pool.policy, "pin", None)
+        if pin is None:
+            raise InvalidRequestError("prompt", "this engine's prefix policy takes no pins")
+        if not unpin:
+            self.generate({"prompt_token_ids": token_ids},
+                          SamplingParams(temperature=0.0, max_tokens=1), cache_salt=salt)
+        return pin(chain, float(ttl_s), unpin)
+
     def beam_search(
         self,
         prompts: Prompt | Sequence[Prompt],

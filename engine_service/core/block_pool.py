@@ -1,9 +1,14 @@
 """The pool of physical KV blocks: refcounts, the free list and the prefix-cache hash map."""
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
-from engine_service.core.prefix_policy import LocalLRUPolicy, PrefixPolicy
+from engine_service.core.prefix_policy import (
+    LOCAL_PIN_BUDGET_FRACTION,
+    LocalLRUPolicy,
+    PrefixPolicy,
+)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -25,7 +30,8 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_ids: deque[int] = deque(range(num_blocks))  # refcount 0 and not cached
         self._cached: dict[bytes, Block] = {}  # hash -> block, in use or evictable
-        self.policy: PrefixPolicy = policy or LocalLRUPolicy()
+        self.policy: PrefixPolicy = policy or LocalLRUPolicy(
+            pin_budget=math.floor(LOCAL_PIN_BUDGET_FRACTION * num_blocks + 1e-9))
 
     @property
     def num_free_blocks(self) -> int:

@@ -50,6 +50,7 @@ from engine_service.index.link import (
     connect_prefix_index,
 )
 from engine_service.serving.engine_info import EngineInfo
+from engine_service.serving.local_pins import pin_locally
 
 log = logging.getLogger("engine_service.serving.core")
 
@@ -243,8 +244,14 @@ class CoreLoop:
             raise ValueError(f"unknown core command {kind!r}")
 
     def _call(self, call_id: int, name: str, args: tuple) -> None:
-        if name != "pin_prefix" or self.link is None:
+        if name != "pin_prefix":
             self._results.append((call_id, None, ValueError(f"no core call {name!r}")))
+            return
+        if self.link is None:  # no index: the engine's own policy holds the pins
+            try:
+                self._results.append((call_id, pin_locally(self.engine, *args), None))
+            except PinRefusedError as error:
+                self._results.append((call_id, None, error))
             return
         future = self.link.pin_prefix_future(*args)
         future.add_done_callback(lambda _f: self._wake())

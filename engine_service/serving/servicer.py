@@ -24,6 +24,7 @@ from engine_service.model.sampling_params import MAX_LOGPROBS, MAX_N
 from engine_service.serving.async_engine import AsyncEngine
 from engine_service.serving.core_client import CoreClient
 from engine_service.serving.metrics import EngineMetrics
+from engine_service.serving.prefix_pins import PrefixPinner
 from engine_service.serving.status import RequestRejected, status_for
 from engine_service.serving.text_worker import TextWorker
 from engine_service.serving.validation import Prompt, RequestValidator, ValidRequest
@@ -77,6 +78,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # This process's own id (ModelInfo): a router tells a restart from an outage by it.
         self.instance_id = secrets.token_hex(8)
         self.index_link = index_link
+        self.pinner = PrefixPinner(engine, index_link)  # PinPrefix: computes, then pins
         self.door = door or TenantDoor()  # who calls; tenants' salts and limits (tenancy/)
         # Live request id -> the tenant that started it: only that tenant may Abort it.
         self.owners: dict[str, str | None] = {}
@@ -315,11 +317,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if self.draining:  # its blocks go with it: pin where the requests will go instead
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "the engine is draining (shutting down): retry on another one")
-        if self.index_link is None:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "PinPrefix needs a prefix index: this engine runs with --prefix-index none",
-            )
         try:
             prompt = self.validator.prompt(request, "input")
             salt = self.validator.cache_salt(request.cache_salt)
@@ -338,11 +335,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             if not request.unpin:
                 self.door.check_pin(caller, chain)
-            changed = await self.index_link.pin_prefix(chain, ttl_s, request.unpin)
+                # Not cached yet: computed first, so the pin holds it (and the first request
+                # that uses it finds it cached).
+                await self.pinner.compute(prompt.token_ids, salt)
+            changed = await self.pinner.pin(chain, ttl_s, request.unpin)
             self.door.record_pin(caller, chain, ttl_s, request.unpin)
         except TenantRefused as error:
             await context.abort(error.code, error.message)
-        except (PinRefusedError, IndexUnavailableError) as error:
+        except (PinRefusedError, IndexUnavailableError, RequestError, EngineDeadError) as error:
             await context.abort(*status_for(error))
         except (ConnectionError, TimeoutError, grpc.RpcError) as error:
             await context.abort(

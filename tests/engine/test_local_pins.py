@@ -1,0 +1,126 @@
+"""Pins on an engine without the prefix index (issue 34), through the offline API: a pinned
+prefix is computed when it is not cached, then stays cached however full the pool gets, within
+a budget of 10% of the pool; unpinning or a lapsed TTL makes it evictable again."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from engine_service import SamplingParams
+from engine_service.core.prefix_policy import PinBudgetFull
+
+BLOCK = 16
+ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+NUM_BLOCKS = 40  # pin budget: 4 blocks
+
+
+def prompt(start: int, num_tokens: int) -> list[int]:
+    return list(range(start, start + num_tokens))
+
+
+HOT = prompt(1000, 3 * BLOCK + 5)  # 3 full blocks
+
+
+def cached(llm, token_ids: list[int]) -> int:
+    return llm.generate({"prompt_token_ids": token_ids}, ONE_TOKEN)[0].num_cached_tokens
+
+
+def flood(llm, start: int) -> None:
+    """Prompts that need the whole pool, one at a time: every unpinned idle block is evicted."""
+    for i in range(3):
+        llm.generate({"prompt_token_ids": prompt(start + 1000 * i, 35 * BLOCK)}, ONE_TOKEN)
+
+
+def test_pin_computes_a_prefix_and_keeps_it_through_a_full_pool(make_llm, tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    engine = llm.llm_engine
+    steps = engine.stats().num_steps
+    assert llm.pin_prefix({"prompt_token_ids": HOT}) == 3  # computed now: nothing was cached
+    assert engine.stats().num_steps == steps + 1  # one prefill step, no decode
+    assert engine.stats().num_pinned_blocks == 3
+    flood(llm, 10_000)
+    assert cached(llm, HOT) == 3 * BLOCK  # the first request pays no prefill for the prefix
+    # Unpinned, it is an ordinary cached prefix again: the next flood evicts it.
+    assert llm.pin_prefix({"prompt_token_ids": HOT}, unpin=True) == 3
+    assert engine.stats().num_pinned_blocks == 0
+    flood(llm, 20_000)
+    assert cached(llm, HOT) == 0
+
+
+def test_without_a_pin_the_flood_evicts_the_prefix(make_llm, tiny_llama_dir):
+    """The control for the test above: the same flood evicts an unpinned prefix."""
+    llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    assert cached(llm, HOT) == 0
+    flood(llm, 10_000)
+    assert cached(llm, HOT) == 0
+
+
+def test_pins_past_the_budget_are_refused_whole(make_llm, tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    assert llm.pin_prefix({"prompt_token_ids": HOT}) == 3
+    other = prompt(5000, 2 * BLOCK)
+    with pytest.raises(PinBudgetFull, match="pin budget of 4 blocks"):
+        llm.pin_prefix({"prompt_token_ids": other})
+    assert llm.llm_engine.stats().num_pinned_blocks == 3  # nothing of it was pinned
+    # Pinning what is pinned already renews it and takes no budget.
+    assert llm.pin_prefix({"prompt_token_ids": HOT}) == 3
+    # Another salt is another prefix (other blocks).
+    with pytest.raises(PinBudgetFull):
+        llm.pin_prefix({"prompt_token_ids": HOT, "cache_salt": "tenant-b"})
+
+
+def test_a_pin_lapses_after_its_ttl(make_llm, tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    assert llm.pin_prefix({"prompt_token_ids": HOT}, ttl_s=0.2) == 3
+    time.sleep(0.3)
+    flood(llm, 10_000)  # the first step of the flood lapses the pin
+    assert llm.llm_engine.stats().num_pinned_blocks == 0
+    assert cached(llm, HOT) == 0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"ttl_s": -1}, "ttl_s must be a number of seconds >= 0"),
+    ({"ttl_s": float("nan")}, "ttl_s must be a number of seconds >= 0"),
+])
+def test_pin_validation(make_llm, tiny_llama_dir, kwargs, message):
+    llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    with pytest.raises(ValueError, match=message):
+        llm.pin_prefix({"prompt_token_ids": HOT}, **kwargs)
+    with pytest.raises(ValueError, match=r"at least one full block \(16 tokens\).*got 10"):
+        llm.pin_prefix({"prompt_token_ids": HOT[:10]})
+
+
+def test_random_pins_generations_and_floods_keep_the_pool_consistent(make_llm,
+                                                                     tiny_llama_dir):
+    """Seeded random sequences of pins, unpins, generations and floods; after every operation
+    the pool's invariants hold and every pinned prefix is still wholly cached."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    engine = llm.llm_engine
+    prefixes = [prompt(20_000 + 1000 * i, rng.randint(1, 2) * BLOCK + 3) for i in range(4)]
+    pinned: set[int] = set()
+    for step in range(40):
+        op = rng.choice(("pin", "unpin", "generate", "flood"))
+        i = rng.randrange(len(prefixes))
+        where = f"seed {seed}, step {step}, {op} {i}"
+        if op == "pin":
+            try:
+                llm.pin_prefix({"prompt_token_ids": prefixes[i]})
+                pinned.add(i)
+            except PinBudgetFull:
+                assert engine.pool.policy.num_pinned + len(prefixes[i]) // BLOCK > 4, where
+        elif op == "unpin":
+            llm.pin_prefix({"prompt_token_ids": prefixes[i]}, unpin=True)
+            pinned.discard(i)
+        elif op == "generate":
+            cached(llm, prompt(25_000 + 300 * rng.randrange(50), rng.randint(10, 200)))
+        else:
+            flood(llm, 41_000 + 50 * (step % 10))
+        assert engine.check_block_invariants() == [], where
+        for j in pinned:
+            full = len(prefixes[j]) // BLOCK * BLOCK
+            assert cached(llm, prefixes[j]) == full, where
