@@ -128,8 +128,10 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PinPrefix(self, request, context):
-        """Pins the full blocks of a prompt's prefix in the prefix index (forwarded to it); the
-        engine must run with a prefix index (FAILED_PRECONDITION otherwise).
+        """Pins the full blocks of a prompt's prefix, computing them first when they are not cached
+        (a prefill-only request): in the prefix index where the engine has one, else in the
+        engine's own cache under a local budget (10% of its pool). RESOURCE_EXHAUSTED past the
+        budget.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,4 +1,5 @@
-"""PinPrefix over gRPC is forwarded to the prefix index, and validated like everything else."""
+"""PinPrefix over gRPC: computed when not cached, pinned at the prefix index, and validated like
+everything else."""
 
 from __future__ import annotations
 
@@ -18,13 +19,24 @@ def test_pin_prefix_pins_the_held_blocks(stub):
     pinned = stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=PROMPT),
                                                 cache_salt="pin-test", ttl_s=60))
     assert (pinned.num_blocks, pinned.num_pinned) == (2, 2)
-    # Another salt names other blocks, which this engine never held.
-    other = stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=PROMPT),
-                                               cache_salt="someone-else"))
-    assert (other.num_blocks, other.num_pinned) == (2, 0)
     unpinned = stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=PROMPT),
                                                   cache_salt="pin-test", unpin=True))
     assert unpinned.num_pinned == 2
+
+
+def test_pin_prefix_computes_a_prefix_nobody_sent(stub):
+    """Another salt names other blocks, which this engine never held: PinPrefix computes them
+    (a prefill-only request), pins them, and the first request with the prefix finds them
+    cached."""
+    pinned = stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=PROMPT),
+                                                cache_salt="computed-by-pin", ttl_s=60))
+    assert (pinned.num_blocks, pinned.num_pinned) == (2, 2)
+    first = stub.Generate(pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=PROMPT), cache_salt="computed-by-pin",
+        sampling=pb.SamplingParams(temperature=0, max_tokens=1)))
+    assert first.usage.cached_tokens == 32
+    stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=PROMPT),
+                                       cache_salt="computed-by-pin", unpin=True))
 
 
 @pytest.mark.parametrize(("request_", "message"), [
