@@ -3,6 +3,7 @@ router's servicer): handlers parse, map to a GenerateRequest, call the servicer,
 
     POST /v1/completions, POST /v1/chat/completions (stream: true -> server-sent events)
     GET /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /version
+    POST /pin_prefix (pagedgen's: keep a prefix cached, computing it first; PinPrefix)
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def create_app(backend: Backend, gate: Gate | None = None) -> Starlette:
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/version", api.version, methods=["GET"]),
+        Route("/pin_prefix", api.pin_prefix, methods=["POST"]),
     ]
     return Starlette(
         routes=routes,
@@ -322,6 +324,30 @@ class _Api:
         reply = await self._unary("Detokenize", pb.DetokenizeRequest(token_ids=body.tokens),
                                   {"token_ids": "tokens"}, _caller(request))
         return JSONResponse({"prompt": reply.text})
+
+    async def pin_prefix(self, request: Request) -> Response:
+        raw = await _body(request)
+        schemas.check_message_count(raw, MAX_CHAT_MESSAGES)
+        body = schemas.parse(schemas.PinPrefixRequest, raw)
+        self._model(body.model)
+        given = [name for name in ("prompt", "messages", "tokens")
+                 if getattr(body, name) is not None]
+        if len(given) != 1:
+            raise ApiError(HTTPStatus.BAD_REQUEST,
+                           "give exactly one of prompt (text), messages (chat) or tokens, got "
+                           f"{' and '.join(given) or 'none of them'}", "prompt")
+        wire = pb.PinPrefixRequest(cache_salt=body.cache_salt or "", ttl_s=body.ttl_s,
+                                   unpin=body.unpin)
+        if body.prompt is not None:
+            wire.text = body.prompt
+        elif body.messages is not None:
+            wire.chat.CopyFrom(chat_messages(body.messages))
+        else:
+            wire.token_ids.ids.extend(body.tokens)
+        names = {"text": "prompt", "token_ids": "tokens", "chat.messages": "messages",
+                 "chat": "messages", "input": given[0], "prompt": given[0]}
+        reply = await self._unary("PinPrefix", wire, names, _caller(request))
+        return JSONResponse({"num_blocks": reply.num_blocks, "num_pinned": reply.num_pinned})
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": _version()})

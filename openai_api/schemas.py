@@ -146,6 +146,18 @@ class DetokenizeRequest(_Strict):
     tokens: list[Int32]
 
 
+class PinPrefixRequest(_Strict):
+    """POST /pin_prefix (pagedgen's own route, as /tokenize is vLLM's): the gRPC PinPrefix."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tokens: list[Int32] | None = None
+    cache_salt: str | None = None
+    ttl_s: float = 0.0  # 0: until unpinned
+    unpin: bool = False
+
+
 def check_message_count(body: bytes, limit: int) -> None:
     """A body's chat `messages` past `limit`, refused before pydantic builds a model per message
     (about 4 us each: half a million empty messages took 2 s). Each message is a JSON object,
