@@ -126,7 +126,7 @@ def served(model_dir: Path, batch: int, max_tokens: int, checkout: Path | None,
     env_before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        engine = EngineProcess(model_dir, [*engine_args(batch), *extra])
+        engine = EngineProcess(model_dir, [*engine_args(batch), *extra, "--insecure"])
         if checkout is not None:  # another checkout's server: its code first on the path
             boot = (f"import sys; sys.path.insert(0, {str(checkout)!r}); "
                     "from engine_service.serving.server import main; main()")

@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     report.set("engine_args", extra)
     log_path = args.log or Path(tempfile.mkdtemp(prefix="gpu_serve_")) / "engine.log"
     t0 = time.perf_counter()
-    with EngineProcess(args.model, extra, start_timeout_s=240, log_path=log_path) as server:
+    with EngineProcess(args.model, [*extra, "--insecure"], start_timeout_s=240,
+                       log_path=log_path) as server:
         report.set("engine_start_s", time.perf_counter() - t0)
         log(f"engine serving at {server.target} after {time.perf_counter() - t0:.1f} s")
         run_grpc(server.target, fixed_random(8, 16, 64, 8, spec["seed"] + 99), "warmup",

@@ -177,7 +177,8 @@ def measure(args: argparse.Namespace) -> dict:
     http_port = free_port()
     with ExitStack() as stack:
         redis = stack.enter_context(RedisProcess())
-        index = stack.enter_context(IndexProcess(redis.url, ["--log-level", "WARNING"]))
+        index = stack.enter_context(IndexProcess(redis.url,
+            ["--log-level", "WARNING", "--insecure"]))
         shape = ReplicaShape(num_engines=1, num_blocks=args.num_blocks, block_size=16)
         routed = stack.enter_context(PolicyStack(
             model, index.target, "kv-aware", shape, f"httpgrpc-{http_port}", log_dir,

@@ -69,7 +69,8 @@ def index_overhead(
     local_runs, index_runs, link_stats = [], [], {}
     with ExitStack() as stack:
         redis = stack.enter_context(RedisProcess())
-        index = stack.enter_context(IndexProcess(redis.url, ["--log-level", "WARNING"]))
+        index = stack.enter_context(IndexProcess(redis.url,
+            ["--log-level", "WARNING", "--insecure"]))
         for i in range(repeats):
             run, _ = _drive_once(
                 make_engine,

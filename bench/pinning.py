@@ -441,7 +441,7 @@ def pinning_under_pressure(
     tag = f"{os.getpid()}-{int(time.time())}"
     with ExitStack() as stack:
         redis = stack.enter_context(RedisProcess())
-        quiet = ["--log-level", "WARNING"]
+        quiet = ["--log-level", "WARNING", "--insecure"]  # (the bench measures policy, not TLS)
         targets = {
             "local_lru": None,
             "index_no_autopin": stack.enter_context(IndexProcess(redis.url, NO_AUTOPIN + quiet)),

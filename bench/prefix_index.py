@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()
     with ExitStack() as stack:
         redis_url = args.redis_url or stack.enter_context(RedisProcess()).url
-        index = stack.enter_context(IndexProcess(redis_url, ["--log-level", "WARNING"]))
+        index = stack.enter_context(IndexProcess(redis_url,
+            ["--log-level", "WARNING", "--insecure"]))
         result = asyncio.run(run(redis_url, index.target, args.samples, args.duration_s))
     result["setup"] = {
         "transport": "gRPC over loopback (grpc.aio client and server, separate processes)",

@@ -599,7 +599,8 @@ def router_benchmark(model: str, shape: RouterShape = FULL_SHAPE, seed: int = 0,
     log(f"router: process logs in {log_dir}")
     with ExitStack() as stack:
         redis = stack.enter_context(RedisProcess())
-        index = stack.enter_context(IndexProcess(redis.url, ["--log-level", "WARNING"]))
+        index = stack.enter_context(IndexProcess(redis.url,
+            ["--log-level", "WARNING", "--insecure"]))
         for repeat in range(shape.repeats):
             for scenario, policy, k in plan:
                 last_kv = (repeat == shape.repeats - 1 and scenario == "balanced"

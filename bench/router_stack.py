@@ -101,7 +101,7 @@ class PolicyStack:
         for engine_id in self.engine_ids:
             args = ["--num-blocks", str(s.num_blocks), "--block-size", str(s.block_size),
                     "--prefix-index", self.index_target, "--engine-id", engine_id,
-                    "--grace-s", "2", "--log-level", "WARNING"]
+                    "--grace-s", "2", "--log-level", "WARNING", "--insecure"]
             self.engines.append(EngineProcess(self.model, args,
                                               log_path=self.log_dir / f"{engine_id}.log"))
         self._stack.callback(self._kill_engines)
@@ -125,7 +125,8 @@ class PolicyStack:
             args = ["--engines", ",".join(e.target for e in self.engines),
                     "--prefix-index", self.index_target, "--policy", self.policy,
                     "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
-                    "--grace-s", "2", "--log-level", "WARNING", *self.router_args]
+                    "--grace-s", "2", "--log-level", "WARNING", "--insecure",
+                    *self.router_args]
             self.router = RouterProcess(args,
                                         log_path=self.log_dir / f"router-{self.policy}.log")
             try:
