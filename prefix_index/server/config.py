@@ -34,8 +34,31 @@ class Limits:
     max_ops: int = 4096            # ops in one Apply
     max_chain: int = 16384         # hashes in one chain / release list
     max_hashes: int = 65536        # hashes in one Apply: bounds how long one script holds Redis
-    max_lease_s: float = 86400.0
+    # What an engine may ask for at Register: a pool of 4M blocks is ~1 TiB of KV even for a
+    # small model, and a lease that long keeps a crashed engine's entries an hour at most.
+    max_num_blocks: int = 1 << 22
+    max_lease_s: float = 3600.0
     max_pin_ttl_s: float = 30 * 86400.0
+
+
+@dataclass(frozen=True, slots=True)
+class Quotas:
+    """What one caller may hold or do (quotas.py); past one it gets RESOURCE_EXHAUSTED, and the
+    others are served as before."""
+
+    max_engines: int = 1024               # registered engines, all callers together
+    # Per identity: a certificate (per-pod engine certificates hold one id each; a shared
+    # engine certificate is one identity), so one identity cannot take every slot.
+    max_engines_per_identity: int = 256
+    # Each engine's token bucket for Apply ops: it refills at this rate and holds one full
+    # re-sync of the engine's pool (num_blocks commits) plus one largest Apply, so a re-sync
+    # after Register always passes, and a flood past the rate is refused until it refills.
+    apply_ops_per_s: float = 20000.0
+    # WatchResidency streams held at once by one identity (a router certificate) and by one
+    # connection, below the process's total (residency.MAX_WATCHERS): a squatter cannot take
+    # every slot. Plain text (--insecure) knows no identities: per connection only.
+    max_watchers_per_identity: int = 16
+    max_watchers_per_connection: int = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,3 +76,4 @@ class IndexConfig:
     view_ttl_s: float = 3600.0
     pin_policy: PinPolicy = PinPolicy()
     limits: Limits = Limits()
+    quotas: Quotas = Quotas()

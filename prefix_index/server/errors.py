@@ -37,3 +37,8 @@ class SequenceError(IndexRequestError):
 class NotOwnerError(IndexRequestError):
     """An engine's certificate acting on an engine id another certificate registered
     (PERMISSION_DENIED)."""
+
+
+class QuotaExceededError(IndexRequestError):
+    """A caller past one of its quotas (RESOURCE_EXHAUSTED); the message names the quota, its
+    value and the flag that sets it."""

@@ -25,7 +25,7 @@ from redis.backoff import NoBackoff
 from pagedgen_api import prefix_index_pb2 as pb
 from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
 from prefix_index.api.ops import HASH_BYTES
-from prefix_index.server.config import IndexConfig, Limits, PinPolicy
+from prefix_index.server.config import IndexConfig, Limits, PinPolicy, Quotas
 from prefix_index.server.health import RedisHealth
 from prefix_index.server.metrics import IndexMetrics
 from prefix_index.server.servicer import PrefixIndexServicer
@@ -150,7 +150,7 @@ def redacted_url(url: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    defaults, policy, limits = IndexConfig(), PinPolicy(), Limits()
+    defaults, policy, limits, quotas = IndexConfig(), PinPolicy(), Limits(), Quotas()
     p = argparse.ArgumentParser(prog="pagedgen-prefix-index", description=__doc__.split("\n")[0])
     p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or defaults.redis_url,
                    help=f"default ${REDIS_URL_ENV}, else {defaults.redis_url} (the variable keeps "
@@ -183,6 +183,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "refusing (0 = never ask: the holder's lease must lapse)")
     p.add_argument("--max-ops", type=int, default=limits.max_ops)
     p.add_argument("--max-chain", type=int, default=limits.max_chain)
+    q = p.add_argument_group("quotas (a caller past one gets RESOURCE_EXHAUSTED or "
+                             "INVALID_ARGUMENT; the others are served as before)")
+    q.add_argument("--max-num-blocks", type=int, default=limits.max_num_blocks,
+                   help="largest pool an engine may register")
+    q.add_argument("--max-lease-s", type=float, default=limits.max_lease_s,
+                   help="longest lease an engine may ask for")
+    q.add_argument("--max-engines", type=int, default=quotas.max_engines,
+                   help="engines registered at once, all callers together")
+    q.add_argument("--max-engines-per-identity", type=int,
+                   default=quotas.max_engines_per_identity,
+                   help="engines registered at once under one engine certificate")
+    q.add_argument("--apply-ops-per-s", type=float, default=quotas.apply_ops_per_s,
+                   help="Apply ops per second per engine (a token bucket that holds one full "
+                        "re-sync of the engine's pool plus one largest Apply)")
+    q.add_argument("--max-watchers-per-identity", type=int,
+                   default=quotas.max_watchers_per_identity,
+                   help="WatchResidency streams one router certificate holds at once")
+    q.add_argument("--max-watchers-per-connection", type=int,
+                   default=quotas.max_watchers_per_connection,
+                   help="WatchResidency streams one connection holds at once")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
@@ -202,7 +222,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--holder-probe-timeout-s: {args.holder_probe_timeout_s} is not allowed; "
                 "expected 0..60")
     for name in ("lease_s", "sweep_interval_s", "redis_timeout_s", "probe_interval_s",
-                 "history_per_block", "view_ttl_s"):
+                 "history_per_block", "view_ttl_s", "max_num_blocks", "max_lease_s",
+                 "max_engines", "max_engines_per_identity", "apply_ops_per_s",
+                 "max_watchers_per_identity", "max_watchers_per_connection"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')}: {getattr(args, name)} is not allowed; "
                     "expected > 0")
@@ -221,7 +243,13 @@ def config_from_args(args: argparse.Namespace) -> IndexConfig:
                              budget_fraction=args.pin_budget_fraction,
                              sweep_interval_s=args.sweep_interval_s,
                              history_per_block=args.history_per_block),
-        limits=Limits(max_ops=args.max_ops, max_chain=args.max_chain))
+        limits=Limits(max_ops=args.max_ops, max_chain=args.max_chain,
+                      max_num_blocks=args.max_num_blocks, max_lease_s=args.max_lease_s),
+        quotas=Quotas(max_engines=args.max_engines,
+                      max_engines_per_identity=args.max_engines_per_identity,
+                      apply_ops_per_s=args.apply_ops_per_s,
+                      max_watchers_per_identity=args.max_watchers_per_identity,
+                      max_watchers_per_connection=args.max_watchers_per_connection))
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -12,29 +12,32 @@ from typing import TypeVar
 
 import grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pagedgen_api import prefix_index_pb2 as pb
 from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
 from prefix_index.api import wire
 from prefix_index.server import validate
-from prefix_index.server.authorize import Caller, Denied, authorize
+from prefix_index.server.authorize import PRINCIPAL_SEPARATOR, Caller, Denied, authorize
 from prefix_index.server.config import IndexConfig
 from prefix_index.server.errors import (
     EngineIdTakenError,
     EngineNotFoundError,
     InvalidRequestError,
     NotOwnerError,
+    QuotaExceededError,
     SequenceError,
     StaleEpochError,
 )
 from prefix_index.server.health import RedisHealth
 from prefix_index.server.holder_probe import HolderProber, HolderState
 from prefix_index.server.metrics import IndexMetrics
+from prefix_index.server.quotas import ApplyRate, WatcherSlots, check_engine_count
 from prefix_index.server.residency import MAX_WATCHERS, watch
 from prefix_index.server.store import IndexStore
 from trust.credentials import TlsMaterial
+from trust.identity import peer_certificate_digest
 
 log = logging.getLogger("prefix_index.server.servicer")
 T = TypeVar("T")
@@ -48,6 +51,7 @@ _REQUEST_ERRORS = {
     # from a higher level (register and re-sync), not retry the same call.
     SequenceError: grpc.StatusCode.ABORTED,
     NotOwnerError: grpc.StatusCode.PERMISSION_DENIED,
+    QuotaExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 _OWNERS_CACHED = 4096  # (engine id, epoch) -> the registration's nonce; cleared when full
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
@@ -67,7 +71,13 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         self.config = config
         self.health = health
         self.metrics = metrics
-        self.watchers = 0
+        quotas, limits = config.quotas, config.limits
+        self.watchers = WatcherSlots(quotas, MAX_WATCHERS)
+        self.apply_rate = ApplyRate(quotas.apply_ops_per_s, limits.max_ops,
+                                    limits.max_num_blocks, quotas.max_engines)
+        # New engine ids register one at a time in this process, so two cannot both take the
+        # last slot of a quota (other index processes may still overshoot it by their own).
+        self._new_engines = asyncio.Lock()
         self.prober = HolderProber(config.holder_probe_timeout_s, tls)
 
     async def _call(self, method: str, context: grpc.aio.ServicerContext,
@@ -97,6 +107,13 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         except _REDIS_DOWN as exc:
             code, message = grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}"
             await self.health.set_redis_up(False)
+        except OutOfMemoryError as exc:
+            # maxmemory with noeviction: nothing more fits until entries leave (leases lapse,
+            # blocks are evicted) or Redis gets more memory. Not the caller's fault, not a bug.
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            message = (f"redis is full (its maxmemory; writes refused until memory frees or "
+                       f"the limit is raised): {exc}")
+            log.error("%s: %s", method, message)
         except ResponseError as exc:
             transient = str(exc).startswith(_REDIS_TRANSIENT)
             code = grpc.StatusCode.UNAVAILABLE if transient else grpc.StatusCode.INTERNAL
@@ -145,10 +162,13 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
             nonlocal args
             args = validate.register(request, self.config.limits, self.config.default_lease_s)
             args = dataclasses.replace(args, nonce=caller.stored_nonce(args.nonce))
-            try:
-                return await self._register(args)
-            except EngineIdTakenError as taken:
-                return await self._take_over(args, taken)
+            if args.engine_id in await self.store.live_engines():
+                return await self._register_or_take_over(args)  # adds no engine
+            async with self._new_engines:
+                live = await self.store.live_engines()  # again: others may have come
+                check_engine_count(args.engine_id, live, caller.principal,
+                                   PRINCIPAL_SEPARATOR, self.config.quotas)
+                return await self._register_or_take_over(args)
 
         reg = await self._call("Register", context, work,
                                extra_s=self.config.holder_probe_timeout_s)
@@ -157,6 +177,14 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
                  args.serving_address or "no address")
         return pb.RegisterResponse(epoch=reg.epoch, lease_s=reg.lease_s,
                                    pin_budget=reg.pin_budget)
+
+    async def _register_or_take_over(self, args: validate.RegisterArgs):
+        try:
+            registration = await self._register(args)
+        except EngineIdTakenError as taken:
+            registration = await self._take_over(args, taken)
+        self.apply_rate.registered(args.engine_id, args.num_blocks)
+        return registration
 
     async def _register(self, args: validate.RegisterArgs, replaces: str = ""):
         return await self.store.register(args.engine_id, args.model_identity, args.block_size,
@@ -202,6 +230,7 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         async def work():
             ops.extend(validate.apply_ops(request, self.config.limits))
             await self._check_owner(caller, request.engine_id, request.epoch)
+            self.apply_rate.take(request.engine_id, len(ops))
             return await self.store.apply(request.engine_id, request.epoch, ops, request.seq)
 
         result = await self._call("Apply", context, work)
@@ -234,12 +263,14 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
 
     async def WatchResidency(self, request: pb.WatchResidencyRequest, context):
         await self._authorize("WatchResidency", context)
-        if self.watchers >= MAX_WATCHERS:
+        identity = peer_certificate_digest(context) if self.secure else None
+        connection = context.peer()
+        try:
+            self.watchers.acquire(identity, connection)
+        except QuotaExceededError as full:
             self.metrics.rpcs.labels("WatchResidency", "RESOURCE_EXHAUSTED").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{MAX_WATCHERS} residency watchers already; allowed at most "
-                                f"{MAX_WATCHERS} at once per index process")
-        self.watchers += 1
+            log.warning("WatchResidency refused to %s: %s", connection, full)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
         code, message = grpc.StatusCode.OK, ""
         try:
             # Closed here, not when collected: its subscription is a Redis connection.
@@ -255,7 +286,7 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         except ResponseError as exc:
             code, message = grpc.StatusCode.UNAVAILABLE, f"redis refused the call: {exc}"
         finally:
-            self.watchers -= 1
+            self.watchers.release(identity, connection)
             if code != grpc.StatusCode.OK:  # (a watcher that left is not counted: no status)
                 self.metrics.rpcs.labels("WatchResidency", code.name).inc()
         log.warning("WatchResidency: %s", message)

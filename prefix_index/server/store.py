@@ -328,6 +328,18 @@ class IndexStore:
     async def engine_ids(self) -> list[str]:
         return sorted(m.decode() for m in await self.redis.smembers(ENGINES_KEY))
 
+    async def live_engines(self) -> dict[str, str]:
+        """Every engine id with a live registration -> the nonce it is held under (the quotas
+        count them): one read of the directory and one pipeline of reads."""
+        engine_ids = await self.engine_ids()
+        pipe = self.redis.pipeline(transaction=False)
+        for engine_id in engine_ids:
+            pipe.hget(engine_keys(engine_id, ("meta",))[0], "nonce")
+        nonces = await pipe.execute() if engine_ids else []
+        return {engine_id: _text(nonce) for engine_id, nonce in zip(engine_ids, nonces,
+                                                                      strict=True)
+                if nonce is not None}
+
     async def _lookup_engine_ids(self) -> list[str]:
         now = time.monotonic()
         if (self._engine_list_registrations == self._registrations

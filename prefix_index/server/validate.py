@@ -29,7 +29,6 @@ _ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # host:port, the host a name, an IPv4 address or a bracketed IPv6 one.
 _SERVING_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}")
 MAX_BLOCK_SIZE = 1 << 16
-MAX_NUM_BLOCKS = (1 << 31) - 1
 MAX_MODEL_IDENTITY = 1024
 MAX_NONCE = 128
 MAX_SERVING_ADDRESS = 256
@@ -105,13 +104,14 @@ def register(request: pb.RegisterRequest, limits: Limits, default_lease_s: float
     if not 1 <= request.block_size <= MAX_BLOCK_SIZE:
         raise InvalidRequestError(f"block_size: {request.block_size} is not allowed; expected "
                                   f"1..{MAX_BLOCK_SIZE} tokens")
-    if not 1 <= request.num_blocks <= MAX_NUM_BLOCKS:
+    if not 1 <= request.num_blocks <= limits.max_num_blocks:
         raise InvalidRequestError(f"num_blocks: {request.num_blocks} is not allowed; expected "
-                                  f"1..{MAX_NUM_BLOCKS}")
+                                  f"1..{limits.max_num_blocks} (the index's --max-num-blocks)")
     lease_s = request.lease_s or default_lease_s
     if not math.isfinite(lease_s) or not 0.01 <= lease_s <= limits.max_lease_s:
         raise InvalidRequestError(f"lease_s: {request.lease_s} is not allowed; expected 0 (the "
-                                  f"default, {default_lease_s}s) or 0.01..{limits.max_lease_s}")
+                                  f"default, {default_lease_s}s) or 0.01..{limits.max_lease_s} "
+                                  "seconds (the index's --max-lease-s)")
     if len(request.nonce) > MAX_NONCE:
         raise InvalidRequestError(f"nonce: {len(request.nonce)} characters "
                                   f"({_short(request.nonce)}) is too long; at most {MAX_NONCE}")
