@@ -15,10 +15,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 
 from pagedgen_api import prefix_index_pb2 as pb
 from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
 from prefix_index.tools.launch import IndexProcess
+from prefix_index.tools.redis_process import RedisProcess
 from router.config import RouterConfig
 from router.index_view import IndexView
 from tests.trust.conftest import files, make_certs
@@ -60,7 +62,7 @@ def refusal(call) -> grpc.RpcError:
 def commits(n: int, start: int = 0) -> list[pb.Op]:
     return [pb.Op(commit=pb.CommitOp(hash=(start + i).to_bytes(16, "little"),
                                      parent=(start + i - 1).to_bytes(16, "little") if i else b"",
-                                     block_id=i))
+                                     block_id=start + i))
             for i in range(n)]
 
 
@@ -248,3 +250,33 @@ async def _router_sees_a_commit(index: IndexProcess, router_tls: TlsMaterial,
     finally:
         watching.cancel()
         await view.close()
+
+
+def test_a_full_redis_is_resource_exhausted_and_the_index_recovers(certs):
+    """Redis at its maxmemory with noeviction refuses writes ("OOM command not allowed"): the
+    index says RESOURCE_EXHAUSTED, and serves again once memory is there."""
+    with RedisProcess(extra_args=["--maxmemory-policy", "noeviction"]) as redis_process:
+        admin = redis.Redis.from_url(redis_process.url)
+        with IndexProcess(redis_process.url, ["--log-level", "ERROR", "--grace-s", "1"],
+                          tls=files(certs, "index")) as index:
+            engine_a = stub(index, files(certs, "engine-engine-a").load())
+            epoch = register(engine_a, "engine-a", num_blocks=4096)
+            used = int(admin.info("memory")["used_memory"])
+            admin.config_set("maxmemory", used + 64 * 1024)
+            full = None
+            for start in range(0, 4096, MAX_OPS):
+                try:
+                    engine_a.Apply(pb.ApplyRequest(engine_id="engine-a", epoch=epoch,
+                                                   ops=commits(MAX_OPS, start)), timeout=10)
+                except grpc.RpcError as error:
+                    full = error
+                    break
+            assert full is not None, "4096 commits fit in 64 KiB more of Redis"
+            assert full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, full.details()
+            assert "redis is full" in full.details() and "maxmemory" in full.details()
+            admin.config_set("maxmemory", 0)
+            # The refused write changed nothing (one script); it passes whole now.
+            reply = engine_a.Apply(pb.ApplyRequest(engine_id="engine-a", epoch=epoch,
+                                                   ops=commits(MAX_OPS, start)), timeout=10)
+            assert all(r.status == pb.OP_STATUS_OK for r in reply.results)
+        admin.close()
