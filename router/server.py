@@ -233,7 +233,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 async def serve(args: argparse.Namespace) -> None:
     index = None if args.prefix_index == "none" else args.prefix_index
-    warn_if_plain_text("pagedgen-router", args.tls, args.insecure)
+    warn_if_plain_text("pagedgen-router", args.tls)
     router = Router(config_from_args(args), args.engine_list, index, args.tokenizer,
                     RouterMetrics(), args.tls)
     door = door_from_args(args)

@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 
 from engine_service.tools.prepare_model import ensure_default_model  # noqa: E402
 from tests.support.tiny_models import make_tiny_model  # noqa: E402
+from tests.support.tls import SessionCerts  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +37,10 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
     """2-layer Qwen2 with nonzero qkv biases, GQA, tied embeddings."""
     out_dir = tmp_path_factory.mktemp("tiny_qwen2")
     return make_tiny_model("qwen2", out_dir, tokenizer_dir=smollm2_dir, seed=1)
+
+
+@pytest.fixture(scope="session")
+def test_certs(tmp_path_factory: pytest.TempPathFactory) -> SessionCerts:
+    """The session's development CA and a certificate per role: every service the shared
+    fixtures start runs on TLS with them (secure is the default, issue 32)."""
+    return SessionCerts.make(tmp_path_factory.mktemp("certs"))

@@ -7,11 +7,11 @@ import argparse
 import subprocess
 import sys
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_service.serving.server import advertised_address
 from prefix_index.tools.addresses import join_host_port
+from trust.cli_args import tls_argv
 
 
 def test_host_port_brackets_ipv6_only() -> None:
@@ -27,16 +27,17 @@ def test_the_engine_registers_a_bracketed_ipv6_address() -> None:
     assert advertised_address(args, 50051) == "[::1]:50051"
 
 
-def test_a_router_on_ipv6_loopback_answers_there() -> None:
+def test_a_router_on_ipv6_loopback_answers_there(test_certs) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "router.server", "--host", "::1", "--port", "0",
-         "--engines", "127.0.0.1:9", "--prefix-index", "none"],
+         "--engines", "127.0.0.1:9", "--prefix-index", "none",
+         *tls_argv(test_certs.files("router"))],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("router listening on [::1]:"), (line, proc.stderr.read())
         target = line.split()[-1]
-        with grpc.insecure_channel(target) as channel:
+        with test_certs.end_client_channel(target) as channel:  # (its certificate names ::1)
             answer = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=30)
         assert answer.status in (health_pb2.HealthCheckResponse.SERVING,

@@ -1,8 +1,9 @@
 """The TLS flags every console script takes: --tls-cert, --tls-key, --tls-ca (or the variables
 PAGEDGEN_TLS_CERT / _KEY / _CA) and --insecure.
 
-For now a service given no TLS files runs in plain text, as --insecure does, with a warning;
-pagedgen-stack makes certificates and runs everything with mutual TLS by default.
+Secure is the default: a service given no TLS files refuses to start (exit 2, the message
+says how to get them); plain text only behind an explicit --insecure, which logs a warning.
+pagedgen-stack makes certificates and runs everything with mutual TLS.
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ from trust.credentials import TlsFiles, TlsMaterial
 
 log = logging.getLogger("trust")
 TLS_ENV = {"cert": "PAGEDGEN_TLS_CERT", "key": "PAGEDGEN_TLS_KEY", "ca": "PAGEDGEN_TLS_CA"}
-PLAIN_TEXT_WARNING = ("%s runs in PLAIN TEXT (%s): anyone on the network can read and forge its "
-                      "calls; give --tls-cert, --tls-key and --tls-ca (pagedgen-certs makes them)")
+PLAIN_TEXT_WARNING = ("%s runs in PLAIN TEXT (--insecure): anyone on the network can read and "
+                      "forge its calls; give --tls-cert, --tls-key and --tls-ca (pagedgen-certs "
+                      "makes them)")
+NO_TLS_FILES = ("no TLS files: give --tls-cert, --tls-key and --tls-ca (or set "
+                f"${TLS_ENV['cert']}, ${TLS_ENV['key']} and ${TLS_ENV['ca']}); "
+                "`pagedgen-certs --out certs --engine '' --router --index --client` makes a "
+                "development CA and certificates. Plain text only with --insecure")
 
 
 def add_tls_args(p: argparse.ArgumentParser, server_only_option: bool = False) -> None:
@@ -33,7 +39,8 @@ def add_tls_args(p: argparse.ArgumentParser, server_only_option: bool = False) -
                    help="the CA that signs every service's certificate, PEM: peers are "
                         f"verified against it (default: ${TLS_ENV['ca']})")
     g.add_argument("--insecure", action="store_true",
-                   help="plain text, no TLS (logs a warning); refused with TLS files")
+                   help="plain text, no TLS (logs a warning); without it a service given no "
+                        "TLS files refuses to start. Refused with TLS files")
     if server_only_option:
         g.add_argument("--tls-server-only", action="store_true",
                        help="TLS that asks clients for no certificate: an engine served alone "
@@ -43,9 +50,9 @@ def add_tls_args(p: argparse.ArgumentParser, server_only_option: bool = False) -
 
 
 def resolve_tls_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Sets args.tls: TlsMaterial (the three files read), or None for plain text.
-    p.error names the flag when the files are incomplete, unreadable, or given with
-    --insecure."""
+    """Sets args.tls: TlsMaterial (the three files read), or None for plain text (--insecure
+    only). p.error (exit 2) when no files are given without --insecure, and names the flag when
+    the files are incomplete, unreadable, or given with --insecure."""
     given = {}
     for part, env in TLS_ENV.items():
         value = getattr(args, f"tls_{part}") or os.environ.get(env) or None
@@ -56,6 +63,8 @@ def resolve_tls_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
                 f"({', '.join(f'--tls-{k} {v}' for k, v in given.items())}); give one or the "
                 "other (the TLS_* variables count as given)")
     if not given:
+        if not args.insecure:
+            p.error(NO_TLS_FILES)
         args.tls = None
         return
     missing = [f"--tls-{part} (or ${env})" for part, env in TLS_ENV.items() if part not in given]
@@ -74,9 +83,10 @@ def resolve_tls_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
             p.error(f"--tls-{part}: {given[part]!r} holds no PEM certificate")
 
 
-def warn_if_plain_text(service: str, tls: TlsMaterial | None, insecure: bool) -> None:
+def warn_if_plain_text(service: str, tls: TlsMaterial | None) -> None:
+    """The warning every --insecure service logs once it starts."""
     if tls is None:
-        log.warning(PLAIN_TEXT_WARNING, service, "--insecure" if insecure else "no TLS files")
+        log.warning(PLAIN_TEXT_WARNING, service)
 
 
 def tls_argv(files: TlsFiles | None) -> list[str]:

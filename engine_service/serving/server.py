@@ -482,7 +482,7 @@ def serve(args: argparse.Namespace, core_target: CoreTarget = run_core) -> None:
                             args.stream_interval, door=door_from_args(args), tls=args.tls,
                             tls_client_cert=not args.tls_server_only)
     options.max_unsent_tokens = args.max_unsent_tokens
-    warn_if_plain_text("pagedgen-engine", args.tls, args.insecure)
+    warn_if_plain_text("pagedgen-engine", args.tls)
     if asyncio.run(_serve(args, options, core_options, EngineMetrics(), core_target)):
         sys.exit(1)
 

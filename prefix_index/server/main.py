@@ -253,7 +253,7 @@ def config_from_args(args: argparse.Namespace) -> IndexConfig:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    warn_if_plain_text("pagedgen-prefix-index", args.tls, args.insecure)
+    warn_if_plain_text("pagedgen-prefix-index", args.tls)
     server = IndexServer(config_from_args(args), args.host, args.port, args.metrics_port,
                          args.metrics_host, args.tls)
     port = await server.start()

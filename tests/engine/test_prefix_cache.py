@@ -157,11 +157,14 @@ def test_a_deferred_request_keeps_its_place_for_memory(make_llm, tiny_llama_dir)
     assert llm.llm_engine.scheduler.counters.num_prefill_deferrals == 1
 
 
-def test_the_engine_flag_turns_deferral_off(tiny_llama_dir):
+def test_the_engine_flag_turns_deferral_off(tiny_llama_dir, test_certs):
     from engine_service.serving.server import engine_config_from_args, parse_args
+    from trust.cli_args import tls_argv
 
-    on = engine_config_from_args(parse_args([]), str(tiny_llama_dir))
-    off = engine_config_from_args(parse_args(["--no-defer-shared-prefill"]), str(tiny_llama_dir))
+    tls = tls_argv(test_certs.files("engine"))
+    on = engine_config_from_args(parse_args(tls), str(tiny_llama_dir))
+    off = engine_config_from_args(parse_args(["--no-defer-shared-prefill", *tls]),
+                                  str(tiny_llama_dir))
     assert on.defer_shared_prefill and not off.defer_shared_prefill
 
 

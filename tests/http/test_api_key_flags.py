@@ -9,6 +9,7 @@ import pytest
 from engine_service.serving import server as engine_server
 from openai_api.auth import API_KEY_ENV
 from router import server as router_server
+from trust.cli_args import tls_argv
 
 ENGINE = ["--model", "unused", "--http-port", "8000"]
 ROUTER = ["--engines", "127.0.0.1:1", "--prefix-index", "none", "--http-port", "8000"]
@@ -16,7 +17,8 @@ ROUTER = ["--engines", "127.0.0.1:1", "--prefix-index", "none", "--http-port", "
 
 @pytest.mark.parametrize(("parse", "argv"), [(engine_server.parse_args, ENGINE),
                                              (router_server.parse_args, ROUTER)])
-def test_an_empty_key_is_refused_by_name(parse, argv, monkeypatch, capsys):
+def test_an_empty_key_is_refused_by_name(parse, argv, monkeypatch, capsys, test_certs):
+    argv = [*argv, *tls_argv(test_certs.files("router"))]
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     with pytest.raises(SystemExit):
         parse([*argv, "--api-key", ""])

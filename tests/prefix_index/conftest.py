@@ -8,6 +8,7 @@ import pytest
 
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
+from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
 
 # The policy the tests (and the reference model) assume: a window far longer than any test, so
 # a block's hit estimate is exactly its hit count.
@@ -17,7 +18,7 @@ HISTORY_PER_BLOCK = 2  # small, so the model-based test sees the history trimmed
 INDEX_ARGS = ["--hot-threshold", str(HOT_THRESHOLD), "--hot-window-s", "3600",
               "--pin-budget-fraction", str(PIN_BUDGET_FRACTION),
               "--history-per-block", str(HISTORY_PER_BLOCK), "--log-level", "WARNING",
-              "--grace-s", "1"]
+              "--grace-s", "1", *PLAIN_TEXT_UNTIL_CONVERTED]
 
 
 @pytest.fixture(scope="session")

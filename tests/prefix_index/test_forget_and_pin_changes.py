@@ -21,6 +21,7 @@ from prefix_index.api.ops import (
 )
 from prefix_index.tools.launch import IndexProcess
 from tests.prefix_index.chains import commit_ops, make_chain
+from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
 
 
 def test_forget_drops_exactly_that_block(index_server, engine_id):
@@ -74,7 +75,8 @@ def test_forget_of_a_block_in_use_or_pinned(index_server, engine_id):
 
 
 def test_pin_changes_from_ttls_and_from_the_sweeper(redis_server, engine_id):
-    args = ["--hot-threshold", "2", "--hot-window-s", "0.5", "--sweep-interval-s", "0.1",
+    args = [*PLAIN_TEXT_UNTIL_CONVERTED,
+            "--hot-threshold", "2", "--hot-window-s", "0.5", "--sweep-interval-s", "0.1",
             "--pin-budget-fraction", "0.5", "--log-level", "WARNING"]
 
     async def body(target):

@@ -13,6 +13,7 @@ from prefix_index.server.config import PinPolicy
 from prefix_index.tools.launch import IndexProcess
 from tests.prefix_index.chains import commit_ops, make_chain
 from tests.prefix_index.pool_driver import PoolDriver
+from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
 
 POOL = 96            # pin budget at the default 10%: 9 blocks
 HOT_BLOCKS = 8       # a system prompt of 8 blocks
@@ -45,7 +46,8 @@ def test_a_returning_prefix_is_pinned_under_the_default_threshold(redis_server, 
             assert (s.pinned, s.auto_pinned) == (HOT_BLOCKS, HOT_BLOCKS)
             assert s.history <= PinPolicy().history_cap(POOL)
 
-    with IndexProcess(redis_server.url, ["--log-level", "WARNING"]) as index:
+    with IndexProcess(redis_server.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
+                                         "--log-level", "WARNING"]) as index:
         asyncio.run(body(index.target))
 
 
@@ -117,11 +119,13 @@ def test_pinning_keeps_the_hot_prefix_where_lru_keeps_none(redis_server, engine_
     """The issue's pinning-under-pressure trace through the index alone (no model): plain LRU
     keeps none of the hot prefix; automatic pinning at the shipped default threshold keeps it
     from its 8th visit on (>= 90% of 100 visits); an explicit pin from the first."""
-    with IndexProcess(redis_server.url, ["--hot-threshold", "0", "--log-level", "WARNING"]
+    with IndexProcess(redis_server.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
+                                         "--hot-threshold", "0", "--log-level", "WARNING"]
                       ) as lru_only:
         lru = asyncio.run(_hot_hit_rate(lru_only.target, engine_id + "-lru", False))
         pinned = asyncio.run(_hot_hit_rate(lru_only.target, engine_id + "-pin", True))
-    with IndexProcess(redis_server.url, ["--log-level", "WARNING"]) as defaults:
+    with IndexProcess(redis_server.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
+                                         "--log-level", "WARNING"]) as defaults:
         auto = asyncio.run(_hot_hit_rate(defaults.target, engine_id + "-auto", False))
     assert lru == 0.0
     assert auto == (VISITS - PinPolicy().hot_threshold) / VISITS >= 0.9
@@ -131,7 +135,8 @@ def test_pinning_keeps_the_hot_prefix_where_lru_keeps_none(redis_server, engine_
 def test_history_decays_and_the_sweeper_drops_what_is_left(redis_server, engine_id):
     """Uses fade with the window: two windows without a use and an entry is worth nothing,
     so the sweeper drops it (the cap bounds the history; decay empties it when idle)."""
-    args = ["--hot-threshold", "3", "--hot-window-s", "0.3", "--sweep-interval-s", "0.1",
+    args = [*PLAIN_TEXT_UNTIL_CONVERTED,
+            "--hot-threshold", "3", "--hot-window-s", "0.3", "--sweep-interval-s", "0.1",
             "--log-level", "WARNING"]
 
     async def body(target):

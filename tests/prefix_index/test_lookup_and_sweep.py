@@ -15,6 +15,7 @@ from prefix_index.server.store import ENGINE_LIST_TTL_S, SCAN_MAX_ENGINES
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
 from tests.prefix_index.chains import commit_ops, make_chain
+from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
 
 ENGINES = 100
 
@@ -71,7 +72,7 @@ def test_lookup_is_exact_when_the_view_lost_a_write(redis_server, index_server, 
 
 
 def test_the_sweeper_prunes_engines_whose_lease_ran_out(redis_server, engine_id):
-    args = ["--sweep-interval-s", "0.1", "--log-level", "WARNING"]
+    args = [*PLAIN_TEXT_UNTIL_CONVERTED, "--sweep-interval-s", "0.1", "--log-level", "WARNING"]
 
     async def body(target):
         async with PrefixIndexClient(target, 5.0) as c:
@@ -119,7 +120,8 @@ def test_lookup_gives_the_same_answer_below_and_above_the_scan_limit(engine_id):
             assert answers[0] == answers[1] == (expected, filtered)
 
     with RedisProcess() as own_redis, IndexProcess(own_redis.url,
-                                                   ["--log-level", "WARNING"]) as index:
+                                                   [*PLAIN_TEXT_UNTIL_CONVERTED,
+                                                    "--log-level", "WARNING"]) as index:
         asyncio.run(body(index.target))
 
 
@@ -146,8 +148,10 @@ def test_lookup_sees_an_engine_registered_through_another_index_process(engine_i
             assert matches == {f"{engine_id}-a": 3, f"{engine_id}-b": 3, f"{engine_id}-c": 1}
 
     with RedisProcess() as own_redis, \
-            IndexProcess(own_redis.url, ["--log-level", "WARNING"]) as first, \
-            IndexProcess(own_redis.url, ["--log-level", "WARNING"]) as second:
+            IndexProcess(own_redis.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
+                                         "--log-level", "WARNING"]) as first, \
+            IndexProcess(own_redis.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
+                                         "--log-level", "WARNING"]) as second:
         asyncio.run(body(first.target, second.target))
 
 

@@ -24,6 +24,7 @@ from prefix_index.api.ops import (
 from prefix_index.tools.launch import IndexProcess
 from tests.prefix_index.chains import commit_ops, make_chain
 from tests.prefix_index.conftest import HOT_THRESHOLD
+from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
 
 
 def run(coro):
@@ -290,7 +291,8 @@ def test_cooled_blocks_are_unpinned(redis_server, engine_id):
     """A short window: a block pinned while hot is unpinned by the sweeper once it cools
     (its estimate halves 1.5 windows after its hits: seconds after the check that it is
     pinned)."""
-    args = ["--hot-threshold", "2", "--hot-window-s", "2", "--sweep-interval-s", "0.1",
+    args = [*PLAIN_TEXT_UNTIL_CONVERTED,
+            "--hot-threshold", "2", "--hot-window-s", "2", "--sweep-interval-s", "0.1",
             "--pin-budget-fraction", "0.5", "--log-level", "WARNING"]
 
     async def body(target):

@@ -32,6 +32,7 @@ from prefix_index.server.store import IndexStore
 from prefix_index.tools.launch import IndexProcess
 from router.residency import MirrorDivergedError, ResidencyMirror
 from tests.prefix_index.chains import commit_ops, make_chain
+from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
 
 
 def _store(url: str, db: int) -> IndexStore:
@@ -168,7 +169,8 @@ def test_a_quiet_stream_stays_up_and_a_silent_index_is_taken_for_gone(redis_serv
     without closing the connection (a frozen process, a vanished host) ends the watch by the
     router's own clock."""
     monkeypatch.setattr(client_module, "WATCH_SILENCE_S", 6.0)
-    with IndexProcess(redis_server.url, ["--log-level", "WARNING"]) as index:
+    with IndexProcess(redis_server.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
+                                         "--log-level", "WARNING"]) as index:
         async def body():
             async with PrefixIndexClient(index.target, 5.0) as c:
                 feed = c.watch_residency()
@@ -203,7 +205,8 @@ def test_a_draining_index_ends_its_watches_instead_of_waiting_out_the_grace(redi
     """A watch never ends by itself: without this, every shutdown with a router attached took
     the whole grace period."""
     grace_s = 20.0
-    with IndexProcess(redis_server.url, ["--log-level", "WARNING", "--grace-s",
+    with IndexProcess(redis_server.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
+                                         "--log-level", "WARNING", "--grace-s",
                                          str(grace_s)]) as index:
         async def body():
             async with PrefixIndexClient(index.target, 5.0) as c:

@@ -2,6 +2,8 @@
 
 When the prefix index link exists (engine_service/index/policy.py) the engine runs against a
 real redis-server and prefix index, as in production; otherwise with `--prefix-index none`.
+Both on mutual TLS with the session's certificates (tests/support/tls.py); tests call the
+engine through `engine_server.channel()` (a client certificate).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess, free_port
+from tests.support.tls import SessionCerts
 
 # 240 blocks of 16 tokens: room for 64 short concurrent requests, while a request that may
 # grow to the whole 4096-token context (256 blocks) can never fit (INVALID_ARGUMENT).
@@ -34,14 +37,23 @@ def has_index_link() -> bool:
 
 
 class EngineUnderTest:
-    def __init__(self, process: EngineProcess, metrics_port: int, log_path: Path) -> None:
+    def __init__(self, process: EngineProcess, metrics_port: int, log_path: Path,
+                 certs: SessionCerts) -> None:
         self.process = process
         self.metrics_port = metrics_port
         self.log_path = log_path
+        self.certs = certs
 
     @property
     def target(self) -> str:
         return self.process.target
+
+    def channel(self, **kwargs) -> grpc.Channel:
+        """A client's blocking channel to the engine (mutual TLS, a client certificate)."""
+        return self.certs.channel(self.target, **kwargs)
+
+    def aio_channel(self, **kwargs) -> grpc.aio.Channel:
+        return self.certs.aio_channel(self.target, **kwargs)
 
     def metrics_text(self) -> str:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
@@ -61,24 +73,25 @@ def engine_args(metrics_port: int, index_target: str | None) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def engine_server(tiny_llama_dir, tmp_path_factory) -> Iterator[EngineUnderTest]:
+def engine_server(tiny_llama_dir, tmp_path_factory, test_certs) -> Iterator[EngineUnderTest]:
     log_path = tmp_path_factory.mktemp("engine") / "engine.log"
     metrics_port = free_port()
     with ExitStack() as stack:
         index_target = None
         if has_index_link():
             redis = stack.enter_context(RedisProcess())
-            index = stack.enter_context(IndexProcess(redis.url, ["--log-level", "WARNING"]))
+            index = stack.enter_context(IndexProcess(redis.url, ["--log-level", "WARNING"],
+                                                     tls=test_certs.files("index")))
             index_target = index.target
         process = EngineProcess(tiny_llama_dir, engine_args(metrics_port, index_target),
-                                log_path=log_path)
+                                log_path=log_path, tls=test_certs.files("engine"))
         stack.enter_context(process)
-        yield EngineUnderTest(process, metrics_port, log_path)
+        yield EngineUnderTest(process, metrics_port, log_path, test_certs)
 
 
 @pytest.fixture(scope="session")
 def channel(engine_server) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(engine_server.target) as ch:
+    with engine_server.channel() as ch:
         yield ch
 
 

@@ -19,13 +19,14 @@ from engine_service.core.engine import LLMEngine
 from engine_service.core.outputs import RequestOutput
 from prefix_index.api.client import PrefixIndexClient
 from prefix_index.api.ops import EngineStats
+from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 256  # large enough that nothing is evicted: runs with and without an index match
 # The index as it ships: automatic pinning on at the default hot threshold, window and pin
 # budget, the default lease, Redis timeout and probe interval. A test about another setting
 # adds that flag itself, by name.
-INDEX_ARGS = ["--log-level", "WARNING"]
+INDEX_ARGS = ["--log-level", "WARNING", *PLAIN_TEXT_UNTIL_CONVERTED]
 # How long a test waits for something the link or the index does on its own (a re-sync, a
 # mirror catching up): generous, since both cores may be busy; a condition ends it early.
 DEADLINE_S = 30.0

@@ -30,7 +30,7 @@ def wait_all_free(stub, timeout_s: float = 30.0) -> pb.EngineStatsResponse:
 
 def test_cancel_mid_stream_frees_the_blocks(engine_server, stub):
     async def body():
-        async with grpc.aio.insecure_channel(engine_server.target) as channel:
+        async with engine_server.aio_channel() as channel:
             call = pb_grpc.GenerationStub(channel).GenerateStream(
                 pb.GenerateRequest(text="Cancel me after a few tokens", sampling=LONG),
                 timeout=120)
@@ -60,7 +60,7 @@ def test_deadline_aborts_and_frees_the_blocks(stub):
 
 def test_abort_ends_the_stream_with_finish_reason_abort(engine_server, stub):
     async def body():
-        async with grpc.aio.insecure_channel(engine_server.target) as channel:
+        async with engine_server.aio_channel() as channel:
             astub = pb_grpc.GenerationStub(channel)
             call = astub.GenerateStream(pb.GenerateRequest(
                 request_id="abort-me", text="Abort me", sampling=LONG), timeout=120)
@@ -98,7 +98,7 @@ def wait_beams_running(stub, timeout_s: float = 30.0) -> pb.EngineStatsResponse:
 
 def test_cancel_mid_beam_search_frees_every_block(engine_server, stub):
     async def body():
-        async with grpc.aio.insecure_channel(engine_server.target) as channel:
+        async with engine_server.aio_channel() as channel:
             call = pb_grpc.GenerationStub(channel).GenerateStream(
                 pb.GenerateRequest(text="Cancel my beams", sampling=BEAM), timeout=120)
             busy = await asyncio.to_thread(wait_beams_running, stub)
@@ -113,7 +113,7 @@ def test_cancel_mid_beam_search_frees_every_block(engine_server, stub):
 
 def test_abort_mid_beam_search_answers_the_best_running_beams(engine_server, stub):
     async def body():
-        async with grpc.aio.insecure_channel(engine_server.target) as channel:
+        async with engine_server.aio_channel() as channel:
             astub = pb_grpc.GenerationStub(channel)
             call = astub.GenerateStream(pb.GenerateRequest(
                 request_id="abort-beams", text="Abort my beams", sampling=BEAM), timeout=120)

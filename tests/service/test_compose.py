@@ -15,6 +15,7 @@ import yaml
 from engine_service.serving.server import parse_args as engine_args
 from prefix_index.server.main import parse_args as index_args
 from router.server import parse_args as router_args
+from trust.cli_args import TLS_ENV, tls_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -23,6 +24,16 @@ COMPOSE = ROOT / "compose.yaml"
 @pytest.fixture(scope="module")
 def services() -> dict:
     return yaml.safe_load(COMPOSE.read_text())["services"]
+
+
+@pytest.fixture(autouse=True)
+def tls_environment(monkeypatch, test_certs):
+    """compose hands every service its TLS files in PAGEDGEN_TLS_* (a service given none
+    refuses to start): the commands parsed here read the session's from there too. The test
+    that checks each service's own variables sets them itself."""
+    files = test_certs.files("engine")
+    for env, path in zip(TLS_ENV.values(), (files.cert, files.key, files.ca), strict=True):
+        monkeypatch.setenv(env, str(path))
 
 
 def test_compose_matches_the_compose_spec():
@@ -92,8 +103,9 @@ def test_the_router_fronts_scalable_engine_replicas(services, secret_files, tmp_
 
 def test_healthcheck_probe_reports_serving(engine_server):
     done = subprocess.run(["python", "-m", "engine_service.tools.launch", "--check",
-                           engine_server.target], capture_output=True, text=True, timeout=30,
-                          cwd=ROOT)
+                           engine_server.target,
+                           *tls_argv(engine_server.certs.files("client"))],
+                          capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert done.returncode == 0 and done.stdout.strip().endswith("SERVING"), done
 
 

@@ -21,19 +21,21 @@ from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.redis_process import free_port
+from trust.cli_args import tls_argv
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def test_dead_engine_thread_turns_not_serving_and_fails_live_streams(tiny_llama_dir):
+def test_dead_engine_thread_turns_not_serving_and_fails_live_streams(tiny_llama_dir,
+                                                                     test_certs):
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_blocks=64))
 
     async def body():
-        server = EngineServer(engine, ServerOptions(port=0))
+        server = EngineServer(engine, ServerOptions(port=0, tls=test_certs.material("engine")))
         port = await server.start()
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            async with test_certs.aio_channel(f"127.0.0.1:{port}") as channel:
                 health = health_pb2_grpc.HealthStub(channel)
                 stub = pb_grpc.GenerationStub(channel)
                 before = (await health.Check(health_pb2.HealthCheckRequest())).status
@@ -73,19 +75,20 @@ def test_dead_engine_thread_turns_not_serving_and_fails_live_streams(tiny_llama_
     assert later in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
 
 
-def test_engine_process_exits_non_zero_when_its_engine_thread_dies(tiny_llama_dir, tmp_path):
+def test_engine_process_exits_non_zero_when_its_engine_thread_dies(tiny_llama_dir, tmp_path,
+                                                                   test_certs):
     port = free_port()
     log_path = tmp_path / "engine.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.crashing_engine", "--crash-at-step", "3",
              "--model", str(tiny_llama_dir), "--port", str(port), "--num-blocks", "64",
-             "--log-level", "INFO", "--grace-s", "2"],
+             "--log-level", "INFO", "--grace-s", "2", *tls_argv(test_certs.files("engine"))],
             stdout=subprocess.PIPE, stderr=log, text=True,
         )
     try:
         assert "engine listening" in proc.stdout.readline()
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with test_certs.channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.GenerationStub(channel)
             try:
                 list(stub.GenerateStream(pb.GenerateRequest(
@@ -132,14 +135,16 @@ def wait_gone(pid: int, timeout_s: float = 30.0) -> bool:
     return False
 
 
-def test_a_killed_engine_core_ends_streams_and_the_front_exits_non_zero(tiny_llama_dir, tmp_path):
+def test_a_killed_engine_core_ends_streams_and_the_front_exits_non_zero(tiny_llama_dir, tmp_path,
+                                                                       test_certs):
     """SIGKILL of the core process (the OOM killer's way): no last word from it, so the front
     must notice by itself: NOT_SERVING, live streams INTERNAL, exit 1."""
     log_path = tmp_path / "engine.log"
     engine = EngineProcess(tiny_llama_dir, ["--num-blocks", "256", "--grace-s", "2",
-                                            "--log-level", "INFO"], log_path=log_path).start()
+                                            "--log-level", "INFO"], log_path=log_path,
+                           tls=test_certs.files("engine")).start()
     try:
-        with grpc.insecure_channel(engine.target) as channel:
+        with test_certs.channel(engine.target) as channel:
             stub = pb_grpc.GenerationStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
             stream = stub.GenerateStream(pb.GenerateRequest(
@@ -166,21 +171,23 @@ def test_a_killed_engine_core_ends_streams_and_the_front_exits_non_zero(tiny_lla
     assert returncode == 1, log_path.read_text()[-2000:]
 
 
-def test_a_killed_front_takes_its_engine_core_with_it(tiny_llama_dir, tmp_path):
+def test_a_killed_front_takes_its_engine_core_with_it(tiny_llama_dir, tmp_path, test_certs):
     engine = EngineProcess(tiny_llama_dir, ["--num-blocks", "64", "--log-level", "WARNING"],
-                           log_path=tmp_path / "engine.log").start()
+                           log_path=tmp_path / "engine.log",
+                           tls=test_certs.files("engine")).start()
     core = core_pid_of(engine.proc.pid)
     engine.kill()  # SIGKILL: no drain, no word to the core
     assert wait_gone(core), "the engine core outlived its front"
 
 
-def test_sigterm_drains_the_front_and_stops_the_core(tiny_llama_dir, tmp_path):
+def test_sigterm_drains_the_front_and_stops_the_core(tiny_llama_dir, tmp_path, test_certs):
     engine = EngineProcess(tiny_llama_dir, ["--num-blocks", "64", "--grace-s", "10",
                                             "--log-level", "WARNING"],
-                           log_path=tmp_path / "engine.log").start()
+                           log_path=tmp_path / "engine.log",
+                           tls=test_certs.files("engine")).start()
     core = core_pid_of(engine.proc.pid)
     try:
-        with grpc.insecure_channel(engine.target) as channel:
+        with test_certs.channel(engine.target) as channel:
             stub = pb_grpc.GenerationStub(channel)
             stream = stub.GenerateStream(pb.GenerateRequest(
                 text="finish me", sampling=pb.SamplingParams(max_tokens=40, ignore_eos=True)),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import grpc
 import pytest
 
 from engine_service import SamplingParams
@@ -115,8 +114,8 @@ def concurrent_prompts() -> list[tuple[str, int]]:
     ]
 
 
-async def _stream_all(target: str, prompts: list[tuple[str, int]]):
-    async with grpc.aio.insecure_channel(target) as channel:
+async def _stream_all(engine_server, prompts: list[tuple[str, int]]):
+    async with engine_server.aio_channel() as channel:
         stub = pb_grpc.GenerationStub(channel)
 
         async def one(text: str, max_tokens: int):
@@ -130,7 +129,7 @@ async def _stream_all(target: str, prompts: list[tuple[str, int]]):
 
 def test_64_concurrent_streams_match_the_offline_api(engine_server, offline_llm):
     prompts = concurrent_prompts()
-    streamed = asyncio.run(_stream_all(engine_server.target, prompts))
+    streamed = asyncio.run(_stream_all(engine_server, prompts))
     expected = offline_llm.generate(
         [t for t, _ in prompts], [SamplingParams(temperature=0, max_tokens=m) for _, m in prompts])
     assert len(streamed) == 64

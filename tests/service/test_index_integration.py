@@ -35,6 +35,7 @@ from tests.service.index_fixtures import (
     prompt_ids,
     wait_until,
 )
+from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -375,7 +376,7 @@ def test_grpc_server_reports_cached_tokens_through_the_index(tiny_llama_dir, ind
 
     args = ["--num-blocks", "64", "--block-size", "16", "--max-model-len", "512",
             "--prefix-index", index.target, "--engine-id", "engine-e2e", "--log-level",
-            "WARNING", "--grace-s", "1"]
+            "WARNING", "--grace-s", "1", *PLAIN_TEXT_UNTIL_CONVERTED]  # (its index is plain)
     shared = prompt_ids(seed=30, length=32)  # 2 full blocks of 16
     params = gen_pb.SamplingParams(temperature=0, max_tokens=4)
     with EngineProcess(tiny_llama_dir, args, log_path=tmp_path / "engine.log") as engine:

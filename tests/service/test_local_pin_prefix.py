@@ -16,12 +16,13 @@ HOT = list(range(1000, 1000 + 3 * BLOCK + 5))  # 3 full blocks
 
 
 @pytest.fixture(scope="module")
-def stub(tiny_llama_dir, tmp_path_factory):
+def stub(tiny_llama_dir, tmp_path_factory, test_certs):
     log = tmp_path_factory.mktemp("local_pins") / "engine.log"
     args = ["--prefix-index", "none", "--dtype", "float32", "--num-blocks", "40",
             "--block-size", str(BLOCK), "--max-model-len", "600"]
-    with EngineProcess(tiny_llama_dir, args, log_path=log).start() as engine, \
-            grpc.insecure_channel(engine.target) as channel:
+    with EngineProcess(tiny_llama_dir, args, log_path=log,
+                       tls=test_certs.files("engine")).start() as engine, \
+            test_certs.channel(engine.target) as channel:
         yield pb_grpc.GenerationStub(channel)
 
 

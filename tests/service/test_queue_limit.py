@@ -14,14 +14,15 @@ from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 
 
-def test_live_request_limit_is_resource_exhausted(tiny_llama_dir):
+def test_live_request_limit_is_resource_exhausted(tiny_llama_dir, test_certs):
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_blocks=64))
 
     async def body():
-        server = EngineServer(engine, ServerOptions(port=0, max_live_requests=2))
+        server = EngineServer(engine, ServerOptions(port=0, max_live_requests=2,
+                                                    tls=test_certs.material("engine")))
         port = await server.start()
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            async with test_certs.aio_channel(f"127.0.0.1:{port}") as channel:
                 stub = pb_grpc.GenerationStub(channel)
                 long = pb.SamplingParams(max_tokens=500, ignore_eos=True)
                 calls = [stub.GenerateStream(pb.GenerateRequest(text=f"live {i}", sampling=long))

@@ -18,6 +18,7 @@ from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from tests.service.conftest import has_index_link
+from tests.support.tls import SessionCerts
 
 
 def metric(text: str, name: str) -> float:
@@ -54,20 +55,21 @@ def test_metrics_endpoint(engine_server, stub):
         assert not stats.degraded and stats.index_details
 
 
-def health_status(target: str) -> int:
-    with grpc.insecure_channel(target) as channel:
+def health_status(target: str, certs: SessionCerts) -> int:
+    with certs.channel(target) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                           timeout=2)
         return reply.status
 
 
-def test_sigterm_drains_in_flight_requests(tiny_llama_dir, tmp_path):
+def test_sigterm_drains_in_flight_requests(tiny_llama_dir, tmp_path, test_certs):
     engine = EngineProcess(tiny_llama_dir, ["--num-blocks", "128", "--grace-s", "60",
                                             "--prefix-index", "none", "--log-level", "INFO"],
-                           log_path=tmp_path / "engine.log").start()
+                           log_path=tmp_path / "engine.log",
+                           tls=test_certs.files("engine")).start()
     try:
         async def body():
-            async with grpc.aio.insecure_channel(engine.target) as channel:
+            async with test_certs.aio_channel(engine.target) as channel:
                 stub = pb_grpc.GenerationStub(channel)
                 call = stub.GenerateStream(pb.GenerateRequest(
                     text="Keep going while the server drains",
@@ -76,7 +78,8 @@ def test_sigterm_drains_in_flight_requests(tiny_llama_dir, tmp_path):
                 first = await call.read()
                 engine.proc.send_signal(signal.SIGTERM)
                 deadline = time.monotonic() + 5
-                while health_status(engine.target) != health_pb2.HealthCheckResponse.NOT_SERVING:
+                not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+                while health_status(engine.target, test_certs) != not_serving:
                     assert time.monotonic() < deadline, "health still SERVING after SIGTERM"
                     await asyncio.sleep(0.02)
                 try:
@@ -126,12 +129,12 @@ def _engines_on_port(port: int) -> list[int]:
     return pids
 
 
-def test_with_on_a_started_engine_runs_one_and_stops_it(tiny_llama_dir, tmp_path):
+def test_with_on_a_started_engine_runs_one_and_stops_it(tiny_llama_dir, tmp_path, test_certs):
     """`with EngineProcess(...).start() as e:` (as tests and benchmarks write it) must not
     start a second engine on the same port: the first one, no longer tracked, outlived the
     block (found as leaked engines after benchmark runs)."""
     engine = EngineProcess(tiny_llama_dir, ["--prefix-index", "none"],
-                           log_path=tmp_path / "engine.log")
+                           log_path=tmp_path / "engine.log", tls=test_certs.files("engine"))
     with engine.start() as same:
         assert same is engine
         assert _engines_on_port(engine.port) == [engine.proc.pid]

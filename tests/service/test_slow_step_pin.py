@@ -22,6 +22,7 @@ from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
 from tests.service.index_fixtures import index_stats, wait_until
+from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
 
 pytestmark = pytest.mark.timeout(120)
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -53,7 +54,8 @@ def test_pin_during_a_slow_step_waits_and_the_engine_lives(tiny_llama_dir, monke
 
     monkeypatch.setattr(LLMEngine, "step", step)
     with RedisProcess() as redis:
-        index = IndexProcess(redis.url, ["--log-level", "WARNING"]).start()
+        index = IndexProcess(redis.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
+                                         "--log-level", "WARNING"]).start()
         index_target = index.target
         try:
             engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=8,

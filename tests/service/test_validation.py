@@ -163,8 +163,8 @@ GOOD = pb.GenerateRequest(
     sampling=pb.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
 
 
-async def _bad_beside_good(target: str, cases: list[BadCase]):
-    async with grpc.aio.insecure_channel(target) as channel:
+async def _bad_beside_good(engine_server, cases: list[BadCase]):
+    async with engine_server.aio_channel() as channel:
         stub = pb_grpc.GenerationStub(channel)
         good = stub.GenerateStream(GOOD, timeout=120)
         first = await good.read()  # the good request is running before the bad ones arrive
@@ -186,7 +186,7 @@ def test_bad_inputs_get_their_status_and_leave_a_good_request_alone(engine_serve
                                                                      offline_llm):
     cases = bad_cases()
     assert len(cases) >= 20
-    errors, good = asyncio.run(_bad_beside_good(engine_server.target, cases))
+    errors, good = asyncio.run(_bad_beside_good(engine_server, cases))
     for case, code, details in errors:
         assert code == case.code, f"{case.name}: {code} {details!r}"
         assert case.message in details, f"{case.name}: {details!r}"
@@ -202,7 +202,7 @@ def test_bad_inputs_get_their_status_and_leave_a_good_request_alone(engine_serve
 
 def test_duplicate_live_request_id_is_already_exists(engine_server, stub):
     async def body():
-        async with grpc.aio.insecure_channel(engine_server.target) as channel:
+        async with engine_server.aio_channel() as channel:
             astub = pb_grpc.GenerationStub(channel)
             first = astub.GenerateStream(pb.GenerateRequest(
                 request_id="dup-1", text="first",

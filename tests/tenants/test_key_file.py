@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from tenancy.keys import hash_key, load_key_file
+from trust.cli_args import tls_argv
 
 VALID_HASH = "0" * 64
 
@@ -47,11 +48,12 @@ def test_a_bad_key_file_is_refused_naming_the_field(tmp_path, text, message):
     assert str(path) in str(refused.value)
 
 
-def test_a_server_refuses_to_start_on_a_bad_key_file(tmp_path):
+def test_a_server_refuses_to_start_on_a_bad_key_file(tmp_path, test_certs):
     path = tmp_path / "keys.toml"
     path.write_text("[tenants.a]\nmax_live_requests = -5\n")
     done = subprocess.run(["pagedgen-router", "--engines", "127.0.0.1:1", "--api-key-file",
-                           str(path)], capture_output=True, text=True, timeout=60)
+                           str(path), *tls_argv(test_certs.files("router"))],
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "tenants.a.max_live_requests must be an integer >= 0 (-1: no limit), got -5" in (
         done.stderr)

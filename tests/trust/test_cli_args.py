@@ -1,5 +1,5 @@
-"""The TLS flags as every console script parses them: files or variables, all three or none,
---insecure alone, and errors that name the flag and the value."""
+"""The TLS flags as every console script parses them: files or variables, all three or none
+refused unless --insecure, --insecure alone, and errors that name the flag and the value."""
 
 from __future__ import annotations
 
@@ -28,9 +28,11 @@ def refused(parse, argv, capsys) -> str:
 
 
 @pytest.mark.parametrize("service", PARSERS)
-def test_files_load_and_plain_text_is_the_default_for_now(service, certs):
+def test_files_load_and_plain_text_only_with_insecure(service, certs, capsys):
     parse, base = PARSERS[service]
-    assert parse(base).tls is None and parse([*base, "--insecure"]).tls is None
+    err = refused(parse, base, capsys)
+    assert "no TLS files" in err and "--insecure" in err and "pagedgen-certs" in err
+    assert parse([*base, "--insecure"]).tls is None
     tls = files(certs, "router")
     args = parse([*base, "--tls-cert", str(tls.cert), "--tls-key", str(tls.key),
                   "--tls-ca", str(tls.ca)])
@@ -60,7 +62,7 @@ def test_bad_tls_settings_are_refused_by_name(certs, capsys, tmp_path):
     err = refused(index_args, ["--insecure", "--tls-cert", str(tls.cert), "--tls-key",
                                str(tls.key), "--tls-ca", str(tls.ca)], capsys)
     assert "--insecure" in err and "one or the other" in err
-    err = refused(engine_args, ["--tls-server-only"], capsys)
+    err = refused(engine_args, ["--tls-server-only", "--insecure"], capsys)
     assert "--tls-server-only" in err and "needs TLS" in err
 
 
