@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
 from pagedgen_api import generation_pb2_grpc as pb_grpc
@@ -12,12 +11,13 @@ from tests.router.stack import RouterStack
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir, tmp_path_factory) -> Iterator[RouterStack]:
-    with RouterStack(tiny_llama_dir, tmp_path_factory.mktemp("router-stack")) as running:
+def stack(tiny_llama_dir, tmp_path_factory, test_certs) -> Iterator[RouterStack]:
+    with RouterStack(tiny_llama_dir, tmp_path_factory.mktemp("router-stack"),
+                     test_certs) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def router_stub(stack) -> Iterator[pb_grpc.GenerationStub]:
-    with grpc.insecure_channel(stack.router.target) as channel:
+    with stack.channel() as channel:
         yield pb_grpc.GenerationStub(channel)

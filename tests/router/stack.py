@@ -1,5 +1,8 @@
-"""Real processes for the router tests: Redis, the prefix index, N engines on the tiny Llama
-(each registering its serving address) and the router in front of them, all over loopback."""
+"""The one stack of real processes the router, tenant, bounds and HTTP tests share: Redis, the
+prefix index, N engines on the tiny Llama (each registering its serving address) and the router
+in front of them, all over loopback, on the session's certificates as deployed: mutual TLS
+between the services, TLS at the router's front door (tests/support/tls.py). Without the index
+(with_index=False): the engines alone, the router given their addresses."""
 
 from __future__ import annotations
 
@@ -19,32 +22,41 @@ from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
 from router.tools.launch import RouterProcess
 from tenancy.client import with_api_key
+from tests.support.tls import SessionCerts
+from trust.identity import INDEX_ROLE, ROUTER_ROLE
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 128
 
 
-def engine_args(index_target: str, engine_id: str) -> list[str]:
-    return ["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
-            "--max-model-len", "2048", "--prefix-index", index_target,
+# The engines' pool and context unless a stack is given its own (engine_shape).
+ENGINE_SHAPE = ("--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
+                "--max-model-len", "2048", "--dtype", "float32")
+
+
+def engine_args(index_target: str, engine_id: str,
+                shape: tuple[str, ...] | list[str] = ENGINE_SHAPE) -> list[str]:
+    return [*shape, "--prefix-index", index_target,
             # The index lease is the shipped one (30 s): a replica killed and restarted under
             # its id must be taken back at once, not after its dead process's lease lapsed.
             "--engine-id", engine_id, "--grace-s", "2",
-            "--log-level", "WARNING",
-            "--dtype", "float32"]
+            "--log-level", "WARNING"]
 
 
 class RouterStack:
     """Start with `with RouterStack(...) as stack:`; engines are named engine-0, engine-1, ..."""
 
-    def __init__(self, model_dir: Path, log_dir: Path, num_engines: int = 2,
+    def __init__(self, model_dir: Path, log_dir: Path, certs: SessionCerts, num_engines: int = 2,
                  router_args: list[str] | None = None, with_index: bool = True,
-                 with_router: bool = True, api_key: str | None = None) -> None:
+                 with_router: bool = True, api_key: str | None = None,
+                 engine_shape: list[str] | None = None) -> None:
         self.model_dir = model_dir
+        self.certs = certs
         self.log_dir = log_dir
         self.num_engines = num_engines
         self.router_args = router_args or []
-        self.with_index = with_index
+        self.with_index = with_index  # False: no Redis, no index (--prefix-index none)
+        self.engine_shape = list(engine_shape or ENGINE_SHAPE)  # pool, context, dtype, ...
         self.with_router = with_router  # False: a test runs its own router (in its process)
         self.api_key = api_key  # the router's (--api-key / --api-key-file): channel() sends it
         self.engines: dict[str, EngineProcess] = {}
@@ -55,9 +67,11 @@ class RouterStack:
 
     def __enter__(self) -> RouterStack:
         try:
-            self.redis = self._stack.enter_context(RedisProcess())
-            self.index = IndexProcess(self.redis.url, ["--log-level", "WARNING"])
-            self._stack.enter_context(self.index)
+            if self.with_index:
+                self.redis = self._stack.enter_context(RedisProcess())
+                self.index = IndexProcess(self.redis.url, ["--log-level", "WARNING"],
+                                          tls=self.certs.files("index"))
+                self._stack.enter_context(self.index)
             for i in range(self.num_engines):
                 self.start_engine(f"engine-{i}")
             self._stack.callback(self._stop_engines)
@@ -78,8 +92,11 @@ class RouterStack:
             engine.kill()
 
     def start_engine(self, engine_id: str, port: int | None = None) -> EngineProcess:
-        engine = EngineProcess(self.model_dir, engine_args(self.index.target, engine_id),
-                               port=port, log_path=self.log_dir / f"{engine_id}.log")
+        index_target = self.index.target if self.index is not None else "none"
+        engine = EngineProcess(self.model_dir,
+                               engine_args(index_target, engine_id, self.engine_shape),
+                               port=port, log_path=self.log_dir / f"{engine_id}.log",
+                               tls=self.certs.files("engine"))
         engine.start()
         self.engines[engine_id] = engine
         return engine
@@ -87,7 +104,8 @@ class RouterStack:
     def restart_index(self, port: int) -> IndexProcess:
         """A new index process on `port` (the old one killed), stopped with the stack."""
         self.index = self._stack.enter_context(
-            IndexProcess(self.redis.url, ["--log-level", "WARNING"], port=port))
+            IndexProcess(self.redis.url, ["--log-level", "WARNING"], port=port,
+                         tls=self.certs.files("index")))
         return self.index
 
     def kill_engine(self, engine_id: str) -> None:
@@ -98,17 +116,24 @@ class RouterStack:
                 "--log-level", "INFO", *self.router_args]
         if self.with_index:
             args += ["--prefix-index", self.index.target]
-        if not self.with_index or "--engines" not in args:
-            if not self.with_index:
-                args += ["--engines", ",".join(e.target for e in self.engines.values())]
-        self.router = RouterProcess(args, log_path=self.log_dir / "router.log")
+        else:
+            args += ["--engines", ",".join(e.target for e in self.engines.values())]
+        self.router = RouterProcess(args, log_path=self.log_dir / "router.log",
+                                    tls=self.certs.files("router"))
         self.router.start()
         self.wait_routable(len(self.engines))
         return self.router
 
     def channel(self, target: str | None = None) -> grpc.Channel:
-        """A channel to the router (or `target`), with the router's API key if it takes one."""
-        return with_api_key(grpc.insecure_channel(target or self.router.target), self.api_key)
+        """A channel to the router, an end client's (TLS verifying the CA, no certificate), or
+        to `target` (an engine: mutual TLS, a client certificate); with the router's API key
+        if it takes one."""
+        if target is None or target == self.router.target:
+            return with_api_key(self.certs.end_client_channel(self.router.target), self.api_key)
+        return with_api_key(self.certs.channel(target), self.api_key)
+
+    def lookup(self, chain: list[bytes]) -> dict[str, int]:
+        return lookup(self.index.target, chain, self.certs)
 
     def router_stats(self) -> pb.EngineStatsResponse:
         with self.channel() as channel:
@@ -184,9 +209,10 @@ def generate_kv_routed(stub: pb_grpc.GenerationStub, ids: list[int], holders: se
         time.sleep(0.1)
 
 
-def lookup(index_target: str, chain: list[bytes]) -> dict[str, int]:
-    """engine id -> leading blocks of chain it holds, as the index says."""
-    with grpc.insecure_channel(index_target) as channel:
+def lookup(index_target: str, chain: list[bytes], certs: SessionCerts) -> dict[str, int]:
+    """engine id -> leading blocks of chain it holds, as the index says (asked as a router: the
+    index lets only routers read)."""
+    with certs.channel(index_target, ROUTER_ROLE, INDEX_ROLE) as channel:
         reply = pi_grpc.PrefixIndexStub(channel).Lookup(pi_pb.LookupRequest(chain=chain),
                                                         timeout=5)
     return {m.engine_id: m.matched_blocks for m in reply.engines}

@@ -32,9 +32,9 @@ SETTLE_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_llama_dir, tmp_path_factory) -> Iterator[RouterStack]:
+def engines(tiny_llama_dir, tmp_path_factory, test_certs) -> Iterator[RouterStack]:
     """Redis, the index and two engines; no router process (each test runs its own)."""
-    with RouterStack(tiny_llama_dir, tmp_path_factory.mktemp("counters"),
+    with RouterStack(tiny_llama_dir, tmp_path_factory.mktemp("counters"), test_certs,
                      with_router=False) as running:
         yield running
 
@@ -57,11 +57,11 @@ async def router_in_front_of(stack: RouterStack):
     """A router finding its replicas through the index, as pagedgen-router does, with the
     stack's poll and discovery intervals; it and a stub to it over loopback."""
     config = RouterConfig(stats_interval_s=0.05, discovery_interval_s=0.2)
-    router = Router(config, [], stack.index.target)
-    server = RouterServer(router, port=0)
+    router = Router(config, [], stack.index.target, tls=stack.certs.material("router"))
+    server = RouterServer(router, port=0, tls=stack.certs.material("router"))
     await server.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        async with stack.certs.aio_end_client_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.GenerationStub(channel)
             await eventually(lambda: len(router.replicas.routable()) == len(stack.engines),
                              "every engine routable")

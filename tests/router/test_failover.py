@@ -18,7 +18,6 @@ from tests.router.stack import (
     generate,
     generate_kv_routed,
     hasher_of,
-    lookup,
     served_by,
     wait_until,
 )
@@ -75,8 +74,8 @@ def test_a_replica_killed_mid_stream_is_invisible_to_the_client(stack, router_st
     assert all(victim not in replicas for _, replicas in results)
 
 
-def model_info(target: str) -> pb.ModelInfoResponse:
-    with grpc.insecure_channel(target) as channel:
+def model_info(stack, target: str) -> pb.ModelInfoResponse:
+    with stack.channel(target) as channel:
         return pb_grpc.GenerationStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=10)
 
 
@@ -95,7 +94,7 @@ def test_a_replica_restarted_under_its_id_gets_no_stale_credit(stack, router_stu
     ids = prompt(13)
     _, [victim] = generate(router_stub, ids)
     chain = hasher_of(router_stub).chain(ids, None)
-    wait_until(lambda: lookup(stack.index.target, chain).get(victim) == PREFIX_BLOCKS,
+    wait_until(lambda: stack.lookup(chain).get(victim) == PREFIX_BLOCKS,
                what="the victim's copy of the prefix in the index")
     stack.kill_engine(victim)
     wait_until(lambda: not router_details(router_stub).get(f"replica.{victim}", "").endswith(
@@ -106,14 +105,14 @@ def test_a_replica_restarted_under_its_id_gets_no_stale_credit(stack, router_stu
     # its new instance_id tells the two processes apart.
     restarted = stack.start_engine(victim, port=stack.engines[victim].port)
     stack.wait_routable(2)
-    ours, theirs = model_info(restarted.target), model_info(stack.engines[survivor].target)
+    ours, theirs = model_info(stack, restarted.target), model_info(stack.engines[survivor].target)
     assert ours.engine_id == victim and ours.instance_id
     assert ours.instance_id != theirs.instance_id  # one per process
-    assert model_info(restarted.target).instance_id == ours.instance_id  # and stable in it
+    assert model_info(stack, restarted.target).instance_id == ours.instance_id  # and stable in it
     chain = hasher_of(router_stub).chain(ids, None)
-    wait_until(lambda: lookup(stack.index.target, chain).get(survivor, 0) >= PREFIX_BLOCKS,
+    wait_until(lambda: stack.lookup(chain).get(survivor, 0) >= PREFIX_BLOCKS,
                what="the survivor's copy of the prefix in the index")
-    assert victim not in lookup(stack.index.target, chain)
+    assert victim not in stack.lookup(chain)
     # (A request routed by the prefix-hash-bounded fallback, after a Lookup slower than the router's
     # timeout, is sent again; its replica holds the prefix from then on.)
     holders = {survivor}
@@ -199,7 +198,7 @@ def test_index_down_falls_back_then_recovers_by_itself(stack, router_stub):
     deadline = time.monotonic() + 20
     while True:
         _, [holder] = generate(router_stub, fresh, max_tokens=2)
-        if lookup(stack.index.target, chain).get(holder) == PREFIX_BLOCKS:
+        if stack.lookup(chain).get(holder) == PREFIX_BLOCKS:
             break
         assert time.monotonic() < deadline, "the index never saw the engines again"
         time.sleep(0.2)

@@ -146,14 +146,15 @@ def test_redis_restarted_empty_fails_no_request(stack, router_stub):
                 failures.append(f"{error.code().name}: {error.details()}")
             i += 1
 
-    before = {engine_id: registrations(engine) for engine_id, engine in stack.engines.items()}
+    before = {engine_id: registrations(stack, engine)
+              for engine_id, engine in stack.engines.items()}
     worker = threading.Thread(target=load)
     worker.start()
     try:
         wait_until(lambda: served or failures, what="the load running")
         stack.redis.restart()
         # The engines find the index has lost them and register again; the load goes on.
-        wait_until(lambda: all(registrations(engine) > before[engine_id]
+        wait_until(lambda: all(registrations(stack, engine) > before[engine_id]
                                for engine_id, engine in stack.engines.items()),
                    timeout_s=60, what="every engine registered again")
         stack.wait_routable(2)
@@ -166,10 +167,10 @@ def test_redis_restarted_empty_fails_no_request(stack, router_stub):
     assert failures == []
 
 
-def registrations(engine: EngineProcess) -> int:
+def registrations(stack, engine: EngineProcess) -> int:
     """How many times the engine registered with the index, as long as its link is up (-1
     while it is not)."""
-    with grpc.insecure_channel(engine.target) as channel:
+    with stack.channel(engine.target) as channel:
         stats = pb_grpc.GenerationStub(channel).EngineStats(pb.EngineStatsRequest(), timeout=10)
     details = stats.index_details
     return int(details["registrations"]) if details.get("state") == "ok" else -1
@@ -188,11 +189,12 @@ async def eventually(condition, what: str, timeout_s: float = 60.0):
 async def router_here(stack, config: RouterConfig):
     """A router in this process in front of the stack's engines (its state and metrics can be
     read), and a stub to it over loopback."""
-    router = Router(config, [e.target for e in stack.engines.values()], stack.index.target)
-    server = RouterServer(router, port=0)
+    router = Router(config, [e.target for e in stack.engines.values()], stack.index.target,
+                    tls=stack.certs.material("router"))
+    server = RouterServer(router, port=0, tls=stack.certs.material("router"))
     await server.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        async with stack.certs.aio_end_client_channel(f"127.0.0.1:{server.port}") as channel:
             yield server, pb_grpc.GenerationStub(channel)
     finally:
         await server.stop(0)
@@ -287,7 +289,8 @@ def test_replicas_replaced_by_another_model_identity_are_routed(stack, router_st
     dtype = "bfloat16"
     args = engine_args(stack.index.target, "engine-0")
     args[args.index("--dtype") + 1] = dtype
-    engine = EngineProcess(stack.model_dir, args, log_path=stack.log_dir / "engine-0-new.log")
+    engine = EngineProcess(stack.model_dir, args, log_path=stack.log_dir / "engine-0-new.log",
+                           tls=stack.certs.files("engine"))
     engine.start()
     stack.engines["engine-0"] = engine
     stack.wait_routable(1)

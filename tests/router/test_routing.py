@@ -19,7 +19,6 @@ from tests.router.stack import (
     generate_call,
     generate_kv_routed,
     hasher_of,
-    lookup,
     routed_by,
     served_by,
     wait_until,
@@ -56,7 +55,7 @@ def test_a_repeated_prefix_goes_where_it_is_cached(stack, router_stub):
     first, [holder] = generate(router_stub, base)
     assert first.usage.cached_tokens == 0
     chain = hasher_of(router_stub).chain(base, None)
-    wait_until(lambda: lookup(stack.index.target, chain).get(holder) == PREFIX_BLOCKS,
+    wait_until(lambda: stack.lookup(chain).get(holder) == PREFIX_BLOCKS,
                what="the index sees the first request's blocks")
     # Only requests routed by kv-aware show affinity: a Lookup slower than the router's
     # timeout (a starved machine) routes one by the prefix-hash-bounded fallback, whose replica then
@@ -104,12 +103,12 @@ def test_different_salts_are_never_credited_as_shared(stack, router_stub):
     _, [holder] = generate(router_stub, base, cache_salt="tenant-a")
     hasher = hasher_of(router_stub)
     salted = hasher.chain(base, "tenant-a")
-    wait_until(lambda: lookup(stack.index.target, salted).get(holder) == PREFIX_BLOCKS,
+    wait_until(lambda: stack.lookup(salted).get(holder) == PREFIX_BLOCKS,
                what="the salted blocks in the index")
     # Another tenant's chain differs from the first block: the index credits nobody.
     other = hasher.chain(base, "tenant-b")
-    assert lookup(stack.index.target, other) == {}
-    assert lookup(stack.index.target, hasher.chain(base, None)) == {}
+    assert stack.lookup(other) == {}
+    assert stack.lookup(hasher.chain(base, None)) == {}
     for salt in ("tenant-b", ""):
         reply, _ = generate(router_stub, base, cache_salt=salt)
         assert reply.usage.cached_tokens == 0, salt
@@ -121,7 +120,7 @@ def hot_burst(stack, router_stub, seed: int) -> tuple[str, list]:
     base = prompt(seed)
     _, [holder] = generate(router_stub, base)
     chain = hasher_of(router_stub).chain(base, None)
-    wait_until(lambda: lookup(stack.index.target, chain).get(holder) == PREFIX_BLOCKS,
+    wait_until(lambda: stack.lookup(chain).get(holder) == PREFIX_BLOCKS,
                what="the index sees the prefix")
     requests = [with_suffix(base, 200 + i, PREFIX_BLOCKS * BLOCK_SIZE) for i in range(8)]
     with ThreadPoolExecutor(8) as pool:

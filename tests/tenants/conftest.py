@@ -1,6 +1,7 @@
 """Tenants at the front doors, on real processes over loopback: Redis, the prefix index, one
 engine on the tiny Llama and the router in front of it holding a key file (gRPC and the
-OpenAI HTTP API); clients are gRPC stubs and the official `openai` package."""
+OpenAI HTTP API), on the session's certificates (tests/support/tls.py); clients are gRPC stubs
+and the official `openai` package, over TLS verifying the CA."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
+import openai
 import pytest
 
 from pagedgen_api import generation_pb2_grpc as pb_grpc
@@ -57,11 +58,15 @@ class TenantStack:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/v1"
+        return f"https://127.0.0.1:{self.http_port}/v1"
+
+    def openai(self, api_key: str, **kwargs) -> openai.OpenAI:
+        """The official client at the router's HTTPS front door, verifying the CA."""
+        return self.stack.certs.openai_client(self.base_url, api_key, **kwargs)
 
 
 @pytest.fixture(scope="module")
-def tenant_stack(tiny_llama_dir, tmp_path_factory) -> Iterator[TenantStack]:
+def tenant_stack(tiny_llama_dir, tmp_path_factory, test_certs) -> Iterator[TenantStack]:
     folder = tmp_path_factory.mktemp("tenants")
     keys = write_keys(folder / "keys.toml", TENANTS)
     secret = folder / "tenant-secret"
@@ -69,14 +74,14 @@ def tenant_stack(tiny_llama_dir, tmp_path_factory) -> Iterator[TenantStack]:
     http_port = free_port()
     router_args = ["--api-key-file", str(keys.path), "--tenant-secret-file", str(secret),
                    "--http-port", str(http_port)]
-    with RouterStack(tiny_llama_dir, folder, num_engines=1, router_args=router_args,
+    with RouterStack(tiny_llama_dir, folder, test_certs, num_engines=1, router_args=router_args,
                      api_key=keys["alice"]) as stack:
         yield TenantStack(stack, keys, http_port)
 
 
 @pytest.fixture(scope="module")
 def stub(tenant_stack) -> Iterator[pb_grpc.GenerationStub]:
-    with grpc.insecure_channel(tenant_stack.target) as channel:
+    with tenant_stack.stack.certs.end_client_channel(tenant_stack.target) as channel:
         yield pb_grpc.GenerationStub(channel)
 
 

@@ -22,13 +22,16 @@ from tests.tenants.streams import BackgroundStream
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_dir, tmp_path_factory) -> Iterator[tuple[EngineProcess, dict, int]]:
+def engine(tiny_llama_dir, tmp_path_factory,
+           test_certs) -> Iterator[tuple[EngineProcess, dict, int]]:
     folder = tmp_path_factory.mktemp("engine-door")
     keys = write_keys(folder / "keys.toml", TENANTS)
     http_port = free_port()
     args = [*engine_args(free_port(), None), "--http-port", str(http_port),
-            "--api-key-file", str(keys.path)]  # no secret file: one of its own, warned
-    process = EngineProcess(tiny_llama_dir, args, log_path=folder / "engine.log").start()
+            "--api-key-file", str(keys.path),  # no secret file: one of its own, warned
+            "--tls-server-only"]  # served alone to end clients: TLS, keys, no certificates
+    process = EngineProcess(tiny_llama_dir, args, log_path=folder / "engine.log",
+                            tls=test_certs.files("engine")).start()
     try:
         yield process, keys, http_port
     finally:
@@ -36,8 +39,8 @@ def engine(tiny_llama_dir, tmp_path_factory) -> Iterator[tuple[EngineProcess, di
 
 
 @pytest.fixture(scope="module")
-def stub(engine) -> Iterator[pb_grpc.GenerationStub]:
-    with grpc.insecure_channel(engine[0].target) as channel:
+def stub(engine, test_certs) -> Iterator[pb_grpc.GenerationStub]:
+    with test_certs.end_client_channel(engine[0].target) as channel:
         yield pb_grpc.GenerationStub(channel)
 
 
@@ -48,7 +51,7 @@ def _cached(stub, metadata, ids: list[int], **fields) -> int:
         timeout=120, metadata=metadata).usage.cached_tokens
 
 
-def test_no_key_is_unauthenticated_over_grpc_and_401_over_http(engine, stub):
+def test_no_key_is_unauthenticated_over_grpc_and_401_over_http(engine, stub, test_certs):
     _, _, http_port = engine
     for metadata in (None, bearer("pg-wrong"), ((TENANT_METADATA, "alice"),)):
         with pytest.raises(grpc.RpcError) as refused:
@@ -57,8 +60,8 @@ def test_no_key_is_unauthenticated_over_grpc_and_401_over_http(engine, stub):
         with pytest.raises(grpc.RpcError) as refused:
             _cached(stub, metadata, [5, 6, 7])
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="pg-wrong",
-                       max_retries=0, timeout=60) as client:
+    with test_certs.openai_client(f"https://127.0.0.1:{http_port}/v1", "pg-wrong",
+                                  max_retries=0, timeout=60) as client:
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
 

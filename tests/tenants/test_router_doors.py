@@ -43,7 +43,7 @@ def test_no_valid_key_gets_unauthenticated_and_nothing_else(stub, metadata):
 
 
 def test_health_and_reflection_stay_open(tenant_stack):
-    with grpc.insecure_channel(tenant_stack.target) as channel:
+    with tenant_stack.stack.certs.end_client_channel(tenant_stack.target) as channel:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                             timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -55,8 +55,7 @@ def test_health_and_reflection_stay_open(tenant_stack):
 
 def test_http_without_a_valid_key_is_401(tenant_stack):
     for key in ("none", "pg-wrong"):
-        with openai.OpenAI(base_url=tenant_stack.base_url, api_key=key, max_retries=0,
-                           timeout=60) as client:
+        with tenant_stack.openai(key, max_retries=0, timeout=60) as client:
             with pytest.raises(openai.AuthenticationError) as refused:
                 client.completions.create(model="x", prompt="hi", max_tokens=2)
             assert refused.value.status_code == 401
@@ -82,8 +81,7 @@ def test_a_tenant_sees_its_own_cache_and_no_one_elses(tenant_stack, stub):
         assert _cached_tokens(stub, keys["bob"], victim, salt) == 0
     # ... nor another over HTTP, as usage.prompt_tokens_details.cached_tokens (not bob: its
     # own probe above cached the prompt, for bob).
-    with openai.OpenAI(base_url=tenant_stack.base_url, api_key=keys["pinner"], max_retries=0,
-                       timeout=120) as client:
+    with tenant_stack.openai(keys["pinner"], max_retries=0, timeout=120) as client:
         model = client.models.list().data[0].id
         reply = client.completions.create(model=model, prompt=victim, max_tokens=2,
                                           temperature=0)

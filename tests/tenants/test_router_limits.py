@@ -55,8 +55,7 @@ def test_priority_only_from_a_tenant_allowed_to_set_it(tenant_stack, stub):
     assert refused.value.details().startswith("priority must be 0 for tenant 'bob'")
     assert _generate(stub, keys["bob"], 3401).usage.completion_tokens == 2  # priority 0: served
     assert _generate(stub, keys["alice"], 3401, priority=5).usage.completion_tokens == 2
-    with openai.OpenAI(base_url=tenant_stack.base_url, api_key=keys["bob"], max_retries=0,
-                       timeout=120) as client:
+    with tenant_stack.openai(keys["bob"], max_retries=0, timeout=120) as client:
         model = client.models.list().data[0].id
         with pytest.raises(openai.PermissionDeniedError) as http_refused:
             client.completions.create(model=model, prompt="hello", max_tokens=2,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
 from pagedgen_api import generation_pb2_grpc as pb_grpc
@@ -17,7 +16,6 @@ from tests.router.stack import (
     generate,
     generate_kv_routed,
     hasher_of,
-    lookup,
     wait_until,
 )
 from tests.service.index_fixtures import prompt_ids
@@ -28,19 +26,20 @@ PREFIX_BLOCKS = 12
 
 
 @pytest.fixture(scope="module")
-def routed(tiny_llama_dir, tmp_path_factory) -> Iterator[tuple[RouterStack, dict]]:
+def routed(tiny_llama_dir, tmp_path_factory, test_certs) -> Iterator[tuple[RouterStack, dict]]:
     folder = tmp_path_factory.mktemp("tenant-routes")
     keys = write_keys(folder / "keys.toml", {"alice": {}, "bob": {}})
     secret = folder / "secret"
     secret.write_bytes(SECRET)
     args = ["--api-key-file", str(keys.path), "--tenant-secret-file", str(secret)]
-    with RouterStack(tiny_llama_dir, folder, num_engines=2, router_args=args,
+    with RouterStack(tiny_llama_dir, folder, test_certs, num_engines=2, router_args=args,
                      api_key=keys["alice"]) as stack:
         yield stack, keys.by_tenant
 
 
 def _stub(stack: RouterStack, key: str) -> pb_grpc.GenerationStub:
-    return pb_grpc.GenerationStub(with_api_key(grpc.insecure_channel(stack.router.target), key))
+    return pb_grpc.GenerationStub(with_api_key(stack.certs.end_client_channel(stack.router.target),
+                                               key))
 
 
 def test_a_tenants_prefix_is_routed_to_its_holder_and_hidden_from_the_index(routed):
@@ -50,10 +49,10 @@ def test_a_tenants_prefix_is_routed_to_its_holder_and_hidden_from_the_index(rout
     _, [holder] = generate(alice, base)
     hasher = hasher_of(alice)
     derived = hasher.chain(base, tenant_salt(SECRET, "alice", ""))
-    wait_until(lambda: lookup(stack.index.target, derived).get(holder) == PREFIX_BLOCKS,
+    wait_until(lambda: stack.lookup(derived).get(holder) == PREFIX_BLOCKS,
                what="alice's blocks in the index, under her derived salt")
     for guess in (None, "alice"):  # what an index reader could compute from the prompt
-        assert lookup(stack.index.target, hasher.chain(base, guess)) == {}
+        assert stack.lookup(hasher.chain(base, guess)) == {}
     reply, replicas, holders = generate_kv_routed(alice, base, {holder})
     assert replicas[0] in holders
     assert reply.usage.cached_tokens >= (PREFIX_BLOCKS - 1) * 16
