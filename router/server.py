@@ -5,6 +5,10 @@ replicas, each request routed by the prefix index's exact view of their caches a
     pagedgen-router --engines 127.0.0.1:50051,127.0.0.1:50052 --prefix-index 127.0.0.1:50061
     pagedgen-router --engines ... --policy round-robin|least-load|prefix-hash   # the baselines
     pagedgen-router --engines ... --policy prefix-hash-bounded   # kv-aware's rule without an index
+
+each with its TLS files (--tls-cert certs/router.pem --tls-key certs/router-key.pem --tls-ca
+certs/ca.pem, or PAGEDGEN_TLS_*; pagedgen-certs makes them): refused at start without them,
+plain text only with --insecure.
 """
 
 from __future__ import annotations

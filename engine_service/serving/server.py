@@ -1,6 +1,9 @@
 """pagedgen-engine: the generation gRPC server (grpc.aio) with health, reflection and metrics.
 
-    pagedgen-engine --model PATH --port 50051 --device cpu --prefix-index 127.0.0.1:50061
+    pagedgen-engine --model PATH --port 50051 --device cpu --prefix-index 127.0.0.1:50061 \
+        --tls-cert certs/engine.pem --tls-key certs/engine-key.pem --tls-ca certs/ca.pem
+
+No TLS files (flags or PAGEDGEN_TLS_*): refused at start; plain text only with --insecure.
 
 SIGTERM (or SIGINT) drains: health goes NOT_SERVING, new requests get UNAVAILABLE, in-flight
 requests finish (up to --grace-s), then the server stops. If the engine thread dies, health

@@ -1,6 +1,9 @@
 """pagedgen-prefix-index: the prefix index gRPC server (grpc.aio), with health and reflection.
 
-    pagedgen-prefix-index --redis-url redis://127.0.0.1:6379/0 --port 50061
+    pagedgen-prefix-index --redis-url redis://127.0.0.1:6379/0 --port 50061 \
+        --tls-cert certs/index.pem --tls-key certs/index-key.pem --tls-ca certs/ca.pem
+
+No TLS files (flags or PAGEDGEN_TLS_*): refused at start; plain text only with --insecure.
 """
 
 from __future__ import annotations
