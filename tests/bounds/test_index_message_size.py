@@ -14,12 +14,15 @@ from prefix_index.server.config import Limits
 from prefix_index.server.main import connection_limits
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
+from trust.identity import ENGINE_ROLE, INDEX_ROLE
 
 
 @pytest.fixture(scope="module")
-def index_stub():
-    with RedisProcess() as redis, IndexProcess(redis.url, ["--log-level", "WARNING"]) as index:
-        with grpc.insecure_channel(index.target) as channel:
+def index_stub(test_certs):
+    with RedisProcess() as redis, IndexProcess(redis.url, ["--log-level", "WARNING"],
+                                               tls=test_certs.files("index")) as index:
+        # As an engine: Apply is an engine's call (mutual TLS, an engine certificate).
+        with test_certs.channel(index.target, ENGINE_ROLE, INDEX_ROLE) as channel:
             yield pb_grpc.PrefixIndexStub(channel)
 
 

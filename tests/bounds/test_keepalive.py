@@ -14,8 +14,8 @@ FLOOD = [("grpc.keepalive_time_ms", 500), ("grpc.keepalive_permit_without_calls"
          ("grpc.http2.max_pings_without_data", 0)]
 
 
-def connected(target: str, options) -> tuple[grpc.Channel, list[str]]:
-    channel = grpc.insecure_channel(target, options=options)
+def connected(bounded, target: str, options) -> tuple[grpc.Channel, list[str]]:
+    channel = bounded.channel(target, options)
     states: list[str] = []
     channel.subscribe(lambda state: states.append(state.name), try_to_connect=True)
     health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
@@ -30,8 +30,8 @@ def sent_away(states: list[str]) -> bool:
 @pytest.mark.parametrize("front", ["engine", "router"])
 def test_a_ping_flood_is_sent_away_and_others_keep_their_connection(bounded, front):
     target = bounded.engine.target if front == "engine" else bounded.router.target
-    polite, polite_states = connected(target, [])
-    flood, flood_states = connected(target, FLOOD)
+    polite, polite_states = connected(bounded, target, [])
+    flood, flood_states = connected(bounded, target, FLOOD)
     try:
         # READY, then dropped by the server's GOAWAY: IDLE until it connects again.
         wait_until(lambda: sent_away(flood_states), "the flooding client sent away",

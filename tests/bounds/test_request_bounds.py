@@ -69,7 +69,7 @@ def empty_chat(num_messages: int) -> pb.ChatMessages:
 def front(request, bounded):
     """A stub on the engine or on the router, and the front's name."""
     target = bounded.engine.target if request.param == "engine" else bounded.router.target
-    with grpc.insecure_channel(target) as channel:
+    with bounded.channel(target) as channel:
         yield request.param, pb_grpc.GenerationStub(channel)
 
 
@@ -105,7 +105,7 @@ def test_chat_size_counts_every_field(front):
 
 def test_chat_bomb_at_the_engine_past_its_message_size(bounded):
     """The issue's 4 MiB bomb is past the engine's message size: gRPC refuses it unread."""
-    with grpc.insecure_channel(bounded.engine.target) as channel:
+    with bounded.channel(bounded.engine.target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         legit = LegitStream(stub)
         error = refused(stub.Generate, greedy(chat=empty_chat(500_000)))
@@ -118,10 +118,10 @@ def test_chat_bomb_over_http(bounded):
     body = json.dumps({"messages": [{"role": "user", "content": ""}] * 500_000,
                        "max_tokens": 4}).encode()
     request = urllib.request.Request(
-        f"http://127.0.0.1:{bounded.http_port}/v1/chat/completions", data=body,
+        f"https://127.0.0.1:{bounded.http_port}/v1/chat/completions", data=body,
         headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as error:
-        urllib.request.urlopen(request, timeout=120)
+    with pytest.raises(urllib.error.HTTPError) as error:  # (the engine asks for a certificate)
+        urllib.request.urlopen(request, timeout=120, context=bounded.certs.ssl_context("client"))
     assert error.value.code == 400
     reply = json.loads(error.value.read())["error"]
     assert reply["param"] == "messages"
@@ -144,7 +144,7 @@ def test_huge_detokenize_refused_while_others_are_served(front):
 
 def test_detokenize_past_the_engine_message_size(bounded):
     """1.3M ids (3.9 MB) are past the engine's message size: refused by gRPC, unread."""
-    with grpc.insecure_channel(bounded.engine.target) as channel:
+    with bounded.channel(bounded.engine.target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         ids = random.Random(1).choices(range(VOCAB), k=1_300_000)
         error = refused(stub.Detokenize, pb.DetokenizeRequest(token_ids=ids))

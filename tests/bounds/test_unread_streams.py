@@ -29,8 +29,8 @@ def unread_request(i: int) -> pb.GenerateRequest:
     return request
 
 
-def idle(target: str) -> bool:
-    stats = engine_stats(target)
+def idle(bounded, target: str) -> bool:
+    stats = engine_stats(bounded, target)
     return (stats.num_live_requests == 0 and stats.num_running == 0 and stats.num_waiting == 0
             and stats.num_free_blocks == stats.num_blocks)
 
@@ -40,7 +40,7 @@ def test_unread_streams_are_stopped_and_their_blocks_freed(bounded, front):
     target = bounded.engine.target if front == "engine" else bounded.router.target
     # No BDP probing: the client's windows stay at HTTP/2's 64 KiB, as any client may keep them
     # (with probing they grow, and more of an unread stream sits in the transport first).
-    with grpc.insecure_channel(target, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+    with bounded.channel(target, options=[("grpc.http2.bdp_probe", 0)]) as channel:
         stub = pb_grpc.GenerationStub(channel)
         # Started, never read: each call's messages fill the transport's window, then wait in
         # the engine's buffer.
@@ -52,9 +52,9 @@ def test_unread_streams_are_stopped_and_their_blocks_freed(bounded, front):
             assert len(reply.completions[0].token_ids) == 8
             # Every unread request is stopped in the engine and its blocks freed, though no
             # client read or cancelled anything.
-            wait_until(lambda: idle(bounded.engine.target),
+            wait_until(lambda: idle(bounded, bounded.engine.target),
                        "every unread request stopped and every block free", timeout_s=240)
-            assert engine_stats(bounded.engine.target).num_blocks == NUM_BLOCKS
+            assert engine_stats(bounded, bounded.engine.target).num_blocks == NUM_BLOCKS
             if front == "router":  # nor does the router count them on its replica any more
                 wait_until(lambda: bounded.router_in_flight() == 0,
                            "the router's in-flight requests back to 0")
@@ -83,7 +83,7 @@ def test_a_slow_reader_gets_its_whole_stream(bounded, front):
     request.sampling.logprobs = 5
     tokens: dict[int, list[int]] = {}
     finished = set()
-    with grpc.insecure_channel(target, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+    with bounded.channel(target, options=[("grpc.http2.bdp_probe", 0)]) as channel:
         for message in pb_grpc.GenerationStub(channel).GenerateStream(request, timeout=300):
             for choice in message.choices:
                 tokens.setdefault(choice.index, []).extend(choice.token_ids)

@@ -51,15 +51,15 @@ def test_skip_tokenizer_init_serves_token_ids(no_tokenizer_dir, tiny_llama_dir, 
         ids_only.generate({"prompt_token_ids": [5, 6]}, SamplingParams(stop=["x"]))
 
 
-def test_skip_tokenizer_init_over_grpc(no_tokenizer_dir):
+def test_skip_tokenizer_init_over_grpc(no_tokenizer_dir, test_certs):
     engine = LLMEngine(EngineConfig(model=str(no_tokenizer_dir), num_blocks=32,
                                     skip_tokenizer_init=True))
 
     async def body():
-        server = EngineServer(engine, ServerOptions(port=0))
+        server = EngineServer(engine, ServerOptions(port=0, tls=test_certs.material("engine")))
         port = await server.start()
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            async with test_certs.aio_channel(f"127.0.0.1:{port}") as channel:
                 stub = pb_grpc.GenerationStub(channel)
                 reply = await stub.Generate(pb.GenerateRequest(
                     token_ids=pb.TokenIds(ids=[5, 6, 7]),
