@@ -53,6 +53,7 @@ _REQUEST_ERRORS = {
     NotOwnerError: grpc.StatusCode.PERMISSION_DENIED,
     QuotaExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+LIVE_ENGINES_AGE_S = 1.0
 _OWNERS_CACHED = 4096  # (engine id, epoch) -> the registration's nonce; cleared when full
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 # Redis error replies that mean "not now" (loading, failover, busy script), not "wrong".
@@ -162,10 +163,13 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
             nonlocal args
             args = validate.register(request, self.config.limits, self.config.default_lease_s)
             args = dataclasses.replace(args, nonce=caller.stored_nonce(args.nonce))
-            if args.engine_id in await self.store.live_engines():
+            if await self.store.is_live(args.engine_id):
                 return await self._register_or_take_over(args)  # adds no engine
             async with self._new_engines:
-                live = await self.store.live_engines()  # again: others may have come
+                # Counted at most LIVE_ENGINES_AGE_S ago (plus the registrations here since):
+                # a flood of refused registrations costs no scan each. Leases that lapsed
+                # meanwhile free their slots that much later.
+                live = await self.store.live_engines(LIVE_ENGINES_AGE_S)
                 check_engine_count(args.engine_id, live, caller.principal,
                                    PRINCIPAL_SEPARATOR, self.config.quotas)
                 return await self._register_or_take_over(args)

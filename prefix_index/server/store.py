@@ -71,11 +71,17 @@ _VIEW_CHUNK = 64
 # engine's own state.
 SCAN_MAX_ENGINES = 8
 _MAX_CONCURRENT_SCRIPTS = 16
+_PIPELINED_SCRIPTS = 256
 # Lookup reads the engine directory at most this often (a Register here refreshes it at once):
 # a router asks on every request, and each read is a round trip. An engine registered through
 # another index process is seen up to this much later, while it holds next to nothing; one
 # that left is harmless (its row says "gone").
 ENGINE_LIST_TTL_S = 1.0
+# Stats of every engine (a router's discovery, every second or so from each router) costs a
+# script per registered engine: one answer serves every caller for this long (a Register here
+# makes it anew), and one computation serves the callers that ask while it runs, finishing
+# even when the first caller's deadline passes, so at the engine quota the next call is cheap.
+ALL_STATS_TTL_S = 0.5
 
 
 def _match(engine_id: str, row: list, model_identity: str) -> EngineMatch | None:
@@ -195,6 +201,13 @@ class IndexStore:
         # started after it began (it may lack the engine that just registered).
         self._registrations = 0
         self._engine_list_registrations = -1  # the count when that read began
+        self._live: dict[str, str] = {}  # live_engines()'s last answer
+        self._live_read_at = float("-inf")
+        # Stats(""): the last answer, when it was computed and the Register count then.
+        self._all_stats: list[EngineStats] = []
+        self._all_stats_at = -ALL_STATS_TTL_S
+        self._all_stats_registrations = -1
+        self._all_stats_task: asyncio.Task | None = None
 
     async def _run(self, name: str, engine_id: str, args: list) -> object:
         try:
@@ -207,10 +220,18 @@ class IndexStore:
         return [policy.hot_threshold, round(policy.window_s * 1000)]
 
     async def _each(self, engine_ids: list[str], script: str, args: list) -> list:
-        """`script` for every engine, at most _MAX_CONCURRENT_SCRIPTS at a time: a gather over
-        hundreds of engines would ask the connection pool for as many connections at once
-        (and fail with 'Too many connections') when routers call Stats every second."""
+        """`script` for every engine: on a single server _PIPELINED_SCRIPTS calls a round trip
+        (Stats over the index's whole engine quota stays within a router's discovery deadline);
+        on a cluster at most _MAX_CONCURRENT_SCRIPTS at a time: a gather over hundreds of
+        engines would ask the connection pool for as many connections at once (and fail with
+        'Too many connections') when routers call Stats every second."""
         rows: list = []
+        if not isinstance(self.redis, RedisCluster):
+            for start in range(0, len(engine_ids), _PIPELINED_SCRIPTS):
+                chunk = engine_ids[start:start + _PIPELINED_SCRIPTS]
+                rows += await self._scripts[script].run_pipelined(
+                    self.redis, [engine_keys(e) for e in chunk], args)
+            return rows
         for start in range(0, len(engine_ids), _MAX_CONCURRENT_SCRIPTS):
             chunk = engine_ids[start:start + _MAX_CONCURRENT_SCRIPTS]
             rows += await asyncio.gather(*(self._run(script, e, args) for e in chunk))
@@ -220,6 +241,8 @@ class IndexStore:
         return bool(await self.redis.ping())
 
     async def close(self) -> None:
+        if self._all_stats_task is not None:
+            self._all_stats_task.cancel()
         if self.subscriber is not self.redis:
             await self.subscriber.aclose()
         await self.redis.aclose()
@@ -256,6 +279,7 @@ class IndexStore:
                 holder_address=_text(reply[2]), holder_instance=_text(reply[3]))
         await self.redis.sadd(ENGINES_KEY, engine_id)
         self._registrations += 1  # Lookup reads the directory anew from now on
+        self._live[engine_id] = nonce
         return Registration(int(reply[0]), lease_s, budget)
 
     async def registration_nonce(self, engine_id: str, epoch: int) -> str | None:
@@ -328,17 +352,26 @@ class IndexStore:
     async def engine_ids(self) -> list[str]:
         return sorted(m.decode() for m in await self.redis.smembers(ENGINES_KEY))
 
-    async def live_engines(self) -> dict[str, str]:
+    async def is_live(self, engine_id: str) -> bool:
+        return bool(await self.redis.exists(engine_keys(engine_id, ("meta",))[0]))
+
+    async def live_engines(self, max_age_s: float = 0.0) -> dict[str, str]:
         """Every engine id with a live registration -> the nonce it is held under (the quotas
-        count them): one read of the directory and one pipeline of reads."""
+        count them): one read of the directory and one pipeline of reads, or the last answer
+        if younger than `max_age_s` (with the registrations made here since added to it)."""
+        if time.monotonic() - self._live_read_at < max_age_s:
+            return self._live
+        started = time.monotonic()
         engine_ids = await self.engine_ids()
         pipe = self.redis.pipeline(transaction=False)
         for engine_id in engine_ids:
             pipe.hget(engine_keys(engine_id, ("meta",))[0], "nonce")
         nonces = await pipe.execute() if engine_ids else []
-        return {engine_id: _text(nonce) for engine_id, nonce in zip(engine_ids, nonces,
-                                                                      strict=True)
-                if nonce is not None}
+        self._live = {engine_id: _text(nonce)
+                      for engine_id, nonce in zip(engine_ids, nonces, strict=True)
+                      if nonce is not None}
+        self._live_read_at = started
+        return self._live
 
     async def _lookup_engine_ids(self) -> list[str]:
         now = time.monotonic()
@@ -430,6 +463,26 @@ class IndexStore:
             log.debug("stale view entries kept for now: %s", exc)
 
     async def stats(self, engine_id: str = "") -> list[EngineStats]:
+        """Stats of `engine_id`, or of every engine ("": see ALL_STATS_TTL_S)."""
+        if engine_id:
+            return await self._stats(engine_id)
+        if (self._all_stats_registrations == self._registrations
+                and time.monotonic() - self._all_stats_at < ALL_STATS_TTL_S):
+            return self._all_stats
+        if self._all_stats_task is None or self._all_stats_task.done():
+            self._all_stats_task = asyncio.create_task(self._stats_of_all())
+            # Its error reaches the callers waiting; with none left, it is dropped here.
+            self._all_stats_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await asyncio.shield(self._all_stats_task)
+
+    async def _stats_of_all(self) -> list[EngineStats]:
+        registrations, started = self._registrations, time.monotonic()
+        stats = await self._stats("")
+        self._all_stats, self._all_stats_at = stats, started
+        self._all_stats_registrations = registrations
+        return stats
+
+    async def _stats(self, engine_id: str) -> list[EngineStats]:
         ids = [engine_id] if engine_id else await self.engine_ids()
         rows = await self._each(ids, "stats", [])
         out = []

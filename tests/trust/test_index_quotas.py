@@ -280,3 +280,32 @@ def test_a_full_redis_is_resource_exhausted_and_the_index_recovers(certs):
                                                    ops=commits(MAX_OPS, start)), timeout=10)
             assert all(r.status == pb.OP_STATUS_OK for r in reply.results)
         admin.close()
+
+
+def test_the_routers_discovery_works_at_the_default_engine_quota(redis_server, certs):
+    """1,024 engines (the default --max-engines) registered: Stats("") over all of them is
+    answered within the router's discovery deadline (a first call that misses it still
+    finishes, and the next is served from it)."""
+    with quota_index(redis_server, certs, "--max-engines-per-identity", "1024") as index:
+        junk = stub(index, files(certs, "engine").load())
+        for i in range(1024):
+            register(junk, f"many-{i}", lease_s=600, address=f"127.0.0.1:{20000 + i}")
+        over = refusal(lambda: register(junk, "one-more"))
+        assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-engines 1024" in over.details()
+        router_tls = files(certs, "router").load()
+
+        async def discover() -> dict[str, str]:
+            view = IndexView(index.target, RouterConfig().lookup_timeout_s, router_tls)
+            try:
+                for _ in range(20):  # the router's discovery loop asks again each interval
+                    addresses = await view.engines()
+                    if addresses is not None:
+                        return addresses
+                    await asyncio.sleep(0.2)
+                raise AssertionError(f"discovery failed 20 times: {view.last_error}")
+            finally:
+                await view.close()
+
+        addresses = asyncio.run(discover())
+        assert len(addresses) == 1024 and addresses["127.0.0.1:20000"] == "many-0"
