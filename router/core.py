@@ -70,7 +70,8 @@ class Router:
                       else None)
         self.policies = Policies(config)
         self.prompts = PromptReader(tokenizer_path, config.rpc_timeout_s)
-        # request id -> the request (router/proxy.py RoutedRequest): its replica, if it runs
+        # request id, scoped by tenant (tenancy/request_ids.py) -> the request
+        # (router/proxy.py RoutedRequest): its replica, if it runs
         self.live: dict[str, RoutedRequest] = {}
         # (replica address, engine id) -> chains just routed there, not in the index yet
         # (kv-aware); keyed by both so an engine restarted at the address inherits nothing

@@ -42,6 +42,7 @@ from router.relay_buffer import RelayBuffer
 from router.replicas import Replica
 from router.resumed_text import ResumedText
 from tenancy.gate import TENANT_METADATA
+from tenancy.request_ids import scoped_request_id
 
 # Refused before it started: the same request can run elsewhere.
 _RETRY_BEFORE_OUTPUT = frozenset({grpc.StatusCode.UNAVAILABLE,
@@ -128,18 +129,21 @@ class RoutedRequest:
             await self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
                                f"request_id must be 1 to 128 characters of [A-Za-z0-9._:-] (or "
                                f"empty for a generated one), got {request_id[:60]!r}")
-        if request_id in router.live:
+        # Unique among the tenant's own live requests: another tenant may use the same id at
+        # once (the engine runs each under its tenant's scope too), and is not told it is live.
+        live_key = scoped_request_id(self.tenant, request_id)
+        if live_key in router.live:
             await self._refuse(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id must be unique among live requests, got "
                                f"{request_id!r}")
-        router.live[request_id] = self
+        router.live[live_key] = self
         try:
             token_ids = await router.prompts.token_ids(upstream, router.replicas.routable())
             async with contextlib.aclosing(self._attempts(upstream, token_ids, arrival)) as out:
                 async for message in out:
                     yield message
         finally:
-            router.live.pop(request_id, None)
+            router.live.pop(live_key, None)
 
     async def _attempts(self, upstream: pb.GenerateRequest, token_ids: list[int] | None,
                         arrival: float) -> AsyncIterator[pb.GenerateStreamResponse]:

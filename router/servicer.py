@@ -25,6 +25,7 @@ from router.proxy import RoutedRequest, tenant_metadata
 from router.replicas import Replica
 from tenancy.door import TenantDoor, TenantRefused
 from tenancy.gate import Caller
+from tenancy.request_ids import scoped_request_id
 
 
 class RouterServicer(pb_grpc.GenerationServicer):
@@ -145,7 +146,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         caller = await self.door.caller(context)
-        routed = self.router.live.get(request.request_id)
+        routed = self.router.live.get(scoped_request_id(caller.tenant, request.request_id))
         if routed is None or routed.tenant != caller.tenant:  # another tenant's: as unknown
             return pb.AbortResponse(found=False)
         routed.aborted = True  # never sent (again): not routed, not resumed elsewhere

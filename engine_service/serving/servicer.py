@@ -32,6 +32,7 @@ from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from tenancy.door import TenantDoor, TenantRefused
 from tenancy.gate import Caller
+from tenancy.request_ids import scoped_request_id
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                "the engine is draining (shutting down): retry on another one")
         try:
             self.door.check_priority(caller, request.priority)
-            valid = self.validator.generate(request, self.engine.is_live, self.engine.num_live)
+            # Live ids are the tenant's own: another tenant's live id is free here.
+            valid = self.validator.generate(
+                request, lambda rid: self.engine.is_live(scoped_request_id(caller.tenant, rid)),
+                self.engine.num_live)
         except (RequestRejected, RequestError) as error:
             await self._refuse(context, *status_for(error))
         except TenantRefused as error:
@@ -156,14 +160,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.door.enter(caller)  # (its tenant's live requests: counted until it ends)
         except TenantRefused as error:
             await self._refuse(context, error.code, error.message)
-        self.owners[valid.request_id] = caller.tenant
+        # The id it runs under in the engine: another tenant may use the same one at once.
+        engine_request_id = scoped_request_id(caller.tenant, valid.request_id)
+        self.owners[engine_request_id] = caller.tenant
         try:
             arrival = time.monotonic()
             remaining = context.time_remaining()
             deadline = None if remaining is None else arrival + remaining
             try:
                 outputs = self.engine.add(
-                    valid.request_id,
+                    engine_request_id,
                     valid.prompt.token_ids,
                     valid.params,
                     prompt=valid.prompt.text,
@@ -186,7 +192,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 while not finished:
                     item = await outputs.get()
                     if isinstance(item, DeadlinePassed):
-                        self.engine.abort(valid.request_id)
+                        self.engine.abort(engine_request_id)
                         finished = True  # the abort above is enough; do not send a second one
                         await context.abort(
                             grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -213,10 +219,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     timer.cancel()
                 if not finished:
                     # Cancelled by the client, or the server is stopping: free the blocks now.
-                    self.engine.abort(valid.request_id)
+                    self.engine.abort(engine_request_id)
                     self.metrics.requests_finished.labels("abort").inc()
         finally:
-            self.owners.pop(valid.request_id, None)
+            self.owners.pop(engine_request_id, None)
             self.door.leave(caller)
 
     def _observe_finished(
@@ -233,10 +239,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         caller = await self.door.caller(context)
-        owner = self.owners.get(request.request_id, caller.tenant)
-        if owner != caller.tenant:  # another tenant's: answered as an unknown id is
+        # Only the caller's own ids: another tenant's live id is not among them (unknown).
+        engine_request_id = scoped_request_id(caller.tenant, request.request_id)
+        owner = self.owners.get(engine_request_id, caller.tenant)
+        if owner != caller.tenant:  # (cannot differ: kept as a guard)
             return pb.AbortResponse(found=False)
-        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+        return pb.AbortResponse(found=self.engine.abort(engine_request_id))
 
     # ---- tokenizer --------------------------------------------------------------------------
     # Both on the text worker's thread (text_worker.py): their size is the client's to choose

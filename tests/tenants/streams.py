@@ -44,3 +44,27 @@ class BackgroundStream:
     @property
     def finish_reasons(self) -> list[int]:
         return [c.finish_reason for m in self.messages for c in m.choices if c.finish_reason]
+
+
+def same_id_in_two_tenants(stub, alice_key: str, bob_key: str, request_id: str,
+                           seed: int) -> None:
+    """Two tenants run requests under the same id at once, both served; the id is still unique
+    within a tenant (ALREADY_EXISTS), and each tenant's Abort reaches only its own request."""
+    alice = BackgroundStream(stub, alice_key, request_id, 2000, seed)
+    assert alice.started.wait(120) and alice.error is None
+    bob = BackgroundStream(stub, bob_key, request_id, 60, seed + 1)
+    bob.join()
+    assert bob.error is None, bob.error
+    assert len(bob.token_ids) == 60 and bob.finish_reasons == [pb.FINISH_REASON_LENGTH]
+    assert {m.request_id for m in bob.messages} == {request_id}
+    again = BackgroundStream(stub, alice_key, request_id, 4, seed + 2)
+    again.join()
+    assert again.error is not None and again.error.code() == grpc.StatusCode.ALREADY_EXISTS
+    # Bob's request ended: his Abort of the id finds nothing, and leaves Alice's running.
+    assert not stub.Abort(pb.AbortRequest(request_id=request_id), timeout=30,
+                          metadata=bearer(bob_key)).found
+    assert alice.error is None and not alice.finish_reasons
+    assert stub.Abort(pb.AbortRequest(request_id=request_id), timeout=30,
+                      metadata=bearer(alice_key)).found
+    alice.join()
+    assert alice.error is None and alice.finish_reasons == [pb.FINISH_REASON_ABORT]

@@ -18,7 +18,7 @@ from tenancy.gate import TENANT_METADATA
 from tests.service.conftest import engine_args
 from tests.service.index_fixtures import prompt_ids
 from tests.tenants.conftest import TENANTS, bearer, write_keys
-from tests.tenants.streams import BackgroundStream
+from tests.tenants.streams import BackgroundStream, same_id_in_two_tenants
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +98,8 @@ def test_aborts_priority_and_live_requests_at_the_engine(engine, stub):
     assert stub.Abort(pb.AbortRequest(request_id="engine-limited"), timeout=30,
                       metadata=bearer(keys["one-at-a-time"])).found
     running.join()
+
+
+def test_request_ids_are_scoped_per_tenant_at_the_engine(engine, stub):
+    _, keys, _ = engine
+    same_id_in_two_tenants(stub, keys["alice"], keys["bob"], "engine-shared-id", 3704)

@@ -15,7 +15,7 @@ from tenancy.keys import hash_key
 from tenancy.keys_tool import add_key
 from tests.service.index_fixtures import prompt_ids
 from tests.tenants.conftest import bearer, wait_until
-from tests.tenants.streams import BackgroundStream
+from tests.tenants.streams import BackgroundStream, same_id_in_two_tenants
 
 
 def _generate(stub, key: str, seed: int, **fields) -> pb.GenerateResponse:
@@ -45,6 +45,11 @@ def test_a_foreign_abort_is_not_found_and_the_victims_stream_completes(tenant_st
                       metadata=bearer(keys["alice"])).found
     own.join()
     assert own.finish_reasons == [pb.FINISH_REASON_ABORT]
+
+
+def test_request_ids_are_scoped_per_tenant_at_the_router(tenant_stack, stub):
+    keys = tenant_stack.keys
+    same_id_in_two_tenants(stub, keys["alice"], keys["bob"], "router-shared-id", 3305)
 
 
 def test_priority_only_from_a_tenant_allowed_to_set_it(tenant_stack, stub):
