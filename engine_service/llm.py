@@ -127,27 +127,45 @@ class LLM:
                    cache_salt: str | None = None) -> int:
         """Keeps the full blocks of `prompt` cached however full the pool gets, computing them
         first when they are not cached (a prefill-only request): later prompts that start
-        with it find them cached. Pins last ttl_s seconds (0: until unpinned) and count
-        against the pin budget (10% of the pool): PinBudgetFull past it, nothing pinned.
-        unpin=True removes them. Returns how many blocks it pinned or unpinned."""
+        with it find them cached. The pin lasts ttl_s seconds (0: until unpinned; pinned
+        again, the later expiry holds); pins share blocks, and a block stays pinned while
+        any pin covers it. Pinned blocks count against the pin budget (10% of the pool):
+        PinBudgetFull past it, before anything is computed. unpin=True drops this prompt's
+        pin. Returns how many blocks the pin covers (or, unpinning, how many blocks no pin
+        holds any more)."""
+        from engine_service.serving.validation import MAX_TTL_S
+
         engine = self.llm_engine
+        if not isinstance(unpin, bool):
+            raise InvalidRequestError("unpin", f"unpin must be True or False, got {unpin!r}")
+        if (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float))
+                or not 0 <= ttl_s <= MAX_TTL_S):
+            raise InvalidRequestError("ttl_s", f"ttl_s must be a number of seconds in [0, "
+                                      f"{MAX_TTL_S:.0f}] (0: until unpinned), got {ttl_s!r}")
         token_ids, _ = self._token_ids(prompt)
-        salt = prompt.get("cache_salt", cache_salt) if isinstance(prompt, dict) else cache_salt
-        if not (isinstance(ttl_s, (int, float)) and 0 <= ttl_s < float("inf")):
-            raise InvalidRequestError("ttl_s", f"ttl_s must be a number of seconds >= 0 (0: "
-                                      f"until unpinned), got {ttl_s!r}")
+        salt = cache_salt
+        if isinstance(prompt, dict) and "cache_salt" in prompt:
+            if cache_salt is not None and prompt["cache_salt"] != cache_salt:
+                raise InvalidRequestError(
+                    "cache_salt", f"cache_salt is given twice, {prompt['cache_salt']!r} in the "
+                    f"prompt and {cache_salt!r} as an argument: give one")
+            salt = prompt["cache_salt"]
+        if not engine.kv.enable_prefix_caching:
+            raise InvalidRequestError("prompt", "pin_prefix needs the prefix cache, and this "
+                                      "engine runs without it (enable_prefix_caching=False)")
         chain = engine.hasher.chain(token_ids, salt)
         if not chain:
             raise InvalidRequestError(
                 "prompt", f"prompt must hold at least one full block ({engine.config.block_size} "
                 f"tokens) to pin, got {len(token_ids)} tokens")
-        pin = getattr(engine.pool.policy, "pin", None)
-        if pin is None:
+        policy = engine.pool.policy
+        if not hasattr(policy, "pin"):
             raise InvalidRequestError("prompt", "this engine's prefix policy takes no pins")
         if not unpin:
+            policy.check_pin(chain)  # refused before any prefill
             self.generate({"prompt_token_ids": token_ids},
                           SamplingParams(temperature=0.0, max_tokens=1), cache_salt=salt)
-        return pin(chain, float(ttl_s), unpin)
+        return policy.pin(chain, float(ttl_s), unpin)
 
     def beam_search(
         self,

@@ -170,9 +170,11 @@ class RouterServicer(pb_grpc.GenerationServicer):
 
     # ---- forwarded ----------------------------------------------------------------------------
     async def _forward(self, context, method: str, request, replicas: list[Replica] | None = None,
-                       metadata=None):
+                       metadata=None, long_running: bool = False):
         """`method` on the first of `replicas` (default: every routable one) that is up; its
-        error, if it answers with one, is the client's."""
+        error, if it answers with one, is the client's. A long-running call (PinPrefix computes
+        its prefix) runs under the client's deadline alone, and its deadline passing is the
+        client's error, not a sign the replica stalls."""
         if replicas is None:  # spread: each call starts at the next replica
             routable = self.router.replicas.routable()
             self._turn += 1
@@ -182,14 +184,17 @@ class RouterServicer(pb_grpc.GenerationServicer):
         own_timeout = self.router.config.rpc_timeout_s
         for replica in replicas:
             remaining = context.time_remaining()
-            timeout = own_timeout if remaining is None else min(remaining, own_timeout)
+            if long_running:
+                timeout = remaining
+            else:
+                timeout = own_timeout if remaining is None else min(remaining, own_timeout)
             try:
                 return await getattr(replica.stub, method)(request, timeout=timeout,
                                                            metadata=metadata)
             except grpc.aio.AioRpcError as error:
                 code = error.code()
                 # Our own deadline passing means this replica stalls: try the next one.
-                stalled = (code == grpc.StatusCode.DEADLINE_EXCEEDED
+                stalled = (not long_running and code == grpc.StatusCode.DEADLINE_EXCEEDED
                            and (remaining is None or remaining > own_timeout))
                 if code != grpc.StatusCode.UNAVAILABLE and not stalled:
                     await context.abort(code, error.details() or code.name)
@@ -231,15 +236,47 @@ class RouterServicer(pb_grpc.GenerationServicer):
         except NoReplicaError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         chain = list(route.chain)  # what the replica will pin (hashed as it hashes them)
+        metadata = tenant_metadata(caller.tenant)
+        if request.unpin:  # wherever a pin went (routes change): every replica unpins
+            reply = await self._unpin_everywhere(context, request, metadata, len(chain))
+            self.door.record_unpin(caller, chain)
+            return reply
         try:
-            if not request.unpin:
-                self.door.check_pin(caller, chain)
+            reservation = self.door.reserve_pin(caller, chain, request.ttl_s)
         except TenantRefused as error:
             await context.abort(error.code, error.message)
-        reply = await self._forward(context, "PinPrefix", request, [route.decision.replica],
-                                    tenant_metadata(caller.tenant))
-        self.door.record_pin(caller, chain, request.ttl_s, request.unpin)
+        try:
+            reply = await self._forward(context, "PinPrefix", request,
+                                        [route.decision.replica], metadata, long_running=True)
+        except BaseException:
+            self.door.cancel_pin(reservation)
+            raise
         return reply
+
+    async def _unpin_everywhere(self, context, request: pb.PinPrefixRequest, metadata,
+                                num_blocks: int) -> pb.PinPrefixResponse:
+        """The unpin on every routable replica; the blocks they unpinned, summed. A replica
+        that does not answer keeps its pins until their TTL (it may be gone anyway)."""
+        replicas = self.router.replicas.routable()
+        if not replicas:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine replica to unpin on")
+        remaining = context.time_remaining()
+        own = self.router.config.rpc_timeout_s
+        timeout = own if remaining is None else min(remaining, own)
+        replies = await asyncio.gather(*(
+            replica.stub.PinPrefix(request, timeout=timeout, metadata=metadata)
+            for replica in replicas), return_exceptions=True)
+        answered = [r for r in replies if isinstance(r, pb.PinPrefixResponse)]
+        refused = [r for r in replies if isinstance(r, grpc.aio.AioRpcError)
+                   and r.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                        grpc.StatusCode.DEADLINE_EXCEEDED)]
+        if refused:  # the request itself is wrong: every replica says the same
+            await context.abort(refused[0].code(), refused[0].details() or "")
+        if not answered:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "no engine replica answered the unpin")
+        return pb.PinPrefixResponse(num_blocks=num_blocks,
+                                    num_pinned=sum(r.num_pinned for r in answered))
 
     async def EngineStats(self, request: pb.EngineStatsRequest, context
                           ) -> pb.EngineStatsResponse:

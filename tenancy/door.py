@@ -8,10 +8,12 @@ derived, so nothing is counted or derived twice."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import grpc
 
 from tenancy.gate import Caller, Gate, Unauthenticated
-from tenancy.ledger import TenantLedger
+from tenancy.ledger import Pin, TenantLedger
 from tenancy.salt import tenant_salt
 
 
@@ -22,6 +24,15 @@ class TenantRefused(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class PinReservation:
+    """A pin counted in a tenant's ledger before it is made (tenant None: nothing counted)."""
+
+    tenant: str | None
+    prefix: bytes
+    previous: Pin | None  # the same prefix's entry before, put back if the pin is not made
 
 
 class TenantDoor:
@@ -69,24 +80,34 @@ class TenantDoor:
         if caller.settings is not None:
             self.ledger.leave(caller.settings.name)
 
-    def check_pin(self, caller: Caller, chain: list[bytes]) -> None:
-        """Refuses a pin of `chain` that would take the tenant past its pin budget."""
-        settings = caller.settings
-        if settings is None or settings.max_pins is None or not chain:
-            return
-        held = self.ledger.would_hold(settings.name, chain[-1], len(chain))
-        if held > settings.max_pins:
-            raise TenantRefused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"pinned blocks of tenant {settings.name!r} must be at most "
-                f"{settings.max_pins} (max_pins in the key file), got {held} with this "
-                f"prefix's {len(chain)}: unpin some first")
-
-    def record_pin(self, caller: Caller, chain: list[bytes], ttl_s: float, unpin: bool) -> None:
+    def reserve_pin(self, caller: Caller, chain: list[bytes], ttl_s: float) -> PinReservation:
+        """Counts a pin of `chain` against the tenant's pin budget now, before the pin is made
+        (calls at the same time each see the others'), or refuses it past the budget. Keep
+        the reservation when the pin is made; cancel_pin() it when it is not."""
         settings = caller.settings
         if settings is None or not chain:
+            return PinReservation(None, b"", None)
+        name, prefix = settings.name, chain[-1]
+        if settings.max_pins is not None:
+            held = self.ledger.would_hold(name, prefix, len(chain))
+            if held > settings.max_pins:
+                raise TenantRefused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"pinned blocks of tenant {name!r} must be at most "
+                    f"{settings.max_pins} (max_pins in the key file), got {held} with this "
+                    f"prefix's {len(chain)}: unpin some first")
+        previous = self.ledger.unpin(name, prefix)
+        self.ledger.pin(name, prefix, len(chain), ttl_s)
+        return PinReservation(name, prefix, previous)
+
+    def cancel_pin(self, reservation: PinReservation) -> None:
+        """The pin was not made: the tenant's ledger as before reserve_pin()."""
+        if reservation.tenant is None:
             return
-        if unpin:
-            self.ledger.unpin(settings.name, chain[-1])
-        else:
-            self.ledger.pin(settings.name, chain[-1], len(chain), ttl_s)
+        self.ledger.unpin(reservation.tenant, reservation.prefix)
+        if reservation.previous is not None:
+            self.ledger.restore(reservation.tenant, reservation.prefix, reservation.previous)
+
+    def record_unpin(self, caller: Caller, chain: list[bytes]) -> None:
+        if caller.settings is not None and chain:
+            self.ledger.unpin(caller.settings.name, chain[-1])

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 
 @dataclass(slots=True)
-class _Pin:
+class Pin:
     num_blocks: int
     expires_at: float | None  # monotonic; None: until unpinned
 
@@ -18,7 +18,7 @@ class _Pin:
 class TenantLedger:
     def __init__(self) -> None:
         self.live_requests: dict[str, int] = defaultdict(int)
-        self._pins: dict[str, dict[bytes, _Pin]] = defaultdict(dict)
+        self._pins: dict[str, dict[bytes, Pin]] = defaultdict(dict)
 
     # ---- live requests ----------------------------------------------------------------------
     def enter(self, tenant: str, limit: int | None) -> bool:
@@ -54,8 +54,12 @@ class TenantLedger:
 
     def pin(self, tenant: str, prefix: bytes, num_blocks: int, ttl_s: float) -> None:
         expires_at = time.monotonic() + ttl_s if ttl_s > 0 else None
-        self._pins[tenant][prefix] = _Pin(num_blocks, expires_at)
+        self._pins[tenant][prefix] = Pin(num_blocks, expires_at)
 
-    def unpin(self, tenant: str, prefix: bytes) -> _Pin | None:
+    def restore(self, tenant: str, prefix: bytes, pin: Pin) -> None:
+        """Puts back a pin unpin() returned (a reservation that was not kept)."""
+        self._pins[tenant][prefix] = pin
+
+    def unpin(self, tenant: str, prefix: bytes) -> Pin | None:
         pins = self._pins.get(tenant)
         return None if pins is None else pins.pop(prefix, None)

@@ -11,6 +11,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
+from engine_service.core.pin_set import PinSet
+
 # Pins on an engine without the index, as a share of its pool: the index's default budget
 # (pagedgen-prefix-index --pin-budget-fraction), so a prefix pinned on one fits on the other.
 LOCAL_PIN_BUDGET_FRACTION = 0.1
@@ -61,20 +63,19 @@ class LocalLRUPolicy:
     """Least recently released first. The pool releases a sequence's blocks tail first, so
     within a chain the leaves reach the eviction end before their parents (leaf-first).
 
-    Pins (PinPrefix on an engine without the index): a pinned block at refcount zero is held
-    out of the evictable set, up to `pin_budget` pinned blocks, each until its TTL passes or
-    it is unpinned. Only blocks the pool caches can be pinned (PinPrefix computes a prefix
-    first when it is not resident: engine_service/serving/servicer.py)."""
+    Pins (PinPrefix on an engine without the index, core/pin_set.py): a pinned block at
+    refcount zero is held out of the evictable set, up to `pin_budget` pinned blocks, until
+    every pin covering it is unpinned or lapses. Only blocks the pool caches can be pinned
+    (PinPrefix computes a prefix first when it is not resident: serving/prefix_pins.py)."""
 
     def __init__(self, pin_budget: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._evictable: OrderedDict[bytes, None] = OrderedDict()
         self._resident: set[bytes] = set()  # committed hashes the pool still caches
-        self._pins: dict[bytes, float] = {}  # pinned hash -> expiry on `clock` (inf: none)
+        self._pins = PinSet()
         self._pinned_idle: set[bytes] = set()  # pinned, refcount zero
         self.pin_budget = pin_budget
         self._clock = clock
-        self._next_expiry = math.inf
 
     @property
     def num_evictable(self) -> int:
@@ -117,52 +118,56 @@ class LocalLRUPolicy:
         return len(self._pins)
 
     def release_pins(self, num_blocks: int) -> int:
-        released = list(self._pinned_idle)[:num_blocks]
-        for block_hash in released:
-            self._unpin(block_hash)
-        return len(released)
+        """Whole pins, least recently pinned first, until num_blocks idle blocks are free to
+        evict (a lone request needs the room); how many idle blocks that freed."""
+        freed = 0
+        while freed < num_blocks and self._pinned_idle:
+            freed += self._unpinned(self._pins.unpin_oldest())
+        return freed
 
     def pin(self, chain: list[bytes], ttl_s: float, unpin: bool) -> int:
         """Pins the cached prefix of `chain` (its leading blocks the pool holds) for ttl_s
-        seconds (0: until unpinned; a pin again renews it), or unpins the chain's pinned
-        blocks; how many blocks it pinned or unpinned. PinBudgetFull when the new pins would
-        pass the budget."""
+        seconds (0: until unpinned), as one pin named by the chain's last hash (pinned again:
+        the later expiry is kept); or drops that pin. How many blocks the pin covers, or, for
+        an unpin, how many blocks are no longer pinned by any pin. PinBudgetFull when the new
+        blocks would pass the budget (nothing pinned)."""
+        if not chain:
+            return 0
         if unpin:
-            return sum(self._unpin(h) for h in chain)
+            return self._unpinned(self._pins.unpin(chain[-1]))
         held = []
         for block_hash in chain:
             if block_hash not in self._resident:
                 break
             held.append(block_hash)
-        new = sum(h not in self._pins for h in held)
+        self.check_pin(held)
+        expires_at = self._clock() + ttl_s if ttl_s > 0 else math.inf
+        added, dropped = self._pins.pin(chain[-1], held, expires_at)
+        for block_hash in added:
+            if block_hash in self._evictable:
+                del self._evictable[block_hash]
+                self._pinned_idle.add(block_hash)
+        self._unpinned(dropped)
+        return len(held)
+
+    def check_pin(self, chain: list[bytes]) -> None:
+        """PinBudgetFull when pinning all of `chain` would pass the budget."""
+        new = self._pins.num_new(chain)
         if len(self._pins) + new > self.pin_budget:
             raise PinBudgetFull(
                 f"pinning {new} more blocks would pass the pin budget of {self.pin_budget} "
                 f"blocks ({len(self._pins)} pinned; {LOCAL_PIN_BUDGET_FRACTION:.0%} of the pool)")
-        expiry = self._clock() + ttl_s if ttl_s > 0 else math.inf
-        for block_hash in held:
-            self._pins[block_hash] = expiry
-            if block_hash in self._evictable:
-                del self._evictable[block_hash]
-                self._pinned_idle.add(block_hash)
-        self._next_expiry = min(self._next_expiry, expiry)
-        return len(held)
 
-    def _unpin(self, block_hash: bytes) -> bool:
-        if self._pins.pop(block_hash, None) is None:
-            return False
-        if block_hash in self._pinned_idle:
-            self._pinned_idle.remove(block_hash)
-            self._evictable[block_hash] = None
-        return True
-
-    def _expire_pins(self) -> None:
-        now = self._clock()
-        if now < self._next_expiry:
-            return
-        for block_hash in [h for h, expiry in self._pins.items() if expiry <= now]:
-            self._unpin(block_hash)
-        self._next_expiry = min(self._pins.values(), default=math.inf)
+    def _unpinned(self, hashes: list[bytes]) -> int:
+        """Blocks no pin covers any more (leaf first): idle ones become evictable as if just
+        released, leaf before parent. How many were idle."""
+        freed = 0
+        for block_hash in hashes:
+            if block_hash in self._pinned_idle:
+                self._pinned_idle.remove(block_hash)
+                self._evictable[block_hash] = None
+                freed += 1
+        return freed
 
     def evictable_hashes(self) -> list[bytes]:
         return list(self._evictable)
@@ -171,7 +176,7 @@ class LocalLRUPolicy:
         pass
 
     def begin_step(self) -> None:
-        self._expire_pins()
+        self._unpinned(self._pins.expire(self._clock()))
 
     def end_step(self) -> None:
         pass

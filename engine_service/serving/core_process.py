@@ -50,7 +50,7 @@ from engine_service.index.link import (
     connect_prefix_index,
 )
 from engine_service.serving.engine_info import EngineInfo
-from engine_service.serving.local_pins import pin_locally
+from engine_service.serving.local_pins import check_pin_room, pin_locally
 
 log = logging.getLogger("engine_service.serving.core")
 
@@ -244,6 +244,12 @@ class CoreLoop:
             raise ValueError(f"unknown core command {kind!r}")
 
     def _call(self, call_id: int, name: str, args: tuple) -> None:
+        if name == "pin_check":  # before a pin's prefill (serving/prefix_pins.py)
+            try:
+                self._results.append((call_id, check_pin_room(self.engine, *args), None))
+            except PinRefusedError as error:
+                self._results.append((call_id, None, error))
+            return
         if name != "pin_prefix":
             self._results.append((call_id, None, ValueError(f"no core call {name!r}")))
             return

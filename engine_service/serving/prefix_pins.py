@@ -11,7 +11,7 @@ from typing import Protocol
 from engine_service.model.sampling_params import SamplingParams
 from engine_service.serving.async_engine import AsyncEngine
 from engine_service.serving.core_client import CoreClient
-from engine_service.serving.local_pins import pin_locally
+from engine_service.serving.local_pins import check_pin_room, pin_locally
 
 
 class IndexPins(Protocol):
@@ -22,6 +22,13 @@ class PrefixPinner:
     def __init__(self, engine: AsyncEngine | CoreClient, index_link: IndexPins | None) -> None:
         self.engine = engine
         self.index_link = index_link
+
+    async def check_room(self, chain: list[bytes]) -> None:
+        """PinRefusedError now for a pin that would be refused after its prefill."""
+        if isinstance(self.engine, CoreClient):
+            await self.engine.call("pin_check", (chain,))
+        else:
+            await self.engine.call(lambda engine: check_pin_room(engine, chain))
 
     async def compute(self, token_ids: list[int], cache_salt: str | None) -> None:
         """A prefill-only request (one token sampled and dropped) on the prefix: its full

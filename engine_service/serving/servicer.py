@@ -17,7 +17,7 @@ from typing import Protocol
 import grpc
 
 from engine_service.core.engine import EngineStats
-from engine_service.core.errors import EngineDeadError, RequestError
+from engine_service.core.errors import EngineDeadError, QueueFullError, RequestError
 from engine_service.core.outputs import CompletionOutput, RequestOutput
 from engine_service.index.link import IndexUnavailableError, PinRefusedError
 from engine_service.model.sampling_params import MAX_LOGPROBS, MAX_N
@@ -340,14 +340,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 f"prompt must hold at least one full block ({info.limits.block_size} tokens) "
                 f"to pin, got {len(prompt.token_ids)} tokens",
             )
+        reservation = None
         try:
-            if not request.unpin:
-                self.door.check_pin(caller, chain)
-                # Not cached yet: computed first, so the pin holds it (and the first request
-                # that uses it finds it cached).
-                await self.pinner.compute(prompt.token_ids, salt)
-            changed = await self.pinner.pin(chain, ttl_s, request.unpin)
-            self.door.record_pin(caller, chain, ttl_s, request.unpin)
+            if request.unpin:
+                changed = await self.pinner.pin(chain, ttl_s, unpin=True)
+                self.door.record_unpin(caller, chain)
+            else:
+                # Counted against the tenant's pins now (a call beside this one sees it),
+                # given back below unless the pin is made.
+                reservation = self.door.reserve_pin(caller, chain, ttl_s)
+                await self.pinner.check_room(chain)  # a pin refused after costs no prefill
+                await self._compute_prefix(caller, prompt.token_ids, salt)
+                changed = await self.pinner.pin(chain, ttl_s, unpin=False)
+                reservation = None  # kept
         except TenantRefused as error:
             await context.abort(error.code, error.message)
         except (PinRefusedError, IndexUnavailableError, RequestError, EngineDeadError) as error:
@@ -356,7 +361,25 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"the prefix index did not answer: {error}"
             )
+        finally:
+            if reservation is not None:
+                self.door.cancel_pin(reservation)
         return pb.PinPrefixResponse(num_blocks=len(chain), num_pinned=changed)
+
+    async def _compute_prefix(self, caller: Caller, token_ids: list[int],
+                              salt: str | None) -> None:
+        """The pin's prefill, admitted as a request is: within the queue limit and the
+        tenant's live requests, and counted in the prompt-token metric."""
+        limit = self.validator.max_live_requests
+        if self.engine.num_live >= limit:
+            raise QueueFullError("request", f"live requests must be at most {limit} (the queue "
+                                            f"limit), got {self.engine.num_live + 1}: retry later")
+        self.door.enter(caller)
+        try:
+            self.metrics.prompt_tokens.inc(len(token_ids))
+            await self.pinner.compute(token_ids, salt)
+        finally:
+            self.door.leave(caller)
 
 
 def _tokenize(validator: RequestValidator, request: pb.TokenizeRequest) -> Prompt:

@@ -30,6 +30,7 @@ STATUS_FOR_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 STATUS_FOR_PIN_REFUSAL = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "budget": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "off": grpc.StatusCode.FAILED_PRECONDITION,  # the engine caches no prefixes
 }
 SAMPLING_FIELDS = frozenset({
     "n", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",

@@ -58,12 +58,14 @@ def test_without_a_pin_the_flood_evicts_the_prefix(make_llm, tiny_llama_dir):
     assert cached(llm, HOT) == 0
 
 
-def test_pins_past_the_budget_are_refused_whole(make_llm, tiny_llama_dir):
+def test_pins_past_the_budget_are_refused_whole_before_any_prefill(make_llm, tiny_llama_dir):
     llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS)
     assert llm.pin_prefix({"prompt_token_ids": HOT}) == 3
     other = prompt(5000, 2 * BLOCK)
+    steps = llm.llm_engine.stats().num_steps
     with pytest.raises(PinBudgetFull, match="pin budget of 4 blocks"):
         llm.pin_prefix({"prompt_token_ids": other})
+    assert llm.llm_engine.stats().num_steps == steps  # nothing computed for a refused pin
     assert llm.llm_engine.stats().num_pinned_blocks == 3  # nothing of it was pinned
     # Pinning what is pinned already renews it and takes no budget.
     assert llm.pin_prefix({"prompt_token_ids": HOT}) == 3
@@ -81,14 +83,55 @@ def test_a_pin_lapses_after_its_ttl(make_llm, tiny_llama_dir):
     assert cached(llm, HOT) == 0
 
 
+def test_overlapping_pins_hold_their_shared_blocks_while_either_lasts(make_llm,
+                                                                      tiny_llama_dir):
+    """A (2 blocks) pinned for good, AB (3 blocks, starting with A) for 0.2 s: when AB lapses
+    A's blocks stay pinned, and unpinning AB again (nothing left) leaves them too."""
+    llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    a, ab = HOT[:2 * BLOCK], HOT
+    assert llm.pin_prefix({"prompt_token_ids": a}) == 2
+    assert llm.pin_prefix({"prompt_token_ids": ab}, ttl_s=0.2) == 3
+    assert llm.llm_engine.pool.policy.num_pinned == 3
+    time.sleep(0.3)
+    flood(llm, 10_000)
+    assert llm.llm_engine.pool.policy.num_pinned == 2
+    assert cached(llm, ab) == 2 * BLOCK  # A's blocks kept, AB's leaf evicted
+    assert llm.pin_prefix({"prompt_token_ids": ab}, unpin=True) == 0
+    flood(llm, 20_000)
+    assert cached(llm, a + [5]) == 2 * BLOCK
+
+
+def test_a_lone_request_that_needs_the_pinned_blocks_takes_whole_pins(make_llm,
+                                                                       tiny_llama_dir):
+    """A request needing 38 of 40 blocks runs (pins give way), and the pin it broke is
+    dropped whole: no pinned block is left behind an evicted parent."""
+    llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    assert llm.pin_prefix({"prompt_token_ids": HOT}) == 3
+    out = llm.generate({"prompt_token_ids": prompt(20_000, 38 * BLOCK - 1)}, ONE_TOKEN)[0]
+    assert len(out.outputs[0].token_ids) == 1
+    assert llm.llm_engine.pool.policy.num_pinned == 0
+    assert llm.llm_engine.stats().num_pins_released > 0
+
+
+def test_an_engine_without_the_prefix_cache_refuses_pins(make_llm, tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                   enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="needs the prefix cache"):
+        llm.pin_prefix({"prompt_token_ids": HOT})
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"ttl_s": -1}, "ttl_s must be a number of seconds >= 0"),
-    ({"ttl_s": float("nan")}, "ttl_s must be a number of seconds >= 0"),
+    ({"ttl_s": -1}, "ttl_s must be a number of seconds in"),
+    ({"ttl_s": float("nan")}, "ttl_s must be a number of seconds in"),
+    ({"ttl_s": 1e308}, "ttl_s must be a number of seconds in"),
+    ({"ttl_s": True}, "ttl_s must be a number of seconds in"),
+    ({"unpin": "no"}, "unpin must be True or False"),
+    ({"cache_salt": "b"}, "cache_salt is given twice"),
 ])
 def test_pin_validation(make_llm, tiny_llama_dir, kwargs, message):
     llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS)
     with pytest.raises(ValueError, match=message):
-        llm.pin_prefix({"prompt_token_ids": HOT}, **kwargs)
+        llm.pin_prefix({"prompt_token_ids": HOT, "cache_salt": "a"}, **kwargs)
     with pytest.raises(ValueError, match=r"at least one full block \(16 tokens\).*got 10"):
         llm.pin_prefix({"prompt_token_ids": HOT[:10]})
 
