@@ -51,8 +51,9 @@ class Quotas:
     # engine certificate is one identity), so one identity cannot take every slot.
     max_engines_per_identity: int = 256
     # Each engine's token bucket for Apply ops: it refills at this rate and holds one full
-    # re-sync of the engine's pool (num_blocks commits) plus one largest Apply, so a re-sync
-    # after Register always passes, and a flood past the rate is refused until it refills.
+    # re-sync of the engine's pool (2 ops per block: a commit, a pin) plus one largest Apply,
+    # so a re-sync after Register always passes, and a flood past the rate is refused until
+    # it refills.
     apply_ops_per_s: float = 20000.0
     # WatchResidency streams held at once by one identity (a router certificate) and by one
     # connection, below the process's total (residency.MAX_WATCHERS): a squatter cannot take

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from prefix_index.server.config import Quotas
 from prefix_index.server.errors import QuotaExceededError
 
+RESYNC_OPS_PER_BLOCK = 2  # a commit, and a pin when pinned (ApplyRate)
+
 
 @dataclass(slots=True)
 class TokenBucket:
@@ -26,19 +28,22 @@ class TokenBucket:
 
 class ApplyRate:
     """Apply ops per second per engine: a token bucket each, refilling at `rate` and holding
-    one full re-sync of the engine's pool plus one largest Apply. Register fills it, so the
-    re-sync that follows a registration always passes."""
+    one full re-sync of the engine's pool plus one largest Apply. A re-sync (the engine's
+    policy.resync_ops) is a commit per resident block, a pin per pinned one and a few batched
+    releases and acquires: at most 2 ops per pool block, with the largest Apply to spare.
+    Register fills it, so the re-sync that follows a registration always passes."""
 
     def __init__(self, rate: float, max_ops: int, max_num_blocks: int,
                  max_engines: int) -> None:
         self.rate = rate
         self.max_ops = max_ops
-        self.default_capacity = max_num_blocks + max_ops  # an engine this process did not see
+        # An engine this process did not see register: the largest pool's.
+        self.default_capacity = float(RESYNC_OPS_PER_BLOCK * max_num_blocks + max_ops)
         self.max_tracked = 2 * max_engines  # engines gone leave no bucket behind for long
         self.buckets: OrderedDict[str, TokenBucket] = OrderedDict()
 
     def registered(self, engine_id: str, num_blocks: int) -> None:
-        capacity = float(num_blocks + self.max_ops)
+        capacity = float(RESYNC_OPS_PER_BLOCK * num_blocks + self.max_ops)
         self._put(engine_id, TokenBucket(capacity, capacity, time.monotonic()))
 
     def take(self, engine_id: str, num_ops: int) -> None:

@@ -162,10 +162,15 @@ def test_a_full_resync_passes_a_flood_is_refused_and_the_engine_recovers(redis_s
 
         for _ in range(2):  # a re-sync after each registration passes whole
             epoch = register(engine_a, "engine-a", num_blocks=num_blocks)
+            # As an engine re-syncs its largest pool: a commit per block, a pin per block
+            # (pins past the budget are refused per op, and count as ops all the same).
             resync = commits(num_blocks)
-            for start in range(0, num_blocks, MAX_OPS):
+            resync += [pb.Op(pin=pb.PinOp(chain=[op.commit.hash])) for op in resync]
+            for start in range(0, len(resync), MAX_OPS):
                 reply = apply(epoch, resync[start:start + MAX_OPS])
-                assert all(r.status == pb.OP_STATUS_OK for r in reply.results)
+                assert all(r.status == pb.OP_STATUS_OK for op, r in
+                           zip(resync[start:start + MAX_OPS], reply.results, strict=True)
+                           if op.HasField("commit"))
 
         lookup = pb.AcquireOp(chain=[b"\x07" * 16], kind=pb.ACQUIRE_KIND_FORK)
         lookups = [pb.Op(acquire=lookup)] * MAX_OPS
