@@ -113,6 +113,26 @@ def test_a_tenant_past_its_pin_budget_is_refused_while_others_pin(tenant_stack, 
     assert _pin(stub, keys["pinner"], 3602).num_blocks == 3
 
 
+def test_parallel_pins_cannot_pass_a_tenants_pin_budget(tenant_stack, stub):
+    """Four 3-block pins at once from a tenant allowed 4 blocks: each is counted when checked,
+    not when made, so exactly one is made and three are refused."""
+    keys = tenant_stack.keys
+    for seed in (3601, 3602):  # what the test above may have left pinned
+        _pin(stub, keys["pinner"], seed, unpin=True)
+    calls = [stub.PinPrefix.future(pb.PinPrefixRequest(
+        token_ids=pb.TokenIds(ids=prompt_ids(3700 + i, 48))), timeout=60,
+        metadata=bearer(keys["pinner"])) for i in range(4)]
+    made, refused = [], []
+    for i, call in enumerate(calls):
+        try:
+            made.append((i, call.result()))
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+            refused.append(i)
+    assert len(made) == 1 and len(refused) == 3, (made, refused)
+    _pin(stub, keys["pinner"], 3700 + made[0][0], unpin=True)
+
+
 def test_sighup_reloads_the_key_file(tenant_stack, stub):
     keys, router = tenant_stack.keys, tenant_stack.stack.router
     bob = keys["bob"]
