@@ -8,6 +8,7 @@ import contextlib
 import logging
 import socket
 import ssl
+import time
 
 import uvicorn
 
@@ -78,14 +79,18 @@ class HttpServer:
         return "https" if self.tls is not None else "http"
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        """Stops accepting; open connections get `grace_s` to finish (the caller drained
-        first: new requests were answered 503 meanwhile), then their tasks are cancelled,
+        """While requests run (up to `grace_s`), keeps accepting, so a new request gets the
+        drain's 503 (the caller drained first) rather than a refused connection; then stops
+        accepting, gives open connections what is left of `grace_s`, and cancels their tasks,
         which aborts what they still run."""
         if self._task is None:
             if self._socket is not None:
                 self._socket.close()
             return
-        self._server.config.timeout_graceful_shutdown = max(0.1, grace_s)
+        deadline = time.monotonic() + grace_s
+        while self._server.server_state.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._server.config.timeout_graceful_shutdown = max(0.1, deadline - time.monotonic())
         self._server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await self._task

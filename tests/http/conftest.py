@@ -1,6 +1,8 @@
 """An engine serving the OpenAI-compatible HTTP API next to gRPC (a subprocess on the tiny
 Llama, loopback), with an API key, shared by the HTTP tests; clients are the official `openai`
-package's, sync and async."""
+package's, sync and async. The engine is served alone to end clients, as deployed that way:
+TLS on the session's certificates (--tls-server-only: keys, no client certificates), HTTPS;
+clients verify the CA."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.redis_process import free_port
 from tenancy.client import with_api_key
+from tests.http.http_util import call
 from tests.service.conftest import engine_args
+from tests.support.tls import SessionCerts
 
 API_KEY = "test-key-0123456789"
 
@@ -28,6 +32,7 @@ class HttpEngine:
     http_port: int
     metrics_port: int
     log_path: Path
+    certs: SessionCerts | None  # None: an engine started --insecure (the README's example)
 
     @property
     def target(self) -> str:  # gRPC
@@ -35,7 +40,22 @@ class HttpEngine:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"{'http' if self.certs is None else 'https'}://127.0.0.1:{self.http_port}"
+
+    def call(self, url: str, *args, **kwargs) -> tuple[int, dict]:
+        """http_util.call over the engine's TLS (trusting the session's CA)."""
+        context = None if self.certs is None else self.certs.ssl_context()
+        return call(url, *args, context=context, **kwargs)
+
+    def openai(self, api_key: str, **kwargs) -> openai.OpenAI:
+        return self.certs.openai_client(f"{self.base_url}/v1", api_key, **kwargs)
+
+    def async_openai(self, api_key: str, **kwargs) -> openai.AsyncOpenAI:
+        return self.certs.async_openai_client(f"{self.base_url}/v1", api_key, **kwargs)
+
+    def channel(self) -> grpc.Channel:
+        """An end client's gRPC channel (TLS verifying the CA)."""
+        return self.certs.end_client_channel(self.target)
 
     @property
     def model(self) -> str:
@@ -50,17 +70,20 @@ class HttpEngine:
         return 0.0
 
 
-def start_engine(model_dir: Path, log_path: Path, extra: list[str] = ()) -> HttpEngine:
+def start_engine(model_dir: Path, log_path: Path, certs: SessionCerts,
+                 extra: list[str] = ()) -> HttpEngine:
     http_port, metrics_port = free_port(), free_port()
-    args = [*engine_args(metrics_port, None), "--http-port", str(http_port), *extra]
-    process = EngineProcess(model_dir, args, log_path=log_path).start()
-    return HttpEngine(process, http_port, metrics_port, log_path)
+    args = [*engine_args(metrics_port, None), "--http-port", str(http_port), "--tls-server-only",
+            *extra]
+    process = EngineProcess(model_dir, args, log_path=log_path,
+                            tls=certs.files("engine")).start()
+    return HttpEngine(process, http_port, metrics_port, log_path, certs)
 
 
 @pytest.fixture(scope="session")
-def http_engine(tiny_llama_dir, tmp_path_factory) -> Iterator[HttpEngine]:
+def http_engine(tiny_llama_dir, tmp_path_factory, test_certs) -> Iterator[HttpEngine]:
     log_path = tmp_path_factory.mktemp("http_engine") / "engine.log"
-    engine = start_engine(tiny_llama_dir, log_path, ["--api-key", API_KEY])
+    engine = start_engine(tiny_llama_dir, log_path, test_certs, ["--api-key", API_KEY])
     try:
         yield engine
     finally:
@@ -69,18 +92,16 @@ def http_engine(tiny_llama_dir, tmp_path_factory) -> Iterator[HttpEngine]:
 
 @pytest.fixture(scope="session")
 def client(http_engine) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{http_engine.base_url}/v1", api_key=API_KEY,
-                       max_retries=0, timeout=120) as c:
+    with http_engine.openai(API_KEY, max_retries=0, timeout=120) as c:
         yield c
 
 
 @pytest.fixture
 def async_client(http_engine) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{http_engine.base_url}/v1", api_key=API_KEY,
-                              max_retries=0, timeout=120)
+    return http_engine.async_openai(API_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="session")
 def engine_stub(http_engine) -> Iterator[pb_grpc.GenerationStub]:
-    with grpc.insecure_channel(http_engine.target) as channel:  # the key guards gRPC too
+    with http_engine.channel() as channel:  # the key guards gRPC too
         yield pb_grpc.GenerationStub(with_api_key(channel, API_KEY))

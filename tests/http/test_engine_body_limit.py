@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import threading
 
 import pytest
@@ -13,13 +14,14 @@ import pytest
 from openai_api.schemas import MAX_BODY_BYTES
 from pagedgen_api import generation_pb2 as pb
 from tests.http.conftest import API_KEY
-from tests.http.http_util import call
 
 
-def _raw_post(port: int, head: str, body_chunks) -> tuple[int, dict]:
-    """POST over a plain socket, the body sent from a thread (the server may answer and close
-    before it is all sent); returns the status and the JSON body of the answer."""
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+def _raw_post(port: int, head: str, body_chunks,
+              context: ssl.SSLContext) -> tuple[int, dict]:
+    """POST over a bare TLS socket, the body sent from a thread (the server may answer and
+    close before it is all sent); returns the status and the JSON body of the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as raw, \
+            context.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
         sock.sendall(head.encode())
 
         def send() -> None:
@@ -66,12 +68,13 @@ def test_a_body_past_the_limit_is_413_and_the_engine_serves_on(http_engine, engi
     else:  # no length declared: refused once what arrived passes the limit
         head = _head("Transfer-Encoding: chunked\r\n")
         chunks = [b"%x\r\n%s\r\n" % (len(filler), filler) for _ in range(count)]
-    status, body = _raw_post(http_engine.http_port, head, chunks)
+    status, body = _raw_post(http_engine.http_port, head, chunks,
+                             http_engine.certs.ssl_context())
     assert status == 413, body
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert str(MAX_BODY_BYTES) in body["error"]["message"], body
     # Nothing else lost: the engine answers the next request, with nothing left live.
-    status, reply = call(f"{http_engine.base_url}/v1/completions",
+    status, reply = http_engine.call(f"{http_engine.base_url}/v1/completions",
                          {"model": http_engine.model, "prompt": "Hi", "max_tokens": 2}, API_KEY)
     assert status == 200 and reply["choices"], reply
     stats = engine_stub.EngineStats(pb.EngineStatsRequest(), timeout=10)

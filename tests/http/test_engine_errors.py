@@ -12,7 +12,6 @@ import openai
 import pytest
 
 from tests.http.conftest import API_KEY, start_engine
-from tests.http.http_util import call
 
 CHAT = [{"role": "user", "content": "Hello"}]
 
@@ -94,18 +93,17 @@ def test_chat_400_names_the_field(client, http_engine, kwargs, param, words):
 
 def test_bodies_that_are_not_requests(http_engine):
     url = f"{http_engine.base_url}/v1/chat/completions"
-    status, body = call(url, b"{not json", API_KEY)
+    status, body = http_engine.call(url, b"{not json", API_KEY)
     assert status == 400 and "must be JSON" in body["error"]["message"]
-    status, body = call(url, b"[1, 2]", API_KEY)
+    status, body = http_engine.call(url, b"[1, 2]", API_KEY)
     assert status == 400 and "JSON object" in body["error"]["message"]
-    status, body = call(url, {"model": http_engine.model}, API_KEY)
+    status, body = http_engine.call(url, {"model": http_engine.model}, API_KEY)
     assert status == 400 and body["error"]["param"] == "messages"
     assert body["error"]["message"] == "messages is required"
 
 
 def test_401_without_or_with_a_wrong_key(http_engine):
-    with openai.OpenAI(base_url=f"{http_engine.base_url}/v1", api_key="wrong-key",
-                       max_retries=0) as bad:
+    with http_engine.openai("wrong-key", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError) as raised:
             bad.completions.create(model=http_engine.model, prompt="Hi", max_tokens=2)
         error = error_of(raised)
@@ -113,18 +111,19 @@ def test_401_without_or_with_a_wrong_key(http_engine):
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
     for path, body in (("/v1/models", None), ("/v1/chat/completions", {"messages": CHAT})):
-        status, reply = call(f"{http_engine.base_url}{path}", body)  # no Authorization header
+        # no Authorization header
+        status, reply = http_engine.call(f"{http_engine.base_url}{path}", body)
         assert status == 401 and reply["error"]["code"] == "invalid_api_key"
         assert "needs an API key" in reply["error"]["message"]
     # The tokenizer tools and unknown paths need the key too: a caller without one learns
     # nothing (not the model's name from a 404, not a token count); only the probes are open.
     for path, body in (("/tokenize", {"prompt": "Hello"}), ("/detokenize", {"tokens": [1]}),
                        ("/v1/embeddings", {"input": "x"}), ("/metrics", None)):
-        status, reply = call(f"{http_engine.base_url}{path}", body)
+        status, reply = http_engine.call(f"{http_engine.base_url}{path}", body)
         assert status == 401 and reply["error"]["code"] == "invalid_api_key", path
         assert http_engine.model not in json.dumps(reply)
-    assert call(f"{http_engine.base_url}/health")[0] == 200
-    assert call(f"{http_engine.base_url}/version")[0] == 200
+    assert http_engine.call(f"{http_engine.base_url}/health")[0] == 200
+    assert http_engine.call(f"{http_engine.base_url}/version")[0] == 200
 
 
 def test_404_unknown_model_and_path(client, http_engine):
@@ -133,7 +132,8 @@ def test_404_unknown_model_and_path(client, http_engine):
     error = error_of(raised)
     assert error["param"] == "model" and error["code"] == "model_not_found"
     assert repr(http_engine.model) in error["message"]
-    status, body = call(f"{http_engine.base_url}/v1/embeddings", {"input": "x"}, API_KEY)
+    status, body = http_engine.call(f"{http_engine.base_url}/v1/embeddings", {"input": "x"},
+                                    API_KEY)
     assert status == 404 and "not served here" in body["error"]["message"]
 
 
@@ -144,32 +144,30 @@ def test_models_tokenize_detokenize_version(client, http_engine):
     assert model.id == http_engine.model and model.owned_by == "pagedgen"
     assert model.model_extra["max_model_len"] == MAX_MODEL_LEN
     base = http_engine.base_url
-    status, tokens = call(f"{base}/tokenize", {"model": model.id, "prompt": "Hello world"},
-                          API_KEY)
+    status, tokens = http_engine.call(f"{base}/tokenize",
+                                      {"model": model.id, "prompt": "Hello world"}, API_KEY)
     assert status == 200 and tokens["count"] == len(tokens["tokens"]) > 0
     assert tokens["max_model_len"] == MAX_MODEL_LEN
-    status, text = call(f"{base}/detokenize", {"tokens": tokens["tokens"]}, API_KEY)
+    status, text = http_engine.call(f"{base}/detokenize", {"tokens": tokens["tokens"]}, API_KEY)
     assert status == 200 and text == {"prompt": "Hello world"}
-    status, chat = call(f"{base}/tokenize", {"messages": CHAT}, API_KEY)
+    status, chat = http_engine.call(f"{base}/tokenize", {"messages": CHAT}, API_KEY)
     reply = client.chat.completions.create(model=model.id, messages=CHAT, max_tokens=1)
     assert status == 200 and chat["count"] == reply.usage.prompt_tokens
-    status, body = call(f"{base}/tokenize", {"prompt": "x", "messages": CHAT}, API_KEY)
+    status, body = http_engine.call(f"{base}/tokenize", {"prompt": "x", "messages": CHAT}, API_KEY)
     assert status == 400 and "exactly one of" in body["error"]["message"]
-    status, body = call(f"{base}/detokenize", {"tokens": [10**9]}, API_KEY)
+    status, body = http_engine.call(f"{base}/detokenize", {"tokens": [10**9]}, API_KEY)
     assert status == 400 and body["error"]["param"] == "tokens"
-    status, version = call(f"{base}/version")
+    status, version = http_engine.call(f"{base}/version")
     assert status == 200 and version["version"]
 
 
 # ---- 429 and 503 on an engine of their own ----------------------------------------------------
-def test_429_when_the_queue_is_full_then_503_while_draining(tiny_llama_dir, tmp_path):
-    engine = start_engine(tiny_llama_dir, tmp_path / "engine.log",
+def test_429_when_the_queue_is_full_then_503_while_draining(tiny_llama_dir, tmp_path,
+                                                           test_certs):
+    engine = start_engine(tiny_llama_dir, tmp_path / "engine.log", test_certs,
                           ["--max-live-requests", "1", "--grace-s", "120"])
-    base = f"{engine.base_url}/v1"
-
     async def body() -> None:
-        client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0,
-                                    timeout=120)
+        client = engine.async_openai("unused", max_retries=0, timeout=120)
         long = await client.chat.completions.create(
             model=engine.model, messages=CHAT, max_tokens=3000, temperature=0, stream=True,
             extra_body={"ignore_eos": True})
@@ -181,9 +179,9 @@ def test_429_when_the_queue_is_full_then_503_while_draining(tiny_llama_dir, tmp_
         assert error["type"] == "rate_limit_error" and "queue limit" in error["message"]
 
         engine.process.proc.send_signal(signal.SIGTERM)  # drains: the long stream keeps it up
-        while (await asyncio.to_thread(call, f"{engine.base_url}/health"))[0] == 200:
+        while (await asyncio.to_thread(engine.call, f"{engine.base_url}/health"))[0] == 200:
             await asyncio.sleep(0.05)
-        status, health = await asyncio.to_thread(call, f"{engine.base_url}/health")
+        status, health = await asyncio.to_thread(engine.call, f"{engine.base_url}/health")
         assert status == 503 and health["status"] == "not serving"
         with pytest.raises(openai.InternalServerError) as raised:
             await client.chat.completions.create(model=engine.model, messages=CHAT,

@@ -10,7 +10,6 @@ import pytest
 
 from pagedgen_api import generation_pb2 as pb
 from tests.http.conftest import API_KEY
-from tests.http.http_util import call
 from tests.service.test_cancel import wait_all_free
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
@@ -232,7 +231,7 @@ def test_greedy_tokens_over_http_equal_grpc(client, http_engine, engine_stub):
         [completion] = grpc_reply.completions
         [choice] = http.choices
         assert choice.text == completion.text
-        detokenized = [call(f"{http_engine.base_url}/detokenize", {"tokens": [t]},
+        detokenized = [http_engine.call(f"{http_engine.base_url}/detokenize", {"tokens": [t]},
                             api_key=API_KEY)[1]["prompt"]
                        for t in completion.token_ids]
         assert choice.logprobs.tokens == detokenized
@@ -255,8 +254,7 @@ TOKENS = "pagedgen_engine_generation_tokens_total"
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(http_engine, engine_stub):
     async def body():
-        client = openai.AsyncOpenAI(base_url=f"{http_engine.base_url}/v1", api_key=API_KEY,
-                                    max_retries=0, timeout=120)
+        client = http_engine.async_openai(API_KEY, max_retries=0, timeout=120)
         stream = await client.chat.completions.create(
             model=http_engine.model, messages=CHAT, max_tokens=3000, temperature=0,
             stream=True, extra_body={"ignore_eos": True})
@@ -281,8 +279,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(http_engine, engin
 def test_client_disconnect_while_waiting_for_a_whole_reply_aborts(http_engine, engine_stub):
     """Not streamed: the client gives up (its timeout) while the engine generates."""
     aborted, tokens = http_engine.metric(ABORTED), http_engine.metric(TOKENS)
-    client = openai.OpenAI(base_url=f"{http_engine.base_url}/v1", api_key=API_KEY,
-                           max_retries=0, timeout=1.0)
+    client = http_engine.openai(API_KEY, max_retries=0, timeout=1.0)
     with pytest.raises(openai.APITimeoutError):
         client.completions.create(model=http_engine.model, prompt=PROMPT, max_tokens=3000,
                                   temperature=0, extra_body={"ignore_eos": True})

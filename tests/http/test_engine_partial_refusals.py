@@ -8,7 +8,6 @@ import pytest
 
 from pagedgen_api import generation_pb2 as pb
 from tests.http.conftest import API_KEY
-from tests.http.http_util import call
 from tests.http.test_engine_openai import ABORTED
 from tests.service.test_cancel import wait_all_free
 
@@ -18,7 +17,7 @@ def test_a_refused_prompt_aborts_the_prompts_already_running(http_engine, engine
     running = 4
     aborted = http_engine.metric(ABORTED)
     # The last prompt's token id is outside the vocabulary: refused after the others started.
-    status, body = call(f"{http_engine.base_url}/v1/completions", {
+    status, body = http_engine.call(f"{http_engine.base_url}/v1/completions", {
         "model": http_engine.model, "prompt": ["Hello there"] * running + [[99_999_999]],
         "max_tokens": 3000, "ignore_eos": True, "stream": stream}, API_KEY)
     assert status == 400 and body["error"]["param"] == f"prompt[{running}]", body

@@ -13,16 +13,17 @@ import httpx2
 from tests.http.conftest import start_engine
 
 
-def test_a_stream_past_the_drain_grace_ends_with_an_error_event(tiny_llama_dir, tmp_path):
+def test_a_stream_past_the_drain_grace_ends_with_an_error_event(tiny_llama_dir, tmp_path,
+                                                                test_certs):
     # A pool for n long sequences: thousands of decode steps, far past the grace of 0 s.
-    engine = start_engine(tiny_llama_dir, tmp_path / "engine.log",
+    engine = start_engine(tiny_llama_dir, tmp_path / "engine.log", test_certs,
                           ["--grace-s", "0", "--num-blocks", "4096"])
     body = {"model": engine.model, "prompt": "Hello", "max_tokens": 4000, "n": 16,
             "ignore_eos": True, "stream": True}
     events = []
     try:
         with httpx2.stream("POST", f"{engine.base_url}/v1/completions", json=body,
-                           timeout=120) as reply:
+                           timeout=120, verify=test_certs.ssl_context()) as reply:
             assert reply.status_code == 200
             for line in reply.iter_lines():
                 if not line:

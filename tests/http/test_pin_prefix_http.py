@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from tests.http.conftest import API_KEY
-from tests.http.http_util import call
 
 BLOCK = 16
 HOT = list(range(7000, 7000 + 3 * BLOCK + 5))  # 3 full blocks
@@ -15,12 +14,12 @@ HOT = list(range(7000, 7000 + 3 * BLOCK + 5))  # 3 full blocks
 
 def test_pin_prefix_then_the_first_completion_finds_it_cached(http_engine, client):
     url = f"{http_engine.base_url}/pin_prefix"
-    status, body = call(url, {"tokens": HOT, "ttl_s": 120}, API_KEY)
+    status, body = http_engine.call(url, {"tokens": HOT, "ttl_s": 120}, API_KEY)
     assert (status, body) == (200, {"num_blocks": 3, "num_pinned": 3})
     completion = client.completions.create(model=http_engine.model, prompt=HOT, max_tokens=1,
                                            temperature=0)
     assert completion.usage.prompt_tokens_details.cached_tokens == 3 * BLOCK
-    status, body = call(url, {"tokens": HOT, "unpin": True}, API_KEY)
+    status, body = http_engine.call(url, {"tokens": HOT, "unpin": True}, API_KEY)
     assert (status, body) == (200, {"num_blocks": 3, "num_pinned": 3})
 
 
@@ -33,12 +32,12 @@ def test_pin_prefix_then_the_first_completion_finds_it_cached(http_engine, clien
     ({}, "prompt", "give exactly one of prompt (text), messages (chat) or tokens, got none"),
 ])
 def test_pin_prefix_refusals_name_the_field(http_engine, body, param, message):
-    status, reply = call(f"{http_engine.base_url}/pin_prefix", body, API_KEY)
+    status, reply = http_engine.call(f"{http_engine.base_url}/pin_prefix", body, API_KEY)
     assert status == 400, reply
     assert reply["error"]["param"] == param
     assert reply["error"]["message"].startswith(message), reply
 
 
 def test_pin_prefix_needs_the_key(http_engine):
-    status, reply = call(f"{http_engine.base_url}/pin_prefix", {"tokens": HOT})
+    status, reply = http_engine.call(f"{http_engine.base_url}/pin_prefix", {"tokens": HOT})
     assert status == 401 and "num_pinned" not in reply

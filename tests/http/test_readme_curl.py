@@ -60,7 +60,7 @@ def readme_engine(tiny_llama_dir, tmp_path_factory):
     process = EngineProcess(tiny_llama_dir, [*engine_args(metrics_port, None),
                                              "--served-model-name", DOC_MODEL, *as_written],
                             log_path=log_path).start()
-    engine = HttpEngine(process, http_port, metrics_port, log_path)
+    engine = HttpEngine(process, http_port, metrics_port, log_path, None)  # --insecure
     try:
         yield engine
     finally:

@@ -8,7 +8,6 @@ import asyncio
 import signal
 import time
 
-import grpc
 import openai
 import pytest
 
@@ -22,27 +21,37 @@ from tests.router.stack import RouterStack, wait_until
 API_KEY = "router-key-42"
 CHAT = [{"role": "user", "content": "Count from one to ten."}]
 PROMPT = "Once upon a time, in a land far away,"
+DRAIN_TOKENS = 400  # the stream a draining router finishes
 
 
 class HttpRouter:
+    """The router's HTTPS front door (TLS on the session's certificates; clients verify the
+    CA)."""
+
     def __init__(self, stack: RouterStack, http_port: int) -> None:
         self.stack = stack
-        self.base_url = f"http://127.0.0.1:{http_port}"
+        self.base_url = f"https://127.0.0.1:{http_port}"
         self.model = stack.model_dir.name
 
-    def client(self, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=API_KEY, max_retries=0,
-                             timeout=120, **kwargs)
+    def client(self, api_key: str = API_KEY, base_url: str | None = None,
+               **kwargs) -> openai.OpenAI:
+        kwargs = {"max_retries": 0, "timeout": 120} | kwargs
+        return self.stack.certs.openai_client(f"{base_url or self.base_url}/v1", api_key,
+                                              **kwargs)
 
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=API_KEY,
-                                  max_retries=0, timeout=120)
+    def async_client(self, api_key: str = API_KEY,
+                     base_url: str | None = None) -> openai.AsyncOpenAI:
+        return self.stack.certs.async_openai_client(f"{base_url or self.base_url}/v1", api_key,
+                                                    max_retries=0, timeout=120)
+
+    def call(self, url: str, *args, **kwargs) -> tuple[int, dict]:
+        return call(url, *args, context=self.stack.certs.ssl_context(), **kwargs)
 
 
 @pytest.fixture(scope="module")
-def router(tiny_llama_dir, tmp_path_factory):
+def router(tiny_llama_dir, tmp_path_factory, test_certs):
     http_port = free_port()
-    with RouterStack(tiny_llama_dir, tmp_path_factory.mktemp("http-router"),
+    with RouterStack(tiny_llama_dir, tmp_path_factory.mktemp("http-router"), test_certs,
                      router_args=["--http-port", str(http_port), "--api-key", API_KEY],
                      api_key=API_KEY) as stack:
         yield HttpRouter(stack, http_port)
@@ -77,7 +86,7 @@ def test_models_are_the_replicas(router):
     with router.client() as client:
         [model] = client.models.list().data
     assert model.id == router.model
-    assert call(f"{router.base_url}/health")[0] == 200
+    assert router.call(f"{router.base_url}/health")[0] == 200
 
 
 def test_completions_and_chat_through_the_router(router, router_stub):
@@ -153,7 +162,7 @@ def test_errors_through_the_router(router):
         with pytest.raises(openai.NotFoundError) as raised:
             client.chat.completions.create(model="not-served", messages=CHAT, max_tokens=4)
         assert raised.value.response.json()["error"]["code"] == "model_not_found"
-    with openai.OpenAI(base_url=f"{router.base_url}/v1", api_key="nope", max_retries=0) as bad:
+    with router.client("nope") as bad:
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
 
@@ -185,19 +194,22 @@ def test_503_while_the_router_drains(router):
     http_port = free_port()
     second = RouterProcess(["--prefix-index", router.stack.index.target, "--http-port",
                             str(http_port), "--grace-s", "60", "--log-level", "WARNING"],
-                           log_path=router.stack.log_dir / "router-2.log").start()
-    base = f"http://127.0.0.1:{http_port}"
+                           log_path=router.stack.log_dir / "router-2.log",
+                           tls=router.stack.certs.files("router")).start()
+    base = f"https://127.0.0.1:{http_port}"
     try:
-        wait_until(lambda: call(f"{base}/v1/models")[1]["data"], 30, "replicas known")
+        wait_until(lambda: router.call(f"{base}/v1/models")[1]["data"], 30, "replicas known")
 
         async def body() -> str:
-            client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
-                                        timeout=120)
+            client = router.async_client("none", base)
+            # Long enough to outlast the checks below: the router exits once it is done
+            # (a new TLS connection takes longer to make than a plain one did).
             stream = await client.completions.create(
-                model=router.model, prompt=PROMPT, max_tokens=40, temperature=0, stream=True)
+                model=router.model, prompt=PROMPT, max_tokens=DRAIN_TOKENS, temperature=0,
+                stream=True, extra_body={"ignore_eos": True})
             text = [(await stream.__anext__()).choices[0].text]
             second.proc.send_signal(signal.SIGTERM)
-            while (await asyncio.to_thread(call, f"{base}/health"))[0] == 200:
+            while (await asyncio.to_thread(router.call, f"{base}/health"))[0] == 200:
                 await asyncio.sleep(0.05)
             with pytest.raises(openai.InternalServerError) as raised:
                 await client.completions.create(model=router.model, prompt=PROMPT,
@@ -213,8 +225,9 @@ def test_503_while_the_router_drains(router):
     finally:
         second.kill()
     with router.client() as client:
-        expected = client.completions.create(model=router.model, prompt=PROMPT, max_tokens=40,
-                                             temperature=0).choices[0].text
+        expected = client.completions.create(model=router.model, prompt=PROMPT,
+                                             max_tokens=DRAIN_TOKENS, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
     assert text == expected
 
 
@@ -246,7 +259,7 @@ def test_a_replica_lost_mid_stream_is_resumed_elsewhere(router):
 
 def _running_on(stack: RouterStack) -> str | None:
     for engine_id, engine in stack.engines.items():
-        with grpc.insecure_channel(engine.target) as channel:
+        with stack.channel(engine.target) as channel:
             stats = pb_grpc.GenerationStub(channel).EngineStats(pb.EngineStatsRequest(),
                                                                 timeout=10)
         if stats.num_running:
@@ -263,12 +276,12 @@ def test_logprob_tokens_without_a_local_tokenizer(router, tmp_path):
     second = RouterProcess(["--prefix-index", router.stack.index.target, "--http-port",
                             str(http_port), "--tokenizer", str(tmp_path / "not-here"),
                             "--log-level", "INFO"],
-                           log_path=router.stack.log_dir / "router-no-tokenizer.log").start()
-    base = f"http://127.0.0.1:{http_port}"
+                           log_path=router.stack.log_dir / "router-no-tokenizer.log",
+                           tls=router.stack.certs.files("router")).start()
+    base = f"https://127.0.0.1:{http_port}"
     try:
-        wait_until(lambda: call(f"{base}/v1/models")[1]["data"], 30, "replicas known")
-        with openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
-                           timeout=120) as remote, router.client() as local:
+        wait_until(lambda: router.call(f"{base}/v1/models")[1]["data"], 30, "replicas known")
+        with router.client("none", base) as remote, router.client() as local:
             asked = {"model": router.model, "prompt": PROMPT, "max_tokens": 10,
                      "temperature": 0, "logprobs": 3}
             [theirs], [ours] = (remote.completions.create(**asked).choices,
