@@ -38,7 +38,7 @@ class PreemptionShape:
     pool_fraction: float  # the pressure pool against the requests' peak demand
 
 
-FULL_SHAPE = PreemptionShape((8, 16, 32, 64), 1024, 5, 24, (64, 256), 128, 0.35)
+FULL_SHAPE = PreemptionShape((8, 16, 32, 64), 512, 3, 16, (64, 256), 96, 0.35)
 QUICK_SHAPE = PreemptionShape((8, 16, 64), 256, 2, 6, (32, 96), 32, 0.4)
 
 
