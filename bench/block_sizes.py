@@ -23,7 +23,7 @@ class BlockSizeShape:
     repeats: int  # runs per block size, rotated through the sizes; the best throughput kept
 
 
-FULL_SHAPE = BlockSizeShape((8, 16, 32, 64), 2)
+FULL_SHAPE = BlockSizeShape((8, 16, 32, 64), 1)
 QUICK_SHAPE = BlockSizeShape((8, 16, 64), 1)
 
 
