@@ -13,14 +13,15 @@ from tests.http.conftest import start_engine
 
 
 @pytest.fixture(scope="module")
-def tenant_engine(tiny_llama_dir, tmp_path_factory):
+def tenant_engine(tiny_llama_dir, tmp_path_factory, test_certs):
     folder = tmp_path_factory.mktemp("tenant")
     keys = folder / "keys.toml"
     added = subprocess.run(["pagedgen-keys", "add", "--file", str(keys), "--tenant", "acme"],
                            capture_output=True, text=True, timeout=60, check=True)
     [key] = [word for word in added.stdout.split() if word.startswith("pg-")]
     assert "may_set_priority = false" in keys.read_text()  # the default
-    engine = start_engine(tiny_llama_dir, folder / "engine.log", ["--api-key-file", str(keys)])
+    engine = start_engine(tiny_llama_dir, folder / "engine.log", test_certs,
+                          ["--api-key-file", str(keys)])
     try:
         yield engine, key
     finally:
@@ -29,8 +30,7 @@ def tenant_engine(tiny_llama_dir, tmp_path_factory):
 
 def test_a_priority_the_tenant_may_not_set_is_a_403_naming_it(tenant_engine):
     engine, key = tenant_engine
-    with openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key=key, max_retries=0,
-                       timeout=120) as client:
+    with engine.openai(key, max_retries=0, timeout=120) as client:
         with pytest.raises(openai.PermissionDeniedError) as refused:
             client.completions.create(model=engine.model, prompt="hi", max_tokens=2,
                                       extra_body={"priority": 5})
