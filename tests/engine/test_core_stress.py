@@ -35,6 +35,7 @@ from engine_service.index.link import (
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
 from tests.service.index_fixtures import wait_until
+from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
 
 LOCAL_SEEDS = list(range(12))
 INDEX_SEEDS = list(range(100, 104))
@@ -180,7 +181,8 @@ def test_random_pressure_local_policy(seed, tiny_llama_dir, probes):
 def index_target():
     # The shipped defaults (automatic pinning on): no test-only --hot-threshold 0 here.
     with RedisProcess() as redis:
-        index = IndexProcess(redis.url, ["--log-level", "WARNING", "--grace-s", "0.5"]).start()
+        index = IndexProcess(redis.url, ["--log-level", "WARNING", "--grace-s", "0.5",
+                                         *PLAIN_TEXT_UNTIL_CONVERTED]).start()
         try:
             yield index.target
         finally:
