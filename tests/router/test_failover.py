@@ -105,7 +105,8 @@ def test_a_replica_restarted_under_its_id_gets_no_stale_credit(stack, router_stu
     # its new instance_id tells the two processes apart.
     restarted = stack.start_engine(victim, port=stack.engines[victim].port)
     stack.wait_routable(2)
-    ours, theirs = model_info(stack, restarted.target), model_info(stack.engines[survivor].target)
+    ours = model_info(stack, restarted.target)
+    theirs = model_info(stack, stack.engines[survivor].target)
     assert ours.engine_id == victim and ours.instance_id
     assert ours.instance_id != theirs.instance_id  # one per process
     assert model_info(stack, restarted.target).instance_id == ours.instance_id  # and stable in it
