@@ -349,9 +349,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 # Counted against the tenant's pins now (a call beside this one sees it),
                 # given back below unless the pin is made.
                 reservation = self.door.reserve_pin(caller, chain, ttl_s)
-                await self.pinner.check_room(chain)  # a pin refused after costs no prefill
-                await self._compute_prefix(caller, prompt.token_ids, salt)
+                # What is cached is pinned at once (no engine step needed: a slow step does
+                # not hold it up); the rest is computed first, then pinned with it.
                 changed = await self.pinner.pin(chain, ttl_s, unpin=False)
+                if changed < len(chain):
+                    try:
+                        await self.pinner.check_room(chain)  # refused now costs no prefill
+                        await self._compute_prefix(caller, prompt.token_ids, salt)
+                        changed = await self.pinner.pin(chain, ttl_s, unpin=False)
+                    except BaseException:
+                        if changed:  # no part of a refused pin stays
+                            await asyncio.shield(self.pinner.pin(chain, 0.0, unpin=True))
+                        raise
                 reservation = None  # kept
         except TenantRefused as error:
             await context.abort(error.code, error.message)

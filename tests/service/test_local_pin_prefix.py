@@ -51,3 +51,18 @@ def test_pin_prefix_computes_and_keeps_a_prefix_without_the_index(stub):
     assert unpinned.num_pinned == 3
     flood(stub, 20_000)
     assert generate(stub, HOT).usage.cached_tokens == 0
+
+
+def test_a_pin_refused_past_the_budget_leaves_nothing_pinned(stub):
+    """Its cached part (2 blocks) fits the budget of 4 and is pinned at once; the whole (5
+    blocks) does not: refused before its prefill, and the part pinned is given back."""
+    prefix = list(range(30_000, 30_000 + 5 * BLOCK + 1))
+    generate(stub, prefix[:2 * BLOCK + 1])
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=prefix)), timeout=120)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # All 4 blocks of the budget are free again: a 4-block prefix pins whole.
+    four = stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=HOT + [9] * BLOCK)),
+                          timeout=120)
+    assert (four.num_blocks, four.num_pinned) == (4, 4)
+    stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=HOT + [9] * BLOCK), unpin=True))
