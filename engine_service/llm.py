@@ -165,7 +165,7 @@ class LLM:
             policy.check_pin(chain)  # refused before any prefill
             self.generate({"prompt_token_ids": token_ids},
                           SamplingParams(temperature=0.0, max_tokens=1), cache_salt=salt)
-        return policy.pin(chain, float(ttl_s), unpin)
+        return policy.pin(chain, float(ttl_s), unpin, engine.pool.is_cached)
 
     def beam_search(
         self,

@@ -38,6 +38,9 @@ class BlockPool:
         """Blocks an allocation can take: never used or cached with no user."""
         return len(self._free_ids) + self.policy.num_evictable
 
+    def is_cached(self, block_hash: bytes) -> bool:
+        return block_hash in self._cached
+
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)

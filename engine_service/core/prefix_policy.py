@@ -71,7 +71,6 @@ class LocalLRUPolicy:
     def __init__(self, pin_budget: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._evictable: OrderedDict[bytes, None] = OrderedDict()
-        self._resident: set[bytes] = set()  # committed hashes the pool still caches
         self._pins = PinSet()
         self._pinned_idle: set[bytes] = set()  # pinned, refcount zero
         self.pin_budget = pin_budget
@@ -82,7 +81,7 @@ class LocalLRUPolicy:
         return len(self._evictable)
 
     def on_commit(self, block_hash: bytes, parent_hash: bytes | None, block_id: int) -> None:
-        self._resident.add(block_hash)
+        pass
 
     def on_acquire(self, block_hash: bytes, was_evictable: bool) -> None:
         if not was_evictable:
@@ -103,9 +102,7 @@ class LocalLRUPolicy:
     def pick_victims(self, num_blocks: int) -> list[bytes]:
         victims = []
         while self._evictable and len(victims) < num_blocks:
-            victim = self._evictable.popitem(last=False)[0]
-            self._resident.discard(victim)
-            victims.append(victim)
+            victims.append(self._evictable.popitem(last=False)[0])
         return victims
 
     @property
@@ -125,19 +122,21 @@ class LocalLRUPolicy:
             freed += self._unpinned(self._pins.unpin_oldest())
         return freed
 
-    def pin(self, chain: list[bytes], ttl_s: float, unpin: bool) -> int:
-        """Pins the cached prefix of `chain` (its leading blocks the pool holds) for ttl_s
-        seconds (0: until unpinned), as one pin named by the chain's last hash (pinned again:
-        the later expiry is kept); or drops that pin. How many blocks the pin covers, or, for
-        an unpin, how many blocks are no longer pinned by any pin. PinBudgetFull when the new
-        blocks would pass the budget (nothing pinned)."""
+    def pin(self, chain: list[bytes], ttl_s: float, unpin: bool,
+            is_cached: Callable[[bytes], bool]) -> int:
+        """Pins the cached prefix of `chain` (its leading blocks for which `is_cached`, the
+        pool's BlockPool.is_cached, holds) for ttl_s seconds (0: until unpinned), as one pin
+        named by the chain's last hash (pinned again: the later expiry is kept); or drops
+        that pin. How many blocks the pin covers, or, for an unpin, how many blocks are no
+        longer pinned by any pin. PinBudgetFull when the new blocks would pass the budget
+        (nothing pinned)."""
         if not chain:
             return 0
         if unpin:
             return self._unpinned(self._pins.unpin(chain[-1]))
         held = []
         for block_hash in chain:
-            if block_hash not in self._resident:
+            if not is_cached(block_hash):
                 break
             held.append(block_hash)
         self.check_pin(held)

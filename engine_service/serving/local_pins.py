@@ -31,6 +31,6 @@ def pin_locally(engine: LLMEngine, chain: list[bytes], ttl_s: float, unpin: bool
     if pin is None:
         raise PinRefusedError("invalid", "this engine's prefix policy takes no local pins")
     try:
-        return pin(chain, ttl_s, unpin)
+        return pin(chain, ttl_s, unpin, engine.pool.is_cached)
     except PinBudgetFull as error:
         raise PinRefusedError("budget", str(error)) from None
