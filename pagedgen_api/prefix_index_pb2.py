@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fpagedgen_api/prefix_index.proto\x12\x18pagedgen.prefix_index.v1\"\xb2\x01\n\x0fRegisterRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0emodel_identity\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x0f\n\x07lease_s\x18\x05 \x01(\x01\x12\r\n\x05nonce\x18\x06 \x01(\t\x12\x17\n\x0fserving_address\x18\x07 \x01(\t\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\"F\n\x10RegisterResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x12\n\npin_budget\x18\x03 \x01(\r\"4\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"$\n\x11HeartbeatResponse\x12\x0f\n\x07lease_s\x18\x01 \x01(\x01\"O\n\tAcquireOp\x12\r\n\x05\x63hain\x18\x01 \x03(\x0c\x12\x33\n\x04kind\x18\x02 \x01(\x0e\x32%.pagedgen.prefix_index.v1.AcquireKind\":\n\x08\x43ommitOp\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x0e\n\x06parent\x18\x02 \x01(\x0c\x12\x10\n\x08\x62lock_id\x18\x03 \x01(\x03\"\x1b\n\tReleaseOp\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"\x14\n\x07\x45victOp\x12\t\n\x01k\x18\x01 \x01(\x03\"8\n\x05PinOp\x12\r\n\x05\x63hain\x18\x01 \x03(\x0c\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x11\n\tautomatic\x18\x03 \x01(\x08\"\x18\n\x07UnpinOp\x12\r\n\x05\x63hain\x18\x01 \x03(\x0c\"*\n\x08\x46orgetOp\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\x03\"\x80\x03\n\x02Op\x12\x36\n\x07\x61\x63quire\x18\x01 \x01(\x0b\x32#.pagedgen.prefix_index.v1.AcquireOpH\x00\x12\x34\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\".pagedgen.prefix_index.v1.CommitOpH\x00\x12\x36\n\x07release\x18\x03 \x01(\x0b\x32#.pagedgen.prefix_index.v1.ReleaseOpH\x00\x12\x32\n\x05\x65vict\x18\x04 \x01(\x0b\x32!.pagedgen.prefix_index.v1.EvictOpH\x00\x12.\n\x03pin\x18\x05 \x01(\x0b\x32\x1f.pagedgen.prefix_index.v1.PinOpH\x00\x12\x32\n\x05unpin\x18\x06 \x01(\x0b\x32!.pagedgen.prefix_index.v1.UnpinOpH\x00\x12\x34\n\x06\x66orget\x18\x07 \x01(\x0b\x32\".pagedgen.prefix_index.v1.ForgetOpH\x00\x42\x06\n\x04kind\"h\n\x0c\x41pplyRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12)\n\x03ops\x18\x03 \x03(\x0b\x32\x1c.pagedgen.prefix_index.v1.Op\x12\x0b\n\x03seq\x18\x04 \x01(\x04\".\n\x0c\x45victedBlock\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\x03\"\xa9\x01\n\x08OpResult\x12\x32\n\x06status\x18\x01 \x01(\x0e\x32\".pagedgen.prefix_index.v1.OpStatus\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x03\x12\x37\n\x07\x65victed\x18\x04 \x03(\x0b\x32&.pagedgen.prefix_index.v1.EvictedBlock\x12\r\n\x05\x63ount\x18\x05 \x01(\r\"^\n\tPinChange\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\x03\x12\x31\n\x05state\x18\x03 \x01(\x0e\x32\".pagedgen.prefix_index.v1.PinState\"\x90\x01\n\rApplyResponse\x12\x33\n\x07results\x18\x01 \x03(\x0b\x32\".pagedgen.prefix_index.v1.OpResult\x12\x38\n\x0bpin_changes\x18\x02 \x03(\x0b\x32#.pagedgen.prefix_index.v1.PinChange\x12\x10\n\x08replayed\x18\x03 \x01(\x08\"6\n\rLookupRequest\x12\r\n\x05\x63hain\x18\x01 \x03(\x0c\x12\x16\n\x0emodel_identity\x18\x02 \x01(\t\"{\n\x0b\x45ngineMatch\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0bheld_blocks\x18\x04 \x01(\r\x12\x18\n\x10\x65victable_blocks\x18\x05 \x01(\r\"H\n\x0eLookupResponse\x12\x36\n\x07\x65ngines\x18\x01 \x03(\x0b\x32%.pagedgen.prefix_index.v1.EngineMatch\"!\n\x0cStatsRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"\xd3\x02\n\x0b\x45ngineStats\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x16\n\x0emodel_identity\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x0e\n\x06\x62locks\x18\x06 \x01(\r\x12\x11\n\tevictable\x18\x07 \x01(\r\x12\x0e\n\x06pinned\x18\x08 \x01(\r\x12\x13\n\x0b\x61uto_pinned\x18\t \x01(\r\x12\x12\n\npin_budget\x18\n \x01(\r\x12\x0f\n\x07queries\x18\x0b \x01(\x04\x12\x0c\n\x04hits\x18\x0c \x01(\x04\x12\x11\n\tevictions\x18\r \x01(\x04\x12\x19\n\x11lease_remaining_s\x18\x0e \x01(\x01\x12\x0f\n\x07\x66orgets\x18\x0f \x01(\x04\x12\x0f\n\x07history\x18\x10 \x01(\r\x12\x17\n\x0fserving_address\x18\x11 \x01(\t\"G\n\rStatsResponse\x12\x36\n\x07\x65ngines\x18\x01 \x03(\x0b\x32%.pagedgen.prefix_index.v1.EngineStats\"\x17\n\x15WatchResidencyRequest\"\x9c\x01\n\x0eResidencyEvent\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x16\n\x0emodel_identity\x18\x04 \x01(\t\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x05 \x03(\x0c\x12\x0f\n\x07removed\x18\x06 \x03(\x0c\x12\x0e\n\x06synced\x18\x07 \x01(\x08\x12\x11\n\theartbeat\x18\x08 \x01(\x08*Y\n\x0b\x41\x63quireKind\x12\x1a\n\x16\x41\x43QUIRE_KIND_ADMISSION\x10\x00\x12\x15\n\x11\x41\x43QUIRE_KIND_FORK\x10\x01\x12\x17\n\x13\x41\x43QUIRE_KIND_RESYNC\x10\x02*\xea\x01\n\x08OpStatus\x12\x10\n\x0cOP_STATUS_OK\x10\x00\x12\x16\n\x12OP_STATUS_NOT_HELD\x10\x01\x12\x1b\n\x17OP_STATUS_REFCOUNT_ZERO\x10\x02\x12\x1a\n\x16OP_STATUS_BLOCK_IN_USE\x10\x03\x12\x19\n\x15OP_STATUS_HASH_EXISTS\x10\x04\x12\x1f\n\x1bOP_STATUS_ALREADY_COMMITTED\x10\x05\x12!\n\x1dOP_STATUS_PIN_BUDGET_EXCEEDED\x10\x06\x12\x1c\n\x18OP_STATUS_BLOCK_MISMATCH\x10\x07*O\n\x08PinState\x12\x12\n\x0ePIN_STATE_NONE\x10\x00\x12\x16\n\x12PIN_STATE_EXPLICIT\x10\x01\x12\x17\n\x13PIN_STATE_AUTOMATIC\x10\x02\x32\xd6\x04\n\x0bPrefixIndex\x12\x61\n\x08Register\x12).pagedgen.prefix_index.v1.RegisterRequest\x1a*.pagedgen.prefix_index.v1.RegisterResponse\x12\x64\n\tHeartbeat\x12*.pagedgen.prefix_index.v1.HeartbeatRequest\x1a+.pagedgen.prefix_index.v1.HeartbeatResponse\x12X\n\x05\x41pply\x12&.pagedgen.prefix_index.v1.ApplyRequest\x1a\'.pagedgen.prefix_index.v1.ApplyResponse\x12[\n\x06Lookup\x12\'.pagedgen.prefix_index.v1.LookupRequest\x1a(.pagedgen.prefix_index.v1.LookupResponse\x12X\n\x05Stats\x12&.pagedgen.prefix_index.v1.StatsRequest\x1a\'.pagedgen.prefix_index.v1.StatsResponse\x12m\n\x0eWatchResidency\x12/.pagedgen.prefix_index.v1.WatchResidencyRequest\x1a(.pagedgen.prefix_index.v1.ResidencyEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fpagedgen_api/prefix_index.proto\x12\x18pagedgen.prefix_index.v1\"\xb2\x01\n\x0fRegisterRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0emodel_identity\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x0f\n\x07lease_s\x18\x05 \x01(\x01\x12\r\n\x05nonce\x18\x06 \x01(\t\x12\x17\n\x0fserving_address\x18\x07 \x01(\t\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\"F\n\x10RegisterResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x12\n\npin_budget\x18\x03 \x01(\r\"4\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"$\n\x11HeartbeatResponse\x12\x0f\n\x07lease_s\x18\x01 \x01(\x01\"O\n\tAcquireOp\x12\r\n\x05\x63hain\x18\x01 \x03(\x0c\x12\x33\n\x04kind\x18\x02 \x01(\x0e\x32%.pagedgen.prefix_index.v1.AcquireKind\":\n\x08\x43ommitOp\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x0e\n\x06parent\x18\x02 \x01(\x0c\x12\x10\n\x08\x62lock_id\x18\x03 \x01(\x03\"\x1b\n\tReleaseOp\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"\x14\n\x07\x45victOp\x12\t\n\x01k\x18\x01 \x01(\x03\"8\n\x05PinOp\x12\r\n\x05\x63hain\x18\x01 \x03(\x0c\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x11\n\tautomatic\x18\x03 \x01(\x08\"\x18\n\x07UnpinOp\x12\r\n\x05\x63hain\x18\x01 \x03(\x0c\"*\n\x08\x46orgetOp\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\x03\" \n\x0eSetPinBudgetOp\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\"\xc4\x03\n\x02Op\x12\x36\n\x07\x61\x63quire\x18\x01 \x01(\x0b\x32#.pagedgen.prefix_index.v1.AcquireOpH\x00\x12\x34\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\".pagedgen.prefix_index.v1.CommitOpH\x00\x12\x36\n\x07release\x18\x03 \x01(\x0b\x32#.pagedgen.prefix_index.v1.ReleaseOpH\x00\x12\x32\n\x05\x65vict\x18\x04 \x01(\x0b\x32!.pagedgen.prefix_index.v1.EvictOpH\x00\x12.\n\x03pin\x18\x05 \x01(\x0b\x32\x1f.pagedgen.prefix_index.v1.PinOpH\x00\x12\x32\n\x05unpin\x18\x06 \x01(\x0b\x32!.pagedgen.prefix_index.v1.UnpinOpH\x00\x12\x34\n\x06\x66orget\x18\x07 \x01(\x0b\x32\".pagedgen.prefix_index.v1.ForgetOpH\x00\x12\x42\n\x0eset_pin_budget\x18\x08 \x01(\x0b\x32(.pagedgen.prefix_index.v1.SetPinBudgetOpH\x00\x42\x06\n\x04kind\"h\n\x0c\x41pplyRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12)\n\x03ops\x18\x03 \x03(\x0b\x32\x1c.pagedgen.prefix_index.v1.Op\x12\x0b\n\x03seq\x18\x04 \x01(\x04\".\n\x0c\x45victedBlock\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\x03\"\xa9\x01\n\x08OpResult\x12\x32\n\x06status\x18\x01 \x01(\x0e\x32\".pagedgen.prefix_index.v1.OpStatus\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x03\x12\x37\n\x07\x65victed\x18\x04 \x03(\x0b\x32&.pagedgen.prefix_index.v1.EvictedBlock\x12\r\n\x05\x63ount\x18\x05 \x01(\r\"^\n\tPinChange\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\x03\x12\x31\n\x05state\x18\x03 \x01(\x0e\x32\".pagedgen.prefix_index.v1.PinState\"\x90\x01\n\rApplyResponse\x12\x33\n\x07results\x18\x01 \x03(\x0b\x32\".pagedgen.prefix_index.v1.OpResult\x12\x38\n\x0bpin_changes\x18\x02 \x03(\x0b\x32#.pagedgen.prefix_index.v1.PinChange\x12\x10\n\x08replayed\x18\x03 \x01(\x08\"6\n\rLookupRequest\x12\r\n\x05\x63hain\x18\x01 \x03(\x0c\x12\x16\n\x0emodel_identity\x18\x02 \x01(\t\"{\n\x0b\x45ngineMatch\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0bheld_blocks\x18\x04 \x01(\r\x12\x18\n\x10\x65victable_blocks\x18\x05 \x01(\r\"H\n\x0eLookupResponse\x12\x36\n\x07\x65ngines\x18\x01 \x03(\x0b\x32%.pagedgen.prefix_index.v1.EngineMatch\"!\n\x0cStatsRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"\xd3\x02\n\x0b\x45ngineStats\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x16\n\x0emodel_identity\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x0e\n\x06\x62locks\x18\x06 \x01(\r\x12\x11\n\tevictable\x18\x07 \x01(\r\x12\x0e\n\x06pinned\x18\x08 \x01(\r\x12\x13\n\x0b\x61uto_pinned\x18\t \x01(\r\x12\x12\n\npin_budget\x18\n \x01(\r\x12\x0f\n\x07queries\x18\x0b \x01(\x04\x12\x0c\n\x04hits\x18\x0c \x01(\x04\x12\x11\n\tevictions\x18\r \x01(\x04\x12\x19\n\x11lease_remaining_s\x18\x0e \x01(\x01\x12\x0f\n\x07\x66orgets\x18\x0f \x01(\x04\x12\x0f\n\x07history\x18\x10 \x01(\r\x12\x17\n\x0fserving_address\x18\x11 \x01(\t\"G\n\rStatsResponse\x12\x36\n\x07\x65ngines\x18\x01 \x03(\x0b\x32%.pagedgen.prefix_index.v1.EngineStats\"\x17\n\x15WatchResidencyRequest\"\x9c\x01\n\x0eResidencyEvent\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x16\n\x0emodel_identity\x18\x04 \x01(\t\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x05 \x03(\x0c\x12\x0f\n\x07removed\x18\x06 \x03(\x0c\x12\x0e\n\x06synced\x18\x07 \x01(\x08\x12\x11\n\theartbeat\x18\x08 \x01(\x08*Y\n\x0b\x41\x63quireKind\x12\x1a\n\x16\x41\x43QUIRE_KIND_ADMISSION\x10\x00\x12\x15\n\x11\x41\x43QUIRE_KIND_FORK\x10\x01\x12\x17\n\x13\x41\x43QUIRE_KIND_RESYNC\x10\x02*\xea\x01\n\x08OpStatus\x12\x10\n\x0cOP_STATUS_OK\x10\x00\x12\x16\n\x12OP_STATUS_NOT_HELD\x10\x01\x12\x1b\n\x17OP_STATUS_REFCOUNT_ZERO\x10\x02\x12\x1a\n\x16OP_STATUS_BLOCK_IN_USE\x10\x03\x12\x19\n\x15OP_STATUS_HASH_EXISTS\x10\x04\x12\x1f\n\x1bOP_STATUS_ALREADY_COMMITTED\x10\x05\x12!\n\x1dOP_STATUS_PIN_BUDGET_EXCEEDED\x10\x06\x12\x1c\n\x18OP_STATUS_BLOCK_MISMATCH\x10\x07*O\n\x08PinState\x12\x12\n\x0ePIN_STATE_NONE\x10\x00\x12\x16\n\x12PIN_STATE_EXPLICIT\x10\x01\x12\x17\n\x13PIN_STATE_AUTOMATIC\x10\x02\x32\xd6\x04\n\x0bPrefixIndex\x12\x61\n\x08Register\x12).pagedgen.prefix_index.v1.RegisterRequest\x1a*.pagedgen.prefix_index.v1.RegisterResponse\x12\x64\n\tHeartbeat\x12*.pagedgen.prefix_index.v1.HeartbeatRequest\x1a+.pagedgen.prefix_index.v1.HeartbeatResponse\x12X\n\x05\x41pply\x12&.pagedgen.prefix_index.v1.ApplyRequest\x1a\'.pagedgen.prefix_index.v1.ApplyResponse\x12[\n\x06Lookup\x12\'.pagedgen.prefix_index.v1.LookupRequest\x1a(.pagedgen.prefix_index.v1.LookupResponse\x12X\n\x05Stats\x12&.pagedgen.prefix_index.v1.StatsRequest\x1a\'.pagedgen.prefix_index.v1.StatsResponse\x12m\n\x0eWatchResidency\x12/.pagedgen.prefix_index.v1.WatchResidencyRequest\x1a(.pagedgen.prefix_index.v1.ResidencyEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedgen_api.prefix_index_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ACQUIREKIND']._serialized_start=2571
-  _globals['_ACQUIREKIND']._serialized_end=2660
-  _globals['_OPSTATUS']._serialized_start=2663
-  _globals['_OPSTATUS']._serialized_end=2897
-  _globals['_PINSTATE']._serialized_start=2899
-  _globals['_PINSTATE']._serialized_end=2978
+  _globals['_ACQUIREKIND']._serialized_start=2673
+  _globals['_ACQUIREKIND']._serialized_end=2762
+  _globals['_OPSTATUS']._serialized_start=2765
+  _globals['_OPSTATUS']._serialized_end=2999
+  _globals['_PINSTATE']._serialized_start=3001
+  _globals['_PINSTATE']._serialized_end=3080
   _globals['_REGISTERREQUEST']._serialized_start=62
   _globals['_REGISTERREQUEST']._serialized_end=240
   _globals['_REGISTERRESPONSE']._serialized_start=242
@@ -59,34 +59,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNPINOP']._serialized_end=680
   _globals['_FORGETOP']._serialized_start=682
   _globals['_FORGETOP']._serialized_end=724
-  _globals['_OP']._serialized_start=727
-  _globals['_OP']._serialized_end=1111
-  _globals['_APPLYREQUEST']._serialized_start=1113
-  _globals['_APPLYREQUEST']._serialized_end=1217
-  _globals['_EVICTEDBLOCK']._serialized_start=1219
-  _globals['_EVICTEDBLOCK']._serialized_end=1265
-  _globals['_OPRESULT']._serialized_start=1268
-  _globals['_OPRESULT']._serialized_end=1437
-  _globals['_PINCHANGE']._serialized_start=1439
-  _globals['_PINCHANGE']._serialized_end=1533
-  _globals['_APPLYRESPONSE']._serialized_start=1536
-  _globals['_APPLYRESPONSE']._serialized_end=1680
-  _globals['_LOOKUPREQUEST']._serialized_start=1682
-  _globals['_LOOKUPREQUEST']._serialized_end=1736
-  _globals['_ENGINEMATCH']._serialized_start=1738
-  _globals['_ENGINEMATCH']._serialized_end=1861
-  _globals['_LOOKUPRESPONSE']._serialized_start=1863
-  _globals['_LOOKUPRESPONSE']._serialized_end=1935
-  _globals['_STATSREQUEST']._serialized_start=1937
-  _globals['_STATSREQUEST']._serialized_end=1970
-  _globals['_ENGINESTATS']._serialized_start=1973
-  _globals['_ENGINESTATS']._serialized_end=2312
-  _globals['_STATSRESPONSE']._serialized_start=2314
-  _globals['_STATSRESPONSE']._serialized_end=2385
-  _globals['_WATCHRESIDENCYREQUEST']._serialized_start=2387
-  _globals['_WATCHRESIDENCYREQUEST']._serialized_end=2410
-  _globals['_RESIDENCYEVENT']._serialized_start=2413
-  _globals['_RESIDENCYEVENT']._serialized_end=2569
-  _globals['_PREFIXINDEX']._serialized_start=2981
-  _globals['_PREFIXINDEX']._serialized_end=3579
+  _globals['_SETPINBUDGETOP']._serialized_start=726
+  _globals['_SETPINBUDGETOP']._serialized_end=758
+  _globals['_OP']._serialized_start=761
+  _globals['_OP']._serialized_end=1213
+  _globals['_APPLYREQUEST']._serialized_start=1215
+  _globals['_APPLYREQUEST']._serialized_end=1319
+  _globals['_EVICTEDBLOCK']._serialized_start=1321
+  _globals['_EVICTEDBLOCK']._serialized_end=1367
+  _globals['_OPRESULT']._serialized_start=1370
+  _globals['_OPRESULT']._serialized_end=1539
+  _globals['_PINCHANGE']._serialized_start=1541
+  _globals['_PINCHANGE']._serialized_end=1635
+  _globals['_APPLYRESPONSE']._serialized_start=1638
+  _globals['_APPLYRESPONSE']._serialized_end=1782
+  _globals['_LOOKUPREQUEST']._serialized_start=1784
+  _globals['_LOOKUPREQUEST']._serialized_end=1838
+  _globals['_ENGINEMATCH']._serialized_start=1840
+  _globals['_ENGINEMATCH']._serialized_end=1963
+  _globals['_LOOKUPRESPONSE']._serialized_start=1965
+  _globals['_LOOKUPRESPONSE']._serialized_end=2037
+  _globals['_STATSREQUEST']._serialized_start=2039
+  _globals['_STATSREQUEST']._serialized_end=2072
+  _globals['_ENGINESTATS']._serialized_start=2075
+  _globals['_ENGINESTATS']._serialized_end=2414
+  _globals['_STATSRESPONSE']._serialized_start=2416
+  _globals['_STATSRESPONSE']._serialized_end=2487
+  _globals['_WATCHRESIDENCYREQUEST']._serialized_start=2489
+  _globals['_WATCHRESIDENCYREQUEST']._serialized_end=2512
+  _globals['_RESIDENCYEVENT']._serialized_start=2515
+  _globals['_RESIDENCYEVENT']._serialized_end=2671
+  _globals['_PREFIXINDEX']._serialized_start=3083
+  _globals['_PREFIXINDEX']._serialized_end=3681
 # @@protoc_insertion_point(module_scope)

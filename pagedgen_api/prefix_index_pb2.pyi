@@ -142,8 +142,14 @@ class ForgetOp(_message.Message):
     block_id: int
     def __init__(self, hash: _Optional[bytes] = ..., block_id: _Optional[int] = ...) -> None: ...
 
+class SetPinBudgetOp(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    def __init__(self, blocks: _Optional[int] = ...) -> None: ...
+
 class Op(_message.Message):
-    __slots__ = ("acquire", "commit", "release", "evict", "pin", "unpin", "forget")
+    __slots__ = ("acquire", "commit", "release", "evict", "pin", "unpin", "forget", "set_pin_budget")
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +157,7 @@ class Op(_message.Message):
     PIN_FIELD_NUMBER: _ClassVar[int]
     UNPIN_FIELD_NUMBER: _ClassVar[int]
     FORGET_FIELD_NUMBER: _ClassVar[int]
+    SET_PIN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     acquire: AcquireOp
     commit: CommitOp
     release: ReleaseOp
@@ -158,7 +165,8 @@ class Op(_message.Message):
     pin: PinOp
     unpin: UnpinOp
     forget: ForgetOp
-    def __init__(self, acquire: _Optional[_Union[AcquireOp, _Mapping]] = ..., commit: _Optional[_Union[CommitOp, _Mapping]] = ..., release: _Optional[_Union[ReleaseOp, _Mapping]] = ..., evict: _Optional[_Union[EvictOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., forget: _Optional[_Union[ForgetOp, _Mapping]] = ...) -> None: ...
+    set_pin_budget: SetPinBudgetOp
+    def __init__(self, acquire: _Optional[_Union[AcquireOp, _Mapping]] = ..., commit: _Optional[_Union[CommitOp, _Mapping]] = ..., release: _Optional[_Union[ReleaseOp, _Mapping]] = ..., evict: _Optional[_Union[EvictOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., forget: _Optional[_Union[ForgetOp, _Mapping]] = ..., set_pin_budget: _Optional[_Union[SetPinBudgetOp, _Mapping]] = ...) -> None: ...
 
 class ApplyRequest(_message.Message):
     __slots__ = ("engine_id", "epoch", "ops", "seq")

@@ -86,7 +86,15 @@ class Forget:
     block_id: int
 
 
-Op = Acquire | Commit | Release | Evict | Pin | Unpin | Forget
+@dataclass(frozen=True, slots=True)
+class SetPinBudget:
+    """The engine's pin budget now, in blocks (engine_service/core/pin_budget.py decides it);
+    shrinking it unpins automatic pins, the least hot first, down to it."""
+
+    blocks: int
+
+
+Op = Acquire | Commit | Release | Evict | Pin | Unpin | Forget | SetPinBudget
 
 
 @dataclass(frozen=True, slots=True)

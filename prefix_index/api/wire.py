@@ -22,6 +22,7 @@ from prefix_index.api.ops import (
     PinState,
     Release,
     ResidencyChange,
+    SetPinBudget,
     Unpin,
 )
 
@@ -42,6 +43,8 @@ def op_to_proto(op: Op) -> pb.Op:
             return pb.Op(unpin=pb.UnpinOp(chain=chain))
         case Forget(hash=h, block_id=block_id):
             return pb.Op(forget=pb.ForgetOp(hash=h, block_id=block_id))
+        case SetPinBudget(blocks=blocks):
+            return pb.Op(set_pin_budget=pb.SetPinBudgetOp(blocks=blocks))
     raise TypeError(f"not an op: {op!r}")
 
 

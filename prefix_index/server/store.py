@@ -29,6 +29,7 @@ from prefix_index.api.ops import (
     PinState,
     Registration,
     Release,
+    SetPinBudget,
     Unpin,
 )
 from prefix_index.server.config import PinPolicy
@@ -134,6 +135,8 @@ def encode_ops(ops: Sequence[Op]) -> list[bytes | str | int]:
                 args += ["U", len(chain), *chain]
             case Forget(hash=h, block_id=block_id):
                 args += ["F", h, block_id]
+            case SetPinBudget(blocks=blocks):
+                args += ["B", blocks]
             case _:
                 raise TypeError(f"not an op: {op!r}")
     return args

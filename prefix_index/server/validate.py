@@ -19,6 +19,7 @@ from prefix_index.api.ops import (
     Op,
     Pin,
     Release,
+    SetPinBudget,
     Unpin,
 )
 from prefix_index.server.config import Limits
@@ -197,9 +198,12 @@ def apply_ops(request: pb.ApplyRequest, limits: Limits) -> list[Op]:
                                           "expected 0..num_blocks-1")
             ops.append(Forget(f.hash, f.block_id))
             total_hashes += 1
+        elif kind == "set_pin_budget":
+            # (uint32: never negative; the script checks it against the registered pool.)
+            ops.append(SetPinBudget(op.set_pin_budget.blocks))
         else:
             raise InvalidRequestError(f"{path}: no op set; expected one of acquire, commit, "
-                                      "release, evict, pin, unpin, forget")
+                                      "release, evict, pin, unpin, forget, set_pin_budget")
         if total_hashes > limits.max_hashes:
             raise InvalidRequestError(f"ops: more than {limits.max_hashes} hashes in one Apply "
                                       f"(passed at {path})")

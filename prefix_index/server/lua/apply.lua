@@ -2,8 +2,9 @@
 -- automatic pins, no hit history), window_ms, view_refresh_ms, engine_id, then the ops, each a
 -- code and its arguments:
 --   A admit n h1..hn | C h parent block_id | R n h1..hn | E k | P ttl_ms n h1..hn |
---   U n h1..hn | F h block_id | H n h1..hn
---   (admit: 1 = admission, 0 = fork / re-sync; H: a re-sync re-stating automatic pins)
+--   U n h1..hn | F h block_id | H n h1..hn | B blocks
+--   (admit: 1 = admission, 0 = fork / re-sync; H: a re-sync re-stating automatic pins;
+--   B: the engine's pin budget now)
 -- Returns {results, pin_changes, replayed, view_writes}: one {status, detail, block_ids,
 -- evicted (hash, id, ...), count} per op (status numbers are the proto's OpStatus), the pin
 -- changes since the previous Apply as (hash, state, block_id, ...), 1 when seq was already
@@ -100,6 +101,13 @@ while pos <= #ARGV do
   elseif code == 'P' then
     op.ttl_ms = tonumber(ARGV[pos + 1])
     op.list, pos = take_list(pos + 2)
+  elseif code == 'B' then
+    op.blocks = tonumber(ARGV[pos + 1])
+    pos = pos + 2
+    if op.blocks > num_blocks then
+      return fail('INVALID', path .. '.set_pin_budget.blocks: ' .. ARGV[pos - 1] ..
+        ' is more than the pool size; allowed 0..' .. num_blocks)
+    end
   else
     return fail('INVALID', path .. ': unknown op code ' .. tostring(code))
   end
@@ -412,8 +420,38 @@ local function unpin_op(op)
   return {OK, '', {}, {}, count}
 end
 
+-- The engine's budget now (it follows the pool's spare room). Shrinking it unpins automatic
+-- pins, the least hot first (ties: the one whose history was used longest ago; a chain's
+-- leaf gets the older history tick, so leaves go before their roots), down to the budget.
+-- Explicit pins stay: each was made within the budget of its time.
+local function set_pin_budget(op)
+  redis.call('HSET', K.meta, 'pin_budget', op.blocks)
+  local over = redis.call('HLEN', K.pin) - op.blocks
+  if over <= 0 then return {OK, '', {}, {}, 0} end
+  local flat = redis.call('HGETALL', K.pin)
+  local autos = {}
+  for i = 1, #flat, 2 do
+    if flat[i + 1] == 'a' then autos[#autos + 1] = flat[i] end
+  end
+  local packed = hmget(K.hot, autos)
+  local heat, age = {}, {}
+  for i, h in ipairs(autos) do
+    heat[i] = hot_update(packed[i], now, window_ms, 0)
+    age[i] = tonumber(redis.call('ZSCORE', K.hage, h) or '0')
+  end
+  local order = {}
+  for i = 1, #autos do order[i] = i end
+  table.sort(order, function(a, b)
+    if heat[a] ~= heat[b] then return heat[a] < heat[b] end
+    return age[a] < age[b]
+  end)
+  local count = math.min(over, #autos)
+  for i = 1, count do unpin(autos[order[i]]) end
+  return {OK, '', {}, {}, count}
+end
+
 local handlers = {A = acquire, C = commit, R = release, E = evict, P = pin, U = unpin_op,
-                  F = forget, H = restore_auto_pins}
+                  F = forget, H = restore_auto_pins, B = set_pin_budget}
 local results = {}
 for i, op in ipairs(ops) do
   results[i] = handlers[op.code](op)
