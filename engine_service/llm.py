@@ -27,6 +27,11 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
         self._request_ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (tensor_parallel_size > 1; otherwise
+        nothing to do). They also stop when this object is collected or the process exits."""
+        self.llm_engine.close()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -55,6 +55,11 @@ class EngineConfig:
     # fingerprint of the weights' content, what seeds block hashes; None: the model directory's
     # name (a GGUF file's name without .gguf).
     served_model_name: str | None = None
+    # Ranks of one engine (engine_service/model/parallel): rank 0 is this engine, the others
+    # worker processes holding their shards of the weights and of every KV block.
+    tensor_parallel_size: int = 1
+    # Seconds a rank waits in a forward's collective before the engine fails (a hung rank).
+    tensor_parallel_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, value: object, allowed: str) -> None:
@@ -117,6 +122,12 @@ class EngineConfig:
             self.preemption_mode,
             f"one of {PREEMPTION_MODES}",
         )
+        tp = self.tensor_parallel_size
+        need(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1,
+             "tensor_parallel_size", tp, "an int >= 1")
+        need(isinstance(self.tensor_parallel_timeout_s, (int, float))
+             and self.tensor_parallel_timeout_s > 0, "tensor_parallel_timeout_s",
+             self.tensor_parallel_timeout_s, "a number of seconds > 0")
         need(self.swap_space >= 0, "swap_space", self.swap_space, "a number of bytes >= 0")
         if self.served_model_name is None:
             self.served_model_name = default_served_model_name(self.model)

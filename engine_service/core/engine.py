@@ -76,21 +76,32 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        dtype = DTYPES[config.dtype]
-        block_bytes = kv_bytes_per_block(mc, config.block_size, dtype)
+        if config.tensor_parallel_size > 1:
+            from engine_service.model.parallel.launch import start_tensor_parallel
+
+            self.runner = start_tensor_parallel(config, mc, self.max_model_len)
+        else:
+            self.runner = ModelRunner(
+                mc,
+                dtype=config.dtype,
+                device=config.device,
+                kernel_backend=config.kernel_backend,
+                block_size=config.block_size,
+                max_model_len=self.max_model_len,
+            )
+        # Per rank under tensor parallelism (the runner's model is the rank's heads).
+        block_bytes = kv_bytes_per_block(self.runner.config, config.block_size,
+                                         DTYPES[config.dtype])
         self.kv_bytes_per_block = block_bytes
         num_cpu_blocks = config.swap_space // block_bytes if config.preemption_mode == "swap" else 0
-        self.runner = ModelRunner(
-            mc,
-            dtype=config.dtype,
-            device=config.device,
-            kernel_backend=config.kernel_backend,
-            block_size=config.block_size,
-            max_model_len=self.max_model_len,
-        )
         # After the weights: the pool gets what they and a profiled forward leave; then every
         # kernel variant is warmed up, so the server goes SERVING only once nothing compiles.
-        self.kv_setup = setup_kv_cache(self.runner, config, num_cpu_blocks, self.max_model_len)
+        try:
+            self.kv_setup = setup_kv_cache(self.runner, config, num_cpu_blocks,
+                                           self.max_model_len)
+        except BaseException:
+            self.close()
+            raise
         if uses_cuda_graphs(config, self.runner):
             added = self.runner.capture_decode_graphs(graph_rows(config), self.max_model_len)
             plan = self.kv_setup.plan
@@ -542,6 +553,23 @@ class LLMEngine:
                 completion.logprobs = seq.logprobs
             completions.append(completion)
         return completions
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.tensor_parallel_size
+
+    def watch_ranks(self, on_failure: Callable[[Exception], None]) -> None:
+        """Under tensor parallelism, call on_failure (from another thread) when a worker rank
+        dies while the engine may be idle; a step in flight fails by itself."""
+        workers = getattr(self.runner, "workers", None)
+        if workers is not None:
+            workers.watch(on_failure)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for one rank). Idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     # ---- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:

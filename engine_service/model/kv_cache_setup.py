@@ -84,7 +84,7 @@ def uses_cuda_graphs(config: EngineConfig, runner: ModelRunner) -> bool:
     (The torch backend builds per-step index tensors on the host, which a graph cannot
     replay.)"""
     return (runner.device.type == "cuda" and not config.enforce_eager
-            and runner.kernels.name == "triton")
+            and runner.kernels.name == "triton" and config.tensor_parallel_size == 1)
 
 
 def graph_rows(config: EngineConfig) -> int:
@@ -115,5 +115,6 @@ def setup_kv_cache(
     else:
         num_blocks = blocks_in(DEFAULT_CPU_KV_CACHE_BYTES, block_bytes)
     runner.allocate_kv_cache(num_blocks, num_cpu_blocks)
+    num_blocks = runner.kv_caches.shape[2]  # under tensor parallelism: the smallest rank's
     report = warm_up(runner, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
     return KVCacheSetup(num_blocks, plan, report)

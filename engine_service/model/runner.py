@@ -1,5 +1,7 @@
 """Runs one forward for the whole mixed batch (prefill chunks + decode tokens) per step."""
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -14,6 +16,9 @@ from engine_service.model.memory_plan import check_weights_fit
 from engine_service.model.models.llama import StepContext, rope_cos_sin_cache
 from engine_service.model.step_inputs import StepInputs, prefill_batch
 from kernels import get_kernel_backend
+
+if TYPE_CHECKING:
+    from engine_service.model.parallel.rank import RankOf
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -31,9 +36,12 @@ class ModelRunner:
         kernel_backend: str,
         block_size: int,
         max_model_len: int,
+        parallel: "RankOf | None" = None,
     ) -> None:
         """Loads the weights; the KV pool comes later (`allocate_kv_cache`), sized from the
-        memory the weights and a profiling forward leave (engine_service/model/kv_cache_setup)."""
+        memory the weights and a profiling forward leave (engine_service/model/kv_cache_setup).
+        With `parallel`, one rank of a tensor-parallel group (engine_service/model/parallel):
+        its shards of the weights, its heads of the KV pool; `config` is the rank's model."""
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
@@ -42,8 +50,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             # Refuse a model too large for the device here, not by an OOM halfway through.
             free, total = torch.cuda.mem_get_info(self.device)
-            check_weights_fit(model_weight_bytes(model_config, self.dtype), free, total)
-        self.model = load_model(model_config, self.dtype, self.device)
+            check_weights_fit(model_weight_bytes(model_config, self.dtype)
+                              // (parallel.shard.world_size if parallel else 1), free, total)
+        if parallel is None:
+            self.model = load_model(model_config, self.dtype, self.device)
+        else:
+            from engine_service.model.parallel.shard import local_config
+            from engine_service.model.parallel.sharded_loader import load_sharded_model
+
+            self.model = load_sharded_model(model_config, parallel.shard, parallel.group,
+                                            self.dtype, self.device)
+            self.config = local_config(model_config, parallel.shard)
         # kv_caches[layer] = (key_cache, value_cache), each
         # [num_blocks, block_size, num_kv_heads, head_size]
         self.kv_caches = torch.empty(0)
@@ -125,6 +142,10 @@ class ModelRunner:
         """Forward the scheduled tokens; logits [num sampling seqs, vocab] in schedule order."""
         if self.decode_graphs is not None and self.decode_graphs.accepts(scheduled):
             return self.decode_graphs.run(scheduled)
+        return self.run_batch(self.step_inputs(scheduled))
+
+    def step_inputs(self, scheduled: list[ScheduledSeq]) -> StepInputs:
+        """The scheduled tokens as the host-side lists run_batch uploads."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -145,11 +166,10 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(query_start_loc[-1] - 1)
 
-        return self.run_batch(
-            StepInputs(input_ids, positions, slots, seq_lens, query_start_loc,
-                       self.eager_tables.gather(scheduled), sample_rows)
-        )
+        return StepInputs(input_ids, positions, slots, seq_lens, query_start_loc,
+                          self.eager_tables.gather(scheduled), sample_rows)
 
+    @torch.inference_mode()
     def run_batch(self, inputs: StepInputs) -> torch.Tensor:
         """Upload one step's host-side lists (two copies, pinned and non-blocking on CUDA),
         run the model over them, and return the logits of the sampling rows."""

@@ -1,0 +1,50 @@
+"""Rank 0 -> every worker: one pickled message per step, in one broadcast.
+
+A step's inputs (token ids, positions, slot mapping, block tables, sample rows) plus the block
+moves since the last step are pickled and sent in a fixed-size buffer: one broadcast when the
+message fits (every decode step of a few hundred sequences does), a second with the rest when
+it does not. A fixed first buffer saves the length broadcast that torch's
+broadcast_object_list sends ahead of every object. bench/README.md ("Tensor parallelism") has
+what a step's broadcast costs against a packed int tensor.
+"""
+
+import pickle
+
+import numpy as np
+import torch
+
+from engine_service.model.parallel.group import TensorParallelGroup
+
+FIRST_BUFFER_BYTES = 1 << 16
+_HEADER = 8  # the message's length, int64
+
+
+class StepChannel:
+    def __init__(self, group: TensorParallelGroup) -> None:
+        self.group = group
+        self._buffer = torch.empty(_HEADER + FIRST_BUFFER_BYTES, dtype=torch.uint8)
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        self.group.control.broadcast(tensor, 0).wait()
+
+    def send(self, message: object) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        view = self._buffer.numpy()
+        view[:_HEADER] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
+        first = min(len(data), FIRST_BUFFER_BYTES)
+        view[_HEADER : _HEADER + first] = np.frombuffer(data, dtype=np.uint8, count=first)
+        self._broadcast(self._buffer)
+        if len(data) > first:
+            self._broadcast(torch.from_numpy(np.frombuffer(data[first:], dtype=np.uint8).copy()))
+
+    def receive(self) -> object:
+        self._broadcast(self._buffer)
+        view = self._buffer.numpy()
+        size = int(view[:_HEADER].view(np.int64)[0])
+        first = min(size, FIRST_BUFFER_BYTES)
+        data = view[_HEADER : _HEADER + first].tobytes()
+        if size > first:
+            rest = torch.empty(size - first, dtype=torch.uint8)
+            self._broadcast(rest)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)

@@ -1,0 +1,70 @@
+"""The collectives one tensor-parallel rank calls, over process groups made without
+torch.distributed's global default group (several engines may live in one process: tests,
+notebooks), so every call names its group.
+
+Two groups share one TCPStore: `compute` (NCCL on CUDA, gloo on the CPU) carries the forward's
+all-reduces and the logits gather under a short timeout, so a rank that hangs fails the step;
+`control` (always gloo: pickled step inputs are host bytes) carries rank 0's step broadcast
+under a long one, since a worker waits on it for as long as the engine has nothing to do.
+"""
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+CONTROL_TIMEOUT = datetime.timedelta(days=30)  # idle engines: workers wait this long at most
+
+
+@dataclass(slots=True)
+class TensorParallelGroup:
+    rank: int
+    world_size: int
+    compute: dist.ProcessGroup
+    control: dist.ProcessGroup
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place (the row-parallel linears' partial sums)."""
+        self.compute.allreduce([tensor]).wait()
+        return tensor
+
+    def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `tensor` (same shape on each), in rank order, on rank 0; None elsewhere."""
+        outputs = ([[torch.empty_like(tensor) for _ in range(self.world_size)]]
+                   if self.rank == 0 else [])
+        self.compute.gather(outputs, [tensor], dist.GatherOptions()).wait()
+        return outputs[0] if self.rank == 0 else None
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest `value` of all ranks (the KV pool size every rank can hold)."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.control.allreduce([tensor], opts).wait()
+        return int(tensor.item())
+
+
+def _gloo(store: dist.Store, rank: int, world_size: int, host: str,
+          timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    # Bound to the rendezvous host's interface (loopback by default), not whatever the
+    # machine's hostname resolves to.
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
+def connect_group(store: dist.Store, rank: int, world_size: int, device: torch.device,
+                  host: str, timeout_s: float) -> TensorParallelGroup:
+    """Blocks until every rank has connected (or the store's timeout passes)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    control = _gloo(dist.PrefixStore("control", store), rank, world_size, host, CONTROL_TIMEOUT)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", store), rank, world_size,
+                                        options)
+    else:
+        compute = _gloo(dist.PrefixStore("compute", store), rank, world_size, host, timeout)
+    return TensorParallelGroup(rank, world_size, compute, control)

@@ -1,0 +1,148 @@
+"""Rank 0's model runner under tensor parallelism: the engine calls it as it calls a
+ModelRunner (runner.py); each call that runs the model is broadcast to the workers first
+(one message: the call and the block moves since the last one), then run on rank 0's own
+shards, so every rank issues the same collectives in the same order.
+
+Block moves (swap and copy-on-write lists) ride with the next call instead of a broadcast of
+their own: a worker applies them before that call's forward, which is all the order the
+scheduler needs (a swapped-out block is reused no earlier than the next forward).
+"""
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_service.core.scheduler_output import BlockMoves, ScheduledSeq
+from engine_service.model.parallel.channel import StepChannel
+from engine_service.model.parallel.group import TensorParallelGroup
+from engine_service.model.parallel.workers import TensorParallelError, Workers
+from engine_service.model.runner import ModelRunner
+from engine_service.model.step_inputs import StepInputs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Call:
+    method: str  # run_batch | profile_run | allocate_kv_cache | stop
+    args: tuple = ()
+    moves: list[BlockMoves] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _WorkerState:
+    own_num_blocks: int | None = None  # CUDA: what this rank's profile left room for
+
+
+def _allocate_agreed(runner: ModelRunner, group: TensorParallelGroup, num_blocks: int,
+                     num_cpu_blocks: int, own_num_blocks: int | None) -> None:
+    """Every rank allocates the same number of blocks: the smallest any rank has room for
+    (the block tables are shared, so a block id must exist on every rank)."""
+    mine = num_blocks if own_num_blocks is None else min(num_blocks, own_num_blocks)
+    runner.allocate_kv_cache(group.min_over_ranks(mine), num_cpu_blocks)
+
+
+def run_call(runner: ModelRunner, group: TensorParallelGroup, call: Call,
+             state: _WorkerState) -> None:
+    """A worker's side of one call."""
+    for moves in call.moves:
+        runner.apply_moves(moves)
+    if call.method == "run_batch":
+        runner.run_batch(*call.args)
+    elif call.method == "profile_run":
+        num_tokens, num_seqs, utilization = call.args
+        if runner.device.type == "cuda":  # this rank's own plan, from its own free memory
+            from engine_service.model.kv_cache_setup import profile_memory_plan
+            from engine_service.model.runner import kv_bytes_per_block
+
+            block_bytes = kv_bytes_per_block(runner.config, runner.block_size, runner.dtype)
+            plan = profile_memory_plan(runner.device, utilization, block_bytes,
+                                       lambda: runner.profile_run(num_tokens, num_seqs))
+            state.own_num_blocks = plan.num_blocks
+        else:
+            runner.profile_run(num_tokens, num_seqs)
+    elif call.method == "allocate_kv_cache":
+        _allocate_agreed(runner, group, *call.args, state.own_num_blocks)
+    else:
+        raise ValueError(f"unknown tensor-parallel call {call.method!r}")
+
+
+def serve_calls(runner: ModelRunner, group: TensorParallelGroup) -> None:
+    """A worker's loop: rank 0's calls until 'stop'."""
+    channel = StepChannel(group)
+    state = _WorkerState()
+    while True:
+        call = channel.receive()
+        if call.method == "stop":
+            return
+        run_call(runner, group, call, state)
+
+
+class TensorParallelRunner:
+    """Rank 0's runner. Attributes it does not define (device, dtype, kernels, config: this
+    rank's model, block_size, kv_caches, ...) are its own shard runner's."""
+
+    def __init__(self, local: ModelRunner, group: TensorParallelGroup, workers: Workers,
+                 gpu_memory_utilization: float) -> None:
+        self._local = local
+        self.group = group
+        self.workers = workers
+        self._channel = StepChannel(group)
+        self._pending_moves: list[BlockMoves] = []
+        self._utilization = gpu_memory_utilization
+        self.decode_graphs = None  # not captured under TP (kv_cache_setup.uses_cuda_graphs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._local, name)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.group.world_size
+
+    def _run(self, method: str, args: tuple, local: Callable[[], object]) -> object:
+        """Broadcast the call, then run it here; a failed collective names the rank that
+        failed (TensorParallelError)."""
+        call = Call(method, args, self._pending_moves)
+        self._pending_moves = []
+        try:
+            self._channel.send(call)
+            return local()
+        except RuntimeError as error:  # gloo / NCCL: a closed connection, a timeout
+            raise self.workers.error(error) from error
+
+    def apply_moves(self, moves: BlockMoves) -> None:
+        self._local.apply_moves(moves)
+        if moves.swap_out or moves.swap_in or moves.copies:
+            self._pending_moves.append(moves)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        return self.run_batch(self._local.step_inputs(scheduled))
+
+    def run_batch(self, inputs: StepInputs) -> torch.Tensor:
+        return self._run("run_batch", (inputs,), lambda: self._local.run_batch(inputs))
+
+    def profile_run(self, num_tokens: int, num_seqs: int) -> int:
+        return self._run("profile_run", (num_tokens, num_seqs, self._utilization),
+                         lambda: self._local.profile_run(num_tokens, num_seqs))
+
+    def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self._run("allocate_kv_cache", (num_blocks, num_cpu_blocks),
+                  lambda: _allocate_agreed(self._local, self.group, num_blocks,
+                                           num_cpu_blocks, None))
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
+        raise TensorParallelError("CUDA graphs are not captured under tensor parallelism")
+
+    def close(self) -> None:
+        """Tell the workers to stop, then make sure they have (idempotent)."""
+        if self.workers.stopped:
+            return
+        try:
+            if self.workers.all_alive():
+                self._channel.send(Call("stop"))
+        except RuntimeError:
+            pass
+        self.workers.stop()

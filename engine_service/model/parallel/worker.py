@@ -1,0 +1,86 @@
+"""A tensor-parallel worker (ranks 1..N-1): `python -m engine_service.model.parallel.worker`.
+
+Started by rank 0 (workers.py) with the rendezvous store's address. It loads its shards, then
+runs what rank 0 broadcasts, step by step, until told to stop. Any error ends the process
+with status 1 after leaving the message in the store for rank 0's error: rank 0's next
+collective fails at once (gloo and NCCL see the closed connection), so the engine never waits
+on a dead rank. A worker whose parent is gone exits too: nothing is left behind when rank 0
+is killed.
+"""
+
+import argparse
+import datetime
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+
+log = logging.getLogger("engine_service.model.parallel.worker")
+
+PARENT_POLL_S = 0.25
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--store", required=True, help="host:port of rank 0's TCPStore")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
+
+    import torch
+    import torch.distributed as dist
+
+    host, port = args.store.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False,
+                          timeout=datetime.timedelta(seconds=120))
+    try:
+        spec = pickle.loads(store.get("spec"))
+        torch.set_num_threads(spec.threads)
+        from engine_service.model.config import load_model_config
+        from engine_service.model.parallel.group import connect_group
+        from engine_service.model.parallel.rank import RankOf
+        from engine_service.model.parallel.shard import plan_shard
+        from engine_service.model.parallel.tp_runner import serve_calls
+        from engine_service.model.runner import ModelRunner
+
+        config = spec.engine_config
+        device = torch.device(f"cuda:{args.rank}" if config.device == "cuda" else "cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        store.set(f"up/{args.rank}", b"1")
+        group = connect_group(store, args.rank, args.world_size, device, host, spec.timeout_s)
+        model_config = load_model_config(config.model)
+        runner = ModelRunner(
+            model_config, dtype=config.dtype, device=str(device),
+            kernel_backend=config.kernel_backend, block_size=config.block_size,
+            max_model_len=spec.max_model_len,
+            parallel=RankOf(plan_shard(model_config, args.rank, args.world_size), group),
+        )
+        serve_calls(runner, group)
+    except BaseException as error:  # noqa: BLE001 (any failure: reported, then exit 1)
+        message = f"{type(error).__name__}: {error}"
+        traceback.print_exc(file=sys.stderr)
+        try:
+            store.set(f"error/{args.rank}", message.encode())
+        except Exception:  # noqa: BLE001 (rank 0 may be gone already)
+            pass
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)  # (skip the process groups' destructors: the peers may be gone)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

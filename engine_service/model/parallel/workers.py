@@ -1,0 +1,120 @@
+"""Rank 0's worker processes: started, watched, and stopped (never left behind).
+
+Workers are plain subprocesses (`python -m engine_service.model.parallel.worker`), not
+multiprocessing children: they need no `if __name__ == "__main__"` guard in the user's
+script, and a daemonic serving process may start them. They meet rank 0 at a TCPStore that
+rank 0 serves on the rendezvous host (127.0.0.1 unless PAGEDGEN_TP_HOST says otherwise) and a
+port the OS picks (PAGEDGEN_TP_PORT to fix one).
+"""
+
+import datetime
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 300.0  # from spawn to the rendezvous (imports, on a loaded machine)
+STOP_GRACE_S = 5.0
+WATCH_INTERVAL_S = 0.1
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died, failed or did not answer in time: the engine cannot go on."""
+
+
+def _stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Workers:
+    def __init__(self, spec: object, world_size: int, host: str, port: int) -> None:
+        self.world_size = world_size
+        self.host = host
+        self.stopped = False
+        self.store = dist.TCPStore(host, port, None, True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+        self.store.set("spec", pickle.dumps(spec))
+        address = f"{host}:{self.store.port}"
+        env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "engine_service.model.parallel.worker",
+                              "--rank", str(rank), "--world-size", str(world_size),
+                              "--store", address, "--parent-pid", str(os.getpid())], env=env)
+            for rank in range(1, world_size)
+        ]
+        # Stopped with the engine, or at the latest when this object goes or the process exits.
+        self._finalizer = weakref.finalize(self, _stop_processes, self.procs, 0.0)
+        log.info("tensor parallel: %d worker processes (pids %s), rendezvous at %s",
+                 world_size - 1, [p.pid for p in self.procs], address)
+
+    def wait_up(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Until every worker has reached the store; a worker that exits first fails it."""
+        deadline = time.monotonic() + timeout_s
+        keys = [f"up/{rank}" for rank in range(1, self.world_size)]
+        while not self.store.check(keys):
+            if not self.all_alive():
+                raise self.error(None)
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"tensor-parallel workers did not start within "
+                                          f"{timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def all_alive(self) -> bool:
+        return all(proc.poll() is None for proc in self.procs)
+
+    def error(self, cause: BaseException | None) -> TensorParallelError:
+        """What went wrong, naming the rank: its exit and its own message when it died, else
+        the collective's error (a timeout: a rank that hangs)."""
+        dead = []
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is None:
+                continue
+            reason = f"rank {rank} (pid {proc.pid}) exited with status {proc.returncode}"
+            try:
+                if self.store.check([f"error/{rank}"]):
+                    reason += ": " + self.store.get(f"error/{rank}").decode(errors="replace")
+            except RuntimeError:
+                pass
+            dead.append(reason)
+        if dead:
+            return TensorParallelError("tensor-parallel worker failed: " + "; ".join(dead))
+        return TensorParallelError(f"tensor-parallel collective failed: {cause}")
+
+    def watch(self, on_failure: Callable[[TensorParallelError], None]) -> None:
+        """Call on_failure once, from a thread of its own, when a worker exits unasked (the
+        engine may be idle, with no collective to fail)."""
+
+        def run() -> None:
+            while not self.stopped:
+                if not self.all_alive():
+                    if not self.stopped:
+                        on_failure(self.error(None))
+                    return
+                time.sleep(WATCH_INTERVAL_S)
+
+        threading.Thread(target=run, name="tp-watch", daemon=True).start()
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        self.stopped = True
+        _stop_processes(self.procs, grace_s)
+        self._finalizer.detach()
