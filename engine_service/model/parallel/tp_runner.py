@@ -93,6 +93,7 @@ class TensorParallelRunner:
         self._pending_moves: list[BlockMoves] = []
         self._utilization = gpu_memory_utilization
         self.decode_graphs = None  # not captured under TP (kv_cache_setup.uses_cuda_graphs)
+        self._failed = False
 
     def __getattr__(self, name: str):
         return getattr(self._local, name)
@@ -110,6 +111,7 @@ class TensorParallelRunner:
             self._channel.send(call)
             return local()
         except RuntimeError as error:  # gloo / NCCL: a closed connection, a timeout
+            self._failed = True
             raise self.workers.error(error) from error
 
     def apply_moves(self, moves: BlockMoves) -> None:
@@ -140,9 +142,11 @@ class TensorParallelRunner:
         """Tell the workers to stop, then make sure they have (idempotent)."""
         if self.workers.stopped:
             return
+        if self._failed or not self.workers.all_alive():  # no orderly stop: the group is broken
+            self.workers.stop(grace_s=0.0)
+            return
         try:
-            if self.workers.all_alive():
-                self._channel.send(Call("stop"))
+            self._channel.send(Call("stop"))
         except RuntimeError:
             pass
         self.workers.stop()
