@@ -14,10 +14,11 @@ from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
 from prefix_index.api.ops import Acquire, Evict, OpStatus, Pin, PinState, Release
 from prefix_index.server.keys import engine_keys
 from tests.prefix_index.chains import commit_ops, make_chain
+from tests.support.tls import SessionCerts
 
 
-async def _registered(target: str, engine_id: str) -> PrefixIndexClient:
-    client = PrefixIndexClient(target, timeout_s=5.0)
+async def _registered(certs: SessionCerts, target: str, engine_id: str) -> PrefixIndexClient:
+    client = certs.index_client(target, timeout_s=5.0)
     await client.register(engine_id, "m", 16, 32, 30, nonce="seq-test")
     return client
 
@@ -30,9 +31,9 @@ async def _refcount(c: PrefixIndexClient, chain: list[bytes]) -> int:
     return released
 
 
-def test_a_duplicated_apply_is_applied_once(index_server, engine_id):
+def test_a_duplicated_apply_is_applied_once(index_server, engine_id, test_certs):
     async def body():
-        c = await _registered(index_server.target, engine_id)
+        c = await _registered(test_certs, index_server.target, engine_id)
         chain = make_chain("dup", 3)
         await c.apply_batch(commit_ops(chain, 0) + [Pin(chain[:1])], seq=1)
         first = await c.apply_batch([Acquire(chain)], seq=2)
@@ -50,9 +51,9 @@ def test_a_duplicated_apply_is_applied_once(index_server, engine_id):
     asyncio.run(body())
 
 
-def test_the_same_seq_with_other_ops_is_refused(index_server, engine_id):
+def test_the_same_seq_with_other_ops_is_refused(index_server, engine_id, test_certs):
     async def body():
-        c = await _registered(index_server.target, engine_id)
+        c = await _registered(test_certs, index_server.target, engine_id)
         chain = make_chain("other", 2)
         await c.apply_batch(commit_ops(chain, 0), seq=1)
         with pytest.raises(PrefixIndexClientError) as err:
@@ -66,9 +67,9 @@ def test_the_same_seq_with_other_ops_is_refused(index_server, engine_id):
     asyncio.run(body())
 
 
-def test_a_gap_or_a_replay_is_refused_and_nothing_applied(index_server, engine_id):
+def test_a_gap_or_a_replay_is_refused_and_nothing_applied(index_server, engine_id, test_certs):
     async def body():
-        c = await _registered(index_server.target, engine_id)
+        c = await _registered(test_certs, index_server.target, engine_id)
         chain = make_chain("gap", 2)
         await c.apply_batch(commit_ops(chain, 0), seq=1)
         await c.apply_batch([Release(chain)], seq=2)
@@ -93,11 +94,12 @@ def test_a_gap_or_a_replay_is_refused_and_nothing_applied(index_server, engine_i
     asyncio.run(body())
 
 
-def test_lost_writes_after_a_restore_are_detected(redis_server, index_server, engine_id):
+def test_lost_writes_after_a_restore_are_detected(redis_server, index_server, engine_id,
+                                                  test_certs):
     """Redis restored from a snapshot taken before the last Apply: the epoch is still valid,
     but the state is older than the engine's. The next Apply's number shows the gap."""
     async def body():
-        c = await _registered(index_server.target, engine_id)
+        c = await _registered(test_certs, index_server.target, engine_id)
         chain = make_chain("restore", 3)
         await c.apply_batch(commit_ops(chain[:1], 0), seq=1)
         with redis.Redis.from_url(redis_server.url) as raw:
@@ -118,9 +120,9 @@ def test_lost_writes_after_a_restore_are_detected(redis_server, index_server, en
     asyncio.run(body())
 
 
-def test_pin_changes_reach_the_engine_once(index_server, engine_id):
+def test_pin_changes_reach_the_engine_once(index_server, engine_id, test_certs):
     async def body():
-        c = await _registered(index_server.target, engine_id)
+        c = await _registered(test_certs, index_server.target, engine_id)
         chain = make_chain("pins", 2)
         first = await c.apply_batch(commit_ops(chain, 4) + [Pin(chain)], seq=1)
         assert [(p.hash, p.block_id, p.state) for p in first.pin_changes] == sorted(

@@ -9,7 +9,6 @@ import shutil
 import pytest
 from redis.crc import key_slot
 
-from prefix_index.api.client import PrefixIndexClient
 from prefix_index.api.ops import Acquire, Evict, Release
 from prefix_index.server.keys import engine_keys
 from prefix_index.tools.launch import IndexProcess
@@ -25,9 +24,9 @@ def test_engine_keys_share_one_slot():
 
 
 @pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli builds the cluster")
-def test_index_on_redis_cluster():
+def test_index_on_redis_cluster(test_certs):
     with RedisClusterProcess(3) as cluster, IndexProcess(
-            cluster.url, INDEX_ARGS + ["--redis-cluster"]) as index:
+            cluster.url, INDEX_ARGS + ["--redis-cluster"], tls=test_certs.files("index")) as index:
         async def body():
             engines = [f"cluster-engine-{i}" for i in range(6)]
             # redis-cli splits the 16384 slots evenly over the 3 primaries.
@@ -36,7 +35,7 @@ def test_index_on_redis_cluster():
             chain = make_chain("cluster", 4)
             clients = []
             for i, engine_id in enumerate(engines):
-                c = PrefixIndexClient(index.target, 5.0)
+                c = test_certs.index_client(index.target, 5.0)
                 await c.register(engine_id, "m", 16, 16)
                 await c.apply(commit_ops(chain[: i % 4 + 1], 0) + [Release(chain[: i % 4 + 1])])
                 clients.append(c)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-from prefix_index.api.client import PrefixIndexClient
 from prefix_index.api.ops import Acquire, Evict, OpStatus, Release
 from tests.prefix_index.chains import commit_ops, make_chain
 
@@ -12,13 +11,13 @@ CLIENTS = 8
 ROUNDS = 40
 
 
-def test_concurrent_clients_lose_no_updates(index_server, engine_id):
+def test_concurrent_clients_lose_no_updates(index_server, engine_id, test_certs):
     async def body():
-        owner = PrefixIndexClient(index_server.target, 10.0)
+        owner = test_certs.index_client(index_server.target, 10.0)
         await owner.register(engine_id, "m", 16, CLIENTS * 4 + 8, 30)
         workers = []
         for _ in range(CLIENTS):
-            w = PrefixIndexClient(index_server.target, 10.0)   # own channel each
+            w = test_certs.index_client(index_server.target, 10.0)   # own channel each
             w.attach(engine_id, owner.epoch)
             workers.append(w)
         shared = make_chain("shared", 3)

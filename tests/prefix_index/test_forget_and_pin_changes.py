@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from prefix_index.api.client import PrefixIndexClient
 from prefix_index.api.ops import (
     Acquire,
     Commit,
@@ -21,12 +20,12 @@ from prefix_index.api.ops import (
 )
 from prefix_index.tools.launch import IndexProcess
 from tests.prefix_index.chains import commit_ops, make_chain
-from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
+from tests.prefix_index.conftest import ONE_CERTIFICATE
 
 
-def test_forget_drops_exactly_that_block(index_server, engine_id):
+def test_forget_drops_exactly_that_block(index_server, engine_id, test_certs):
     async def body():
-        async with PrefixIndexClient(index_server.target, 5.0) as c:
+        async with test_certs.index_client(index_server.target, 5.0) as c:
             await c.register(engine_id, "m", 16, 16, 30)
             chain = make_chain("forget", 3)
             other = make_chain("other", 1)
@@ -53,11 +52,11 @@ def test_forget_drops_exactly_that_block(index_server, engine_id):
     asyncio.run(body())
 
 
-def test_forget_of_a_block_in_use_or_pinned(index_server, engine_id):
+def test_forget_of_a_block_in_use_or_pinned(index_server, engine_id, test_certs):
     """The engine's pool is the truth: forget drops the entry whatever its refcount or pin,
     reports the pin gone, and keeps the children's bookkeeping exact."""
     async def body():
-        async with PrefixIndexClient(index_server.target, 5.0) as c:
+        async with test_certs.index_client(index_server.target, 5.0) as c:
             await c.register(engine_id, "m", 16, 16, 30)
             chain = make_chain("root", 3)
             await c.apply_batch(commit_ops(chain, 0) + [Pin(chain[:1])])
@@ -74,13 +73,12 @@ def test_forget_of_a_block_in_use_or_pinned(index_server, engine_id):
     asyncio.run(body())
 
 
-def test_pin_changes_from_ttls_and_from_the_sweeper(redis_server, engine_id):
-    args = [*PLAIN_TEXT_UNTIL_CONVERTED,
-            "--hot-threshold", "2", "--hot-window-s", "0.5", "--sweep-interval-s", "0.1",
+def test_pin_changes_from_ttls_and_from_the_sweeper(redis_server, engine_id, test_certs):
+    args = ["--hot-threshold", "2", "--hot-window-s", "0.5", "--sweep-interval-s", "0.1",
             "--pin-budget-fraction", "0.5", "--log-level", "WARNING"]
 
     async def body(target):
-        async with PrefixIndexClient(target, 5.0) as c:
+        async with test_certs.index_client(target, 5.0) as c:
             await c.register(engine_id, "m", 16, 8, 30)
             hot, timed = make_chain("hot", 1), make_chain("timed", 1)
             first = await c.apply_batch(commit_ops(hot, 0) + commit_ops(timed, 1) + [
@@ -102,5 +100,6 @@ def test_pin_changes_from_ttls_and_from_the_sweeper(redis_server, engine_id):
             both = await c.apply_batch([Pin(hot), Unpin(hot)])
             assert both.pin_changes == [PinChange(hot[0], 0, PinState.NONE)]
 
-    with IndexProcess(redis_server.url, args) as index:
+    with IndexProcess(redis_server.url, [*args, *ONE_CERTIFICATE],
+                      tls=test_certs.files("index")) as index:
         asyncio.run(body(index.target))

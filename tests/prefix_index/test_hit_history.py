@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-from prefix_index.api.client import PrefixIndexClient
 from prefix_index.api.ops import Acquire, AcquireKind, Pin, PinState, Release
 from prefix_index.server.config import PinPolicy
 from prefix_index.tools.launch import IndexProcess
 from tests.prefix_index.chains import commit_ops, make_chain
+from tests.prefix_index.conftest import ONE_CERTIFICATE
 from tests.prefix_index.pool_driver import PoolDriver
-from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
+from tests.support.tls import SessionCerts
 
 POOL = 96            # pin budget at the default 10%: 9 blocks
 HOT_BLOCKS = 8       # a system prompt of 8 blocks
@@ -21,12 +21,13 @@ COLD_BLOCKS = 32
 COLD_PER_VISIT = 3   # 96 cold blocks between two hot visits: the whole pool
 
 
-def test_a_returning_prefix_is_pinned_under_the_default_threshold(redis_server, engine_id):
+def test_a_returning_prefix_is_pinned_under_the_default_threshold(redis_server, engine_id,
+                                                                  test_certs):
     threshold = PinPolicy().hot_threshold
     assert threshold == 8                                   # what ships
 
     async def body(target: str) -> None:
-        async with PrefixIndexClient(target, 5.0) as c:
+        async with test_certs.index_client(target, 5.0) as c:
             await c.register(engine_id, "m", 16, POOL, 60, nonce="driver")
             assert c.pin_budget >= HOT_BLOCKS
             engine = PoolDriver(c, POOL)
@@ -46,14 +47,14 @@ def test_a_returning_prefix_is_pinned_under_the_default_threshold(redis_server, 
             assert (s.pinned, s.auto_pinned) == (HOT_BLOCKS, HOT_BLOCKS)
             assert s.history <= PinPolicy().history_cap(POOL)
 
-    with IndexProcess(redis_server.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
-                                         "--log-level", "WARNING"]) as index:
+    with IndexProcess(redis_server.url, ["--log-level", "WARNING", *ONE_CERTIFICATE],
+                      tls=test_certs.files("index")) as index:
         asyncio.run(body(index.target))
 
 
-def test_forks_and_resync_acquires_are_not_uses(index_server, engine_id):
+def test_forks_and_resync_acquires_are_not_uses(index_server, engine_id, test_certs):
     async def body():
-        async with PrefixIndexClient(index_server.target, 5.0) as c:
+        async with test_certs.index_client(index_server.target, 5.0) as c:
             await c.register(engine_id, "m", 16, 32, 30)
             chain = make_chain("forked", 3)
             await c.apply(commit_ops(chain, 0) + [Release(chain)])
@@ -73,11 +74,11 @@ def test_forks_and_resync_acquires_are_not_uses(index_server, engine_id):
     asyncio.run(body())
 
 
-def test_history_survives_a_reconnect(index_server, engine_id):
+def test_history_survives_a_reconnect(index_server, engine_id, test_certs):
     """Register (a reconnect's re-sync) drops blocks and pins, not the hit history: the
     re-synced hot blocks are pinned again as they are committed."""
     async def body():
-        async with PrefixIndexClient(index_server.target, 5.0) as c:
+        async with test_certs.index_client(index_server.target, 5.0) as c:
             await c.register(engine_id, "m", 16, 32, 30, nonce="n")
             chain = make_chain("kept", 2)
             await c.apply(commit_ops(chain, 0) + [Release(chain)])
@@ -96,10 +97,11 @@ def test_history_survives_a_reconnect(index_server, engine_id):
 VISITS = 100
 
 
-async def _hot_hit_rate(target: str, engine_id: str, explicit_pin: bool) -> float:
+async def _hot_hit_rate(certs: SessionCerts, target: str, engine_id: str,
+                        explicit_pin: bool) -> float:
     """One deterministic trace: the hot prefix, then cold prompts that fill the pool, repeated.
     The share of the hot prefix's blocks that were cache hits over all its visits."""
-    async with PrefixIndexClient(target, 5.0) as c:
+    async with certs.index_client(target, 5.0) as c:
         await c.register(engine_id, "m", 16, POOL, 60, nonce="trace")
         engine = PoolDriver(c, POOL)
         hot = make_chain("system-prompt", HOT_BLOCKS)
@@ -115,32 +117,31 @@ async def _hot_hit_rate(target: str, engine_id: str, explicit_pin: bool) -> floa
         return hits / (VISITS * HOT_BLOCKS)
 
 
-def test_pinning_keeps_the_hot_prefix_where_lru_keeps_none(redis_server, engine_id):
+def test_pinning_keeps_the_hot_prefix_where_lru_keeps_none(redis_server, engine_id, test_certs):
     """The issue's pinning-under-pressure trace through the index alone (no model): plain LRU
     keeps none of the hot prefix; automatic pinning at the shipped default threshold keeps it
     from its 8th visit on (>= 90% of 100 visits); an explicit pin from the first."""
-    with IndexProcess(redis_server.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
-                                         "--hot-threshold", "0", "--log-level", "WARNING"]
-                      ) as lru_only:
-        lru = asyncio.run(_hot_hit_rate(lru_only.target, engine_id + "-lru", False))
-        pinned = asyncio.run(_hot_hit_rate(lru_only.target, engine_id + "-pin", True))
-    with IndexProcess(redis_server.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
-                                         "--log-level", "WARNING"]) as defaults:
-        auto = asyncio.run(_hot_hit_rate(defaults.target, engine_id + "-auto", False))
+    with IndexProcess(redis_server.url, ["--hot-threshold", "0", "--log-level", "WARNING",
+                                         *ONE_CERTIFICATE],
+                      tls=test_certs.files("index")) as lru_only:
+        lru = asyncio.run(_hot_hit_rate(test_certs, lru_only.target, engine_id + "-lru", False))
+        pinned = asyncio.run(_hot_hit_rate(test_certs, lru_only.target, engine_id + "-pin", True))
+    with IndexProcess(redis_server.url, ["--log-level", "WARNING", *ONE_CERTIFICATE],
+                      tls=test_certs.files("index")) as defaults:
+        auto = asyncio.run(_hot_hit_rate(test_certs, defaults.target, engine_id + "-auto", False))
     assert lru == 0.0
     assert auto == (VISITS - PinPolicy().hot_threshold) / VISITS >= 0.9
     assert pinned == (VISITS - 1) / VISITS
 
 
-def test_history_decays_and_the_sweeper_drops_what_is_left(redis_server, engine_id):
+def test_history_decays_and_the_sweeper_drops_what_is_left(redis_server, engine_id, test_certs):
     """Uses fade with the window: two windows without a use and an entry is worth nothing,
     so the sweeper drops it (the cap bounds the history; decay empties it when idle)."""
-    args = [*PLAIN_TEXT_UNTIL_CONVERTED,
-            "--hot-threshold", "3", "--hot-window-s", "0.3", "--sweep-interval-s", "0.1",
+    args = ["--hot-threshold", "3", "--hot-window-s", "0.3", "--sweep-interval-s", "0.1",
             "--log-level", "WARNING"]
 
     async def body(target):
-        async with PrefixIndexClient(target, 5.0) as c:
+        async with test_certs.index_client(target, 5.0) as c:
             await c.register(engine_id, "m", 16, 16, 30)
             await c.apply([Acquire(make_chain("faded", 5))])
             assert (await c.stats())[0].history == 5
@@ -149,5 +150,6 @@ def test_history_decays_and_the_sweeper_drops_what_is_left(redis_server, engine_
                 await asyncio.sleep(0.1)
             assert (await c.stats())[0].history == 0
 
-    with IndexProcess(redis_server.url, args) as index:
+    with IndexProcess(redis_server.url, [*args, *ONE_CERTIFICATE],
+                      tls=test_certs.files("index")) as index:
         asyncio.run(body(index.target))

@@ -8,22 +8,21 @@ import time
 
 import redis
 
-from prefix_index.api.client import PrefixIndexClient
 from prefix_index.api.ops import Evict, Forget, Release
 from prefix_index.server.keys import ENGINES_KEY, view_key
 from prefix_index.server.store import ENGINE_LIST_TTL_S, SCAN_MAX_ENGINES
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
 from tests.prefix_index.chains import commit_ops, make_chain
-from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
+from tests.prefix_index.conftest import ONE_CERTIFICATE
 
 ENGINES = 100
 
 
-def test_lookup_over_100_registered_engines(index_server, engine_id):
+def test_lookup_over_100_registered_engines(index_server, engine_id, test_certs):
     async def body():
         chain = make_chain(f"routing-{engine_id}", 6)
-        async with PrefixIndexClient(index_server.target, 10.0) as c:
+        async with test_certs.index_client(index_server.target, 10.0) as c:
             ids = [f"{engine_id}-{i:03d}" for i in range(ENGINES)]
             for i, eid in enumerate(ids):
                 await c.register(eid, "m" if i % 10 else "other-model", 16, 16, 30)
@@ -51,12 +50,13 @@ def test_lookup_over_100_registered_engines(index_server, engine_id):
     asyncio.run(body())
 
 
-def test_lookup_is_exact_when_the_view_lost_a_write(redis_server, index_server, engine_id):
+def test_lookup_is_exact_when_the_view_lost_a_write(redis_server, index_server, engine_id,
+                                                    test_certs):
     """The view is written after each Apply, outside its script. A lost removal must not make
     Lookup claim blocks the engine no longer holds: each candidate is checked."""
     async def body():
         chain = make_chain(f"lost-{engine_id}", 3)
-        async with PrefixIndexClient(index_server.target, 5.0) as c:
+        async with test_certs.index_client(index_server.target, 5.0) as c:
             await c.register(engine_id, "m", 16, 8, 30)
             await c.apply(commit_ops(chain, 0) + [Release(chain)])
             member = f"{engine_id}@{c.epoch}".encode()
@@ -71,11 +71,11 @@ def test_lookup_is_exact_when_the_view_lost_a_write(redis_server, index_server, 
     asyncio.run(body())
 
 
-def test_the_sweeper_prunes_engines_whose_lease_ran_out(redis_server, engine_id):
-    args = [*PLAIN_TEXT_UNTIL_CONVERTED, "--sweep-interval-s", "0.1", "--log-level", "WARNING"]
+def test_the_sweeper_prunes_engines_whose_lease_ran_out(redis_server, engine_id, test_certs):
+    args = ["--sweep-interval-s", "0.1", "--log-level", "WARNING"]
 
     async def body(target):
-        async with PrefixIndexClient(target, 5.0) as c:
+        async with test_certs.index_client(target, 5.0) as c:
             await c.register(engine_id + "-dead", "m", 16, 8, 0.3)
             await c.register(engine_id + "-alive", "m", 16, 8, 30)
             with redis.Redis.from_url(redis_server.url) as raw:
@@ -90,17 +90,18 @@ def test_the_sweeper_prunes_engines_whose_lease_ran_out(redis_server, engine_id)
             assert engine_id + "-dead" not in members
             assert engine_id + "-alive" in members
 
-    with IndexProcess(redis_server.url, args) as index:
+    with IndexProcess(redis_server.url, [*args, *ONE_CERTIFICATE],
+                      tls=test_certs.files("index")) as index:
         asyncio.run(body(index.target))
 
 
-def test_lookup_gives_the_same_answer_below_and_above_the_scan_limit(engine_id):
+def test_lookup_gives_the_same_answer_below_and_above_the_scan_limit(engine_id, test_certs):
     """A small fleet is asked engine by engine, a large one through the view: the same
     matches, model filter and order either way. (Its own Redis: the count of registered
     engines decides the path.)"""
     async def body(target):
         chain = make_chain(f"scan-{engine_id}", 5)
-        async with PrefixIndexClient(target, 5.0) as c:
+        async with test_certs.index_client(target, 5.0) as c:
             small = [f"{engine_id}-s{i}" for i in range(SCAN_MAX_ENGINES - 1)]
             for i, eid in enumerate(small):
                 await c.register(eid, "m" if i % 3 else "other-model", 16, 16, 30)
@@ -120,18 +121,19 @@ def test_lookup_gives_the_same_answer_below_and_above_the_scan_limit(engine_id):
             assert answers[0] == answers[1] == (expected, filtered)
 
     with RedisProcess() as own_redis, IndexProcess(own_redis.url,
-                                                   [*PLAIN_TEXT_UNTIL_CONVERTED,
-                                                    "--log-level", "WARNING"]) as index:
+                                                   ["--log-level", "WARNING"],
+                                                   tls=test_certs.files("index")) as index:
         asyncio.run(body(index.target))
 
 
-def test_lookup_sees_an_engine_registered_through_another_index_process(engine_id):
+def test_lookup_sees_an_engine_registered_through_another_index_process(engine_id, test_certs):
     """Lookup keeps the engine directory for ENGINE_LIST_TTL_S: an engine that registered
     through another index process on the same Redis is found once that much has passed, and
     one that registered through this process at once."""
     async def body(first: str, second: str):
         chain = make_chain(f"directory-{engine_id}", 3)
-        async with PrefixIndexClient(first, 5.0) as a, PrefixIndexClient(second, 5.0) as b:
+        async with test_certs.index_client(first, 5.0) as a, \
+                test_certs.index_client(second, 5.0) as b:
             await a.register(f"{engine_id}-a", "m", 16, 16, 30)
             await a.apply(commit_ops(chain, 0) + [Release(chain)])
             assert [m.engine_id for m in await a.lookup(chain)] == [f"{engine_id}-a"]
@@ -148,10 +150,10 @@ def test_lookup_sees_an_engine_registered_through_another_index_process(engine_i
             assert matches == {f"{engine_id}-a": 3, f"{engine_id}-b": 3, f"{engine_id}-c": 1}
 
     with RedisProcess() as own_redis, \
-            IndexProcess(own_redis.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
-                                         "--log-level", "WARNING"]) as first, \
-            IndexProcess(own_redis.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
-                                         "--log-level", "WARNING"]) as second:
+            IndexProcess(own_redis.url, ["--log-level", "WARNING"],
+                         tls=test_certs.files("index")) as first, \
+            IndexProcess(own_redis.url, ["--log-level", "WARNING"],
+                         tls=test_certs.files("index")) as second:
         asyncio.run(body(first.target, second.target))
 
 

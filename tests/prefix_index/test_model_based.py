@@ -11,7 +11,6 @@ import random
 import pytest
 import redis
 
-from prefix_index.api.client import PrefixIndexClient
 from prefix_index.api.ops import (
     Acquire,
     AcquireKind,
@@ -122,11 +121,12 @@ def _check_raw_state(redis_url: str, engine_id: str, model: ReferenceIndex) -> N
 
 
 @pytest.mark.parametrize("seed", [20240611, 7, 1234])
-def test_service_matches_the_reference_model(redis_server, index_server, engine_id, seed):
+def test_service_matches_the_reference_model(redis_server, index_server, engine_id, seed,
+                                             test_certs):
     async def body():
         rng = random.Random(seed)
         chains = _random_tree(rng)
-        async with PrefixIndexClient(index_server.target, 10.0) as c:
+        async with test_certs.index_client(index_server.target, 10.0) as c:
             await c.register(engine_id, "m", 16, NUM_BLOCKS, 60)
             model = ReferenceIndex(NUM_BLOCKS, c.pin_budget, HOT_THRESHOLD,
                                    HISTORY_PER_BLOCK * NUM_BLOCKS)

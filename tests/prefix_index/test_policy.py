@@ -23,24 +23,24 @@ from prefix_index.api.ops import (
 )
 from prefix_index.tools.launch import IndexProcess
 from tests.prefix_index.chains import commit_ops, make_chain
-from tests.prefix_index.conftest import HOT_THRESHOLD
-from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
+from tests.prefix_index.conftest import HOT_THRESHOLD, ONE_CERTIFICATE
+from tests.support.tls import SessionCerts
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-async def _registered(target: str, engine_id: str, num_blocks: int = 64,
+async def _registered(certs: SessionCerts, target: str, engine_id: str, num_blocks: int = 64,
                       lease_s: float = 30.0) -> PrefixIndexClient:
-    client = PrefixIndexClient(target, timeout_s=5.0)
+    client = certs.index_client(target, timeout_s=5.0)
     await client.register(engine_id, "test-model", 16, num_blocks, lease_s)
     return client
 
 
-def test_lru_order_among_released_blocks(index_server, engine_id):
+def test_lru_order_among_released_blocks(index_server, engine_id, test_certs):
     async def body():
-        async with await _registered(index_server.target, engine_id) as c:
+        async with await _registered(test_certs, index_server.target, engine_id) as c:
             a, b, d = make_chain("a", 1), make_chain("b", 1), make_chain("d", 1)
             await c.apply(commit_ops(a, 0) + commit_ops(b, 1) + commit_ops(d, 2))
             # Release order b, d, a; then touch b again (acquire + release): LRU = d, a, b.
@@ -51,9 +51,9 @@ def test_lru_order_among_released_blocks(index_server, engine_id):
     run(body())
 
 
-def test_eviction_is_leaf_first_within_a_chain(index_server, engine_id):
+def test_eviction_is_leaf_first_within_a_chain(index_server, engine_id, test_certs):
     async def body():
-        async with await _registered(index_server.target, engine_id) as c:
+        async with await _registered(test_certs, index_server.target, engine_id) as c:
             chain = make_chain("doc", 4)
             await c.apply(commit_ops(chain, 10))
             # Release root first so it is the least recently used; still the leaf goes first.
@@ -73,9 +73,9 @@ def test_eviction_is_leaf_first_within_a_chain(index_server, engine_id):
     run(body())
 
 
-def test_blocks_in_use_or_pinned_are_never_evicted(index_server, engine_id):
+def test_blocks_in_use_or_pinned_are_never_evicted(index_server, engine_id, test_certs):
     async def body():
-        async with await _registered(index_server.target, engine_id) as c:
+        async with await _registered(test_certs, index_server.target, engine_id) as c:
             used, pinned, free = make_chain("u", 2), make_chain("p", 2), make_chain("f", 2)
             await c.apply(commit_ops(used, 0) + commit_ops(pinned, 2) + commit_ops(free, 4))
             [pin] = await c.apply([Pin(pinned)])
@@ -93,9 +93,9 @@ def test_blocks_in_use_or_pinned_are_never_evicted(index_server, engine_id):
     run(body())
 
 
-def test_refcounts_never_go_negative(index_server, engine_id):
+def test_refcounts_never_go_negative(index_server, engine_id, test_certs):
     async def body():
-        async with await _registered(index_server.target, engine_id) as c:
+        async with await _registered(test_certs, index_server.target, engine_id) as c:
             chain = make_chain("r", 2)
             await c.apply(commit_ops(chain, 0))
             [acq] = await c.apply([Acquire(chain)])
@@ -114,9 +114,9 @@ def test_refcounts_never_go_negative(index_server, engine_id):
     run(body())
 
 
-def test_commit_refusals(index_server, engine_id):
+def test_commit_refusals(index_server, engine_id, test_certs):
     async def body():
-        async with await _registered(index_server.target, engine_id) as c:
+        async with await _registered(test_certs, index_server.target, engine_id) as c:
             x, y = make_chain("x", 2), make_chain("y", 1)
             await c.apply(commit_ops(x, 0))
             in_use, exists, same, orphan = await c.apply([
@@ -136,13 +136,13 @@ def test_commit_refusals(index_server, engine_id):
     run(body())
 
 
-def test_stale_epoch_is_fenced(index_server, engine_id):
+def test_stale_epoch_is_fenced(index_server, engine_id, test_certs):
     async def body():
-        old = await _registered(index_server.target, engine_id)
+        old = await _registered(test_certs, index_server.target, engine_id)
         chain = make_chain("fence", 3)
         await old.apply(commit_ops(chain, 0))
         # The engine restarts: a new registration drops what the old epoch held.
-        new = await _registered(index_server.target, engine_id)
+        new = await _registered(test_certs, index_server.target, engine_id)
         assert new.epoch > old.epoch
         for call in (old.apply([Acquire(chain)]), old.heartbeat()):
             with pytest.raises(PrefixIndexClientError) as err:
@@ -169,9 +169,9 @@ async def eventually(condition, what: str, timeout_s: float = 30.0) -> None:
 LEASE_S = 3.0
 
 
-def test_lease_expiry_drops_the_engine(index_server, engine_id):
+def test_lease_expiry_drops_the_engine(index_server, engine_id, test_certs):
     async def body():
-        c = await _registered(index_server.target, engine_id, lease_s=LEASE_S)
+        c = await _registered(test_certs, index_server.target, engine_id, lease_s=LEASE_S)
         chain = make_chain("lease", 2)
         await c.apply(commit_ops(chain, 0))
         alive_until = time.monotonic() + 1.5 * LEASE_S
@@ -195,10 +195,11 @@ def test_lease_expiry_drops_the_engine(index_server, engine_id):
     run(body())
 
 
-def test_hot_blocks_pin_themselves_within_the_budget(index_server, engine_id):
+def test_hot_blocks_pin_themselves_within_the_budget(index_server, engine_id, test_certs):
     async def body():
         # Pool 16 at a 0.25 budget: at most 4 pinned blocks.
-        async with await _registered(index_server.target, engine_id, num_blocks=16) as c:
+        async with await _registered(test_certs, index_server.target, engine_id,
+                                     num_blocks=16) as c:
             assert c.pin_budget == 4
             hot = make_chain("hot", 3)
             await c.apply(commit_ops(hot, 0) + [Release(hot)])
@@ -248,9 +249,9 @@ def test_hot_blocks_pin_themselves_within_the_budget(index_server, engine_id):
     run(body())
 
 
-def test_pin_ttl_expires(index_server, engine_id):
+def test_pin_ttl_expires(index_server, engine_id, test_certs):
     async def body():
-        async with await _registered(index_server.target, engine_id) as c:
+        async with await _registered(test_certs, index_server.target, engine_id) as c:
             chain = make_chain("ttl", 2)
             await c.apply(commit_ops(chain, 0) + [Release(chain), Pin(chain, ttl_s=LEASE_S)])
             [ev] = await c.apply([Evict(2)])
@@ -267,11 +268,11 @@ def test_pin_ttl_expires(index_server, engine_id):
     run(body())
 
 
-def test_lookup_finds_the_longest_prefix_per_engine(index_server, engine_id):
+def test_lookup_finds_the_longest_prefix_per_engine(index_server, engine_id, test_certs):
     async def body():
         chain = make_chain(f"shared-{engine_id}", 4)
-        a = await _registered(index_server.target, engine_id + "-a")
-        b = await _registered(index_server.target, engine_id + "-b")
+        a = await _registered(test_certs, index_server.target, engine_id + "-a")
+        b = await _registered(test_certs, index_server.target, engine_id + "-b")
         await a.apply(commit_ops(chain[:2], 0))
         await b.apply(commit_ops(chain, 0))
         before = (await a.stats())[0]
@@ -287,16 +288,15 @@ def test_lookup_finds_the_longest_prefix_per_engine(index_server, engine_id):
     run(body())
 
 
-def test_cooled_blocks_are_unpinned(redis_server, engine_id):
+def test_cooled_blocks_are_unpinned(redis_server, engine_id, test_certs):
     """A short window: a block pinned while hot is unpinned by the sweeper once it cools
     (its estimate halves 1.5 windows after its hits: seconds after the check that it is
     pinned)."""
-    args = [*PLAIN_TEXT_UNTIL_CONVERTED,
-            "--hot-threshold", "2", "--hot-window-s", "2", "--sweep-interval-s", "0.1",
+    args = ["--hot-threshold", "2", "--hot-window-s", "2", "--sweep-interval-s", "0.1",
             "--pin-budget-fraction", "0.5", "--log-level", "WARNING"]
 
     async def body(target):
-        async with await _registered(target, engine_id, num_blocks=8) as c:
+        async with await _registered(test_certs, target, engine_id, num_blocks=8) as c:
             chain = make_chain("cool", 1)
             await c.apply(commit_ops(chain, 0) + [Release(chain)])
             await c.apply([Acquire(chain), Release(chain), Acquire(chain), Release(chain)])
@@ -309,16 +309,17 @@ def test_cooled_blocks_are_unpinned(redis_server, engine_id):
             s = (await c.stats())[0]
             assert (s.auto_pinned, s.evictable) == (0, 1)
 
-    with IndexProcess(redis_server.url, args) as index:
+    with IndexProcess(redis_server.url, [*args, *ONE_CERTIFICATE],
+                      tls=test_certs.files("index")) as index:
         run(body(index.target))
 
 
-def test_scripts_reload_after_noscript(redis_server, index_server, engine_id):
+def test_scripts_reload_after_noscript(redis_server, index_server, engine_id, test_certs):
     """SCRIPT FLUSH (as after a Redis restart or failover): EVALSHA gets NOSCRIPT, the server
     loads the script again and the call succeeds."""
 
     async def body():
-        async with await _registered(index_server.target, engine_id) as c:
+        async with await _registered(test_certs, index_server.target, engine_id) as c:
             chain = make_chain("noscript", 2)
             await c.apply(commit_ops(chain, 0))
             with redis.Redis.from_url(redis_server.url) as raw:
@@ -330,10 +331,11 @@ def test_scripts_reload_after_noscript(redis_server, index_server, engine_id):
     run(body())
 
 
-def test_long_chains_past_the_script_slice_size(index_server, engine_id):
+def test_long_chains_past_the_script_slice_size(index_server, engine_id, test_certs):
     """Chains longer than the scripts' argument slices (2000) behave like short ones."""
     async def body():
-        async with await _registered(index_server.target, engine_id, num_blocks=5000) as c:
+        async with await _registered(test_certs, index_server.target, engine_id,
+                                     num_blocks=5000) as c:
             chain = make_chain("long", 4500)
             commits = commit_ops(chain, 0)              # at most 4096 ops per Apply
             results = await c.apply(commits[:3000]) + await c.apply(commits[3000:])

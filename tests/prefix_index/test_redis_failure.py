@@ -10,38 +10,42 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
+from prefix_index.api.client import PrefixIndexClientError
 from prefix_index.api.ops import Acquire, Evict, Release
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
 from tests.prefix_index.chains import commit_ops, make_chain
 from tests.prefix_index.conftest import INDEX_ARGS
+from tests.support.tls import SessionCerts
+from trust.identity import INDEX_ROLE, ROUTER_ROLE
 
 SERVICE = "pagedgen.prefix_index.v1.PrefixIndex"
 
 
-async def _health(target: str, service: str = "") -> int:
-    async with grpc.aio.insecure_channel(target) as channel:
+async def _health(certs: SessionCerts, target: str, service: str = "") -> int:
+    async with certs.aio_channel(target, ROUTER_ROLE, INDEX_ROLE) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
         return reply.status
 
 
-async def _wait_health(target: str, status: int, timeout_s: float = 10.0) -> float:
+async def _wait_health(certs: SessionCerts, target: str, status: int,
+                       timeout_s: float = 10.0) -> float:
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
-        if await _health(target) == status and await _health(target, SERVICE) == status:
+        if (await _health(certs, target) == status
+                and await _health(certs, target, SERVICE) == status):
             return time.monotonic() - started
         await asyncio.sleep(0.05)
     raise AssertionError(f"health never became {status}")
 
 
-def test_redis_killed_and_restarted(engine_id):
+def test_redis_killed_and_restarted(engine_id, test_certs):
     with RedisProcess() as redis, IndexProcess(
-            redis.url, INDEX_ARGS + ["--redis-timeout-s", "0.5", "--probe-interval-s", "0.2"]
-    ) as index:
+            redis.url, INDEX_ARGS + ["--redis-timeout-s", "0.5", "--probe-interval-s", "0.2"],
+            tls=test_certs.files("index")) as index:
         async def body():
-            c = PrefixIndexClient(index.target, timeout_s=2.0)
+            c = test_certs.index_client(index.target, timeout_s=2.0)
             old_epoch = await c.register(engine_id, "m", 16, 16, 30)
             chain = make_chain("survivor", 3)
             await c.apply(commit_ops(chain, 0) + [Release(chain)])
@@ -57,10 +61,11 @@ def test_redis_killed_and_restarted(engine_id):
                 with pytest.raises(PrefixIndexClientError) as err:
                     await call
                 assert err.value.code == grpc.StatusCode.UNAVAILABLE
-            await _wait_health(index.target, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await _wait_health(test_certs, index.target,
+                               health_pb2.HealthCheckResponse.NOT_SERVING)
 
             redis.start()                   # same port, empty: Redis lost everything
-            await _wait_health(index.target, health_pb2.HealthCheckResponse.SERVING)
+            await _wait_health(test_certs, index.target, health_pb2.HealthCheckResponse.SERVING)
             # The old epoch holds nothing any more: refused, never told it holds lost blocks.
             with pytest.raises(PrefixIndexClientError) as err:
                 await c.apply([Acquire(chain)])
@@ -77,7 +82,7 @@ def test_redis_killed_and_restarted(engine_id):
             await c.apply(commit_ops(chain, 7) + [Release(chain)])
             [match] = await c.lookup(chain)  # its script, too, loaded again
             assert (match.engine_id, match.matched_blocks) == (engine_id, 3)
-            stale = PrefixIndexClient(index.target, 2.0)
+            stale = test_certs.index_client(index.target, 2.0)
             stale.attach(engine_id, old_epoch)
             with pytest.raises(PrefixIndexClientError) as err:
                 await stale.heartbeat()
@@ -87,28 +92,28 @@ def test_redis_killed_and_restarted(engine_id):
         asyncio.run(body())
 
 
-def test_index_starts_while_redis_is_down_and_serves_once_it_is_up(engine_id):
+def test_index_starts_while_redis_is_down_and_serves_once_it_is_up(engine_id, test_certs):
     redis = RedisProcess()                   # port reserved, server not started yet
     index = IndexProcess(redis.url, INDEX_ARGS + ["--probe-interval-s", "0.2"],
-                         wait_for_redis=False).start()
+                         wait_for_redis=False, tls=test_certs.files("index")).start()
     try:
         async def body():
             await asyncio.sleep(0.5)
             deadline = time.monotonic() + 10
             while True:                      # gRPC up, health NOT_SERVING
                 try:
-                    assert await _health(index.target) == \
+                    assert await _health(test_certs, index.target) == \
                         health_pb2.HealthCheckResponse.NOT_SERVING
                     break
                 except grpc.aio.AioRpcError:
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.1)
-            async with PrefixIndexClient(index.target, 2.0) as c:
+            async with test_certs.index_client(index.target, 2.0) as c:
                 with pytest.raises(PrefixIndexClientError) as err:
                     await c.register(engine_id, "m", 16, 8)
                 assert err.value.code == grpc.StatusCode.UNAVAILABLE
                 redis.start()
-                await _wait_health(index.target, health_pb2.HealthCheckResponse.SERVING)
+                await _wait_health(test_certs, index.target, health_pb2.HealthCheckResponse.SERVING)
                 assert await c.register(engine_id, "m", 16, 8) > 0
         asyncio.run(body())
     finally:
@@ -116,12 +121,12 @@ def test_index_starts_while_redis_is_down_and_serves_once_it_is_up(engine_id):
         redis.stop()
 
 
-def test_hung_redis_never_holds_an_rpc_past_its_deadline(engine_id):
+def test_hung_redis_never_holds_an_rpc_past_its_deadline(engine_id, test_certs):
     with RedisProcess() as redis, IndexProcess(
-            redis.url, INDEX_ARGS + ["--redis-timeout-s", "0.5", "--probe-interval-s", "0.2"]
-    ) as index:
+            redis.url, INDEX_ARGS + ["--redis-timeout-s", "0.5", "--probe-interval-s", "0.2"],
+            tls=test_certs.files("index")) as index:
         async def body():
-            c = PrefixIndexClient(index.target, timeout_s=5.0)
+            c = test_certs.index_client(index.target, timeout_s=5.0)
             await c.register(engine_id, "m", 16, 16, 30)
             chain = make_chain("hung", 2)
             await c.apply(commit_ops(chain, 0))
@@ -132,7 +137,7 @@ def test_hung_redis_never_holds_an_rpc_past_its_deadline(engine_id):
                     await c.apply([Acquire(chain)])
                 assert err.value.code == grpc.StatusCode.UNAVAILABLE
                 assert time.monotonic() - started < 2.0     # the Redis timeout, not 5 s
-                short = PrefixIndexClient(index.target, timeout_s=0.3)
+                short = test_certs.index_client(index.target, timeout_s=0.3)
                 short.attach(engine_id, c.epoch)
                 started = time.monotonic()
                 with pytest.raises(PrefixIndexClientError) as err:
@@ -140,10 +145,11 @@ def test_hung_redis_never_holds_an_rpc_past_its_deadline(engine_id):
                 assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
                 assert time.monotonic() - started < 1.0
                 await short.close()
-                await _wait_health(index.target, health_pb2.HealthCheckResponse.NOT_SERVING)
+                await _wait_health(test_certs, index.target,
+                                   health_pb2.HealthCheckResponse.NOT_SERVING)
             finally:
                 redis.resume()
-            await _wait_health(index.target, health_pb2.HealthCheckResponse.SERVING)
+            await _wait_health(test_certs, index.target, health_pb2.HealthCheckResponse.SERVING)
             # A timed-out call's outcome is unknown (the hung Redis may run it once it wakes;
             # engines re-register and re-sync after such errors), but it is never applied twice
             # and nothing else is lost: refcount = 1 (commit) + 0..2 (timed out) + 1 (now).

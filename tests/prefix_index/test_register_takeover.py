@@ -25,6 +25,12 @@ from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
 from prefix_index.api.ops import Acquire
 from prefix_index.tools.redis_process import free_port
 from tests.prefix_index.chains import commit_ops, make_chain
+from tests.support.tls import SessionCerts
+from trust.identity import ENGINE_ROLE, INDEX_ROLE
+
+
+def engine_credentials(certs: SessionCerts) -> grpc.ServerCredentials:
+    return certs.material(ENGINE_ROLE).server_credentials(require_client_cert=True)
 
 
 class OneProcess(gen_grpc.GenerationServicer):
@@ -39,10 +45,13 @@ class OneProcess(gen_grpc.GenerationServicer):
 
 
 @asynccontextmanager
-async def process_at(port: int, engine_id: str, instance_id: str) -> AsyncIterator[str]:
+async def process_at(certs: SessionCerts, port: int, engine_id: str, instance_id: str
+                     ) -> AsyncIterator[str]:
+    """An engine process's Generation port: mutual TLS on an engine certificate, as the index's
+    probe (on the index's certificate) expects."""
     server = grpc.aio.server()
     gen_grpc.add_GenerationServicer_to_server(OneProcess(engine_id, instance_id), server)
-    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    bound = server.add_secure_port(f"127.0.0.1:{port}", engine_credentials(certs))
     assert bound == port
     await server.start()
     try:
@@ -72,18 +81,19 @@ async def held_by(client: PrefixIndexClient, engine_id: str, chain: list[bytes])
     return matches.get(engine_id, 0)
 
 
-def test_a_process_restarted_at_the_holders_address_takes_over_at_once(index_server, engine_id):
+def test_a_process_restarted_at_the_holders_address_takes_over_at_once(index_server, engine_id,
+                                                                       test_certs):
     async def body():
         port = free_port("127.0.0.1")
-        old, new, router = (PrefixIndexClient(index_server.target, 5.0) for _ in range(3))
+        old, new, router = (test_certs.index_client(index_server.target, 5.0) for _ in range(3))
         chain = make_chain("crash", 3)
-        async with process_at(port, engine_id, "instance-old") as address:
+        async with process_at(test_certs, port, engine_id, "instance-old") as address:
             epoch = await register(old, engine_id, "nonce-old", address, "instance-old")
             await old.apply(commit_ops(chain, 0))
             assert await held_by(router, engine_id, chain) == 3
         # SIGKILL: the old process is gone without a word; its lease has ~30 s left. The
         # restarted process serves at the same address (a container restart keeps it).
-        async with process_at(port, engine_id, "instance-new"):
+        async with process_at(test_certs, port, engine_id, "instance-new"):
             new_epoch = await register(new, engine_id, "nonce-new", address, "instance-new")
             assert new_epoch > epoch
             # The dead process's blocks left the index with its lease.
@@ -103,12 +113,12 @@ def test_a_process_restarted_at_the_holders_address_takes_over_at_once(index_ser
     asyncio.run(body())
 
 
-def test_a_live_twin_is_refused_and_changes_nothing(index_server, engine_id):
+def test_a_live_twin_is_refused_and_changes_nothing(index_server, engine_id, test_certs):
     async def body():
-        holder, twin = (PrefixIndexClient(index_server.target, 5.0) for _ in range(2))
+        holder, twin = (test_certs.index_client(index_server.target, 5.0) for _ in range(2))
         chain = make_chain("twin", 2)
-        async with process_at(free_port("127.0.0.1"), engine_id, "instance-a") as address, \
-                process_at(free_port("127.0.0.1"), engine_id, "instance-b") as twin_address:
+        async with process_at(test_certs, free_port(), engine_id, "instance-a") as address, \
+                process_at(test_certs, free_port(), engine_id, "instance-b") as twin_address:
             epoch = await register(holder, engine_id, "nonce-a", address, "instance-a")
             await holder.apply(commit_ops(chain, 0))
             details = await refused(twin, engine_id, "nonce-b", twin_address, "instance-b")
@@ -122,20 +132,20 @@ def test_a_live_twin_is_refused_and_changes_nothing(index_server, engine_id):
     asyncio.run(body())
 
 
-def test_a_holder_with_nothing_at_its_address_is_replaced(index_server, engine_id):
+def test_a_holder_with_nothing_at_its_address_is_replaced(index_server, engine_id, test_certs):
     """The restarted process serves elsewhere (a new pod IP); nothing listens at the old one."""
     async def body():
-        old, new = (PrefixIndexClient(index_server.target, 5.0) for _ in range(2))
-        async with process_at(free_port("127.0.0.1"), engine_id, "instance-old") as address:
+        old, new = (test_certs.index_client(index_server.target, 5.0) for _ in range(2))
+        async with process_at(test_certs, free_port(), engine_id, "instance-old") as address:
             epoch = await register(old, engine_id, "nonce-old", address, "instance-old")
-        async with process_at(free_port("127.0.0.1"), engine_id, "instance-new") as moved:
+        async with process_at(test_certs, free_port(), engine_id, "instance-new") as moved:
             assert await register(new, engine_id, "nonce-new", moved, "instance-new") > epoch
         for client in (old, new):
             await client.close()
     asyncio.run(body())
 
 
-def test_a_holder_that_does_not_answer_keeps_its_lease(index_server, engine_id):
+def test_a_holder_that_does_not_answer_keeps_its_lease(index_server, engine_id, test_certs):
     """A stalled process (SIGSTOP, a hung host) accepts connections and answers nothing: not
     proof of death, so the lease decides."""
     async def body():
@@ -143,7 +153,7 @@ def test_a_holder_that_does_not_answer_keeps_its_lease(index_server, engine_id):
         hung.bind(("127.0.0.1", 0))
         hung.listen(8)  # the kernel accepts; nobody speaks HTTP/2
         address = f"127.0.0.1:{hung.getsockname()[1]}"
-        old, new = (PrefixIndexClient(index_server.target, 5.0) for _ in range(2))
+        old, new = (test_certs.index_client(index_server.target, 5.0) for _ in range(2))
         try:
             await register(old, engine_id, "nonce-old", address, "instance-old")
             details = await refused(new, engine_id, "nonce-new", "127.0.0.1:1", "instance-new")
@@ -155,9 +165,10 @@ def test_a_holder_that_does_not_answer_keeps_its_lease(index_server, engine_id):
     asyncio.run(body())
 
 
-def test_a_holder_that_registered_no_instance_id_keeps_its_lease(index_server, engine_id):
+def test_a_holder_that_registered_no_instance_id_keeps_its_lease(index_server, engine_id,
+                                                                 test_certs):
     async def body():
-        old, new = (PrefixIndexClient(index_server.target, 5.0) for _ in range(2))
+        old, new = (test_certs.index_client(index_server.target, 5.0) for _ in range(2))
         dead = f"127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
         await register(old, engine_id, "nonce-old", dead, "")
         await refused(new, engine_id, "nonce-new", dead, "instance-new")
@@ -166,13 +177,13 @@ def test_a_holder_that_registered_no_instance_id_keeps_its_lease(index_server, e
     asyncio.run(body())
 
 
-def test_two_newcomers_racing_for_a_dead_holders_id_one_wins(index_server, engine_id):
+def test_two_newcomers_racing_for_a_dead_holders_id_one_wins(index_server, engine_id, test_certs):
     async def body():
-        clients = [PrefixIndexClient(index_server.target, 5.0) for _ in range(3)]
+        clients = [test_certs.index_client(index_server.target, 5.0) for _ in range(3)]
         dead = f"127.0.0.1:{free_port('127.0.0.1')}"
         await register(clients[0], engine_id, "nonce-dead", dead, "instance-dead")
-        async with process_at(free_port("127.0.0.1"), engine_id, "instance-1") as first, \
-                process_at(free_port("127.0.0.1"), engine_id, "instance-2") as second:
+        async with process_at(test_certs, free_port(), engine_id, "instance-1") as first, \
+                process_at(test_certs, free_port(), engine_id, "instance-2") as second:
             results = await asyncio.gather(
                 register(clients[1], engine_id, "nonce-1", first, "instance-1"),
                 register(clients[2], engine_id, "nonce-2", second, "instance-2"),
@@ -186,9 +197,9 @@ def test_two_newcomers_racing_for_a_dead_holders_id_one_wins(index_server, engin
     asyncio.run(body())
 
 
-def test_an_instance_id_too_long_is_refused(index_server, engine_id):
+def test_an_instance_id_too_long_is_refused(index_server, engine_id, test_certs):
     async def body():
-        async with PrefixIndexClient(index_server.target, 5.0) as client:
+        async with test_certs.index_client(index_server.target, 5.0) as client:
             with pytest.raises(PrefixIndexClientError) as err:
                 await register(client, engine_id, "n", "127.0.0.1:1", "x" * 129)
             assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -212,7 +223,7 @@ class CountedProcess(OneProcess):
         return await super().ModelInfo(request, context)
 
 
-def test_registers_racing_under_one_id_share_one_probe_of_the_holder():
+def test_registers_racing_under_one_id_share_one_probe_of_the_holder(test_certs):
     """Ten probes of one holder at once (Registers repeated under one id while the first is
     being decided) dial it once and all get its answer; a waiter that leaves does not cancel
     the probe the others wait for."""
@@ -222,11 +233,11 @@ def test_registers_racing_under_one_id_share_one_probe_of_the_holder():
         holder = CountedProcess("engine-x", "instance-old")
         server = grpc.aio.server()
         gen_grpc.add_GenerationServicer_to_server(holder, server)
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = server.add_secure_port("127.0.0.1:0", engine_credentials(test_certs))
         await server.start()
         address = f"127.0.0.1:{port}"
         try:
-            prober = HolderProber(timeout_s=60.0)
+            prober = HolderProber(timeout_s=60.0, tls=test_certs.material(INDEX_ROLE))
             probes = [asyncio.create_task(prober.probe(address, "instance-old"))
                       for _ in range(10)]
             await asyncio.wait_for(holder.called.wait(), 60)

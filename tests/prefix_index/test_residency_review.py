@@ -17,7 +17,7 @@ import pytest
 from redis.asyncio import Redis
 
 import prefix_index.api.client as client_module
-from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
+from prefix_index.api.client import PrefixIndexClientError
 from prefix_index.api.ops import ResidencyChange
 from prefix_index.server.config import PinPolicy
 from prefix_index.server.residency import (
@@ -32,7 +32,7 @@ from prefix_index.server.store import IndexStore
 from prefix_index.tools.launch import IndexProcess
 from router.residency import MirrorDivergedError, ResidencyMirror
 from tests.prefix_index.chains import commit_ops, make_chain
-from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
+from tests.prefix_index.conftest import ONE_CERTIFICATE
 
 
 def _store(url: str, db: int) -> IndexStore:
@@ -164,15 +164,15 @@ def test_a_change_for_an_engine_the_copy_does_not_hold_is_divergence():
 
 
 def test_a_quiet_stream_stays_up_and_a_silent_index_is_taken_for_gone(redis_server,
-                                                                       monkeypatch):
+                                                                       monkeypatch, test_certs):
     """Heartbeats keep a watch with nothing to report alive; an index that stops answering
     without closing the connection (a frozen process, a vanished host) ends the watch by the
     router's own clock."""
     monkeypatch.setattr(client_module, "WATCH_SILENCE_S", 6.0)
-    with IndexProcess(redis_server.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
-                                         "--log-level", "WARNING"]) as index:
+    with IndexProcess(redis_server.url, ["--log-level", "WARNING", *ONE_CERTIFICATE],
+                      tls=test_certs.files("index")) as index:
         async def body():
-            async with PrefixIndexClient(index.target, 5.0) as c:
+            async with test_certs.index_client(index.target, 5.0) as c:
                 feed = c.watch_residency()
                 async for change in feed:
                     if change is None:
@@ -201,15 +201,16 @@ def test_a_quiet_stream_stays_up_and_a_silent_index_is_taken_for_gone(redis_serv
         asyncio.run(body())
 
 
-def test_a_draining_index_ends_its_watches_instead_of_waiting_out_the_grace(redis_server):
+def test_a_draining_index_ends_its_watches_instead_of_waiting_out_the_grace(redis_server,
+                                                                            test_certs):
     """A watch never ends by itself: without this, every shutdown with a router attached took
     the whole grace period."""
     grace_s = 20.0
-    with IndexProcess(redis_server.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
-                                         "--log-level", "WARNING", "--grace-s",
-                                         str(grace_s)]) as index:
+    with IndexProcess(redis_server.url, ["--log-level", "WARNING", "--grace-s",
+                                         str(grace_s), *ONE_CERTIFICATE],
+                                         tls=test_certs.files("index")) as index:
         async def body():
-            async with PrefixIndexClient(index.target, 5.0) as c:
+            async with test_certs.index_client(index.target, 5.0) as c:
                 feed = c.watch_residency()
                 async for change in feed:
                     if change is None:

@@ -26,6 +26,8 @@ from tests.prefix_index.chains import commit_ops, make_chain
 from tests.prefix_index.conftest import HISTORY_PER_BLOCK, HOT_THRESHOLD, INDEX_ARGS
 from tests.prefix_index.reference_model import ReferenceIndex
 from tests.prefix_index.test_model_based import NUM_BLOCKS, _random_op, _random_tree
+from tests.support.tls import SessionCerts
+from trust.identity import ROUTER_ROLE
 
 NUM_OPS = 1500
 NUM_ENGINES = 3
@@ -71,14 +73,15 @@ async def _follow(client: PrefixIndexClient, mirror: ResidencyMirror) -> None:
 
 
 @pytest.mark.parametrize("seed", [11, 2025])
-def test_watchers_copies_match_redis_through_random_ops(redis_server, index_server, seed):
+def test_watchers_copies_match_redis_through_random_ops(redis_server, index_server, seed,
+                                                        test_certs):
     print(f"seed {seed}")  # replay: pytest -k 'test_watchers_copies and <seed>'
 
     async def body():
         rng = random.Random(seed)
         chains = _random_tree(rng)
         engine_ids = [f"watched-{uuid.uuid4().hex[:8]}" for _ in range(NUM_ENGINES)]
-        engines = [PrefixIndexClient(index_server.target, 10.0) for _ in engine_ids]
+        engines = [test_certs.index_client(index_server.target, 10.0) for _ in engine_ids]
         models: list[ReferenceIndex] = []
         seqs = [0] * NUM_ENGINES
 
@@ -108,7 +111,7 @@ def test_watchers_copies_match_redis_through_random_ops(redis_server, index_serv
             await engines[i].apply_batch(batch, seq=seqs[i])
 
         first, late = ResidencyMirror(), ResidencyMirror()
-        watchers = [PrefixIndexClient(index_server.target, 10.0) for _ in range(2)]
+        watchers = [test_certs.index_client(index_server.target, 10.0) for _ in range(2)]
         tasks = [asyncio.ensure_future(_follow(watchers[0], first))]
         try:
             for i in range(NUM_ENGINES):
@@ -143,13 +146,13 @@ def test_watchers_copies_match_redis_through_random_ops(redis_server, index_serv
     asyncio.run(body())
 
 
-def test_a_large_pool_arrives_in_chunks(redis_server, index_server, engine_id):
+def test_a_large_pool_arrives_in_chunks(redis_server, index_server, engine_id, test_certs):
     """A snapshot over SNAPSHOT_CHUNK blocks is split (one message would pass gRPC's 4 MiB
     limit at 100k blocks) and still arrives whole."""
     async def body():
         num_blocks = SNAPSHOT_CHUNK + 300
         chain = make_chain("large", num_blocks)
-        async with PrefixIndexClient(index_server.target, 30.0) as c:
+        async with test_certs.index_client(index_server.target, 30.0) as c:
             await c.register(engine_id, "m", 16, num_blocks, 60)
             ops = commit_ops(chain, 0)
             for start in range(0, num_blocks, 4000):  # (at most 4096 ops per Apply)
@@ -167,20 +170,22 @@ def test_a_large_pool_arrives_in_chunks(redis_server, index_server, engine_id):
     asyncio.run(body())
 
 
-def test_the_router_watch_takes_a_new_snapshot_after_the_index_or_redis_restarts(engine_id):
+def test_the_router_watch_takes_a_new_snapshot_after_the_index_or_redis_restarts(engine_id,
+                                                                                 test_certs):
     with RedisProcess() as redis_process:
-        index = IndexProcess(redis_process.url, INDEX_ARGS)
+        index = IndexProcess(redis_process.url, INDEX_ARGS, tls=test_certs.files("index"))
         index.start()
         try:
-            asyncio.run(_restarts(redis_process, index, engine_id))
+            asyncio.run(_restarts(test_certs, redis_process, index, engine_id))
         finally:
             index.terminate()
 
 
-async def _restarts(redis_process: RedisProcess, index: IndexProcess, engine_id: str) -> None:
-    view = IndexView(index.target, 2.0)
+async def _restarts(certs: SessionCerts, redis_process: RedisProcess, index: IndexProcess,
+                    engine_id: str) -> None:
+    view = IndexView(index.target, 2.0, certs.material(ROUTER_ROLE))
     watch = asyncio.ensure_future(view.watch())
-    engine = PrefixIndexClient(index.target, 2.0)
+    engine = certs.index_client(index.target, 2.0)
     try:
         await engine.register(engine_id, "m", 16, 64, 60)
         before = make_chain("before", 5)
@@ -193,7 +198,7 @@ async def _restarts(redis_process: RedisProcess, index: IndexProcess, engine_id:
         await _until(lambda: not view.mirror.synced, "the copy unsynced after the index died")
         index.start()
         await engine.close()
-        engine = PrefixIndexClient(index.target, 2.0)
+        engine = certs.index_client(index.target, 2.0)
         engine.attach(engine_id, (await engine.stats(engine_id))[0].epoch)
         during = make_chain("while-away", 4)
         await engine.apply(commit_ops(during, 5) + [Release(during)])

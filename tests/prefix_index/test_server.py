@@ -8,11 +8,9 @@ import sys
 import time
 import urllib.request
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from prefix_index.api.client import PrefixIndexClient
 from prefix_index.api.ops import Acquire
 from prefix_index.server.config import IndexConfig
 from prefix_index.server.main import IndexServer
@@ -20,16 +18,19 @@ from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import free_port
 from tests.prefix_index.chains import commit_ops, make_chain
 from tests.prefix_index.conftest import INDEX_ARGS
+from trust.cli_args import tls_argv
+from trust.identity import INDEX_ROLE, ROUTER_ROLE
 
 SERVICE = "pagedgen.prefix_index.v1.PrefixIndex"
 
 
-def test_health_reflection_metrics_and_sigterm(redis_server, engine_id):
+def test_health_reflection_metrics_and_sigterm(redis_server, engine_id, test_certs):
     metrics_port = free_port()
     index = IndexProcess(redis_server.url, INDEX_ARGS + [
-        "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"]).start()
+        "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"],
+        tls=test_certs.files("index")).start()
     try:
-        with grpc.insecure_channel(index.target) as channel:
+        with test_certs.channel(index.target, ROUTER_ROLE, INDEX_ROLE) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             for name in ("", SERVICE):
                 reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=2)
@@ -41,7 +42,7 @@ def test_health_reflection_metrics_and_sigterm(redis_server, engine_id):
             assert {SERVICE, "grpc.health.v1.Health"} <= names
 
         async def traffic():
-            async with PrefixIndexClient(index.target, 5.0) as c:
+            async with test_certs.index_client(index.target, 5.0) as c:
                 await c.register(engine_id, "m", 16, 8)
                 chain = make_chain("metrics", 2)
                 await c.apply(commit_ops(chain, 0) + [Acquire(chain + make_chain("x", 1))])
@@ -54,7 +55,7 @@ def test_health_reflection_metrics_and_sigterm(redis_server, engine_id):
         assert 'pagedgen_prefix_index_rpcs_total{code="OK",method="Apply"} 1.0' in text
 
         check = [sys.executable, "-m", "prefix_index.tools.healthcheck", index.target,
-                 "--service", SERVICE]
+                 *tls_argv(test_certs.files(ROUTER_ROLE)), "--service", SERVICE]
         assert subprocess.run(check, timeout=30).returncode == 0
 
         started = time.monotonic()
@@ -62,18 +63,19 @@ def test_health_reflection_metrics_and_sigterm(redis_server, engine_id):
         assert time.monotonic() - started < 5
     finally:
         index.kill()
-    gone = subprocess.run(check[:4] + ["--timeout-s", "0.3"], capture_output=True, timeout=30)
+    gone = subprocess.run(check[:10] + ["--timeout-s", "0.3"], capture_output=True, timeout=30)
     assert gone.returncode == 1 and b"not SERVING" in gone.stderr
 
 
-def test_in_process_server(redis_server, engine_id):
+def test_in_process_server(redis_server, engine_id, test_certs):
     """IndexServer runs inside the caller's event loop (for other components' tests)."""
 
     async def body():
-        server = IndexServer(IndexConfig(redis_url=redis_server.url), port=0)
+        server = IndexServer(IndexConfig(redis_url=redis_server.url), port=0,
+                             tls=test_certs.material(INDEX_ROLE))
         port = await server.start()
         try:
-            async with PrefixIndexClient(f"127.0.0.1:{port}", 5.0) as c:
+            async with test_certs.index_client(f"127.0.0.1:{port}", 5.0) as c:
                 await c.register(engine_id, "m", 16, 8)
                 chain = make_chain("inproc", 1)
                 [ok, acq] = await c.apply(commit_ops(chain, 3) + [Acquire(chain)])

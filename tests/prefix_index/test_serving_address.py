@@ -9,14 +9,14 @@ import time
 import grpc
 import pytest
 
-from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
+from prefix_index.api.client import PrefixIndexClientError
 
 LEASE_S = 3.0  # seconds: a loaded machine can hold the test a good part of one between calls
 
 
-def test_the_serving_address_is_listed_until_the_lease_lapses(index_server, engine_id):
+def test_the_serving_address_is_listed_until_the_lease_lapses(index_server, engine_id, test_certs):
     async def body():
-        client = PrefixIndexClient(index_server.target, 5.0)
+        client = test_certs.index_client(index_server.target, 5.0)
         await client.register(engine_id, "m", 16, 32, LEASE_S, nonce="a",
                               serving_address="engine-host.local:50051")
         [mine] = await client.stats(engine_id)
@@ -39,9 +39,9 @@ def test_the_serving_address_is_listed_until_the_lease_lapses(index_server, engi
 
 @pytest.mark.parametrize("address", ["no-port", "host:port", "a b:1", "h:" + "1" * 6,
                                      "x" * 300 + ":1"])
-def test_a_malformed_address_is_refused(index_server, engine_id, address):
+def test_a_malformed_address_is_refused(index_server, engine_id, address, test_certs):
     async def body():
-        client = PrefixIndexClient(index_server.target, 5.0)
+        client = test_certs.index_client(index_server.target, 5.0)
         with pytest.raises(PrefixIndexClientError) as err:
             await client.register(engine_id, "m", 16, 32, 1, serving_address=address)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -51,11 +51,11 @@ def test_a_malformed_address_is_refused(index_server, engine_id, address):
     asyncio.run(body())
 
 
-def test_stats_of_every_engine_with_hundreds_registered(index_server, engine_id):
+def test_stats_of_every_engine_with_hundreds_registered(index_server, engine_id, test_certs):
     """What a router's discovery asks every second; it once opened one Redis connection per
     engine at once and failed with 'Too many connections' past the pool's limit."""
     async def body():
-        client = PrefixIndexClient(index_server.target, 10.0)
+        client = test_certs.index_client(index_server.target, 10.0)
         for i in range(300):
             await client.register(f"{engine_id}-{i}", "m", 16, 8, 30, nonce="many",
                                   serving_address=f"replica-{i}:50051")

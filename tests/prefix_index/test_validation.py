@@ -9,9 +9,10 @@ import pytest
 
 from pagedgen_api import prefix_index_pb2 as pb
 from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
-from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
+from prefix_index.api.client import PrefixIndexClientError
 from prefix_index.api.ops import Acquire, Commit, Evict, Forget, Pin, Release
 from tests.prefix_index.chains import commit_ops, make_chain
+from trust.identity import ENGINE_ROLE, INDEX_ROLE
 
 GOOD = make_chain("good", 1)[0]
 
@@ -24,9 +25,9 @@ async def _expect(call, code: grpc.StatusCode, *fragments: str) -> None:
         assert fragment in err.value.details, (fragment, err.value.details)
 
 
-def test_bad_ops_are_refused_with_the_field_named(index_server, engine_id):
+def test_bad_ops_are_refused_with_the_field_named(index_server, engine_id, test_certs):
     async def body():
-        async with PrefixIndexClient(index_server.target, 5.0) as c:
+        async with test_certs.index_client(index_server.target, 5.0) as c:
             await c.register(engine_id, "m", 16, 8, 30)
             bad = grpc.StatusCode.INVALID_ARGUMENT
             await _expect(c.apply([Acquire([GOOD, b"short"])]), bad,
@@ -55,9 +56,9 @@ def test_bad_ops_are_refused_with_the_field_named(index_server, engine_id):
     asyncio.run(body())
 
 
-def test_bad_registration_and_unknown_engines(index_server, engine_id):
+def test_bad_registration_and_unknown_engines(index_server, engine_id, test_certs):
     async def body():
-        async with PrefixIndexClient(index_server.target, 5.0) as c:
+        async with test_certs.index_client(index_server.target, 5.0) as c:
             bad = grpc.StatusCode.INVALID_ARGUMENT
             await _expect(c.register("", "m", 16, 8), bad, "engine_id")
             await _expect(c.register("a{b}", "m", 16, 8), bad, "engine_id", "'a{b}'")
@@ -69,7 +70,7 @@ def test_bad_registration_and_unknown_engines(index_server, engine_id):
             await _expect(c.lookup([b"abc"]), bad, "chain[0]", "3 bytes")
 
         # A client that never registered: the server answers NOT_FOUND for its engine id.
-        async with grpc.aio.insecure_channel(index_server.target) as channel:
+        async with test_certs.aio_channel(index_server.target, ENGINE_ROLE, INDEX_ROLE) as channel:
             stub = pb_grpc.PrefixIndexStub(channel)
             for call, request in (
                 (stub.Apply, pb.ApplyRequest(engine_id=engine_id, epoch=1)),
@@ -88,15 +89,15 @@ def test_bad_registration_and_unknown_engines(index_server, engine_id):
                                  timeout=5)
             assert "ops[0]: no op set" in err.value.details()
 
-        async with PrefixIndexClient(index_server.target, 5.0) as c:  # still serving
+        async with test_certs.index_client(index_server.target, 5.0) as c:  # still serving
             assert await c.register(engine_id, "m", 16, 8) > 0
     asyncio.run(body())
 
 
-def test_new_fields_are_checked(index_server, engine_id):
+def test_new_fields_are_checked(index_server, engine_id, test_certs):
     """forget, acquire kind and seq: refused with the field, the value and what is allowed."""
     async def body():
-        async with PrefixIndexClient(index_server.target, 5.0) as c:
+        async with test_certs.index_client(index_server.target, 5.0) as c:
             await c.register(engine_id, "m", 16, 8, 30)
             bad = grpc.StatusCode.INVALID_ARGUMENT
             await _expect(c.apply([Forget(b"x" * 3, 0)]), bad, "ops[0].forget.hash", "3 bytes")
@@ -104,7 +105,7 @@ def test_new_fields_are_checked(index_server, engine_id):
             await _expect(c.apply([Forget(GOOD, 8)]), bad, "ops[0].forget.block_id", "8",
                           "0..7")
             await _expect(c.apply([Evict(0)], seq=1 << 53), bad, "seq", str(1 << 53))
-        async with grpc.aio.insecure_channel(index_server.target) as channel:
+        async with test_certs.aio_channel(index_server.target, ENGINE_ROLE, INDEX_ROLE) as channel:
             stub = pb_grpc.PrefixIndexStub(channel)
             op = pb.Op(acquire=pb.AcquireOp(chain=[GOOD], kind=7))
             with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -16,9 +16,11 @@ from pathlib import Path
 import grpc
 import openai
 
+from prefix_index.api.client import PrefixIndexClient
+from tests.support.index_clients import EngineAndReader
 from trust.certs import ensure_ca, ensure_leaf
 from trust.credentials import TlsFiles, TlsMaterial, aio_channel, sync_channel
-from trust.identity import CLIENT_ROLE, ROLES
+from trust.identity import CLIENT_ROLE, ENGINE_ROLE, ROLES, ROUTER_ROLE
 
 # Roles a session's CA issues at once (engine: one naming no engine id, so any id is its own).
 SESSION_ROLES = ROLES
@@ -79,6 +81,16 @@ class SessionCerts:
         http_client = openai.DefaultAsyncHttpxClient(verify=self.ssl_context())
         return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client,
                                   **kwargs)
+
+    def index_client(self, target: str, timeout_s: float = 5.0,
+                     role: str | None = None) -> PrefixIndexClient:
+        """A prefix index client on mutual TLS: as `role` alone (ENGINE_ROLE writes,
+        ROUTER_ROLE reads), or by default an engine that reads on a second, router channel
+        (tests/support/index_clients.py)."""
+        if role is not None:
+            return PrefixIndexClient(target, timeout_s, self.material(role))
+        return EngineAndReader(target, timeout_s, self.material(ENGINE_ROLE),
+                               self.material(ROUTER_ROLE))
 
     def ssl_context(self, role: str | None = None) -> ssl.SSLContext:
         """Python's TLS trusting the session's CA (urllib, httpx); presenting `role`'s
