@@ -60,6 +60,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Seconds a rank waits in a forward's collective before the engine fails (a hung rank).
     tensor_parallel_timeout_s: float = 60.0
+    # The pin budget (core/pin_budget.py): the pool minus the running requests' peak demand
+    # over the last pin_budget_window_s seconds, between these shares of the pool. Floor =
+    # ceiling fixes it (0.1: the fixed budget pins had before it followed the demand).
+    pin_budget_floor: float = 0.1
+    pin_budget_ceiling: float = 0.5
+    pin_budget_window_s: float = 30.0
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, value: object, allowed: str) -> None:
@@ -129,6 +135,16 @@ class EngineConfig:
              and self.tensor_parallel_timeout_s > 0, "tensor_parallel_timeout_s",
              self.tensor_parallel_timeout_s, "a number of seconds > 0")
         need(self.swap_space >= 0, "swap_space", self.swap_space, "a number of bytes >= 0")
+        for name in ("pin_budget_floor", "pin_budget_ceiling"):
+            value = getattr(self, name)
+            need(not isinstance(value, bool) and isinstance(value, int | float)
+                 and 0 <= value <= 1, name, value, "a share of the pool in [0, 1]")
+        need(self.pin_budget_floor <= self.pin_budget_ceiling, "pin_budget_floor",
+             self.pin_budget_floor, f"<= pin_budget_ceiling ({self.pin_budget_ceiling})")
+        window = self.pin_budget_window_s
+        need(not isinstance(window, bool) and isinstance(window, int | float)
+             and 0 <= window < float("inf"), "pin_budget_window_s", window,
+             "a finite number of seconds >= 0")
         if self.served_model_name is None:
             self.served_model_name = default_served_model_name(self.model)
         name = self.served_model_name

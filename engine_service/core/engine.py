@@ -24,6 +24,7 @@ from engine_service.core.errors import (
 )
 from engine_service.core.kv_cache_manager import KVCacheManager
 from engine_service.core.outputs import CompletionOutput, RequestOutput
+from engine_service.core.pin_budget import PinBudget, PinBudgetConfig
 from engine_service.core.prefix_policy import PrefixPolicy
 from engine_service.core.request_limits import RequestLimits
 from engine_service.core.scheduler import Scheduler, SchedulerConfig
@@ -63,6 +64,9 @@ class EngineStats:
 
 
 Command = Callable[["LLMEngine"], None]
+# The pin budget is recomputed when requests start or stop holding blocks, and at least this
+# often while the engine steps (a peak of demand ages out with time alone).
+PIN_BUDGET_REFRESH_S = 1.0
 
 
 class LLMEngine:
@@ -133,6 +137,11 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
+        self.pin_budget = PinBudget(num_blocks, PinBudgetConfig(
+            config.pin_budget_floor, config.pin_budget_ceiling, config.pin_budget_window_s))
+        # (scheduler.num_running_changes, the policy told) at the last update, and when.
+        self._pin_budget_seen: tuple[int, PrefixPolicy | None] = (-1, None)
+        self._pin_budget_at = 0.0
         # What a request must fit (the serving front checks the same, from EngineInfo).
         self.limits = RequestLimits(
             vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
@@ -150,6 +159,7 @@ class LLMEngine:
         # whoever drives the engine that one is waiting (the async front sets it).
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.wake: Callable[[], None] = lambda: None
+        self._update_pin_budget()  # the policy's budget from the start, not from the first step
         self.snapshot: EngineStats = self.stats()
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), device %s",
@@ -313,6 +323,7 @@ class LLMEngine:
         try:
             return self._step()
         finally:
+            self._update_pin_budget()
             policy.end_step()
             self.snapshot = self.stats()
 
@@ -337,6 +348,30 @@ class LLMEngine:
         for group in self.scheduler.remove_finished():
             self._groups.pop(group.request_id, None)
         return outputs
+
+    def _update_pin_budget(self) -> None:
+        """Recomputes the pin budget when requests started or stopped holding blocks, or
+        PIN_BUDGET_REFRESH_S passed, and tells the policy of a move worth telling (a policy it
+        has not told yet, the index's after connect_prefix_index, hears it whatever it is)."""
+        sched, policy = self.scheduler, self.pool.policy
+        now = time.monotonic()
+        changes, told = self._pin_budget_seen
+        if (changes, told) == (sched.num_running_changes, policy) \
+                and now - self._pin_budget_at < PIN_BUDGET_REFRESH_S:
+            return
+        if changes != sched.num_running_changes:
+            # Each request at its peak: what it holds plus what it needs to finish.
+            demand = sum(self.limits.blocks_for_request(g.num_prompt_tokens, g.params)
+                         for queue_ in (sched.running, sched.swapped) for g in queue_)
+            self.pin_budget.observe(demand)
+        else:
+            self.pin_budget.refresh()
+        if told is not policy:
+            self.pin_budget.forget_report()
+        self._pin_budget_seen, self._pin_budget_at = (sched.num_running_changes, policy), now
+        blocks = self.pin_budget.report()
+        if blocks is not None:
+            policy.set_pin_budget(blocks)
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> None:
         """Next tokens for the sampling rows: beam search requests take their beam step, the

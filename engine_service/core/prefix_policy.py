@@ -13,8 +13,9 @@ from typing import Protocol
 
 from engine_service.core.pin_set import PinSet
 
-# Pins on an engine without the index, as a share of its pool: the index's default budget
-# (pagedgen-prefix-index --pin-budget-fraction), so a prefix pinned on one fits on the other.
+# Pins on a pool without an engine, as a share of it: the index's default budget
+# (pagedgen-prefix-index --pin-budget-fraction). An engine sets its policy's budget from the
+# demand (core/pin_budget.py), with this as its default floor.
 LOCAL_PIN_BUDGET_FRACTION = 0.1
 
 
@@ -58,14 +59,18 @@ class PrefixPolicy(Protocol):
     def end_step(self) -> None:
         """Called by the engine thread after a step (also one that ran no forward)."""
 
+    def set_pin_budget(self, blocks: int) -> None:
+        """How many blocks pins may hold now (the engine's core/pin_budget.py decides)."""
+
 
 class LocalLRUPolicy:
     """Least recently released first. The pool releases a sequence's blocks tail first, so
     within a chain the leaves reach the eviction end before their parents (leaf-first).
 
     Pins (PinPrefix on an engine without the index, core/pin_set.py): a pinned block at
-    refcount zero is held out of the evictable set, up to `pin_budget` pinned blocks, until
-    every pin covering it is unpinned or lapses. Only blocks the pool caches can be pinned
+    refcount zero is held out of the evictable set, up to `pin_budget` pinned blocks (the
+    engine's core/pin_budget.py sets it; a smaller budget refuses new pins and drops none),
+    until every pin covering it is unpinned or lapses. Only blocks the pool caches can be pinned
     (PinPrefix computes a prefix first when it is not resident: serving/prefix_pins.py)."""
 
     def __init__(self, pin_budget: int = 0,
@@ -155,7 +160,8 @@ class LocalLRUPolicy:
         if len(self._pins) + new > self.pin_budget:
             raise PinBudgetFull(
                 f"pinning {new} more blocks would pass the pin budget of {self.pin_budget} "
-                f"blocks ({len(self._pins)} pinned; {LOCAL_PIN_BUDGET_FRACTION:.0%} of the pool)")
+                f"blocks ({len(self._pins)} pinned; the budget is what the pool can spare "
+                "beside the running requests, within --pin-budget-floor/--pin-budget-ceiling)")
 
     def _unpinned(self, hashes: list[bytes]) -> int:
         """Blocks no pin covers any more (leaf first): idle ones become evictable as if just
@@ -179,3 +185,6 @@ class LocalLRUPolicy:
 
     def end_step(self) -> None:
         pass
+
+    def set_pin_budget(self, blocks: int) -> None:
+        self.pin_budget = blocks

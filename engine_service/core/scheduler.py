@@ -61,6 +61,10 @@ class Scheduler:
         self.running: list[SequenceGroup] = []  # sorted by _order_key
         self.swapped: deque[SequenceGroup] = deque()
         self.counters = SchedulerCounters()
+        # Bumped whenever a request starts or stops holding blocks (admitted, swapped in or
+        # out, preempted, finished, aborted): the engine recomputes the pin budget's demand
+        # only then, not every step.
+        self.num_running_changes = 0
         self._watermark_blocks = int(config.admission_watermark * kv.pool.num_blocks)
 
     # ---- queues -------------------------------------------------------------------------
@@ -87,6 +91,7 @@ class Scheduler:
         finished = [g for g in self.running if g.is_finished]
         if finished:
             self.running = [g for g in self.running if not g.is_finished]
+            self.num_running_changes += 1
         return finished
 
     def abort(self, request_id: str) -> SequenceGroup | None:
@@ -94,6 +99,7 @@ class Scheduler:
             for group in queue:
                 if group.request_id == request_id:
                     queue.remove(group)
+                    self.num_running_changes += 1
                     self.free_group(group)
                     return group
         return None
@@ -196,6 +202,7 @@ class Scheduler:
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         self.running.remove(group)
+        self.num_running_changes += 1
         out.preempted.append(group)
         out.scheduled = [s for s in out.scheduled if s.group is not group]
         self.counters.num_preemptions += 1
@@ -229,6 +236,7 @@ class Scheduler:
             if needed + self._watermark() > self._free_for(needed, not self.running):
                 return
             self.swapped.popleft()
+            self.num_running_changes += 1
             self.kv.swap_in(seqs)
             for seq in seqs:
                 if seq.status == SequenceStatus.SWAPPED:
@@ -312,6 +320,7 @@ class Scheduler:
                 index += 1
                 continue
             self.waiting.pop(index)
+            self.num_running_changes += 1
             self.kv.admit(leader, hits, num_new, group.cache_salt)
             leader.num_computed_tokens = num_cached
             if defer:

@@ -42,6 +42,7 @@ from prefix_index.api.ops import (
     PinChange,
     PinState,
     Release,
+    SetPinBudget,
     Unpin,
 )
 
@@ -122,6 +123,9 @@ class IndexPolicy:
         self._victims: list[EvictedBlock] = []  # chosen by the index, applied at begin_step
         self._victims_in_flight = 0
         self.needs_resync = False
+        # The engine's pin budget (core/pin_budget.py), sent to the index when it changes and
+        # at each re-sync; None: not told yet (the index keeps Register's).
+        self.pin_budget: int | None = None
         self.counters = MirrorCounters()
         self.wake: Callable[[], None] = lambda: None  # set by the link: "a batch is waiting"
 
@@ -238,6 +242,13 @@ class IndexPolicy:
             self.pool.uncache(victim.hash)
             self.counters.index_victims_applied += 1
 
+    def set_pin_budget(self, blocks: int) -> None:
+        """The engine's budget moved: the index's automatic pins follow it (shrinking it
+        unpins some; the pin changes of that Apply unpin them here)."""
+        self.pin_budget = blocks
+        if self._recording:
+            self._pending.append(PendingOp(SetPinBudget(blocks)))
+
     def end_step(self) -> None:
         if self._recording:
             self._ask_for_victims()
@@ -306,7 +317,10 @@ class IndexPolicy:
         from here under a new generation, so nothing is lost between this snapshot and the
         next step's ops."""
         self.stop_recording()
-        ops = [
+        # The budget first: Register set the index's default, and the pins re-stated below
+        # must fit ours.
+        ops = [] if self.pin_budget is None else [PendingOp(SetPinBudget(self.pin_budget))]
+        ops += [
             PendingOp(Commit(h, self._mirror[h].parent, self._mirror[h].block_id))
             for h in self._parents_first()
         ]

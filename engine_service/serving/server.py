@@ -320,6 +320,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preemption-mode", default=d.preemption_mode, choices=PREEMPTION_MODES)
     p.add_argument("--swap-space", type=parse_bytes, default=d.swap_space,
                    help="CPU KV bytes for swapped-out sequences (swap mode)")
+    p.add_argument("--pin-budget-floor", type=float, default=d.pin_budget_floor,
+                   help="pins (explicit and automatic) may always hold this share of the pool")
+    p.add_argument("--pin-budget-ceiling", type=float, default=d.pin_budget_ceiling,
+                   help="pins never hold more than this share of the pool; between floor and "
+                        "ceiling they get what the running requests' peak demand leaves")
+    p.add_argument("--pin-budget-window-s", type=float, default=d.pin_budget_window_s,
+                   help="how long a peak of demand holds the pin budget down")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: token-id input and output only")
@@ -395,6 +402,9 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         defer_shared_prefill=not args.no_defer_shared_prefill,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
+        pin_budget_floor=args.pin_budget_floor,
+        pin_budget_ceiling=args.pin_budget_ceiling,
+        pin_budget_window_s=args.pin_budget_window_s,
         seed=args.seed,
         skip_tokenizer_init=args.skip_tokenizer_init,
         enforce_eager=args.enforce_eager,

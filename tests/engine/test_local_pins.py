@@ -1,6 +1,7 @@
 """Pins on an engine without the prefix index (issue 34), through the offline API: a pinned
 prefix is computed when it is not cached, then stays cached however full the pool gets, within
-a budget of 10% of the pool; unpinning or a lapsed TTL makes it evictable again."""
+the pin budget (core/pin_budget.py: what the pool spares beside the running requests, 10-50%
+of it); unpinning or a lapsed TTL makes it evictable again."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from engine_service.core.prefix_policy import PinBudgetFull
 
 BLOCK = 16
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-NUM_BLOCKS = 40  # pin budget: 4 blocks
+NUM_BLOCKS = 40  # pin budget: 4 to 20 blocks
+FIXED_BUDGET = dict(pin_budget_floor=0.1, pin_budget_ceiling=0.1)  # 4 blocks, whatever runs
 
 
 def prompt(start: int, num_tokens: int) -> list[int]:
@@ -59,7 +61,7 @@ def test_without_a_pin_the_flood_evicts_the_prefix(make_llm, tiny_llama_dir):
 
 
 def test_pins_past_the_budget_are_refused_whole_before_any_prefill(make_llm, tiny_llama_dir):
-    llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS, **FIXED_BUDGET)
     assert llm.pin_prefix({"prompt_token_ids": HOT}) == 3
     other = prompt(5000, 2 * BLOCK)
     steps = llm.llm_engine.stats().num_steps
@@ -139,10 +141,11 @@ def test_pin_validation(make_llm, tiny_llama_dir, kwargs, message):
 def test_random_pins_generations_and_floods_keep_the_pool_consistent(make_llm,
                                                                      tiny_llama_dir):
     """Seeded random sequences of pins, unpins, generations and floods; after every operation
-    the pool's invariants hold and every pinned prefix is still wholly cached."""
+    the pool's invariants hold and every pinned prefix is still wholly cached. (A fixed
+    budget of 4 blocks: a flood's 35 blocks always fit beside the pins.)"""
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS, **FIXED_BUDGET)
     engine = llm.llm_engine
     prefixes = [prompt(20_000 + 1000 * i, rng.randint(1, 2) * BLOCK + 3) for i in range(4)]
     pinned: set[int] = set()
@@ -167,3 +170,30 @@ def test_random_pins_generations_and_floods_keep_the_pool_consistent(make_llm,
         for j in pinned:
             full = len(prefixes[j]) // BLOCK * BLOCK
             assert cached(llm, prefixes[j]) == full, where
+
+
+def test_the_local_budget_follows_the_running_requests(make_llm, tiny_llama_dir):
+    """Idle, the budget is the ceiling (half the pool: 20 blocks); a request that will hold 30
+    blocks at its peak leaves 10 to spare, so a pin that fits 20 but not 10 is refused while it
+    runs; once it is done (a window of 0 s: at once) the ceiling is back and the pin is made.
+    A shrinking budget drops no pin."""
+    llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                   pin_budget_window_s=0.0)
+    engine = llm.llm_engine
+    assert engine.pool.policy.pin_budget == 20
+    assert llm.pin_prefix({"prompt_token_ids": HOT}) == 3
+    big = prompt(30_000, 20 * BLOCK)  # 20 + 10 output blocks = 30 at its peak
+    engine.add_request("big", big, SamplingParams(temperature=0, max_tokens=10 * BLOCK,
+                                                   ignore_eos=True))
+    engine.step()
+    assert engine.pin_budget.peak_demand == 30
+    assert engine.pool.policy.pin_budget == 10
+    assert engine.pool.policy.num_pinned == 3  # kept
+    eight = prompt(40_000, 8 * BLOCK + 1)  # 8 more blocks: 11 > 10
+    with pytest.raises(PinBudgetFull, match="pin budget of 10 blocks"):
+        engine.pool.policy.check_pin(engine.hasher.chain(eight[:8 * BLOCK], None))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.pool.policy.pin_budget == 20
+    assert llm.pin_prefix({"prompt_token_ids": eight}) == 8
+    assert engine.pool.policy.num_pinned == 11

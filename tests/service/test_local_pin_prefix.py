@@ -1,6 +1,7 @@
 """PinPrefix on a real pagedgen-engine without the prefix index (`--prefix-index none`, issue
-34): the engine computes the prefix, pins it in its own cache under a budget of 10% of its pool
-(RESOURCE_EXHAUSTED past it), and the pinned prefix outlives requests that fill the pool."""
+34): the engine computes the prefix, pins it in its own cache under its pin budget, fixed here
+at 10% of its pool (`--pin-budget-ceiling 0.1`; RESOURCE_EXHAUSTED past it), and the pinned
+prefix outlives requests that fill the pool."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ HOT = list(range(1000, 1000 + 3 * BLOCK + 5))  # 3 full blocks
 def stub(tiny_llama_dir, tmp_path_factory, test_certs):
     log = tmp_path_factory.mktemp("local_pins") / "engine.log"
     args = ["--prefix-index", "none", "--dtype", "float32", "--num-blocks", "40",
-            "--block-size", str(BLOCK), "--max-model-len", "600"]
+            "--block-size", str(BLOCK), "--max-model-len", "600", "--pin-budget-ceiling", "0.1"]
     with EngineProcess(tiny_llama_dir, args, log_path=log,
                        tls=test_certs.files("engine")).start() as engine, \
             test_certs.channel(engine.target) as channel:
