@@ -13,6 +13,13 @@ index keeps hit history per engine id across registrations):
   index_autopin       the index with its shipped defaults: hot prefixes earn automatic pins
   index_explicit_pin  --hot-threshold 0, and the hot prefix pinned once through the link
                       (PinPrefix, no TTL) right after its first visit
+  index_autopin_adaptive  as index_autopin, with the engine's pin budget following the demand
+                      (core/pin_budget.py: the pool minus the running requests' peak demand,
+                      10-50% of the pool; issue 34); the other policies keep the fixed 10%
+                      budget pins had before (--pin-budget-floor = --pin-budget-ceiling = 0.1)
+
+SMALL_POOL_SHAPE is issue 34's case: a 64-block pool serving 25-block requests one at a time,
+an 8-block hot prefix every fourth request; the fixed 10% (6 blocks) keeps 6 of its 8 blocks.
 
 Requests run one at a time, each to completion. Timing: submit -> first token -> finish, taken
 around the engine's steps on the bench thread (the engine thread). Between two requests, for
@@ -54,8 +61,14 @@ from tqdm import tqdm
 from bench.metrics import percentile
 from bench.prefix import EngineFactory
 
-POLICIES = ("local_lru", "index_no_autopin", "index_autopin", "index_explicit_pin")
+POLICIES = ("local_lru", "index_no_autopin", "index_autopin", "index_explicit_pin",
+            "index_autopin_adaptive")
+SMALL_POOL_POLICIES = ("local_lru", "index_autopin", "index_autopin_adaptive")
 NO_AUTOPIN = ["--hot-threshold", "0"]  # the only flag that differs from the shipped defaults
+# The engine's pin budget per policy: the fixed 10% of before, or (None) the engine's default,
+# which follows the demand.
+FIXED_10 = {"pin_budget_floor": 0.1, "pin_budget_ceiling": 0.1}
+BUDGETS = {p: (None if p == "index_autopin_adaptive" else FIXED_10) for p in POLICIES}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +100,10 @@ class PinningShape:
 
 FULL_SHAPE = PinningShape()
 QUICK_SHAPE = PinningShape(visits=11)  # a smoke run: two settled visits
+# Issue 34's small pool: every request 25 blocks (prompt + its one output token): hot = 8
+# prefix blocks + a 256-token turn, cold = 24 blocks; 3 x 25 cold blocks between visits.
+SMALL_POOL_SHAPE = PinningShape(num_blocks=64, hot_turn_len=256, cold_blocks=24, visits=13)
+SMALL_POOL_QUICK = PinningShape(num_blocks=64, hot_turn_len=256, cold_blocks=24, visits=11)
 
 
 @dataclass(slots=True)
@@ -254,6 +271,7 @@ def run_policy(
         block_size=shape.block_size,
         num_blocks=shape.num_blocks,
         enable_prefix_caching=True,
+        **(BUDGETS[policy] or {}),
     )
     link = connect_prefix_index(engine, target, engine_id) if policy != "local_lru" else None
     local_evictions = _count_local_evictions(engine.pool.policy) if link is None else None
@@ -313,6 +331,8 @@ def run_policy(
             run.index_view = _index_view(target, engine_id)
         else:
             run.counters = {"local_evictions": local_evictions()}
+        run.counters |= {"num_preemptions": engine.stats().num_preemptions,
+                         "pin_budget_blocks": engine.pin_budget.blocks}
         problems = engine.check_block_invariants()
         if problems:
             raise RuntimeError(f"{policy}: block invariants broken: {problems[:3]}")
@@ -368,6 +388,7 @@ def summarize_run(run: PolicyRun, shape: PinningShape) -> dict:
         "num_output_tokens": sum(r.output_len for r in run.requests),
         "output_throughput": sum(r.output_len for r in run.requests) / busy,
         "prompt_throughput": prompt / busy,
+        "num_preemptions": run.counters["num_preemptions"],
         "counters": run.counters,
         "index_view": run.index_view,
         "explicit_pinned_blocks": run.explicit_pinned_blocks,
@@ -393,6 +414,7 @@ def _aggregate(runs: list[dict]) -> dict:
         "hot_ttft_settled_p99_ms": both([r["hot_ttft_settled"]["p99_ms"] for r in runs], min),
         "output_throughput": both([r["output_throughput"] for r in runs], max),
         "prompt_throughput": both([r["prompt_throughput"] for r in runs], max),
+        "num_preemptions": both([r["num_preemptions"] for r in runs], min),
         "counters": runs[-1]["counters"],
         "index_view": runs[-1]["index_view"],
     }
@@ -448,6 +470,7 @@ def pinning_under_pressure(
             "index_autopin": stack.enter_context(IndexProcess(redis.url, quiet)),
         }
         targets["index_explicit_pin"] = targets["index_no_autopin"]
+        targets["index_autopin_adaptive"] = targets["index_autopin"]
         for repeat in range(repeats):
             for policy in policies:
                 index = targets[policy]
@@ -477,4 +500,24 @@ def pinning_under_pressure(
     }
     if {"local_lru", "index_autopin"} <= set(policies):
         result["targets"] = _targets(aggregated)
+    if {"local_lru", "index_autopin_adaptive"} <= set(policies):
+        result["adaptive_targets"] = _adaptive_targets(aggregated)
     return result
+
+
+def _adaptive_targets(policies: dict) -> dict:
+    """Issue 34: the budget that follows the demand keeps the whole hot prefix once settled,
+    with no more preemptions than the local LRU (medians of the runs)."""
+    lru, adaptive = policies["local_lru"], policies["index_autopin_adaptive"]
+    fixed = policies.get("index_autopin")
+    out = {
+        "adaptive_hit_rate_settled": adaptive["hot_hit_rate_settled"]["median"],
+        "fixed_hit_rate_settled": fixed["hot_hit_rate_settled"]["median"] if fixed else None,
+        "adaptive_preemptions": adaptive["num_preemptions"]["median"],
+        "lru_preemptions": lru["num_preemptions"]["median"],
+    }
+    out["met"] = {
+        "whole_prefix": out["adaptive_hit_rate_settled"] >= 1.0,
+        "preemptions": out["adaptive_preemptions"] <= out["lru_preemptions"],
+    }
+    return out

@@ -1,6 +1,9 @@
 """Section: pinning under pressure (issue #10): a small pool, a hot prefix returning between
-cold prompts, four policies (local LRU; the index with automatic pins off, on, and an explicit
-PinPrefix). The measuring is bench/pinning.py; its runs also go to <out>/pinning.json."""
+cold prompts, five policies (local LRU; the index with automatic pins off, on, and an explicit
+PinPrefix, under the fixed 10% pin budget; automatic pins under the budget that follows the
+demand, issue 34), and issue 34's small pool (64 blocks, 25-block requests) under the local
+LRU and both budgets. The measuring is bench/pinning.py; its runs also go to
+<out>/pinning.json."""
 
 from __future__ import annotations
 
@@ -12,12 +15,23 @@ KEY = "pinning"
 
 
 def run(ctx: RunContext) -> dict:
-    from bench.pinning import FULL_SHAPE, QUICK_SHAPE, pinning_under_pressure
+    from bench.pinning import (
+        FULL_SHAPE,
+        QUICK_SHAPE,
+        SMALL_POOL_POLICIES,
+        SMALL_POOL_QUICK,
+        SMALL_POOL_SHAPE,
+        pinning_under_pressure,
+    )
 
-    log("pinning under pressure: small pool, hot prefix between cold prompts, 4 policies")
-    return {KEY: pinning_under_pressure(ctx.make_engine,
-                                        QUICK_SHAPE if ctx.quick else FULL_SHAPE,
-                                        repeats=ctx.sizes.pinning_repeats, seed=ctx.seed)}
+    log("pinning under pressure: small pool, hot prefix between cold prompts, 5 policies")
+    result = pinning_under_pressure(ctx.make_engine, QUICK_SHAPE if ctx.quick else FULL_SHAPE,
+                                    repeats=ctx.sizes.pinning_repeats, seed=ctx.seed)
+    log("pinning: issue 34's small pool (64 blocks, 25-block requests), fixed vs adaptive")
+    result["small_pool"] = pinning_under_pressure(
+        ctx.make_engine, SMALL_POOL_QUICK if ctx.quick else SMALL_POOL_SHAPE,
+        repeats=ctx.sizes.pinning_repeats, seed=ctx.seed, policies=SMALL_POOL_POLICIES)
+    return {KEY: result}
 
 
 def report(r: dict, rel: str) -> list[str]:
@@ -29,6 +43,7 @@ PINNING_LABELS = {
     "index_no_autopin": "index, automatic pins off (`--hot-threshold 0`)",
     "index_autopin": "index, shipped defaults (automatic pins)",
     "index_explicit_pin": "index, auto pins off + PinPrefix once",
+    "index_autopin_adaptive": "index, automatic pins, budget follows the demand",
 }
 
 
@@ -56,8 +71,8 @@ def _report(p: dict, rel: str) -> list[str]:
         "",
         "| policy | hot prefix cached, all / settled | hot TTFT p50 / p99 ms, all "
         "| hot TTFT p50 / p99 ms, settled | output tok/s | prompt tok/s "
-        "| prefill tokens computed | local evictions / forgets / index pins |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| prefill tokens computed | local evictions / forgets / index pins | preemptions |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def mb(stat: dict, fmt) -> str:
@@ -78,7 +93,8 @@ def _report(p: dict, rel: str) -> list[str]:
             f"{num(a['hot_ttft_settled_p99_ms']['median'], 0)} "
             f"| {mb(a['output_throughput'], lambda v: num(v, 2))} "
             f"| {mb(a['prompt_throughput'], lambda v: num(v, 0))} "
-            f"| {p['runs'][name][0]['num_prefill_tokens']} | {counts} |"
+            f"| {p['runs'][name][0]['num_prefill_tokens']} | {counts} "
+            f"| {num_or_na(a.get('num_preemptions'))} |"
         )
     t = p.get("targets")
     if t:
@@ -110,5 +126,58 @@ def _report(p: dict, rel: str) -> list[str]:
             f"prefill tokens than LRU ({auto_prefill} vs {lru_prefill}), the most this trace "
             "can gain in throughput.",
         ]
+    lines += _adaptive_lines(p)
+    if "small_pool" in p:
+        lines += _small_pool(p["small_pool"])
     lines += ["", f"![pinning]({rel}/pinning.png)", ""]
     return lines
+
+
+def num_or_na(stat: dict | None) -> str:
+    return "n/a" if stat is None else f"{stat['median']:g}"
+
+
+def _adaptive_lines(p: dict) -> list[str]:
+    t = p.get("adaptive_targets")
+    if not t:
+        return []
+    met = t["met"]
+    fixed = t["fixed_hit_rate_settled"]
+    return [
+        "",
+        "| target (budget that follows the demand, issue 34) | measured (median) | verdict |",
+        "|---|---|---|",
+        f"| settled hot prefix cached whole | {pct(t['adaptive_hit_rate_settled'])}"
+        + (f" (fixed 10%: {pct(fixed)})" if fixed is not None else "")
+        + f" | {verdict(met['whole_prefix'])} |",
+        f"| preemptions no more than the local LRU's | {t['adaptive_preemptions']:g} vs "
+        f"{t['lru_preemptions']:g} | {verdict(met['preemptions'])} |",
+    ]
+
+
+def _small_pool(s: dict) -> list[str]:
+    sh = s["shape"]
+    per_request = sh["cold_blocks"] + 1
+    lines = [
+        "",
+        f"Issue 34's small pool: {sh['num_blocks']} blocks, {per_request}-block requests "
+        f"(prompt + {sh['output_len']} output token) one at a time, the {sh['hot_blocks']}-"
+        f"block hot prefix every {sh['cold_per_visit'] + 1}th request, {sh['visits']} visits; "
+        f"{s['repeats']} runs per policy, median (best).",
+        "",
+        "| policy | hot prefix cached, settled | hot TTFT p50 ms, settled | prompt tok/s "
+        "| prefill tokens computed | preemptions | pin budget (blocks) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, a in s["policies"].items():
+        budget = a["counters"].get("pin_budget_blocks", "n/a")
+        lines.append(
+            f"| {PINNING_LABELS.get(name, name)} "
+            f"| {pct(a['hot_hit_rate_settled']['median'])} "
+            f"({pct(a['hot_hit_rate_settled']['best'])}) "
+            f"| {num(a['hot_ttft_settled_p50_ms']['median'], 0)} "
+            f"({num(a['hot_ttft_settled_p50_ms']['best'], 0)}) "
+            f"| {num(a['prompt_throughput']['median'], 0)} "
+            f"| {s['runs'][name][0]['num_prefill_tokens']} "
+            f"| {num_or_na(a.get('num_preemptions'))} | {budget} |")
+    return lines + _adaptive_lines(s)
