@@ -228,7 +228,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_path", "model_identity", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "dtype", "device", "max_n", "max_logprobs", "engine_id", "max_beam_width", "instance_id", "served_model_name")
+    __slots__ = ("model_path", "model_identity", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "dtype", "device", "max_n", "max_logprobs", "engine_id", "max_beam_width", "instance_id", "served_model_name", "tensor_parallel_size")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,7 @@ class ModelInfoResponse(_message.Message):
     MAX_BEAM_WIDTH_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     model_identity: str
     architecture: str
@@ -261,7 +262,8 @@ class ModelInfoResponse(_message.Message):
     max_beam_width: int
     instance_id: str
     served_model_name: str
-    def __init__(self, model_path: _Optional[str] = ..., model_identity: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_n: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., engine_id: _Optional[str] = ..., max_beam_width: _Optional[int] = ..., instance_id: _Optional[str] = ..., served_model_name: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model_path: _Optional[str] = ..., model_identity: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_n: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., engine_id: _Optional[str] = ..., max_beam_width: _Optional[int] = ..., instance_id: _Optional[str] = ..., served_model_name: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class EngineStatsRequest(_message.Message):
     __slots__ = ()

@@ -61,6 +61,7 @@ class EngineStats:
     num_pins_released: int = 0  # pinned blocks unpinned so a lone request could run
     num_waiting_prefill_tokens: int = 0  # prompt tokens not computed yet (waiting + running)
     num_prefill_deferrals: int = 0  # admissions put off a step for a prefix being computed
+    tensor_parallel_size: int = 1  # ranks the model is split over
 
 
 Command = Callable[["LLMEngine"], None]
@@ -630,6 +631,7 @@ class LLMEngine:
             num_pins_released=self.scheduler.counters.num_pins_released,
             num_waiting_prefill_tokens=self.scheduler.num_waiting_prefill_tokens(),
             num_prefill_deferrals=self.scheduler.counters.num_prefill_deferrals,
+            tensor_parallel_size=self.config.tensor_parallel_size,
         )
 
     def check_block_invariants(self) -> list[str]:

@@ -130,6 +130,9 @@ def run_core(channel: CoreChannel, options: CoreOptions) -> None:
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         raise SystemExit(2) from None
     conn.send(("ready", EngineInfo.of(engine)))
+    # A tensor-parallel worker that dies while the engine idles (no collective to fail) ends
+    # the core as a failed step would: the error is raised on the engine thread.
+    engine.watch_ranks(lambda error: engine.post(_raiser(error)))
     try:
         CoreLoop(engine, channel, link, rpc_times).run()
     except BaseException as error:  # the front ends every stream with this and exits non-zero
@@ -138,7 +141,16 @@ def run_core(channel: CoreChannel, options: CoreOptions) -> None:
             conn.send(("died", f"{error!r}"))
         except OSError:
             pass
+        engine.close()
         raise SystemExit(1) from None
+    engine.close()  # the workers of a tensor-parallel engine stop with it
+
+
+def _raiser(error: Exception) -> Callable[[LLMEngine], None]:
+    def command(_engine: LLMEngine) -> None:
+        raise error
+
+    return command
 
 
 class CoreLoop:

@@ -21,13 +21,14 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     dtype: str
     device: str
+    tensor_parallel_size: int = 1
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
         config = engine.config
         return cls(engine.limits, engine.model_config, engine.hasher.identity,
                    config.served_model_name, tuple(sorted(engine.eos_token_ids)),
-                   config.dtype, config.device)
+                   config.dtype, config.device, config.tensor_parallel_size)
 
     @property
     def hasher(self) -> BlockHasher:

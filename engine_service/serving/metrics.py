@@ -27,6 +27,9 @@ class EngineMetrics:
             PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks held by running sequences.",
             registry=r)
         self.num_blocks = Gauge(PREFIX + "kv_blocks", "KV blocks in the pool.", registry=r)
+        self.tensor_parallel_size = Gauge(
+            PREFIX + "tensor_parallel_size", "Ranks the model is split over (1: one device).",
+            registry=r)
         self.num_free_blocks = Gauge(
             PREFIX + "kv_free_blocks", "KV blocks not held by a sequence.", registry=r)
         self.num_running = Gauge(
@@ -94,6 +97,7 @@ class EngineMetrics:
         last = self._last
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.num_blocks.set(stats.num_blocks)
+        self.tensor_parallel_size.set(stats.tensor_parallel_size)
         self.num_free_blocks.set(stats.num_free_blocks)
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)

@@ -68,6 +68,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+TP_SIZE_ENV = "PAGEDGEN_TENSOR_PARALLEL_SIZE"
 
 
 @dataclass(slots=True)
@@ -327,6 +328,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ceiling they get what the running requests' peak demand leaves")
     p.add_argument("--pin-budget-window-s", type=float, default=d.pin_budget_window_s,
                    help="how long a peak of demand holds the pin budget down")
+    p.add_argument("--tensor-parallel-size", type=int,
+                   default=os.environ.get(TP_SIZE_ENV) or d.tensor_parallel_size,
+                   help="ranks the model is split over (heads, MLP columns, vocabulary): this "
+                        "engine and N-1 worker processes, NCCL on CUDA, gloo on the CPU, one "
+                        f"torch thread a rank on the CPU (env {TP_SIZE_ENV})")
+    p.add_argument("--tensor-parallel-timeout-s", type=float,
+                   default=d.tensor_parallel_timeout_s,
+                   help="a collective that does not return within this fails the engine "
+                        "(a hung rank): NOT_SERVING and exit, never a hang")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: token-id input and output only")
@@ -405,6 +415,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         pin_budget_floor=args.pin_budget_floor,
         pin_budget_ceiling=args.pin_budget_ceiling,
         pin_budget_window_s=args.pin_budget_window_s,
+        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_timeout_s=args.tensor_parallel_timeout_s,
         seed=args.seed,
         skip_tokenizer_init=args.skip_tokenizer_init,
         enforce_eager=args.enforce_eager,

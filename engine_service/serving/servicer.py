@@ -292,6 +292,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             max_beam_width=limits.max_beam_width,
             instance_id=self.instance_id,
             served_model_name=info.served_model_name,
+            tensor_parallel_size=info.tensor_parallel_size,
         )
 
     async def EngineStats(self, request: pb.EngineStatsRequest, context) -> pb.EngineStatsResponse:

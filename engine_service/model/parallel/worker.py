@@ -13,6 +13,7 @@ import datetime
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -38,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(message)s")
+    # Rank 0 owns the lifecycle, as the serving core does: a Ctrl-C or SIGTERM to the process
+    # group stops the workers through it (after a drain), not under a step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
 
     import torch
