@@ -190,7 +190,13 @@ def test_pinning_lru_drops_the_hot_prefix_and_the_section_renders(tmp_path, tiny
     render from the section's results."""
     from dataclasses import asdict
 
-    from bench.pinning import PinningShape, _aggregate, run_policy, summarize_run
+    from bench.pinning import (
+        PinningShape,
+        _adaptive_targets,
+        _aggregate,
+        run_policy,
+        summarize_run,
+    )
     from bench.plots import plot_pinning
     from bench.sections import pinning as pinning_section
     from engine_service.core.config import EngineConfig
@@ -215,8 +221,18 @@ def test_pinning_lru_drops_the_hot_prefix_and_the_section_renders(tmp_path, tiny
         "policies": {"local_lru": _aggregate([summary])},
         "runs": {"local_lru": [summary]},
     }
+    assert summary["num_preemptions"] == 0
+    # Issue 34's small-pool table and the adaptive budget's targets render too (the LRU run
+    # standing in for the adaptive one: this checks the rendering, not the policy).
+    both = {"local_lru": _aggregate([summary]), "index_autopin_adaptive": _aggregate([summary])}
+    pinning["small_pool"] = pinning | {
+        "policies": both, "runs": {p: [summary] for p in both},
+        "adaptive_targets": _adaptive_targets(both)}
     text = "\n".join(pinning_section.report({"pinning": pinning}, "bench/results"))
     assert "| local LRU (no index) | 0.0% / 0.0% |" in text
+    assert "Issue 34's small pool: 24 blocks, 16-block requests" in text
+    assert "| index, automatic pins, budget follows the demand | 0.0% (0.0%) |" in text
+    assert "| preemptions no more than the local LRU's | 0 vs 0 | met |" in text
     assert plot_pinning({"pinning": pinning}, tmp_path).name == "pinning.png"
 
 
