@@ -84,6 +84,17 @@ def test_commands_parse_with_the_real_console_scripts(services, secret_files, tm
     assert args.policy == "kv-aware" and args.port == 50051
 
 
+def test_the_tensor_parallel_engine_spans_two_gpus(services, secret_files, tmp_path):
+    tp2 = services["engine-tp2"]
+    assert tp2["profiles"] == ["gpu-tp2"] and tp2["image"] == services["engine"]["image"]
+    [device] = tp2["deploy"]["resources"]["reservations"]["devices"]
+    assert device["count"] == 2 and device["capabilities"] == ["gpu"]
+    script, *argv = tp2["command"]
+    args = engine_args([_on_this_machine(a, secret_files, tmp_path) for a in argv])
+    assert script == "pagedgen-engine" and args.tensor_parallel_size == 2
+    assert args.device == "cuda" and args.prefix_index == "prefix-index:50061"
+
+
 def test_the_router_fronts_scalable_engine_replicas(services, secret_files, tmp_path):
     """Only the router is published; replicas have no fixed id or host port (so --scale works)
     and register hostname:50051 (the default advertised address when bound to 0.0.0.0)."""
