@@ -187,3 +187,40 @@ def test_a_burst_shrinks_the_budget_instead_of_preempting_for_pins(tiny_llama_di
     assert budgets == [16, 32]
     assert preemptions == 0
     assert engine.pool.policy.counters.pins_released == 0  # no pin broken for a lone request
+
+
+def test_a_re_registration_restores_the_engines_budget(tiny_llama_dir, test_certs):
+    """Register sets the index's own default (10% of 64: 6 blocks); the re-sync after a
+    re-registration (here: the index process restarted on its Redis) sends the engine's
+    budget first, so the index follows the engine again (32: half the idle pool)."""
+    with RedisProcess() as redis:
+        tls = test_certs.files("index")
+        index = IndexProcess(redis.url, INDEX_ARGS, tls=tls).start()
+        engine = make_engine(tiny_llama_dir, num_blocks=POOL)
+        link, engine_id = connect(test_certs, engine, index.target)
+        driver = Driver(engine)
+        replacement = None
+
+        def budget_at_index() -> int | None:
+            stats = index_stats(test_certs, index.target, engine_id)
+            return None if stats is None else stats.pin_budget
+
+        try:
+            driver.add({"first": HOT + [1, 2, 3]}, ONE_TOKEN)
+            driver.run_to_completion()
+            wait_until(lambda: budget_at_index() == 32, DEADLINE_S, "the engine's budget",
+                       engine=engine)
+            index.kill()
+            driver.add({"while-down": HOT + [4, 5, 6]}, ONE_TOKEN)
+            driver.run_to_completion()
+            wait_until(lambda: link.degraded, DEADLINE_S, "the link degraded", engine=engine)
+            replacement = IndexProcess(redis.url, INDEX_ARGS, port=index.port, tls=tls).start()
+            wait_until(lambda: not link.degraded and link.stats().registrations == 2,
+                       DEADLINE_S, "re-registration", engine=engine)
+            wait_until(lambda: budget_at_index() == 32, DEADLINE_S,
+                       "the engine's budget after the re-sync", engine=engine)
+        finally:
+            link.close()
+            if replacement is not None:
+                replacement.kill()
+    assert engine.check_block_invariants() == []
