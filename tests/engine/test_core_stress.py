@@ -27,15 +27,13 @@ from engine_service import SamplingParams
 from engine_service.core.config import EngineConfig
 from engine_service.core.engine import LLMEngine
 from engine_service.index.link import (
-    IndexLinkOptions,
     IndexUnavailableError,
     PinRefusedError,
     connect_prefix_index,
 )
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
-from tests.service.index_fixtures import wait_until
-from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
+from tests.service.index_fixtures import link_options, wait_until
 
 LOCAL_SEEDS = list(range(12))
 INDEX_SEEDS = list(range(100, 104))
@@ -178,11 +176,11 @@ def test_random_pressure_local_policy(seed, tiny_llama_dir, probes):
 
 
 @pytest.fixture(scope="module")
-def index_target():
+def index_target(test_certs):
     # The shipped defaults (automatic pinning on): no test-only --hot-threshold 0 here.
     with RedisProcess() as redis:
-        index = IndexProcess(redis.url, ["--log-level", "WARNING", "--grace-s", "0.5",
-                                         *PLAIN_TEXT_UNTIL_CONVERTED]).start()
+        index = IndexProcess(redis.url, ["--log-level", "WARNING", "--grace-s", "0.5"],
+                             tls=test_certs.files("index")).start()
         try:
             yield index.target
         finally:
@@ -229,14 +227,15 @@ class Pinner:
 
 
 @pytest.mark.parametrize("seed", INDEX_SEEDS)
-def test_random_pressure_index_policy_with_pins(seed, tiny_llama_dir, index_target, probes):
+def test_random_pressure_index_policy_with_pins(seed, tiny_llama_dir, index_target, probes,
+                                                test_certs):
     rng = random.Random(seed)
     engine, draws = build_engine(rng, tiny_llama_dir, lambda bs: draw_requests(rng, bs, 120),
                                  probes)
     # The shipped lease (30 s). The RPC deadline is raised from 1 s: the link must never
     # degrade here, and a starved CI machine can hold one loopback call past a second with
     # nothing wrong; a wrong sequence number, a refusal or a lost registration still degrade it.
-    options = IndexLinkOptions(rpc_timeout_s=10.0)
+    options = link_options(test_certs, rpc_timeout_s=10.0)
     link = connect_prefix_index(engine, index_target, f"stress-{seed}", options)
     wait_until(lambda: not link.degraded, 30, "registration", engine=engine)
     chains = [engine.hasher.chain(d.prompt, d.salt) for d in draws]

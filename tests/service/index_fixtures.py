@@ -17,16 +17,18 @@ from engine_service import SamplingParams
 from engine_service.core.config import EngineConfig
 from engine_service.core.engine import LLMEngine
 from engine_service.core.outputs import RequestOutput
-from prefix_index.api.client import PrefixIndexClient
+from engine_service.index.link import IndexLinkOptions
 from prefix_index.api.ops import EngineStats
-from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
+from tests.support.tls import SessionCerts
+from trust.identity import ENGINE_ROLE, ROUTER_ROLE
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 256  # large enough that nothing is evicted: runs with and without an index match
 # The index as it ships: automatic pinning on at the default hot threshold, window and pin
 # budget, the default lease, Redis timeout and probe interval. A test about another setting
-# adds that flag itself, by name.
-INDEX_ARGS = ["--log-level", "WARNING", *PLAIN_TEXT_UNTIL_CONVERTED]
+# adds that flag itself, by name. It serves on the session's index certificate (mutual TLS):
+# engines link with `link_options(certs)`, tests read it with `index_stats(certs, ...)`.
+INDEX_ARGS = ["--log-level", "WARNING"]
 # How long a test waits for something the link or the index does on its own (a re-sync, a
 # mirror catching up): generous, since both cores may be busy; a condition ends it early.
 DEADLINE_S = 30.0
@@ -98,11 +100,17 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str,
     return time.monotonic() - start
 
 
-def index_stats(target: str, engine_id: str) -> EngineStats | None:
-    """The index's view of one engine (None when it holds nothing for it or is unreachable)."""
+def link_options(certs: SessionCerts, **overrides: object) -> IndexLinkOptions:
+    """An engine's link options with its session certificate (mutual TLS to the index)."""
+    return IndexLinkOptions(tls=certs.material(ENGINE_ROLE), **overrides)
+
+
+def index_stats(certs: SessionCerts, target: str, engine_id: str) -> EngineStats | None:
+    """The index's view of one engine, read as a router (None when it holds nothing for it or
+    is unreachable)."""
 
     async def fetch() -> list[EngineStats]:
-        async with PrefixIndexClient(target, timeout_s=2.0) as client:
+        async with certs.index_client(target, 2.0, ROUTER_ROLE) as client:
             return await client.stats(engine_id)
 
     try:
@@ -118,12 +126,13 @@ def local_view(engine: LLMEngine) -> tuple[int, int]:
     return len(cached), sum(1 for b in cached if b.ref_count == 0)
 
 
-def index_matches_pool(target: str, engine_id: str, engine: LLMEngine) -> bool:
+def index_matches_pool(certs: SessionCerts, target: str, engine_id: str,
+                       engine: LLMEngine) -> bool:
     """The index's view of this engine equals the pool: the same cached blocks, and the same
     evictable ones (idle and not pinned). The caller is the engine's thread: the link's results
     are applied first."""
     engine.run_commands()
-    stats = index_stats(target, engine_id)
+    stats = index_stats(certs, target, engine_id)
     cached = local_view(engine)[0]
     return stats is not None and (stats.blocks, stats.evictable) == (
         cached, engine.pool.policy.num_evictable)

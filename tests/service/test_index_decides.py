@@ -16,7 +16,7 @@ import pytest
 
 from engine_service import SamplingParams
 from engine_service.index.link import PrefixIndexLink, connect_prefix_index
-from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
+from prefix_index.api.client import PrefixIndexClientError
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
 from tests.service.index_fixtures import (
@@ -26,10 +26,13 @@ from tests.service.index_fixtures import (
     Driver,
     index_matches_pool,
     index_stats,
+    link_options,
     make_engine,
     prompt_ids,
     wait_until,
 )
+from tests.support.tls import SessionCerts
+from trust.identity import ENGINE_ROLE
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,22 +44,23 @@ WARM_UP_VISITS = 10  # the default hot threshold is 8 admissions
 
 
 @pytest.fixture(scope="module")
-def index_target():
+def index_target(test_certs):
     with RedisProcess() as redis:
-        index = IndexProcess(redis.url, INDEX_ARGS).start()
+        index = IndexProcess(redis.url, INDEX_ARGS, tls=test_certs.files("index")).start()
         try:
             yield index.target
         finally:
             index.kill()
 
 
-def hot_hit_rates(tiny_llama_dir, index_target: str | None, engine_id: str) -> list[float]:
+def hot_hit_rates(certs: SessionCerts, tiny_llama_dir, index_target: str | None,
+                  engine_id: str) -> list[float]:
     """Per hot visit, the share of the hot prefix served from the cache. Between visits, four
     cold 40-block prompts (160 blocks) flush a 128-block pool under plain LRU."""
     engine = make_engine(tiny_llama_dir, num_blocks=NUM_BLOCKS)
     link = None
     if index_target is not None:
-        link = connect_prefix_index(engine, index_target, engine_id)
+        link = connect_prefix_index(engine, index_target, engine_id, link_options(certs))
         wait_until(lambda: not link.degraded, DEADLINE_S, "registration", engine=engine)
     driver = Driver(engine)
     rates = []
@@ -69,7 +73,7 @@ def hot_hit_rates(tiny_llama_dir, index_target: str | None, engine_id: str) -> l
                 driver.add({request_id: ids}, ONE_TOKEN)
                 driver.run_to_completion()
                 if link is not None:
-                    wait_until(lambda: index_matches_pool(index_target, engine_id, engine),
+                    wait_until(lambda: index_matches_pool(certs, index_target, engine_id, engine),
                                DEADLINE_S, "the index mirrors the pool", engine=engine)
             cached = driver.finished[f"hot{visit}"].num_cached_tokens
             rates.append(cached / len(HOT))
@@ -81,9 +85,10 @@ def hot_hit_rates(tiny_llama_dir, index_target: str | None, engine_id: str) -> l
     return rates
 
 
-def test_hot_prefix_is_pinned_by_the_index_where_lru_drops_it(tiny_llama_dir, index_target):
-    lru = hot_hit_rates(tiny_llama_dir, None, "")
-    index = hot_hit_rates(tiny_llama_dir, index_target, "engine-hot")
+def test_hot_prefix_is_pinned_by_the_index_where_lru_drops_it(tiny_llama_dir, index_target,
+                                                              test_certs):
+    lru = hot_hit_rates(test_certs, tiny_llama_dir, None, "")
+    index = hot_hit_rates(test_certs, tiny_llama_dir, index_target, "engine-hot")
     settled_lru = sum(lru[WARM_UP_VISITS:]) / (HOT_VISITS - WARM_UP_VISITS)
     settled_index = sum(index[WARM_UP_VISITS:]) / (HOT_VISITS - WARM_UP_VISITS)
     print(f"hot prefix cached per visit: LRU {lru}\nindex {index}")
@@ -91,20 +96,23 @@ def test_hot_prefix_is_pinned_by_the_index_where_lru_drops_it(tiny_llama_dir, in
     assert settled_index >= 0.9, index
 
 
-async def register_again(target: str, link: PrefixIndexLink) -> int:
+async def register_again(certs: SessionCerts, target: str, link: PrefixIndexLink) -> int:
     """The Register a link sends on each retry (same identity, pool, lease and nonce)."""
-    async with PrefixIndexClient(target, timeout_s=5.0) as client:
+    async with certs.index_client(target, 5.0, ENGINE_ROLE) as client:
         return await client.register(link.engine_id, link.model_identity, link.block_size,
                                      link.num_blocks, link.options.lease_s, nonce=link.nonce)
 
 
-def test_second_live_process_with_the_same_engine_id_is_refused(tiny_llama_dir, index_target):
+def test_second_live_process_with_the_same_engine_id_is_refused(tiny_llama_dir, index_target,
+                                                                test_certs):
     first_engine = make_engine(tiny_llama_dir)
-    first = connect_prefix_index(first_engine, index_target, "engine-twin")
+    first = connect_prefix_index(first_engine, index_target, "engine-twin",
+                                 link_options(test_certs))
     wait_until(lambda: not first.degraded, DEADLINE_S, "first registration", engine=first_engine)
     epoch = first.epoch
     second_engine = make_engine(tiny_llama_dir)
-    second = connect_prefix_index(second_engine, index_target, "engine-twin")
+    second = connect_prefix_index(second_engine, index_target, "engine-twin",
+                                  link_options(test_certs))
     try:
         wait_until(lambda: second.refused, DEADLINE_S, "the twin refused", engine=second_engine)
         details = second.health_details()
@@ -113,15 +121,16 @@ def test_second_live_process_with_the_same_engine_id_is_refused(tiny_llama_dir, 
         # The twin retries every third of its 30 s lease; each retry is this call, refused
         # again for as long as the first lives (sent now rather than waited for).
         with pytest.raises(PrefixIndexClientError) as again:
-            asyncio.run(register_again(index_target, second))
+            asyncio.run(register_again(test_certs, index_target, second))
         assert again.value.code == grpc.StatusCode.ALREADY_EXISTS
         # The first one is never disturbed: its epoch stands and its writes still land.
         driver = Driver(first_engine)
         driver.add({"first": HOT}, ONE_TOKEN)
         driver.run_to_completion()
-        wait_until(lambda: index_matches_pool(index_target, "engine-twin", first_engine),
+        wait_until(lambda: index_matches_pool(test_certs, index_target, "engine-twin",
+                                              first_engine),
                    DEADLINE_S, "the first one's blocks reach the index", engine=first_engine)
-        assert index_stats(index_target, "engine-twin").epoch == first.epoch == epoch
+        assert index_stats(test_certs, index_target, "engine-twin").epoch == first.epoch == epoch
         assert first.health_details()["state"] == "ok"
         assert first.stats().registrations == 1
         assert second.refused

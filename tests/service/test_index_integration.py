@@ -18,7 +18,7 @@ from engine_service.index.link import (
     PrefixIndexLink,
     connect_prefix_index,
 )
-from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
+from prefix_index.api.client import PrefixIndexClientError
 from prefix_index.api.ops import Evict
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess, free_port
@@ -30,12 +30,13 @@ from tests.service.index_fixtures import (
     call_pumping,
     index_matches_pool,
     index_stats,
+    link_options,
     local_view,
     make_engine,
     prompt_ids,
     wait_until,
 )
-from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
+from tests.support.tls import SessionCerts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,8 +60,8 @@ def redis():
 
 
 @pytest.fixture
-def index(redis):
-    process = IndexProcess(redis.url, INDEX_ARGS).start()
+def index(redis, test_certs):
+    process = IndexProcess(redis.url, INDEX_ARGS, tls=test_certs.files("index")).start()
     yield process
     process.kill()
 
@@ -80,9 +81,10 @@ def reference_tokens(tiny_llama_dir) -> dict[str, list[int]]:
     return driver.tokens()
 
 
-def connect(engine, index: IndexProcess, engine_id: str,
+def connect(certs: SessionCerts, engine, index: IndexProcess, engine_id: str,
             options: IndexLinkOptions | None = None) -> PrefixIndexLink:
-    link = connect_prefix_index(engine, index.target, engine_id, options)
+    """A link on the session's engine certificate (`options`: the shipped ones by default)."""
+    link = connect_prefix_index(engine, index.target, engine_id, options or link_options(certs))
     assert link is not None
     wait_until(lambda: not link.degraded, DEADLINE_S, "first registration", engine=engine)
     return link
@@ -99,33 +101,36 @@ def test_none_keeps_the_local_policy(tiny_llama_dir):
         connect_prefix_index(engine, "127.0.0.1:1", "bad id")
 
 
-def test_shared_prefix_is_served_through_the_index(tiny_llama_dir, index):
+def test_shared_prefix_is_served_through_the_index(tiny_llama_dir, index, test_certs):
     engine = make_engine(tiny_llama_dir)
-    link = connect(engine, index, "engine-hit")
+    link = connect(test_certs, engine, index, "engine-hit")
     try:
         driver = Driver(engine)
         first = SHARED + prompt_ids(10, 5)
         second = SHARED + prompt_ids(11, 5)
         driver.add({"first": first})
         driver.run_to_completion()
-        wait_until(lambda: index_matches_pool(index.target, "engine-hit", engine), DEADLINE_S,
+        wait_until(lambda: index_matches_pool(test_certs, index.target, "engine-hit", engine),
+                   DEADLINE_S,
                    "index holds the first request's blocks")
-        held_after_first = index_stats(index.target, "engine-hit")
+        held_after_first = index_stats(test_certs, index.target, "engine-hit")
         assert held_after_first.blocks >= 4 and held_after_first.hits == 0
 
         driver.add({"second": second})
         driver.step()  # admission: the shared blocks are acquired (refcount 1 in the index)
-        wait_until(lambda: index_matches_pool(index.target, "engine-hit", engine), DEADLINE_S,
+        wait_until(lambda: index_matches_pool(test_certs, index.target, "engine-hit", engine),
+                   DEADLINE_S,
                    "index mirrors the second request's acquire")
-        running = index_stats(index.target, "engine-hit")
+        running = index_stats(test_certs, index.target, "engine-hit")
         assert running.evictable == local_view(engine)[1] < local_view(engine)[0]
         driver.run_to_completion()
 
         assert driver.finished["second"].num_cached_tokens == 4 * BLOCK_SIZE
         assert driver.finished["first"].num_cached_tokens == 0
-        wait_until(lambda: index_matches_pool(index.target, "engine-hit", engine), DEADLINE_S,
+        wait_until(lambda: index_matches_pool(test_certs, index.target, "engine-hit", engine),
+                   DEADLINE_S,
                    "index holds both requests' blocks, all idle")
-        stats = index_stats(index.target, "engine-hit")
+        stats = index_stats(test_certs, index.target, "engine-hit")
         # Each admission asks for the prompt's 4 cacheable blocks; the second finds all 4.
         assert (stats.queries, stats.hits) == (8, 4)
         assert link.stats().registrations == 1 and not link.degraded
@@ -138,10 +143,10 @@ def test_shared_prefix_is_served_through_the_index(tiny_llama_dir, index):
 
 @pytest.mark.parametrize("outage", ["redis", "redis-hang", "index"])
 def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, reference_tokens,
-                                             outage):
+                                             outage, test_certs):
     engine = make_engine(tiny_llama_dir)
     engine_id = f"engine-{outage}-outage"
-    link = connect(engine, index, engine_id)
+    link = connect(test_certs, engine, index, engine_id)
     replacement: IndexProcess | None = None
     try:
         first_epoch = link.epoch
@@ -179,13 +184,15 @@ def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, refe
         elif outage == "redis-hang":
             redis.resume()
         else:
-            replacement = IndexProcess(redis.url, INDEX_ARGS, port=index.port).start()
+            replacement = IndexProcess(redis.url, INDEX_ARGS, port=index.port,
+                                       tls=test_certs.files("index")).start()
         wait_until(lambda: not link.degraded, DEADLINE_S, f"recovery after the {outage} restart",
                    engine=engine)
         assert link.epoch > first_epoch
         assert link.stats().registrations >= 2
         # The re-sync gave the index every block the engine still caches, all idle.
-        wait_until(lambda: index_matches_pool(index.target, engine_id, engine), DEADLINE_S,
+        wait_until(lambda: index_matches_pool(test_certs, index.target, engine_id, engine),
+                   DEADLINE_S,
                    "index re-synced with the pool")
         assert local_view(engine)[0] > 0
     finally:
@@ -196,12 +203,12 @@ def test_outage_fails_no_request_and_recovers(tiny_llama_dir, redis, index, refe
     assert engine.check_block_invariants() == []
 
 
-def test_forks_and_pins_stay_mirrored(tiny_llama_dir, index):
+def test_forks_and_pins_stay_mirrored(tiny_llama_dir, index, test_certs):
     """n=3 sampling shares blocks by fork (refcounts the index must follow); blocks evicted
     locally are reported one by one (Forget), with no re-sync; a pinned prefix survives a local
     eviction of everything idle."""
     engine = make_engine(tiny_llama_dir)
-    link = connect(engine, index, "engine-pins")
+    link = connect(test_certs, engine, index, "engine-pins")
     try:
         driver = Driver(engine)
         driver.add({"filler": prompt_ids(41, 30)})
@@ -209,14 +216,16 @@ def test_forks_and_pins_stay_mirrored(tiny_llama_dir, index):
         driver.add({"forked": SHARED + prompt_ids(40, 8)},
                    SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12))
         driver.step()
-        wait_until(lambda: index_matches_pool(index.target, "engine-pins", engine), DEADLINE_S,
+        wait_until(lambda: index_matches_pool(test_certs, index.target, "engine-pins", engine),
+                   DEADLINE_S,
                    "index follows the forked refcounts")
         # Evicting the filler's idle blocks locally while the forks hold the prompt blocks 3
         # times: the index forgets exactly those blocks and keeps the forks' refcounts.
         engine.pool.reset_prefix_cache()
         driver.run_to_completion()
         assert len(driver.finished["forked"].outputs) == 3
-        wait_until(lambda: index_matches_pool(index.target, "engine-pins", engine), DEADLINE_S,
+        wait_until(lambda: index_matches_pool(test_certs, index.target, "engine-pins", engine),
+                   DEADLINE_S,
                    "every fork released in the index")
         assert link.policy.counters.forgets_sent > 0
         assert link.stats().registrations == 1
@@ -231,7 +240,7 @@ def test_forks_and_pins_stay_mirrored(tiny_llama_dir, index):
         engine.step()  # idle step: sends the Forget ops of that eviction
 
         def held() -> tuple[int, int, int]:
-            stats = index_stats(index.target, "engine-pins")
+            stats = index_stats(test_certs, index.target, "engine-pins")
             return (-1, -1, -1) if stats is None else (stats.blocks, stats.pinned, stats.evictable)
 
         # Pinned idle blocks are not evictable in the index either.
@@ -254,10 +263,11 @@ def test_forks_and_pins_stay_mirrored(tiny_llama_dir, index):
     assert engine.check_block_invariants() == []
 
 
-def test_engine_started_before_the_index_serves_then_registers(tiny_llama_dir, redis):
+def test_engine_started_before_the_index_serves_then_registers(tiny_llama_dir, redis, test_certs):
     engine = make_engine(tiny_llama_dir)
     port = free_port()
-    link = connect_prefix_index(engine, f"127.0.0.1:{port}", "engine-early")
+    link = connect_prefix_index(engine, f"127.0.0.1:{port}", "engine-early",
+                                link_options(test_certs))
     index: IndexProcess | None = None
     try:
         driver = Driver(engine)
@@ -268,10 +278,12 @@ def test_engine_started_before_the_index_serves_then_registers(tiny_llama_dir, r
         assert link.health_details()["state"] == "degraded"
         # The local LRU shares the prefix meanwhile.
         assert driver.finished["early1"].num_cached_tokens == 4 * BLOCK_SIZE
-        index = IndexProcess(redis.url, INDEX_ARGS, port=port).start()
+        index = IndexProcess(redis.url, INDEX_ARGS, port=port,
+                             tls=test_certs.files("index")).start()
         wait_until(lambda: not link.degraded, DEADLINE_S, "registration once the index is up",
                    engine=engine)
-        wait_until(lambda: index_matches_pool(index.target, "engine-early", engine), DEADLINE_S,
+        wait_until(lambda: index_matches_pool(test_certs, index.target, "engine-early", engine),
+                   DEADLINE_S,
                    "the blocks cached while degraded reach the index")
     finally:
         link.close()
@@ -291,12 +303,12 @@ def eviction_script(driver: Driver) -> None:
         driver.run_to_completion()
 
 
-def test_index_chooses_the_victims_ahead_of_need(tiny_llama_dir, index):
+def test_index_chooses_the_victims_ahead_of_need(tiny_llama_dir, index, test_certs):
     reference = Driver(make_engine(tiny_llama_dir, **SMALL_POOL))
     eviction_script(reference)
 
     engine = make_engine(tiny_llama_dir, **SMALL_POOL)
-    link = connect(engine, index, "engine-evict")
+    link = connect(test_certs, engine, index, "engine-evict")
     try:
         # The victims the index chooses come back one round trip after the engine asks (a
         # millisecond or two); a step of the tiny model with the fused CPU ops takes about as
@@ -307,9 +319,10 @@ def test_index_chooses_the_victims_ahead_of_need(tiny_llama_dir, index):
         assert driver.tokens() == reference.tokens()
         counters = link.policy.counters
         assert counters.index_victims_applied > 0
-        wait_until(lambda: index_matches_pool(index.target, "engine-evict", engine), DEADLINE_S,
+        wait_until(lambda: index_matches_pool(test_certs, index.target, "engine-evict", engine),
+                   DEADLINE_S,
                    "index and pool agree after the evictions")
-        stats = index_stats(index.target, "engine-evict")
+        stats = index_stats(test_certs, index.target, "engine-evict")
         assert stats.evictions >= counters.index_victims_applied
         # The reserve is small (at most 1/32 of the pool, issue 10), so a burst can outrun the
         # index's victims: the engine then evicts on its own and reports each block with a
@@ -321,35 +334,37 @@ def test_index_chooses_the_victims_ahead_of_need(tiny_llama_dir, index):
     assert engine.check_block_invariants() == []
 
 
-def test_engine_restart_fences_the_old_epoch(tiny_llama_dir, index):
+def test_engine_restart_fences_the_old_epoch(tiny_llama_dir, index, test_certs):
     """A restarted engine under the same id, at the shipped 30 s lease: the old process
     registered where it served and its instance id, as pagedgen-engine does; dead, nothing
     answers there, so the index hands the lease to the new process at once (no lapse to wait
     for) and fences the old epoch."""
     first_engine = make_engine(tiny_llama_dir)
     dead_address = f"127.0.0.1:{free_port()}"  # where the first process served, now nobody
-    first = connect(first_engine, index, "engine-restarted", IndexLinkOptions(
-        serving_address=dead_address, instance_id="first-instance"))
+    first = connect(test_certs, first_engine, index, "engine-restarted",
+                    link_options(test_certs, serving_address=dead_address,
+                                 instance_id="first-instance"))
     driver = Driver(first_engine)
     driver.add({"before": SHARED + prompt_ids(20, 3)})
     driver.run_to_completion()
-    wait_until(lambda: index_matches_pool(index.target, "engine-restarted", first_engine),
+    wait_until(lambda: index_matches_pool(test_certs, index.target, "engine-restarted",
+                                          first_engine),
                DEADLINE_S, "the first instance's blocks reach the index")
     old_epoch = first.epoch
     first.close()  # the process "dies"; a new instance comes up under the same id
 
     second_engine = make_engine(tiny_llama_dir)
-    second = connect(second_engine, index, "engine-restarted",
-                     IndexLinkOptions(instance_id="second-instance"))
+    second = connect(test_certs, second_engine, index, "engine-restarted",
+                     link_options(test_certs, instance_id="second-instance"))
     try:
         assert second.stats().rpc_calls["Register"] == 1  # taken over at once, not refused
         assert second.epoch > old_epoch
-        stats = index_stats(index.target, "engine-restarted")
+        stats = index_stats(test_certs, index.target, "engine-restarted")
         assert stats.epoch == second.epoch
         assert stats.blocks == 0  # never told it holds the blocks the old instance had
 
         async def apply_with_old_epoch() -> None:
-            async with PrefixIndexClient(index.target, timeout_s=2.0) as client:
+            async with test_certs.index_client(index.target, timeout_s=2.0) as client:
                 client.attach("engine-restarted", old_epoch)
                 await client.apply([Evict(0)])
 
@@ -361,13 +376,15 @@ def test_engine_restart_fences_the_old_epoch(tiny_llama_dir, index):
         driver.add({"after": SHARED + prompt_ids(21, 3)})
         driver.run_to_completion()
         assert driver.finished["after"].num_cached_tokens == 0  # a fresh pool: nothing shared
-        wait_until(lambda: index_matches_pool(index.target, "engine-restarted", second_engine),
+        wait_until(lambda: index_matches_pool(test_certs, index.target, "engine-restarted",
+                                              second_engine),
                    DEADLINE_S, "the second instance's blocks reach the index")
     finally:
         second.close()
 
 
-def test_grpc_server_reports_cached_tokens_through_the_index(tiny_llama_dir, index, tmp_path):
+def test_grpc_server_reports_cached_tokens_through_the_index(tiny_llama_dir, index, tmp_path,
+                                                             test_certs):
     """End to end: pagedgen-engine --prefix-index HOST:PORT, two Generate calls sharing a
     prefix; the second's usage counts the shared blocks and the index counts the hit."""
     from engine_service.tools.launch import EngineProcess
@@ -376,11 +393,12 @@ def test_grpc_server_reports_cached_tokens_through_the_index(tiny_llama_dir, ind
 
     args = ["--num-blocks", "64", "--block-size", "16", "--max-model-len", "512",
             "--prefix-index", index.target, "--engine-id", "engine-e2e", "--log-level",
-            "WARNING", "--grace-s", "1", *PLAIN_TEXT_UNTIL_CONVERTED]  # (its index is plain)
+            "WARNING", "--grace-s", "1"]
     shared = prompt_ids(seed=30, length=32)  # 2 full blocks of 16
     params = gen_pb.SamplingParams(temperature=0, max_tokens=4)
-    with EngineProcess(tiny_llama_dir, args, log_path=tmp_path / "engine.log") as engine:
-        with grpc.insecure_channel(engine.target) as channel:
+    with EngineProcess(tiny_llama_dir, args, log_path=tmp_path / "engine.log",
+                       tls=test_certs.files("engine")) as engine:
+        with test_certs.channel(engine.target) as channel:
             stub = gen_grpc.GenerationStub(channel)
             replies = [
                 stub.Generate(gen_pb.GenerateRequest(
@@ -391,7 +409,7 @@ def test_grpc_server_reports_cached_tokens_through_the_index(tiny_llama_dir, ind
             assert [r.usage.cached_tokens for r in replies] == [0, 32]
 
             def index_hits() -> int:
-                held = index_stats(index.target, "engine-e2e")
+                held = index_stats(test_certs, index.target, "engine-e2e")
                 return -1 if held is None else held.hits
 
             wait_until(lambda: index_hits() == 2, DEADLINE_S,
@@ -399,5 +417,5 @@ def test_grpc_server_reports_cached_tokens_through_the_index(tiny_llama_dir, ind
             stats = stub.EngineStats(gen_pb.EngineStatsRequest(), timeout=10)
             assert not stats.degraded
             assert stats.index_details["state"] == "ok"
-            assert int(stats.index_details["epoch"]) == index_stats(
-                index.target, "engine-e2e").epoch
+            held = index_stats(test_certs, index.target, "engine-e2e")
+            assert int(stats.index_details["epoch"]) == held.epoch

@@ -22,7 +22,7 @@ import pytest
 from engine_service import SamplingParams
 from engine_service.core.engine import LLMEngine
 from engine_service.index.link import PrefixIndexLink, connect_prefix_index
-from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
+from prefix_index.api.client import PrefixIndexClientError
 from prefix_index.api.ops import Commit, Pin, PinState, Release
 from prefix_index.server.config import PinPolicy
 from prefix_index.tools.launch import IndexProcess
@@ -36,10 +36,12 @@ from tests.service.index_fixtures import (
     call_pumping,
     index_matches_pool,
     index_stats,
+    link_options,
     make_engine,
     prompt_ids,
     wait_until,
 )
+from tests.support.tls import SessionCerts
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -62,8 +64,8 @@ def redis():
 
 
 @pytest.fixture
-def index(redis):
-    process = IndexProcess(redis.url, INDEX_ARGS).start()
+def index(redis, test_certs):
+    process = IndexProcess(redis.url, INDEX_ARGS, tls=test_certs.files("index")).start()
     yield process
     process.kill()
 
@@ -82,9 +84,9 @@ def flood(driver: Driver, name: str, seed: int) -> None:
         run_one(driver, f"{name}{i}", prompt_ids(seed + i, COLD_BLOCKS * BLOCK_SIZE + 3), COLD)
 
 
-def pinned_at_index(target: str, engine_id: str) -> tuple[int, int]:
+def pinned_at_index(certs: SessionCerts, target: str, engine_id: str) -> tuple[int, int]:
     """(pinned, of them automatic) in the index's view of the engine; (-1, -1) if none."""
-    stats = index_stats(target, engine_id)
+    stats = index_stats(certs, target, engine_id)
     return (-1, -1) if stats is None else (stats.pinned, stats.auto_pinned)
 
 
@@ -102,7 +104,7 @@ def assert_pins_held_locally(engine: LLMEngine, chains: list[list[bytes]]) -> No
     assert stats.num_free_blocks == NUM_BLOCKS - NUM_PINNED  # idle: all the rest is free
 
 
-def make_pins(engine: LLMEngine, link: PrefixIndexLink, driver: Driver,
+def make_pins(certs: SessionCerts, engine: LLMEngine, link: PrefixIndexLink, driver: Driver,
               target: str, engine_id: str) -> tuple[list[bytes], list[bytes]]:
     """HOT requested HOT_THRESHOLD times (the index pins it), PINNED pinned by PinPrefix;
     their block-hash chains."""
@@ -116,23 +118,25 @@ def make_pins(engine: LLMEngine, link: PrefixIndexLink, driver: Driver,
                "the index's automatic pins of the hot prefix reach the engine", engine=engine)
     assert call_pumping(
         engine, lambda: asyncio.run(link.pin_prefix(pinned_chain, 0.0, False))) == 3
-    assert pinned_at_index(target, engine_id) == (NUM_PINNED, 4)
+    assert pinned_at_index(certs, target, engine_id) == (NUM_PINNED, 4)
     return hot_chain, pinned_chain
 
 
 @pytest.mark.parametrize("outage", ["redis-restart", "index-restart"])
-def test_pins_survive_an_outage_and_resync(tiny_llama_dir, redis, index, outage):
+def test_pins_survive_an_outage_and_resync(tiny_llama_dir, redis, index, outage, test_certs):
     engine = make_engine(tiny_llama_dir)
     engine_id = f"engine-pins-{outage}"
-    link = connect_prefix_index(engine, index.target, engine_id)  # shipped link options
+    # The shipped link options, on the session's engine certificate.
+    link = connect_prefix_index(engine, index.target, engine_id, link_options(test_certs))
     assert link is not None and link.options.lease_s == 30.0
     replacement: IndexProcess | None = None
     try:
         wait_until(lambda: not link.degraded, DEADLINE_S, "first registration", engine=engine)
         first_epoch = link.epoch
         driver = Driver(engine)
-        chains = make_pins(engine, link, driver, index.target, engine_id)
-        wait_until(lambda: index_matches_pool(index.target, engine_id, engine), DEADLINE_S,
+        chains = make_pins(test_certs, engine, link, driver, index.target, engine_id)
+        wait_until(lambda: index_matches_pool(test_certs, index.target, engine_id, engine),
+                   DEADLINE_S,
                    "the index mirrors the pool before the outage")
 
         if outage == "redis-restart":
@@ -153,23 +157,26 @@ def test_pins_survive_an_outage_and_resync(tiny_llama_dir, redis, index, outage)
         if outage == "redis-restart":
             redis.start()
         else:
-            replacement = IndexProcess(redis.url, INDEX_ARGS, port=index.port).start()
+            replacement = IndexProcess(redis.url, INDEX_ARGS, port=index.port,
+                                       tls=test_certs.files("index")).start()
         wait_until(lambda: not link.degraded and link.stats().registrations >= 2, DEADLINE_S,
                    f"re-registration after the {outage}", engine=engine)
         assert link.epoch > first_epoch
-        wait_until(lambda: index_matches_pool(index.target, engine_id, engine), DEADLINE_S,
+        wait_until(lambda: index_matches_pool(test_certs, index.target, engine_id, engine),
+                   DEADLINE_S,
                    "the index re-synced with the pool")
         # The re-sync gave the index both pins back: the automatic ones and the explicit one.
-        wait_until(lambda: pinned_at_index(index.target, engine_id) == (NUM_PINNED, 4),
+        wait_until(lambda: pinned_at_index(test_certs, index.target, engine_id) == (NUM_PINNED, 4),
                    DEADLINE_S, f"the pins back at the index after the {outage}", engine=engine)
         assert_pins_held_locally(engine, list(chains))
 
         # Once re-synced the index chooses the victims: still never a pinned block.
         flood(driver, "after", seed=2000)
-        wait_until(lambda: index_matches_pool(index.target, engine_id, engine), DEADLINE_S,
+        wait_until(lambda: index_matches_pool(test_certs, index.target, engine_id, engine),
+                   DEADLINE_S,
                    "the index mirrors the pool after the flood")
-        assert index_stats(index.target, engine_id).evictions > 0
-        assert pinned_at_index(index.target, engine_id) == (NUM_PINNED, 4)
+        assert index_stats(test_certs, index.target, engine_id).evictions > 0
+        assert pinned_at_index(test_certs, index.target, engine_id) == (NUM_PINNED, 4)
         assert_pins_held_locally(engine, list(chains))
         assert run_one(driver, "hot-again", HOT + prompt_ids(701, 6)) == len(HOT)
         assert run_one(driver, "pinned-again", PINNED + prompt_ids(801, 6)) == len(PINNED)
@@ -181,7 +188,7 @@ def test_pins_survive_an_outage_and_resync(tiny_llama_dir, redis, index, outage)
     assert engine.check_block_invariants() == []
 
 
-def test_restated_automatic_pins_follow_the_index_rules(redis, index):
+def test_restated_automatic_pins_follow_the_index_rules(redis, index, test_certs):
     """PinOp.automatic as the index takes it: a held hash with no hit history is pinned
     automatically and its history starts at the threshold; within the pin budget, displacing
     no other pin; never with a TTL; nothing at an index with automatic pinning off
@@ -192,7 +199,7 @@ def test_restated_automatic_pins_follow_the_index_rules(redis, index):
     budget_of_20 = PinPolicy().budget(20)  # 2
 
     async def restate(target: str, engine_id: str) -> list:
-        async with PrefixIndexClient(target, timeout_s=5.0) as client:
+        async with test_certs.index_client(target, timeout_s=5.0) as client:
             await client.register(engine_id, "model", BLOCK_SIZE, 20)
             await client.apply(committed)
             [explicit] = await client.apply([Pin(chain[:1])])
@@ -210,7 +217,8 @@ def test_restated_automatic_pins_follow_the_index_rules(redis, index):
     assert (stats.pinned, stats.auto_pinned, stats.pin_budget) == (2, 1, budget_of_20)
     assert stats.history == 3  # every re-stated hash is hot again, pinned or not
 
-    off = IndexProcess(redis.url, INDEX_ARGS + ["--hot-threshold", "0"]).start()
+    off = IndexProcess(redis.url, INDEX_ARGS + ["--hot-threshold", "0"],
+                       tls=test_certs.files("index")).start()
     try:
         reply, stats = asyncio.run(restate(off.target, "engine-restate-off"))
     finally:

@@ -15,14 +15,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_service.core.config import EngineConfig
 from engine_service.core.engine import LLMEngine
-from engine_service.index.link import IndexLinkOptions, connect_prefix_index
+from engine_service.index.link import connect_prefix_index
 from engine_service.serving.server import EngineServer, ServerOptions
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
-from tests.service.index_fixtures import index_stats, wait_until
-from tests.support.tls import PLAIN_TEXT_UNTIL_CONVERTED
+from tests.service.index_fixtures import index_stats, link_options, wait_until
+from trust.identity import ENGINE_ROLE
 
 pytestmark = pytest.mark.timeout(120)
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -32,7 +32,7 @@ RPC_TIMEOUT_S = 0.5  # the link's deadline for every call
 ENGINE_ID = "slow-step"
 
 
-def test_pin_during_a_slow_step_waits_and_the_engine_lives(tiny_llama_dir, monkeypatch):
+def test_pin_during_a_slow_step_waits_and_the_engine_lives(tiny_llama_dir, monkeypatch, test_certs):
     slow = threading.Event()  # set: the next step is the slow one
     inside = threading.Event()  # the engine thread is in the slow step
     index_pinned = threading.Event()  # ... and saw the index hold the pin meanwhile
@@ -46,7 +46,7 @@ def test_pin_during_a_slow_step_waits_and_the_engine_lives(tiny_llama_dir, monke
             # The pin reaches the index without the engine thread; then the link waits for
             # this thread to put it in the mirror. The step lasts five of the link's deadlines
             # more (a starved machine only makes the link wait longer).
-            wait_until(lambda: (s := index_stats(index_target, ENGINE_ID)) is not None
+            wait_until(lambda: (s := index_stats(test_certs, index_target, ENGINE_ID)) is not None
                        and s.pinned >= 4, 30, "the pin at the index during the slow step")
             index_pinned.set()
             time.sleep(5 * RPC_TIMEOUT_S)
@@ -54,21 +54,23 @@ def test_pin_during_a_slow_step_waits_and_the_engine_lives(tiny_llama_dir, monke
 
     monkeypatch.setattr(LLMEngine, "step", step)
     with RedisProcess() as redis:
-        index = IndexProcess(redis.url, [*PLAIN_TEXT_UNTIL_CONVERTED,
-                                         "--log-level", "WARNING"]).start()
+        index = IndexProcess(redis.url, ["--log-level", "WARNING"],
+                             tls=test_certs.files("index")).start()
         index_target = index.target
         try:
             engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=8,
                                             num_blocks=64))
             link = connect_prefix_index(engine, index.target, ENGINE_ID,
-                                        IndexLinkOptions(rpc_timeout_s=RPC_TIMEOUT_S))
+                                        link_options(test_certs, rpc_timeout_s=RPC_TIMEOUT_S))
             wait_until(lambda: not link.degraded, 30, "registration", engine=engine)
 
             async def body():
-                server = EngineServer(engine, ServerOptions(port=0), index_link=link)
+                server = EngineServer(engine, ServerOptions(
+                    port=0, tls=test_certs.material(ENGINE_ROLE)), index_link=link)
                 port = await server.start()
                 try:
-                    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    async with test_certs.aio_channel(f"127.0.0.1:{port}",
+                                                      peer_role=ENGINE_ROLE) as channel:
                         stub = pb_grpc.GenerationStub(channel)
                         health = health_pb2_grpc.HealthStub(channel)
                         prompt = list(range(100, 133))  # 4 full blocks

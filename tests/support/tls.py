@@ -101,9 +101,3 @@ class SessionCerts:
             context.load_cert_chain(str(files.cert), str(files.key))
         return context
 
-
-# The flag the fixtures not yet converted to the session's certificates still pass, by name:
-# the tests that call a prefix index both as an engine (Register, Apply) and as a router
-# (Stats, Lookup) on one client, which mutual TLS's roles forbid. `grep -rn
-# PLAIN_TEXT_UNTIL_CONVERTED tests` lists what is left of issue 32's conversion.
-PLAIN_TEXT_UNTIL_CONVERTED = ("--insecure",)

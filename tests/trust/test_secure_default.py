@@ -2,9 +2,9 @@
 --insecure, each console script that serves or connects refuses to start (exit 2) with a message
 that says how to get TLS; with --insecure it serves in plain text and logs a warning.
 
-Besides the README's plain-text example (tests/http/test_readme_curl.py runs it as written) and
-the fixtures not converted yet (tests/support/tls.py: PLAIN_TEXT_UNTIL_CONVERTED), the only
-tests that run services with --insecure."""
+Besides the README's plain-text examples (tests/http/test_readme_curl.py and
+tests/service/test_docs.py run them as written), the only tests that run services with
+--insecure."""
 
 from __future__ import annotations
 
