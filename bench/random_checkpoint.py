@@ -50,7 +50,10 @@ TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
 )
-SHAPES = ("smollm2", "llama-8b", "tiny")
+# SmolLM2-135M's size with heads that split over 2 ranks (8 query / 2 KV heads of 64, in its
+# hidden 576): the tensor-parallel benchmark's model (bench/tensor_parallel.py).
+SMOLLM2_8H2KV = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+SHAPES = ("smollm2", "smollm2-8h2kv", "llama-8b", "tiny")
 
 
 def _config(shape: str, tokenizer_dir: Path) -> dict:
@@ -61,6 +64,8 @@ def _config(shape: str, tokenizer_dir: Path) -> dict:
         config.update(LLAMA_8B, _model_name_or_path="random-llama-3-8b-shape")
     elif shape == "tiny":
         config.update(TINY, _model_name_or_path="random-tiny")
+    elif shape == "smollm2-8h2kv":
+        config.update(SMOLLM2_8H2KV, _model_name_or_path="random-smollm2-8h2kv")
     config["dtype"] = "bfloat16"
     return config
 

@@ -9,6 +9,7 @@ what a step's broadcast costs against a packed int tensor.
 """
 
 import pickle
+import time
 
 import numpy as np
 import torch
@@ -23,12 +24,19 @@ class StepChannel:
     def __init__(self, group: TensorParallelGroup) -> None:
         self.group = group
         self._buffer = torch.empty(_HEADER + FIRST_BUFFER_BYTES, dtype=torch.uint8)
+        # Rank 0's cost of its messages: pickling, and the broadcasts (bench/tensor_parallel).
+        self.pickle_s = 0.0
+        self.broadcast_s = 0.0
+        self.num_sent = 0
+        self.bytes_sent = 0
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         self.group.control.broadcast(tensor, 0).wait()
 
     def send(self, message: object) -> None:
+        start = time.perf_counter()
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        pickled = time.perf_counter()
         view = self._buffer.numpy()
         view[:_HEADER] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
         first = min(len(data), FIRST_BUFFER_BYTES)
@@ -36,6 +44,10 @@ class StepChannel:
         self._broadcast(self._buffer)
         if len(data) > first:
             self._broadcast(torch.from_numpy(np.frombuffer(data[first:], dtype=np.uint8).copy()))
+        self.pickle_s += pickled - start
+        self.broadcast_s += time.perf_counter() - pickled
+        self.num_sent += 1
+        self.bytes_sent += len(data)
 
     def receive(self) -> object:
         self._broadcast(self._buffer)

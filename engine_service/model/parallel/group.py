@@ -9,6 +9,7 @@ under a long one, since a worker waits on it for as long as the engine has nothi
 """
 
 import datetime
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,17 +24,27 @@ class TensorParallelGroup:
     world_size: int
     compute: dist.ProcessGroup
     control: dist.ProcessGroup
+    # Wall seconds this rank spent in the forward's collectives (waiting for slower ranks
+    # included) and how many it ran: bench/tensor_parallel.py reads them. (~0.2 us a call.)
+    collective_s: float = 0.0
+    num_collectives: int = 0
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (the row-parallel linears' partial sums)."""
+        start = time.perf_counter()
         self.compute.allreduce([tensor]).wait()
+        self.collective_s += time.perf_counter() - start
+        self.num_collectives += 1
         return tensor
 
     def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `tensor` (same shape on each), in rank order, on rank 0; None elsewhere."""
         outputs = ([[torch.empty_like(tensor) for _ in range(self.world_size)]]
                    if self.rank == 0 else [])
+        start = time.perf_counter()
         self.compute.gather(outputs, [tensor], dist.GatherOptions()).wait()
+        self.collective_s += time.perf_counter() - start
+        self.num_collectives += 1
         return outputs[0] if self.rank == 0 else None
 
     def min_over_ranks(self, value: int) -> int:

@@ -89,7 +89,7 @@ class TensorParallelRunner:
         self._local = local
         self.group = group
         self.workers = workers
-        self._channel = StepChannel(group)
+        self.channel = StepChannel(group)
         self._pending_moves: list[BlockMoves] = []
         self._utilization = gpu_memory_utilization
         self.decode_graphs = None  # not captured under TP (kv_cache_setup.uses_cuda_graphs)
@@ -108,7 +108,7 @@ class TensorParallelRunner:
         call = Call(method, args, self._pending_moves)
         self._pending_moves = []
         try:
-            self._channel.send(call)
+            self.channel.send(call)
             return local()
         except RuntimeError as error:  # gloo / NCCL: a closed connection, a timeout
             self._failed = True
@@ -146,7 +146,7 @@ class TensorParallelRunner:
             self.workers.stop(grace_s=0.0)
             return
         try:
-            self._channel.send(Call("stop"))
+            self.channel.send(Call("stop"))
         except RuntimeError:
             pass
         self.workers.stop()
