@@ -5,6 +5,12 @@ batched Applies, heartbeats when idle, and never lets a failure reach the engine
 `degraded` (the engine keeps serving on its local LRU), then it re-registers (new epoch) and
 re-syncs the mirror on its own every `retry_interval_s` until the index answers again.
 
+An Apply the index refuses with RESOURCE_EXHAUSTED (past this engine's --apply-ops-per-s, or
+Redis full) applied nothing and is no outage: the link keeps those ops, waits (the delay the
+index names, else a bounded exponential back-off, with jitter either way; heartbeating so the
+lease holds) and sends the same Apply again, and the ops that steps record meanwhile after it.
+A re-registration would not help: its re-sync is more ops than the ones refused.
+
 The link never touches the policy's state: it reads the policy's outbox, and everything that
 changes the mirror (results, the re-sync snapshot, pins) is posted to the engine thread's command
 queue and runs there between two steps.
@@ -20,6 +26,7 @@ import asyncio
 import concurrent.futures
 import logging
 import queue
+import random
 import re
 import secrets
 import threading
@@ -41,6 +48,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# Waits after an Apply refused with RESOURCE_EXHAUSTED that named no delay (Redis full): the
+# first, doubled after each refusal in a row, up to the most.
+REFUSED_BACKOFF_S = 0.1
+REFUSED_BACKOFF_MAX_S = 5.0
+REFUSED_JITTER = 0.2  # each wait is stretched by up to this share, so engines do not align
 TARGET = re.compile(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:.]+\]:\d{1,5}")
 
 
@@ -93,6 +105,7 @@ class IndexLinkStats:
     applies: int = 0
     ops_sent: int = 0
     rpc_errors: int = 0
+    apply_backoffs: int = 0  # Applies refused with RESOURCE_EXHAUSTED, kept and sent again
     rpc_seconds: dict[str, float] = field(default_factory=dict)  # method -> total latency
     rpc_calls: dict[str, int] = field(default_factory=dict)  # method -> calls
 
@@ -181,6 +194,7 @@ class PrefixIndexLink:
         self._wake = asyncio.Event()
         self._send_lock = asyncio.Lock()  # one Apply at a time keeps the ops in order
         self._client: PrefixIndexClient | None = None
+        self._jitter = random.Random()
         self._thread = threading.Thread(
             target=self._loop.run_until_complete, args=(self._run(),),
             name=f"prefix-index-link-{engine_id}", daemon=True,
@@ -199,7 +213,7 @@ class PrefixIndexLink:
         s = self._stats
         return IndexLinkStats(
             s.degraded, s.epoch, s.registrations, s.applies, s.ops_sent, s.rpc_errors,
-            dict(s.rpc_seconds), dict(s.rpc_calls),
+            s.apply_backoffs, dict(s.rpc_seconds), dict(s.rpc_calls),
         )
 
     def health_details(self) -> dict[str, str]:
@@ -216,6 +230,7 @@ class PrefixIndexLink:
             "mismatches": str(mirror.mismatches),
             "forgets_sent": str(mirror.forgets_sent),
             "index_pins": str(mirror.index_pins),
+            "apply_backoffs": str(s.apply_backoffs),
         }
         if s.degraded:
             details["degraded_for_s"] = f"{time.monotonic() - self._degraded_since:.1f}"
@@ -391,21 +406,49 @@ class PrefixIndexLink:
         """One Apply with the next sequence number. A timeout or an unreachable index leaves
         its outcome unknown: it is sent once more with the same number, which the index applies
         at most once; a gap or a replay (ABORTED: the index lost or repeated our writes) fails,
-        and the caller re-registers and re-syncs."""
+        and the caller re-registers and re-syncs. A refusal (RESOURCE_EXHAUSTED: nothing was
+        applied) waits and sends the same Apply again, for as long as the index refuses it."""
         assert self._client is not None
         seq = self._seq + 1
-        for attempt in (1, 2):
+        retried_unknown = False
+        refusals_in_a_row = 0
+        while True:
             try:
                 reply = await self._timed("Apply", self._client.apply_batch(ops, seq))
                 break
             except PrefixIndexClientError as error:
+                if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not self._closing:
+                    await self._back_off(error, len(ops), refusals_in_a_row)
+                    refusals_in_a_row += 1
+                    continue
                 transient = error.code in (grpc.StatusCode.UNAVAILABLE,
                                            grpc.StatusCode.DEADLINE_EXCEEDED)
-                if attempt == 2 or not transient:
+                if retried_unknown or not transient:
                     raise
+                retried_unknown = True
         self._seq = seq
         self._stats.applies += 1
         return reply
+
+    async def _back_off(self, error: PrefixIndexClientError, num_ops: int,
+                        refusals_in_a_row: int) -> None:
+        """Waits out a refused Apply: the delay the index named, else REFUSED_BACKOFF_S doubled
+        per refusal in a row up to REFUSED_BACKOFF_MAX_S; either stretched by a random share up
+        to REFUSED_JITTER. Heartbeats meanwhile (the lease must not lapse over a long wait)."""
+        if error.retry_after_s is not None:
+            delay_s = error.retry_after_s
+        else:
+            delay_s = min(REFUSED_BACKOFF_MAX_S, REFUSED_BACKOFF_S * 2 ** refusals_in_a_row)
+        delay_s *= 1 + self._jitter.uniform(0, REFUSED_JITTER)
+        self._stats.apply_backoffs += 1
+        log.warning("prefix index %s: Apply of %d ops refused (%s); keeping them, backing off "
+                    "%.2fs", self.target, num_ops, error.details, delay_s)
+        deadline = time.monotonic() + delay_s
+        heartbeat_every = max(0.05, self.options.lease_s / 3)
+        while not self._closing and (left := deadline - time.monotonic()) > 0:
+            if time.monotonic() - self._last_rpc > heartbeat_every:
+                await self._timed("Heartbeat", self._client.heartbeat())
+            await self._sleep(min(left, heartbeat_every))
 
     def _chunks(self, pending: list[PendingOp]) -> list[list[PendingOp]]:
         chunks: list[list[PendingOp]] = []

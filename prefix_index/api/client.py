@@ -27,6 +27,7 @@ from prefix_index.api.ops import (
     OpResult,
     ResidencyChange,
 )
+from prefix_index.api.retry_after import retry_after_s
 from trust.credentials import TlsMaterial, aio_channel
 from trust.identity import INDEX_ROLE
 
@@ -44,13 +45,18 @@ class PrefixIndexClientError(Exception):
 
     After UNAVAILABLE or DEADLINE_EXCEEDED from apply() the outcome is unknown (a hung Redis
     may still run the script once): with a sequence number, send the same ops with the same
-    seq again (applied exactly once); without one, re-register and re-sync."""
+    seq again (applied exactly once); without one, re-register and re-sync.
 
-    def __init__(self, method: str, code: grpc.StatusCode, details: str) -> None:
+    RESOURCE_EXHAUSTED from apply(): nothing was applied (the engine's Apply rate, or Redis
+    full); `retry_after_s` says when the same Apply would pass the rate (None: not named)."""
+
+    def __init__(self, method: str, code: grpc.StatusCode, details: str,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(f"{method}: {code.name}: {details}")
         self.method = method
         self.code = code
         self.details = details
+        self.retry_after_s = retry_after_s
 
 
 class PrefixIndexClient:
@@ -74,7 +80,8 @@ class PrefixIndexClient:
         try:
             return await getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise PrefixIndexClientError(method, exc.code(), exc.details() or "") from None
+            raise PrefixIndexClientError(method, exc.code(), exc.details() or "",
+                                         retry_after_s(exc.trailing_metadata())) from None
 
     def _require_registered(self) -> None:
         if not self.epoch:

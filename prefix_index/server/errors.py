@@ -41,4 +41,9 @@ class NotOwnerError(IndexRequestError):
 
 class QuotaExceededError(IndexRequestError):
     """A caller past one of its quotas (RESOURCE_EXHAUSTED); the message names the quota, its
-    value and the flag that sets it."""
+    value and the flag that sets it. `retry_after_s`: when the same call would pass (a rate),
+    None when only something else can free the quota (a lease lapsing, a watcher leaving)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

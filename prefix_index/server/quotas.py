@@ -61,7 +61,7 @@ class ApplyRate:
                 f"engine_id {engine_id!r}: {num_ops} ops is past its Apply rate "
                 f"(--apply-ops-per-s {self.rate:g}, bursts up to {bucket.capacity:g} ops: one "
                 f"re-sync of its pool); {bucket.tokens:.0f} ops left now, enough in "
-                f"{wait_s:.2f}s")
+                f"{wait_s:.2f}s", retry_after_s=wait_s)
         bucket.tokens -= num_ops
 
     def _put(self, engine_id: str, bucket: TokenBucket) -> None:

@@ -18,6 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from pagedgen_api import prefix_index_pb2 as pb
 from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
 from prefix_index.api import wire
+from prefix_index.api.retry_after import retry_after_metadata
 from prefix_index.server import validate
 from prefix_index.server.authorize import PRINCIPAL_SEPARATOR, Caller, Denied, authorize
 from prefix_index.server.config import IndexConfig
@@ -99,6 +100,8 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
             return result
         except tuple(_REQUEST_ERRORS) as exc:
             code, message = _REQUEST_ERRORS[type(exc)], str(exc)
+            if getattr(exc, "retry_after_s", None) is not None:
+                context.set_trailing_metadata(retry_after_metadata(exc.retry_after_s))
         except TimeoutError:
             if remaining is not None and remaining <= redis_budget:
                 code, message = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed"

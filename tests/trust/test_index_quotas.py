@@ -19,6 +19,7 @@ import redis
 
 from pagedgen_api import prefix_index_pb2 as pb
 from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
+from prefix_index.api.retry_after import retry_after_s
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess
 from router.config import RouterConfig
@@ -184,6 +185,9 @@ def test_a_full_resync_passes_a_flood_is_refused_and_the_engine_recovers(redis_s
         assert flood, "20 Applies of 256 ops right after a re-sync were all accepted"
         assert flood[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--apply-ops-per-s 200" in flood[0].details()
+        # ... and says when the same Apply passes, for the engine's link to wait that long.
+        named = retry_after_s(flood[0].trailing_metadata())
+        assert named is not None and 0 < named <= MAX_OPS / 200 + 0.001
 
         deadline = time.monotonic() + 60
         while True:  # the bucket refills at 200 ops/s: the same write passes in time

@@ -1,0 +1,121 @@
+"""An engine whose Applies the index refuses for their rate (RESOURCE_EXHAUSTED past
+--apply-ops-per-s) keeps the ops, waits the delay the index names and sends them later: serving
+never fails, the link never re-registers, and once the burst ends the index's view is the
+engine's. Real processes on the session's certificates: Redis, the index, pagedgen-engine."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from engine_service.core.block_hash import BlockHasher
+from engine_service.tools.launch import EngineProcess
+from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+from prefix_index.tools.launch import IndexProcess
+from prefix_index.tools.redis_process import RedisProcess, free_port
+from tests.service.index_fixtures import prompt_ids, wait_until
+from trust.identity import ROUTER_ROLE
+
+pytestmark = pytest.mark.timeout(300)
+ENGINE_ID = "apply-rate"
+BLOCK_SIZE = 16
+# The index's bucket holds 2 ops per pool block plus one largest Apply (--max-ops): 128 ops
+# here, refilled at 10 a second. The burst records several times that: commits, acquires,
+# releases and the evictions of a 32-block pool.
+NUM_BLOCKS = 32
+INDEX_RATE_ARGS = ["--apply-ops-per-s", "10", "--max-ops", "64"]
+# At most 8 sequences a step keep one step's ops under the index's 64 per Apply.
+ENGINE_ARGS = ["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
+               "--max-model-len", "256", "--max-num-seqs", "8", "--dtype", "float32",
+               "--engine-id", ENGINE_ID, "--log-level", "WARNING", "--grace-s", "1"]
+BURST = 64  # requests, all sent at once
+PROMPT_TOKENS = 2 * BLOCK_SIZE + 1  # two full blocks each
+DEADLINE_S = 180.0  # the backlog drains at the index's rate; a loaded machine is slower
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus text page (0 when absent)."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        match = re.fullmatch(rf"{name}\{{(.*)\}} (\S+)", line)
+        if match and ",".join(sorted(match.group(1).split(","))) == wanted:
+            return float(match.group(2))
+    return 0.0
+
+
+def test_an_engine_past_its_apply_rate_backs_off_and_the_index_catches_up(tiny_llama_dir,
+                                                                         tmp_path, test_certs):
+    index_metrics_port = free_port()
+    log_path = tmp_path / "engine.log"
+    with RedisProcess() as redis, \
+            IndexProcess(redis.url, ["--log-level", "WARNING", *INDEX_RATE_ARGS,
+                                     "--metrics-port", str(index_metrics_port),
+                                     "--metrics-host", "127.0.0.1"],
+                         tls=test_certs.files("index")) as index, \
+            EngineProcess(tiny_llama_dir, [*ENGINE_ARGS, "--prefix-index", index.target],
+                          log_path=log_path, tls=test_certs.files("engine")) as engine, \
+            test_certs.channel(engine.target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        prompts = [prompt_ids(seed, PROMPT_TOKENS) for seed in range(BURST)]
+
+        def generate(ids: list[int]) -> pb.GenerateResponse:
+            return stub.Generate(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=ids),
+                sampling=pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)),
+                timeout=120)
+
+        with ThreadPoolExecutor(BURST) as pool:
+            replies = list(pool.map(generate, prompts))
+        # Serving never failed: every request of the burst is answered whole.
+        assert [r.usage.completion_tokens for r in replies] == [4] * BURST
+
+        def index_view() -> tuple[int, int]:
+            async def read():
+                async with test_certs.index_client(index.target, 5.0, ROUTER_ROLE) as reader:
+                    return await reader.stats(ENGINE_ID)
+            [held] = asyncio.run(read())
+            return held.blocks, held.evictable
+
+        def engine_stats() -> pb.EngineStatsResponse:
+            return stub.EngineStats(pb.EngineStatsRequest(), timeout=10)
+
+        def caught_up() -> bool:
+            stats = engine_stats()
+            cached = stats.num_cached_blocks
+            return stats.num_running == 0 and index_view() == (cached, cached)
+
+        # The backlog reaches the index at its rate: its view becomes the engine's pool.
+        wait_until(caught_up, DEADLINE_S, "the index's view of the engine equals its pool")
+        details = engine_stats().index_details
+        assert details["state"] == "ok" and details["registrations"] == "1"  # no re-sync
+
+        # The last prompt's blocks are resident (LRU keeps the latest): Lookup finds them.
+        info = stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)
+        chain = BlockHasher.for_identity(info.model_identity, info.block_size).chain(
+            prompts[-1], None)
+
+        async def lookup():
+            async with test_certs.index_client(index.target, 5.0, ROUTER_ROLE) as reader:
+                return await reader.lookup(chain)
+        held = {m.engine_id: m.matched_blocks for m in asyncio.run(lookup())}
+        assert held == {ENGINE_ID: 2}
+
+        # The index refused Applies, and the engine waited each time before sending again:
+        # one back-off per refusal, each long enough that the Apply after it passed.
+        page = urllib.request.urlopen(f"http://127.0.0.1:{index_metrics_port}/metrics",
+                                      timeout=10).read().decode()
+        rpcs = "pagedgen_prefix_index_rpcs_total"
+        refused = metric(page, rpcs, code="RESOURCE_EXHAUSTED", method="Apply")
+        accepted = metric(page, rpcs, code="OK", method="Apply")
+        assert refused >= 1, "the burst never reached the index's Apply rate"
+        assert int(details["apply_backoffs"]) == refused
+        assert refused <= accepted
+        backoffs = [line for line in log_path.read_text().splitlines()
+                    if "backing off" in line]
+        assert len(backoffs) == refused
+        assert all("--apply-ops-per-s 10" in line for line in backoffs)
