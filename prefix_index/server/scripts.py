@@ -2,6 +2,12 @@
 
 A Redis that restarted (or a cluster node that never saw a script) answers NOSCRIPT; the script
 is then loaded again and the call repeated once.
+
+No script carries a `#!lua flags=...` line. A full Redis (maxmemory, noeviction) still runs
+the read-only ones (lookup, stats, residency): a script without flags is refused only when it
+calls a command that needs memory, and only before its first write, so a write script stays
+atomic (tests/prefix_index/test_redis_full.py). Flags would need Redis 7 (Redis 6 takes `#!`
+for a syntax error) and buy nothing more here.
 """
 
 from __future__ import annotations

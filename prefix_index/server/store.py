@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 
 from redis.asyncio import Redis, RedisCluster
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from prefix_index.api.ops import (
     Acquire,
@@ -295,7 +295,15 @@ class IndexStore:
 
     async def heartbeat(self, engine_id: str, epoch: int) -> float:
         lease_ms = await self._run("heartbeat", engine_id, [str(epoch)])
-        await self.redis.sadd(ENGINES_KEY, engine_id)
+        try:
+            await self.redis.sadd(ENGINES_KEY, engine_id)
+        except OutOfMemoryError:
+            # Redis full (maxmemory): the lease is extended (the script only reset TTLs,
+            # which a full Redis allows) and the id is in the set since its Register; this
+            # re-adds it only after a lost write. Refusing the heartbeat for it would drop
+            # a live engine's entries once its lease ran out, freeing memory the wrong way.
+            log.debug("engine %s: heartbeat kept without re-adding it to %s (redis full)",
+                      engine_id, ENGINES_KEY)
         return int(lease_ms) / 1000.0
 
     async def apply(self, engine_id: str, epoch: int, ops: Sequence[Op], seq: int = 0
