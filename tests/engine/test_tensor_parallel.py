@@ -158,6 +158,14 @@ def test_smollm2_at_tp3(smollm2_dir, prompts):
         llm.close()
 
 
+def test_a_size_the_heads_do_not_split_by_is_refused_naming_them(tiny_llama_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size must divide the model's 4 "
+                                         "attention heads, got 3"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=3, dtype="float32", num_blocks=64)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1, got 0"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=0)
+
+
 @pytest.mark.parametrize("failure", ["killed", "hung"])
 def test_a_failed_worker_fails_generate_with_a_clear_error(failure, tiny_llama_dir):
     """A killed worker: the next collective sees the closed connection at once. A hung one

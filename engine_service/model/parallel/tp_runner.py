@@ -96,6 +96,8 @@ class TensorParallelRunner:
         self._failed = False
 
     def __getattr__(self, name: str):
+        if name == "_local":  # (not set yet: no recursion)
+            raise AttributeError(name)
         return getattr(self._local, name)
 
     @property

@@ -32,15 +32,12 @@ class TensorParallelError(RuntimeError):
 
 
 def _stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """Wait up to grace_s for the workers to exit (they were told to stop), then kill the
+    rest: workers ignore SIGTERM (worker.py), so SIGKILL is the one signal that ends them."""
     deadline = time.monotonic() + grace_s
     for proc in procs:
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(1.0)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
