@@ -198,6 +198,7 @@ def test_pinning_lru_drops_the_hot_prefix_and_the_section_renders(tmp_path, tiny
         summarize_run,
     )
     from bench.plots import plot_pinning
+    from bench.sections import pin_budget as pin_budget_section
     from bench.sections import pinning as pinning_section
     from engine_service.core.config import EngineConfig
     from engine_service.core.engine import LLMEngine
@@ -225,10 +226,11 @@ def test_pinning_lru_drops_the_hot_prefix_and_the_section_renders(tmp_path, tiny
     # Issue 34's small-pool table and the adaptive budget's targets render too (the LRU run
     # standing in for the adaptive one: this checks the rendering, not the policy).
     both = {"local_lru": _aggregate([summary]), "index_autopin_adaptive": _aggregate([summary])}
-    pinning["small_pool"] = pinning | {
-        "policies": both, "runs": {p: [summary] for p in both},
-        "adaptive_targets": _adaptive_targets(both)}
-    text = "\n".join(pinning_section.report({"pinning": pinning}, "bench/results"))
+    small = pinning | {"policies": both, "runs": {p: [summary] for p in both},
+                       "adaptive_targets": _adaptive_targets(both)}
+    budget = {"model": "tiny", "small_pool": small, "pinning_trace": small}
+    text = "\n".join(pinning_section.report({"pinning": pinning}, "bench/results")
+                     + pin_budget_section.report({"pin_budget": budget}, "bench/results"))
     assert "| local LRU (no index) | 0.0% / 0.0% |" in text
     assert "Issue 34's small pool: 24 blocks, 16-block requests" in text
     assert "| index, automatic pins, budget follows the demand | 0.0% (0.0%) |" in text

@@ -18,14 +18,15 @@ from bench.sections import (
     memory,
     parallel_sampling,
     peers,
+    pin_budget,
     pinning,
     preemption,
     prefix,
     router,
 )
 
-SECTIONS = (peers, memory, prefix, index, pinning, beam, parallel_sampling, preemption,
-            block_sizes, router)
+SECTIONS = (peers, memory, prefix, index, pinning, pin_budget, beam, parallel_sampling,
+            preemption, block_sizes, router)
 PART_NAMES = tuple(part for section in SECTIONS for part in section.PARTS)
 # Sections that stand alone (no ratio or roofline depends on them): `--only` re-takes them and
 # merges them into an existing bench.json, each with its own machine, load and commit.

@@ -1,9 +1,8 @@
 """Section: pinning under pressure (issue #10): a small pool, a hot prefix returning between
 cold prompts, five policies (local LRU; the index with automatic pins off, on, and an explicit
 PinPrefix, under the fixed 10% pin budget; automatic pins under the budget that follows the
-demand, issue 34), and issue 34's small pool (64 blocks, 25-block requests) under the local
-LRU and both budgets. The measuring is bench/pinning.py; its runs also go to
-<out>/pinning.json."""
+demand, issue 34). The measuring is bench/pinning.py; its runs also go to <out>/pinning.json.
+Issue 34's small pool is the pin_budget section's."""
 
 from __future__ import annotations
 
@@ -15,23 +14,12 @@ KEY = "pinning"
 
 
 def run(ctx: RunContext) -> dict:
-    from bench.pinning import (
-        FULL_SHAPE,
-        QUICK_SHAPE,
-        SMALL_POOL_POLICIES,
-        SMALL_POOL_QUICK,
-        SMALL_POOL_SHAPE,
-        pinning_under_pressure,
-    )
+    from bench.pinning import FULL_SHAPE, QUICK_SHAPE, pinning_under_pressure
 
     log("pinning under pressure: small pool, hot prefix between cold prompts, 5 policies")
-    result = pinning_under_pressure(ctx.make_engine, QUICK_SHAPE if ctx.quick else FULL_SHAPE,
-                                    repeats=ctx.sizes.pinning_repeats, seed=ctx.seed)
-    log("pinning: issue 34's small pool (64 blocks, 25-block requests), fixed vs adaptive")
-    result["small_pool"] = pinning_under_pressure(
-        ctx.make_engine, SMALL_POOL_QUICK if ctx.quick else SMALL_POOL_SHAPE,
-        repeats=ctx.sizes.pinning_repeats, seed=ctx.seed, policies=SMALL_POOL_POLICIES)
-    return {KEY: result}
+    return {KEY: pinning_under_pressure(ctx.make_engine,
+                                        QUICK_SHAPE if ctx.quick else FULL_SHAPE,
+                                        repeats=ctx.sizes.pinning_repeats, seed=ctx.seed)}
 
 
 def report(r: dict, rel: str) -> list[str]:
@@ -127,8 +115,6 @@ def _report(p: dict, rel: str) -> list[str]:
             "can gain in throughput.",
         ]
     lines += _adaptive_lines(p)
-    if "small_pool" in p:
-        lines += _small_pool(p["small_pool"])
     lines += ["", f"![pinning]({rel}/pinning.png)", ""]
     return lines
 
@@ -155,15 +141,11 @@ def _adaptive_lines(p: dict) -> list[str]:
     ]
 
 
-def _small_pool(s: dict) -> list[str]:
-    sh = s["shape"]
-    per_request = sh["cold_blocks"] + 1
+def budget_table(s: dict, title: str) -> list[str]:
+    """Hit rate, prefill, preemptions and the final budget per policy, and the targets."""
     lines = [
         "",
-        f"Issue 34's small pool: {sh['num_blocks']} blocks, {per_request}-block requests "
-        f"(prompt + {sh['output_len']} output token) one at a time, the {sh['hot_blocks']}-"
-        f"block hot prefix every {sh['cold_per_visit'] + 1}th request, {sh['visits']} visits; "
-        f"{s['repeats']} runs per policy, median (best).",
+        title,
         "",
         "| policy | hot prefix cached, settled | hot TTFT p50 ms, settled | prompt tok/s "
         "| prefill tokens computed | preemptions | pin budget (blocks) |",
