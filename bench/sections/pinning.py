@@ -29,7 +29,7 @@ def report(r: dict, rel: str) -> list[str]:
 PINNING_LABELS = {
     "local_lru": "local LRU (no index)",
     "index_no_autopin": "index, automatic pins off (`--hot-threshold 0`)",
-    "index_autopin": "index, shipped defaults (automatic pins)",
+    "index_autopin": "index, shipped defaults (automatic pins), fixed 10% budget",
     "index_explicit_pin": "index, auto pins off + PinPrefix once",
     "index_autopin_adaptive": "index, automatic pins, budget follows the demand",
 }
