@@ -26,6 +26,7 @@ from pagedgen_api import prefix_index_pb2_grpc as pi_grpc
 from prefix_index.tools.redis_process import free_port
 from prefix_index.tools.server_process import wait_serving
 from router.tools.launch import RouterProcess
+from tenancy.keys_tool import add_key
 from tests.trust.conftest import files, make_certs
 from trust.cli_args import tls_argv
 from trust.credentials import channel_options
@@ -212,21 +213,46 @@ def test_an_engine_restarted_with_a_new_certificate_rejoins(stack):
     assert "stack-1" in served
 
 
-def test_the_readmes_tls_grpcurl_commands_work_as_written(stack):
-    """docs/security.md's TLS section, with this stack's certificates and addresses put in."""
+def test_the_readmes_tls_grpcurl_commands_work_as_written(stack, tmp_path):
+    """docs/security.md's TLS section, with this stack's certificates and addresses put in,
+    against a router holding a key file: KEY is a key of it, and the same Generate with
+    another key is refused (the -H header is what lets it in)."""
     text = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
     section = text[text.index("## TLS and certificates"):]
     block = re.search(r"```console\n(.*?)```", section, flags=re.S).group(1)
     commands = [line for line in block.splitlines() if line.startswith("grpcurl ")]
     assert len(commands) == 3
-    outputs = []
-    for command in commands:
-        command = (command.replace("certs/", f"{stack.certs}/")
-                   .replace("localhost:50050", stack.router.target)
-                   .replace("localhost:50051", stack.engines["stack-0"].target))
-        done = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, f"{command}\n{done.stderr}"
-        outputs.append(done.stdout)
-    assert "pagedgen.generation.v1.Generation" in outputs[0]
-    assert json.loads(outputs[1])["usage"]["completion_tokens"] == 4  # (grpcurl: proto names)
-    assert json.loads(outputs[2])["engine_id"] == "stack-0"
+    key_file = tmp_path / "api-keys.toml"
+    key = add_key(key_file, "docs")
+    router = stack.start_router(["--prefix-index", stack.index.target,
+                                 "--api-key-file", str(key_file)], name="router-keys")
+    try:
+        with stack.client(router.target) as channel:
+            deadline = time.monotonic() + 60
+            while int(pb_grpc.GenerationStub(channel).EngineStats(
+                    pb.EngineStatsRequest(), metadata=(("authorization", f"Bearer {key}"),),
+                    timeout=10).index_details.get("replicas_routable", "0")) != 2:
+                assert time.monotonic() < deadline, "the keyed router never routed to both"
+                time.sleep(0.1)
+
+        def run(command: str, api_key: str) -> subprocess.CompletedProcess:
+            command = (command.replace("certs/", f"{stack.certs}/")
+                       .replace("localhost:50050", router.target)
+                       .replace("localhost:50051", stack.engines["stack-0"].target)
+                       .replace("Bearer KEY", f"Bearer {api_key}"))
+            return subprocess.run(shlex.split(command), capture_output=True, text=True,
+                                  timeout=60)
+
+        outputs = []
+        for command in commands:
+            done = run(command, key)
+            assert done.returncode == 0, f"{command}\n{done.stderr}"
+            outputs.append(done.stdout)
+        assert "pagedgen.generation.v1.Generation" in outputs[0]
+        assert json.loads(outputs[1])["usage"]["completion_tokens"] == 4  # (proto names)
+        assert json.loads(outputs[2])["engine_id"] == "stack-0"
+        assert "Bearer KEY" in commands[1]
+        refused = run(commands[1], "not-a-key")
+        assert refused.returncode != 0 and "Unauthenticated" in refused.stderr, refused.stderr
+    finally:
+        router.kill()
