@@ -16,7 +16,9 @@ Configurations:
 - tp1-2t: one rank, two torch threads, the fused C++ decoder (the engine's default path);
 - tp1-2t-per-layer: the same with the Python layer loop, the path the TP ranks run
   (engine_service/model/parallel/layers.py says why), so the cost of that choice shows;
-- tp2-1t: two ranks of one thread each (gloo over loopback).
+- tp2-1t: two ranks of one thread each (gloo over loopback);
+- tp1-1t (asked for by --configs): one rank, one thread: what a rank does alone, without
+  the OpenMP barriers two threads meet at in every op.
 
 Per run: output tokens/s; ms per engine step; on rank 0, the ms per step spent in the forward's
 collectives (2 all-reduces a layer, the embedding's and the logits' gather; waiting for the
@@ -40,7 +42,9 @@ CONFIGS = {
     "tp1-2t": {"tp": 1, "threads": 2, "per_layer": False},
     "tp1-2t-per-layer": {"tp": 1, "threads": 2, "per_layer": True},
     "tp2-1t": {"tp": 2, "threads": 1, "per_layer": False},
+    "tp1-1t": {"tp": 1, "threads": 1, "per_layer": False},  # not in the default set
 }
+DEFAULT_CONFIGS = ("tp1-2t", "tp1-2t-per-layer", "tp2-1t")
 VOCAB = 49152
 
 
@@ -132,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated, of {', '.join(CONFIGS)}")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--one", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)

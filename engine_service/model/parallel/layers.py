@@ -8,8 +8,11 @@ per-rank logits are gathered on rank 0.
 
 On the CPU a rank runs the Python layer loop, not the fused C++ decoder (fused_decoder.py):
 the C++ loop has no point between layers to call a collective from, and the per-layer path
-costs a rank only the Python dispatch between kernels, which is small against a step's
-all-reduces at the sizes TP is for (bench/README.md, "Tensor parallelism", has the figures).
+costs a rank only the Python dispatch between kernels (~5 ms a step, measured when the fused
+loop came in), against a step's 62 collectives that took ~137 ms a step on the shared 2-core
+machine (bench/README.md, "Tensor parallelism on the CPU": TP=1's per-layer runs were 0.83x
+its fused ones there, inside that sitting's noise). Decided in build_sharded_model, which
+sets no fused decoder, and in sharded_loader, which packs the linears without one.
 """
 
 import torch
