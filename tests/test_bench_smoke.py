@@ -228,13 +228,19 @@ def test_pinning_lru_drops_the_hot_prefix_and_the_section_renders(tmp_path, tiny
     both = {"local_lru": _aggregate([summary]), "index_autopin_adaptive": _aggregate([summary])}
     small = pinning | {"policies": both, "runs": {p: [summary] for p in both},
                        "adaptive_targets": _adaptive_targets(both)}
-    budget = {"model": "tiny", "small_pool": small, "pinning_trace": small}
+    run_counts = {"pinned_before": 24, "pin_budget_during": 16, "pinned_during": 16,
+                  "num_preemptions": 0, "num_pins_released": 0, "pin_budget_after": 32}
+    burst = {"shape": {"num_blocks": 64, "prefix_blocks": 8, "num_prefixes": 3, "burst": 4,
+                       "burst_blocks_each": 12}, "runs": {"index_adaptive": run_counts}}
+    budget = {"model": "tiny", "small_pool": small, "pinning_trace": small, "burst": burst}
     text = "\n".join(pinning_section.report({"pinning": pinning}, "bench/results")
                      + pin_budget_section.report({"pin_budget": budget}, "bench/results"))
     assert "| local LRU (no index) | 0.0% / 0.0% |" in text
     assert "Issue 34's small pool: 24 blocks, 16-block requests" in text
     assert "| index, automatic pins, budget follows the demand | 0.0% (0.0%) |" in text
     assert "| preemptions no more than the local LRU's | 0 vs 0 | met |" in text
+    assert ("| index, automatic pins, budget follows the demand | 24 | 16 / 16 | 0 | 0 | 32 |"
+            in text)
     assert plot_pinning({"pinning": pinning}, tmp_path).name == "pinning.png"
 
 

@@ -10,6 +10,8 @@ pinning section times SmolLM2. The measuring is bench/pinning.py."""
 
 from __future__ import annotations
 
+import time
+
 from bench.harness import RunContext, log
 from bench.report_format import load_average, taken_separately
 
@@ -19,6 +21,7 @@ KEY = "pin_budget"
 
 def run(ctx: RunContext) -> dict:
     from bench.parallel_sampling import counting_model
+    from bench.pin_budget import burst_bench
     from bench.pinning import (
         FULL_SHAPE,
         QUICK_SHAPE,
@@ -43,8 +46,10 @@ def run(ctx: RunContext) -> dict:
     pinning = pinning_under_pressure(make_engine, QUICK_SHAPE if ctx.quick else FULL_SHAPE,
                                      repeats=repeats, seed=ctx.seed,
                                      policies=SMALL_POOL_POLICIES)
+    log("pin budget: a burst of concurrent requests beside 24 pinned blocks")
+    burst = burst_bench(make_engine, f"{ctx.seed}-{int(time.time())}")
     return {KEY: {"model": "random one-layer Llama (bench.parallel_sampling.counting_model)",
-                  "small_pool": small, "pinning_trace": pinning}}
+                  "small_pool": small, "pinning_trace": pinning, "burst": burst}}
 
 
 def report(r: dict, rel: str) -> list[str]:
@@ -74,5 +79,37 @@ def report(r: dict, rel: str) -> list[str]:
             f"cold prompts of {tr['cold_blocks']} blocks between visits of the "
             f"{tr['hot_blocks']}-block hot prefix (the fixed 10% is 8 blocks here: both keep "
             "it).")),
+        *_burst(p.get("burst")),
         "",
     ]
+
+
+BURST_LABELS = {
+    "local_lru": "local LRU (no pins)",
+    "index_fixed_50": "index, automatic pins, fixed 50% budget",
+    "index_fixed_10": "index, automatic pins, fixed 10% budget",
+    "index_adaptive": "index, automatic pins, budget follows the demand",
+}
+
+
+def _burst(b: dict | None) -> list[str]:
+    if not b:
+        return []
+    sh = b["shape"]
+    lines = [
+        "",
+        f"A burst (bench/pin_budget.py): {sh['num_prefixes']} prefixes of "
+        f"{sh['prefix_blocks']} blocks earn automatic pins on a {sh['num_blocks']}-block pool, "
+        f"then {sh['burst']} requests that each grow to {sh['burst_blocks_each']} blocks run at "
+        "once; one run per policy (exact counts).",
+        "",
+        "| policy | pinned before | budget / pinned during the burst | preemptions "
+        "| pins broken for a lone request | budget after |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in b["runs"].items():
+        lines.append(
+            f"| {BURST_LABELS.get(name, name)} | {r['pinned_before']} "
+            f"| {r['pin_budget_during']} / {r['pinned_during']} | {r['num_preemptions']} "
+            f"| {r['num_pins_released']} | {r['pin_budget_after']} |")
+    return lines
