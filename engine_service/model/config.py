@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine_service.model.config_json import read_config_json
 from engine_service.model.dtype import DTYPES  # noqa: F401  (re-exported: core/engine.py)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -25,12 +26,13 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2 has q/k/v biases
     eos_token_ids: tuple[int, ...]
-    hf_config: object  # the transformers config, for RoPE parameters
+    # Unscaled RoPE's base when read from config.json (config_json.py); None: RoPE comes from
+    # hf_config, the transformers config, through HF's own rotary embedding (any scaling).
+    hf_config: object | None = None
+    rope_theta: float | None = None
 
 
 def load_model_config(model: str | Path) -> ModelConfig:
-    from transformers import AutoConfig
-
     path = Path(model)
     if not path.exists():
         raise ValueError(
@@ -43,6 +45,17 @@ def load_model_config(model: str | Path) -> ModelConfig:
         path, gguf_file = path.parent, path.name
     elif not (path / "config.json").exists():
         raise ValueError(f"model directory {str(model)!r} has no config.json")
+    fields = None if gguf_file is not None else read_config_json(path)
+    if fields is not None:
+        return ModelConfig(path=path, gguf_file=None, **fields)
+    return _from_transformers(path, gguf_file)
+
+
+def _from_transformers(path: Path, gguf_file: str | None) -> ModelConfig:
+    """Through transformers' AutoConfig: GGUF files, RoPE scaling, anything config_json.py
+    does not read itself."""
+    from transformers import AutoConfig
+
     config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
     architecture = (getattr(config, "architectures", None) or [""])[0]
     if not architecture and config.model_type in ("llama", "mistral", "qwen2"):

@@ -5,6 +5,7 @@ about sentencepiece or tiktoken, which tells a user nothing about their director
 the files first. `skip_tokenizer_init` (as in vLLM) serves token ids only.
 """
 
+import json
 from pathlib import Path
 
 from engine_service.model.config import ModelConfig
@@ -18,8 +19,6 @@ class TokenizerNotFoundError(ValueError):
 
 def load_tokenizer(model_config: ModelConfig):
     """The model's HF tokenizer (a GGUF file carries its own)."""
-    from transformers import AutoTokenizer
-
     path = Path(model_config.path)
     if model_config.gguf_file is None:
         present = [name for name in TOKENIZER_FILES if (path / name).is_file()]
@@ -31,12 +30,36 @@ def load_tokenizer(model_config: ModelConfig):
                 f"only with skip_tokenizer_init=True (--skip-tokenizer-init)"
             )
     try:
+        if model_config.gguf_file is None and _names_the_tokenizers_backend(path):
+            # What AutoTokenizer resolves such a directory to, without its import of most of
+            # transformers (~3 s of CPU per load; tests/engine/test_config_json.py compares).
+            from transformers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path, gguf_file=model_config.gguf_file)
     except (OSError, ValueError) as error:
         raise TokenizerNotFoundError(
             f"could not load the tokenizer of {path / (model_config.gguf_file or '')}: {error}; "
             f"or serve token ids only with skip_tokenizer_init=True (--skip-tokenizer-init)"
         ) from None
+
+
+def _names_the_tokenizers_backend(path: Path) -> bool:
+    """tokenizer_config.json names transformers' generic fast tokenizer, with no custom code,
+    for a Llama checkpoint (AutoTokenizer overrides the named class for some model types,
+    Qwen2's and Mistral's among them)."""
+    try:
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (isinstance(tokenizer_config, dict)
+            and tokenizer_config.get("tokenizer_class") == "TokenizersBackend"
+            and "auto_map" not in tokenizer_config
+            and model_type == "llama"
+            and (path / "tokenizer.json").is_file())
 
 
 def encode_text(tokenizer, text: str) -> list[int]:

@@ -40,17 +40,22 @@ class RMSNorm(nn.Module):
 def rope_cos_sin_cache(
     config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim], computed exactly as HF's rotary embedding
-    (so every rope_scaling type HF supports statically is supported here)."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    """cos/sin tables [max_positions, head_dim], computed exactly as HF's rotary embedding:
+    unscaled RoPE here (the float32 ops HF uses), any other through HF's own class (so every
+    rope_scaling type HF supports statically is supported here)."""
+    if config.rope_theta is not None:
+        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim
+        inv_freq, scaling = 1.0 / (config.rope_theta ** exponents), 1.0
+    else:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    rotary = LlamaRotaryEmbedding(config.hf_config)
-    inv_freq = rotary.inv_freq.float()
+        rotary = LlamaRotaryEmbedding(config.hf_config)
+        inv_freq, scaling = rotary.inv_freq.float(), rotary.attention_scaling
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos = (emb.cos() * rotary.attention_scaling).to(dtype=dtype, device=device)
-    sin = (emb.sin() * rotary.attention_scaling).to(dtype=dtype, device=device)
+    cos = (emb.cos() * scaling).to(dtype=dtype, device=device)
+    sin = (emb.sin() * scaling).to(dtype=dtype, device=device)
     return cos, sin
 
 

@@ -1,0 +1,93 @@
+"""A model's shape read straight from its config.json, without transformers.
+
+Importing a transformers config class pulls in most of transformers (its activations, hub
+kernels and distributed helpers, torch.distributed.tensor, sympy, accelerate): ~3 s of CPU in
+each of an engine's two processes, on every start and restart. The checkpoints we serve
+(Llama, Mistral, Qwen2 with plain RoPE) need a dozen numbers from the file, so we read them.
+Anything this reader does not know for certain (a missing core field, RoPE scaling, a partial
+rotary factor, an unknown architecture) returns None and the caller asks transformers, which
+stays the reference: tests/engine/test_config_json.py checks the two agree field by field.
+"""
+
+import json
+from pathlib import Path
+
+MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+# Present in every real checkpoint; their defaults differ between config classes.
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "max_position_embeddings", "rms_norm_eps")
+
+
+def read_config_json(path: Path) -> dict | None:
+    """The fields load_model_config needs, or None where transformers must decide."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # transformers gives the user its own error
+    if not isinstance(raw, dict):
+        return None
+    architecture = (raw.get("architectures") or [""])[0]
+    if not architecture:
+        architecture = MODEL_TYPE_ARCHITECTURES.get(raw.get("model_type"), "")
+    if architecture not in MODEL_TYPE_ARCHITECTURES.values():
+        return None
+    if raw.get("model_type") not in MODEL_TYPE_ARCHITECTURES:
+        return None
+    if any(not _is_number(raw.get(name)) for name in REQUIRED_FIELDS):
+        return None
+    # Absent, these take the config class's default, which differs between classes (eos 2 or
+    # None; Mistral's KV heads 8, Qwen2's 32, Llama's all heads; a null is an error to some).
+    if "eos_token_id" not in raw or not _is_number(raw.get("num_key_value_heads")):
+        return None
+    rope_theta = _plain_rope_theta(raw)
+    if rope_theta is None:
+        return None
+    heads = raw["num_attention_heads"]
+    kv_heads = raw["num_key_value_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    eos = raw.get("eos_token_id")
+    return {
+        "architecture": architecture,
+        "vocab_size": raw["vocab_size"],
+        "hidden_size": raw["hidden_size"],
+        "intermediate_size": raw["intermediate_size"],
+        "num_layers": raw["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(raw["rms_norm_eps"]),
+        "max_position_embeddings": raw["max_position_embeddings"],
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "attention_bias": architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias")),
+        "eos_token_ids": tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None
+                                                                   else ()),
+        "rope_theta": rope_theta,
+    }
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _plain_rope_theta(raw: dict) -> float | None:
+    """The base of unscaled RoPE over the whole head, in either spelling transformers writes
+    (v5's rope_parameters, v4's rope_theta + rope_scaling); None for anything else."""
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        return None
+    params = raw.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict) or set(params) - {"rope_theta", "rope_type"}:
+            return None
+        if params.get("rope_type", "default") != "default":
+            return None
+        theta = params.get("rope_theta", raw.get("rope_theta"))
+    else:
+        if raw.get("rope_scaling") is not None:
+            return None
+        theta = raw.get("rope_theta")
+    return float(theta) if _is_number(theta) else None

@@ -1,0 +1,143 @@
+"""config.json read without transformers (engine_service/model/config_json.py) and the
+TokenizersBackend loaded directly (engine_service/model/tokenizer.py) give what transformers
+gives: every ModelConfig field, the RoPE tables bit for bit, the tokenizer's class, ids, chat
+rendering and text. What the fast reader does not know falls back to transformers."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_service.model.config import _from_transformers, load_model_config
+from engine_service.model.config_json import read_config_json
+from engine_service.model.models.llama import rope_cos_sin_cache
+from engine_service.model.tokenizer import load_tokenizer
+
+
+def shape_fields(config) -> dict:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if f.name not in ("hf_config", "rope_theta")}
+
+
+def assert_same_as_transformers(path: Path) -> None:
+    fast = load_model_config(path)
+    assert fast.rope_theta is not None and fast.hf_config is None, "took the slow path"
+    slow = _from_transformers(path, None)
+    assert shape_fields(fast) == shape_fields(slow)
+    for got, want in zip(rope_cos_sin_cache(fast, 4096, torch.float32, torch.device("cpu")),
+                         rope_cos_sin_cache(slow, 4096, torch.float32, torch.device("cpu")),
+                         strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir", "smollm2_dir"])
+def test_test_models_read_as_transformers_reads_them(model, request):
+    assert_same_as_transformers(request.getfixturevalue(model))
+
+
+MINIMAL = {
+    "vocab_size": 1000, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 3,
+    "num_attention_heads": 6, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+    "eos_token_id": 2, "num_key_value_heads": 3,
+}
+
+
+@pytest.mark.parametrize("model_type,architecture", [
+    ("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"),
+    ("qwen2", "Qwen2ForCausalLM"),
+])
+@pytest.mark.parametrize("extra", [
+    {"rope_theta": 500000.0},  # transformers v4's spelling
+    {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}},  # v5's
+    {"rope_theta": 10000.0, "num_key_value_heads": 2, "head_dim": 32, "eos_token_id": [5, 7],
+     "tie_word_embeddings": True, "attention_bias": True},
+    {"rope_theta": 10000.0, "head_dim": None, "eos_token_id": None},
+], ids=["v4-rope", "v5-rope", "explicit", "nulls"])
+def test_minimal_configs_read_as_transformers_reads_them(tmp_path, model_type, architecture,
+                                                          extra):
+    config = {"model_type": model_type, "architectures": [architecture], **MINIMAL, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert_same_as_transformers(tmp_path)
+
+
+@pytest.mark.parametrize("extra", [
+    {"rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 1024}},
+    {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}},
+    {"rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    {},  # no RoPE base at all: the config class's default applies
+], ids=["llama3-scaling", "linear-scaling", "partial-rotary", "no-theta"])
+def test_what_the_reader_does_not_know_goes_to_transformers(tmp_path, extra):
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **MINIMAL, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert read_config_json(tmp_path) is None
+    loaded = load_model_config(tmp_path)
+    assert loaded.hf_config is not None and loaded.rope_theta is None
+    assert shape_fields(loaded) == shape_fields(_from_transformers(tmp_path, None))
+
+
+@pytest.mark.parametrize("model_type,architecture", [
+    ("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"),
+    ("qwen2", "Qwen2ForCausalLM"),
+])
+@pytest.mark.parametrize("field", ["rms_norm_eps", "eos_token_id", "max_position_embeddings",
+                                   "num_key_value_heads"])
+def test_a_missing_core_field_goes_to_transformers(tmp_path, field, model_type, architecture):
+    config = {"model_type": model_type, "architectures": [architecture], **MINIMAL,
+              "rope_theta": 10000.0}
+    del config[field]  # its default differs between config classes
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert read_config_json(tmp_path) is None
+    assert shape_fields(load_model_config(tmp_path)) == shape_fields(
+        _from_transformers(tmp_path, None))
+
+
+TEXTS = ["Hello world", "  leading spaces and\ttabs\n", "héllo wörld ✓ 日本語",
+         "<|im_start|>user\nhi<|im_end|>", "", "a" * 300]
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir", "smollm2_dir"])
+def test_the_tokenizer_is_the_one_autotokenizer_gives(model, request):
+    from transformers import AutoTokenizer
+
+    path = request.getfixturevalue(model)
+    ours = load_tokenizer(load_model_config(path))
+    theirs = AutoTokenizer.from_pretrained(path)
+    assert type(ours) is type(theirs)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id, ours.unk_token_id) == (
+        theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id, theirs.unk_token_id)
+    assert ours.all_special_ids == theirs.all_special_ids
+    assert ours.clean_up_tokenization_spaces == theirs.clean_up_tokenization_spaces
+    for text in TEXTS:
+        ids = theirs.encode(text)
+        assert ours.encode(text) == ids
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(
+            text, add_special_tokens=False)
+        assert ours.decode(ids) == theirs.decode(ids)
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(
+            ids, skip_special_tokens=True)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ✓"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+        theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+
+
+def test_loading_a_model_imports_no_transformers_config_class(tiny_llama_dir):
+    """The point of the fast path: a config and a tokenizer without the transformers modules
+    that cost seconds of CPU at every engine start."""
+    probe = (
+        "import sys\n"
+        "from engine_service.model.config import load_model_config\n"
+        "from engine_service.model.tokenizer import load_tokenizer\n"
+        f"load_tokenizer(load_model_config({str(tiny_llama_dir)!r}))\n"
+        "heavy = [m for m in ('transformers.models.llama.configuration_llama',\n"
+        "         'transformers.models.auto.tokenization_auto', 'accelerate',\n"
+        "         'torch.distributed.tensor') if m in sys.modules]\n"
+        "print(heavy)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=300, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
