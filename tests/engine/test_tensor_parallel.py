@@ -188,3 +188,25 @@ def test_a_failed_worker_fails_generate_with_a_clear_error(failure, tiny_llama_d
     finally:
         llm.close()
     assert worker.returncode is not None
+
+
+def test_a_killed_rank_0_takes_its_workers_with_it(tiny_llama_dir):
+    """SIGKILL of the process holding the engine (no close, no finalizer): its workers see
+    their parent gone and exit; none is left behind."""
+    import subprocess
+    import sys
+
+    from tests.service.test_engine_death import wait_gone
+
+    script = ("import sys, time; from engine_service import LLM; "
+              f"llm = LLM({str(tiny_llama_dir)!r}, tensor_parallel_size=2, num_blocks=32); "
+              "print(*[p.pid for p in llm.llm_engine.runner.workers.procs], flush=True); "
+              "time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(pid) for pid in proc.stdout.readline().split()]
+        assert len(workers) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+    assert all(wait_gone(pid) for pid in workers), "a worker outlived rank 0"

@@ -27,7 +27,13 @@ PARENT_POLL_S = 0.25
 def _exit_with_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(PARENT_POLL_S)
+    os.kill(os.getpid(), signal.SIGTERM)  # the clean way out (main), unless main is stuck
+    time.sleep(5.0)
     os._exit(1)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(f"stopped by signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,10 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(message)s")
-    # Rank 0 owns the lifecycle, as the serving core does: a Ctrl-C or SIGTERM to the process
-    # group stops the workers through it (after a drain), not under a step.
+    # Rank 0 owns the lifecycle, as the serving core does: a Ctrl-C to the process group stops
+    # the workers through it (after the front's drain), not under a step. SIGTERM ends a worker
+    # as an exception does, between two Python bytecodes: what it holds is let go on the way
+    # out (the C++ extension's build lock, taken while the model loads: a worker killed holding
+    # it would stall every engine on the machine that loads the extension after it).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
 
     import torch

@@ -31,10 +31,20 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died, failed or did not answer in time: the engine cannot go on."""
 
 
+TERM_GRACE_S = 2.0
+
+
 def _stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """Wait up to grace_s for the workers to exit (they were told to stop), then kill the
-    rest: workers ignore SIGTERM (worker.py), so SIGKILL is the one signal that ends them."""
+    """Wait up to grace_s for the workers to exit (they were told to stop), then SIGTERM the
+    rest (a worker exits cleanly on it, worker.py says why), then SIGKILL what is left (a
+    stopped or hung process)."""
     deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+    deadline = time.monotonic() + TERM_GRACE_S
     for proc in procs:
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
