@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from engine_service.core.block_hash import BlockHasher
 from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
@@ -211,6 +212,42 @@ def test_an_engine_restarted_with_a_new_certificate_rejoins(stack):
             if "stack-1" in served:
                 break
     assert "stack-1" in served
+
+
+def test_the_index_restarted_with_a_new_certificate_is_rejoined(stack):
+    """The index killed, its certificate and key issued anew by the same CA, started again on
+    its port and Redis: the engines' links and the router reconnect (they check the index's
+    role, not its key), an engine's new blocks reach it, and the router routes by it: a
+    prompt served after the restart goes back to the engine holding it, its blocks cached."""
+    index = stack.index
+    old_cert = (stack.certs / "index.pem").read_bytes()
+    index.kill()
+    for name in ("index.pem", "index-key.pem"):
+        (stack.certs / name).unlink()
+    make_certs(stack.certs, "--index")
+    assert (stack.certs / "index.pem").read_bytes() != old_cert
+    index.start()
+    deadline = time.monotonic() + 60
+    while stack.router_details(stack.router).get("index_up") != "true":
+        assert time.monotonic() < deadline, "the router never reached the new index"
+        time.sleep(0.1)
+    prompt = list(range(300, 380))  # five full blocks
+    with stack.client(stack.router.target) as channel:
+        _, [holder] = generate(channel, prompt)
+        info = pb_grpc.GenerationStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=10)
+        chain = BlockHasher.for_identity(info.model_identity, info.block_size).chain(
+            prompt, None)
+        tls = files(stack.certs, "router").load()
+        with grpc.secure_channel(index.target, tls.channel_credentials(),
+                                 options=channel_options("index")) as index_channel:
+            lookup = pi_grpc.PrefixIndexStub(index_channel).Lookup
+            while {m.engine_id: m.matched_blocks for m in lookup(
+                    pi_pb.LookupRequest(chain=chain), timeout=10).engines}.get(holder) != 5:
+                assert time.monotonic() < deadline, f"{holder}'s blocks never reached the index"
+                time.sleep(0.1)
+        again, served = generate(channel, prompt)
+    assert served == [holder]
+    assert again.usage.cached_tokens >= 64
 
 
 def test_the_readmes_tls_grpcurl_commands_work_as_written(stack, tmp_path):
