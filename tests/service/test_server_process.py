@@ -41,6 +41,10 @@ def test_metrics_endpoint(engine_server, stub):
     assert metric(text, "pagedgen_engine_prefix_cache_queries_total") >= reply.usage.prompt_tokens
     assert 'pagedgen_engine_requests_finished_total{finish_reason="length"}' in text
     assert metric(text, "pagedgen_engine_kv_blocks") == 240
+    # Between the floor (10%) and the ceiling (50%) of the pool, as recent demand left it.
+    assert 24 <= metric(text, "pagedgen_engine_pin_budget_blocks") <= 120
+    assert metric(text, "pagedgen_engine_tensor_parallel_size") == 1
+    assert stub.ModelInfo(pb.ModelInfoRequest()).tensor_parallel_size == 1
     # Idle again: the gauges were refreshed when the engine went idle.
     assert metric(text, "pagedgen_engine_num_requests_running") == 0
     assert metric(text, "pagedgen_engine_kv_cache_usage_perc") == 0
