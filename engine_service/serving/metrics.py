@@ -32,6 +32,10 @@ class EngineMetrics:
             registry=r)
         self.num_free_blocks = Gauge(
             PREFIX + "kv_free_blocks", "KV blocks not held by a sequence.", registry=r)
+        self.pin_budget_blocks = Gauge(
+            PREFIX + "pin_budget_blocks", "KV blocks pins may hold now: what the pool spares "
+            "beside the running requests' peak demand, within the floor and ceiling.",
+            registry=r)
         self.num_running = Gauge(
             PREFIX + "num_requests_running", "Sequences in the running batch.", registry=r)
         self.num_waiting = Gauge(
@@ -99,6 +103,7 @@ class EngineMetrics:
         self.num_blocks.set(stats.num_blocks)
         self.tensor_parallel_size.set(stats.tensor_parallel_size)
         self.num_free_blocks.set(stats.num_free_blocks)
+        self.pin_budget_blocks.set(stats.pin_budget_blocks)
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.num_swapped.set(stats.num_swapped)
