@@ -1,4 +1,5 @@
-"""Tensor parallelism on the CPU (gloo, 2 ranks of one torch thread each): the sharded engine
+"""Tensor parallelism on the CPU (gloo, 2 ranks of one torch thread each;
+PAGEDGEN_TEST_TP_DEVICE=cuda runs them on NCCL where there are GPUs enough): the sharded engine
 gives the tokens of one rank and of HF, through preemption, chunked prefill, the prefix cache,
 parallel sampling and beam search; a dead or hung worker fails the offline API with a clear
 error instead of a hang, and closing the engine leaves no process behind.
@@ -22,6 +23,8 @@ from tests.engine.prompts import parity_prompts
 from tests.support.hf_reference import hf_greedy_top_logprobs
 from tests.support.tiny_models import make_tiny_model
 
+# cpu (gloo, the default) or cuda (NCCL, on a machine with at least as many GPUs as ranks).
+DEVICE = os.environ.get("PAGEDGEN_TEST_TP_DEVICE", "cpu")
 MAX_TOKENS = 24
 TOP = 5
 BLOCK_SIZE = 8
@@ -57,7 +60,7 @@ def _pool_args(kind: str, prompts: list[list[int]]) -> dict:
     """Tiny Llama: a pool so small that requests preempt by recompute; tiny Qwen2: by swap;
     the others roomy. Every engine prefills in chunks of CHUNK_TOKENS."""
     args = {"block_size": BLOCK_SIZE, "max_num_batched_tokens": CHUNK_TOKENS,
-            "dtype": "float32", "num_blocks": 512}
+            "dtype": "float32", "num_blocks": 512, "device": DEVICE}
     tight = -(-(max(map(len, prompts)) + MAX_TOKENS) // BLOCK_SIZE) + 6
     if kind == "llama":
         args.update(num_blocks=tight, preemption_mode="recompute")
@@ -147,7 +150,10 @@ def test_tp2_prefix_cache_parallel_sampling_and_beams(engines, prompts):
 
 def test_smollm2_at_tp3(smollm2_dir, prompts):
     """The default model's 9 query heads and 3 KV heads: 3 and 1 a rank."""
-    llm = LLM(str(smollm2_dir), tensor_parallel_size=3, dtype="float32", num_blocks=256)
+    if DEVICE == "cuda" and torch.cuda.device_count() < 3:
+        pytest.skip("TP=3 on CUDA needs 3 GPUs")
+    llm = LLM(str(smollm2_dir), tensor_parallel_size=3, dtype="float32", num_blocks=256,
+              device=DEVICE)
     try:
         ours = _greedy(llm, prompts[:3])
         for i, prompt in enumerate(prompts[:3]):
@@ -172,7 +178,7 @@ def test_a_failed_worker_fails_generate_with_a_clear_error(failure, tiny_llama_d
     (SIGSTOP): the all-reduce gives up after tensor_parallel_timeout_s. Either way generate
     raises TensorParallelError naming what happened, and close() leaves no process."""
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=64,
-              tensor_parallel_timeout_s=3)
+              tensor_parallel_timeout_s=3, device=DEVICE)
     worker = llm.llm_engine.runner.workers.procs[0]
     try:
         llm.generate("warm", SamplingParams(max_tokens=2))
