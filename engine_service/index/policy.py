@@ -317,9 +317,12 @@ class IndexPolicy:
         from here under a new generation, so nothing is lost between this snapshot and the
         next step's ops."""
         self.stop_recording()
-        # The budget first: Register set the index's default, and the pins re-stated below
-        # must fit ours.
-        ops = [] if self.pin_budget is None else [PendingOp(SetPinBudget(self.pin_budget))]
+        # Register set the index's default budget. The pins re-stated below were each made
+        # within the budget of their time, which may be larger than ours now: a shrink never
+        # drops an explicit pin, so neither may a re-sync. The budget is the whole pool while
+        # they are re-stated, and ours at the end (which unpins only automatic pins past it).
+        opened = self.pin_budget is not None
+        ops = [PendingOp(SetPinBudget(self.pool.num_blocks))] if opened else []
         ops += [
             PendingOp(Commit(h, self._mirror[h].parent, self._mirror[h].block_id))
             for h in self._parents_first()
@@ -346,6 +349,8 @@ class IndexPolicy:
                 ttl = 0.0 if math.isinf(expiry) else max(0.001, expiry - now)
                 ops.append(PendingOp(Pin([h], ttl)))
         ops += [PendingOp(Pin([h], automatic=True)) for h in self._pins if h in self._auto_pins]
+        if opened:
+            ops.append(PendingOp(SetPinBudget(self.pin_budget)))
         self._recording = True
         self.needs_resync = False
         self._covered_acquires = 0
