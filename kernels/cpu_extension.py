@@ -23,12 +23,15 @@ on a machine without a compiler.
 """
 
 import argparse
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -86,15 +89,39 @@ def build_and_load(verbose: bool = False) -> None:
 
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=EXTENSION_NAME,
-        sources=[str(source) for source in SOURCES],
-        extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        is_python_module=False,  # registers torch.ops.pagedgen_cpu.* when loaded
-        verbose=verbose,
-    )
+    with build_lock(directory):
+        # torch's own lock is a file that only its holder removes: a process killed inside
+        # load() (an engine stopped while starting) leaves it, and every later load() waits
+        # for it forever. While we hold ours no process of ours is inside load() here, so a
+        # file found now is such a leftover.
+        stale = directory / TORCH_LOCK_NAME
+        if stale.exists():
+            log.warning("removing %s, left by a process stopped while loading the extension",
+                        stale)
+            stale.unlink(missing_ok=True)
+        cpp_extension.load(
+            name=EXTENSION_NAME,
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,  # registers torch.ops.pagedgen_cpu.* when loaded
+            verbose=verbose,
+        )
+
+
+TORCH_LOCK_NAME = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """An flock on the build directory, which the kernel releases when its holder dies."""
+    with open(directory / "pagedgen-build.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def extension_required() -> bool:
