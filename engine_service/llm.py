@@ -134,8 +134,10 @@ class LLM:
         first when they are not cached (a prefill-only request): later prompts that start
         with it find them cached. The pin lasts ttl_s seconds (0: until unpinned; pinned
         again, the later expiry holds); pins share blocks, and a block stays pinned while
-        any pin covers it. Pinned blocks count against the pin budget (10% of the pool):
-        PinBudgetFull past it, before anything is computed. unpin=True drops this prompt's
+        any pin covers it. Pinned blocks count against the pin budget (what the pool spares
+        beside the running requests, within --pin-budget-floor/--pin-budget-ceiling; the
+        prefill here is not counted, it computes the pin's own blocks): PinBudgetFull past
+        it, before anything is computed. unpin=True drops this prompt's
         pin. Returns how many blocks the pin covers (or, unpinning, how many blocks no pin
         holds any more)."""
         from engine_service.serving.validation import MAX_TTL_S
@@ -168,9 +170,22 @@ class LLM:
             raise InvalidRequestError("prompt", "this engine's prefix policy takes no pins")
         if not unpin:
             policy.check_pin(chain)  # refused before any prefill
-            self.generate({"prompt_token_ids": token_ids},
-                          SamplingParams(temperature=0.0, max_tokens=1), cache_salt=salt)
+            self._prefill_for_pin(token_ids, salt)
         return policy.pin(chain, float(ttl_s), unpin, engine.pool.is_cached)
+
+    def _prefill_for_pin(self, token_ids: list[int], salt: str | None) -> None:
+        """Computes the prompt's blocks (one token sampled and dropped) as a pin's prefill,
+        which the pin budget does not count as demand (it is the pin's own blocks)."""
+        engine = self.llm_engine
+        request_id = str(next(self._request_ids))
+        engine.add_request(request_id, token_ids, SamplingParams(temperature=0.0, max_tokens=1),
+                           cache_salt=salt, final_output_only=True, pin_prefill=True)
+        try:
+            while engine.has_unfinished_requests():
+                engine.step()
+        except BaseException:
+            engine.abort_request(request_id)
+            raise
 
     def beam_search(
         self,

@@ -196,10 +196,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         final_output_only: bool = False,
+        pin_prefill: bool = False,
     ) -> None:
         """Queue a request. Each step that runs it reports what is new (deltas), its last
         output the whole completions; with final_output_only (the offline API), only that
-        last output is made."""
+        last output is made. pin_prefill: PinPrefix computing the prefix it pins next (not
+        counted in the pin budget's demand)."""
         if request_id in self._groups:
             raise DuplicateRequestError(
                 "request_id", f"request_id must be unique among live requests, got {request_id!r}"
@@ -214,6 +216,7 @@ class LLMEngine:
             priority=priority,
             arrival_order=next(self._arrivals),
             final_output_only=final_output_only,
+            pin_prefill=pin_prefill,
         )
         if params.use_beam_search:
             # Beams stream nothing (the best ones are known only at the end): no detokenizer.
@@ -362,9 +365,13 @@ class LLMEngine:
                 and now - self._pin_budget_at < PIN_BUDGET_REFRESH_S:
             return
         if changes != sched.num_running_changes:
-            # Each request at its peak: what it holds plus what it needs to finish.
+            # Each request at its peak: what it holds plus what it needs to finish. A pin's
+            # prefill is not: its blocks are the pin's, which the budget was checked for before
+            # it ran (counted, it would shrink the budget below the pin it computes, and hold
+            # it there for the window).
             demand = sum(self.limits.blocks_for_request(g.num_prompt_tokens, g.params)
-                         for queue_ in (sched.running, sched.swapped) for g in queue_)
+                         for queue_ in (sched.running, sched.swapped) for g in queue_
+                         if not g.pin_prefill)
             self.pin_budget.observe(demand)
         else:
             self.pin_budget.refresh()

@@ -135,6 +135,9 @@ class SequenceGroup:
     beam: BeamSearch | None = None  # the search state of a beam search request
     # Outputs only when the request ends (the offline API): no output is built per step.
     final_output_only: bool = False
+    # A PinPrefix's prefill: its blocks are the pin's, counted by the pin budget as pins once
+    # pinned, so they are not demand the budget must leave room for (core/pin_budget.py).
+    pin_prefill: bool = False
     _prompt_token_ids: list[int] | None = field(default=None, repr=False)
 
     def live_seqs(self) -> list[Sequence]:

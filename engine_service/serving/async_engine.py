@@ -110,6 +110,7 @@ class AsyncEngine:
         prompt: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        pin_prefill: bool = False,
     ) -> OutputBuffer:
         """Submits a validated request; its RequestOutputs (the last one `finished`), or an
         exception, arrive on the returned buffer. The caller checked the id is not live."""
@@ -126,7 +127,8 @@ class AsyncEngine:
         def add(engine: LLMEngine) -> None:
             try:
                 engine.add_request(request_id, prompt_token_ids, params, prompt=prompt,
-                                   cache_salt=cache_salt, priority=priority)
+                                   cache_salt=cache_salt, priority=priority,
+                                   pin_prefill=pin_prefill)
             except RequestError as error:
                 self._post(self._deliver, request_id, error)
 

@@ -317,7 +317,7 @@ class CoreClient:
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             prompt: str | None = None, cache_salt: str | None = None,
-            priority: int = 0) -> OutputBuffer:
+            priority: int = 0, pin_prefill: bool = False) -> OutputBuffer:
         self.check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id must be unique among live requests, got {request_id!r}")
@@ -329,7 +329,8 @@ class CoreClient:
         buffer = OutputBuffer(prompt_token_ids, prompt, text, self.stream_interval,
                               self.max_unsent_tokens, lambda: self.abort(request_id))
         self._streams[request_id] = buffer
-        self._send(("add", request_id, prompt_token_ids, params, cache_salt, priority))
+        self._send(("add", request_id, prompt_token_ids, params, cache_salt, priority,
+                    pin_prefill))
         return buffer
 
     def abort(self, request_id: str) -> bool:

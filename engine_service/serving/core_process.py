@@ -7,7 +7,8 @@ the served engine spent ~6x the offline API's CPU per token). Split, the front a
 have an interpreter; they talk in batches:
 
   front -> core  a list of commands per event-loop turn:
-                 ("add", request_id, prompt_token_ids, params, cache_salt, priority)
+                 ("add", request_id, prompt_token_ids, params, cache_salt, priority,
+                  pin_prefill)
                  ("abort", request_id)
                  ("finish_seq", request_id, index, stop_string)  a stop string matched in the
                                                     front ends that sequence
@@ -229,10 +230,11 @@ class CoreLoop:
         kind = command[0]
         engine = self.engine
         if kind == "add":
-            _, request_id, prompt_token_ids, params, cache_salt, priority = command
+            _, request_id, prompt_token_ids, params, cache_salt, priority, pin_prefill = command
             try:
                 engine.add_request(request_id, prompt_token_ids, params,
-                                   cache_salt=cache_salt, priority=priority)
+                                   cache_salt=cache_salt, priority=priority,
+                                   pin_prefill=pin_prefill)
             except RequestError as error:
                 self._errors.append((request_id, error))
         elif kind == "abort":

@@ -38,7 +38,7 @@ class PrefixPinner:
         request_id = f"pin-prefill-{secrets.token_hex(8)}"
         outputs = self.engine.add(request_id, token_ids, SamplingParams(temperature=0.0,
                                                                         max_tokens=1),
-                                  cache_salt=cache_salt)
+                                  cache_salt=cache_salt, pin_prefill=True)
         finished = False
         try:
             while not finished:
