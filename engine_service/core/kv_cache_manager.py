@@ -122,7 +122,11 @@ class KVCacheManager:
     # ---- admission ----------------------------------------------------------------------
     def blocks_to_admit(self, seq: Sequence, hits: list[Block], num_new_tokens: int) -> int:
         """Free blocks admitting seq with these cache hits and num_new_tokens would consume."""
-        idle_hits = sum(1 for b in hits if b.ref_count == 0)  # they leave the evictable set
+        # Idle hits leave the evictable set, which the pool counts free; pinned idle ones are
+        # not counted free (never taken by an allocation), so acquiring them costs nothing.
+        policy = self.pool.policy
+        idle_hits = sum(1 for b in hits
+                        if b.ref_count == 0 and policy.is_evictable(b.block_hash))
         total = blocks_for(len(hits) * self.block_size + num_new_tokens, self.block_size)
         return idle_hits + max(0, total - len(hits))
 

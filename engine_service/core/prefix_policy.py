@@ -43,6 +43,9 @@ class PrefixPolicy(Protocol):
     def num_pinned_idle(self) -> int:
         """Cached blocks with refcount 0 that a pin keeps out of the evictable set."""
 
+    def is_evictable(self, block_hash: bytes) -> bool:
+        """In the evictable set (refcount 0 and not pinned): counted free by the pool."""
+
     def release_pins(self, num_blocks: int) -> int:
         """Unpin up to num_blocks idle pinned blocks (they become evictable); how many."""
 
@@ -113,6 +116,9 @@ class LocalLRUPolicy:
     @property
     def num_pinned_idle(self) -> int:
         return len(self._pinned_idle)
+
+    def is_evictable(self, block_hash: bytes) -> bool:
+        return block_hash in self._evictable
 
     @property
     def num_pinned(self) -> int:

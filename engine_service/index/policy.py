@@ -138,6 +138,9 @@ class IndexPolicy:
     def num_pinned_idle(self) -> int:
         return len(self._idle_pinned)
 
+    def is_evictable(self, block_hash: bytes) -> bool:
+        return block_hash in self._evictable
+
     def evictable_hashes(self) -> list[bytes]:
         return list(self._evictable)
 
