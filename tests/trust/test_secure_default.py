@@ -2,9 +2,8 @@
 --insecure, each console script that serves or connects refuses to start (exit 2) with a message
 that says how to get TLS; with --insecure it serves in plain text and logs a warning.
 
-Besides the README's plain-text examples (tests/http/test_readme_curl.py and
-tests/service/test_docs.py run them as written), the only tests that run services with
---insecure."""
+The only tests that run services with --insecure (the README's examples call an engine on
+TLS with an API key: tests/support/readme_server.py)."""
 
 from __future__ import annotations
 
