@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from tests.support.readme_server import code_blocks, readme_server
+from tests.support.readme_server import DOC_GRPC, README, code_blocks, readme_server
 
 
 def grpcurl_commands() -> list[str]:
@@ -114,6 +114,14 @@ def test_the_set_up_exports_what_the_examples_use(readme):
     assert readme.variables.keys() == {"CA", "KEY"}
     assert (readme.folder / readme.variables["CA"]).is_file()
     assert readme.variables["KEY"].strip() == readme.variables["KEY"] != ""
+
+
+def test_the_engine_logs_the_line_the_readme_waits_for(readme):
+    [line] = re.findall(r"It serves once it logs `(.*?)`", README.read_text())
+    port = DOC_GRPC.rsplit(":", 1)[1]
+    assert f":{port}" in line
+    logged = readme.engine.log_path.read_text()
+    assert line.replace(f":{port}", f":{readme.grpc_port}") in logged, logged[-2000:]
 
 
 def test_the_engine_needs_what_the_examples_send(readme, grpcurl_outputs):

@@ -143,8 +143,11 @@ def readme_server(model_dir: Path, folder: Path) -> Iterator[ReadmeServer]:
     argv[argv.index("--http-port") + 1] = str(http_port)
     script = shutil.which(argv[0], path=env["PATH"])
     base = [script] if script else [sys.executable, "-m", "engine_service.serving.server"]
+    # The test's pool settings, at the README's log level (its readiness line is INFO).
+    settings = engine_args(metrics_port, None)
+    del settings[settings.index("--log-level"):settings.index("--log-level") + 2]
     command = [*base, "--model", str(model_dir), "--served-model-name", DOC_MODEL,
-               *engine_args(metrics_port, None), *argv[1:], "--port", str(grpc_port)]
+               *settings, *argv[1:], "--port", str(grpc_port)]
     # Waiting for SERVING presents the README's own engine certificate, trusting its CA.
     tls = TlsFiles(*(folder / flag_value(argv, f) for f in ("--tls-cert", "--tls-key",
                                                             "--tls-ca")))
