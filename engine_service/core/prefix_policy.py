@@ -161,9 +161,11 @@ class LocalLRUPolicy:
         return len(held)
 
     def check_pin(self, chain: list[bytes]) -> None:
-        """PinBudgetFull when pinning all of `chain` would pass the budget."""
+        """PinBudgetFull when pinning all of `chain` would pass the budget. A pin that adds
+        no block (renewing its TTL) passes: pins over a budget that shrank under them stay,
+        and they must be renewable or a shrink would drop them when their TTL lapses."""
         new = self._pins.num_new(chain)
-        if len(self._pins) + new > self.pin_budget:
+        if new and len(self._pins) + new > self.pin_budget:
             raise PinBudgetFull(
                 f"pinning {new} more blocks would pass the pin budget of {self.pin_budget} "
                 f"blocks ({len(self._pins)} pinned; the budget is what the pool can spare "

@@ -193,7 +193,7 @@ class ReferenceIndex:
                 prefix = self.held_prefix(chain)
                 new_pins = sum(1 for h in prefix if not self.blocks[h].pin)
                 over = self._pinned() + new_pins - self.pin_budget
-                if over > 0:
+                if over > 0 and new_pins > 0:  # a renewal adds no pin: never refused
                     # Automatic pins outside the prefix make room, least recently used first.
                     autos = sorted((b.last_use, h) for h, b in self.blocks.items()
                                    if b.pin == "a" and h not in prefix)

@@ -350,7 +350,9 @@ local function pin(op)
   end
   local pinned, budget = redis.call('HLEN', K.pin), pin_budget()
   local over = pinned + new_pins - budget
-  if over > 0 then
+  -- A pin adding no block (a TTL renewed) passes: the pins a shrunk budget kept must stay
+  -- renewable, or the shrink would drop them when their TTL lapses.
+  if over > 0 and new_pins > 0 then
     -- An explicit pin is an order, an automatic one our guess: automatic pins outside this
     -- prefix make room for it, the least recently used first. (A scan of the pins: an
     -- explicit pin over budget is rare, and the budget is a fraction of one engine's pool.)
