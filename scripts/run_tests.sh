@@ -12,4 +12,7 @@ if [ -z "${PAGEDGEN_REQUIRE_CPU_EXTENSION:-}" ] && command -v "${CXX:-c++}" >/de
 fi
 bash scripts/setup.sh
 python3 -m ruff check .
-python3 -m pytest -q "$@"
+# Two workers: the suite is mostly services starting and waiting on each other, which left one
+# of CI's two cores idle; a test file stays on one worker (its module fixtures start once).
+# PAGEDGEN_TEST_WORKERS=0 runs it in this process; "$@" comes last and can override either.
+python3 -m pytest -q -n "${PAGEDGEN_TEST_WORKERS:-2}" --dist loadfile "$@"
