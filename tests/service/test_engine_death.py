@@ -106,8 +106,9 @@ def test_engine_process_exits_non_zero_when_its_engine_thread_dies(tiny_llama_di
     assert "injected engine failure at step 3" in log_path.read_text()
 
 
-def core_pid_of(front_pid: int) -> int:
-    """The engine core: the front's child running the step loop (multiprocessing spawn)."""
+def child_pids(parent_pid: int, cmdline_part: bytes) -> list[int]:
+    """The live children of `parent_pid` whose command line holds `cmdline_part`."""
+    pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -116,8 +117,15 @@ def core_pid_of(front_pid: int) -> int:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if ppid == front_pid and b"spawn_main" in cmdline:
-            return int(entry.name)
+        if ppid == parent_pid and cmdline_part in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def core_pid_of(front_pid: int) -> int:
+    """The engine core: the front's child running the step loop (multiprocessing spawn)."""
+    for pid in child_pids(front_pid, b"spawn_main"):
+        return pid
     raise AssertionError(f"no engine core process under {front_pid}")
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -16,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
-from tests.service.test_engine_death import core_pid_of, wait_gone
+from tests.service.test_engine_death import child_pids, core_pid_of, wait_gone
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 WORKER_MODULE = b"engine_service.model.parallel.worker"
@@ -24,18 +23,7 @@ WORKER_MODULE = b"engine_service.model.parallel.worker"
 
 def worker_pids(core_pid: int) -> list[int]:
     """The tensor-parallel workers the engine core started."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if ppid == core_pid and WORKER_MODULE in cmdline:
-            pids.append(int(entry.name))
-    return pids
+    return child_pids(core_pid, WORKER_MODULE)
 
 
 @pytest.fixture
