@@ -9,14 +9,25 @@ import os
 # Tests never reach a model hub; set before anything imports transformers.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Two or more pytest-xdist workers on a 2-core machine: one torch (OpenMP) thread per worker
+# process and per process it starts without its own setting. At torch's default (a thread per
+# core) two workers computing at once keep 4 spinning threads on 2 cores, and each op waits at
+# its barrier: two SmolLM2 bf16 parity tests run side by side took 69 s at 2 threads each and
+# 39 s at 1. Servers the tests start still set their own (--torch-threads' default).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from engine_service.tools.prepare_model import ensure_default_model  # noqa: E402
 from tests.support.tiny_models import make_tiny_model  # noqa: E402
 from tests.support.tls import SessionCerts  # noqa: E402
+
+if os.environ.get("OMP_NUM_THREADS") == "1":
+    torch.set_num_threads(1)  # in case torch was imported before the variable was set
 
 
 @pytest.fixture(scope="session")
