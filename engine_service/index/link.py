@@ -37,7 +37,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from engine_service.index.policy import IndexPolicy, LowWaterMark, OpBatch, PendingOp
+from engine_service.index.policy import (
+    DEFAULT_MAX_BACKLOG_BATCHES,
+    IndexPolicy,
+    LowWaterMark,
+    OpBatch,
+    PendingOp,
+)
 from prefix_index.api.client import PrefixIndexClient, PrefixIndexClientError
 from prefix_index.api.ops import Acquire, ApplyResult, OpStatus, Pin, Release, Unpin
 from trust.credentials import TlsMaterial
@@ -58,6 +64,11 @@ TARGET = re.compile(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:.]+\]:\d{1,5}")
 
 class IndexUnavailableError(ConnectionError):
     """The prefix index cannot be reached now (the engine runs degraded on its local LRU)."""
+
+
+class StaleBatchError(Exception):
+    """The ops being sent belong to a generation the policy has left (it dropped its backlog
+    for a re-sync while the index refused them): they are not sent."""
 
 
 class PinRefusedError(Exception):
@@ -93,6 +104,9 @@ class IndexLinkOptions:
     register_timeout_s: float = 3.0
     # Mutual TLS to the index, presenting this engine's certificate; None: plain text.
     tls: TlsMaterial | None = None
+    # Steps of ops held unsent while the index refuses them (its Apply rate) before they are
+    # dropped for a re-sync (IndexPolicy._drop_backlog): the backlog's memory stays bounded.
+    max_backlog_batches: int = DEFAULT_MAX_BACKLOG_BATCHES
 
 
 @dataclass(slots=True)
@@ -144,7 +158,7 @@ def connect_prefix_index(
     low_water = options.low_water or LowWaterMark.for_pool(
         pool.num_blocks, config.max_num_batched_tokens // config.block_size
     )
-    policy = IndexPolicy(pool, low_water)
+    policy = IndexPolicy(pool, low_water, options.max_backlog_batches)
     pool.policy = policy
     identity = engine.hasher.identity  # what seeds the engine's block-hash chain
     link = PrefixIndexLink(
@@ -231,6 +245,7 @@ class PrefixIndexLink:
             "forgets_sent": str(mirror.forgets_sent),
             "index_pins": str(mirror.index_pins),
             "apply_backoffs": str(s.apply_backoffs),
+            "backlog_resyncs": str(mirror.backlog_resyncs),
         }
         if s.degraded:
             details["degraded_for_s"] = f"{time.monotonic() - self._degraded_since:.1f}"
@@ -376,7 +391,10 @@ class PrefixIndexLink:
         async with self._send_lock:
             batch: OpBatch = await self._on_engine(self.policy.resync_ops)
             self._generation = batch.generation
-            await self._send(batch)
+            try:
+                await self._send(batch)
+            except StaleBatchError:
+                return  # refused past the backlog's bound: the loop re-registers
         self._registered = True
         if self._stats.degraded:
             log.info("prefix index %s: registered, epoch %d, mirror re-synced",
@@ -391,23 +409,29 @@ class PrefixIndexLink:
                 except queue.Empty:
                     return
                 if batch.generation == self._generation:
-                    await self._send(batch)  # others belong to a registration that is gone
+                    try:
+                        await self._send(batch)  # others belong to a registration that is gone
+                    except StaleBatchError:
+                        return  # the policy asked for a re-sync: the loop registers anew
 
     async def _send(self, batch: OpBatch) -> None:
         assert self._client is not None
         for chunk in self._chunks(batch.ops):
-            reply = await self._apply([p.op for p in chunk])
+            reply = await self._apply([p.op for p in chunk], batch.generation)
             self._stats.ops_sent += len(chunk)
             sent = OpBatch(batch.generation, chunk)
             self._post(lambda _engine, sent=sent, reply=reply:
                        self.policy.on_results(sent, reply.results, reply.pin_changes))
 
-    async def _apply(self, ops: list) -> ApplyResult:
+    async def _apply(self, ops: list, generation: int | None = None) -> ApplyResult:
         """One Apply with the next sequence number. A timeout or an unreachable index leaves
         its outcome unknown: it is sent once more with the same number, which the index applies
         at most once; a gap or a replay (ABORTED: the index lost or repeated our writes) fails,
         and the caller re-registers and re-syncs. A refusal (RESOURCE_EXHAUSTED: nothing was
-        applied) waits and sends the same Apply again, for as long as the index refuses it."""
+        applied) waits and sends the same Apply again, for as long as the index refuses it,
+        unless the policy has dropped the backlog meanwhile for a re-sync (its generation
+        moved on): then StaleBatchError, and the ops are never sent. Pins (no generation)
+        are sent again until the index takes them."""
         assert self._client is not None
         seq = self._seq + 1
         retried_unknown = False
@@ -418,8 +442,10 @@ class PrefixIndexLink:
                 break
             except PrefixIndexClientError as error:
                 if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not self._closing:
-                    await self._back_off(error, len(ops), refusals_in_a_row)
+                    await self._back_off(error, len(ops), refusals_in_a_row, generation)
                     refusals_in_a_row += 1
+                    if generation is not None and generation != self.policy.generation:
+                        raise StaleBatchError from error
                     continue
                 transient = error.code in (grpc.StatusCode.UNAVAILABLE,
                                            grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -431,7 +457,7 @@ class PrefixIndexLink:
         return reply
 
     async def _back_off(self, error: PrefixIndexClientError, num_ops: int,
-                        refusals_in_a_row: int) -> None:
+                        refusals_in_a_row: int, generation: int | None) -> None:
         """Waits out a refused Apply: the delay the index named, else REFUSED_BACKOFF_S doubled
         per refusal in a row up to REFUSED_BACKOFF_MAX_S; either stretched by a random share up
         to REFUSED_JITTER. Heartbeats meanwhile (the lease must not lapse over a long wait)."""
@@ -445,7 +471,8 @@ class PrefixIndexLink:
                     "%.2fs", self.target, num_ops, error.details, delay_s)
         deadline = time.monotonic() + delay_s
         heartbeat_every = max(0.05, self.options.lease_s / 3)
-        while not self._closing and (left := deadline - time.monotonic()) > 0:
+        while (not self._closing and generation in (None, self.policy.generation)
+               and (left := deadline - time.monotonic()) > 0):
             if time.monotonic() - self._last_rpc > heartbeat_every:
                 await self._timed("Heartbeat", self._client.heartbeat())
             await self._sleep(min(left, heartbeat_every))
@@ -532,5 +559,5 @@ class PrefixIndexLink:
         if unpin:
             await self._on_engine(lambda: self.policy.unpin_locally(chain))
         else:
-            await self._on_engine(lambda: self.policy.pin_locally(chain[: result.count], ttl_s))
+            await self._on_engine(lambda: self.policy.pin_locally(chain, ttl_s, result.count))
         return result.count

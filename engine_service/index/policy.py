@@ -20,6 +20,7 @@ Each registration is a new generation: batches and results of an older one are d
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import time
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine_service.core.pin_set import PinSet
 from prefix_index.api.ops import (
     Acquire,
     AcquireKind,
@@ -49,7 +51,13 @@ from prefix_index.api.ops import (
 if TYPE_CHECKING:
     from engine_service.core.block_pool import BlockPool
 
+log = logging.getLogger(__name__)
+
 MAX_HASHES_PER_OP = 4096  # the index allows 16384 per chain; smaller ops keep Applies even
+# Steps of ops the link may leave unsent (the index refusing its Apply rate) before they are
+# dropped for a re-sync: about 10 s of 10 ms steps, each a few ops; a re-sync is one op per
+# cached block.
+DEFAULT_MAX_BACKLOG_BATCHES = 1024
 
 
 @dataclass(slots=True)
@@ -83,6 +91,7 @@ class MirrorCounters:
     index_pins: int = 0  # pins the index reported (automatic or explicit) and we mirrored
     mismatches: int = 0  # index results that did not match the mirror (races; self-healing)
     pins_released: int = 0  # idle pinned blocks unpinned so a request could run
+    backlog_resyncs: int = 0  # backlogs past max_backlog_batches dropped for a re-sync
 
 
 @dataclass(slots=True)
@@ -106,13 +115,21 @@ class IndexPolicy:
     """PrefixPolicy for one engine whose prefix cache the prefix index steers. Every method
     runs on the engine thread; the link reads only `outbox`, `needs_resync` and `generation`."""
 
-    def __init__(self, pool: BlockPool, low_water: LowWaterMark) -> None:
+    def __init__(self, pool: BlockPool, low_water: LowWaterMark,
+                 max_backlog_batches: int = DEFAULT_MAX_BACKLOG_BATCHES) -> None:
+        if max_backlog_batches < 1:
+            raise ValueError(f"max_backlog_batches must be >= 1, got {max_backlog_batches}")
         self.pool = pool
         self.low_water = low_water
+        self.max_backlog_batches = max_backlog_batches
         self._mirror: dict[bytes, MirroredBlock] = {}
         self._evictable: OrderedDict[bytes, None] = OrderedDict()  # refcount 0, unpinned; LRU
         self._pins: dict[bytes, float] = {}  # hash -> monotonic expiry (inf: until unpinned)
         self._auto_pins: set[bytes] = set()  # of _pins, those the index pinned as hot
+        # The explicit pins made through the index, whole (as the index keeps them: named by
+        # the chain's last hash, each with its own expiry): what unpin drops, what a re-sync
+        # states again, what release_pins gives up. _pins' expiry is the latest of a block's.
+        self._records = PinSet()
         # Refcount 0 but pinned (not evictable), in pinning order: release_pins takes the oldest.
         self._idle_pinned: dict[bytes, None] = {}
         self._pending: list[PendingOp] = []  # recorded since the last batch
@@ -206,16 +223,31 @@ class IndexPolicy:
         return victims
 
     def release_pins(self, num_blocks: int) -> int:
-        """Unpin up to num_blocks idle pinned blocks, oldest pin first (a lone request needs
-        the room); the index is told."""
-        released = list(self._idle_pinned)[:num_blocks]
-        for block_hash in released:
+        """Unpin idle pinned blocks until num_blocks are evictable (a lone request needs the
+        room): automatic pins first (guesses), then whole explicit pins, least recently pinned
+        first (a pin's blocks that another pin covers stay pinned); the index is told."""
+        freed = 0
+        unpins: list[Unpin] = []
+        for block_hash in [h for h in self._idle_pinned if h in self._auto_pins]:
+            if freed >= num_blocks:
+                break
             self._unpin_locally(block_hash)
-        if released and self._recording:
-            self._pending.append(PendingOp(Unpin(released)))
+            unpins.append(Unpin([block_hash]))
+            freed += 1
+        while freed < num_blocks and self._idle_pinned:
+            name = self._records.oldest()
+            if name is None:
+                break
+            for block_hash in self._records.unpin(name):
+                if block_hash in self._pins:
+                    freed += block_hash in self._idle_pinned
+                    self._unpin_locally(block_hash)
+            unpins.append(Unpin([name]))  # the index drops the pin of that name
+        if unpins and self._recording:
+            self._pending += [PendingOp(op) for op in unpins]
             self._send_pending()
-        self.counters.pins_released += len(released)
-        return len(released)
+        self.counters.pins_released += freed
+        return freed
 
     def on_prefix_query(self, chain: list[bytes], num_hit_blocks: int) -> None:
         self._covered_acquires = num_hit_blocks
@@ -227,6 +259,7 @@ class IndexPolicy:
         drop pins whose TTL ran out."""
         self._apply_victims()
         now = time.monotonic()
+        self._records.expire(now)  # the blocks they alone covered lapse below
         for block_hash in [h for h, expiry in self._pins.items() if expiry <= now]:
             self._unpin_locally(block_hash)
 
@@ -259,6 +292,9 @@ class IndexPolicy:
 
     def _send_pending(self) -> None:
         if self._pending and self._recording:
+            if self.outbox.qsize() >= self.max_backlog_batches:
+                self._drop_backlog()
+                return
             self.outbox.put(OpBatch(self.generation, self._pending))
             self._pending = []
             self.wake()
@@ -275,27 +311,61 @@ class IndexPolicy:
             self._pending.append(PendingOp(Evict(k)))
             self._victims_in_flight += k
 
+    def _drop_backlog(self) -> None:
+        """The link has not sent the last max_backlog_batches steps' ops (the index keeps
+        refusing them: its Apply rate): the backlog would grow for as long as that lasts. A
+        re-sync states the whole mirror in ops bounded by the pool instead, so the queued
+        batches (now of an old generation) are dropped unsent."""
+        self.counters.backlog_resyncs += 1
+        log.warning("prefix index: %d steps of ops unsent; dropping them for a re-sync",
+                    self.outbox.qsize())
+        self._ask_for_resync()
+        self.wake()
+
     def _ask_for_resync(self) -> None:
         self.needs_resync = True
         self.stop_recording()
 
     # ---- pins ---------------------------------------------------------------------------------
-    def pin_locally(self, chain: list[bytes], ttl_s: float) -> int:
-        """Pins the cached prefix of chain in the mirror (never evicted locally); its length."""
+    def pin_locally(self, chain: list[bytes], ttl_s: float, count: int | None = None) -> int:
+        """The pin the index made: named by chain's last hash, covering the cached prefix of
+        its first `count` blocks (all: None), never evicted locally; the blocks it covers.
+        Pinned again, the pin covers what it covers now and keeps the later expiry."""
         expiry = time.monotonic() + ttl_s if ttl_s > 0 else math.inf
-        count = 0
-        for block_hash in chain:
+        held = []
+        for block_hash in chain[:count]:
             if block_hash not in self._mirror:
                 break
-            self._pins[block_hash] = expiry
-            if block_hash in self._evictable:
-                del self._evictable[block_hash]
-                self._idle_pinned[block_hash] = None
-            count += 1
-        return count
+            held.append(block_hash)
+        if not held:
+            return 0
+        _, uncovered = self._records.pin(chain[-1], held, expiry)
+        for block_hash in held:
+            self._mark_pinned(block_hash, expiry)
+        for block_hash in uncovered:
+            if block_hash in self._pins and block_hash not in self._auto_pins:
+                self._unpin_locally(block_hash)
+        return len(held)
+
+    def _mark_pinned(self, block_hash: bytes, expiry: float) -> None:
+        self._pins[block_hash] = max(expiry, self._pins.get(block_hash, expiry))
+        if block_hash in self._evictable:
+            del self._evictable[block_hash]
+            self._idle_pinned[block_hash] = None
 
     def unpin_locally(self, chain: list[bytes]) -> int:
-        return sum(self._unpin_locally(h) for h in chain if h in self._pins)
+        """Drops the pin named by chain's last hash and the automatic pins among its blocks,
+        as the index does; blocks another pin covers stay pinned. How many it unpinned."""
+        if not chain:
+            return 0
+        count = 0
+        for block_hash in self._records.unpin(chain[-1]):
+            if block_hash in self._pins and block_hash not in self._auto_pins:
+                count += self._unpin_locally(block_hash)
+        for block_hash in chain:
+            if block_hash in self._auto_pins:
+                count += self._unpin_locally(block_hash)
+        return count
 
     def _unpin_locally(self, block_hash: bytes) -> bool:
         del self._pins[block_hash]
@@ -347,8 +417,12 @@ class IndexPolicy:
         # its hit history, or takes our word when it has none (Redis lost it with the pins);
         # any it does not pin again are unpinned here when the results come back.
         now = time.monotonic()
-        for h, expiry in self._pins.items():
-            if h not in self._auto_pins:
+        for name, hashes, expiry in self._records.items():  # whole, under their names
+            ttl = 0.0 if math.isinf(expiry) else max(0.001, expiry - now)
+            chain = list(hashes) if hashes[-1] == name else [*hashes, name]
+            ops.append(PendingOp(Pin(chain, ttl)))
+        for h, expiry in self._pins.items():  # pinned by the index alone: block by block
+            if h not in self._auto_pins and h not in self._records:
                 ttl = 0.0 if math.isinf(expiry) else max(0.001, expiry - now)
                 ops.append(PendingOp(Pin([h], ttl)))
         ops += [PendingOp(Pin([h], automatic=True)) for h in self._pins if h in self._auto_pins]
@@ -398,7 +472,7 @@ class IndexPolicy:
             if entry is None or entry.block_id != change.block_id:
                 continue  # we no longer hold that block: nothing to keep
             if change.hash not in self._pins:
-                self.pin_locally([change.hash], 0.0)
+                self._mark_pinned(change.hash, math.inf)  # the index unpins it: a change
                 self.counters.index_pins += 1
             if change.state == PinState.AUTOMATIC:
                 self._auto_pins.add(change.hash)
@@ -433,9 +507,16 @@ class IndexPolicy:
                 self._ask_for_resync()
         elif isinstance(op, Forget) and not result.ok:
             self.counters.mismatches += 1  # the index had dropped or moved it already
-        elif isinstance(op, Pin) and (not result.ok or result.count < len(op.chain)):
-            # Refused (the pin budget), or not pinned again (a re-stated automatic pin the
-            # index no longer finds hot): not pinned here either.
+        elif isinstance(op, Pin) and op.automatic and (
+                not result.ok or result.count < len(op.chain)):
+            # Not pinned again (a re-stated automatic pin the index no longer finds hot): not
+            # pinned here either.
             for block_hash in op.chain[result.count if result.ok else 0 :]:
                 if block_hash in self._pins:
+                    self._unpin_locally(block_hash)
+        elif isinstance(op, Pin) and not result.ok:
+            # A re-stated explicit pin refused (the pin budget): that pin is gone here too.
+            for block_hash in [*self._records.unpin(op.chain[-1]), op.chain[-1]]:
+                if (block_hash in self._pins and block_hash not in self._records
+                        and block_hash not in self._auto_pins):
                     self._unpin_locally(block_hash)
