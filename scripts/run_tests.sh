@@ -15,4 +15,5 @@ python3 -m ruff check .
 # Two workers: the suite is mostly services starting and waiting on each other, which left one
 # of CI's two cores idle; a test file stays on one worker (its module fixtures start once).
 # PAGEDGEN_TEST_WORKERS=0 runs it in this process; "$@" comes last and can override either.
-python3 -m pytest -q -n "${PAGEDGEN_TEST_WORKERS:-2}" --dist loadfile "$@"
+# The 25 slowest tests are listed at the end: where the suite's time goes, run after run.
+python3 -m pytest -q -n "${PAGEDGEN_TEST_WORKERS:-2}" --dist loadfile --durations 25 "$@"
