@@ -4,7 +4,7 @@ from __future__ import annotations
 
 # The order is the KEYS layout of lua/common.lua.
 ENGINE_KEY_SUFFIXES = ("meta", "bid", "own", "ref", "par", "kids", "last", "pin", "pinexp",
-                       "hot", "free", "lru", "hage", "pinchg", "vref")
+                       "hot", "free", "lru", "hage", "pinchg", "vref", "pins", "cover")
 
 # Directory of engine ids (its own slot); lookup, stats and the sweeper prune the gone ones.
 ENGINES_KEY = "pi:engines"

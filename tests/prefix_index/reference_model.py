@@ -5,6 +5,12 @@ commit refuses reused block ids / existing hashes / missing parents, release sto
 bad hash, evict takes the least recently used block with refcount 0, no pin and no held
 children, forget drops exactly the named (hash, block), pins count against the budget.
 
+Explicit pins are whole pins: a pin is named by the last hash of the chain it was asked for
+and covers the chain's held prefix; a held block is pinned while any pin covers it (also when
+it is committed again after being dropped); a pin again keeps the later expiry; unpin drops
+that pin (and the automatic pins among the chain's blocks); expiry drops the pins whose time
+(the model's `now`, which the caller moves) has come, at the start of each Apply.
+
 Hit history: an admission counts one use of every hash of its chain, held or not, and the
 counts outlive eviction; the history keeps the `history_cap` hashes used most recently (a
 chain's leaf counts as used before its root). A held block pins itself once its uses reach
@@ -16,6 +22,7 @@ Every pin state transition is recorded; apply_batch hands them over like ApplyRe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from prefix_index.api.ops import (
@@ -48,6 +55,12 @@ class ModelBlock:
 
 
 @dataclass(slots=True)
+class ModelPin:
+    hashes: tuple[bytes, ...]  # the held prefix at its last pinning, root first
+    expires_at: float  # on the model's clock; inf: until unpinned
+
+
+@dataclass(slots=True)
 class HistoryEntry:
     uses: int
     tick: int  # trim order: the smallest goes first
@@ -63,6 +76,8 @@ class ReferenceIndex:
         self.blocks: dict[bytes, ModelBlock] = {}
         self.history: dict[bytes, HistoryEntry] = {}
         self.pin_changes: dict[bytes, str] = {}
+        self.pins: dict[bytes, ModelPin] = {}  # explicit pins by name
+        self.now = 0.0  # the pins' clock (seconds), moved by the caller
         self.clock = 0
         self.history_clock = 0
         self.queries = 0
@@ -85,6 +100,29 @@ class ReferenceIndex:
 
     def _pinned(self) -> int:
         return sum(1 for b in self.blocks.values() if b.pin)
+
+    def covers(self, h: bytes) -> int:
+        """How many pins cover `h` (held or not)."""
+        return sum(h in p.hashes for p in self.pins.values())
+
+    def _uncovered(self, hashes: tuple[bytes, ...]) -> int:
+        """Unpins the held blocks of `hashes` that no pin covers now; how many."""
+        count = 0
+        for h in reversed(hashes):
+            b = self.blocks.get(h)
+            if b is not None and b.pin == "e" and not self.covers(h):
+                self._set_pin(h, "")
+                count += 1
+        return count
+
+    def _drop_pin(self, name: bytes) -> int:
+        pin = self.pins.pop(name, None)
+        return 0 if pin is None else self._uncovered(pin.hashes)
+
+    def expire(self) -> None:
+        """What every Apply does first: drop the pins whose time has come."""
+        for name in [n for n, p in self.pins.items() if p.expires_at <= self.now]:
+            self._drop_pin(name)
 
     def _has_children(self, h: bytes) -> bool:
         return any(b.parent == h for b in self.blocks.values())
@@ -154,8 +192,11 @@ class ReferenceIndex:
                 if self.owner_of(block_id) is not None:
                     return OpResult(OpStatus.BLOCK_IN_USE)
                 self.blocks[h] = ModelBlock(block_id, parent, last_use=self._tick())
-                entry = self.history.get(h)
-                self._maybe_auto_pin(h, entry.uses if entry else 0)
+                if self.covers(h):
+                    self._set_pin(h, "e")  # a pin covering it outlived its drop
+                else:
+                    entry = self.history.get(h)
+                    self._maybe_auto_pin(h, entry.uses if entry else 0)
                 return OpResult(OpStatus.OK, block_ids=[block_id], count=1)
             case Release(hashes=hashes):
                 count = 0
@@ -189,8 +230,13 @@ class ReferenceIndex:
                 self._drop(h)
                 self.forgets += 1
                 return OpResult(OpStatus.OK, block_ids=[block_id], count=1)
-            case Pin(chain=chain):
+            case Pin(chain=chain, ttl_s=ttl_s):
                 prefix = self.held_prefix(chain)
+                if not prefix:
+                    return OpResult(OpStatus.OK)
+                old = self.pins.get(chain[-1])
+                if old is None and len(self.pins) >= self.num_blocks:
+                    return OpResult(OpStatus.PIN_BUDGET_EXCEEDED)
                 new_pins = sum(1 for h in prefix if not self.blocks[h].pin)
                 over = self._pinned() + new_pins - self.pin_budget
                 if over > 0 and new_pins > 0:  # a renewal adds no pin: never refused
@@ -201,14 +247,22 @@ class ReferenceIndex:
                         return OpResult(OpStatus.PIN_BUDGET_EXCEEDED)
                     for _, h in autos[:over]:
                         self._set_pin(h, "")
+                expires_at = self.now + ttl_s if ttl_s > 0 else math.inf
+                if old is not None:
+                    expires_at = max(expires_at, old.expires_at)
+                self.pins[chain[-1]] = ModelPin(tuple(prefix), expires_at)
                 for h in prefix:
                     self._set_pin(h, "e")
+                if old is not None:
+                    self._uncovered(old.hashes)
                 return OpResult(OpStatus.OK, count=len(prefix))
             case Unpin(chain=chain):
-                count = 0
+                if not chain:
+                    return OpResult(OpStatus.OK)
+                count = self._drop_pin(chain[-1])
                 for h in chain:
                     b = self.blocks.get(h)
-                    if b is not None and b.pin:
+                    if b is not None and b.pin == "a":
                         self._set_pin(h, "")
                         count += 1
                 return OpResult(OpStatus.OK, count=count)
@@ -216,6 +270,7 @@ class ReferenceIndex:
 
     def apply_batch(self, ops: list[Op]) -> tuple[list[OpResult], list[PinChange]]:
         """Like one Apply: the results, then the pin changes since the previous batch."""
+        self.expire()
         results = [self.apply(op) for op in ops]
         return results, self.take_pin_changes()
 

@@ -90,8 +90,8 @@ def _comparable(r: OpResult) -> tuple:
 
 def _check_raw_state(redis_url: str, engine_id: str, model: ReferenceIndex) -> None:
     """What Redis holds, field by field, equals the model; no refcount is ever negative."""
-    (_meta, bid, own, ref, par, kids, _last, pin, _pinexp, hot, free, lru, hage, _pinchg,
-     vref) = engine_keys(engine_id)
+    (_meta, bid, own, ref, par, kids, _last, pin, pinexp, hot, free, lru, hage, _pinchg,
+     vref, pins, cover) = engine_keys(engine_id)
     with redis.Redis.from_url(redis_url) as raw:
         refs = {h: int(v) for h, v in raw.hgetall(ref).items()}
         assert all(v >= 0 for v in refs.values())
@@ -103,6 +103,13 @@ def _check_raw_state(redis_url: str, engine_id: str, model: ReferenceIndex) -> N
         assert raw.hgetall(par) == {h: b.parent for h, b in model.blocks.items()}
         assert {h: v.decode() for h, v in raw.hgetall(pin).items()} == {
             h: b.pin for h, b in model.blocks.items() if b.pin}
+        # Whole pins: each by name with the hashes it covers, the cover counts, the timed ones.
+        assert raw.hgetall(pins) == {name: b"".join(p.hashes) for name, p in model.pins.items()}
+        covered = {h for p in model.pins.values() for h in p.hashes}
+        assert {h: int(v) for h, v in raw.hgetall(cover).items()} == {
+            h: model.covers(h) for h in covered}
+        assert set(raw.zrange(pinexp, 0, -1)) == {
+            name for name, p in model.pins.items() if p.expires_at != float("inf")}
         children = {}
         for b in model.blocks.values():
             if b.parent:

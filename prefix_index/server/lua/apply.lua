@@ -3,8 +3,9 @@
 -- code and its arguments:
 --   A admit n h1..hn | C h parent block_id | R n h1..hn | E k | P ttl_ms n h1..hn |
 --   U n h1..hn | F h block_id | H n h1..hn | B blocks
---   (admit: 1 = admission, 0 = fork / re-sync; H: a re-sync re-stating automatic pins;
---   B: the engine's pin budget now)
+--   (admit: 1 = admission, 0 = fork / re-sync; P: the pin named hn, covering the held prefix;
+--   U: drops the pin named hn and the automatic pins among h1..hn; H: a re-sync re-stating
+--   automatic pins; B: the engine's pin budget now)
 -- Returns {results, pin_changes, replayed, view_writes}: one {status, detail, block_ids,
 -- evicted (hash, id, ...), count} per op (status numbers are the proto's OpStatus), the pin
 -- changes since the previous Apply as (hash, state, block_id, ...), 1 when seq was already
@@ -261,9 +262,13 @@ local function commit(op)
     settle(parent)
   end
   settle(h)
-  -- A block that keeps coming back is pinned as soon as it is held again, even though LRU
-  -- dropped it between its visits: its uses outlived the eviction.
-  if threshold > 0 then
+  if num(K.cover, h) > 0 then
+    -- A pin covering it lives on (the block was forgotten while pinned): it holds it again.
+    set_pin(h, 'e')
+    settle(h)
+  elseif threshold > 0 then
+    -- A block that keeps coming back is pinned as soon as it is held again, even though LRU
+    -- dropped it between its visits: its uses outlived the eviction.
     maybe_auto_pin(h, hot_update(redis.call('HGET', K.hot, h), now, window_ms, 0))
   end
   return {OK, '', {block}, {}, 1}
@@ -301,7 +306,6 @@ local function drop(h)
   redis.call('HDEL', K.own, block)
   redis.call('ZREM', K.free, h)
   redis.call('ZREM', K.lru, h)
-  redis.call('ZREM', K.pinexp, h)
   view_write('-', h)
   if parent and parent ~= '' then
     if redis.call('HINCRBY', K.kids, parent, -1) <= 0 then
@@ -341,8 +345,17 @@ local function forget(op)
   return {OK, '', {op.block}, {}, 1}
 end
 
+-- An explicit pin, whole: named by the chain's last hash, it covers the chain's held prefix.
+-- Pinned again, it covers the held prefix now and keeps the later expiry (no TTL is latest).
 local function pin(op)
   local hashes = held_prefix(op.list)
+  if #hashes == 0 then return {OK, '', {}, {}, 0} end
+  local name = op.list[#op.list]
+  local old = redis.call('HGET', K.pins, name)
+  if not old and redis.call('HLEN', K.pins) >= num_blocks then
+    return {PIN_BUDGET_EXCEEDED, 'this engine has ' .. num_blocks .. ' pins, one per block ' ..
+      'of its pool, the most it may keep; unpin one first', {}, {}, 0}
+  end
   local pins = hmget(K.pin, hashes)
   local new_pins = 0
   for i = 1, #hashes do
@@ -376,15 +389,18 @@ local function pin(op)
     table.sort(order, function(a, b) return last(a) < last(b) end)
     for i = 1, over do unpin(autos[order[i]]) end
   end
-  for _, h in ipairs(hashes) do
-    set_pin(h, 'e')
-    if op.ttl_ms > 0 then
-      redis.call('ZADD', K.pinexp, fmt(now + op.ttl_ms), h)
-    else
-      redis.call('ZREM', K.pinexp, h)
-    end
-    settle(h)
-  end
+  -- The new cover first, then the old one's end: blocks in both never flap.
+  cover_add(hashes)
+  redis.call('HSET', K.pins, name, table.concat(hashes))
+  if old then cover_remove(split_hashes(old)) end
+  local expiry = redis.call('ZSCORE', K.pinexp, name)
+  if op.ttl_ms == 0 then
+    redis.call('ZREM', K.pinexp, name)
+  elseif not old or expiry then
+    local at = now + op.ttl_ms
+    if expiry and tonumber(expiry) > at then at = tonumber(expiry) end
+    redis.call('ZADD', K.pinexp, fmt(at), name)
+  end  -- else the pin had no TTL, which is later than any: it keeps none
   return {OK, '', {}, {}, #hashes}
 end
 
@@ -411,10 +427,15 @@ local function restore_auto_pins(op)
   return {OK, '', {}, {}, count}
 end
 
+-- Drops the pin named by the chain's last hash, and the automatic pins among the chain's
+-- blocks (nobody's pin: whoever unpins the prefix overrides the guess, which the hit history
+-- may make again). Blocks another pin covers stay pinned. Returns how many blocks it unpinned.
 local function unpin_op(op)
-  local count = 0
-  for _, h in ipairs(op.list) do
-    if redis.call('HEXISTS', K.pin, h) == 1 then
+  if #op.list == 0 then return {OK, '', {}, {}, 0} end
+  local count = drop_pin(op.list[#op.list])
+  local pins = hmget(K.pin, op.list)
+  for i, h in ipairs(op.list) do
+    if pins[i] == 'a' then
       unpin(h)
       count = count + 1
     end

@@ -10,8 +10,8 @@ local K = {
   par = KEYS[5],     -- hash -> parent hash ('' for the first block of a chain)
   kids = KEYS[6],    -- hash -> number of held children (absent = 0)
   last = KEYS[7],    -- hash -> logical time of last use (acquire, commit, release)
-  pin = KEYS[8],     -- hash -> 'e' (explicit) or 'a' (automatic, hot)
-  pinexp = KEYS[9],  -- zset: explicit pins with a TTL, score = expiry (ms)
+  pin = KEYS[8],     -- held hash -> 'e' (an explicit pin covers it) or 'a' (automatic, hot)
+  pinexp = KEYS[9],  -- zset: the names of explicit pins with a TTL, score = expiry (ms)
   -- Hit history, kept past a block's eviction (and across Register): hash ->
   -- 'window_start_ms uses_this_window uses_previous_window'; admissions count the uses.
   hot = KEYS[10],
@@ -20,12 +20,19 @@ local K = {
   hage = KEYS[13],   -- zset: the history's hashes by last use (a history tick): trim order
   pinchg = KEYS[14], -- hash -> pin state now ('e', 'a', '-'): changes the next Apply reports
   vref = KEYS[15],   -- hash -> when (ms) its entry in Lookup's view was last written
+  -- Explicit pins, whole: a pin is named by the last hash of the chain it was asked for and
+  -- covers the held prefix of that chain at its last pinning (16-byte hashes, root first).
+  -- A block is pinned while any pin covers it; each pin has its own expiry (pinexp).
+  pins = KEYS[16],   -- pin name -> the hashes it covers, concatenated
+  cover = KEYS[17],  -- hash -> how many pins cover it (absent = 0); kept while a covered
+                     -- block is dropped, so the pin holds it again if it is committed again
 }
 local ALL_KEYS = {K.meta, K.bid, K.own, K.ref, K.par, K.kids, K.last, K.pin, K.pinexp,
-                  K.hot, K.free, K.lru, K.hage, K.pinchg, K.vref}
+                  K.hot, K.free, K.lru, K.hage, K.pinchg, K.vref, K.pins, K.cover}
 -- What Register drops: the blocks and their pins; not the hit history (hot, hage).
 local BLOCK_KEYS = {K.meta, K.bid, K.own, K.ref, K.par, K.kids, K.last, K.pin, K.pinexp,
-                    K.free, K.lru, K.pinchg, K.vref}
+                    K.free, K.lru, K.pinchg, K.vref, K.pins, K.cover}
+local HASH_BYTES = 16
 
 -- Redis turns Lua numbers into strings with %.14g; epochs and times need every digit.
 local function fmt(x)
@@ -95,14 +102,62 @@ local function unpin(h)
   if redis.call('HDEL', K.pin, h) == 1 then
     redis.call('HSET', K.pinchg, h, '-')
   end
-  redis.call('ZREM', K.pinexp, h)
   settle(h)
 end
 
+local function split_hashes(packed)
+  local hashes = {}
+  for i = 1, #packed, HASH_BYTES do
+    hashes[#hashes + 1] = string.sub(packed, i, i + HASH_BYTES - 1)
+  end
+  return hashes
+end
+
+-- One more pin covers each of `hashes`: a held one is pinned explicitly (an automatic pin
+-- becomes explicit). Returns how many of them no pin covered before.
+local function cover_add(hashes)
+  local added = 0
+  for _, h in ipairs(hashes) do
+    if redis.call('HINCRBY', K.cover, h, 1) == 1 then added = added + 1 end
+    if redis.call('HEXISTS', K.bid, h) == 1 then
+      set_pin(h, 'e')
+      settle(h)
+    end
+  end
+  return added
+end
+
+-- One pin fewer covers each of `hashes`; the held ones no pin covers now are unpinned, leaf
+-- first. Returns how many blocks that unpinned.
+local function cover_remove(hashes)
+  local unpinned = 0
+  for i = #hashes, 1, -1 do
+    local h = hashes[i]
+    if redis.call('HINCRBY', K.cover, h, -1) <= 0 then
+      redis.call('HDEL', K.cover, h)
+      if redis.call('HGET', K.pin, h) == 'e' then
+        unpin(h)
+        unpinned = unpinned + 1
+      end
+    end
+  end
+  return unpinned
+end
+
+-- Drops the pin `name` (nothing if there is none); how many blocks that unpinned.
+local function drop_pin(name)
+  local packed = redis.call('HGET', K.pins, name)
+  if not packed then return 0 end
+  redis.call('HDEL', K.pins, name)
+  redis.call('ZREM', K.pinexp, name)
+  return cover_remove(split_hashes(packed))
+end
+
+-- The pins whose time has come, and only those (no scan of the others).
 local function expire_pins(now)
   local due = redis.call('ZRANGEBYSCORE', K.pinexp, '-inf', fmt(now))
-  for _, h in ipairs(due) do
-    unpin(h)
+  for _, name in ipairs(due) do
+    drop_pin(name)
   end
 end
 
