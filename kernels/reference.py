@@ -107,9 +107,9 @@ def build_attention_plan(
     q_pos = torch.arange(max_q, device=device)
     token_valid = q_pos[None, :] < p_query_lens[:, None]
     token_index = query_start_loc[prefill_seqs].long()[:, None] + q_pos[None, :]
-    token_index = torch.where(
-        token_valid, token_index, query_start_loc[prefill_seqs].long()[:, None]
-    )
+    # Padded query rows gather token 0, which every batch has: a sequence with no query tokens
+    # (a padding row of the mixed-step graphs' buffers) may start past the last token.
+    token_index = torch.where(token_valid, token_index, 0)
     # Absolute position of each query token; it sees keys at positions <= its own.
     abs_q_pos = (p_seq_lens - p_query_lens)[:, None] + q_pos[None, :]
     k_pos = torch.arange(prefill_num_blocks * block_size, device=device)

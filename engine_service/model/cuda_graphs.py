@@ -27,9 +27,10 @@ SmolLM2-135M took 17-29 ms at batch 1 and a Llama-8B-shaped one 19-26 ms, agains
 - A graph's attention was captured with the split-KV count of the widest table, so it does
   not match an eager step bit for bit; greedy tokens match (tests/engine/test_cuda_graphs.py).
 
-Only steps where every sequence runs one token are replayed (decode, or a one-token prompt);
-prefill and mixed steps run eagerly. `enforce_eager` turns graphs off. One owner: the model
-runner, on the engine thread.
+Only steps where every sequence runs one token are replayed here (decode, or a one-token
+prompt); steps carrying a prefill chunk replay the mixed-step graphs (mixed_graphs.py), which
+read the same block-table rows and context lengths, so a sequence keeps its row across both.
+`enforce_eager` turns graphs off. One owner: the model runner, on the engine thread.
 
 Off CUDA there are no graphs, but the same buffers can run the forward eagerly: the engine
 never does this, the tests do, so the buffer handling (rows, padding, block tables) is checked
@@ -114,6 +115,7 @@ class DecodeGraphs:
         self.logits = torch.empty((rows, runner.config.vocab_size), dtype=torch.float32,
                                   device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None  # the graphs' private memory pool, once captured
         self.num_replays = 0  # decode steps that ran through these buffers
 
     def _pad_rows(self, start: int, end: int) -> None:
@@ -192,13 +194,11 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         """The decode forward over the first `size` rows of the fixed buffers."""
         runner = self.runner
-        tables_at = self.region
         positions = self.dev64[1, :size]
         ctx = StepContext(
             positions=positions,
             slot_mapping=self.dev64[2, :size],
-            block_tables=self.dev32[tables_at : tables_at + size * self.width].view(
-                size, self.width),
+            block_tables=self.table_rows(size),
             seq_lens=self.dev32[:size],
             query_start_loc=self.query_start_loc[: size + 1],
             attention_plan=None,
@@ -227,7 +227,7 @@ class DecodeGraphs:
         before = torch.cuda.memory_reserved(dev)
         self.dev64.copy_(self.host64)
         self.dev32.copy_(self.host32)
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()  # the mixed-step graphs' too
         for size in reversed(self.sizes):
             self._forward(size)  # eager first: anything lazily built is built outside capture
             torch.cuda.synchronize(dev)
@@ -251,27 +251,26 @@ class DecodeGraphs:
                 and all(item.num_new_tokens == 1 and len(item.block_table) <= self.width
                         for item in scheduled))
 
-    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Logits [sampling rows, vocab] of one decode step (rows in schedule order)."""
-        n = len(scheduled)
-        size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        bs = self.runner.block_size
+    def write_rows(self, scheduled: list[ScheduledSeq], num_rows: int) -> list[int]:
+        """A step's sequence rows, in the host mirror: each sequence placed (`_place`), its
+        context length (new tokens included) and its table's changed entries written and
+        staged; rows len(scheduled)..num_rows-1 made padding. Waits first for the previous
+        step's copies out of the mirror. Shared with the mixed-step graphs (mixed_graphs.py),
+        so a sequence keeps its row whether its step is a decode or carries a prefill chunk.
+        Returns each sequence's row."""
         if self._copied is not None:
             self._copied.synchronize()
-        ids, positions, slots = self._ids, self._positions, self._slots
         self._num_staged = 0
         rows = self._place(scheduled)
         for row, item in zip(rows, scheduled, strict=True):
-            seq, table = item.seq, item.block_table
-            pos = seq.num_computed_tokens
-            ids[row] = seq.token_ids[pos]
-            positions[row] = pos
-            slots[row] = table[pos // bs] * bs + pos % bs
-            self._seq_lens[row] = pos + 1
-            self._write_table(row, table)
-        self._pad_rows(n, size)
+            self._seq_lens[row] = item.seq.num_computed_tokens + item.num_new_tokens
+            self._write_table(row, item.block_table)
+        self._pad_rows(len(scheduled), num_rows)
+        return rows
+
+    def upload_rows(self) -> None:
+        """The context lengths and the staged table entries to the device (non-blocking)."""
         staged = self._num_staged
-        self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32[: self.region].copy_(self.host32[: self.region], non_blocking=True)
         if staged:
             index = self._dev_stage_index[:staged]
@@ -279,8 +278,34 @@ class DecodeGraphs:
             index.copy_(self._stage_index[:staged], non_blocking=True)
             values.copy_(self._stage_values[:staged], non_blocking=True)
             self._dev_tables.index_copy_(0, index, values)
-        if self.on_cuda:
+
+    def mark_copied(self) -> None:
+        """This step's copies out of the host mirrors are queued (call before the replay)."""
+        if self._copied is not None:
             self._copied.record()
+
+    def table_rows(self, num_rows: int) -> torch.Tensor:
+        """The device block table's first num_rows rows [num_rows, width] (int32)."""
+        at = self.region
+        return self.dev32[at : at + num_rows * self.width].view(num_rows, self.width)
+
+    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Logits [sampling rows, vocab] of one decode step (rows in schedule order)."""
+        n = len(scheduled)
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        bs = self.runner.block_size
+        rows = self.write_rows(scheduled, size)
+        ids, positions, slots = self._ids, self._positions, self._slots
+        for row, item in zip(rows, scheduled, strict=True):
+            seq, table = item.seq, item.block_table
+            pos = seq.num_computed_tokens
+            ids[row] = seq.token_ids[pos]
+            positions[row] = pos
+            slots[row] = table[pos // bs] * bs + pos % bs
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.upload_rows()
+        self.mark_copied()
+        if self.on_cuda:
             self.graphs[size].replay()
         else:
             self._forward(size)

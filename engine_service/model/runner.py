@@ -13,6 +13,7 @@ from engine_service.model.eager_block_tables import EagerBlockTables
 from engine_service.model.huge_pages import huge_page_zeros
 from engine_service.model.loader import load_model, model_weight_bytes
 from engine_service.model.memory_plan import check_weights_fit
+from engine_service.model.mixed_graphs import MixedGraphs
 from engine_service.model.models.llama import StepContext, rope_cos_sin_cache
 from engine_service.model.step_inputs import StepInputs, prefill_batch
 from kernels import get_kernel_backend
@@ -69,6 +70,7 @@ class ModelRunner:
             model_config, max_model_len, self.dtype, self.device
         )
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
+        self.mixed_graphs: MixedGraphs | None = None  # CUDA only, see capture_mixed_graphs
         self.eager_tables = EagerBlockTables(-(-max_model_len // block_size))
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
@@ -78,6 +80,18 @@ class ModelRunner:
         graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
         added = graphs.capture()
         self.decode_graphs = graphs
+        return added
+
+    def capture_mixed_graphs(self, max_num_batched_tokens: int) -> int:
+        """Capture the forwards of steps with prefill chunks, per token bucket up to the
+        step's token budget (engine_service/model/mixed_graphs.py), after the decode graphs,
+        whose sequence rows and memory pool they share. Returns the device memory added."""
+        if self.decode_graphs is None:
+            raise RuntimeError("capture the decode graphs first: the mixed-step graphs share "
+                               "their sequence rows")
+        graphs = MixedGraphs(self, self.decode_graphs, max_num_batched_tokens)
+        added = graphs.capture()
+        self.mixed_graphs = graphs
         return added
 
     def _refuse_if_captured(self) -> None:
@@ -142,6 +156,8 @@ class ModelRunner:
         """Forward the scheduled tokens; logits [num sampling seqs, vocab] in schedule order."""
         if self.decode_graphs is not None and self.decode_graphs.accepts(scheduled):
             return self.decode_graphs.run(scheduled)
+        if self.mixed_graphs is not None and self.mixed_graphs.accepts(scheduled):
+            return self.mixed_graphs.run(scheduled)
         return self.run_batch(self.step_inputs(scheduled))
 
     def step_inputs(self, scheduled: list[ScheduledSeq]) -> StepInputs:
@@ -156,6 +172,15 @@ class ModelRunner:
         for item in scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
+            if item.num_new_tokens == 1:  # a decode token: no slice, range or generator
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(item.block_table[start // bs] * bs + start % bs)
+                seq_lens.append(start + 1)
+                query_start_loc.append(query_start_loc[-1] + 1)
+                if item.samples:
+                    sample_rows.append(query_start_loc[-1] - 1)
+                continue
             end = start + item.num_new_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))

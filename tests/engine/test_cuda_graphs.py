@@ -128,15 +128,19 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def _staged_run(model_dir, plan: list[tuple[int, list[int], SamplingParams]], graphs: bool,
-                device: str, **engine_args) -> dict:
+                device: str, mixed: bool = False, **engine_args) -> dict:
     """Requests added at the steps the plan gives ((step, prompt, params), in step order), run
     to completion with the block invariants checked after every step; each request's outputs
-    (tokens and logprobs, or the error that refused it) and how many steps replayed a graph.
-    On the CPU, graphs=True gives the engine the graphs' buffers, which it runs eagerly."""
+    (tokens and logprobs, or the error that refused it) and how many steps replayed a graph
+    (decode graphs; with `mixed`, "mixed_replays": the mixed-step graphs').
+    On the CPU, graphs=True gives the engine the graphs' buffers, which it runs eagerly (the
+    mixed-step graphs' too with `mixed`)."""
     args = dict(device=device, dtype="float32", enforce_eager=not graphs) | engine_args
     engine = LLM(model=str(model_dir), **args).llm_engine
     if graphs and device == "cpu":
         engine.runner.capture_decode_graphs(graph_rows(engine.config), engine.max_model_len)
+        if mixed:
+            engine.runner.capture_mixed_graphs(engine.config.max_num_batched_tokens)
     pending = [(at, str(i), prompt, params) for i, (at, prompt, params) in enumerate(plan)]
     outputs: dict[str, object] = {}
     step = 0
@@ -158,6 +162,10 @@ def _staged_run(model_dir, plan: list[tuple[int, list[int], SamplingParams]], gr
         assert step < 3000, "no progress"
     graph_state = engine.runner.decode_graphs
     outputs["replays"] = 0 if graph_state is None else graph_state.num_replays
+    if mixed:
+        mixed_state = engine.runner.mixed_graphs
+        outputs["mixed_replays"] = 0 if mixed_state is None else mixed_state.num_replays
+        outputs["preemptions"] = engine.stats().num_preemptions
     del engine
     gc.collect()
     return outputs
