@@ -110,14 +110,15 @@ class LLMEngine:
             raise
         if uses_cuda_graphs(config, self.runner):
             added = self.runner.capture_decode_graphs(graph_rows(config), self.max_model_len)
+            added += self.runner.capture_mixed_graphs(config.max_num_batched_tokens)
             plan = self.kv_setup.plan
             if plan is not None and added > plan.cuda_graph_bytes:
-                log.warning("the decode CUDA graphs took %.1f MiB, more than the %.1f MiB the "
+                log.warning("the CUDA graphs took %.1f MiB, more than the %.1f MiB the "
                             "KV plan kept for them (the margin covers the rest; "
                             "--enforce-eager runs without them)", added / 2**20,
                             plan.cuda_graph_bytes / 2**20)
         elif config.device == "cuda":
-            log.info("decode steps run eagerly: %s", "enforce_eager" if config.enforce_eager
+            log.info("steps run eagerly: %s", "enforce_eager" if config.enforce_eager
                      else f"the {self.runner.kernels.name} kernels have no CUDA graphs")
         num_blocks = self.kv_setup.num_blocks
         # The one block-hash chain of this engine: the cache, PinPrefix and the index link.
