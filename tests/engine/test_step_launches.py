@@ -140,3 +140,43 @@ def test_cuda_path_decode_layer_within_twelve_launches(tiny_llama_dir) -> None:
             triton_launches)
     assert not engine.has_unfinished_requests()
     assert engine.check_block_invariants() == []
+
+
+def test_cuda_path_mixed_step_through_graph_buffers_within_budget(tiny_llama_dir) -> None:
+    """A mixed step (decodes beside a new prompt) through the mixed-step graphs' buffers
+    (engine_service/model/mixed_graphs.py, run eagerly here with the Triton kernels): the
+    forward captured on CUDA keeps the per-layer launch budget and neither syncs nor uploads;
+    the step around it waits once (the sampled tokens) and uploads nothing by torch.tensor
+    (its inputs go through the fixed buffers' copies)."""
+    from engine_service.model.kv_cache_setup import graph_rows
+    from kernels.launch_counter import launch_counter
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_blocks=64, max_num_seqs=8,
+                                    kernel_backend="triton", dtype="float32",
+                                    max_num_batched_tokens=128))
+    runner = engine.runner
+    runner.capture_decode_graphs(graph_rows(engine.config), engine.max_model_len)
+    runner.capture_mixed_graphs(engine.config.max_num_batched_tokens)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    _add_requests(engine, params)
+    num_layers = engine.model_config.num_layers
+    for phase in ("prefill", "mixed"):
+        if phase == "mixed":
+            engine.add_request("late", list(range(40, 53)), params)
+        before, computed = runner.mixed_graphs.num_replays, engine.num_computed_tokens
+        with launch_counter() as triton_launches:
+            ops = _count_step(engine)
+        assert runner.mixed_graphs.num_replays == before + 1, phase
+        # prefill: the four prompts whole; mixed: their four decodes and the new prompt
+        assert engine.num_computed_tokens - computed == {"prefill": 92, "mixed": 4 + 13}[phase]
+        forward = ops.get("forward")
+        assert forward.syncs == [] and forward.uploads == [], (phase, forward)
+        total = forward.num_launches + sum(triton_launches.values())
+        budget = CUDA_LAUNCHES_PER_LAYER * num_layers + CUDA_EMBEDDING_AND_FINAL_NORM
+        assert total <= budget, (phase, dict(forward.launches), dict(triton_launches))
+        step = ops.get("step")
+        assert step.syncs == ["Tensor.tolist"], (phase, step.syncs)
+        assert step.uploads == [], (phase, step.uploads)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.check_block_invariants() == []
