@@ -69,9 +69,9 @@ def run_call(runner: ModelRunner, group: TensorParallelGroup, call: Call,
         raise ValueError(f"unknown tensor-parallel call {call.method!r}")
 
 
-def serve_calls(runner: ModelRunner, group: TensorParallelGroup) -> None:
-    """A worker's loop: rank 0's calls until 'stop'."""
-    channel = StepChannel(group)
+def serve_calls(runner: ModelRunner, group: TensorParallelGroup, key: bytes) -> None:
+    """A worker's loop: rank 0's calls (authenticated under `key`) until 'stop'."""
+    channel = StepChannel(group, key)
     state = _WorkerState()
     while True:
         call = channel.receive()
@@ -89,7 +89,7 @@ class TensorParallelRunner:
         self._local = local
         self.group = group
         self.workers = workers
-        self.channel = StepChannel(group)
+        self.channel = StepChannel(group, workers.secret.encode())
         self._pending_moves: list[BlockMoves] = []
         self._utilization = gpu_memory_utilization
         self.decode_graphs = None  # not captured under TP (kv_cache_setup.uses_cuda_graphs)

@@ -6,6 +6,10 @@ with status 1 after leaving the message in the store for rank 0's error: rank 0'
 collective fails at once (gloo and NCCL see the closed connection), so the engine never waits
 on a dead rank. A worker whose parent is gone exits too: nothing is left behind when rank 0
 is killed.
+
+The engine's secret comes in the environment (PAGEDGEN_TP_STORE_SECRET, taken out of it at
+once so nothing this process starts inherits it); the spec and every step are checked against
+it before they are unpickled (auth.py). Without it the worker exits 2 at once.
 """
 
 import argparse
@@ -37,6 +41,14 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine_service.model.parallel.auth import SECRET_ENV, unseal
+
+    secret = os.environ.pop(SECRET_ENV, None)
+    if not secret:
+        print(f"tensor-parallel worker: {SECRET_ENV} is not set; workers are started by "
+              f"their engine's rank 0, which sets it", file=sys.stderr)
+        return 2
+    key = secret.encode()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
@@ -61,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     store = dist.TCPStore(host, int(port), is_master=False,
                           timeout=datetime.timedelta(seconds=120))
     try:
-        spec = pickle.loads(store.get("spec"))
+        spec = pickle.loads(unseal(key, b"spec", store.get("spec")))
         torch.set_num_threads(spec.threads)
         from engine_service.model.config import load_model_config
         from engine_service.model.parallel.group import connect_group
@@ -83,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=spec.max_model_len,
             parallel=RankOf(plan_shard(model_config, args.rank, args.world_size), group),
         )
-        serve_calls(runner, group)
+        serve_calls(runner, group, key)
     except BaseException as error:  # noqa: BLE001 (any failure: reported, then exit 1)
         message = f"{type(error).__name__}: {error}"
         traceback.print_exc(file=sys.stderr)

@@ -4,7 +4,8 @@ Workers are plain subprocesses (`python -m engine_service.model.parallel.worker`
 multiprocessing children: they need no `if __name__ == "__main__"` guard in the user's
 script, and a daemonic serving process may start them. They meet rank 0 at a TCPStore that
 rank 0 serves on the rendezvous host (127.0.0.1 unless PAGEDGEN_TP_HOST says otherwise) and a
-port the OS picks (PAGEDGEN_TP_PORT to fix one).
+port the OS picks (PAGEDGEN_TP_PORT to fix one). The store is open to every local process, so
+each worker gets the engine's secret in its environment and checks what it loads (auth.py).
 """
 
 import datetime
@@ -20,15 +21,15 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from engine_service.model.parallel.auth import SECRET_ENV, new_secret, seal
+from engine_service.model.parallel.errors import TensorParallelError
+
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0  # from spawn to the rendezvous (imports, on a loaded machine)
 STOP_GRACE_S = 5.0
 WATCH_INTERVAL_S = 0.1
-
-
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel rank died, failed or did not answer in time: the engine cannot go on."""
+MAX_ERROR_CHARS = 2000  # of a worker's message in the store (anybody may write that key)
 
 
 TERM_GRACE_S = 2.0
@@ -60,9 +61,10 @@ class Workers:
         self.stopped = False
         self.store = dist.TCPStore(host, port, None, True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
-        self.store.set("spec", pickle.dumps(spec))
+        self.secret = new_secret()  # this engine's: in the workers' environment only
+        self.store.set("spec", seal(self.secret.encode(), b"spec", pickle.dumps(spec)))
         address = f"{host}:{self.store.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads), SECRET_ENV: self.secret}
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "engine_service.model.parallel.worker",
                               "--rank", str(rank), "--world-size", str(world_size),
@@ -99,7 +101,8 @@ class Workers:
             reason = f"rank {rank} (pid {proc.pid}) exited with status {proc.returncode}"
             try:
                 if self.store.check([f"error/{rank}"]):
-                    reason += ": " + self.store.get(f"error/{rank}").decode(errors="replace")
+                    text = self.store.get(f"error/{rank}").decode(errors="replace")
+                    reason += ": " + text[:MAX_ERROR_CHARS]
             except RuntimeError:
                 pass
             dead.append(reason)

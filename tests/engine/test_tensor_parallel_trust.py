@@ -1,0 +1,169 @@
+"""The tensor-parallel rendezvous is no way in for other local processes (issue 33).
+
+Rank 0's TCPStore listens on loopback with no authentication, and any client may list its
+keys (TCPStore.list_keys) and read or overwrite any of them; gloo's own connections are not
+authenticated either. So nothing a worker unpickles may come from there unchecked: rank 0
+makes a random secret per engine, hands it to its workers in their environment (never their
+arguments, never the store), and tags the worker spec and every step message with an
+HMAC under it; a worker refuses, unread, whatever does not carry the tag. Errors travel as
+text. Real processes and real gloo groups throughout.
+"""
+
+import datetime
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine_service import LLM
+from engine_service.model.parallel.auth import SECRET_ENV
+from engine_service.model.parallel.channel import StepChannel
+from engine_service.model.parallel.errors import TensorParallelError
+from engine_service.model.parallel.group import connect_group
+
+WORKER = [sys.executable, "-m", "engine_service.model.parallel.worker"]
+
+
+class _Touch:
+    """Unpickling this creates `path`: proof that a pickle from outside was loaded."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def _server_store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=30))
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    return {**env, **extra}
+
+
+def test_a_worker_started_without_the_secret_exits_2_naming_it():
+    run = subprocess.run([*WORKER, "--rank", "1", "--world-size", "2",
+                          "--store", "127.0.0.1:1", "--parent-pid", str(os.getpid())],
+                         env=_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert SECRET_ENV in run.stderr
+
+
+def test_a_spec_planted_in_the_store_is_refused_unread(tmp_path):
+    """An outsider who got to the store first (or overwrote the key) gets nothing run: the
+    worker checks the spec's tag before it unpickles."""
+    store = _server_store()
+    planted = tmp_path / "planted"
+    try:
+        store.set("spec", b"\0" * 32 + pickle.dumps(_Touch(planted)))
+        run = subprocess.run([*WORKER, "--rank", "1", "--world-size", "2",
+                              "--store", f"127.0.0.1:{store.port}",
+                              "--parent-pid", str(os.getpid())],
+                             env=_env(**{SECRET_ENV: "0" * 32}), capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 1, run.stderr
+        assert "authentic" in run.stderr
+        assert not planted.exists(), "the worker unpickled a planted spec"
+        # Its error reaches rank 0 as text, not as a pickle.
+        assert "authentic" in store.get("error/1").decode()
+    finally:
+        del store
+
+
+def _two_channels(secrets: tuple[bytes, bytes]):
+    """Rank 0 and rank 1 of a real gloo group, in two threads of this process. Each rank has
+    its own connection to the store: one TCPStore object serves one call at a time, and rank
+    0's wait for rank 1's address would hold it while rank 1 waits to write that address
+    (a deadlock that never times out)."""
+    store = _server_store()
+    stores = [store, dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                                   timeout=datetime.timedelta(seconds=30))]
+    groups: list = [None, None]
+
+    def connect(rank: int) -> None:
+        groups[rank] = connect_group(stores[rank], rank, 2, torch.device("cpu"), "127.0.0.1",
+                                     30)
+
+    threads = [threading.Thread(target=connect, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return store, [StepChannel(groups[rank], secrets[rank]) for rank in (0, 1)]
+
+
+def _exchange(sender: StepChannel, receiver: StepChannel, message: object):
+    """Send on one thread, receive on this one: what the receiver got, or its error."""
+    thread = threading.Thread(target=sender.send, args=(message,))
+    thread.start()
+    try:
+        return receiver.receive()
+    except TensorParallelError as error:
+        return error
+    finally:
+        thread.join()
+
+
+def test_a_step_message_under_another_secret_is_refused_unread(tmp_path):
+    """A peer that is not rank 0 (it took a rank's place in the rendezvous, or wrote to a
+    worker's socket) cannot make a worker load its pickle."""
+    planted = tmp_path / "planted"
+    store, (rank0, rank1) = _two_channels((b"a" * 32, b"b" * 32))
+    try:
+        got = _exchange(rank0, rank1, _Touch(planted))
+        assert isinstance(got, TensorParallelError) and "authentic" in str(got)
+        assert not planted.exists(), "a worker unpickled a step it could not authenticate"
+    finally:
+        del rank0, rank1, store
+
+
+def test_step_messages_under_the_secret_arrive_and_a_replay_is_refused():
+    store, (rank0, rank1) = _two_channels((b"k" * 32, b"k" * 32))
+    try:
+        big = list(range(40_000))  # past the first buffer: a second broadcast
+        assert _exchange(rank0, rank1, {"step": 1}) == {"step": 1}
+        assert _exchange(rank0, rank1, big) == big
+        # The same bytes again are the wrong step: each tag covers the message's number.
+        rank0.sequence -= 1
+        got = _exchange(rank0, rank1, {"step": 1})
+        assert isinstance(got, TensorParallelError) and "authentic" in str(got)
+    finally:
+        del rank0, rank1, store
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def test_the_secret_is_in_no_key_no_value_and_no_command_line(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=32)
+    try:
+        workers = llm.llm_engine.runner.workers
+        secret = workers.secret.encode()
+        outsider = dist.TCPStore("127.0.0.1", workers.store.port, is_master=False,
+                                 timeout=datetime.timedelta(seconds=30))
+        try:
+            keys = outsider.list_keys()
+            assert "spec" in keys
+            for key in keys:
+                assert secret not in key.encode(), key
+                assert secret not in outsider.get(key), key
+        finally:
+            del outsider
+        for pid in [os.getpid(), *(p.pid for p in workers.procs)]:
+            assert secret not in _cmdline(pid)
+        assert SECRET_ENV not in os.environ
+        from engine_service import SamplingParams
+
+        out = llm.generate("The capital of France is", SamplingParams(max_tokens=4))
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.close()
