@@ -270,7 +270,7 @@ class EngineStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStatsResponse(_message.Message):
-    __slots__ = ("num_blocks", "num_free_blocks", "num_cached_blocks", "kv_cache_usage", "num_running", "num_waiting", "num_swapped", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "num_preemptions", "num_steps", "num_live_requests", "degraded", "draining", "index_details", "num_waiting_prefill_tokens")
+    __slots__ = ("num_blocks", "num_free_blocks", "num_cached_blocks", "kv_cache_usage", "num_running", "num_waiting", "num_swapped", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "num_preemptions", "num_steps", "num_live_requests", "degraded", "draining", "index_details", "num_waiting_prefill_tokens", "pin_budget_blocks", "num_pinned_blocks")
     class IndexDetailsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +295,8 @@ class EngineStatsResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     INDEX_DETAILS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PIN_BUDGET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int
@@ -312,7 +314,9 @@ class EngineStatsResponse(_message.Message):
     draining: bool
     index_details: _containers.ScalarMap[str, str]
     num_waiting_prefill_tokens: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_live_requests: _Optional[int] = ..., degraded: _Optional[bool] = ..., draining: _Optional[bool] = ..., index_details: _Optional[_Mapping[str, str]] = ..., num_waiting_prefill_tokens: _Optional[int] = ...) -> None: ...
+    pin_budget_blocks: int
+    num_pinned_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_live_requests: _Optional[int] = ..., degraded: _Optional[bool] = ..., draining: _Optional[bool] = ..., index_details: _Optional[_Mapping[str, str]] = ..., num_waiting_prefill_tokens: _Optional[int] = ..., pin_budget_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ...) -> None: ...
 
 class PinPrefixRequest(_message.Message):
     __slots__ = ("text", "token_ids", "chat", "cache_salt", "ttl_s", "unpin")

@@ -59,6 +59,7 @@ class EngineStats:
     num_steps: int
     num_pinned_blocks: int = 0  # idle blocks the prefix policy keeps from eviction
     pin_budget_blocks: int = 0  # blocks pins may hold now (core/pin_budget.py)
+    num_pinned_in_budget: int = 0  # pinned blocks, idle or in use (what the budget counts)
     num_pins_released: int = 0  # pinned blocks unpinned so a lone request could run
     num_waiting_prefill_tokens: int = 0  # prompt tokens not computed yet (waiting + running)
     num_prefill_deferrals: int = 0  # admissions put off a step for a prefix being computed
@@ -638,6 +639,7 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_pinned_blocks=pool.policy.num_pinned_idle,
             pin_budget_blocks=self.pin_budget.blocks,
+            num_pinned_in_budget=pool.policy.num_pinned,
             num_pins_released=self.scheduler.counters.num_pins_released,
             num_waiting_prefill_tokens=self.scheduler.num_waiting_prefill_tokens(),
             num_prefill_deferrals=self.scheduler.counters.num_prefill_deferrals,

@@ -46,6 +46,13 @@ class PrefixPolicy(Protocol):
     def is_evictable(self, block_hash: bytes) -> bool:
         """In the evictable set (refcount 0 and not pinned): counted free by the pool."""
 
+    def is_pinned(self, block_hash: bytes) -> bool:
+        """A pin holds this cached block (idle or in use)."""
+
+    @property
+    def num_pinned(self) -> int:
+        """Pinned blocks, idle or in use (what the pin budget counts)."""
+
     def release_pins(self, num_blocks: int) -> int:
         """Unpin up to num_blocks idle pinned blocks (they become evictable); how many."""
 
@@ -119,6 +126,9 @@ class LocalLRUPolicy:
 
     def is_evictable(self, block_hash: bytes) -> bool:
         return block_hash in self._evictable
+
+    def is_pinned(self, block_hash: bytes) -> bool:
+        return block_hash in self._pins
 
     @property
     def num_pinned(self) -> int:

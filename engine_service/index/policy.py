@@ -158,6 +158,14 @@ class IndexPolicy:
     def is_evictable(self, block_hash: bytes) -> bool:
         return block_hash in self._evictable
 
+    def is_pinned(self, block_hash: bytes) -> bool:
+        return block_hash in self._pins
+
+    @property
+    def num_pinned(self) -> int:
+        """Pinned blocks, idle or in use (what the budget counts)."""
+        return len(self._pins)
+
     def evictable_hashes(self) -> list[bytes]:
         return list(self._evictable)
 

@@ -308,6 +308,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             num_waiting_prefill_tokens=stats.num_waiting_prefill_tokens,
+            pin_budget_blocks=stats.pin_budget_blocks,
+            num_pinned_blocks=stats.num_pinned_in_budget,
             num_swapped=stats.num_swapped,
             prefix_cache_queries=queries,
             prefix_cache_hits=stats.prefix_cache_hits,
