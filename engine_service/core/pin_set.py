@@ -35,6 +35,15 @@ class PinSet:
         """Distinct pinned blocks (what the budget counts)."""
         return len(self._covers)
 
+    def items(self) -> list[tuple[bytes, tuple[bytes, ...], float]]:
+        """Every pin as (name, the hashes it covers root first, expiry), least recently
+        pinned first (what a re-sync states again)."""
+        return [(name, pin.hashes, pin.expires_at) for name, pin in self._pins.items()]
+
+    def oldest(self) -> bytes | None:
+        """The name of the least recently pinned pin; None when there is none."""
+        return next(iter(self._pins), None)
+
     def num_new(self, hashes: list[bytes]) -> int:
         """Blocks of `hashes` a pin of them would add to the pinned ones."""
         return sum(h not in self._covers for h in hashes)

@@ -267,7 +267,9 @@ class IndexPolicy:
         drop pins whose TTL ran out."""
         self._apply_victims()
         now = time.monotonic()
-        self._records.expire(now)  # the blocks they alone covered lapse below
+        for block_hash in self._records.expire(now):  # whole pins lapse: what they alone held
+            if block_hash in self._pins and block_hash not in self._auto_pins:
+                self._unpin_locally(block_hash)
         for block_hash in [h for h, expiry in self._pins.items() if expiry <= now]:
             self._unpin_locally(block_hash)
 
