@@ -9,7 +9,7 @@ import itertools
 import logging
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,7 @@ from engine_service.core.errors import (
 )
 from engine_service.core.kv_cache_manager import KVCacheManager
 from engine_service.core.outputs import CompletionOutput, RequestOutput
-from engine_service.core.pin_budget import PinBudget, PinBudgetConfig
+from engine_service.core.pin_budget import PinBudget, PinBudgetConfig, request_demand
 from engine_service.core.prefix_policy import PrefixPolicy
 from engine_service.core.request_limits import RequestLimits
 from engine_service.core.scheduler import Scheduler, SchedulerConfig
@@ -367,13 +367,15 @@ class LLMEngine:
                 and now - self._pin_budget_at < PIN_BUDGET_REFRESH_S:
             return
         if changes != sched.num_running_changes:
-            # Each request at its peak: what it holds plus what it needs to finish. A pin's
-            # prefill is not: its blocks are the pin's, which the budget was checked for before
-            # it ran (counted, it would shrink the budget below the pin it computes, and hold
-            # it there for the window).
-            demand = sum(self.limits.blocks_for_request(g.num_prompt_tokens, g.params)
-                         for queue_ in (sched.running, sched.swapped) for g in queue_
-                         if not g.pin_prefill)
+            # Each request at its peak: what it holds plus what it needs to finish, less the
+            # pinned blocks it reads (pins already). A pin's prefill is not: its blocks are
+            # the pin's, which the budget was checked for before it ran (counted, it would
+            # shrink the budget below the pin it computes, and hold it there for the window).
+            demand = sum(
+                request_demand(self.limits.blocks_for_request(g.num_prompt_tokens, g.params),
+                               self._table_hashes(g), policy.is_pinned)
+                for queue_ in (sched.running, sched.swapped) for g in queue_
+                if not g.pin_prefill)
             self.pin_budget.observe(demand)
         else:
             self.pin_budget.refresh()
@@ -383,6 +385,16 @@ class LLMEngine:
         blocks = self.pin_budget.report()
         if blocks is not None:
             policy.set_pin_budget(blocks)
+
+    def _table_hashes(self, group: SequenceGroup) -> Iterator[bytes | None]:
+        """The block hashes of a live sequence's device table, in order (the group's samples
+        or beams share its prompt blocks); none for a group swapped out."""
+        blocks = self.pool.blocks
+        for seq in group.seqs:
+            table = self.kv.block_table(seq)
+            if table:
+                return (blocks[block_id].block_hash for block_id in table)
+        return iter(())
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> None:
         """Next tokens for the sampling rows: beam search requests take their beam step, the

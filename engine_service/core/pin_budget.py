@@ -7,11 +7,13 @@ cannot grow into. The budget is what the pool can spare beside them:
 
 where the demand is the blocks the running (and swapped-out) requests hold at their peak, each
 at its max_tokens (LLMEngine.blocks_for_request: what it holds plus what it will still need to
-finish), and the peak is the largest demand of the last `window_s` seconds: a burst shrinks the
-budget at once, and it grows back only once the burst is that old, so it does not flap with
-every admission and finish. The floor is the fixed budget pins had before (10% of the pool: a
-prefix pinned under it stays pinnable whatever the load); the ceiling keeps a quiet engine from
-pinning most of its pool on the strength of one hot prefix.
+finish) less the blocks of it that pins hold already (request_demand: a pinned prefix the
+request reads is counted once, as pins, not again as demand), and the peak is the largest
+demand of the last `window_s` seconds: a burst shrinks the budget at once, and it grows back
+only once the burst is that old, so it does not flap with every admission and finish. The
+floor is the fixed budget pins had before (10% of the pool: a prefix pinned under it stays
+pinnable whatever the load); the ceiling keeps a quiet engine from pinning most of its pool on
+the strength of one hot prefix.
 
 Both policies follow it: the local LRU's pins (engine without the index) and, through
 SetPinBudgetOp, the index's automatic pins and its check of explicit ones. Others are told of a
@@ -24,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -54,6 +56,22 @@ class PinBudgetConfig:
     def fixed(cls, fraction: float) -> PinBudgetConfig:
         """A budget that never moves (floor = ceiling): what pins had before issue 34."""
         return cls(floor_fraction=fraction, ceiling_fraction=fraction)
+
+
+def request_demand(peak_blocks: int, table_hashes: Iterable[bytes | None],
+                   is_pinned: Callable[[bytes], bool]) -> int:
+    """One running request's demand on the pool beside the pins: its peak in blocks less the
+    pinned blocks it reads. `table_hashes`: the hashes of its device blocks in order (None for
+    a block not cached); pins cover prefixes, so its pinned blocks lead its table and the count
+    stops at the first block no pin holds (O(pinned prefix), not O(table)). Counted as demand
+    too, those blocks would be counted twice: a request on a pinned prefix would take the
+    budget below the very prefix it reads, and the window would hold it there."""
+    pinned = 0
+    for block_hash in table_hashes:
+        if block_hash is None or not is_pinned(block_hash):
+            break
+        pinned += 1
+    return max(0, peak_blocks - pinned)
 
 
 def _blocks(fraction: float, num_blocks: int) -> int:
