@@ -303,7 +303,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
             for name in ("num_blocks", "num_free_blocks", "num_cached_blocks", "num_running",
                          "num_waiting", "num_swapped", "prefix_cache_queries",
                          "prefix_cache_hits", "num_preemptions", "num_steps",
-                         "num_live_requests", "num_waiting_prefill_tokens"):
+                         "num_live_requests", "num_waiting_prefill_tokens",
+                         "pin_budget_blocks", "num_pinned_blocks"):
                 setattr(total, name, getattr(total, name) + getattr(stats, name))
             used_blocks += stats.kv_cache_usage * stats.num_blocks
             total.degraded = total.degraded or stats.degraded
