@@ -11,8 +11,11 @@ every step that admits a prompt chunk paid that, and so did every running stream
   graphs share the decode graphs' private memory pool (replayed one at a time, they need the
   largest forward's activations once, not once per graph: the KV plan keeps one profiled
   forward at the token budget for them, kv_cache_setup.profile_memory_plan).
-- A bucket of T tokens is captured with S = min(T, decode rows) sequence rows: no step runs
-  more sequences than tokens or than the decode graphs' rows (graph_rows). The attention
+- A bucket of T tokens is captured with S = min(T - 1, decode rows) sequence rows: a step
+  that reaches these graphs has a sequence of two tokens or more (the decode graphs take the
+  others), so fewer sequences than tokens, and no more than the decode graphs' rows
+  (graph_rows). Fewer rows than tokens also gives the kernels the variant an eager mixed step
+  gets (prefill-sized query tiles, no split-KV). The attention
   metadata lives in fixed device buffers, uploaded from pinned host mirrors each step: token
   ids, positions and slots [T], query_start_loc [S + 1], and the sequence rows' context
   lengths and block tables, which are the decode graphs' own (DecodeGraphs.write_rows): a
@@ -27,8 +30,8 @@ every step that admits a prompt chunk paid that, and so did every running stream
   they hold reaches a real token.
 - The attention grid is sized for the bucket's worst case (T // BLOCK_Q + S query tiles:
   surplus programs exit) and its split-KV count is fixed per graph at capture, from the
-  bucket's shapes (kernels/triton_attention.choose_num_kv_splits: buckets with as many rows as
-  tokens split like a decode graph of S rows, the others do not split).
+  bucket's shapes (kernels/triton_attention.choose_num_kv_splits: 1, as for every step with
+  more tokens than sequences).
 - Logits are computed only for the rows that sample: the graph gathers the hidden states of
   the token indices in a fixed buffer [S] (the last token of each sampling sequence, in
   schedule order, then token 0 as padding) before the LM head, into the decode graphs' logits
@@ -116,8 +119,9 @@ class MixedGraphs:
         self.num_replays = 0  # steps that ran through these buffers
 
     def rows_for(self, num_tokens: int) -> int:
-        """Sequence rows of the bucket of num_tokens tokens."""
-        return min(num_tokens, self.rows.max_size)
+        """Sequence rows of the bucket of num_tokens tokens (fewer than its tokens: see the
+        module docstring; one for a bucket of one token, whose steps the decode graphs run)."""
+        return max(1, min(num_tokens - 1, self.rows.max_size))
 
     def _token_views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         at = self.token_region
@@ -178,11 +182,14 @@ class MixedGraphs:
         return added
 
     def accepts(self, scheduled: list[ScheduledSeq]) -> bool:
-        """A step a graph can run: within the token budget and the decode graphs' rows, every
-        block table within their width."""
+        """A step a graph can run: within the token budget, no more sequences than its
+        bucket's rows, every block table within the rows' width."""
+        num_tokens = sum(item.num_new_tokens for item in scheduled)
+        if not scheduled or num_tokens > self.max_tokens:
+            return False
+        size = self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
         width = self.rows.width
-        return (0 < len(scheduled) <= self.rows.max_size
-                and sum(item.num_new_tokens for item in scheduled) <= self.max_tokens
+        return (len(scheduled) <= self.rows_for(size)
                 and all(len(item.block_table) <= width for item in scheduled))
 
     def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:

@@ -141,6 +141,15 @@ def _staged_run(model_dir, plan: list[tuple[int, list[int], SamplingParams]], gr
         engine.runner.capture_decode_graphs(graph_rows(engine.config), engine.max_model_len)
         if mixed:
             engine.runner.capture_mixed_graphs(engine.config.max_num_batched_tokens)
+    wide_steps = []  # steps of more sequences than the graphs have rows (they run eagerly)
+    if mixed:
+        plain_execute, rows = engine.runner.execute, graph_rows(engine.config)
+
+        def execute(scheduled):
+            wide_steps.extend([len(scheduled)] * (len(scheduled) > rows))
+            return plain_execute(scheduled)
+
+        engine.runner.execute = execute
     pending = [(at, str(i), prompt, params) for i, (at, prompt, params) in enumerate(plan)]
     outputs: dict[str, object] = {}
     step = 0
@@ -166,6 +175,8 @@ def _staged_run(model_dir, plan: list[tuple[int, list[int], SamplingParams]], gr
         mixed_state = engine.runner.mixed_graphs
         outputs["mixed_replays"] = 0 if mixed_state is None else mixed_state.num_replays
         outputs["preemptions"] = engine.stats().num_preemptions
+        outputs["forwards"] = engine.stats().num_steps
+        outputs["wide_steps"] = len(wide_steps)
     del engine
     gc.collect()
     return outputs

@@ -51,6 +51,10 @@ def _compare(model_dir, plan, args, backend="torch") -> dict:
     counts = {k: with_buffers.pop(k) for k in ("replays", "mixed_replays")}
     assert usual.pop("replays") == 0 and usual.pop("mixed_replays") == 0
     assert with_buffers == usual
+    # Every step ran through one of the two sets of buffers, but those with more sequences
+    # than their rows (graph_rows): seed 3 has steps of 4 sequences at max_num_seqs 3.
+    assert (counts["replays"] + counts["mixed_replays"] + usual["wide_steps"]
+            == usual["forwards"]), (counts, usual)
     return counts | {"preemptions": usual["preemptions"]}
 
 
