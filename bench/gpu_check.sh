@@ -15,8 +15,9 @@
 #               GPU into /dev/shm (bench/random_checkpoint.py); the real weights do not fit
 #               the 64 MiB a lease carries, and step times do not depend on the values
 #   decode      decode at batch 1/64/256 x ctx 512 and 1/64 x 4,096 (whole step and graph
-#               replay), mixed steps (64 decodes + a 256- or 2,048-token chunk), the fixed
-#               64-request workload offline (bench/gpu_decode.py)
+#               replay), mixed steps (64 decodes + a 256- or 2,048-token chunk; graph
+#               replay and whole step, then the same steps eagerly), the fixed 64-request
+#               workload offline (bench/gpu_decode.py)
 #   attention   decode attention as 32 layers' calls in one CUDA graph at five shapes, the
 #               skewed one included; prefill attention at 8k and 32k vs SDPA is_causal
 #               (bench/gpu_attention.py)
@@ -24,7 +25,8 @@
 #   peer_hf     HF generate, static cache + torch.compile, batch 1 and the fixed workload
 #               (bench/gpu_peer_hf.py)
 #   tests       (only when named) the CUDA tests: Triton kernels vs the torch reference, the
-#               engine through them, CUDA graphs vs eager (on a random SmolLM2-shaped model)
+#               engine through them, CUDA graphs (decode and mixed steps) vs eager (on a
+#               random SmolLM2-shaped model)
 # After each stage bench/gpu_summary.py rewrites $OUT/summary.json (one entry per target:
 # name, measured, limit, ratio, target, met) and $OUT/gpu_table.md (the README's GPU table),
 # so a run cut short keeps what it measured. $OUT also gets gpu_check.log and stages.tgz (the
@@ -133,7 +135,7 @@ if wants tests; then
     tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_cache_ops.py \
     tests/kernels/test_kernel_backend.py tests/kernels/test_kernel_split_variants.py \
     tests/kernels/test_kernel_index_overflow.py tests/kernels/test_kernel_engine_e2e.py \
-    tests/engine/test_warmup.py tests/engine/test_cuda_graphs.py
+    tests/engine/test_warmup.py tests/engine/test_cuda_graphs.py tests/engine/test_mixed_graphs.py
 fi
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=memory.used,temperature.gpu --format=csv >>"$LOG" 2>&1
 summarize

@@ -12,7 +12,11 @@ One engine (bench/gpu_common.ENGINE_SETTINGS, as served) runs, in this order:
 - at batch 64 / 512, mixed steps: one new prompt of 256 (then 2,048) tokens arrives and its
   whole prompt runs in the same step as the 64 decodes (1 untimed, 5 timed); bytes as above
   plus the chunk's K/V written and read once, FLOPs of every token through the linears, the
-  LM head's sampling rows and the attention pairs. Its forward's CUDA-event time is kept too;
+  LM head's sampling rows and the attention pairs. Its forward's CUDA-event time is kept too,
+  and the mixed-step graph's replay time (CUDA events around `replay`,
+  engine_service/model/mixed_graphs.py). Each chunk size runs twice: through the graphs
+  (the target's row) and then eagerly, the mixed graphs set aside (a row named "... eager"),
+  so the two are read on the same GPU, engine and batch;
 - the fixed workload (bench/gpu_common.FIXED_WORKLOAD) through the offline API's engine loop,
   all 64 requests at once: output tokens per second, the figure the served run and the HF
   peer are read against.
@@ -88,9 +92,10 @@ class StepTimer:
         self.forwards: list = []
         if not self.on_cuda:
             return
-        graphs = getattr(runner.decode_graphs, "graphs", None) or {}
-        for size, graph in list(graphs.items()):
-            graphs[size] = _TimedGraph(graph, self.replays)
+        for owner in (runner.decode_graphs, getattr(runner, "mixed_graphs", None)):
+            graphs = getattr(owner, "graphs", None) or {}
+            for size, graph in list(graphs.items()):
+                graphs[size] = _TimedGraph(graph, self.replays)
         plain_execute = runner.execute
 
         def execute(scheduled):
@@ -194,29 +199,41 @@ def decode_case(engine, timer: StepTimer, shape: DecoderShape, batch: int, conte
 
 
 def mixed_case(engine, timer: StepTimer, shape: DecoderShape, running: Batch, chunk: int,
-               rng: random.Random) -> dict:
+               rng: random.Random, graphs: bool = True) -> dict:
     """Steps of the running decodes plus one whole new prompt of `chunk` tokens (it samples
-    its first token in that step and finishes: max_tokens=1)."""
+    its first token in that step and finishes: max_tokens=1). graphs=False: the mixed-step
+    graphs set aside for these steps (they run eagerly; the decode graphs stay)."""
     from engine_service.model.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     batch = len(running.generated)
     steps = []
-    for i in range(1 + MIXED_REPEATS):
-        engine.add_request(f"mixed-{chunk}-{i}", _prompt(rng, chunk), params)
-        kv_tokens = running.kv_tokens()
-        step = _step(engine, timer)
-        running.record(step.pop("outputs"))
-        if i >= 1:
-            steps.append({**step, "decode_kv_tokens": kv_tokens})
+    runner = engine.runner
+    mixed_graphs = getattr(runner, "mixed_graphs", None)
+    if not graphs:
+        runner.mixed_graphs = None
+    mode = "graphs" if graphs else "eager"
+    try:
+        for i in range(1 + MIXED_REPEATS):
+            engine.add_request(f"mixed-{chunk}-{mode}-{i}", _prompt(rng, chunk), params)
+            kv_tokens = running.kv_tokens()
+            step = _step(engine, timer)
+            running.record(step.pop("outputs"))
+            if i >= 1:
+                steps.append({**step, "decode_kv_tokens": kv_tokens})
+    finally:
+        if mixed_graphs is not None:
+            runner.mixed_graphs = mixed_graphs
     decode_kv = sum(s["decode_kv_tokens"] for s in steps) / len(steps)
     weights = shape.weight_bytes_read
     # The chunk's own K/V: written once, read once (its tiles read each key block again per
     # query tile, from L2 at best: the ideal counts it once).
     kv_bytes = (decode_kv + 2 * chunk) * shape.kv_bytes_per_token
     pairs = decode_kv + causal_pairs(chunk)
+    replays = [s["replay_ms"] for s in steps if s["replay_ms"] is not None]
     return {
-        "name": f"mixed {batch} decodes + {chunk} chunk",
+        "name": f"mixed {batch} decodes + {chunk} chunk" + ("" if graphs else " eager"),
+        "mode": mode,
         "decodes": batch,
         "chunk": chunk,
         "expected_tokens": batch + chunk,
@@ -225,7 +242,8 @@ def mixed_case(engine, timer: StepTimer, shape: DecoderShape, running: Batch, ch
         "step_ms": median([s["wall_ms"] for s in steps]),
         "forward_event_ms": median([s["forward_ms"] for s in steps
                                     if s["forward_ms"] is not None]),
-        "graph_steps": sum(s["replay_ms"] is not None for s in steps),
+        "replay_ms": median(replays),
+        "graph_steps": len(replays),
         "mean_decode_kv_tokens": decode_kv,
         "weight_bytes": weights,
         "kv_bytes": kv_bytes,
@@ -293,14 +311,18 @@ def main(argv: list[str] | None = None) -> None:
             f"{row['bytes'] / 1e9:.2f} GB")
         if (batch, context) == mixed_at:
             for chunk in DRY_MIXED_CHUNKS if args.dry else MIXED_CHUNKS:
-                try:
-                    mixed = mixed_case(engine, timer, shape, running, chunk, rng)
-                    log(f"{mixed['name']}: step {mixed['step_ms']:.2f} ms, tokens "
-                        f"{mixed['tokens']} (expected {mixed['expected_tokens']})")
-                except Exception as error:
-                    mixed = failure({"name": f"mixed {batch} decodes + {chunk} chunk",
-                                     "decodes": batch, "chunk": chunk}, error)
-                report.append("mixed", mixed)
+                for graphed in (True, False):
+                    name = f"mixed {batch} decodes + {chunk} chunk" + ("" if graphed
+                                                                       else " eager")
+                    try:
+                        mixed = mixed_case(engine, timer, shape, running, chunk, rng, graphed)
+                        log(f"{mixed['name']}: step {mixed['step_ms']:.2f} ms, replay "
+                            f"{mixed['replay_ms']} ms, tokens {mixed['tokens']} (expected "
+                            f"{mixed['expected_tokens']})")
+                    except Exception as error:
+                        mixed = failure({"name": name, "mode": "graphs" if graphed else "eager",
+                                         "decodes": batch, "chunk": chunk}, error)
+                    report.append("mixed", mixed)
         _abort_all(engine)
     offline = offline_workload(engine, args.dry)
     report.set("offline", offline)

@@ -47,7 +47,12 @@ def _stages(tmp_path: Path, with_peer: bool = True) -> Path:
         "mixed": [
             # bytes 15e9 -> 5 ms; FLOPs 8e12 -> 10 ms at 800 TFLOP/s: roofline 10 ms; 12 ms
             # is 1.2x (met).
-            {"name": "mixed", "decodes": 64, "chunk": 2048, "step_ms": 12.0, "bytes": 15e9,
+            {"name": "mixed", "mode": "graphs", "decodes": 64, "chunk": 2048, "step_ms": 12.0,
+             "replay_ms": 11.0, "graph_steps": 2, "bytes": 15e9, "flops": 8e12,
+             "tokens": [2112, 2112], "expected_tokens": 2112},
+            # The same steps with the mixed-step graphs set aside: a figure, not a target.
+            {"name": "mixed eager", "mode": "eager", "decodes": 64, "chunk": 2048,
+             "step_ms": 20.0, "replay_ms": None, "graph_steps": 0, "bytes": 15e9,
              "flops": 8e12, "tokens": [2112, 2112], "expected_tokens": 2112},
         ],
         "offline": {"output_tok_per_s": 4000.0},
@@ -99,7 +104,8 @@ def test_every_target_is_a_ratio_to_this_runs_limit(tmp_path):
     mixed = targets["mixed_64_2048"]
     assert mixed["limit"] == pytest.approx(10.0)  # FLOPs-bound: max(5, 10) ms
     assert mixed["ratio"] == pytest.approx(1.2) and mixed["met"] is True
-    assert "not" not in mixed["note"]  # the steps ran the tokens they should
+    assert "tokens, not" not in mixed["note"]  # the steps ran the tokens they should
+    assert "2 of 2 steps replayed a graph" in mixed["note"]
 
     attention = targets["attention_decode_1x8192"]
     assert attention["limit"] == BW
@@ -119,6 +125,9 @@ def test_every_target_is_a_ratio_to_this_runs_limit(tmp_path):
     assert figures["bf16_gemm"]["ratio"] == pytest.approx(PEAK / 989)
     assert figures["decode_b1_ctx512_replay"]["ratio"] == pytest.approx(5.2 / 5.0)
     assert figures["decode_b64_ctx512_replay"]["met"] is None
+    assert figures["mixed_64_2048_replay"]["ratio"] == pytest.approx(1.1)
+    eager = figures["mixed_64_2048_eager"]
+    assert eager["ratio"] == pytest.approx(2.0) and eager["target"] is None
     assert summary["device_slug"] == "h100-80gb-hbm3"
     assert summary["source"]["commit"] == "abc123def456"
     assert [t["stage"] for t in summary["stage_times"]] == ["limits", "decode", "serve"]
@@ -135,8 +144,8 @@ def test_a_stage_that_did_not_run_is_not_measured(tmp_path):
     summary = gpu_summary.build_summary([work])
     targets = _by_name(summary)
     assert targets["mixed_64_256"]["met"] is None
-    assert summary["errors"] == ["decode.mixed[1]: OutOfMemoryError: CUDA out of memory"]
-    assert "- decode.mixed[1]: OutOfMemoryError" in gpu_summary.render_table(summary)
+    assert summary["errors"] == ["decode.mixed[2]: OutOfMemoryError: CUDA out of memory"]
+    assert "- decode.mixed[2]: OutOfMemoryError" in gpu_summary.render_table(summary)
     for name in ("vs_hf_batch1", "vs_hf_64_concurrent"):
         assert targets[name]["limit"] is None and targets[name]["met"] is None
     # No limits: no bound, no bandwidth, so no decode or attention ratio either.

@@ -118,12 +118,12 @@ def test_mixed_graph_buffers_with_triton_kernels_on_cpu(tiny_qwen2_dir) -> None:
     assert counts["mixed_replays"] > 0 and counts["replays"] > 0, counts
 
 
-def test_padding_tokens_write_nothing_to_the_kv_cache(tiny_llama_dir) -> None:
+def test_padding_tokens_write_nothing_to_the_kv_cache_on_cpu(tiny_llama_dir) -> None:
     """Every step through the mixed-step buffers changes the KV pool only in the slots of its
     real tokens: the pool is filled with a marker first, and after each step every byte
     outside those slots is compared with the step before."""
-    engine = LLM(model=str(tiny_llama_dir), dtype="float32", kernel_backend="torch",
-                 max_num_seqs=4, num_blocks=32, block_size=8,
+    engine = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32",
+                 kernel_backend="torch", max_num_seqs=4, num_blocks=32, block_size=8,
                  max_num_batched_tokens=20).llm_engine
     runner = engine.runner
     runner.capture_decode_graphs(graph_rows(engine.config), engine.max_model_len)
@@ -163,15 +163,16 @@ def test_padding_tokens_write_nothing_to_the_kv_cache(tiny_llama_dir) -> None:
     assert len(padded) >= 3 and any(padded), padded
 
 
-def test_enforce_eager_captures_no_graph(tiny_llama_dir) -> None:
+def test_no_graph_captured_on_cpu(tiny_llama_dir) -> None:
     """The engine captures the mixed-step graphs with the decode ones, only where those are
-    captured (kv_cache_setup.uses_cuda_graphs: CUDA, Triton, not enforce_eager); on the CPU,
-    and with enforce_eager, every step runs the usual inputs."""
+    captured (kv_cache_setup.uses_cuda_graphs: CUDA, Triton, not enforce_eager; checked in
+    test_cuda_graphs): on the CPU, with or without enforce_eager, no graph."""
     for eager in (False, True):
-        engine = LLM(model=str(tiny_llama_dir), num_blocks=16, max_num_seqs=4,
+        engine = LLM(model=str(tiny_llama_dir), device="cpu", num_blocks=16, max_num_seqs=4,
                      enforce_eager=eager).llm_engine
         assert engine.runner.decode_graphs is None and engine.runner.mixed_graphs is None
-    engine = LLM(model=str(tiny_llama_dir), num_blocks=16, max_num_seqs=4).llm_engine
+    engine = LLM(model=str(tiny_llama_dir), device="cpu", num_blocks=16,
+                 max_num_seqs=4).llm_engine
     with pytest.raises(RuntimeError, match="capture the decode graphs first"):
         engine.runner.capture_mixed_graphs(64)
 
@@ -193,7 +194,6 @@ def test_graphed_mixed_steps_give_the_eager_tokens(tiny_llama_dir, seed) -> None
     steps' tokens (logprobs are not compared: graphs split attention differently)."""
     print(f"seed {seed}")
     plan, args = _random_plan(seed)
-    args.setdefault("max_num_batched_tokens", 2048)
     graphs = _staged_run(tiny_llama_dir, plan, True, "cuda", mixed=True, **args)
     eager = _staged_run(tiny_llama_dir, plan, False, "cuda", mixed=True, **args)
     assert eager.pop("replays") == 0 and eager.pop("mixed_replays") == 0
