@@ -46,12 +46,12 @@ def profile_memory_plan(
     then plan. `run_profile_forward` runs the forward and returns the bytes of any scratch
     buffers it allocated that are not activations (the scratch KV pool).
 
-    cuda_graphs: keep room for the decode graphs, captured after the pool is allocated. They
-    hold a private memory pool as large as their largest forward and one logits buffer. The
+    cuda_graphs: keep room for the CUDA graphs, captured after the pool is allocated. They
+    hold one private memory pool as large as their largest forward and one logits buffer. The
     profiled forward runs max_num_batched_tokens tokens over as many sequences as a step
-    can hold, each with a row of logits, and no graph has more rows than that (the engine
-    captures up to min(max_num_seqs, max_num_batched_tokens)): its peak bounds theirs, so it
-    is kept a second time."""
+    can hold, each with a row of logits; no decode graph has more rows than that (the engine
+    captures up to min(max_num_seqs, max_num_batched_tokens)) and no mixed-step graph more
+    tokens or logits rows: its peak bounds theirs, so it is kept a second time."""
     torch.cuda.synchronize(device)
     weights_bytes = torch.cuda.memory_allocated(device)  # the loaded model (and RoPE tables)
     torch.cuda.reset_peak_memory_stats(device)
@@ -80,9 +80,9 @@ def profile_memory_plan(
 
 
 def uses_cuda_graphs(config: EngineConfig, runner: ModelRunner) -> bool:
-    """Decode steps run as CUDA graphs: on CUDA with the Triton kernels, unless enforce_eager.
-    (The torch backend builds per-step index tensors on the host, which a graph cannot
-    replay.)"""
+    """Steps run as CUDA graphs (decode steps, cuda_graphs.py, and steps with prefill chunks,
+    mixed_graphs.py): on CUDA with the Triton kernels, unless enforce_eager. (The torch
+    backend builds per-step index tensors on the host, which a graph cannot replay.)"""
     return (runner.device.type == "cuda" and not config.enforce_eager
             and runner.kernels.name == "triton" and config.tensor_parallel_size == 1)
 

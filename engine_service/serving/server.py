@@ -341,7 +341,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: token-id input and output only")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: run decode steps eagerly, without CUDA graphs")
+                   help="CUDA: run every step eagerly, without CUDA graphs (decode and "
+                        "mixed steps)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch threads in the engine core (default: on the CPU, every core but "
                         "one, which the front keeps for gRPC and text; on CUDA, torch's choice)")
