@@ -163,6 +163,53 @@ def test_padding_tokens_write_nothing_to_the_kv_cache_on_cpu(tiny_llama_dir) -> 
     assert len(padded) >= 3 and any(padded), padded
 
 
+def test_rows_are_shared_and_written_incrementally_on_cpu(tiny_llama_dir) -> None:
+    """Decode and mixed steps read one set of sequence rows: after every step through either
+    buffers, each scheduled sequence's device table row equals its block table, the device
+    tables equal the host mirror, and a sequence that keeps its row uploads only the entries
+    that changed (new blocks, a copy-on-write), never its whole table again."""
+    engine = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32",
+                 kernel_backend="torch", max_num_seqs=6, num_blocks=64, block_size=8,
+                 max_num_batched_tokens=24).llm_engine
+    runner = engine.runner
+    runner.capture_decode_graphs(graph_rows(engine.config), engine.max_model_len)
+    runner.capture_mixed_graphs(engine.config.max_num_batched_tokens)
+    rows = runner.decode_graphs
+    kinds = []
+
+    def checked(run, kind):
+        def wrapped(scheduled):
+            before = {i.seq.seq_id: rows._row_of.get(i.seq.seq_id) for i in scheduled}
+            written = {seq_id: rows._written[row] for seq_id, row in before.items()
+                       if row is not None}
+            logits = run(scheduled)
+            device = rows.dev32[rows.region :].view(rows.max_size, rows.width)
+            host = rows.host32[rows.region :].view(rows.max_size, rows.width)
+            assert torch.equal(device, host)
+            for item in scheduled:
+                row = rows._row_of[item.seq.seq_id]
+                assert device[row, : len(item.block_table)].tolist() == item.block_table
+            if all(rows._row_of[seq_id] == row for seq_id, row in before.items()):
+                new_blocks = sum(len(i.block_table) - written.get(i.seq.seq_id, 0)
+                                 for i in scheduled)
+                assert rows._num_staged <= new_blocks + len(scheduled) + rows.max_size, kind
+            kinds.append(kind)
+            return logits
+        return wrapped
+
+    rows.run = checked(rows.run, "decode")
+    runner.mixed_graphs.run = checked(runner.mixed_graphs.run, "mixed")
+    for i, (length, at) in enumerate([(30, 0), (9, 0), (41, 3), (13, 9), (27, 14)]):
+        while engine.num_steps < at:
+            engine.step()
+        params = _sampled(2, 8) if i == 1 else _greedy(12)
+        engine.add_request(str(i), _ids(length, 50 + i), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.check_block_invariants() == []
+    assert "decode" in kinds and kinds.count("mixed") >= 4, kinds
+
+
 def test_no_graph_captured_on_cpu(tiny_llama_dir) -> None:
     """The engine captures the mixed-step graphs with the decode ones, only where those are
     captured (kv_cache_setup.uses_cuda_graphs: CUDA, Triton, not enforce_eager; checked in
