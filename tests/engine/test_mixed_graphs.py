@@ -109,6 +109,12 @@ def test_mixed_graph_buffers_in_targeted_runs_on_cpu(tiny_llama_dir, case) -> No
     assert (counts["preemptions"] > 0) == preempts, counts
 
 
+# Padding tokens' attention output is left unwritten (mixed_graphs.py): whatever memory held
+# goes through their rows of the GEMMs, and the interpreter's numpy may warn of overflow there.
+PADDING_ROWS_MAY_OVERFLOW = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+
+@PADDING_ROWS_MAY_OVERFLOW
 def test_mixed_graph_buffers_with_triton_kernels_on_cpu(tiny_qwen2_dir) -> None:
     """The Triton kernels (the ones graphed on CUDA; here in the interpreter) over the
     buffers: chunks beside decodes, padding tokens and rows, and a fork."""

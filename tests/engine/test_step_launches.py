@@ -142,6 +142,9 @@ def test_cuda_path_decode_layer_within_twelve_launches(tiny_llama_dir) -> None:
     assert engine.check_block_invariants() == []
 
 
+# Padding tokens' rows carry unwritten attention output (mixed_graphs.py): the interpreter's
+# numpy may warn of overflow in them.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_cuda_path_mixed_step_through_graph_buffers_within_budget(tiny_llama_dir) -> None:
     """A mixed step (decodes beside a new prompt) through the mixed-step graphs' buffers
     (engine_service/model/mixed_graphs.py, run eagerly here with the Triton kernels): the
