@@ -257,3 +257,44 @@ def test_graphed_mixed_steps_give_the_eager_tokens(tiny_llama_dir, seed) -> None
     assert tokens == {k: v if isinstance(v, (int, str)) else [t for t, _ in v]
                       for k, v in eager.items()}
 
+
+
+def _completions_with_top5(model_dir, plan, **engine_args) -> tuple[dict[str, list], int]:
+    """Each request's completions as [(token, top-5 token ids)] per position, on CUDA in
+    bfloat16 (graphs unless enforce_eager is given); and how many mixed steps replayed."""
+    engine = LLM(model=str(model_dir), device="cuda", dtype="bfloat16", **engine_args).llm_engine
+    pending = [(at, str(i), prompt, params) for i, (at, prompt, params) in enumerate(plan)]
+    done: dict[str, list] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, request_id, prompt, params = pending.pop(0)
+            engine.add_request(request_id, prompt, params)
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = [[(t.token_id, set(t.top)) for t in c.logprobs]
+                                           for c in output.outputs]
+        step += 1
+    mixed = engine.runner.mixed_graphs
+    return done, 0 if mixed is None else mixed.num_replays
+
+
+@needs_cuda
+def test_graphed_mixed_steps_in_bfloat16_stay_in_the_eager_top5(tiny_llama_dir) -> None:
+    """bf16: padding changes which GEMM kernel runs, so tokens may differ; as vLLM's logprob
+    check does, each token of one path is in the other's top 5 up to the first position where
+    they differ (after it the two continue from different text)."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    plan = [(2 * i, _ids(7 + 23 * i, 70 + i), params) for i in range(6)]
+    args = dict(max_num_seqs=8, num_blocks=128, max_num_batched_tokens=48)
+    graphed, replays = _completions_with_top5(tiny_llama_dir, plan, **args)
+    eager, eager_replays = _completions_with_top5(tiny_llama_dir, plan, enforce_eager=True,
+                                                  **args)
+    assert replays > 0 and eager_replays == 0
+    assert graphed.keys() == eager.keys()
+    for request_id, completions in graphed.items():
+        for ours, theirs in zip(completions, eager[request_id], strict=True):
+            for (token, top), (other, other_top) in zip(ours, theirs, strict=True):
+                assert token in other_top and other in top, (request_id, token, other)
+                if token != other:
+                    break
