@@ -17,14 +17,13 @@ import sys
 import threading
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from engine_service import LLM
 from engine_service.model.parallel.auth import SECRET_ENV
 from engine_service.model.parallel.channel import StepChannel
 from engine_service.model.parallel.errors import TensorParallelError
-from engine_service.model.parallel.group import connect_group
+from tests.support.gloo_pair import two_channels
 
 WORKER = [sys.executable, "-m", "engine_service.model.parallel.worker"]
 
@@ -78,28 +77,6 @@ def test_a_spec_planted_in_the_store_is_refused_unread(tmp_path):
         del store
 
 
-def _two_channels(secrets: tuple[bytes, bytes]):
-    """Rank 0 and rank 1 of a real gloo group, in two threads of this process. Each rank has
-    its own connection to the store: one TCPStore object serves one call at a time, and rank
-    0's wait for rank 1's address would hold it while rank 1 waits to write that address
-    (a deadlock that never times out)."""
-    store = _server_store()
-    stores = [store, dist.TCPStore("127.0.0.1", store.port, is_master=False,
-                                   timeout=datetime.timedelta(seconds=30))]
-    groups: list = [None, None]
-
-    def connect(rank: int) -> None:
-        groups[rank] = connect_group(stores[rank], rank, 2, torch.device("cpu"), "127.0.0.1",
-                                     30)
-
-    threads = [threading.Thread(target=connect, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return store, [StepChannel(groups[rank], secrets[rank]) for rank in (0, 1)]
-
-
 def _exchange(sender: StepChannel, receiver: StepChannel, message: object):
     """Send on one thread, receive on this one: what the receiver got, or its error."""
     thread = threading.Thread(target=sender.send, args=(message,))
@@ -116,7 +93,7 @@ def test_a_step_message_under_another_secret_is_refused_unread(tmp_path):
     """A peer that is not rank 0 (it took a rank's place in the rendezvous, or wrote to a
     worker's socket) cannot make a worker load its pickle."""
     planted = tmp_path / "planted"
-    store, (rank0, rank1) = _two_channels((b"a" * 32, b"b" * 32))
+    store, (rank0, rank1) = two_channels((b"a" * 32, b"b" * 32))
     try:
         got = _exchange(rank0, rank1, _Touch(planted))
         assert isinstance(got, TensorParallelError) and "authentic" in str(got)
@@ -126,7 +103,7 @@ def test_a_step_message_under_another_secret_is_refused_unread(tmp_path):
 
 
 def test_step_messages_under_the_secret_arrive_and_a_replay_is_refused():
-    store, (rank0, rank1) = _two_channels((b"k" * 32, b"k" * 32))
+    store, (rank0, rank1) = two_channels((b"k" * 32, b"k" * 32))
     try:
         big = list(range(40_000))  # past the first buffer: a second broadcast
         assert _exchange(rank0, rank1, {"step": 1}) == {"step": 1}

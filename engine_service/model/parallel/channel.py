@@ -50,7 +50,7 @@ class StepChannel:
         self.sequence = 0
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        self.group.control.broadcast(tensor, 0).wait()
+        self.group.broadcast_step(tensor)
 
     def send(self, message: object) -> None:
         start = time.perf_counter()

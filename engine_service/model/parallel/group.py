@@ -6,6 +6,9 @@ Two groups share one TCPStore: `compute` (NCCL on CUDA, gloo on the CPU) carries
 all-reduces and the logits gather under a short timeout, so a rank that hangs fails the step;
 `control` (always gloo: pickled step inputs are host bytes) carries rank 0's step broadcast
 under a long one, since a worker waits on it for as long as the engine has nothing to do.
+Rank 0's own send of a step is bounded by the short one, though: gloo completes a send only
+once the receiver has posted its receive, so a worker that hangs between two steps would
+hold rank 0's send for as long as that long timeout.
 """
 
 import datetime
@@ -16,6 +19,14 @@ import torch
 import torch.distributed as dist
 
 CONTROL_TIMEOUT = datetime.timedelta(days=30)  # idle engines: workers wait this long at most
+GROUP_NAMES = ("control", "compute")  # each group's keys in the store start with its name
+
+
+def rendezvous_keys(rank: int) -> list[str]:
+    """The store keys where `rank` leaves its address for each group to connect to it (the
+    group's name, then gloo's: device index 0, then the rank). Rank 0 waits for them; a
+    value that is no address fails that wait at once (workers.py, a rank that dies there)."""
+    return [f"{name}/0/{rank}" for name in GROUP_NAMES]
 
 
 @dataclass(slots=True)
@@ -24,6 +35,7 @@ class TensorParallelGroup:
     world_size: int
     compute: dist.ProcessGroup
     control: dist.ProcessGroup
+    timeout: datetime.timedelta  # the compute collectives', and rank 0's step sends
     # Wall seconds this rank spent in the forward's collectives (waiting for slower ranks
     # included) and how many it ran: bench/tensor_parallel.py reads them. (~0.2 us a call.)
     collective_s: float = 0.0
@@ -52,8 +64,18 @@ class TensorParallelGroup:
         tensor = torch.tensor([value], dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
+        opts.timeout = self.timeout  # the ranks are in step here, as in a forward
         self.control.allreduce([tensor], opts).wait()
         return int(tensor.item())
+
+    def broadcast_step(self, tensor: torch.Tensor) -> None:
+        """Rank 0's bytes to every rank: rank 0 gives up after `timeout` (a rank that does
+        not take them hangs), the others wait as long as the engine idles."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            opts.timeout = self.timeout
+        self.control.broadcast([tensor], opts).wait()
 
 
 def _gloo(store: dist.Store, rank: int, world_size: int, host: str,
@@ -68,9 +90,12 @@ def _gloo(store: dist.Store, rank: int, world_size: int, host: str,
 
 def connect_group(store: dist.Store, rank: int, world_size: int, device: torch.device,
                   host: str, timeout_s: float) -> TensorParallelGroup:
-    """Blocks until every rank has connected (or the store's timeout passes)."""
+    """Blocks until every rank has connected (or the store's timeout passes). Rank 0's control
+    group has the short timeout (its sends and its connecting to the workers are bounded by
+    it); a worker's waits for the next step as long as the engine idles."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    control = _gloo(dist.PrefixStore("control", store), rank, world_size, host, CONTROL_TIMEOUT)
+    control = _gloo(dist.PrefixStore("control", store), rank, world_size, host,
+                    timeout if rank == 0 else CONTROL_TIMEOUT)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -78,4 +103,4 @@ def connect_group(store: dist.Store, rank: int, world_size: int, device: torch.d
                                         options)
     else:
         compute = _gloo(dist.PrefixStore("compute", store), rank, world_size, host, timeout)
-    return TensorParallelGroup(rank, world_size, compute, control)
+    return TensorParallelGroup(rank, world_size, compute, control, timeout)

@@ -6,7 +6,6 @@ import os
 import torch
 
 from engine_service.model.config import ModelConfig
-from engine_service.model.parallel.group import connect_group
 from engine_service.model.parallel.rank import RankOf, WorkerSpec
 from engine_service.model.parallel.shard import check_tensor_parallel, plan_shard
 from engine_service.model.parallel.tp_runner import TensorParallelRunner
@@ -46,14 +45,14 @@ def start_tensor_parallel(config, model_config: ModelConfig,
     try:
         workers.wait_up()
         device = torch.device("cuda:0" if config.device == "cuda" else "cpu")
-        group = connect_group(workers.store, 0, world_size, device, host,
-                              config.tensor_parallel_timeout_s)
+        group = workers.connect(device, config.tensor_parallel_timeout_s)
         local = ModelRunner(
             model_config, dtype=config.dtype, device=str(device),
             kernel_backend=config.kernel_backend, block_size=config.block_size,
             max_model_len=max_model_len,
             parallel=RankOf(plan_shard(model_config, 0, world_size), group),
         )
+        workers.wait_ready()
     except BaseException:
         workers.stop(0.0)
         raise

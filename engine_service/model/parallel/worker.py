@@ -26,6 +26,14 @@ import traceback
 log = logging.getLogger("engine_service.model.parallel.worker")
 
 PARENT_POLL_S = 0.25
+# Fault injection for tests (tests/engine/test_tensor_parallel_phases.py): the worker stops
+# itself (SIGSTOP) on reaching this phase, "rendezvous" or "load", for a test to kill it there.
+STOP_AT_ENV = "PAGEDGEN_TP_TEST_STOP_AT"
+
+
+def _phase(name: str) -> None:
+    if os.environ.get(STOP_AT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -87,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         store.set(f"up/{args.rank}", b"1")
+        _phase("rendezvous")
         group = connect_group(store, args.rank, args.world_size, device, host, spec.timeout_s)
+        _phase("load")
         model_config = load_model_config(config.model)
         runner = ModelRunner(
             model_config, dtype=config.dtype, device=str(device),
@@ -95,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=spec.max_model_len,
             parallel=RankOf(plan_shard(model_config, args.rank, args.world_size), group),
         )
+        store.set(f"ready/{args.rank}", b"1")  # rank 0 sends its first call after this
         serve_calls(runner, group, key)
     except BaseException as error:  # noqa: BLE001 (any failure: reported, then exit 1)
         message = f"{type(error).__name__}: {error}"

@@ -19,10 +19,12 @@ import time
 import weakref
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from engine_service.model.parallel.auth import SECRET_ENV, new_secret, seal
 from engine_service.model.parallel.errors import TensorParallelError
+from engine_service.model.parallel.group import TensorParallelGroup, connect_group, rendezvous_keys
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +80,51 @@ class Workers:
 
     def wait_up(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Until every worker has reached the store; a worker that exits first fails it."""
+        self._wait_for("up", "start", timeout_s)
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Until every worker has loaded its shards and waits for rank 0's first call (whose
+        send is bounded by the collective timeout: a worker may load for longer than that);
+        a worker that exits first fails it at once."""
+        self._wait_for("ready", "load the model", timeout_s)
+
+    def _wait_for(self, key: str, what: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        keys = [f"up/{rank}" for rank in range(1, self.world_size)]
+        keys = [f"{key}/{rank}" for rank in range(1, self.world_size)]
         while not self.store.check(keys):
             if not self.all_alive():
                 raise self.error(None)
             if time.monotonic() > deadline:
-                raise TensorParallelError(f"tensor-parallel workers did not start within "
+                raise TensorParallelError(f"tensor-parallel workers did not {what} within "
                                           f"{timeout_s:.0f} s")
             time.sleep(0.05)
+
+    def connect(self, device: torch.device, timeout_s: float) -> TensorParallelGroup:
+        """Rank 0's side of the rendezvous. A worker that dies before it has left its address
+        would keep rank 0 waiting for the store's timeout: a watcher writes a value that is
+        no address under that worker's keys, which fails the wait at once. Rank 0 connects
+        on a connection of its own: one TCPStore object serves one call at a time, and the
+        watcher needs this one."""
+        own = dist.TCPStore(self.host, self.store.port, is_master=False,
+                            timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+        connected = threading.Event()
+
+        def watch() -> None:
+            while not connected.wait(WATCH_INTERVAL_S):
+                if not self.all_alive():
+                    for rank, proc in enumerate(self.procs, start=1):
+                        if proc.poll() is not None:
+                            for key in rendezvous_keys(rank):
+                                self.store.set(key, b"(this rank exited)")
+                    return
+
+        threading.Thread(target=watch, name="tp-connect-watch", daemon=True).start()
+        try:
+            return connect_group(own, 0, self.world_size, device, self.host, timeout_s)
+        except Exception as error:  # noqa: BLE001 (gloo's errors are of several kinds)
+            raise self.error(error) from error
+        finally:
+            connected.set()
 
     def all_alive(self) -> bool:
         return all(proc.poll() is None for proc in self.procs)
