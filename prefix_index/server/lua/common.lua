@@ -58,10 +58,20 @@ local function fail(code, message)
   return redis.error_reply(code .. ' ' .. message)
 end
 
+-- How this version keeps explicit pins (whole: pins, cover), written by Register. A
+-- registration made by an older index (one pin flag and one expiry per block, no records)
+-- would be misread, its pins never unpinned nor lapsing: it must register again, which drops
+-- that state and re-states the engine's pins whole.
+local PIN_LAYOUT = 'whole'
+
 local function check_epoch(epoch)
-  local current = redis.call('HGET', K.meta, 'epoch')
+  local current, layout = unpack(redis.call('HMGET', K.meta, 'epoch', 'pin_layout'))
   if not current then
     return fail('NOT_FOUND', 'engine is not registered or its lease expired; register again')
+  end
+  if layout ~= PIN_LAYOUT then
+    return fail('NOT_FOUND', 'engine was registered by an older index version, whose pins ' ..
+      'this one cannot read; register again')
   end
   if current ~= epoch then
     return fail('STALE_EPOCH', 'epoch ' .. epoch .. ' is stale; the current epoch is ' ..
@@ -147,9 +157,9 @@ end
 -- Drops the pin `name` (nothing if there is none); how many blocks that unpinned.
 local function drop_pin(name)
   local packed = redis.call('HGET', K.pins, name)
+  redis.call('ZREM', K.pinexp, name)  -- (an expiry without a record: never read again)
   if not packed then return 0 end
   redis.call('HDEL', K.pins, name)
-  redis.call('ZREM', K.pinexp, name)
   return cover_remove(split_hashes(packed))
 end
 

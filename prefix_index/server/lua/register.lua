@@ -25,6 +25,7 @@ redis.call('DEL', unpack(BLOCK_KEYS))
 redis.call('HSET', K.meta, 'epoch', fmt(epoch), 'nonce', nonce, 'model', ARGV[1],
   'block_size', ARGV[2], 'num_blocks', ARGV[3], 'lease_ms', ARGV[4], 'pin_budget', ARGV[5],
   'history_cap', ARGV[7], 'address', ARGV[8], 'instance', ARGV[10], 'clock', 0, 'hclock', fmt(hclock), 'seq', 0,
+  'pin_layout', PIN_LAYOUT,
   'queries', 0, 'hits', 0, 'evictions', 0, 'forgets', 0)
 -- A smaller pool than before: trim the kept history to the new cap at once.
 local over = redis.call('ZCARD', K.hage) - tonumber(ARGV[7])
