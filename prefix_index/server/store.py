@@ -130,7 +130,9 @@ def encode_ops(ops: Sequence[Op]) -> list[bytes | str | int]:
             case Pin(chain=chain, automatic=True):
                 args += ["H", len(chain), *chain]
             case Pin(chain=chain, ttl_s=ttl_s):
-                args += ["P", round(ttl_s * 1000), len(chain), *chain]
+                # Whole milliseconds, at least 1: the script reads 0 as "until unpinned".
+                ttl_ms = max(1, round(ttl_s * 1000)) if ttl_s > 0 else 0
+                args += ["P", ttl_ms, len(chain), *chain]
             case Unpin(chain=chain):
                 args += ["U", len(chain), *chain]
             case Forget(hash=h, block_id=block_id):

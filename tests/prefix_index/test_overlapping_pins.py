@@ -110,3 +110,20 @@ def test_pins_past_the_pool_size_are_refused(index_server, engine_id, test_certs
             assert results[pool].status == OpStatus.PIN_BUDGET_EXCEEDED
             assert "pins" in results[pool].detail
     asyncio.run(body())
+
+
+def test_a_sub_millisecond_ttl_still_lapses(index_server, engine_id, test_certs):
+    """A TTL under half a millisecond was rounded to 0 ms on its way to the script, which
+    reads 0 as 'until unpinned': the shortest pins became the longest (the engine's mirror,
+    which keeps the TTL as given, let them lapse; the index never did)."""
+    async def body():
+        async with test_certs.index_client(index_server.target, 5.0) as c:
+            await c.register(engine_id, "m", 16, POOL, 30)
+            chain = make_chain("tiny-ttl", 3)
+            await c.apply(commit_ops(chain, 0) + [Release(chain)])
+            [pinned] = await c.apply([Pin(chain, ttl_s=0.0004)])
+            assert pinned.ok and pinned.count == 3
+            await asyncio.sleep(0.05)  # past any expiry it can have (at least 1 ms)
+            assert await _pin_states(c) == {h: PinState.NONE for h in chain}
+            assert (await c.stats())[0].pinned == 0
+    asyncio.run(body())
