@@ -53,6 +53,15 @@ def _order_key(group: SequenceGroup) -> tuple[int, int]:
     return (group.priority, group.arrival_order)
 
 
+def _seq_slots(group: SequenceGroup) -> int:
+    """The sequences a group holds of max_num_seqs: a group that has not forked yet (it runs
+    one sequence while it prefills) holds all it will fork into, its n samples or beams, from
+    admission on; one that has forked, those still live."""
+    if group.has_forked:
+        return len(group.live_seqs())
+    return max(len(group.live_seqs()), group.params.num_sequences)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
@@ -290,13 +299,13 @@ class Scheduler:
         queue on one new prefix is not scanned whole every step)."""
         defer = self.config.defer_shared_prefill
         in_flight = self._blocks_in_flight() if defer else set()
-        num_running = self.num_running_seqs()
+        num_running = sum(_seq_slots(group) for group in self.running)
         held_blocks = held_seqs = num_deferred = 0
         index = 0
         while index < len(self.waiting) and budget > 0:
             group = self.waiting[index]
             seqs = group.live_seqs()
-            num_seqs = len(seqs) if group.has_forked else group.params.num_sequences
+            num_seqs = _seq_slots(group)
             if num_running + held_seqs + num_seqs > self.config.max_num_seqs:
                 return
             leader, followers = seqs[0], seqs[1:]
@@ -326,7 +335,7 @@ class Scheduler:
             if defer:
                 in_flight.update(self.kv.blocks_in_flight(leader))
             leader.status = SequenceStatus.RUNNING
-            num_running += len(seqs)
+            num_running += num_seqs
             if group.num_cached_tokens is None:
                 group.num_cached_tokens = num_cached
                 self.kv.record_query(leader.num_prompt_tokens, num_cached)

@@ -262,6 +262,35 @@ def test_a_waiting_request_that_does_not_fit_is_not_overtaken(limit, make_engine
     assert result.outputs == unpreempted_outputs(roomy, requests)
 
 
+def sequences_per_step(engine: LLMEngine, requests: list[Req]) -> list[int]:
+    """Runs requests (all added before the first step); how many sequences got a token in
+    each step."""
+    for req in requests:
+        engine.add_request(req.request_id, req.prompt, req.params)
+    counts = []
+    while engine.has_unfinished_requests():
+        assert len(counts) < MAX_STEPS, f"not finished after {MAX_STEPS} steps"
+        counts.append(sum(1 for output in engine.step() for completion in output.outputs
+                          if completion.token_ids_delta))
+    return counts
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_max_num_seqs_counts_the_samples_a_request_will_fork(chunked, make_engine):
+    """max_num_seqs bounds the sequences in a step, and a request of n samples holds n of them
+    from its admission on: while it prefills it runs one sequence, and forks into n after. A
+    request admitted beside it meanwhile would make n + 1 in its steps. Chunked: a 3-token
+    budget makes the n = 3 request prefill over several steps, the window in which the second
+    was admitted."""
+    engine_args = {"max_num_seqs": 3}
+    if chunked:
+        engine_args["max_num_batched_tokens"] = 3
+    engine = make_engine(num_blocks=64, **engine_args)
+    counts = sequences_per_step(engine, [Req("a", 9, 4, n=3), Req("b", 3, 4)])
+    assert max(counts) <= 3, counts
+    assert sum(counts) == 3 * 4 + 4  # every sample and b got all their tokens
+
+
 # ---- the preemption victim ----------------------------------------------------------------
 VICTIM_SCENARIOS = {
     # Order b, c, a (a arrived first but has the larger priority value). 3 blocks, one each
