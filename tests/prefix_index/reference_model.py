@@ -193,7 +193,13 @@ class ReferenceIndex:
                     return OpResult(OpStatus.BLOCK_IN_USE)
                 self.blocks[h] = ModelBlock(block_id, parent, last_use=self._tick())
                 if self.covers(h):
-                    self._set_pin(h, "e")  # a pin covering it outlived its drop
+                    # A pin covering it outlived its drop: it holds it again; automatic pins
+                    # give way to keep the budget, least recently used first, as far as they can.
+                    over = self._pinned() + 1 - self.pin_budget
+                    autos = sorted((b.last_use, a) for a, b in self.blocks.items() if b.pin == "a")
+                    for _, a in autos[:max(over, 0)]:
+                        self._set_pin(a, "")
+                    self._set_pin(h, "e")
                 else:
                     entry = self.history.get(h)
                     self._maybe_auto_pin(h, entry.uses if entry else 0)

@@ -230,6 +230,26 @@ local function acquire(op)
   return {OK, '', blocks, {}, n}
 end
 
+-- The automatic pins outside `skip` (a set), the least recently used first: what gives way
+-- to an explicit pin. (A scan of the pins: only when the pins reach the budget, which is a
+-- fraction of one engine's pool.)
+local function autos_least_recent_first(skip)
+  local flat = redis.call('HGETALL', K.pin)
+  local autos = {}
+  for i = 1, #flat, 2 do
+    if flat[i + 1] == 'a' and not skip[flat[i]] then autos[#autos + 1] = flat[i] end
+  end
+  local lasts = hmget(K.last, autos)
+  local order = {}
+  for i = 1, #autos do order[i] = i end
+  -- (A hash with no last use, which only partial key loss can make, goes first.)
+  local function last(i) return tonumber(lasts[i]) or 0 end
+  table.sort(order, function(a, b) return last(a) < last(b) end)
+  local sorted = {}
+  for i, j in ipairs(order) do sorted[i] = autos[j] end
+  return sorted
+end
+
 local function commit(op)
   local h, parent, block = op.h, op.parent, op.block
   local existing = redis.call('HGET', K.bid, h)
@@ -263,7 +283,14 @@ local function commit(op)
   end
   settle(h)
   if num(K.cover, h) > 0 then
-    -- A pin covering it lives on (the block was forgotten while pinned): it holds it again.
+    -- A pin covering it lives on (the block was forgotten while pinned): it holds it again,
+    -- within the budget as far as automatic pins can give way (its room may have gone to
+    -- them meanwhile); the explicit pins alone may pass it, as after a shrink.
+    local over = redis.call('HLEN', K.pin) + 1 - pin_budget()
+    if over > 0 then
+      local autos = autos_least_recent_first({})
+      for i = 1, math.min(over, #autos) do unpin(autos[i]) end
+    end
     set_pin(h, 'e')
     settle(h)
   elseif threshold > 0 then
@@ -371,23 +398,13 @@ local function pin(op)
     -- explicit pin over budget is rare, and the budget is a fraction of one engine's pool.)
     local in_prefix = {}
     for _, h in ipairs(hashes) do in_prefix[h] = true end
-    local flat = redis.call('HGETALL', K.pin)
-    local autos = {}
-    for i = 1, #flat, 2 do
-      if flat[i + 1] == 'a' and not in_prefix[flat[i]] then autos[#autos + 1] = flat[i] end
-    end
+    local autos = autos_least_recent_first(in_prefix)
     if #autos < over then
       return {PIN_BUDGET_EXCEEDED, 'pinning ' .. new_pins .. ' more blocks would pass the pin ' ..
         'budget of ' .. budget .. ' (' .. pinned .. ' pinned, ' .. (pinned - #autos) ..
         ' of them explicitly or in this prefix)', {}, {}, 0}
     end
-    local lasts = hmget(K.last, autos)
-    local order = {}
-    for i = 1, #autos do order[i] = i end
-    -- (A hash with no last use, which only partial key loss can make, goes first.)
-    local function last(i) return tonumber(lasts[i]) or 0 end
-    table.sort(order, function(a, b) return last(a) < last(b) end)
-    for i = 1, over do unpin(autos[order[i]]) end
+    for i = 1, over do unpin(autos[i]) end
   end
   -- The new cover first, then the old one's end: blocks in both never flap.
   cover_add(hashes)
