@@ -184,11 +184,13 @@ def apply_ops(request: pb.ApplyRequest, limits: Limits) -> list[Op]:
             if op.pin.automatic and ttl_s != 0:
                 raise InvalidRequestError(f"{path}.pin.ttl_s: {ttl_s} is not allowed with "
                                           "automatic; expected 0 (an automatic pin cools instead)")
-            ops.append(Pin(hashes(f"{path}.pin.chain", op.pin.chain, limits, chain=True), ttl_s,
-                           op.pin.automatic))
+            # A pin is named by its chain's last hash: an empty chain names none.
+            ops.append(Pin(hashes(f"{path}.pin.chain", op.pin.chain, limits, allow_empty=False,
+                                  chain=True), ttl_s, op.pin.automatic))
             total_hashes += len(op.pin.chain)
         elif kind == "unpin":
-            ops.append(Unpin(hashes(f"{path}.unpin.chain", op.unpin.chain, limits)))
+            ops.append(Unpin(hashes(f"{path}.unpin.chain", op.unpin.chain, limits,
+                                    allow_empty=False)))
             total_hashes += len(op.unpin.chain)
         elif kind == "forget":
             f = op.forget

@@ -10,7 +10,7 @@ import pytest
 from pagedgen_api import prefix_index_pb2 as pb
 from pagedgen_api import prefix_index_pb2_grpc as pb_grpc
 from prefix_index.api.client import PrefixIndexClientError
-from prefix_index.api.ops import Acquire, Commit, Evict, Forget, Pin, Release
+from prefix_index.api.ops import Acquire, Commit, Evict, Forget, Pin, Release, Unpin
 from tests.prefix_index.chains import commit_ops, make_chain
 from trust.identity import ENGINE_ROLE, INDEX_ROLE
 
@@ -43,6 +43,14 @@ def test_bad_ops_are_refused_with_the_field_named(index_server, engine_id, test_
             await _expect(c.apply([Evict(-3)]), bad, "ops[0].evict.k", "-3")
             await _expect(c.apply([Evict(9)]), bad, "ops[0].evict.k", "9", "0..8")
             await _expect(c.apply([Pin([GOOD], ttl_s=-1)]), bad, "ops[0].pin.ttl_s")
+            await _expect(c.apply([Pin([GOOD], ttl_s=float("nan"))]), bad, "ops[0].pin.ttl_s",
+                          "nan")
+            await _expect(c.apply([Pin([GOOD], ttl_s=1e300)]), bad, "ops[0].pin.ttl_s")
+            # A pin is named by its chain's last hash: an empty chain names none.
+            await _expect(c.apply([Evict(0), Pin([])]), bad, "ops[1].pin.chain", "empty")
+            await _expect(c.apply([Unpin([])]), bad, "ops[0].unpin.chain", "empty")
+            await _expect(c.apply([Pin(make_chain("long", 16385))]), bad, "ops[0].pin.chain",
+                          "16385", "16384")
             await _expect(c.apply([Evict(0)] * 5000), bad, "ops", "5000", "4096")
             await _expect(c.apply([Acquire([GOOD] * 20000)]), bad, "ops[0].acquire.chain",
                           "20000")
