@@ -138,11 +138,16 @@ def run_core(channel: CoreChannel, options: CoreOptions) -> None:
         CoreLoop(engine, channel, link, rpc_times).run()
     except BaseException as error:  # the front ends every stream with this and exits non-zero
         log.exception("the engine core failed")
+        # Workers first: once the front reads this it exits and kills this process, and a
+        # tensor-parallel worker that hangs (or is stopped) would outlive it.
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001 - the failure is what the front must hear
+            log.exception("stopping the tensor-parallel workers failed")
         try:
             conn.send(("died", f"{error!r}"))
         except OSError:
             pass
-        engine.close()
         raise SystemExit(1) from None
     engine.close()  # the workers of a tensor-parallel engine stop with it
 

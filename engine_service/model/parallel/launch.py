@@ -54,7 +54,7 @@ def start_tensor_parallel(config, model_config: ModelConfig,
         )
         workers.wait_ready()
     except BaseException:
-        workers.stop(0.0)
+        workers.kill()
         raise
     log.info("tensor parallel: %d ranks on %s, %d torch thread(s) each on the CPU",
              world_size, config.device, threads)

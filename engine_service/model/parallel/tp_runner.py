@@ -145,7 +145,7 @@ class TensorParallelRunner:
         if self.workers.stopped:
             return
         if self._failed or not self.workers.all_alive():  # no orderly stop: the group is broken
-            self.workers.stop(grace_s=0.0)
+            self.workers.kill()
             return
         try:
             self.channel.send(Call("stop"))

@@ -56,6 +56,17 @@ def _stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
             proc.wait()
 
 
+def _kill_processes(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL, at once: the group has failed, and a worker that hangs (or is stopped) would
+    not act on SIGTERM within any grace worth waiting. What a killed worker may hold is let
+    go by the kernel (the C++ extension's build lock is an flock: kernels/cpu_extension.py)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    for proc in procs:
+        proc.wait()
+
+
 class Workers:
     def __init__(self, spec: object, world_size: int, host: str, port: int) -> None:
         self.world_size = world_size
@@ -165,4 +176,11 @@ class Workers:
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         self.stopped = True
         _stop_processes(self.procs, grace_s)
+        self._finalizer.detach()
+
+    def kill(self) -> None:
+        """Stop a failed group's workers now (milliseconds: the engine's failure is reported
+        after this, and its process may be killed right after that)."""
+        self.stopped = True
+        _kill_processes(self.procs)
         self._finalizer.detach()
