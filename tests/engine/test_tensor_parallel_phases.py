@@ -8,8 +8,6 @@ tests/service/test_tensor_parallel_phases.py."""
 import os
 import signal
 import threading
-import time
-from pathlib import Path
 
 import pytest
 
@@ -18,6 +16,7 @@ from engine_service.model.parallel.errors import TensorParallelError
 from engine_service.model.parallel.worker import STOP_AT_ENV
 from tests.service.test_engine_death import child_pids, wait_gone
 from tests.support.gloo_pair import two_channels
+from tests.support.process_state import process_state, wait_until
 
 WORKER_MODULE = b"engine_service.model.parallel.worker"
 
@@ -44,19 +43,8 @@ def test_a_step_broadcast_nobody_receives_times_out():
     assert failed and "Timed out" in str(failed[0])
 
 
-def _state(pid: int) -> str:
-    """The process's state letter (T: stopped), or "" once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return ""
-
-
 def _wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, f"not {what} within {DEADLINE_S:.0f} s"
-        time.sleep(0.05)
+    wait_until(condition, what, DEADLINE_S)
 
 
 @pytest.mark.parametrize("phase", ["rendezvous", "load"])
@@ -83,7 +71,7 @@ def test_a_worker_killed_while_starting_fails_the_start_at_once(phase, tiny_llam
     _wait_for(lambda: workers.extend(child_pids(os.getpid(), WORKER_MODULE)) or workers,
               "started a worker")
     worker = workers[0]
-    _wait_for(lambda: _state(worker) == "T", f"stopped at {phase}")
+    _wait_for(lambda: process_state(worker) == "T", f"stopped at {phase}")
     os.kill(worker, signal.SIGKILL)
     thread.join(DEADLINE_S)
     assert not thread.is_alive(), f"rank 0 still waits on a worker killed at {phase}"

@@ -3,7 +3,9 @@ at each phase a rank can fail in (issue 33), beside the worker killed mid-decode
 test_tensor_parallel_server.py: a worker killed mid-prefill or while the engine idles, one
 that hangs (SIGSTOP: the collective timeout fires), rank 0 (the engine core) killed, and
 SIGTERM to the server mid-stream. Never a hang; NOT_SERVING within a second of a kill; live
-streams end INTERNAL; the process exits 1 (0 for SIGTERM, which drains); no process is left."""
+streams end INTERNAL; the process exits 1 (0 for SIGTERM, which drains); no process is left.
+A worker killed while the server starts (at its rendezvous, while it loads its shards) fails
+the start: the server exits non-zero, leaves nothing, and the next one starts."""
 
 from __future__ import annotations
 
@@ -15,11 +17,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine_service.model.parallel.worker import STOP_AT_ENV
 from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
-from tests.service.test_engine_death import core_pid_of, wait_gone
+from tests.service.test_engine_death import child_pids, core_pid_of, wait_gone
 from tests.service.test_tensor_parallel_server import worker_pids
+from tests.support.process_state import process_state, wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 DEADLINE_S = 120.0  # generous: a loaded 2-core machine
@@ -141,3 +145,46 @@ def test_a_rank_failing_at_each_phase_never_hangs_and_leaves_nothing(phase, tiny
         assert "engine core process exited" in details, details
     if phase == "sigterm":
         assert code in (None, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), details
+
+
+@pytest.mark.parametrize("phase", ["rendezvous", "load"])
+def test_a_worker_killed_while_the_server_starts_fails_the_start(phase, tiny_llama_dir, tmp_path,
+                                                                 test_certs, monkeypatch):
+    """The worker stops itself on reaching the phase (PAGEDGEN_TP_TEST_STOP_AT, inherited
+    through the front and the core) and is killed there."""
+    log_path = tmp_path / "engine.log"
+    monkeypatch.setenv(STOP_AT_ENV, phase)
+    engine = EngineProcess(tiny_llama_dir, ["--tensor-parallel-size", "2", "--num-blocks", "64",
+                                            "--dtype", "float32", "--log-level", "INFO"],
+                           log_path=log_path, tls=test_certs.files("engine"))
+    engine.spawn(engine.command(), log_path)
+    monkeypatch.delenv(STOP_AT_ENV)
+    found: list[int] = []
+    try:
+        def worker_stopped() -> bool:
+            cores = child_pids(engine.proc.pid, b"spawn_main")
+            found[:] = cores + (worker_pids(cores[0]) if cores else [])
+            return len(found) == 2 and process_state(found[1]) == "T"
+
+        wait_until(worker_stopped, f"a worker stopped at {phase}", DEADLINE_S)
+        core, worker = found
+        os.kill(worker, signal.SIGKILL)
+        returncode = engine.proc.wait(timeout=DEADLINE_S)
+    finally:
+        engine.kill()
+        left = [pid for pid in found if not wait_gone(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    log = log_path.read_text()[-3000:]
+    assert returncode != 0, log
+    assert f"rank 1 (pid {worker}) exited with status -9" in log, log
+    assert left == [], f"processes {left} outlived the failed start"
+    again = EngineProcess(tiny_llama_dir, ["--tensor-parallel-size", "2", "--num-blocks", "64",
+                                           "--dtype", "float32"],
+                          log_path=tmp_path / "again.log", tls=test_certs.files("engine")).start()
+    try:
+        with test_certs.channel(again.target) as channel:
+            info = pb_grpc.GenerationStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=30)
+        assert info.tensor_parallel_size == 2
+    finally:
+        assert again.terminate() == 0
