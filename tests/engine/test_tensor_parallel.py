@@ -175,8 +175,9 @@ def test_a_size_the_heads_do_not_split_by_is_refused_naming_them(tiny_llama_dir)
 @pytest.mark.parametrize("failure", ["killed", "hung"])
 def test_a_failed_worker_fails_generate_with_a_clear_error(failure, tiny_llama_dir):
     """A killed worker: the next collective sees the closed connection at once. A hung one
-    (SIGSTOP): the all-reduce gives up after tensor_parallel_timeout_s. Either way generate
-    raises TensorParallelError naming what happened, and close() leaves no process."""
+    (SIGSTOP): the all-reduce, or rank 0's next step broadcast when the worker stopped before
+    taking it, gives up after tensor_parallel_timeout_s. Either way generate raises
+    TensorParallelError naming what happened, and close() leaves no process."""
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=64,
               tensor_parallel_timeout_s=3, device=DEVICE)
     worker = llm.llm_engine.runner.workers.procs[0]
