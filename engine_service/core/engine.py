@@ -31,7 +31,7 @@ from engine_service.core.scheduler import Scheduler, SchedulerConfig
 from engine_service.core.scheduler_output import ScheduledSeq
 from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine_service.model.config import DTYPES, ModelConfig, load_model_config
-from engine_service.model.detokenizer import IncrementalDetokenizer
+from engine_service.model.detokenizer import IncrementalDetokenizer, TokenDecoder
 from engine_service.model.fingerprint import model_identity, weights_fingerprint
 from engine_service.model.kv_cache_setup import graph_rows, setup_kv_cache, uses_cuda_graphs
 from engine_service.model.runner import ModelRunner, kv_bytes_per_block
@@ -80,6 +80,8 @@ class LLMEngine:
         self.model_config: ModelConfig = load_model_config(config.model)
         mc = self.model_config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(mc)
+        # Every detokenizer of this engine decodes through it (single tokens' texts kept).
+        self._token_decoder = None if self.tokenizer is None else TokenDecoder(self.tokenizer)
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
@@ -219,6 +221,8 @@ class LLMEngine:
             arrival_order=next(self._arrivals),
             final_output_only=final_output_only,
             pin_prefill=pin_prefill,
+            plain_greedy=(params.is_greedy and not params.has_penalties
+                          and params.logprobs is None and not params.min_tokens),
         )
         if params.use_beam_search:
             # Beams stream nothing (the best ones are known only at the end): no detokenizer.
@@ -226,7 +230,7 @@ class LLMEngine:
             group.seqs.append(Sequence(next(self._seq_ids), 0, list(prompt_token_ids),
                                        len(prompt_token_ids)))
         else:
-            group.seqs.append(self._new_sequence(list(prompt_token_ids), 0, params))
+            group.seqs.append(self._new_sequence(list(prompt_token_ids), 0, group))
         self._groups[request_id] = group
         self.scheduler.add(group)
 
@@ -245,13 +249,17 @@ class LLMEngine:
             max_total_tokens=max_len,
         )
 
-    def _new_sequence(self, token_ids: list[int], index: int, params: SamplingParams) -> Sequence:
+    def _new_sequence(self, token_ids: list[int], index: int, group: SequenceGroup) -> Sequence:
+        params = group.params
         seq = Sequence(
             seq_id=next(self._seq_ids),
             index=index,
             token_ids=token_ids,
             num_prompt_tokens=len(token_ids),
         )
+        seq.ending_token_ids = frozenset(params.stop_token_ids).union(
+            () if params.ignore_eos else self.eos_token_ids)
+        self._set_max_num_tokens(seq, params)
         if params.seed is not None:
             seq.generator = make_generator(params.seed, index, self.runner.device)
         if self.tokenizer is not None and self.config.detokenize:
@@ -262,9 +270,17 @@ class LLMEngine:
                 params.include_stop_str_in_output,
                 params.skip_special_tokens,
                 min_tokens=params.min_tokens,
+                decoder=self._token_decoder,
             )
+            # Only a stop string or a streamed output reads the text before the end.
+            seq.text_deferred = group.final_output_only and not params.stop
         seq.logprobs = [] if params.logprobs is not None else None
         return seq
+
+    def _set_max_num_tokens(self, seq: Sequence, params: SamplingParams) -> None:
+        seq.max_num_tokens = self.max_model_len
+        if params.max_tokens is not None:
+            seq.max_num_tokens = min(seq.max_num_tokens, seq.num_prompt_tokens + params.max_tokens)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; its final output, or None if unknown."""
@@ -430,17 +446,52 @@ class LLMEngine:
     def _sample_rows(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> None:
         row_seqs: list[tuple[Sequence, SequenceGroup]] = []
         logit_rows: list[int] = []
+        plain_greedy = True  # every row is an argmax alone (no SamplingRow needed)
         for i, item in enumerate(items):
-            seqs = [item.seq]
-            if item.group.params.n > 1 and not item.group.has_forked:
-                seqs += self._fork(item.group, item.seq)
-            for seq in seqs:
-                row_seqs.append((seq, item.group))
-                logit_rows.append(i)
+            group = item.group
+            plain_greedy = plain_greedy and group.plain_greedy
+            row_seqs.append((item.seq, group))
+            logit_rows.append(i)
+            if group.params.n > 1 and not group.has_forked:
+                for child in self._fork(group, item.seq):
+                    row_seqs.append((child, group))
+                    logit_rows.append(i)
         if not row_seqs:
             return
-        # Penalty counts: built from the tokens once per sequence (all of a step's new ones in
-        # one upload); the sampler keeps them up to date from then on.
+        if len(logit_rows) != len(items):
+            logits = logits[torch.tensor(logit_rows, device=logits.device)]
+        if plain_greedy:
+            token_ids = self.sampler.greedy(logits)
+            logprobs: list = [None] * len(token_ids)
+        else:
+            result = self.sampler(logits, self._sampling_rows(row_seqs))
+            token_ids, logprobs = result.token_ids, result.logprobs
+        now = time.monotonic()
+        for (seq, group), token, logprob in zip(row_seqs, token_ids, logprobs, strict=True):
+            if group.first_token_time is None:
+                group.first_token_time = now
+            seq.token_ids.append(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprob)
+            detokenizer = seq.detokenizer
+            matched_stop = False
+            if detokenizer is not None and not seq.text_deferred:
+                # Kept until the next output; usually this token's text alone (or nothing).
+                delta = detokenizer.add_token(token)
+                if delta:
+                    seq.unstreamed_text.append(delta)
+                matched_stop = detokenizer.matched_stop is not None
+            # Most tokens end nothing: the full check only where one of its reasons may hold.
+            if (token in seq.ending_token_ids or len(seq.token_ids) >= seq.max_num_tokens
+                    or matched_stop):
+                self._check_stop(seq, group, token)
+                if seq.is_finished:
+                    self.kv.forget(seq)
+                    self._release_penalty_slot(seq)
+
+    def _sampling_rows(self, row_seqs: list[tuple[Sequence, SequenceGroup]]) -> list[SamplingRow]:
+        """What the sampler reads of each row; penalty counts are built from the tokens once
+        per sequence (all of a step's new ones in one upload) and kept up to date after."""
         new = [seq for seq, group in row_seqs
                if group.params.has_penalties and seq.penalty_slot is None]
         if new:
@@ -456,21 +507,7 @@ class LLMEngine:
                                                      seq.output_view, seq.generator)
             row.penalty_slot = seq.penalty_slot
             rows.append(row)
-        if len(logit_rows) != len(items):
-            logits = logits[torch.tensor(logit_rows, device=logits.device)]
-        result = self.sampler(logits, rows)
-        now = time.monotonic()
-        for (seq, group), token, logprob in zip(
-            row_seqs, result.token_ids, result.logprobs, strict=True
-        ):
-            group.first_token_time = group.first_token_time or now
-            seq.token_ids.append(token)
-            if seq.logprobs is not None:
-                seq.logprobs.append(logprob)
-            self._check_stop(seq, group, token)
-            if seq.is_finished:
-                self.kv.forget(seq)
-                self._release_penalty_slot(seq)
+        return rows
 
     def _release_penalty_slot(self, seq: Sequence) -> None:
         if seq.penalty_slot is not None:
@@ -482,8 +519,9 @@ class LLMEngine:
         group.has_forked = True
         children = []
         for index in range(1, group.params.n):
-            child = self._new_sequence(list(parent.token_ids), index, group.params)
+            child = self._new_sequence(list(parent.token_ids), index, group)
             child.num_prompt_tokens = parent.num_prompt_tokens
+            self._set_max_num_tokens(child, group.params)
             child.num_computed_tokens = parent.num_computed_tokens
             child.status = SequenceStatus.RUNNING
             self.kv.fork(parent, child)
@@ -492,13 +530,10 @@ class LLMEngine:
         return children
 
     def _check_stop(self, seq: Sequence, group: SequenceGroup, token: int) -> None:
+        """Whether `token`, just appended (and given to the detokenizer unless its text is
+        deferred), ends seq, and why."""
         params = group.params
         detokenizer = seq.detokenizer
-        if detokenizer is not None:
-            # Kept until the next output; usually this token's text alone (or nothing).
-            delta = detokenizer.add_token(token)
-            if delta:
-                seq.unstreamed_text.append(delta)
         reason = None
         stop_reason = None
         num_out = seq.num_output_tokens
@@ -515,10 +550,21 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             if detokenizer is not None:
+                self._catch_up_text(seq)
                 seq.unstreamed_text.append(detokenizer.finish())
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
             seq.stop_reason = stop_reason
+
+    @staticmethod
+    def _catch_up_text(seq: Sequence) -> None:
+        """Detokenize, in one go, the output of a sequence whose text was deferred (read only
+        at its end): the same text as token by token."""
+        if seq.text_deferred:
+            seq.text_deferred = False
+            delta = seq.detokenizer.add_tokens(seq.output_token_ids)
+            if delta:
+                seq.unstreamed_text.append(delta)
 
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
         finished = group.is_finished
@@ -575,7 +621,8 @@ class LLMEngine:
         if self.tokenizer is None or not self.config.detokenize:
             return ""
         detokenizer = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, [], skip_special_tokens=params.skip_special_tokens
+            self.tokenizer, prompt_token_ids, [], skip_special_tokens=params.skip_special_tokens,
+            decoder=self._token_decoder,
         )
         for token in token_ids:
             detokenizer.add_token(token)
@@ -588,6 +635,8 @@ class LLMEngine:
         (once per request)."""
         completions = []
         for seq in sorted(group.seqs, key=lambda s: s.index):
+            if final:  # an aborted sequence's deferred text
+                self._catch_up_text(seq)
             start = seq.num_prompt_tokens + seq.num_streamed_tokens
             new = seq.token_ids[start:]
             num_tokens = seq.num_output_tokens

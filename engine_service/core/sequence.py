@@ -83,6 +83,14 @@ class Sequence:
     penalty_slot: int | None = None
     # What the sampler reads of this sequence each step (a SamplingRow of views), made once.
     sampling_row: SamplingRow | None = None
+    # A step's stop check is one set lookup and one comparison: the full check runs only for a
+    # token in `ending_token_ids` (EOS unless ignore_eos, and stop_token_ids) or at
+    # `max_num_tokens` (max_tokens or the model's length, whichever comes first).
+    ending_token_ids: frozenset[int] = frozenset()
+    max_num_tokens: int = 0
+    # Output tokens not given to the detokenizer yet: nothing reads this sequence's text
+    # before it ends (no stop strings, final output only), so it is decoded then, in one go.
+    text_deferred: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -135,6 +143,9 @@ class SequenceGroup:
     beam: BeamSearch | None = None  # the search state of a beam search request
     # Outputs only when the request ends (the offline API): no output is built per step.
     final_output_only: bool = False
+    # Greedy with no penalties, logprobs or min_tokens: its next token is the argmax alone
+    # (a batch of such rows skips the sampler's per-row work).
+    plain_greedy: bool = False
     # A PinPrefix's prefill: its blocks are the pin's, counted by the pin budget as pins once
     # pinned, so they are not demand the budget must leave room for (core/pin_budget.py).
     pin_prefill: bool = False

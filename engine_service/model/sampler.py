@@ -279,6 +279,15 @@ class Sampler:
                 for slot in slots[1]:
                     self.token_counts.release(slot)
 
+    def greedy(self, logits: torch.Tensor) -> list[int]:
+        """Next tokens for rows that are all greedy with nothing to apply (no penalties,
+        logprobs or active min_tokens): the tokens __call__ picks for them, without a
+        SamplingRow per row."""
+        if logits.dim() != 2 or logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits must be [rows, vocab >= {self.vocab_size}], got "
+                             f"{tuple(logits.shape)}")
+        return _greedy(logits[:, : self.vocab_size].float()).tolist()
+
     def _penalty_slots(self, rows: list[SamplingRow], idx: list[int]
                        ) -> tuple[torch.Tensor, list[int]]:
         """The token_counts rows of the penalized rows idx (on the device), and the rows made

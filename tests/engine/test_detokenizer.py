@@ -5,7 +5,11 @@ import random
 import pytest
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from engine_service.model.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
+from engine_service.model.detokenizer import (
+    PROMPT_CONTEXT_TOKENS,
+    IncrementalDetokenizer,
+    TokenDecoder,
+)
 from tests.engine.sampling_fixtures import (
     build_sentencepiece_style_tokenizer,
     load_smollm2_tokenizer,
@@ -197,3 +201,49 @@ def test_sentencepiece_byte_fallback_deltas_add_up(
         # The text the output adds to the prompt (vLLM's meaning of a completion's text).
         prompt_text = tok.decode(prompt)
         assert "".join(deltas) == tok.decode(prompt + output)[len(prompt_text) :]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_add_tokens_at_once_gives_the_streamed_text(
+    smollm2_tokenizer: PreTrainedTokenizerBase, sentencepiece_tokenizer: PreTrainedTokenizerFast,
+    skip_special_tokens: bool,
+) -> None:
+    """A deferred output (add_tokens at its end, through a decoder shared with other
+    detokenizers and its single-token texts kept) has exactly the text of the same tokens
+    streamed one by one through a detokenizer of its own: whole, and when it stops without
+    finish (an abort, which releases nothing held back)."""
+    rng = random.Random(6)
+    for tok in (smollm2_tokenizer, sentencepiece_tokenizer):
+        shared = TokenDecoder(tok)
+        vocab = len(tok)
+        for _ in range(100):
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
+            output = [rng.randrange(vocab) for _ in range(rng.randint(1, 25))]
+            if rng.random() < 0.5:  # valid text, characters split over tokens
+                output = tok.encode(random_text(rng))
+            output += [rng.randrange(12) for _ in range(rng.randint(0, 2))]  # special tokens
+            rng.shuffle(output)
+            cut = rng.randint(0, len(output))
+            for finish in (True, False):
+                streamed = IncrementalDetokenizer(tok, prompt, [],
+                                                  skip_special_tokens=skip_special_tokens)
+                deferred = IncrementalDetokenizer(tok, prompt, [], decoder=shared,
+                                                  skip_special_tokens=skip_special_tokens)
+                tokens = output if finish else output[:cut]
+                expected = "".join(streamed.add_token(t) for t in tokens)
+                delta = deferred.add_tokens(tokens)
+                if finish:
+                    expected += streamed.finish()
+                    delta += deferred.finish()
+                assert delta == expected == deferred.text == streamed.text, (prompt, tokens)
+
+
+def test_add_tokens_with_stop_strings_stops_as_add_token(
+    smollm2_tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    tok = smollm2_tokenizer
+    output = tok.encode(" one two three four")
+    streamed = IncrementalDetokenizer(tok, [], ["three"])
+    deferred = IncrementalDetokenizer(tok, [], ["three"])
+    assert deferred.add_tokens(output) == "".join(stream(streamed, output)) == " one two "
+    assert deferred.matched_stop == streamed.matched_stop == "three"
