@@ -24,6 +24,7 @@ from engine_service.model.parallel.auth import SECRET_ENV
 from engine_service.model.parallel.channel import StepChannel
 from engine_service.model.parallel.errors import TensorParallelError
 from tests.support.gloo_pair import two_channels
+from tests.support.listening import listening_addresses
 
 WORKER = [sys.executable, "-m", "engine_service.model.parallel.worker"]
 
@@ -142,5 +143,17 @@ def test_the_secret_is_in_no_key_no_value_and_no_command_line(tiny_llama_dir):
 
         out = llm.generate("The capital of France is", SamplingParams(max_tokens=4))
         assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.close()
+
+
+def test_the_store_and_the_groups_listen_on_the_rendezvous_host_only(tiny_llama_dir):
+    """The rendezvous binds to loopback unless told otherwise: its TCPStore too, not only
+    gloo's connections. (torch's TCPStore server binds every interface whatever host it is
+    given: the store was open to the network, spec and keys for anyone to read or delete.)"""
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=32)
+    try:
+        store_port = llm.llm_engine.runner.workers.store.port
+        assert listening_addresses(store_port) == {"127.0.0.1"}
     finally:
         llm.close()

@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import threading
@@ -67,13 +68,34 @@ def _kill_processes(procs: list[subprocess.Popen]) -> None:
         proc.wait()
 
 
+def _serve_store(host: str, port: int) -> dist.TCPStore:
+    """The rendezvous store, listening on `host` only. Given a host and no socket, torch's
+    TCPStore server listens on every interface (the host names only where clients connect):
+    the spec and every key would be open to the network. So the socket is bound here and
+    handed over (the store closes it)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+        store = dist.TCPStore(host, listener.getsockname()[1], None, True,
+                              wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S),
+                              master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's now
+    return store
+
+
 class Workers:
     def __init__(self, spec: object, world_size: int, host: str, port: int) -> None:
         self.world_size = world_size
         self.host = host
         self.stopped = False
-        self.store = dist.TCPStore(host, port, None, True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+        self.store = _serve_store(host, port)
         self.secret = new_secret()  # this engine's: in the workers' environment only
         self.store.set("spec", seal(self.secret.encode(), b"spec", pickle.dumps(spec)))
         address = f"{host}:{self.store.port}"
