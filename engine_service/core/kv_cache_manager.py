@@ -174,15 +174,16 @@ class KVCacheManager:
         new blocks, plus one copy per writer of a shared partial block except that a block whose
         every holder writes it this step is kept by the last of them."""
         needed = 0
-        writers: Counter[int] = Counter()
+        writers: Counter[int] | None = None  # made only for a shared partial block (rare)
         for seq, num_new in plans:
             table = self._tables.get(seq.seq_id, [])
             total = blocks_for(seq.num_computed_tokens + num_new, self.block_size)
             needed += max(0, total - len(table))
             shared = self._shared_partial_block(seq, table)
             if shared is not None:
+                writers = writers if writers is not None else Counter()
                 writers[shared] += 1
-        for block_id, num_writers in writers.items():
+        for block_id, num_writers in (writers or {}).items():
             ref_count = self.pool.blocks[block_id].ref_count
             needed += num_writers if ref_count > num_writers else num_writers - 1
         return needed

@@ -166,14 +166,18 @@ class Scheduler:
             if not plans:
                 index += 1
                 continue
-            # All-or-nothing per group: preempt the latest arrivals until it fits.
+            # All-or-nothing per group: preempt the latest arrivals until it fits (most steps
+            # need no new block: then nothing is checked). The group stays in `running` until
+            # it is the victim itself, so it runs alone when it is the only one left.
             needed = self.kv.blocks_to_grow(plans)
-            while needed > self._free_for(needed, alone=self.running == [group]):
+            preempted_itself = False
+            while needed and needed > self._free_for(needed, alone=len(self.running) == 1):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is group:
+                    preempted_itself = True
                     break
-            if group not in self.running:
+            if preempted_itself:
                 break
             for seq, num_new in plans:
                 self.kv.grow(seq, num_new)
@@ -189,6 +193,12 @@ class Scheduler:
     @staticmethod
     def _plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
         """(seq, tokens to compute) for the group's running sequences within the budget."""
+        if group.beam is None and len(group.seqs) == 1:  # the common case, in a few steps
+            seq = group.seqs[0]
+            if seq.status is not SequenceStatus.RUNNING:
+                return []
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            return [(seq, num_new)] if num_new > 0 else []
         running = [s for s in group.seqs if s.status == SequenceStatus.RUNNING]
         # A beam search step needs the logits of all of a request's beams at once: its beams
         # reach their last token in the same step, or all stop one short of it (catching up
@@ -297,6 +307,8 @@ class Scheduler:
         beside it (otherwise later arrivals took its memory and it waited for them to end),
         and past MAX_DEFERRED_PER_STEP passed-over groups this step admits no more (a long
         queue on one new prefix is not scanned whole every step)."""
+        if not self.waiting:  # nothing to admit: no scan of the running requests
+            return
         defer = self.config.defer_shared_prefill
         in_flight = self._blocks_in_flight() if defer else set()
         num_running = sum(_seq_slots(group) for group in self.running)
