@@ -86,3 +86,36 @@ def test_a_worker_killed_while_starting_fails_the_start_at_once(phase, tiny_llam
         assert len(out[0].outputs[0].token_ids) == 3
     finally:
         llm.close()
+
+
+def test_the_test_stop_hook_is_inert_outside_a_test(tiny_llama_dir, monkeypatch):
+    """PAGEDGEN_TP_TEST_STOP_AT stops a worker only under pytest (PYTEST_CURRENT_TEST, which
+    pytest sets and the workers inherit): left in a user's environment it stalled every
+    tensor-parallel start for the startup timeout (5 min), then failed it naming no cause."""
+    monkeypatch.setenv(STOP_AT_ENV, "load")
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    outcome: list = []
+
+    def start() -> None:
+        try:
+            outcome.append(LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32",
+                               num_blocks=32))
+        except BaseException as error:  # noqa: BLE001 (the test looks at it)
+            outcome.append(error)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(DEADLINE_S)
+    if thread.is_alive():  # (failing below: not left stopped for the startup timeout)
+        for pid in child_pids(os.getpid(), WORKER_MODULE):
+            os.kill(pid, signal.SIGKILL)
+        thread.join(DEADLINE_S)
+        pytest.fail("a worker stopped itself outside a test")
+    llm = outcome[0]
+    assert isinstance(llm, LLM), outcome
+    try:
+        out = llm.generate("The capital of France is", SamplingParams(max_tokens=3))
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        llm.close()
+    assert child_pids(os.getpid(), WORKER_MODULE) == []

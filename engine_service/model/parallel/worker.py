@@ -28,11 +28,14 @@ log = logging.getLogger("engine_service.model.parallel.worker")
 PARENT_POLL_S = 0.25
 # Fault injection for tests (tests/engine/test_tensor_parallel_phases.py): the worker stops
 # itself (SIGSTOP) on reaching this phase, "rendezvous" or "load", for a test to kill it there.
+# Only under pytest (PYTEST_CURRENT_TEST, which pytest sets for each test and the workers
+# inherit): left in a user's environment it would stall every start for the startup timeout.
 STOP_AT_ENV = "PAGEDGEN_TP_TEST_STOP_AT"
+UNDER_TEST_ENV = "PYTEST_CURRENT_TEST"
 
 
 def _phase(name: str) -> None:
-    if os.environ.get(STOP_AT_ENV) == name:
+    if os.environ.get(STOP_AT_ENV) == name and os.environ.get(UNDER_TEST_ENV):
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
@@ -73,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
+    if os.environ.get(STOP_AT_ENV) and not os.environ.get(UNDER_TEST_ENV):
+        log.warning("%s is set outside a test: ignored", STOP_AT_ENV)
 
     import torch
     import torch.distributed as dist
