@@ -3,8 +3,8 @@
 Rank 0's TCPStore listens on loopback with no authentication, and any client may list its
 keys (TCPStore.list_keys) and read or overwrite any of them; gloo's own connections are not
 authenticated either. So nothing a worker unpickles may come from there unchecked: rank 0
-makes a random secret per engine, hands it to its workers in their environment (never their
-arguments, never the store), and tags the worker spec and every step message with an
+makes a random secret per engine, hands it to its workers on their stdin (never their
+arguments, their environment or the store), and tags the worker spec and every step message with an
 HMAC under it; a worker refuses, unread, whatever does not carry the tag. Errors travel as
 text. Real processes and real gloo groups throughout.
 """
@@ -17,10 +17,10 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from engine_service import LLM
-from engine_service.model.parallel.auth import SECRET_ENV
 from engine_service.model.parallel.channel import StepChannel
 from engine_service.model.parallel.errors import TensorParallelError
 from tests.support.gloo_pair import two_channels
@@ -44,17 +44,13 @@ def _server_store() -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=30))
 
 
-def _env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
-    return {**env, **extra}
-
-
-def test_a_worker_started_without_the_secret_exits_2_naming_it():
+@pytest.mark.parametrize("stdin", ["", "short\n", "g" * 32 + "\n"])
+def test_a_worker_started_without_the_secret_exits_2_naming_it(stdin):
     run = subprocess.run([*WORKER, "--rank", "1", "--world-size", "2",
                           "--store", "127.0.0.1:1", "--parent-pid", str(os.getpid())],
-                         env=_env(), capture_output=True, text=True, timeout=120)
+                         input=stdin, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
-    assert SECRET_ENV in run.stderr
+    assert "no engine secret on stdin" in run.stderr
 
 
 def test_a_spec_planted_in_the_store_is_refused_unread(tmp_path):
@@ -67,7 +63,7 @@ def test_a_spec_planted_in_the_store_is_refused_unread(tmp_path):
         run = subprocess.run([*WORKER, "--rank", "1", "--world-size", "2",
                               "--store", f"127.0.0.1:{store.port}",
                               "--parent-pid", str(os.getpid())],
-                             env=_env(**{SECRET_ENV: "0" * 32}), capture_output=True, text=True,
+                             input="0" * 32 + "\n", capture_output=True, text=True,
                              timeout=120)
         assert run.returncode == 1, run.stderr
         assert "authentic" in run.stderr
@@ -121,7 +117,7 @@ def _cmdline(pid: int) -> bytes:
     return Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
-def test_the_secret_is_in_no_key_no_value_and_no_command_line(tiny_llama_dir):
+def test_the_secret_is_in_no_key_no_value_no_command_line_and_no_environment(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=32)
     try:
         workers = llm.llm_engine.runner.workers
@@ -138,7 +134,9 @@ def test_the_secret_is_in_no_key_no_value_and_no_command_line(tiny_llama_dir):
             del outsider
         for pid in [os.getpid(), *(p.pid for p in workers.procs)]:
             assert secret not in _cmdline(pid)
-        assert SECRET_ENV not in os.environ
+            # A process's initial environment stays readable in /proc (and `ps e`) after
+            # os.environ drops a variable: the secret must never have been there.
+            assert secret not in Path(f"/proc/{pid}/environ").read_bytes(), pid
         from engine_service import SamplingParams
 
         out = llm.generate("The capital of France is", SamplingParams(max_tokens=4))

@@ -4,24 +4,38 @@ The rendezvous TCPStore serves any local process: a client may list every key
 (TCPStore.list_keys), read it and overwrite it, and gloo's connections, whose addresses sit in
 that store, are not authenticated either. A key prefix hides nothing there (the listing shows
 it), so the secret never goes into the store: rank 0 makes one per engine, hands it to each
-worker in its environment (readable by the same user only, unlike argv), and every pickle a
-rank loads (the worker spec, each step message) carries an HMAC-SHA256 tag under it. The tag
-covers a label (what the bytes are, and for steps their number, so a message cannot be
-replayed or passed off as another). Errors workers report are plain text, never pickles.
+worker on a pipe (its stdin, read once at start: never argv, never the environment, which
+/proc/<pid>/environ and `ps e` show for the process's life even after os.environ drops it),
+and every pickle a rank loads (the worker spec, each step message) carries an HMAC-SHA256
+tag under it. The tag covers a label (what the bytes are, and for steps their number, so a
+message cannot be replayed or passed off as another). Errors workers report are plain text,
+never pickles.
 """
 
 import hashlib
 import hmac
 import secrets
+from typing import BinaryIO
 
 from engine_service.model.parallel.errors import TensorParallelError
 
-SECRET_ENV = "PAGEDGEN_TP_STORE_SECRET"
 TAG_BYTES = 32  # SHA-256
+SECRET_HEX_CHARS = 32
 
 
 def new_secret() -> str:
-    return secrets.token_hex(16)
+    return secrets.token_hex(SECRET_HEX_CHARS // 2)
+
+
+def read_secret(pipe: BinaryIO) -> str | None:
+    """The secret rank 0 wrote on `pipe` (one line), or None when there is none (a terminal,
+    an empty or closed pipe, or anything that is not a secret new_secret makes)."""
+    if pipe.isatty():
+        return None
+    line = pipe.readline(SECRET_HEX_CHARS + 2).strip().decode(errors="replace")
+    if len(line) != SECRET_HEX_CHARS or any(c not in "0123456789abcdef" for c in line):
+        return None
+    return line
 
 
 def tag(key: bytes, label: bytes, data: bytes | memoryview) -> bytes:

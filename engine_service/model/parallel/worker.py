@@ -7,9 +7,9 @@ collective fails at once (gloo and NCCL see the closed connection), so the engin
 on a dead rank. A worker whose parent is gone exits too: nothing is left behind when rank 0
 is killed.
 
-The engine's secret comes in the environment (PAGEDGEN_TP_STORE_SECRET, taken out of it at
-once so nothing this process starts inherits it); the spec and every step are checked against
-it before they are unpickled (auth.py). Without it the worker exits 2 at once.
+The engine's secret comes on stdin, a pipe rank 0 writes it to and closes (auth.py says why
+not the environment); the spec and every step are checked against it before they are
+unpickled. Without it the worker exits 2 at once.
 """
 
 import argparse
@@ -52,12 +52,12 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine_service.model.parallel.auth import SECRET_ENV, unseal
+    from engine_service.model.parallel.auth import read_secret, unseal
 
-    secret = os.environ.pop(SECRET_ENV, None)
+    secret = read_secret(sys.stdin.buffer)
     if not secret:
-        print(f"tensor-parallel worker: {SECRET_ENV} is not set; workers are started by "
-              f"their engine's rank 0, which sets it", file=sys.stderr)
+        print("tensor-parallel worker: no engine secret on stdin; workers are started by "
+              "their engine's rank 0, which writes it there", file=sys.stderr)
         return 2
     key = secret.encode()
     parser = argparse.ArgumentParser(description=__doc__)

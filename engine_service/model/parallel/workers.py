@@ -5,7 +5,7 @@ multiprocessing children: they need no `if __name__ == "__main__"` guard in the 
 script, and a daemonic serving process may start them. They meet rank 0 at a TCPStore that
 rank 0 serves on the rendezvous host (127.0.0.1 unless PAGEDGEN_TP_HOST says otherwise) and a
 port the OS picks (PAGEDGEN_TP_PORT to fix one). The store is open to every local process, so
-each worker gets the engine's secret in its environment and checks what it loads (auth.py).
+each worker gets the engine's secret on its stdin and checks what it loads (auth.py).
 """
 
 import datetime
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from engine_service.model.parallel.auth import SECRET_ENV, new_secret, seal
+from engine_service.model.parallel.auth import new_secret, seal
 from engine_service.model.parallel.errors import TensorParallelError
 from engine_service.model.parallel.group import TensorParallelGroup, connect_group, rendezvous_keys
 
@@ -90,22 +90,35 @@ def _serve_store(host: str, port: int) -> dist.TCPStore:
     return store
 
 
+def _hand_secret(proc: subprocess.Popen, secret: str) -> None:
+    """One line on the worker's stdin, then closed (a pipe's buffer holds it: no wait). A
+    worker that is gone already is seen by the waits that follow."""
+    try:
+        proc.stdin.write(secret.encode() + b"\n")
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+
+
 class Workers:
     def __init__(self, spec: object, world_size: int, host: str, port: int) -> None:
         self.world_size = world_size
         self.host = host
         self.stopped = False
         self.store = _serve_store(host, port)
-        self.secret = new_secret()  # this engine's: in the workers' environment only
+        self.secret = new_secret()  # this engine's: on the workers' stdin only
         self.store.set("spec", seal(self.secret.encode(), b"spec", pickle.dumps(spec)))
         address = f"{host}:{self.store.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads), SECRET_ENV: self.secret}
+        env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "engine_service.model.parallel.worker",
                               "--rank", str(rank), "--world-size", str(world_size),
-                              "--store", address, "--parent-pid", str(os.getpid())], env=env)
+                              "--store", address, "--parent-pid", str(os.getpid())], env=env,
+                             stdin=subprocess.PIPE)
             for rank in range(1, world_size)
         ]
+        for proc in self.procs:
+            _hand_secret(proc, self.secret)
         # Stopped with the engine, or at the latest when this object goes or the process exits.
         self._finalizer = weakref.finalize(self, _stop_processes, self.procs, 0.0)
         log.info("tensor parallel: %d worker processes (pids %s), rendezvous at %s",
