@@ -10,6 +10,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 DEVICES = ("cpu", "cuda")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV on the CPU unless told otherwise
 MAX_SERVED_NAME = 256
+MAX_TENSOR_PARALLEL_TIMEOUT_S = 86400
 
 
 def default_served_model_name(model: str) -> str:
@@ -131,9 +132,13 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         need(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1,
              "tensor_parallel_size", tp, "an int >= 1")
-        need(isinstance(self.tensor_parallel_timeout_s, (int, float))
-             and self.tensor_parallel_timeout_s > 0, "tensor_parallel_timeout_s",
-             self.tensor_parallel_timeout_s, "a number of seconds > 0")
+        # Finite and at most a day: it is what bounds a hung rank's wait, in gloo's and NCCL's
+        # milliseconds (an infinite one bounds nothing and overflows them).
+        timeout_s = self.tensor_parallel_timeout_s
+        need(isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+             and 0 < timeout_s <= MAX_TENSOR_PARALLEL_TIMEOUT_S, "tensor_parallel_timeout_s",
+             timeout_s, f"a finite number of seconds > 0 and at most "
+                        f"{MAX_TENSOR_PARALLEL_TIMEOUT_S}")
         need(self.swap_space >= 0, "swap_space", self.swap_space, "a number of bytes >= 0")
         for name in ("pin_budget_floor", "pin_budget_ceiling"):
             value = getattr(self, name)

@@ -172,6 +172,17 @@ def test_a_size_the_heads_do_not_split_by_is_refused_naming_them(tiny_llama_dir)
         LLM(str(tiny_llama_dir), tensor_parallel_size=0)
 
 
+@pytest.mark.parametrize("timeout_s", [float("inf"), float("nan"), 1e300, 0, True, "60"])
+def test_a_collective_timeout_that_bounds_nothing_is_refused_naming_it(timeout_s,
+                                                                       tiny_llama_dir):
+    """The timeout is what keeps a hung rank from hanging the engine: infinity (or a number
+    too large for gloo's milliseconds) was accepted, and failed the start with OverflowError
+    naming nothing, after the workers had started."""
+    with pytest.raises(ValueError, match="tensor_parallel_timeout_s must be a finite number "
+                                         "of seconds > 0 and at most 86400, got"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, tensor_parallel_timeout_s=timeout_s)
+
+
 @pytest.mark.parametrize("failure", ["killed", "hung"])
 def test_a_failed_worker_fails_generate_with_a_clear_error(failure, tiny_llama_dir):
     """A killed worker: the next collective sees the closed connection at once. A hung one
