@@ -427,12 +427,18 @@ class IndexPolicy:
         # its hit history, or takes our word when it has none (Redis lost it with the pins);
         # any it does not pin again are unpinned here when the results come back.
         now = time.monotonic()
+        names = set()
         for name, hashes, expiry in self._records.items():  # whole, under their names
             ttl = 0.0 if math.isinf(expiry) else max(0.001, expiry - now)
             chain = list(hashes) if hashes[-1] == name else [*hashes, name]
             ops.append(PendingOp(Pin(chain, ttl)))
+            # The index covers the held prefix of that chain, its name too once it is held
+            # (committed since the pin was made): the mirror's pin says the same.
+            self.pin_locally(chain, ttl)
+            names.add(name)
         for h, expiry in self._pins.items():  # pinned by the index alone: block by block
-            if h not in self._auto_pins and h not in self._records:
+            # (Never under a whole pin's name: that Pin would replace the whole pin.)
+            if h not in self._auto_pins and h not in self._records and h not in names:
                 ttl = 0.0 if math.isinf(expiry) else max(0.001, expiry - now)
                 ops.append(PendingOp(Pin([h], ttl)))
         ops += [PendingOp(Pin([h], automatic=True)) for h in self._pins if h in self._auto_pins]
