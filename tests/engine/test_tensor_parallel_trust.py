@@ -12,6 +12,7 @@ text. Real processes and real gloo groups throughout.
 import datetime
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -20,11 +21,18 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from engine_service import LLM
+from engine_service import LLM, SamplingParams
 from engine_service.model.parallel.channel import StepChannel
 from engine_service.model.parallel.errors import TensorParallelError
+from engine_service.model.parallel.worker import STOP_AT_ENV
+from engine_service.model.parallel.workers import serve_store
+from tests.service.test_engine_death import child_pids
 from tests.support.gloo_pair import two_channels
 from tests.support.listening import listening_addresses
+from tests.support.process_state import process_state, wait_until
+
+WORKER_MODULE = b"engine_service.model.parallel.worker"
+DEADLINE_S = 120.0  # generous: engine start-ups on a loaded 2-core machine
 
 WORKER = [sys.executable, "-m", "engine_service.model.parallel.worker"]
 
@@ -60,16 +68,19 @@ def test_a_spec_planted_in_the_store_is_refused_unread(tmp_path):
     planted = tmp_path / "planted"
     try:
         store.set("spec", b"\0" * 32 + pickle.dumps(_Touch(planted)))
+        read_end, write_end = os.pipe()
         run = subprocess.run([*WORKER, "--rank", "1", "--world-size", "2",
                               "--store", f"127.0.0.1:{store.port}",
-                              "--parent-pid", str(os.getpid())],
+                              "--parent-pid", str(os.getpid()), "--report-fd", str(write_end)],
                              input="0" * 32 + "\n", capture_output=True, text=True,
-                             timeout=120)
+                             timeout=120, pass_fds=(write_end,))
+        os.close(write_end)
         assert run.returncode == 1, run.stderr
         assert "authentic" in run.stderr
         assert not planted.exists(), "the worker unpickled a planted spec"
-        # Its error reaches rank 0 as text, not as a pickle.
-        assert "authentic" in store.get("error/1").decode()
+        # Its error reaches rank 0 as text on its report pipe, not as a pickle.
+        with os.fdopen(read_end, "rb") as report:
+            assert "authentic" in report.read().decode()
     finally:
         del store
 
@@ -117,27 +128,52 @@ def _cmdline(pid: int) -> bytes:
     return Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
-def test_the_secret_is_in_no_key_no_value_no_command_line_and_no_environment(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=32)
+def _store_seen_while_a_worker_loads(worker: int) -> dict[str, bytes]:
+    """Every key and value of the rendezvous store, read as an outsider would."""
+    argv = _cmdline(worker).split(b"\0")
+    port = int(argv[argv.index(b"--store") + 1].rsplit(b":", 1)[1])
+    outsider = dist.TCPStore("127.0.0.1", port, is_master=False,
+                             timeout=datetime.timedelta(seconds=30))
+    try:
+        return {key: outsider.get(key) for key in outsider.list_keys()}
+    finally:
+        del outsider
+
+
+def test_the_secret_is_in_no_key_no_value_no_command_line_and_no_environment(tiny_llama_dir,
+                                                                              monkeypatch):
+    """The store is read while it is open (it closes once the ranks are ready): with the
+    worker stopped at its load by the test hook, then let go."""
+    monkeypatch.setenv(STOP_AT_ENV, "load")
+    started: list = []
+    thread = threading.Thread(target=lambda: started.append(
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=32)),
+        daemon=True)
+    thread.start()
+    found: list[int] = []
+    wait_until(lambda: found.extend(child_pids(os.getpid(), WORKER_MODULE)) or found,
+               "started a worker", DEADLINE_S)
+    worker = found[0]
+    wait_until(lambda: process_state(worker) == "T", "stopped at load", DEADLINE_S)
+    try:
+        seen = _store_seen_while_a_worker_loads(worker)
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    thread.join(DEADLINE_S)
+    assert started, "the engine did not start once its worker went on"
+    llm = started[0]
     try:
         workers = llm.llm_engine.runner.workers
         secret = workers.secret.encode()
-        outsider = dist.TCPStore("127.0.0.1", workers.store.port, is_master=False,
-                                 timeout=datetime.timedelta(seconds=30))
-        try:
-            keys = outsider.list_keys()
-            assert "spec" in keys
-            for key in keys:
-                assert secret not in key.encode(), key
-                assert secret not in outsider.get(key), key
-        finally:
-            del outsider
+        assert "spec" in seen
+        for key, value in seen.items():
+            assert secret not in key.encode(), key
+            assert secret not in value, key
         for pid in [os.getpid(), *(p.pid for p in workers.procs)]:
             assert secret not in _cmdline(pid)
             # A process's initial environment stays readable in /proc (and `ps e`) after
             # os.environ drops a variable: the secret must never have been there.
             assert secret not in Path(f"/proc/{pid}/environ").read_bytes(), pid
-        from engine_service import SamplingParams
 
         out = llm.generate("The capital of France is", SamplingParams(max_tokens=4))
         assert len(out[0].outputs[0].token_ids) == 4
@@ -145,13 +181,27 @@ def test_the_secret_is_in_no_key_no_value_no_command_line_and_no_environment(tin
         llm.close()
 
 
-def test_the_store_and_the_groups_listen_on_the_rendezvous_host_only(tiny_llama_dir):
+def test_the_store_listens_on_the_rendezvous_host_only():
     """The rendezvous binds to loopback unless told otherwise: its TCPStore too, not only
     gloo's connections. (torch's TCPStore server binds every interface whatever host it is
     given: the store was open to the network, spec and keys for anyone to read or delete.)"""
+    store = serve_store("127.0.0.1", 0)
+    try:
+        assert listening_addresses(store.port) == {"127.0.0.1"}
+    finally:
+        del store
+
+
+def test_the_store_is_closed_once_every_rank_is_ready(tiny_llama_dir):
+    """The store takes any local client's keys, 8 MiB a value and no bound on their number,
+    into rank 0's memory (seen: 60 sets from another process grew it by 470 MiB): open for
+    the engine's life, it let any local process exhaust the engine's memory. Its job ends
+    with the rendezvous, so it closes then; a worker's error reaches rank 0 on a pipe."""
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=32)
     try:
-        store_port = llm.llm_engine.runner.workers.store.port
-        assert listening_addresses(store_port) == {"127.0.0.1"}
+        workers = llm.llm_engine.runner.workers
+        assert listening_addresses(workers.store_port) == set()
+        out = llm.generate("The capital of France is", SamplingParams(max_tokens=3))
+        assert len(out[0].outputs[0].token_ids) == 3
     finally:
         llm.close()

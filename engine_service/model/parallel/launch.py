@@ -53,6 +53,8 @@ def start_tensor_parallel(config, model_config: ModelConfig,
             parallel=RankOf(plan_shard(model_config, 0, world_size), group),
         )
         workers.wait_ready()
+        if device.type == "cpu":
+            workers.close_store()
     except BaseException:
         workers.kill()
         raise

@@ -2,10 +2,10 @@
 
 Started by rank 0 (workers.py) with the rendezvous store's address. It loads its shards, then
 runs what rank 0 broadcasts, step by step, until told to stop. Any error ends the process
-with status 1 after leaving the message in the store for rank 0's error: rank 0's next
-collective fails at once (gloo and NCCL see the closed connection), so the engine never waits
-on a dead rank. A worker whose parent is gone exits too: nothing is left behind when rank 0
-is killed.
+with status 1 after writing the message, as text, on its report pipe for rank 0's error:
+rank 0's next collective fails at once (gloo and NCCL see the closed connection), so the
+engine never waits on a dead rank. A worker whose parent is gone exits too: nothing is left
+behind when rank 0 is killed.
 
 The engine's secret comes on stdin, a pipe rank 0 writes it to and closes (auth.py says why
 not the environment); the spec and every step are checked against it before they are
@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--store", required=True, help="host:port of rank 0's TCPStore")
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--report-fd", type=int, default=None,
+                        help="a pipe for this worker's error, as text (rank 0 reads it)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(message)s")
@@ -115,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as error:  # noqa: BLE001 (any failure: reported, then exit 1)
         message = f"{type(error).__name__}: {error}"
         traceback.print_exc(file=sys.stderr)
-        try:
-            store.set(f"error/{args.rank}", message.encode())
-        except Exception:  # noqa: BLE001 (rank 0 may be gone already)
-            pass
+        if args.report_fd is not None:
+            try:  # (at most 2000 bytes: within the pipe's buffer, never blocks)
+                os.write(args.report_fd, message.encode()[:2000])
+            except OSError:  # rank 0 may be gone already
+                pass
         sys.stderr.flush()
         os._exit(1)
     os._exit(0)  # (skip the process groups' destructors: the peers may be gone)

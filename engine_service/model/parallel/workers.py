@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300.0  # from spawn to the rendezvous (imports, on a loaded machine)
 STOP_GRACE_S = 5.0
 WATCH_INTERVAL_S = 0.1
-MAX_ERROR_CHARS = 2000  # of a worker's message in the store (anybody may write that key)
+MAX_ERROR_BYTES = 2000  # of a worker's message on its report pipe
 
 
 TERM_GRACE_S = 2.0
@@ -57,6 +57,24 @@ def _stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
             proc.wait()
 
 
+def _read_report(fd: int) -> str:
+    """What an exited worker wrote on its report pipe (nothing: ''). Never blocks."""
+    try:
+        return os.read(fd, MAX_ERROR_BYTES).decode(errors="replace")
+    except (BlockingIOError, OSError):
+        return ""
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
+
+
+def _stop_and_close(procs: list[subprocess.Popen], fds: list[int]) -> None:
+    _stop_processes(procs, 0.0)
+    _close_all(fds)
+
+
 def _kill_processes(procs: list[subprocess.Popen]) -> None:
     """SIGKILL, at once: the group has failed, and a worker that hangs (or is stopped) would
     not act on SIGTERM within any grace worth waiting. What a killed worker may hold is let
@@ -68,7 +86,7 @@ def _kill_processes(procs: list[subprocess.Popen]) -> None:
         proc.wait()
 
 
-def _serve_store(host: str, port: int) -> dist.TCPStore:
+def serve_store(host: str, port: int) -> dist.TCPStore:
     """The rendezvous store, listening on `host` only. Given a host and no socket, torch's
     TCPStore server listens on every interface (the host names only where clients connect):
     the spec and every key would be open to the network. So the socket is bound here and
@@ -105,22 +123,32 @@ class Workers:
         self.world_size = world_size
         self.host = host
         self.stopped = False
-        self.store = _serve_store(host, port)
+        self.store: dist.TCPStore | None = serve_store(host, port)
+        self.store_port = self.store.port
         self.secret = new_secret()  # this engine's: on the workers' stdin only
         self.store.set("spec", seal(self.secret.encode(), b"spec", pickle.dumps(spec)))
         address = f"{host}:{self.store.port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
-        self.procs = [
-            subprocess.Popen([sys.executable, "-m", "engine_service.model.parallel.worker",
-                              "--rank", str(rank), "--world-size", str(world_size),
-                              "--store", address, "--parent-pid", str(os.getpid())], env=env,
-                             stdin=subprocess.PIPE)
-            for rank in range(1, world_size)
-        ]
+        # Each worker's error, as text, on a pipe of its own (the store is open to every local
+        # process, and closes once the ranks are ready): read when the worker has exited.
+        self._reports: list[int] = []
+        self.procs = []
+        for rank in range(1, world_size):
+            read_end, write_end = os.pipe()
+            os.set_blocking(read_end, False)
+            self._reports.append(read_end)
+            try:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "engine_service.model.parallel.worker",
+                     "--rank", str(rank), "--world-size", str(world_size), "--store", address,
+                     "--parent-pid", str(os.getpid()), "--report-fd", str(write_end)],
+                    env=env, stdin=subprocess.PIPE, pass_fds=(write_end,)))
+            finally:
+                os.close(write_end)
         for proc in self.procs:
             _hand_secret(proc, self.secret)
         # Stopped with the engine, or at the latest when this object goes or the process exits.
-        self._finalizer = weakref.finalize(self, _stop_processes, self.procs, 0.0)
+        self._finalizer = weakref.finalize(self, _stop_and_close, self.procs, self._reports)
         log.info("tensor parallel: %d worker processes (pids %s), rendezvous at %s",
                  world_size - 1, [p.pid for p in self.procs], address)
 
@@ -144,6 +172,13 @@ class Workers:
                 raise TensorParallelError(f"tensor-parallel workers did not {what} within "
                                           f"{timeout_s:.0f} s")
             time.sleep(0.05)
+
+    def close_store(self) -> None:
+        """The rendezvous is over: close the store. It takes any local client's keys into this
+        process's memory (8 MiB a value, no bound on their number), so it is not left open for
+        the engine's life. (On the CPU only: NCCL creates its communicators at the first
+        collective, and its watchdog writes to the store.)"""
+        self.store = None
 
     def connect(self, device: torch.device, timeout_s: float) -> TensorParallelGroup:
         """Rank 0's side of the rendezvous. A worker that dies before it has left its address
@@ -183,12 +218,9 @@ class Workers:
             if proc.poll() is None:
                 continue
             reason = f"rank {rank} (pid {proc.pid}) exited with status {proc.returncode}"
-            try:
-                if self.store.check([f"error/{rank}"]):
-                    text = self.store.get(f"error/{rank}").decode(errors="replace")
-                    reason += ": " + text[:MAX_ERROR_CHARS]
-            except RuntimeError:
-                pass
+            text = _read_report(self._reports[rank - 1]) if self._reports else ""
+            if text:
+                reason += ": " + text
             dead.append(reason)
         if dead:
             return TensorParallelError("tensor-parallel worker failed: " + "; ".join(dead))
@@ -212,6 +244,7 @@ class Workers:
         self.stopped = True
         _stop_processes(self.procs, grace_s)
         self._finalizer.detach()
+        _close_all(self._reports)
 
     def kill(self) -> None:
         """Stop a failed group's workers now (milliseconds: the engine's failure is reported
@@ -219,3 +252,4 @@ class Workers:
         self.stopped = True
         _kill_processes(self.procs)
         self._finalizer.detach()
+        _close_all(self._reports)
