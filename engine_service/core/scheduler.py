@@ -84,7 +84,9 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def num_running_seqs(self) -> int:
-        return sum(len(g.live_seqs()) for g in self.running)
+        # Read every step (the engine's stats): counted in place, no list per group.
+        finished = SequenceStatus.FINISHED
+        return sum(1 for g in self.running for s in g.seqs if s.status is not finished)
 
     def num_waiting_prefill_tokens(self) -> int:
         """Prompt tokens not computed yet: what a router weighs as queued prefill work. A

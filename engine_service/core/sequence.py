@@ -156,7 +156,11 @@ class SequenceGroup:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        # Read for every scheduled group every step: a loop, not all() over a generator.
+        for seq in self.seqs:
+            if seq.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
     @property
     def num_prompt_tokens(self) -> int:
