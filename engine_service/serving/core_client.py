@@ -28,6 +28,7 @@ from engine_service.core.engine import EngineStats
 from engine_service.core.errors import EngineDeadError
 from engine_service.core.outputs import CompletionOutput, RequestOutput
 from engine_service.index.link import IndexUnavailableError
+from engine_service.model.detokenizer import TokenDecoder
 from engine_service.model.sampling_params import SamplingParams
 from engine_service.serving.core_process import CoreChannel, CoreOptions, CoreTarget, run_core
 from engine_service.serving.engine_info import EngineInfo
@@ -315,6 +316,16 @@ class CoreClient:
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.dead}")
 
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        # Every request's detokenizers decode through it (each single token's text kept).
+        self._token_decoder = None if tokenizer is None else TokenDecoder(tokenizer)
+
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             prompt: str | None = None, cache_salt: str | None = None,
             priority: int = 0, pin_prefill: bool = False) -> OutputBuffer:
@@ -325,7 +336,8 @@ class CoreClient:
         if self.tokenizer is not None:
             text = RequestText(self.tokenizer, prompt_token_ids, params,
                                lambda index, stop: self._send(
-                                   ("finish_seq", request_id, index, stop)))
+                                   ("finish_seq", request_id, index, stop)),
+                               decoder=self._token_decoder)
         buffer = OutputBuffer(prompt_token_ids, prompt, text, self.stream_interval,
                               self.max_unsent_tokens, lambda: self.abort(request_id))
         self._streams[request_id] = buffer

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine_service.core.outputs import CompletionOutput, RequestOutput
-from engine_service.model.detokenizer import IncrementalDetokenizer
+from engine_service.model.detokenizer import IncrementalDetokenizer, TokenDecoder
 from engine_service.model.sampling_params import SamplingParams
 
 # (request_id, sequence index, the stop string): tells the core to finish that sequence.
@@ -33,8 +33,9 @@ class RequestText:
     """One request's detokenizers; `apply` turns each core output into the client's."""
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
-                 finish_sequence: FinishSequence) -> None:
+                 finish_sequence: FinishSequence, decoder: TokenDecoder | None = None) -> None:
         self._tokenizer = tokenizer
+        self._decoder = decoder  # shared by the front's requests (single tokens' texts kept)
         self._prompt_token_ids = prompt_token_ids
         self._params = params
         self._finish_sequence = finish_sequence
@@ -47,7 +48,7 @@ class RequestText:
             sequence = self._sequences[index] = _SequenceText(IncrementalDetokenizer(
                 self._tokenizer, self._prompt_token_ids, params.stop,
                 params.include_stop_str_in_output, params.skip_special_tokens,
-                min_tokens=params.min_tokens))
+                min_tokens=params.min_tokens, decoder=self._decoder))
         return sequence
 
     def apply(self, output: RequestOutput) -> None:
@@ -96,7 +97,7 @@ class RequestText:
     def _decode_beam(self, completion: CompletionOutput) -> None:
         detokenizer = IncrementalDetokenizer(
             self._tokenizer, self._prompt_token_ids, [],
-            skip_special_tokens=self._params.skip_special_tokens)
+            skip_special_tokens=self._params.skip_special_tokens, decoder=self._decoder)
         for token in completion.token_ids:
             detokenizer.add_token(token)
         detokenizer.finish()
