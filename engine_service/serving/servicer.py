@@ -24,6 +24,7 @@ from engine_service.model.sampling_params import MAX_LOGPROBS, MAX_N
 from engine_service.serving.async_engine import AsyncEngine
 from engine_service.serving.core_client import CoreClient
 from engine_service.serving.metrics import EngineMetrics
+from engine_service.serving.named_locks import NamedLocks
 from engine_service.serving.prefix_pins import PrefixPinner
 from engine_service.serving.status import RequestRejected, status_for
 from engine_service.serving.text_worker import TextWorker
@@ -80,6 +81,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.instance_id = secrets.token_hex(8)
         self.index_link = index_link
         self.pinner = PrefixPinner(engine, index_link)  # PinPrefix: computes, then pins
+        self._pin_calls = NamedLocks()  # PinPrefix calls in progress, by pin name
         self.door = door or TenantDoor()  # who calls; tenants' salts and limits (tenancy/)
         # Live request id -> the tenant that started it: only that tenant may Abort it.
         self.owners: dict[str, str | None] = {}
@@ -344,38 +346,43 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 f"to pin, got {len(prompt.token_ids)} tokens",
             )
         reservation = None
-        try:
-            if request.unpin:
-                changed = await self.pinner.pin(chain, ttl_s, unpin=True)
-                self.door.record_unpin(caller, chain)
-            else:
-                # Counted against the tenant's pins now (a call beside this one sees it),
-                # given back below unless the pin is made.
-                reservation = self.door.reserve_pin(caller, chain, ttl_s)
-                # What is cached is pinned at once (no engine step needed: a slow step does
-                # not hold it up); the rest is computed first, then pinned with it.
-                changed = await self.pinner.pin(chain, ttl_s, unpin=False)
-                if changed < len(chain):
-                    try:
-                        await self.pinner.check_room(chain)  # refused now costs no prefill
-                        await self._compute_prefix(caller, prompt.token_ids, salt)
-                        changed = await self.pinner.pin(chain, ttl_s, unpin=False)
-                    except BaseException:
-                        if changed:  # no part of a refused pin stays
-                            await asyncio.shield(self.pinner.pin(chain, 0.0, unpin=True))
-                        raise
-                reservation = None  # kept
-        except TenantRefused as error:
-            await context.abort(error.code, error.message)
-        except (PinRefusedError, IndexUnavailableError, RequestError, EngineDeadError) as error:
-            await context.abort(*status_for(error))
-        except (ConnectionError, TimeoutError, grpc.RpcError) as error:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"the prefix index did not answer: {error}"
-            )
-        finally:
-            if reservation is not None:
-                self.door.cancel_pin(reservation)
+        # One PinPrefix of a prefix at a time on this engine: a pin is named by its chain's
+        # last hash, so the undo of a call that fails after its prefill (an unpin of that
+        # name) would also drop the pin a second call of the same prefix made meanwhile (a
+        # client retrying after its deadline, say).
+        async with self._pin_calls.hold(chain[-1]):
+            try:
+                if request.unpin:
+                    changed = await self.pinner.pin(chain, ttl_s, unpin=True)
+                    self.door.record_unpin(caller, chain)
+                else:
+                    # Counted against the tenant's pins now (a call beside this one sees it),
+                    # given back below unless the pin is made.
+                    reservation = self.door.reserve_pin(caller, chain, ttl_s)
+                    # What is cached is pinned at once (no engine step needed: a slow step does
+                    # not hold it up); the rest is computed first, then pinned with it.
+                    changed = await self.pinner.pin(chain, ttl_s, unpin=False)
+                    if changed < len(chain):
+                        try:
+                            await self.pinner.check_room(chain)  # refused now costs no prefill
+                            await self._compute_prefix(caller, prompt.token_ids, salt)
+                            changed = await self.pinner.pin(chain, ttl_s, unpin=False)
+                        except BaseException:
+                            if changed:  # no part of a refused pin stays
+                                await asyncio.shield(self.pinner.pin(chain, 0.0, unpin=True))
+                            raise
+                    reservation = None  # kept
+            except TenantRefused as error:
+                await context.abort(error.code, error.message)
+            except (PinRefusedError, IndexUnavailableError, RequestError, EngineDeadError) as error:
+                await context.abort(*status_for(error))
+            except (ConnectionError, TimeoutError, grpc.RpcError) as error:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"the prefix index did not answer: {error}"
+                )
+            finally:
+                if reservation is not None:
+                    self.door.cancel_pin(reservation)
         return pb.PinPrefixResponse(num_blocks=len(chain), num_pinned=changed)
 
     async def _compute_prefix(self, caller: Caller, token_ids: list[int],
