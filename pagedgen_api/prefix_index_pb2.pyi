@@ -129,10 +129,12 @@ class PinOp(_message.Message):
     def __init__(self, chain: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., automatic: _Optional[bool] = ...) -> None: ...
 
 class UnpinOp(_message.Message):
-    __slots__ = ("chain",)
+    __slots__ = ("chain", "automatic_only")
     CHAIN_FIELD_NUMBER: _ClassVar[int]
+    AUTOMATIC_ONLY_FIELD_NUMBER: _ClassVar[int]
     chain: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, chain: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    automatic_only: bool
+    def __init__(self, chain: _Optional[_Iterable[bytes]] = ..., automatic_only: _Optional[bool] = ...) -> None: ...
 
 class ForgetOp(_message.Message):
     __slots__ = ("hash", "block_id")

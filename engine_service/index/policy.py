@@ -240,7 +240,7 @@ class IndexPolicy:
             if freed >= num_blocks:
                 break
             self._unpin_locally(block_hash)
-            unpins.append(Unpin([block_hash]))
+            unpins.append(Unpin([block_hash], automatic_only=True))  # no explicit pin of that name
             freed += 1
         while freed < num_blocks and self._idle_pinned:
             name = self._records.oldest()

@@ -76,6 +76,9 @@ class Pin:
 @dataclass(frozen=True, slots=True)
 class Unpin:
     chain: list[bytes]
+    # Only the automatic pins among the chain's hashes (proto UnpinOp.automatic_only): no
+    # explicit pin is dropped, not even one named by the chain's last hash.
+    automatic_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,8 +39,8 @@ def op_to_proto(op: Op) -> pb.Op:
             return pb.Op(evict=pb.EvictOp(k=k))
         case Pin(chain=chain, ttl_s=ttl_s, automatic=automatic):
             return pb.Op(pin=pb.PinOp(chain=chain, ttl_s=ttl_s, automatic=automatic))
-        case Unpin(chain=chain):
-            return pb.Op(unpin=pb.UnpinOp(chain=chain))
+        case Unpin(chain=chain, automatic_only=automatic_only):
+            return pb.Op(unpin=pb.UnpinOp(chain=chain, automatic_only=automatic_only))
         case Forget(hash=h, block_id=block_id):
             return pb.Op(forget=pb.ForgetOp(hash=h, block_id=block_id))
         case SetPinBudget(blocks=blocks):

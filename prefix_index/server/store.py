@@ -133,6 +133,8 @@ def encode_ops(ops: Sequence[Op]) -> list[bytes | str | int]:
                 # Whole milliseconds, at least 1: the script reads 0 as "until unpinned".
                 ttl_ms = max(1, round(ttl_s * 1000)) if ttl_s > 0 else 0
                 args += ["P", ttl_ms, len(chain), *chain]
+            case Unpin(chain=chain, automatic_only=True):
+                args += ["W", len(chain), *chain]
             case Unpin(chain=chain):
                 args += ["U", len(chain), *chain]
             case Forget(hash=h, block_id=block_id):

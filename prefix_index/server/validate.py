@@ -190,7 +190,7 @@ def apply_ops(request: pb.ApplyRequest, limits: Limits) -> list[Op]:
             total_hashes += len(op.pin.chain)
         elif kind == "unpin":
             ops.append(Unpin(hashes(f"{path}.unpin.chain", op.unpin.chain, limits,
-                                    allow_empty=False)))
+                                    allow_empty=False), op.unpin.automatic_only))
             total_hashes += len(op.unpin.chain)
         elif kind == "forget":
             f = op.forget

@@ -262,10 +262,10 @@ class ReferenceIndex:
                 if old is not None:
                     self._uncovered(old.hashes)
                 return OpResult(OpStatus.OK, count=len(prefix))
-            case Unpin(chain=chain):
+            case Unpin(chain=chain, automatic_only=automatic_only):
                 if not chain:
                     return OpResult(OpStatus.OK)
-                count = self._drop_pin(chain[-1])
+                count = 0 if automatic_only else self._drop_pin(chain[-1])
                 for h in chain:
                     b = self.blocks.get(h)
                     if b is not None and b.pin == "a":

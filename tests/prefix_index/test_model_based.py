@@ -81,7 +81,8 @@ def _random_op(rng: random.Random, chains: list[list[bytes]], model: ReferenceIn
         # TTLs far past the test: the expiry bookkeeping runs, nothing expires mid-test.
         return Pin(chain[: rng.randint(1, len(chain))], ttl_s=rng.choice([0.0, 3600.0]))
     # Unpins often enough that the pin budget keeps freeing up for automatic pins.
-    return Unpin(chain[: rng.randint(1, len(chain))])
+    # Some free automatic pins only (an engine's release_pins), from the roll already drawn.
+    return Unpin(chain[: rng.randint(1, len(chain))], automatic_only=roll > 0.98)
 
 
 def _comparable(r: OpResult) -> tuple:

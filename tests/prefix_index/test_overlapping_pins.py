@@ -10,8 +10,18 @@ from __future__ import annotations
 import asyncio
 import time
 
-from prefix_index.api.ops import Evict, OpStatus, Pin, PinState, Release, Unpin
+from prefix_index.api.ops import (
+    Acquire,
+    Commit,
+    Evict,
+    OpStatus,
+    Pin,
+    PinState,
+    Release,
+    Unpin,
+)
 from tests.prefix_index.chains import commit_ops, make_chain
+from tests.prefix_index.conftest import HOT_THRESHOLD
 
 POOL = 40
 
@@ -125,5 +135,35 @@ def test_a_sub_millisecond_ttl_still_lapses(index_server, engine_id, test_certs)
             assert pinned.ok and pinned.count == 3
             await asyncio.sleep(0.05)  # past any expiry it can have (at least 1 ms)
             assert await _pin_states(c) == {h: PinState.NONE for h in chain}
+            assert (await c.stats())[0].pinned == 0
+    asyncio.run(body())
+
+
+def test_freeing_an_automatic_pin_keeps_an_explicit_pin_of_that_name(index_server, engine_id,
+                                                                       test_certs):
+    """An explicit pin made before its chain's last block was held is named by a hash it does
+    not cover. When that block is later pinned automatically (hot) and the engine frees it for
+    a lone request (release_pins), the unpin asks for automatic pins only: the explicit pin of
+    the same name stays whole. Before, the engine sent a plain Unpin named by the block's hash,
+    which dropped that explicit pin with it (issue 34 review)."""
+    async def body():
+        async with test_certs.index_client(index_server.target, 5.0) as c:
+            await c.register(engine_id, "m", 16, POOL, 30)
+            chain = make_chain("collide", 3)
+            await c.apply(commit_ops(chain[:2], 0) + [Release(chain[:2])])
+            [explicit] = await c.apply([Pin(chain)])  # named chain[2], covers chain[:2]
+            assert explicit.ok and explicit.count == 2
+            await c.apply([Commit(chain[2], chain[1], 2), Release(chain[2:])])
+            for _ in range(HOT_THRESHOLD):  # chain[2] turns hot: pinned automatically
+                await c.apply([Acquire(chain), Release(chain)])
+            s = (await c.stats())[0]
+            assert (s.pinned, s.auto_pinned) == (3, 1)
+            [freed] = await c.apply([Unpin(chain[2:], automatic_only=True)])
+            assert freed.ok and freed.count == 1
+            s = (await c.stats())[0]
+            assert (s.pinned, s.auto_pinned) == (2, 0), "the explicit pin of that name stays"
+            # A plain unpin of that name is the explicit pin's own: it drops it.
+            [gone] = await c.apply([Unpin(chain[2:])])
+            assert gone.ok and gone.count == 2
             assert (await c.stats())[0].pinned == 0
     asyncio.run(body())

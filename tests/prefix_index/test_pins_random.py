@@ -84,7 +84,9 @@ def _op(rng: random.Random, chains: list[list[bytes]], model: ReferenceIndex) ->
         if held:
             h = rng.choice(held)
             return Forget(h, model.blocks[h].block_id)
-    return Unpin(prefix)
+    # Some unpins free automatic pins only (as an engine's release_pins does): from the roll
+    # already drawn, so the seeds' sequences stay as they were.
+    return Unpin(prefix, automatic_only=roll > 0.97)
 
 
 def _comparable(r: OpResult) -> tuple:

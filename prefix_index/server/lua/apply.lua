@@ -80,7 +80,7 @@ while pos <= #ARGV do
   if code == 'A' then
     op.admit = ARGV[pos + 1] == '1'
     op.list, pos = take_list(pos + 2)
-  elseif code == 'R' or code == 'U' or code == 'H' then
+  elseif code == 'R' or code == 'U' or code == 'W' or code == 'H' then
     op.list, pos = take_list(pos + 1)
   elseif code == 'C' then
     op.h, op.parent, op.block = ARGV[pos + 1], ARGV[pos + 2], tonumber(ARGV[pos + 3])
@@ -447,17 +447,29 @@ end
 -- Drops the pin named by the chain's last hash, and the automatic pins among the chain's
 -- blocks (nobody's pin: whoever unpins the prefix overrides the guess, which the hit history
 -- may make again). Blocks another pin covers stay pinned. Returns how many blocks it unpinned.
-local function unpin_op(op)
-  if #op.list == 0 then return {OK, '', {}, {}, 0} end
-  local count = drop_pin(op.list[#op.list])
-  local pins = hmget(K.pin, op.list)
-  for i, h in ipairs(op.list) do
+local function unpin_automatic(list)
+  local count = 0
+  local pins = hmget(K.pin, list)
+  for i, h in ipairs(list) do
     if pins[i] == 'a' then
       unpin(h)
       count = count + 1
     end
   end
-  return {OK, '', {}, {}, count}
+  return count
+end
+
+local function unpin_op(op)
+  if #op.list == 0 then return {OK, '', {}, {}, 0} end
+  local count = drop_pin(op.list[#op.list])
+  return {OK, '', {}, {}, count + unpin_automatic(op.list)}
+end
+
+-- Only the automatic pins among the chain's blocks (UnpinOp.automatic_only): an engine freeing
+-- guessed pins for a lone request must not drop an explicit pin that happens to be named by
+-- the same hash (one made before its chain's last block was held).
+local function unpin_automatic_op(op)
+  return {OK, '', {}, {}, unpin_automatic(op.list)}
 end
 
 -- The engine's budget now (it follows the pool's spare room). Shrinking it unpins automatic
@@ -491,7 +503,7 @@ local function set_pin_budget(op)
 end
 
 local handlers = {A = acquire, C = commit, R = release, E = evict, P = pin, U = unpin_op,
-                  F = forget, H = restore_auto_pins, B = set_pin_budget}
+                  W = unpin_automatic_op, F = forget, H = restore_auto_pins, B = set_pin_budget}
 local results = {}
 for i, op in ipairs(ops) do
   results[i] = handlers[op.code](op)
