@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -223,9 +225,11 @@ def test_redis_takes_its_password_from_a_secret_and_bounds_its_memory(services, 
     entrypoint = [_on_this_machine(_interpolated(a), secret_files, tmp_path)
                   for a in redis["entrypoint"]]
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin:/usr/local/bin"}
+    # Its own process group: the entrypoint's shell pipes into redis-server, which a signal
+    # to the shell alone leaves running (it outlived every run of this test before).
     server = subprocess.Popen([*entrypoint, *command, "--port", str(port), "--dir",
                                str(tmp_path)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         def cli(*argv: str, auth: str | None = None) -> str:
             return subprocess.run(["redis-cli", "-p", str(port), *argv], capture_output=True,
@@ -251,8 +255,21 @@ def test_redis_takes_its_password_from_a_secret_and_bounds_its_memory(services, 
         bad = check.replace(str(secret_files["redis-password"]), str(wrong))
         assert subprocess.run(["sh", "-c", bad], env=env, timeout=10).returncode != 0
     finally:
-        server.terminate()
+        os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+        assert _group_gone(server.pid, timeout_s=30), "redis-server outlived the test"
+
+
+def _group_gone(pgid: int, timeout_s: float) -> bool:
+    """Whether every process of the group has exited within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_the_index_reads_the_password_in_its_redis_url_from_the_secret(services, secret_files,
