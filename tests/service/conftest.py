@@ -21,6 +21,7 @@ from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess, free_port
+from tests.service.index_fixtures import INDEX_ARGS
 from tests.support.tls import SessionCerts
 
 # 240 blocks of 16 tokens: room for 64 short concurrent requests, while a request that may
@@ -107,3 +108,20 @@ def offline_llm(tiny_llama_dir):
 
     return LLM(model=str(tiny_llama_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                max_model_len=MAX_MODEL_LEN, dtype="float32")
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisProcess]:
+    """A redis-server of the test's own (a test may restart or flush it)."""
+    with RedisProcess() as server:
+        yield server
+
+
+@pytest.fixture
+def index(redis, test_certs: SessionCerts) -> Iterator[IndexProcess]:
+    """The prefix index on that Redis, mutual TLS on the session's index certificate, at the
+    settings the in-process engine tests assume (tests/service/index_fixtures.INDEX_ARGS); a
+    test module may define its own `index` with other flags."""
+    process = IndexProcess(redis.url, INDEX_ARGS, tls=test_certs.files("index")).start()
+    yield process
+    process.kill()

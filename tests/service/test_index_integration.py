@@ -21,7 +21,7 @@ from engine_service.index.link import (
 from prefix_index.api.client import PrefixIndexClientError
 from prefix_index.api.ops import Evict
 from prefix_index.tools.launch import IndexProcess
-from prefix_index.tools.redis_process import RedisProcess, free_port
+from prefix_index.tools.redis_process import free_port
 from tests.service.index_fixtures import (
     BLOCK_SIZE,
     DEADLINE_S,
@@ -51,19 +51,6 @@ def wave(name: str, count: int, seed: int) -> dict[str, list[int]]:
 def split_last(requests: dict[str, list[int]]) -> tuple[dict, dict]:
     *first, last = requests.items()
     return dict(first), dict([last])
-
-
-@pytest.fixture
-def redis():
-    with RedisProcess() as server:
-        yield server
-
-
-@pytest.fixture
-def index(redis, test_certs):
-    process = IndexProcess(redis.url, INDEX_ARGS, tls=test_certs.files("index")).start()
-    yield process
-    process.kill()
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ from prefix_index.api.client import PrefixIndexClientError
 from prefix_index.api.ops import Commit, Pin, PinState, Release
 from prefix_index.server.config import PinPolicy
 from prefix_index.tools.launch import IndexProcess
-from prefix_index.tools.redis_process import RedisProcess
 from tests.service.index_fixtures import (
     BLOCK_SIZE,
     DEADLINE_S,
@@ -55,19 +54,6 @@ COLD = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 # while degraded, the index's once re-synced) goes through every block that is not pinned.
 COLD_BLOCKS = 30
 COLD_PROMPTS = NUM_BLOCKS // COLD_BLOCKS + 2
-
-
-@pytest.fixture
-def redis():
-    with RedisProcess() as server:
-        yield server
-
-
-@pytest.fixture
-def index(redis, test_certs):
-    process = IndexProcess(redis.url, INDEX_ARGS, tls=test_certs.files("index")).start()
-    yield process
-    process.kill()
 
 
 def run_one(driver: Driver, request_id: str, ids: list[int],

@@ -17,7 +17,6 @@ import pytest
 from engine_service import SamplingParams
 from engine_service.index.link import connect_prefix_index
 from prefix_index.tools.launch import IndexProcess
-from prefix_index.tools.redis_process import RedisProcess
 from tests.service.index_fixtures import (
     BLOCK_SIZE,
     DEADLINE_S,
@@ -43,12 +42,6 @@ ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 # A request whose peak demand (prompt + max_tokens) leaves less than the floor: admitted, it
 # brings the budget down to the floor, where a long window keeps it after it is gone.
 BIG = SamplingParams(temperature=0.0, max_tokens=(POOL - 2) * BLOCK_SIZE, ignore_eos=True)
-
-
-@pytest.fixture
-def redis():
-    with RedisProcess() as server:
-        yield server
 
 
 def test_explicit_pins_survive_a_resync_under_a_smaller_budget(tiny_llama_dir, redis,

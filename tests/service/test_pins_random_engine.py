@@ -19,7 +19,6 @@ import redis as redis_client
 from engine_service import SamplingParams
 from engine_service.index.link import IndexUnavailableError, PinRefusedError, connect_prefix_index
 from prefix_index.tools.launch import IndexProcess
-from prefix_index.tools.redis_process import RedisProcess
 from tests.service.index_fixtures import (
     BLOCK_SIZE,
     DEADLINE_S,
@@ -41,12 +40,6 @@ STEPS = int(os.environ.get("PAGEDGEN_PIN_STEPS", "70"))
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 SEEDS = [int(os.environ["PAGEDGEN_PIN_SEED"])] if "PAGEDGEN_PIN_SEED" in os.environ else [
     21, 2026]
-
-
-@pytest.fixture
-def redis():
-    with RedisProcess() as server:
-        yield server
 
 
 @pytest.fixture

@@ -15,12 +15,9 @@ import pytest
 
 from engine_service import SamplingParams
 from engine_service.index.link import connect_prefix_index
-from prefix_index.tools.launch import IndexProcess
-from prefix_index.tools.redis_process import RedisProcess
 from tests.service.index_fixtures import (
     BLOCK_SIZE,
     DEADLINE_S,
-    INDEX_ARGS,
     Driver,
     call_pumping,
     index_matches_pool,
@@ -35,19 +32,6 @@ pytestmark = pytest.mark.timeout(180)
 
 POOL = 40
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-
-
-@pytest.fixture
-def redis():
-    with RedisProcess() as server:
-        yield server
-
-
-@pytest.fixture
-def index(redis, test_certs):
-    process = IndexProcess(redis.url, INDEX_ARGS, tls=test_certs.files("index")).start()
-    yield process
-    process.kill()
 
 
 def test_a_lone_request_releases_whole_pins_oldest_first(tiny_llama_dir, redis, index,
