@@ -10,7 +10,6 @@ import logging
 import queue
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -30,8 +29,10 @@ from engine_service.core.request_limits import RequestLimits
 from engine_service.core.scheduler import Scheduler, SchedulerConfig
 from engine_service.core.scheduler_output import ScheduledSeq
 from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine_service.model.config import DTYPES, ModelConfig, load_model_config
+from engine_service.core.stats import EngineStats
+from engine_service.model.config import ModelConfig, load_model_config
 from engine_service.model.detokenizer import IncrementalDetokenizer, TokenDecoder
+from engine_service.model.dtype import DTYPES
 from engine_service.model.fingerprint import model_identity, weights_fingerprint
 from engine_service.model.kv_cache_setup import graph_rows, setup_kv_cache, uses_cuda_graphs
 from engine_service.model.runner import ModelRunner, kv_bytes_per_block
@@ -42,28 +43,6 @@ from engine_service.model.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 __all__ = ["EngineStats", "LLMEngine", "RequestTooLargeError"]
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    kv_cache_usage: float  # fraction of blocks held by running sequences
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # of those, served from the cache
-    num_preemptions: int
-    num_steps: int
-    num_pinned_blocks: int = 0  # idle blocks the prefix policy keeps from eviction
-    pin_budget_blocks: int = 0  # blocks pins may hold now (core/pin_budget.py)
-    num_pinned_in_budget: int = 0  # pinned blocks, idle or in use (what the budget counts)
-    num_pins_released: int = 0  # pinned blocks unpinned so a lone request could run
-    num_waiting_prefill_tokens: int = 0  # prompt tokens not computed yet (waiting + running)
-    num_prefill_deferrals: int = 0  # admissions put off a step for a prefix being computed
-    tensor_parallel_size: int = 1  # ranks the model is split over
 
 
 Command = Callable[["LLMEngine"], None]

@@ -4,7 +4,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_service.model.config_json import read_config_json
-from engine_service.model.dtype import DTYPES  # noqa: F401  (re-exported: core/engine.py)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

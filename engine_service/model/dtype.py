@@ -3,16 +3,24 @@
 The resolved name is what the engine loads weights and allocates the KV cache in, what
 ModelInfo reports, and what seeds the block-hash identity (KV computed in bfloat16 is not the
 KV computed in float32, so the two must never share prefix blocks).
+
+Names only, without torch: the serving front validates and resolves dtypes with this module and
+runs no model, so it never pays for importing torch. `DTYPES` (name -> torch.dtype) imports torch
+when it is first read, in the processes that load a model.
 """
+
+from __future__ import annotations
 
 import json
 import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPE_CHOICES = ("auto", *DTYPES)
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 
 # CPU feature flags that mean bfloat16 matmul runs in hardware: AVX512-BF16 and AMX-BF16 on x86
 # (/proc/cpuinfo "flags"), the BF16 extension on Arm (/proc/cpuinfo "Features": "bf16").
@@ -64,11 +72,11 @@ def checkpoint_dtype(model: str | Path) -> str | None:
     except (OSError, ValueError):
         return None
     declared = config.get("torch_dtype") or config.get("dtype")
-    return declared if declared in DTYPES else None
+    return declared if declared in DTYPE_NAMES else None
 
 
 def resolve_dtype(dtype: str, device: str, model: str | Path) -> str:
-    """The concrete dtype name for `dtype` ("auto" or one of DTYPES) on `device`.
+    """The concrete dtype name for `dtype` ("auto" or one of DTYPE_NAMES) on `device`.
 
     auto on CPU: bfloat16 where the CPU has native bf16 matmul (half the bytes for weights and
     KV, ~2x the matmul rate), float32 elsewhere (bf16 emulation is slower than fp32).
@@ -81,3 +89,18 @@ def resolve_dtype(dtype: str, device: str, model: str | Path) -> str:
     if device == "cuda":
         return checkpoint_dtype(model) or "bfloat16"
     return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """Each dtype name's torch.dtype."""
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+
+def __getattr__(name: str):
+    # `from engine_service.model.dtype import DTYPES` keeps working where a model is loaded,
+    # and is the only way this module imports torch.
+    if name == "DTYPES":
+        return torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
