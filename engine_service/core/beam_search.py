@@ -25,7 +25,6 @@ chosen 0 times releases its blocks at once. Finished hypotheses hold no KV, only
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,17 +38,8 @@ NEVER = -1.0e9
 # The score of an empty finished slot (and of a candidate that did not finish): below every
 # finished beam's, however strongly length-penalized (HF uses NEVER here; see the module doc).
 EMPTY = -float("inf")
-# Bound on length ** length_penalty (and its inverse): scores are float32, as in HF, and a
-# finished beam's score must stay finite (past about 1e38 it is -inf, or Python's pow raises).
-MAX_LENGTH_NORM = 1.0e30
-
-
-def max_abs_length_penalty(max_new_tokens: int) -> float:
-    """The largest |length_penalty| whose length normalization stays within
-    [1 / MAX_LENGTH_NORM, MAX_LENGTH_NORM] for beams of up to max_new_tokens tokens."""
-    if max_new_tokens <= 1:
-        return math.inf  # 1 ** anything is 1
-    return math.log(MAX_LENGTH_NORM) / math.log(max_new_tokens)
+# length_penalty is bounded where requests are checked (core/request_limits.py,
+# max_abs_length_penalty), so a finished beam's score stays finite in float32.
 
 
 @dataclass(slots=True)

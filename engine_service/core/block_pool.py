@@ -11,6 +11,11 @@ from engine_service.core.prefix_policy import (
 )
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold num_tokens tokens (the last one possibly partial)."""
+    return -(-num_tokens // block_size)
+
+
 class NoFreeBlocksError(RuntimeError):
     pass
 

@@ -10,7 +10,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from engine_service.core.block_hash import BlockHasher
-from engine_service.core.block_pool import Block, BlockPool
+from engine_service.core.block_pool import Block, BlockPool, blocks_for
 from engine_service.core.scheduler_output import BlockMoves
 from engine_service.core.sequence import Sequence
 
@@ -19,10 +19,6 @@ from engine_service.core.sequence import Sequence
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of those, found in the cache
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 class KVCacheManager:

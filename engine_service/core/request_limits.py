@@ -2,6 +2,7 @@
 
 The engine holds one; so does the serving front when the engine core runs in a process of its
 own (engine_service/serving/core_process.py), so a bad request is refused before it crosses.
+Without torch (the front runs no model): nothing here imports the engine's torch modules.
 """
 
 from __future__ import annotations
@@ -9,10 +10,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine_service.core.beam_search import max_abs_length_penalty
+from engine_service.core.block_pool import blocks_for
 from engine_service.core.errors import InvalidRequestError, RequestTooLargeError
-from engine_service.core.kv_cache_manager import blocks_for
 from engine_service.model.sampling_params import MAX_BEAM_WIDTH, SamplingParams
+
+# Bound on length ** length_penalty (and its inverse): beams are scored in float32, as in HF
+# (core/beam_search.py), and a finished beam's score must stay finite (past about 1e38 it is
+# -inf, or Python's pow raises).
+MAX_LENGTH_NORM = 1.0e30
+
+
+def max_abs_length_penalty(max_new_tokens: int) -> float:
+    """The largest |length_penalty| whose length normalization stays within
+    [1 / MAX_LENGTH_NORM, MAX_LENGTH_NORM] for beams of up to max_new_tokens tokens."""
+    if max_new_tokens <= 1:
+        return math.inf  # 1 ** anything is 1
+    return math.log(MAX_LENGTH_NORM) / math.log(max_new_tokens)
 
 
 @dataclass(frozen=True, slots=True)
