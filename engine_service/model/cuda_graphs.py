@@ -35,6 +35,12 @@ read the same block-table rows and context lengths, so a sequence keeps its row 
 Off CUDA there are no graphs, but the same buffers can run the forward eagerly: the engine
 never does this, the tests do, so the buffer handling (rows, padding, block tables) is checked
 on every machine, not only on a GPU.
+
+A step is prepared (the host mirror written from the schedule), then launched (uploaded and
+replayed). Under tensor parallelism only rank 0 has the schedule: the writes it prepared go to
+every worker as a `DecodeStep` (rows, tokens, the table's (index, value) scatter), each worker
+applies them to its own buffers and launches the same graph size, so every rank's buffers stay
+equal step by step (tests/engine/test_tensor_parallel_graphs.py checks them by digest).
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine_service.core.scheduler_output import ScheduledSeq
@@ -52,6 +60,31 @@ log = logging.getLogger(__name__)
 
 SMALL_SIZES = (1, 2, 4, 8)
 SIZE_STEP = 16
+
+
+@dataclass(slots=True)
+class RowWrites:
+    """What one step wrote into the sequence rows (DecodeGraphs.write_rows), shared by the
+    decode and the mixed-step graphs."""
+
+    seq_lens: np.ndarray  # int32 [rows]: rows 0.. of the context lengths
+    table_index: np.ndarray  # int64: flat indices into the [rows, width] block table
+    table_values: np.ndarray  # int32: the block ids written there
+
+
+@dataclass(slots=True)
+class DecodeStep:
+    """One decode step's writes into the graphs' host mirror (DecodeGraphs.prepare). Under
+    tensor parallelism rank 0 sends it to every worker (parallel/tp_runner.py), which applies
+    it to its own buffers: O(batch), like the upload (a sequence keeps its row; only changed
+    table entries travel)."""
+
+    size: int  # the graph's rows (the batch padded)
+    rows: RowWrites
+    tokens: np.ndarray  # int64 [3, size]: each row's token id, position, slot
+    sample_rows: list[int] | None  # rows whose logits are sampled, in schedule order (None:
+    # rows 0 .. num_seqs - 1 in order)
+    num_seqs: int
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -107,22 +140,29 @@ class DecodeGraphs:
         self._row_of: dict[int, int] = {}  # seq_id -> its row
         self._num_staged = 0
         self._pad_rows(0, rows)
+        self._pad_tokens(0, rows)
         # Set when a step's host-to-device copies are queued: the mirror is not rewritten
         # before they have run.
         self._copied = torch.cuda.Event() if self.on_cuda else None
         # Every graph writes its logits here, one buffer for all: with logits of their own,
         # 20 graphs of up to 256 rows held 411 MiB of them (a 49,152-token vocabulary).
-        self.logits = torch.empty((rows, runner.config.vocab_size), dtype=torch.float32,
-                                  device=dev)
+        # (As wide as this rank's LM head: under tensor parallelism a worker's has its
+        # vocabulary rows, rank 0's the whole vocabulary, gathered.)
+        self.logits = torch.empty((rows, runner.model.lm_head.out_features),
+                                  dtype=torch.float32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None  # the graphs' private memory pool, once captured
         self.num_replays = 0  # decode steps that ran through these buffers
 
-    def _pad_rows(self, start: int, end: int) -> None:
-        """Rows start..end-1 as padding (a row that held a sequence is freed)."""
+    def _pad_tokens(self, start: int, end: int) -> None:
+        """The decode tokens of rows start..end-1 as padding. (Not in _pad_rows: the
+        mixed-step graphs pad rows too and never read these.)"""
         self._ids[start:end] = 0
         self._positions[start:end] = 0
         self._slots[start:end] = -1  # no K/V write
+
+    def _pad_rows(self, start: int, end: int) -> None:
+        """Rows start..end-1 as padding (a row that held a sequence is freed)."""
         self._seq_lens[start:end] = 1  # one key, the first of block 0
         for row in range(start, end):
             if self._owners[row] is not None:
@@ -289,8 +329,10 @@ class DecodeGraphs:
         at = self.region
         return self.dev32[at : at + num_rows * self.width].view(num_rows, self.width)
 
-    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Logits [sampling rows, vocab] of one decode step (rows in schedule order)."""
+    def prepare(self, scheduled: list[ScheduledSeq]) -> DecodeStep:
+        """One decode step's writes into the host mirror, made here (rank 0: the rows, the
+        tokens, the table entries that changed); what a tensor-parallel worker applies to its
+        own buffers (`apply`) before every rank launches the step (`launch`)."""
         n = len(scheduled)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         bs = self.runner.block_size
@@ -302,17 +344,57 @@ class DecodeGraphs:
             ids[row] = seq.token_ids[pos]
             positions[row] = pos
             slots[row] = table[pos // bs] * bs + pos % bs
+        self._pad_tokens(n, size)
+        # Rows not sampled: one-token chunks of a longer prompt (budget of 1).
+        sample_rows = [row for row, item in zip(rows, scheduled, strict=True) if item.samples]
+        return DecodeStep(size, self.row_writes(size), self.host64.numpy()[:, :size],
+                          None if sample_rows == list(range(n)) else sample_rows, n)
+
+    def row_writes(self, num_rows: int) -> RowWrites:
+        """What write_rows wrote this step, as views of the host mirror."""
+        staged = self._num_staged
+        return RowWrites(self._seq_lens[:num_rows], self._stage_index_np[:staged],
+                         self._stage_values_np[:staged])
+
+    def apply_rows(self, writes: RowWrites) -> None:
+        """Another rank's write_rows, into this rank's host mirror (a tensor-parallel
+        worker's: it has no sequences, only rank 0's writes). Waits first for the previous
+        step's copies out of the mirror, as write_rows does."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._seq_lens[: len(writes.seq_lens)] = writes.seq_lens
+        staged = len(writes.table_index)
+        self._stage_index_np[:staged] = writes.table_index
+        self._stage_values_np[:staged] = writes.table_values
+        self._tables.reshape(-1)[writes.table_index] = writes.table_values
+        self._num_staged = staged
+
+    def apply(self, step: DecodeStep) -> None:
+        """Rank 0's `prepare`, into this rank's host mirror."""
+        self.apply_rows(step.rows)
+        self.host64.numpy()[:, : step.size] = step.tokens
+
+    def launch(self, step: DecodeStep) -> torch.Tensor:
+        """Upload the prepared (or applied) step and replay its graph (off CUDA: run its
+        forward); logits [sampling rows, vocab] in schedule order."""
         self.dev64.copy_(self.host64, non_blocking=True)
         self.upload_rows()
         self.mark_copied()
         if self.on_cuda:
-            self.graphs[size].replay()
+            self.graphs[step.size].replay()
         else:
-            self._forward(size)
+            self._forward(step.size)
         logits = self.logits  # what the graph wrote (the CPU path reads it the same way)
         self.num_replays += 1
-        # Rows not sampled: one-token chunks of a longer prompt (budget of 1).
-        sample_rows = [row for row, item in zip(rows, scheduled, strict=True) if item.samples]
-        if sample_rows == list(range(n)):
-            return logits[:n]
-        return logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
+        if step.sample_rows is None:
+            return logits[: step.num_seqs]
+        return logits[torch.tensor(step.sample_rows, dtype=torch.long, device=logits.device)]
+
+    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Logits [sampling rows, vocab] of one decode step (rows in schedule order)."""
+        return self.launch(self.prepare(scheduled))
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers a step writes and a graph reads (every rank's alike under tensor
+        parallelism; the logits are not: each rank has its own vocabulary rows)."""
+        return (self.host64, self.host32, self.dev64, self.dev32, self.query_start_loc)

@@ -82,7 +82,16 @@ def profile_memory_plan(
 def uses_cuda_graphs(config: EngineConfig, runner: ModelRunner) -> bool:
     """Steps run as CUDA graphs (decode steps, cuda_graphs.py, and steps with prefill chunks,
     mixed_graphs.py): on CUDA with the Triton kernels, unless enforce_eager. (The torch
-    backend builds per-step index tensors on the host, which a graph cannot replay.)"""
+    backend builds per-step index tensors on the host, which a graph cannot replay.)
+
+    Not under tensor parallelism yet. The graphs' inputs do reach every rank (rank 0 sends
+    the writes it made into its buffers, each worker applies them: parallel/tp_runner.py,
+    tested on the CPU, where the same buffers run the forward eagerly). But a graph per rank
+    would capture the forward's NCCL collectives, and that needs a communicator that can be
+    captured, a host-side deadline on each replay (the process group's watchdog does not see
+    a replayed all-reduce: a hung rank would hang the others) and the captures issued as
+    broadcast calls in every rank's memory plan; none can be checked without two GPUs
+    (bench/README.md, "Tensor parallelism on the CPU")."""
     return (runner.device.type == "cuda" and not config.enforce_eager
             and runner.kernels.name == "triton" and config.tensor_parallel_size == 1)
 

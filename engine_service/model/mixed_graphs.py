@@ -42,7 +42,9 @@ attention builds its index tensors on the host from the metadata, which a replay
 so with it every step runs eagerly. `enforce_eager` turns these graphs off with the decode
 ones. Off CUDA there is nothing to capture, but the same buffers run the forward eagerly (the
 tests do this, tests/engine/test_mixed_graphs.py, so the buffer handling is checked on every
-machine). One owner: the model runner, on the engine thread.
+machine). One owner: the model runner, on the engine thread. Under tensor parallelism rank 0
+prepares a step and sends what it wrote (`MixedStep`) to the workers, which apply it to their
+own buffers, as for the decode graphs (cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -50,16 +52,14 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine_service.core.scheduler_output import ScheduledSeq
+from engine_service.model.cuda_graphs import DecodeGraphs, RowWrites
 from engine_service.model.models.llama import StepContext
-
-if TYPE_CHECKING:
-    from engine_service.model.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,20 @@ BUCKET_STEP = 256
 # Each graph's nodes cost host memory and capture time (an 8B forward is ~400 kernels): at a
 # budget of 8,192 tokens, 36 graphs; past that the step between buckets doubles.
 MAX_MIXED_GRAPHS = 40
+
+
+@dataclass(slots=True)
+class MixedStep:
+    """One step's writes into the mixed-step graphs' host mirrors (MixedGraphs.prepare): what
+    rank 0 sends every tensor-parallel worker, as DecodeStep does for decode steps."""
+
+    size: int  # the token bucket
+    num_rows: int  # the bucket's sequence rows
+    rows: RowWrites
+    tokens: np.ndarray  # int64 [3, size]: each token's id, position, slot
+    samples: np.ndarray  # int64 [num_rows]: the token behind each logits row
+    query_start_loc: np.ndarray  # int32 [num_rows + 1]
+    num_sampled: int
 
 
 def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
@@ -192,8 +206,10 @@ class MixedGraphs:
         return (len(scheduled) <= self.rows_for(size)
                 and all(len(item.block_table) <= width for item in scheduled))
 
-    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Logits [sampling sequences, vocab] of one step, in schedule order."""
+    def prepare(self, scheduled: list[ScheduledSeq]) -> MixedStep:
+        """One step's writes into the host mirrors, made here (rank 0, from the schedule);
+        what a tensor-parallel worker applies to its own buffers (`apply`) before every rank
+        launches the step (`launch`)."""
         num_tokens = sum(item.num_new_tokens for item in scheduled)
         size = self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
         num_rows = self.rows_for(size)
@@ -229,13 +245,39 @@ class MixedGraphs:
         positions[num_tokens:size] = 0
         slots[num_tokens:size] = -1  # padding tokens write no K/V
         samples[num_sampled:num_rows] = 0
+        return MixedStep(size, num_rows, self.rows.row_writes(num_rows), self._tokens()[:, :size],
+                         samples[:num_rows], starts[: num_rows + 1], num_sampled)
+
+    def _tokens(self) -> np.ndarray:
+        """Token ids, positions and slots of the host mirror as one [3, token_region] view."""
+        at = self.token_region
+        return self.host64.numpy()[: 3 * at].reshape(3, at)
+
+    def apply(self, step: MixedStep) -> None:
+        """Rank 0's `prepare`, into this rank's host mirrors (a tensor-parallel worker's)."""
+        self.rows.apply_rows(step.rows)  # waits for the last step's copies
+        self._tokens()[:, : step.size] = step.tokens
+        self._samples[: step.num_rows] = step.samples
+        self._query_start_loc[: step.num_rows + 1] = step.query_start_loc
+
+    def launch(self, step: MixedStep) -> torch.Tensor:
+        """Upload the prepared (or applied) step and replay its graph (off CUDA: run its
+        forward); logits [sampling sequences, vocab] in schedule order."""
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
         self.rows.upload_rows()
         self.rows.mark_copied()
         if self.on_cuda:
-            self.graphs[size].replay()
+            self.graphs[step.size].replay()
         else:
-            self._forward(size)
+            self._forward(step.size)
         self.num_replays += 1
-        return self.rows.logits[:num_sampled]
+        return self.rows.logits[: step.num_sampled]
+
+    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Logits [sampling sequences, vocab] of one step, in schedule order."""
+        return self.launch(self.prepare(scheduled))
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers a step writes and a graph reads, besides the rows' (rows.buffers())."""
+        return (self.host64, self.host32, self.dev64, self.dev32)

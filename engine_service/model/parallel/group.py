@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 CONTROL_TIMEOUT = datetime.timedelta(days=30)  # idle engines: workers wait this long at most
 GROUP_NAMES = ("control", "compute")  # each group's keys in the store start with its name
+DIGEST_BYTES = 32  # SHA-256 (gather_digests)
 
 
 def rendezvous_keys(rank: int) -> list[str]:
@@ -67,6 +68,19 @@ class TensorParallelGroup:
         opts.timeout = self.timeout  # the ranks are in step here, as in a forward
         self.control.allreduce([tensor], opts).wait()
         return int(tensor.item())
+
+    def gather_digests(self, digest: bytes) -> list[bytes] | None:
+        """Every rank's `digest` (DIGEST_BYTES), in rank order, on rank 0; None elsewhere. On
+        the control group (host bytes), under the short timeout: the ranks are in step."""
+        if len(digest) != DIGEST_BYTES:
+            raise ValueError(f"a digest is {DIGEST_BYTES} bytes, got {len(digest)}")
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+        outputs = ([[torch.empty_like(mine) for _ in range(self.world_size)]]
+                   if self.rank == 0 else [])
+        opts = dist.GatherOptions()
+        opts.timeout = self.timeout
+        self.control.gather(outputs, [mine], opts).wait()
+        return [bytes(t.numpy()) for t in outputs[0]] if self.rank == 0 else None
 
     def broadcast_step(self, tensor: torch.Tensor) -> None:
         """Rank 0's bytes to every rank: rank 0 gives up after `timeout` (a rank that does

@@ -66,6 +66,11 @@ class GatheredLMHead(nn.Module):
         self.vocab_size = vocab_size
         self.group = group
 
+    @property
+    def out_features(self) -> int:
+        """The width of what forward returns here (the graphs' logits buffer is this wide)."""
+        return self.vocab_size if self.group.rank == 0 else self.linear.out_features
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.linear(hidden).contiguous()
         parts = self.group.gather_to_first(local)

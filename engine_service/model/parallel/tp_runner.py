@@ -6,11 +6,20 @@ shards, so every rank issues the same collectives in the same order.
 Block moves (swap and copy-on-write lists) ride with the next call instead of a broadcast of
 their own: a worker applies them before that call's forward, which is all the order the
 scheduler needs (a swapped-out block is reused no earlier than the next forward).
+
+With the graphs' buffers (cuda_graphs.py, mixed_graphs.py), a step the graphs take is sent as
+the writes rank 0 prepared into its buffers (a DecodeStep or MixedStep: rows, tokens, the
+block table's changed entries), not as step inputs: each worker applies them to its own
+buffers and runs the same graph size, so every rank's buffers stay equal (their digests can be
+compared: graph_buffer_digests). On the CPU the buffers run the forward eagerly; on CUDA no
+graph is captured under tensor parallelism yet (kv_cache_setup.uses_cuda_graphs says why).
 """
 
+import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -26,7 +35,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Call:
-    method: str  # run_batch | profile_run | allocate_kv_cache | stop
+    # run_batch | run_decode_graph | run_mixed_graph | profile_run | allocate_kv_cache |
+    # capture_decode_graphs | capture_mixed_graphs | graph_buffers_digest | stop
+    method: str
     args: tuple = ()
     moves: list[BlockMoves] = field(default_factory=list)
 
@@ -44,6 +55,24 @@ def _allocate_agreed(runner: ModelRunner, group: TensorParallelGroup, num_blocks
     runner.allocate_kv_cache(group.min_over_ranks(mine), num_cpu_blocks)
 
 
+def graph_buffers_digest(runner: ModelRunner) -> bytes:
+    """SHA-256 over the rank's graph buffers, host mirrors and device buffers (of nothing when
+    it has none): equal on every rank after each step."""
+    digest = hashlib.sha256()
+    for graphs in (runner.decode_graphs, runner.mixed_graphs):
+        if graphs is not None:
+            for buffer in graphs.buffers():
+                digest.update(buffer.cpu().numpy().tobytes())
+    return digest.digest()
+
+
+@torch.inference_mode()
+def _run_graph_step(graphs, step) -> None:
+    """Rank 0's writes into this worker's buffers, then the same graph (eager off CUDA)."""
+    graphs.apply(step)
+    graphs.launch(step)
+
+
 def run_call(runner: ModelRunner, group: TensorParallelGroup, call: Call,
              state: _WorkerState) -> None:
     """A worker's side of one call."""
@@ -51,6 +80,10 @@ def run_call(runner: ModelRunner, group: TensorParallelGroup, call: Call,
         runner.apply_moves(moves)
     if call.method == "run_batch":
         runner.run_batch(*call.args)
+    elif call.method == "run_decode_graph":
+        _run_graph_step(runner.decode_graphs, *call.args)
+    elif call.method == "run_mixed_graph":
+        _run_graph_step(runner.mixed_graphs, *call.args)
     elif call.method == "profile_run":
         num_tokens, num_seqs, utilization = call.args
         if runner.device.type == "cuda":  # this rank's own plan, from its own free memory
@@ -65,6 +98,12 @@ def run_call(runner: ModelRunner, group: TensorParallelGroup, call: Call,
             runner.profile_run(num_tokens, num_seqs)
     elif call.method == "allocate_kv_cache":
         _allocate_agreed(runner, group, *call.args, state.own_num_blocks)
+    elif call.method == "capture_decode_graphs":
+        runner.capture_decode_graphs(*call.args)
+    elif call.method == "capture_mixed_graphs":
+        runner.capture_mixed_graphs(*call.args)
+    elif call.method == "graph_buffers_digest":
+        group.gather_digests(graph_buffers_digest(runner))
     else:
         raise ValueError(f"unknown tensor-parallel call {call.method!r}")
 
@@ -92,7 +131,6 @@ class TensorParallelRunner:
         self.channel = StepChannel(group, workers.secret.encode())
         self._pending_moves: list[BlockMoves] = []
         self._utilization = gpu_memory_utilization
-        self.decode_graphs = None  # not captured under TP (kv_cache_setup.uses_cuda_graphs)
         self._failed = False
 
     def __getattr__(self, name: str):
@@ -103,6 +141,14 @@ class TensorParallelRunner:
     @property
     def tensor_parallel_size(self) -> int:
         return self.group.world_size
+
+    @property
+    def decode_graphs(self):
+        return self._local.decode_graphs
+
+    @property
+    def mixed_graphs(self):
+        return self._local.mixed_graphs
 
     def _run(self, method: str, args: tuple, local: Callable[[], object]) -> object:
         """Broadcast the call, then run it here; a failed collective names the rank that
@@ -123,7 +169,15 @@ class TensorParallelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        return self.run_batch(self._local.step_inputs(scheduled))
+        """As ModelRunner.execute: through the graphs' buffers when they take the step (the
+        workers get what rank 0 wrote into its buffers), else from the step inputs."""
+        local = self._local
+        for graphs, method in ((local.decode_graphs, "run_decode_graph"),
+                               (local.mixed_graphs, "run_mixed_graph")):
+            if graphs is not None and graphs.accepts(scheduled):
+                step = graphs.prepare(scheduled)
+                return self._run(method, (step,), partial(graphs.launch, step))
+        return self.run_batch(local.step_inputs(scheduled))
 
     def run_batch(self, inputs: StepInputs) -> torch.Tensor:
         return self._run("run_batch", (inputs,), lambda: self._local.run_batch(inputs))
@@ -137,8 +191,34 @@ class TensorParallelRunner:
                   lambda: _allocate_agreed(self._local, self.group, num_blocks,
                                            num_cpu_blocks, None))
 
+    def _refuse_graphs_on_cuda(self) -> None:
+        if self._local.device.type == "cuda":
+            raise TensorParallelError(
+                "CUDA graphs are not captured under tensor parallelism: a graph would hold "
+                "the forward's NCCL collectives, which needs a captured communicator and a "
+                "deadline on the replay (bench/README.md, 'Tensor parallelism on the CPU')")
+
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
-        raise TensorParallelError("CUDA graphs are not captured under tensor parallelism")
+        """Every rank builds the decode graphs' buffers (off CUDA they run the forward
+        eagerly: nothing is captured)."""
+        self._refuse_graphs_on_cuda()
+        return self._run("capture_decode_graphs", (max_num_seqs, max_model_len),
+                         partial(self._local.capture_decode_graphs, max_num_seqs,
+                                 max_model_len))
+
+    def capture_mixed_graphs(self, max_num_batched_tokens: int) -> int:
+        self._refuse_graphs_on_cuda()
+        if self._local.decode_graphs is None:  # refused here, before any worker fails on it
+            raise RuntimeError("capture the decode graphs first: the mixed-step graphs share "
+                               "their sequence rows")
+        return self._run("capture_mixed_graphs", (max_num_batched_tokens,),
+                         partial(self._local.capture_mixed_graphs, max_num_batched_tokens))
+
+    def graph_buffer_digests(self) -> list[bytes]:
+        """Each rank's digest of its graph buffers, in rank order (tests and debugging: they
+        are equal after every step)."""
+        return self._run("graph_buffers_digest", (),
+                         lambda: self.group.gather_digests(graph_buffers_digest(self._local)))
 
     def close(self) -> None:
         """Tell the workers to stop, then make sure they have (idempotent)."""
