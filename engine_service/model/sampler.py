@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_service.model.sampling_params import SamplingParams
+from engine_service.model.token_logprobs import TokenLogprobs
 
 # Candidates for top-p rows without top-k, widened in these steps (then the whole vocabulary)
 # while a row's nucleus does not fit. A trained LM's top-p 0.9 nucleus is usually far smaller
@@ -55,14 +56,6 @@ class SamplingRow:
     # Per-sequence generator when params.seed is set; None: the sampler's shared one.
     generator: torch.Generator | None = None
     penalty_slot: int | None = None
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float  # of the sampled token, under the model's raw distribution
-    top: dict[int, float]  # the `params.logprobs` most likely tokens -> logprob, plus the sampled
-    rank: int = 1  # 1 + how many tokens are strictly more likely than the sampled one
 
 
 @dataclass(slots=True)

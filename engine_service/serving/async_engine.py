@@ -18,14 +18,17 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from engine_service.core.engine import EngineStats, LLMEngine
 from engine_service.core.errors import EngineDeadError, RequestError
 from engine_service.core.outputs import RequestOutput
+from engine_service.core.stats import EngineStats
 from engine_service.model.sampling_params import SamplingParams
 from engine_service.serving.core_client import DEFAULT_MAX_UNSENT_TOKENS, OutputBuffer
 from engine_service.serving.engine_info import EngineInfo
+
+if TYPE_CHECKING:  # the front imports no torch: the engine is the core's
+    from engine_service.core.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

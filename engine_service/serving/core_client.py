@@ -24,9 +24,9 @@ from typing import Any
 
 import grpc
 
-from engine_service.core.engine import EngineStats
 from engine_service.core.errors import EngineDeadError
 from engine_service.core.outputs import CompletionOutput, RequestOutput
+from engine_service.core.stats import EngineStats
 from engine_service.index.link import IndexUnavailableError
 from engine_service.model.detokenizer import TokenDecoder
 from engine_service.model.sampling_params import SamplingParams

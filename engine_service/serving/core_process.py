@@ -39,9 +39,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
 
 from engine_service.core.config import EngineConfig
-from engine_service.core.engine import LLMEngine
 from engine_service.core.errors import RequestError
 from engine_service.core.outputs import RequestOutput
 from engine_service.index.link import (
@@ -52,6 +52,9 @@ from engine_service.index.link import (
 )
 from engine_service.serving.engine_info import EngineInfo
 from engine_service.serving.local_pins import check_pin_room, pin_locally
+
+if TYPE_CHECKING:
+    from engine_service.core.engine import LLMEngine
 
 log = logging.getLogger("engine_service.serving.core")
 
@@ -104,7 +107,10 @@ def default_torch_threads(device: str) -> int:
 
 
 def run_core(channel: CoreChannel, options: CoreOptions) -> None:
-    """The core process's entry point (multiprocessing spawn target)."""
+    """The core process's entry point (multiprocessing spawn target).
+
+    The engine (and with it torch) is imported here, in the core, not where this module is:
+    the serving front imports it for this function and CoreOptions and runs no model."""
     parent = os.getppid()
     _die_with_parent()
     if os.getppid() != parent:  # the front died before the request took effect
@@ -116,6 +122,8 @@ def run_core(channel: CoreChannel, options: CoreOptions) -> None:
     logging.basicConfig(
         level=options.log_level, stream=sys.stderr,
         format="%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+    from engine_service.core.engine import LLMEngine
+
     if options.torch_threads:
         import torch
 

@@ -5,11 +5,14 @@ request must pass, the block-hash chain. Built by the engine core and handed to 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine_service.core.block_hash import BlockHasher
-from engine_service.core.engine import LLMEngine
 from engine_service.core.request_limits import RequestLimits
 from engine_service.model.config import ModelConfig
+
+if TYPE_CHECKING:  # the front imports no torch: the engine is the core's
+    from engine_service.core.engine import LLMEngine
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,9 +4,13 @@
 
 from __future__ import annotations
 
-from engine_service.core.engine import LLMEngine
+from typing import TYPE_CHECKING
+
 from engine_service.core.prefix_policy import PinBudgetFull
 from engine_service.index.link import PinRefusedError
+
+if TYPE_CHECKING:  # the front imports no torch: the engine is the core's
+    from engine_service.core.engine import LLMEngine
 
 
 def check_pin_room(engine: LLMEngine, chain: list[bytes]) -> None:

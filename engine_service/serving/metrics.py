@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from engine_service.core.engine import EngineStats
+from engine_service.core.stats import EngineStats
 
 PREFIX = "pagedgen_engine_"
 # Latency buckets from 1 ms (a decode step of a tiny model) to a minute (a long CPU prefill).

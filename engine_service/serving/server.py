@@ -23,6 +23,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,7 +31,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from engine_service.core.config import BLOCK_SIZES, DEVICES, PREEMPTION_MODES, EngineConfig
-from engine_service.core.engine import EngineStats, LLMEngine
+from engine_service.core.stats import EngineStats
 from engine_service.index.link import IndexLinkOptions
 from engine_service.model.config import load_model_config
 from engine_service.model.dtype import DTYPE_CHOICES
@@ -62,6 +63,9 @@ from tenancy.door import TenantDoor
 from tenancy.gate import GateInterceptor
 from trust.cli_args import add_tls_args, resolve_tls_args, warn_if_plain_text
 from trust.credentials import TlsMaterial
+
+if TYPE_CHECKING:  # the front imports no torch: the engine is the core's
+    from engine_service.core.engine import LLMEngine
 
 log = logging.getLogger("engine_service.serving.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name

@@ -16,9 +16,9 @@ from typing import Protocol
 
 import grpc
 
-from engine_service.core.engine import EngineStats
 from engine_service.core.errors import EngineDeadError, QueueFullError, RequestError
 from engine_service.core.outputs import CompletionOutput, RequestOutput
+from engine_service.core.stats import EngineStats
 from engine_service.index.link import IndexUnavailableError, PinRefusedError
 from engine_service.model.sampling_params import MAX_LOGPROBS, MAX_N
 from engine_service.serving.async_engine import AsyncEngine
