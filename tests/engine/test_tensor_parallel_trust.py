@@ -24,6 +24,7 @@ import torch.distributed as dist
 from engine_service import LLM, SamplingParams
 from engine_service.model.parallel.channel import StepChannel
 from engine_service.model.parallel.errors import TensorParallelError
+from engine_service.model.parallel.launch import nccl_store_users
 from engine_service.model.parallel.worker import STOP_AT_ENV
 from engine_service.model.parallel.workers import serve_store
 from tests.service.test_engine_death import child_pids
@@ -192,11 +193,15 @@ def test_the_store_listens_on_the_rendezvous_host_only():
         del store
 
 
-def test_the_store_is_closed_once_every_rank_is_ready(tiny_llama_dir):
+@pytest.mark.parametrize("nccl_env", [{}, {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}])
+def test_the_store_is_closed_once_every_rank_is_ready(nccl_env, tiny_llama_dir, monkeypatch):
     """The store takes any local client's keys, 8 MiB a value and no bound on their number,
     into rank 0's memory (seen: 60 sets from another process grew it by 470 MiB): open for
     the engine's life, it let any local process exhaust the engine's memory. Its job ends
-    with the rendezvous, so it closes then; a worker's error reaches rank 0 on a pipe."""
+    with the rendezvous, so it closes then; a worker's error reaches rank 0 on a pipe. On the
+    CPU whatever the NCCL settings (they keep it open on CUDA only: launch.py)."""
+    for name, value in nccl_env.items():
+        monkeypatch.setenv(name, value)
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=32)
     try:
         workers = llm.llm_engine.runner.workers
@@ -205,3 +210,22 @@ def test_the_store_is_closed_once_every_rank_is_ready(tiny_llama_dir):
         assert len(out[0].outputs[0].token_ids) == 3
     finally:
         llm.close()
+
+
+def test_the_nccl_features_that_use_the_store_are_named():
+    """On CUDA the store closes after the start unless an NCCL feature set in the environment
+    still talks through it (launch.nccl_store_users): then it stays open, with a warning
+    naming the feature. TORCH_NCCL_DUMP_ON_TIMEOUT, on by torch's default, is set to 0 by
+    the engine unless the user set it."""
+    assert nccl_store_users({}) == []
+    assert nccl_store_users({"TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+                             "TORCH_NCCL_PROPAGATE_ERROR": "False",
+                             "TORCH_NCCL_DESYNC_DEBUG": "", "TORCH_DISTRIBUTED_DEBUG": "INFO",
+                             "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}) == []
+    assert nccl_store_users({"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}) == [
+        "TORCH_NCCL_DUMP_ON_TIMEOUT=1"]
+    assert nccl_store_users({"TORCH_NCCL_PROPAGATE_ERROR": "true",
+                             "TORCH_NCCL_DESYNC_DEBUG": "maybe",
+                             "TORCH_DISTRIBUTED_DEBUG": "detail"}) == [
+        "TORCH_NCCL_PROPAGATE_ERROR=true", "TORCH_NCCL_DESYNC_DEBUG=maybe",
+        "TORCH_DISTRIBUTED_DEBUG=DETAIL"]

@@ -115,6 +115,11 @@ def connect_group(store: dist.Store, rank: int, world_size: int, device: torch.d
         options._timeout = timeout
         compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", store), rank, world_size,
                                         options)
+        # The communicator now (what init_process_group's device_id does), not at the first
+        # collective: its unique id crosses the store during the start, and the forward's
+        # all-reduces and the logits gather all run on this one communicator, so NCCL needs
+        # the store no more (launch.py closes it; nccl_store_users says when it cannot).
+        compute.eager_connect_single_device(device)
     else:
         compute = _gloo(dist.PrefixStore("compute", store), rank, world_size, host, timeout)
     return TensorParallelGroup(rank, world_size, compute, control, timeout)

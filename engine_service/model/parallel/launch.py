@@ -2,6 +2,7 @@
 
 import logging
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -27,6 +28,29 @@ def _env_int(name: str, default: int, low: int) -> int:
     return int(raw)
 
 
+# torch's ProcessGroupNCCL features that go on using the rendezvous store once the
+# communicator is made: the flight recorder's dump on a timeout or error (on by default: the
+# first process group's heartbeat monitor polls the store for another rank's dump signal
+# about once a second while the ranks idle, and the watchdog writes that signal on a
+# failure), error propagation between ranks (its watchdog reads and writes a key per
+# group), and desync debugging (TORCH_DISTRIBUTED_DEBUG=DETAIL turns it on too).
+NCCL_STORE_FEATURES = ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_PROPAGATE_ERROR",
+                       "TORCH_NCCL_DESYNC_DEBUG")
+_OFF = ("", "0", "false", "no", "n", "off")
+
+
+def nccl_store_users(env: Mapping[str, str]) -> list[str]:
+    """The NCCL features `env` turns on that need the store after the start (as 'NAME=value');
+    a value other than a clear 'off' counts as on, an unset one as off (TORCH_NCCL_DUMP_ON_
+    TIMEOUT is on by torch's default: start_tensor_parallel sets it to 0 before it asks,
+    unless the user set it)."""
+    users = [f"{name}={env[name]}" for name in NCCL_STORE_FEATURES
+             if name in env and env[name].strip().lower() not in _OFF]
+    if env.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL":
+        users.append("TORCH_DISTRIBUTED_DEBUG=DETAIL")
+    return users
+
+
 def start_tensor_parallel(config, model_config: ModelConfig,
                           max_model_len: int) -> TensorParallelRunner:
     """config: the engine's EngineConfig (tensor_parallel_size > 1)."""
@@ -40,6 +64,13 @@ def start_tensor_parallel(config, model_config: ModelConfig,
     threads = _env_int("PAGEDGEN_TP_THREADS", DEFAULT_THREADS_PER_RANK, 1)
     if config.device == "cpu":
         torch.set_num_threads(threads)  # rank 0 is this process
+    keeps_store: list[str] = []
+    if config.device == "cuda":
+        # The dump signal goes through the store, which closes after the start; a timeout
+        # is reported by the engine (TensorParallelError) either way. Set before the
+        # workers start (they inherit it) and before rank 0's process group reads it.
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+        keeps_store = nccl_store_users(os.environ)
     spec = WorkerSpec(config, max_model_len, config.tensor_parallel_timeout_s, threads)
     workers = Workers(spec, world_size, host, port)
     try:
@@ -53,7 +84,12 @@ def start_tensor_parallel(config, model_config: ModelConfig,
             parallel=RankOf(plan_shard(model_config, 0, world_size), group),
         )
         workers.wait_ready()
-        if device.type == "cpu":
+        if keeps_store:
+            log.warning("tensor parallel: the rendezvous store stays open on %s:%d for the "
+                        "engine's life (%s use it after the start): any local process can "
+                        "fill rank 0's memory through it (docs/security.md)", host,
+                        workers.store_port, ", ".join(keeps_store))
+        else:
             workers.close_store()
     except BaseException:
         workers.kill()

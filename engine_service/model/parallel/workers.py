@@ -176,8 +176,9 @@ class Workers:
     def close_store(self) -> None:
         """The rendezvous is over: close the store. It takes any local client's keys into this
         process's memory (8 MiB a value, no bound on their number), so it is not left open for
-        the engine's life. (On the CPU only: NCCL creates its communicators at the first
-        collective, and its watchdog writes to the store.)"""
+        the engine's life. (gloo needs it only to connect; NCCL's communicator is made during
+        the start too, group.connect_group, and launch.py keeps the store for the NCCL
+        features that would still use it.)"""
         self.store = None
 
     def connect(self, device: torch.device, timeout_s: float) -> TensorParallelGroup:
