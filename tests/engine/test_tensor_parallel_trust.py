@@ -13,6 +13,7 @@ import datetime
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -229,3 +230,52 @@ def test_the_nccl_features_that_use_the_store_are_named():
                              "TORCH_DISTRIBUTED_DEBUG": "detail"}) == [
         "TORCH_NCCL_PROPAGATE_ERROR=true", "TORCH_NCCL_DESYNC_DEBUG=maybe",
         "TORCH_DISTRIBUTED_DEBUG=DETAIL"]
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on (its sockets' inodes in its net/tcp tables)."""
+    inodes = set()
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:
+                ports.add(int(fields[1].split(":")[1], 16))
+    return ports
+
+
+def _open_files(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_gloo_listeners_take_no_connection_after_the_start(tiny_llama_dir):
+    """gloo keeps every connection made to a rank's listening ports open for the process's
+    life (measured: 100 connections opened and closed by a client, 100 descriptors kept), so
+    any local process could use up a rank's open-file limit. Once the groups are connected
+    their listeners drop every packet (listeners.py): a client's connect times out and takes
+    no descriptor in either rank, and the engine still generates."""
+    ours_before = _listening_ports(os.getpid())
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=32)
+    try:
+        worker = llm.llm_engine.runner.workers.procs[0].pid
+        ports = {os.getpid(): _listening_ports(os.getpid()) - ours_before,
+                 worker: _listening_ports(worker)}
+        assert [len(p) for p in ports.values()] == [2, 2], ports  # a control, a compute device
+        open_files = {pid: _open_files(pid) for pid in ports}
+        for pid_ports in ports.values():
+            for port in pid_ports:
+                for _ in range(3):
+                    with pytest.raises(TimeoutError):
+                        socket.create_connection(("127.0.0.1", port), timeout=0.3).close()
+        assert {pid: _open_files(pid) for pid in ports} == open_files
+        out = llm.generate("The capital of France is", SamplingParams(max_tokens=3))
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        llm.close()

@@ -12,11 +12,21 @@ hold rank 0's send for as long as that long timeout.
 """
 
 import datetime
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from engine_service.model.parallel.listeners import (
+    LAZY_INIT_ENV,
+    lazy_init,
+    listening_sockets,
+    refuse_new_connections,
+)
+
+log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT = datetime.timedelta(days=30)  # idle engines: workers wait this long at most
 GROUP_NAMES = ("control", "compute")  # each group's keys in the store start with its name
@@ -93,12 +103,16 @@ class TensorParallelGroup:
 
 
 def _gloo(store: dist.Store, rank: int, world_size: int, host: str,
-          timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
+          timeout: datetime.timedelta, listeners: set[str]) -> dist.ProcessGroupGloo:
+    """A gloo group, connected to every rank; the socket inodes of its device's listeners
+    are added to `listeners` (listeners.py)."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
+    before = listening_sockets().keys()
     # Bound to the rendezvous host's interface (loopback by default), not whatever the
     # machine's hostname resolves to.
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    listeners |= listening_sockets().keys() - before
     return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
@@ -108,8 +122,9 @@ def connect_group(store: dist.Store, rank: int, world_size: int, device: torch.d
     group has the short timeout (its sends and its connecting to the workers are bounded by
     it); a worker's waits for the next step as long as the engine idles."""
     timeout = datetime.timedelta(seconds=timeout_s)
+    listeners: set[str] = set()
     control = _gloo(dist.PrefixStore("control", store), rank, world_size, host,
-                    timeout if rank == 0 else CONTROL_TIMEOUT)
+                    timeout if rank == 0 else CONTROL_TIMEOUT, listeners)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -121,5 +136,14 @@ def connect_group(store: dist.Store, rank: int, world_size: int, device: torch.d
         # the store no more (launch.py closes it; nccl_store_users says when it cannot).
         compute.eager_connect_single_device(device)
     else:
-        compute = _gloo(dist.PrefixStore("compute", store), rank, world_size, host, timeout)
+        compute = _gloo(dist.PrefixStore("compute", store), rank, world_size, host, timeout,
+                        listeners)
+    # Every pair is connected: gloo's listeners would only take other processes'
+    # connections from now on, and keep each one open (listeners.py).
+    if lazy_init():
+        log.warning("%s is set: gloo connects its pairs at their first use, so its listening "
+                    "ports stay open to every local process (docs/security.md)",
+                    LAZY_INIT_ENV)
+    else:
+        refuse_new_connections(listeners)
     return TensorParallelGroup(rank, world_size, compute, control, timeout)

@@ -1,0 +1,82 @@
+"""gloo's listening sockets, closed to new connections once a rank's groups are connected.
+
+A gloo device listens on the rendezvous host for its peers, for the life of the process, and
+keeps every connection any local process makes to that port: measured with torch 2.13 on
+loopback, 100 connections opened and closed by another client left 100 descriptors open in
+the rank, whether they sent nothing, a sequence number, or the same one each time. So any
+local user could use up a rank's open-file limit and fail the engine. Nothing in torch's
+Python API closes the listener, and shutting the socket down aborts the process (gloo's accept
+loop enforces success: "accept: Invalid argument", SIGABRT).
+
+A rank needs no new connection once its groups are made: each gloo group connects its full
+mesh in its constructor, and the engine makes no group later. So a classic BPF filter that
+drops every packet goes on each of the rank's gloo listening sockets then: a SYN to them is
+dropped, no connection is made and no descriptor taken (a client's connect times out); the
+connections already made are other sockets and keep working. With TORCH_GLOO_LAZY_INIT gloo
+connects pairs at their first use instead, so the filter is not attached (listeners_to_close
+says so).
+
+The listeners are found as the TCP sockets of this process in LISTEN that appear while the
+device is created (create_device binds its listener before it returns), on the device's
+thread: another thread opening a listener at that moment would be taken for gloo's.
+"""
+
+import ctypes
+import os
+import socket
+import struct
+from pathlib import Path
+
+SO_ATTACH_FILTER = 26  # <asm-generic/socket.h>
+_TCP_LISTEN = "0A"
+LAZY_INIT_ENV = "TORCH_GLOO_LAZY_INIT"
+
+
+class _SockFilter(ctypes.Structure):  # struct sock_filter
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]
+
+
+# BPF_RET | BPF_K, 0: keep 0 bytes of each packet, i.e. drop it. Module-level and immutable:
+# the kernel copies the program at attach time, but the pointer must be valid until then.
+_DROP_ALL = (_SockFilter * 1)(_SockFilter(0x06, 0, 0, 0))
+
+
+def listening_sockets() -> dict[str, int]:
+    """This process's TCP sockets in LISTEN: socket inode -> one of its descriptors."""
+    fds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile (or the listing's own descriptor)
+            continue
+        if target.startswith("socket:["):
+            fds[target[8:-1]] = int(name)
+    found = {}
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/self/net/{table}")
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == _TCP_LISTEN and fields[9] in fds:
+                found[fields[9]] = fds[fields[9]]
+    return found
+
+
+def lazy_init() -> bool:
+    return os.environ.get(LAZY_INIT_ENV, "").strip().lower() not in ("", "0", "false")
+
+
+def refuse_new_connections(inodes: set[str]) -> int:
+    """Drop every packet that reaches these listening sockets of this process (by socket
+    inode: see the module docstring). Returns how many it found."""
+    fds = [fd for inode, fd in listening_sockets().items() if inode in inodes]
+    program = struct.pack("HL", len(_DROP_ALL), ctypes.addressof(_DROP_ALL))  # sock_fprog
+    for fd in fds:
+        sock = socket.socket(fileno=os.dup(fd))  # the same socket; closing the dup leaves it
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, program)
+        finally:
+            sock.close()
+    return len(fds)
