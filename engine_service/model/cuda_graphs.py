@@ -24,8 +24,11 @@ SmolLM2-135M took 17-29 ms at batch 1 and a Llama-8B-shaped one 19-26 ms, agains
   batch): rows follow arrivals, not the schedule's order, and the logits rows are gathered back
   into schedule order when the two differ.
 - Padding rows write no K/V (slot -1), attend to one key of block 0 and are never sampled.
-- A graph's attention was captured with the split-KV count of the widest table, so it does
-  not match an eager step bit for bit; greedy tokens match (tests/engine/test_cuda_graphs.py).
+- A graph's attention splits each sequence's keys as an eager step does, planned on the
+  device from the context lengths (kernels/attention_splits.py): nothing to write per step
+  beyond the lengths. Padding rows add a key each to the batch's total, so a split size can
+  differ from the eager step's and the sums need not match bit for bit; greedy tokens match
+  (tests/engine/test_cuda_graphs.py).
 
 Only steps where every sequence runs one token are replayed here (decode, or a one-token
 prompt); steps carrying a prefill chunk replay the mixed-step graphs (mixed_graphs.py), which
@@ -71,6 +74,17 @@ class RowWrites:
     table_index: np.ndarray  # int64: flat indices into the [rows, width] block table
     table_values: np.ndarray  # int32: the block ids written there
 
+    def __reduce__(self):
+        # As raw bytes: numpy's own pickling of a small array costs ~20 us (a 32-sequence
+        # decode step pickled in ~100 us that way, ~20 us so).
+        return _row_writes, (self.seq_lens.tobytes(), self.table_index.tobytes(),
+                             self.table_values.tobytes())
+
+
+def _row_writes(seq_lens: bytes, table_index: bytes, table_values: bytes) -> RowWrites:
+    return RowWrites(np.frombuffer(seq_lens, np.int32), np.frombuffer(table_index, np.int64),
+                     np.frombuffer(table_values, np.int32))
+
 
 @dataclass(slots=True)
 class DecodeStep:
@@ -85,6 +99,16 @@ class DecodeStep:
     sample_rows: list[int] | None  # rows whose logits are sampled, in schedule order (None:
     # rows 0 .. num_seqs - 1 in order)
     num_seqs: int
+
+    def __reduce__(self):  # (as RowWrites')
+        return _decode_step, (self.size, self.rows, self.tokens.tobytes(), self.sample_rows,
+                              self.num_seqs)
+
+
+def _decode_step(size: int, rows: RowWrites, tokens: bytes, sample_rows: list[int] | None,
+                 num_seqs: int) -> DecodeStep:
+    return DecodeStep(size, rows, np.frombuffer(tokens, np.int64).reshape(3, size),
+                      sample_rows, num_seqs)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

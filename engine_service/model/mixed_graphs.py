@@ -29,9 +29,8 @@ every step that admits a prompt chunk paid that, and so did every running stream
   unwritten; every other op of the forward works row by row (norms, GEMMs, SiLU), so nothing
   they hold reaches a real token.
 - The attention grid is sized for the bucket's worst case (T // BLOCK_Q + S query tiles:
-  surplus programs exit) and its split-KV count is fixed per graph at capture, from the
-  bucket's shapes (kernels/triton_attention.choose_num_kv_splits: 1, as for every step with
-  more tokens than sequences).
+  surplus programs exit); steps with more tokens than sequences do not split keys
+  (kernels/attention_splits.py splits decode batches only).
 - Logits are computed only for the rows that sample: the graph gathers the hidden states of
   the token indices in a fixed buffer [S] (the last token of each sampling sequence, in
   schedule order, then token 0 as padding) before the LM head, into the decode graphs' logits
@@ -82,6 +81,18 @@ class MixedStep:
     samples: np.ndarray  # int64 [num_rows]: the token behind each logits row
     query_start_loc: np.ndarray  # int32 [num_rows + 1]
     num_sampled: int
+
+    def __reduce__(self):  # as raw bytes (cuda_graphs.RowWrites says why)
+        return _mixed_step, (self.size, self.num_rows, self.rows, self.tokens.tobytes(),
+                             self.samples.tobytes(), self.query_start_loc.tobytes(),
+                             self.num_sampled)
+
+
+def _mixed_step(size: int, num_rows: int, rows: RowWrites, tokens: bytes, samples: bytes,
+                query_start_loc: bytes, num_sampled: int) -> MixedStep:
+    return MixedStep(size, num_rows, rows, np.frombuffer(tokens, np.int64).reshape(3, size),
+                     np.frombuffer(samples, np.int64), np.frombuffer(query_start_loc, np.int32),
+                     num_sampled)
 
 
 def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
