@@ -55,6 +55,10 @@ def test_graphs_run_on_cuda_with_triton_unless_eager(tiny_llama_dir) -> None:
                                 runner("cuda", "triton"))
     assert not uses_cuda_graphs(config, runner("cuda", "torch"))  # host-built index tensors
     assert not uses_cuda_graphs(config, runner("cpu", "triton"))
+    # Not under tensor parallelism: a rank's graph would capture NCCL collectives (the inputs
+    # reach every rank: tests/engine/test_tensor_parallel_graphs.py).
+    assert not uses_cuda_graphs(EngineConfig(model=str(tiny_llama_dir), tensor_parallel_size=2),
+                                runner("cuda", "triton"))
     assert graph_rows(config) == 256
     small_budget = EngineConfig(model=str(tiny_llama_dir), max_num_batched_tokens=100)
     assert graph_rows(small_budget) == 100  # no decode step runs more sequences than tokens
