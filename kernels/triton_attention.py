@@ -1,30 +1,42 @@
-"""Paged attention in Triton: one kernel family for mixed prefill + decode batches.
+"""Paged attention in Triton: one kernel for mixed prefill + decode batches.
 
 Each program owns a tile of query rows for one KV head: BLOCK_Q consecutive query tokens of one
 sequence times the QUERIES_PER_KV query heads that share that KV head (GQA), so K/V are read
-once per group instead of once per query head. It walks the sequence's keys in tiles of TILE_N
-positions through the block table with an online softmax (running max, running sum).
+once per group instead of once per query head. It walks its keys in tiles of TILE_N positions
+through the block table with an online softmax (running max, running sum).
 
-Split-KV (flash-decoding): with few sequences the (query tile, KV head) grid is too small to
-fill a GPU, so a third grid axis splits each sequence's key range into NUM_SPLITS parts; each
-writes an unnormalised partial (acc, max, sum) and `_combine_splits_kernel` merges them.
-
-Programs are indexed without a host sync: query tile b belongs to the last sequence i with
-query_start_loc[i] // BLOCK_Q + i <= b (binary search in the kernel), which over-counts by at
-most one tile per sequence; surplus tiles exit at once.
+Two modes, fixed per launch by the host from shapes alone (DECODE: one token per sequence):
+- Prefill / mixed batches: query tile b belongs to the last sequence i with
+  query_start_loc[i] // BLOCK_Q + i <= b (binary search in the kernel), which over-counts by at
+  most one tile per sequence; surplus tiles exit at once. Tile shapes are per model
+  (kernels/attention_tiles.py: timed at a CUDA warm-up).
+- Decode batches split each sequence's keys (flash-decoding) by its own length: the grid's
+  first axis is a list of work items, (sequence, split) pairs numbered sequence by sequence,
+  which every program derives on the device from the context lengths (kernels/
+  attention_splits.py has the policy and the same arithmetic on the host). A sequence of one
+  split writes its output; the others write an unnormalised partial (acc, max, sum) per item
+  and `_combine_splits_kernel` merges each sequence's partials. No host metadata, no sync:
+  a CUDA graph captured for n sequences serves every step of n.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_splits import KVSplitPolicy, decode_tile_n, default_split_policy
+from kernels.attention_tiles import (
+    MIN_DOT_ROWS,
+    PrefillTiles,
+    default_prefill_tiles,
+    fp32_num_warps,
+)
 from kernels.launch_counter import count_launch
 from kernels.triton_jit import INTERPRETED, MAX_COMBINE, SUM_COMBINE, jit
 
 LOG2_E = 1.4426950408889634
-MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows / columns on NVIDIA GPUs
-MAX_KV_SPLITS = 16
-MIN_KEYS_PER_SPLIT = 256  # below this a split costs more in the combine step than it saves
+# Constants the kernels read (Triton reads only constexpr globals).
+SEQ_CHUNK = tl.constexpr(256)  # context lengths a decode program reads per planning loop step
+SPLIT_CHUNK = tl.constexpr(16)  # partials the combine kernel merges per loop step
 
 
 @jit
@@ -45,16 +57,80 @@ def _find_sequence(
     return lo
 
 
+@jit
+def _split_count(num_tiles, tiles_per_split, MAX_SPLITS: tl.constexpr):
+    """Splits of a sequence of num_tiles key tiles (attention_splits.split_count)."""
+    num_tiles = tl.maximum(num_tiles, 1)
+    return tl.minimum((num_tiles + tiles_per_split - 1) // tiles_per_split, MAX_SPLITS)
+
+
+@jit
+def _plan_tiles_per_split(
+    seq_lens_ptr,  # [num_seqs] int32
+    num_seqs,
+    num_kv_heads,
+    target_programs,
+    forced_tiles_per_split,
+    min_tiles_per_split,
+    TILE_N: tl.constexpr,
+):
+    """P in key tiles: the batch's key tiles x KV heads spread over target_programs, at
+    least min_tiles_per_split (or the forced value when > 0)."""
+    total = num_seqs * 0
+    for start in range(0, num_seqs, SEQ_CHUNK):
+        index = start + tl.arange(0, SEQ_CHUNK)
+        lens = tl.load(seq_lens_ptr + index, mask=index < num_seqs, other=0)
+        total += tl.reduce((lens + TILE_N - 1) // TILE_N, 0, SUM_COMBINE)
+    planned = (total * num_kv_heads + target_programs - 1) // target_programs
+    planned = tl.maximum(planned, min_tiles_per_split)
+    return tl.where(forced_tiles_per_split > 0, forced_tiles_per_split, planned)
+
+
+@jit
+def _add(a, b):
+    return a + b
+
+
+@jit
+def _locate_work_item(
+    seq_lens_ptr,  # [num_seqs] int32
+    num_seqs,
+    work,
+    tiles_per_split,
+    TILE_N: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+):
+    """(sequence, its first work item) of work item `work`: items are numbered sequence by
+    sequence, s_i of them for sequence i. A sequence index of num_seqs: past the last item."""
+    seq = work * 0
+    first = work * 0
+    done = work * 0  # items of the chunks before this one
+    for start in range(0, num_seqs, SEQ_CHUNK):
+        index = start + tl.arange(0, SEQ_CHUNK)
+        valid = index < num_seqs
+        lens = tl.load(seq_lens_ptr + index, mask=valid, other=0)
+        splits = _split_count((lens + TILE_N - 1) // TILE_N, tiles_per_split, MAX_SPLITS)
+        splits = tl.where(valid, splits, 0)
+        ends = done + tl.associative_scan(splits, 0, _add)  # one past each sequence's items
+        before = valid & (ends <= work)  # sequences wholly before this item
+        seq += tl.reduce(before.to(tl.int32), 0, SUM_COMBINE)
+        first = tl.maximum(first, tl.reduce(tl.where(before, ends, 0), 0, MAX_COMBINE))
+        done += tl.reduce(splits, 0, SUM_COMBINE)
+    return seq, first
+
+
 # Per-step integers: a variant compiled for one value must serve every step (see triton_jit).
-ATTENTION_PER_STEP_ARGS = ("num_seqs", "stride_table_seq")
+ATTENTION_PER_STEP_ARGS = ("num_seqs", "stride_table_seq", "target_programs",
+                           "forced_tiles_per_split", "min_tiles_per_split")
 
 
 @jit(do_not_specialize=ATTENTION_PER_STEP_ARGS)
 def paged_attention_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_size]                (NUM_SPLITS == 1)
-    partial_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_PAD] fp32 (NUM_SPLITS > 1)
-    partial_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, log2 domain
-    partial_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32
+    out_ptr,  # [num_tokens, num_heads, head_size]
+    partial_acc_ptr,  # [work_items, num_heads, HEAD_PAD] fp32        (DECODE, MAX_SPLITS > 1)
+    partial_max_ptr,  # [work_items, num_heads] fp32, log2 domain
+    partial_sum_ptr,  # [work_items, num_heads] fp32
+    split_meta_ptr,  # [num_seqs, 2] int32: each sequence's first work item and split count
     query_ptr,  # [num_tokens, num_heads, head_size]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -74,6 +150,9 @@ def paged_attention_kernel(
     stride_v_slot,
     stride_v_head,
     stride_table_seq,
+    target_programs,  # DECODE: the split policy (kernels/attention_splits.py)
+    forced_tiles_per_split,  # > 0: P fixed, in tiles
+    min_tiles_per_split,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_SIZE (80, 96 -> 128), masked
@@ -81,16 +160,32 @@ def paged_attention_kernel(
     TILE_N: tl.constexpr,  # key positions per loop step (any power of two; may span blocks)
     BLOCK_M: tl.constexpr,  # query rows per program = BLOCK_Q tokens x QUERIES_PER_KV heads
     BLOCK_Q: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    DECODE: tl.constexpr,  # one query token per sequence: split keys per sequence
+    MAX_SPLITS: tl.constexpr,  # DECODE: splits per sequence at most (1: never split)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no silent tf32), else the default
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands (the interpreter cannot multiply bf16)
 ):
-    tile_index = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q)
-    q_tile_in_seq = tile_index - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
+    if DECODE:
+        work = tl.program_id(0)
+        if MAX_SPLITS == 1:
+            seq = work
+            first_work = work
+            tiles_per_split = 1  # one split holds every tile
+        else:
+            tiles_per_split = _plan_tiles_per_split(
+                seq_lens_ptr, num_seqs, tl.num_programs(1), target_programs,
+                forced_tiles_per_split, min_tiles_per_split, TILE_N)
+            seq, first_work = _locate_work_item(seq_lens_ptr, num_seqs, work, tiles_per_split,
+                                                TILE_N, MAX_SPLITS)
+            if seq >= num_seqs:
+                return
+        q_tile_in_seq = 0
+        split = work - first_work
+    else:
+        tile_index = tl.program_id(0)
+        seq = _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q)
+        q_tile_in_seq = tile_index - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if q_tile_in_seq * BLOCK_Q >= q_len:
@@ -116,13 +211,24 @@ def paged_attention_kernel(
     if DOT_IN_FP32:
         q = q.to(tl.float32)
 
-    # Keys this tile needs: 0 .. last valid query position (causal), split evenly by tiles.
+    # Keys this tile needs: 0 .. last valid query position (causal).
     last_q_in_seq = tl.minimum((q_tile_in_seq + 1) * BLOCK_Q, q_len) - 1
     num_keys = num_cached + last_q_in_seq + 1
     num_kv_tiles = (num_keys + TILE_N - 1) // TILE_N
-    tiles_per_split = (num_kv_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    first_kv_tile = split * tiles_per_split
-    end_kv_tile = tl.minimum(first_kv_tile + tiles_per_split, num_kv_tiles)
+    if DECODE:
+        # Split j of s holds tiles [j * n // s, (j + 1) * n // s): sizes differ by at most one
+        # tile, none is empty (s <= n).
+        num_splits = _split_count(num_kv_tiles, tiles_per_split, MAX_SPLITS)
+        first_kv_tile = split * num_kv_tiles // num_splits
+        end_kv_tile = (split + 1) * num_kv_tiles // num_splits
+        if MAX_SPLITS > 1:
+            if split == 0:
+                tl.store(split_meta_ptr + 2 * seq, first_work)
+                tl.store(split_meta_ptr + 2 * seq + 1, num_splits)
+    else:
+        num_splits = 1
+        first_kv_tile = 0
+        end_kv_tile = num_kv_tiles
 
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -167,100 +273,71 @@ def paged_attention_kernel(
         running_max = new_max
 
     out_mask = row_valid[:, None] & dim_valid[None, :]
-    if NUM_SPLITS == 1:
-        # Padded rows may have sum 0; divide by 1 there (their store is masked anyway).
-        out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
-        o_offsets = token[:, None] * stride_o_token + head[:, None] * stride_o_head + dims[None, :]
-        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    o_offsets = token[:, None] * stride_o_token + head[:, None] * stride_o_head + dims[None, :]
+    if MAX_SPLITS == 1:
+        _store_output(out_ptr + o_offsets, acc, running_sum, out_mask)
+    elif num_splits == 1:
+        _store_output(out_ptr + o_offsets, acc, running_sum, out_mask)
     else:
-        # Partial buffers are contiguous; an empty split stores (0, -inf, 0), which the combine
-        # step weights by exp2(-inf) = 0.
-        row_id = (token * (QUERIES_PER_KV * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        # One partial per (work item, head); partial buffers are contiguous.
+        row_id = (work * (QUERIES_PER_KV * tl.num_programs(1)) + head).to(tl.int64)
         tl.store(partial_max_ptr + row_id, running_max, mask=row_valid)
         tl.store(partial_sum_ptr + row_id, running_sum, mask=row_valid)
         tl.store(partial_acc_ptr + row_id[:, None] * HEAD_PAD + dims[None, :], acc, mask=out_mask)
 
 
 @jit
+def _store_output(out_ptrs, acc, running_sum, mask):
+    """The normalised output of a program that saw all of its rows' keys."""
+    # Padded rows may have sum 0; divide by 1 there (their store is masked anyway).
+    out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+@jit
 def _combine_splits_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_size]
-    partial_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_PAD] fp32
-    partial_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, log2 domain
-    partial_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32
+    out_ptr,  # [num_seqs, num_heads, head_size]: a decode batch, token i of sequence i
+    partial_acc_ptr,  # [work_items, num_heads, HEAD_PAD] fp32
+    partial_max_ptr,  # [work_items, num_heads] fp32, log2 domain
+    partial_sum_ptr,  # [work_items, num_heads] fp32
+    split_meta_ptr,  # [num_seqs, 2] int32: first work item, split count
     stride_o_token,
     stride_o_head,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    row = token * tl.num_programs(1) + head
-    splits = tl.arange(0, NUM_SPLITS)
-    dims = tl.arange(0, HEAD_PAD)
-    split_max = tl.load(partial_max_ptr + row * NUM_SPLITS + splits)  # [NUM_SPLITS]
-    split_sum = tl.load(partial_sum_ptr + row * NUM_SPLITS + splits)
-    split_acc = tl.load(
-        partial_acc_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_PAD + dims[None, :]
-    )  # [NUM_SPLITS, HEAD_PAD]
-    # Split 0 always holds key 0, which every query sees, so the global max is finite.
+    num_heads = tl.num_programs(1)
+    first = tl.load(split_meta_ptr + 2 * token)
+    num_splits = tl.load(split_meta_ptr + 2 * token + 1)
+    if num_splits == 1:
+        return  # the attention program wrote this sequence's output itself
+    splits = tl.arange(0, MAX_SPLITS)
+    split_rows = (first + splits).to(tl.int64) * num_heads + head
+    split_max = tl.load(partial_max_ptr + split_rows, mask=splits < num_splits,
+                        other=float("-inf"))
+    # Split 0 holds key 0, which every query sees, so the global max is finite.
     global_max = tl.reduce(split_max, 0, MAX_COMBINE)
-    weight = tl.exp2(split_max - global_max)  # 0 for empty splits
-    total = tl.reduce(split_sum * weight, 0, SUM_COMBINE)
-    out = tl.reduce(split_acc * weight[:, None], 0, SUM_COMBINE) / total
+    split_sum = tl.load(partial_sum_ptr + split_rows, mask=splits < num_splits, other=0.0)
+    total = tl.reduce(split_sum * tl.exp2(split_max - global_max), 0, SUM_COMBINE)
+    dims = tl.arange(0, HEAD_PAD)
+    acc = tl.full([HEAD_PAD], 0.0, tl.float32)
+    for start in range(0, num_splits, SPLIT_CHUNK):  # [SPLIT_CHUNK, HEAD_PAD] at a time
+        chunk = start + tl.arange(0, SPLIT_CHUNK)
+        valid = chunk < num_splits
+        rows = (first + chunk).to(tl.int64) * num_heads + head
+        weight = tl.exp2(tl.load(partial_max_ptr + rows, mask=valid, other=float("-inf"))
+                         - global_max)
+        part = tl.load(partial_acc_ptr + rows[:, None] * HEAD_PAD + dims[None, :],
+                       mask=valid[:, None], other=0.0)
+        acc += tl.reduce(part * weight[:, None], 0, SUM_COMBINE)
     tl.store(
         out_ptr + token * stride_o_token + head * stride_o_head + dims,
-        out.to(out_ptr.dtype.element_ty),
+        (acc / total).to(out_ptr.dtype.element_ty),
         mask=dims < HEAD_SIZE,
     )
-
-
-def kv_splits_for(num_seqs: int, num_kv_heads: int, max_context_bound: int, num_sms: int) -> int:
-    """Splits per sequence of a decode batch: they grow until the grid has about two programs
-    per SM or each split would see fewer than MIN_KEYS_PER_SPLIT keys."""
-    programs = max(1, num_seqs * num_kv_heads)
-    splits = 1
-    while (
-        splits < MAX_KV_SPLITS
-        and programs * splits * 2 <= 2 * num_sms
-        and max_context_bound // (splits * 2) >= MIN_KEYS_PER_SPLIT
-    ):
-        splits *= 2
-    return splits
-
-
-def reachable_kv_splits(
-    max_num_seqs: int, num_kv_heads: int, max_context_bound: int, num_sms: int
-) -> list[int]:
-    """Every split count `kv_splits_for` can return for batches of 1..max_num_seqs sequences
-    and context bounds up to max_context_bound: the NUM_SPLITS variants a warm-up compiles.
-
-    Fewer sequences never mean fewer splits, and the count only grows with the context bound,
-    so one sequence at each bound where a doubling starts to pass covers every value.
-    """
-    bounds = [MIN_KEYS_PER_SPLIT * 2 * s for s in range(1, MAX_KV_SPLITS + 1)]
-    bounds = [b for b in bounds if b <= max_context_bound] + [max_context_bound]
-    found = {kv_splits_for(1, num_kv_heads, b, num_sms) for b in bounds}
-    found |= {kv_splits_for(max_num_seqs, num_kv_heads, max_context_bound, num_sms), 1}
-    return sorted(found)
-
-
-def choose_num_kv_splits(
-    num_seqs: int,
-    num_tokens: int,
-    num_kv_heads: int,
-    max_context_bound: int,
-    device: torch.device,
-) -> int:
-    """Splits per sequence for split-KV, from host-known shapes only (no device sync).
-
-    Only decode batches split (prefill tiles already give enough parallelism) and only on a
-    GPU (in the interpreter, more programs just cost more time).
-    """
-    if device.type != "cuda" or num_tokens != num_seqs:
-        return 1
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return kv_splits_for(num_seqs, num_kv_heads, max_context_bound, num_sms)
 
 
 def paged_attention(
@@ -272,13 +349,15 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
     plan: object | None = None,
-    num_kv_splits: int | None = None,
+    kv_splits: KVSplitPolicy | None = None,
+    prefill_tiles: PrefillTiles | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context (Triton).
 
     Same contract as `kernels.reference.paged_attention`. `plan` is accepted for interface
-    compatibility and ignored (the kernel needs no precomputed indices). `num_kv_splits`
-    forces the split-KV path (a power of two); None picks it from the shapes.
+    compatibility and ignored (the kernel needs no precomputed indices). `kv_splits`: how a
+    decode batch splits its keys (None: the device's default policy); `prefill_tiles`: the
+    tile shape of prefill / mixed batches (None: the default for the dtype).
     """
     num_tokens, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_size = key_cache.shape
@@ -288,73 +367,71 @@ def paged_attention(
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(
-            num_seqs, num_tokens, num_kv_heads, block_tables.shape[1] * block_size, query.device
-        )
-    if num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1):
-        raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
-
     queries_per_kv = num_heads // num_kv_heads
-    decode_only = num_tokens == num_seqs
-    # Decode rows hold one token each, so a bigger tile would only add masked rows.
-    # fp32 ("ieee") dots run on the FMA units with every operand in registers: a 64-row
-    # mixed-batch tile needs over 255 registers per thread and spills, 32 rows do not.
-    mixed_rows = 32 if query.dtype == torch.float32 else 64
-    block_m = max(MIN_DOT_ROWS if decode_only else mixed_rows,
-                  triton.next_power_of_2(queries_per_kv))
-    block_q = block_m // queries_per_kv
     head_pad = max(16, triton.next_power_of_2(head_size))
-    num_q_tiles = num_tokens // block_q + num_seqs  # upper bound, see module docstring
-    if num_kv_splits > 1:
-        partial_acc = torch.empty(
-            (num_tokens, num_heads, num_kv_splits, head_pad), dtype=torch.float32,
-            device=query.device,
-        )
-        partial_max = torch.empty(
-            (num_tokens, num_heads, num_kv_splits), dtype=torch.float32, device=query.device
-        )
-        partial_sum = torch.empty_like(partial_max)
+    group_rows = max(MIN_DOT_ROWS, triton.next_power_of_2(queries_per_kv))
+    decode = num_tokens == num_seqs
+    policy = kv_splits or default_split_policy(query.device)
+    max_splits = policy.max_splits if decode else 1
+    if decode:
+        # Decode rows hold one token each, so a taller tile would only add masked rows.
+        block_m, tile_n = group_rows, decode_tile_n(block_size)
+        num_warps = 4 if query.dtype != torch.float32 else fp32_num_warps(head_pad)
+        num_stages = None
+        grid_rows = num_seqs
+        if max_splits > 1:
+            grid_rows = policy.work_items(num_seqs, num_kv_heads,
+                                          block_tables.shape[1] * block_size)
     else:
-        partial_acc = partial_max = partial_sum = out  # unused (NUM_SPLITS == 1)
+        tiles = prefill_tiles or default_prefill_tiles(query.dtype, head_pad, block_size)
+        block_m, tile_n = max(tiles.block_m, group_rows), tiles.tile_n
+        num_warps, num_stages = tiles.num_warps, tiles.num_stages
+        grid_rows = num_tokens // (block_m // queries_per_kv) + num_seqs  # see module docstring
+    block_q = block_m // queries_per_kv
+    if max_splits > 1:
+        f32 = dict(dtype=torch.float32, device=query.device)
+        partial_acc = torch.empty((grid_rows, num_heads, head_pad), **f32)
+        partial_max = torch.empty((grid_rows, num_heads), **f32)
+        partial_sum = torch.empty_like(partial_max)
+        split_meta = torch.empty((num_seqs, 2), dtype=torch.int32, device=query.device)
+    else:
+        partial_acc = partial_max = partial_sum = out  # unused (no sequence splits)
+        split_meta = seq_lens  # unused
+    min_tiles = -(-policy.min_keys_per_split // tile_n)
+    forced_tiles = -(-policy.keys_per_split // tile_n)
+    options = {} if num_stages is None else {"num_stages": num_stages}
     count_launch("paged_attention")
-    paged_attention_kernel[(num_q_tiles, num_kv_heads, num_kv_splits)](
-        out, partial_acc, partial_max, partial_sum,
+    paged_attention_kernel[(grid_rows, num_kv_heads)](
+        out, partial_acc, partial_max, partial_sum, split_meta,
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         scale * LOG2_E, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
+        policy.target_programs, forced_tiles, min_tiles,
         QUERIES_PER_KV=queries_per_kv,
         HEAD_SIZE=head_size,
         HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size,
-        TILE_N=max(32, triton.next_power_of_2(block_size)),
+        TILE_N=tile_n,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
-        NUM_SPLITS=num_kv_splits,
+        DECODE=decode,
+        MAX_SPLITS=max_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=INTERPRETED and torch.bfloat16 in (query.dtype, key_cache.dtype),
-        num_warps=_num_warps(query.dtype, head_pad),
+        num_warps=num_warps,
+        **options,
     )
-    if num_kv_splits > 1:
+    if max_splits > 1:
         count_launch("combine_splits")
-        _combine_splits_kernel[(num_tokens, num_heads)](
-            out, partial_acc, partial_max, partial_sum, out.stride(0), out.stride(1),
-            HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_kv_splits,
+        _combine_splits_kernel[(num_seqs, num_heads)](
+            out, partial_acc, partial_max, partial_sum, split_meta,
+            out.stride(0), out.stride(1),
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, MAX_SPLITS=max_splits,
         )
     return out
-
-
-def _num_warps(dtype: torch.dtype, head_pad: int) -> int:
-    """16-bit tiles run their dots on tensor cores and fit 4 warps. fp32 tiles hold their dot
-    operands in registers: spread over 8 warps, or 16 from 128 padded dims, no variant spills
-    (measured with ptxas for sm_80 and sm_90; tests/kernels/test_kernel_cuda_compile.py checks
-    every variant)."""
-    if dtype != torch.float32:
-        return 4
-    return 16 if head_pad >= 128 else 8
 
 
 def _check_inputs(

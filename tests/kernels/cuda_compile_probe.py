@@ -38,6 +38,8 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from kernels import triton_attention, triton_cache_ops, triton_layer_ops  # noqa: E402
+from kernels.attention_splits import PROGRAMS_PER_SM, KVSplitPolicy  # noqa: E402
+from kernels.attention_tiles import PrefillTiles  # noqa: E402
 from tests.support.step_ops import StepOps, count_ops  # noqa: E402
 
 KERNELS = {
@@ -47,6 +49,9 @@ KERNELS = {
     "copy_blocks": triton_cache_ops.copy_blocks_kernel,
     **triton_layer_ops.JIT_KERNELS,  # rms_norm (with and without the residual add), rotary,
 }                                    # silu_mul
+# The policy a CUDA device gets (kernels/attention_splits.default_split_policy: CPU tensors
+# here would get none): an H200's 132 SMs.
+GPU_SPLITS = KVSplitPolicy(target_programs=PROGRAMS_PER_SM * 132)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PTXAS_USAGE = re.compile(r"Used (\d+) registers")
 PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
@@ -88,9 +93,11 @@ def drive(scenario: dict, host_ops: StepOps) -> None:
         mapping = torch.tensor([[0, 1], [2, 3]])
         with count_ops(host_ops):
             triton_cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+            tiles = step.get("prefill_tiles")
             triton_attention.paged_attention(
                 query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                head**-0.5, num_kv_splits=step.get("num_kv_splits"),
+                head**-0.5, kv_splits=GPU_SPLITS,
+                prefill_tiles=PrefillTiles(*tiles) if tiles else None,
             )
             triton_cache_ops.copy_blocks(kv_caches, mapping)
             drive_layer_ops(qkv, heads, kv_heads, head)

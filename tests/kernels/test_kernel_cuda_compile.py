@@ -17,26 +17,44 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import triton
+
+from kernels.attention_splits import MAX_KV_SPLITS
+from kernels.attention_tiles import prefill_candidates
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROBE = REPO_ROOT / "tests" / "kernels" / "cuda_compile_probe.py"
 SHARED_MEMORY_LIMIT = {90: 227 * 1024, 80: 163 * 1024}  # per block, opt-in maximum
 
-# Decode batches of many sizes and table widths (the per-step integers), mixed batches, and a
-# forced split-KV decode (the engine picks splits from the SM count, which a CPU does not have).
+# Decode batches of many sizes and table widths (the per-step integers; decode splits keys
+# per sequence with the policy of a 132-SM GPU), mixed batches, and every prefill tile shape a
+# warm-up may time (kernels/attention_tiles.prefill_candidates).
 SERVING_STEPS = [
     {"query_lens": [1], "max_blocks": 1},
     {"query_lens": [1] * 17, "max_blocks": 33},
     {"query_lens": [1] * 64, "max_blocks": 100},
     {"query_lens": [100, 1, 1], "max_blocks": 9},
     {"query_lens": [2048], "max_blocks": 128},
-    {"query_lens": [1], "max_blocks": 64, "num_kv_splits": 4},
+    {"query_lens": [1], "max_blocks": 2048},
 ]
 SHORT_STEPS = [
     {"query_lens": [1], "max_blocks": 3},
     {"query_lens": [33, 1], "max_blocks": 5},
-    {"query_lens": [1, 1], "max_blocks": 40, "num_kv_splits": 8},
+    {"query_lens": [1, 1], "max_blocks": 40},
 ]
+
+
+def tuned_steps(dtype: torch.dtype, head: int, block: int, queries_per_kv: int,
+                arch: int) -> list:
+    """A decode step, then a 2,048-token prompt chunk in each tile shape the warm-up times
+    besides the default (which SERVING_STEPS compile)."""
+    head_pad = max(16, triton.next_power_of_2(head))
+    return [{"query_lens": [1], "max_blocks": 64}] + [
+            {"query_lens": [2048], "max_blocks": 128,
+             "prefill_tiles": [t.block_m, t.tile_n, t.num_warps, t.num_stages]}
+            for t in prefill_candidates(dtype, head_pad, block, queries_per_kv,
+                                        arch // 10)[1:]]
 
 
 def scenario(id_: str, arch: int, dtype: str, heads: int, kv_heads: int, head: int,
@@ -48,6 +66,14 @@ def scenario(id_: str, arch: int, dtype: str, heads: int, kv_heads: int, head: i
 
 SCENARIOS = [
     scenario("llama8b-bf16-sm90", 90, "bfloat16", 32, 8, 128, 16, SERVING_STEPS),
+    scenario("llama8b-bf16-tuned-sm90", 90, "bfloat16", 32, 8, 128, 16,
+             tuned_steps(torch.bfloat16, 128, 16, 4, 90)),
+    scenario("llama8b-bf16-tuned-sm80", 80, "bfloat16", 32, 8, 128, 16,
+             tuned_steps(torch.bfloat16, 128, 16, 4, 80)),
+    scenario("head64-fp16-tuned-sm90", 90, "float16", 9, 3, 64, 16,
+             tuned_steps(torch.float16, 64, 16, 3, 90)),
+    scenario("head64-bf16-tuned-sm80", 80, "bfloat16", 9, 3, 64, 16,
+             tuned_steps(torch.bfloat16, 64, 16, 3, 80)),
     scenario("smollm2-bf16-sm90", 90, "bfloat16", 9, 3, 64, 16, SERVING_STEPS),
     scenario("head80-fp16-sm90", 90, "float16", 16, 4, 80, 16, SHORT_STEPS),
     scenario("gqa7-bf16-block32-sm90", 90, "bfloat16", 28, 4, 128, 32, SHORT_STEPS),
@@ -99,16 +125,20 @@ def test_host_wrappers_never_wait_for_the_device(compile_report: dict, case: dic
 
 
 def _distinct_attention_modes(steps: list) -> int:
-    """Variants the attention kernel needs for these steps: decode-only or mixed (tile
-    height), times the split count; nothing else that changes per step may add one."""
+    """Variants the attention kernel needs for these steps: decode (one, whatever the batch:
+    its splits are planned on the device) and mixed, per prefill tile shape; nothing that
+    changes per step may add one."""
     modes = set()
     for step in steps:
         decode_only = all(q == 1 for q in step["query_lens"])
-        modes.add((decode_only, step.get("num_kv_splits", 1)))
+        modes.add((decode_only, None if decode_only else str(step.get("prefill_tiles"))))
     return len(modes)
 
 
-@pytest.mark.parametrize("case", SCENARIOS[:2], ids=[s["id"] for s in SCENARIOS[:2]])
+SERVING_SCENARIOS = [s for s in SCENARIOS if s["steps"] is SERVING_STEPS]
+
+
+@pytest.mark.parametrize("case", SERVING_SCENARIOS, ids=[s["id"] for s in SERVING_SCENARIOS])
 def test_per_step_integers_do_not_multiply_variants(compile_report: dict, case: dict) -> None:
     """Batches of 1, 17 and 64 sequences with tables 1, 33 and 100 blocks wide (values Triton
     would specialize: 1 and multiples of 16) reuse one compiled variant per mode."""
@@ -117,11 +147,13 @@ def test_per_step_integers_do_not_multiply_variants(compile_report: dict, case: 
     for variant in variants:
         by_kernel.setdefault(variant["kernel"], []).append(variant)
     steps = case["steps"]
-    assert len(by_kernel["attention"]) == _distinct_attention_modes(steps) == 3
+    assert len(by_kernel["attention"]) == _distinct_attention_modes(steps) == 2
     assert sum(v["launches"] for v in by_kernel["attention"]) == len(steps)
-    [decode] = [v for v in by_kernel["attention"]
-                if v["constexprs"]["NUM_SPLITS"] == 1 and v["constexprs"]["BLOCK_M"] == 16]
-    assert decode["launches"] == 3  # 1 x 1, 17 x 33 and 64 x 100: one variant
+    [decode] = [v for v in by_kernel["attention"] if v["constexprs"]["DECODE"]]
+    assert decode["launches"] == 4  # 1 x 1, 17 x 33, 64 x 100 and 1 x 2048: one variant
+    assert decode["constexprs"]["MAX_SPLITS"] == MAX_KV_SPLITS
+    [combine] = by_kernel["combine"]
+    assert combine["launches"] == 4
     [reshape] = by_kernel["reshape_and_cache"]
     assert reshape["launches"] == len(steps)  # 1 .. 2048 tokens: one variant
     # The layer ops: one variant each whatever the token count (the norm: with and without

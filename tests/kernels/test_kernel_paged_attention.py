@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.attention_splits import NO_SPLITS, KVSplitPolicy
 from kernels.triton_attention import paged_attention
 from tests.kernels.conftest import DEVICE, TOLERANCES, PagedBatch
 
 # (query_len, context_len) per sequence, decode and prefill interleaved.
 MIXED = [(1, 1), (5, 15), (1, 15), (17, 17), (1, 16), (16, 333), (1, 17), (40, 40), (1, 333)]
 DECODE = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 333)]
+FORCED_SPLITS = KVSplitPolicy(target_programs=1, keys_per_split=32)
 
 
 def _lens(seqs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
@@ -66,16 +68,16 @@ def test_gqa_group_sizes(paged_batch, num_heads: int, num_kv_heads: int) -> None
     _check(batch, paged_attention(*batch.args()))
 
 
-@pytest.mark.parametrize("num_kv_splits", [2, 8])
-def test_split_kv_mixed_batch(paged_batch, num_kv_splits: int) -> None:
-    # Context 1 with 8 splits leaves 7 splits empty: their partials must weigh nothing.
+def test_split_policy_leaves_mixed_batch_unsplit(paged_batch) -> None:
+    # Only decode batches split; a policy that would cut every sequence changes nothing here.
     batch = paged_batch(*_lens(MIXED), dtype=torch.float16)
-    _check(batch, paged_attention(*batch.args(), num_kv_splits=num_kv_splits))
+    _check(batch, paged_attention(*batch.args(), kv_splits=FORCED_SPLITS))
 
 
 def test_split_kv_decode_only(paged_batch) -> None:
+    # Context 1 .. 333 at 32 keys a split: 1 to 11 splits a sequence.
     batch = paged_batch(*_lens(DECODE), block_size=8)
-    _check(batch, paged_attention(*batch.args(), num_kv_splits=4))
+    _check(batch, paged_attention(*batch.args(), kv_splits=FORCED_SPLITS))
 
 
 def test_decode_only_batch(paged_batch) -> None:
@@ -85,9 +87,10 @@ def test_decode_only_batch(paged_batch) -> None:
 
 def test_split_kv_equals_single_pass(paged_batch) -> None:
     # Same math, different order of summation: equal to float32 rounding.
-    batch = paged_batch(*_lens(MIXED))
+    batch = paged_batch(*_lens(DECODE))
     torch.testing.assert_close(
-        paged_attention(*batch.args(), num_kv_splits=4), paged_attention(*batch.args()),
+        paged_attention(*batch.args(), kv_splits=FORCED_SPLITS),
+        paged_attention(*batch.args(), kv_splits=NO_SPLITS),
         atol=1e-6, rtol=1e-6,
     )
 
@@ -129,7 +132,6 @@ def test_rejects_heads_that_do_not_group(paged_batch) -> None:
         paged_attention(*batch.args())
 
 
-def test_rejects_split_count_that_is_not_a_power_of_two(paged_batch) -> None:
-    batch = paged_batch([1], [4])
-    with pytest.raises(ValueError, match="num_kv_splits must be a power of two"):
-        paged_attention(*batch.args(), num_kv_splits=3)
+def test_rejects_split_count_that_is_not_a_power_of_two() -> None:
+    with pytest.raises(ValueError, match="max_splits must be a power of two, got 3"):
+        KVSplitPolicy(target_programs=8, max_splits=3)
