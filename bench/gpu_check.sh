@@ -19,8 +19,10 @@
 #               replay and whole step, then the same steps eagerly), the fixed 64-request
 #               workload offline (bench/gpu_decode.py)
 #   attention   decode attention as 32 layers' calls in one CUDA graph at five shapes, the
-#               skewed one included; prefill attention at 8k and 32k vs SDPA is_causal
-#               (bench/gpu_attention.py)
+#               skewed one included, with splits per sequence and (printed beside it) with
+#               the uniform split count used before, and at 2 and 8 programs per SM; prefill
+#               attention at 8k (every tile shape a warm-up times) and 32k (the default and
+#               the best) vs SDPA is_causal (bench/gpu_attention.py)
 #   serve       the fixed workload as 64 gRPC streams to pagedgen-engine (bench/gpu_serve.py)
 #   peer_hf     HF generate, static cache + torch.compile, batch 1 and the fixed workload
 #               (bench/gpu_peer_hf.py)
@@ -119,7 +121,7 @@ if wants checkpoint || wants decode || wants serve || wants peer_hf; then
 fi
 wants decode && stage decode 100 python3 -m bench.gpu_decode --model "$MODEL" --out "$WORK" \
   "${FLAGS[@]}"
-wants attention && stage attention 60 python3 -m bench.gpu_attention --out "$WORK" "${FLAGS[@]}"
+wants attention && stage attention 90 python3 -m bench.gpu_attention --out "$WORK" "${FLAGS[@]}"
 wants serve && stage serve 80 python3 -m bench.gpu_serve --model "$MODEL" --out "$WORK" \
   --log "$WORK/serve_engine.log" "${FLAGS[@]}"
 wants peer_hf && stage peer_hf 160 python3 -m bench.gpu_peer_hf --model "$MODEL" \
@@ -133,7 +135,7 @@ if wants tests; then
   PAGEDGEN_TEST_MODEL_DIR=$SMOL stage tests 200 python3 -m pytest -q -p no:valkey -n 4 \
     -p tests.support.model_dir_override --timeout 150 -k "not on_cpu" \
     tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_cache_ops.py \
-    tests/kernels/test_kernel_backend.py tests/kernels/test_kernel_split_variants.py \
+    tests/kernels/test_kernel_backend.py tests/kernels/test_kernel_attention_splits.py \
     tests/kernels/test_kernel_index_overflow.py tests/kernels/test_kernel_engine_e2e.py \
     tests/engine/test_warmup.py tests/engine/test_cuda_graphs.py tests/engine/test_mixed_graphs.py
 fi
