@@ -121,3 +121,24 @@ def test_graph_buffers_under_tp2_give_tp1_eager_tokens(seed, tiny_llama_dir, tin
         assert len(got[request_id]) == len(completions), request_id
         for index, (ours_c, ref_c) in enumerate(zip(got[request_id], completions, strict=True)):
             assert_close(ours_c, ref_c, f"seed {seed} request {request_id} completion {index}")
+
+
+def test_a_pool_under_the_buffers_is_refused_on_rank_0_first(tiny_llama_dir):
+    """The buffers read the KV pool where it is (on CUDA, captured): replacing it is refused
+    on rank 0 before the call reaches a worker, so the group lives on and generates."""
+    llm = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", kernel_backend="torch",
+              tensor_parallel_size=2, num_blocks=32, max_num_seqs=4)
+    try:
+        engine = llm.llm_engine
+        engine.runner.capture_decode_graphs(graph_rows(engine.config), engine.max_model_len)
+        with pytest.raises(RuntimeError, match="captured by the decode CUDA graphs"):
+            engine.runner.allocate_kv_cache(32, 0)
+        with pytest.raises(RuntimeError, match="captured by the decode CUDA graphs"):
+            engine.runner.profile_run(16, 1)
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]},
+                           SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 3
+        assert engine.runner.decode_graphs.num_replays > 0
+        assert engine.runner.workers.all_alive()
+    finally:
+        llm.close()

@@ -183,10 +183,12 @@ class TensorParallelRunner:
         return self._run("run_batch", (inputs,), lambda: self._local.run_batch(inputs))
 
     def profile_run(self, num_tokens: int, num_seqs: int) -> int:
+        self._local._refuse_if_captured()  # here, before any worker fails on it
         return self._run("profile_run", (num_tokens, num_seqs, self._utilization),
                          lambda: self._local.profile_run(num_tokens, num_seqs))
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self._local._refuse_if_captured()
         self._run("allocate_kv_cache", (num_blocks, num_cpu_blocks),
                   lambda: _allocate_agreed(self._local, self.group, num_blocks,
                                            num_cpu_blocks, None))
