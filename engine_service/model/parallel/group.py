@@ -144,6 +144,7 @@ def connect_group(store: dist.Store, rank: int, world_size: int, device: torch.d
         log.warning("%s is set: gloo connects its pairs at their first use, so its listening "
                     "ports stay open to every local process (docs/security.md)",
                     LAZY_INIT_ENV)
-    else:
-        refuse_new_connections(listeners)
+    elif not refuse_new_connections(listeners):
+        log.warning("found no gloo listening socket to close (no /proc?): gloo's ports stay "
+                    "open to every local process (docs/security.md)")
     return TensorParallelGroup(rank, world_size, compute, control, timeout)

@@ -43,7 +43,10 @@ _DROP_ALL = (_SockFilter * 1)(_SockFilter(0x06, 0, 0, 0))
 
 
 def listening_sockets() -> dict[str, int]:
-    """This process's TCP sockets in LISTEN: socket inode -> one of its descriptors."""
+    """This process's TCP sockets in LISTEN: socket inode -> one of its descriptors (none
+    where there is no /proc: not Linux)."""
+    if not os.path.isdir("/proc/self/fd"):
+        return {}
     fds = {}
     for name in os.listdir("/proc/self/fd"):
         try:
