@@ -184,6 +184,19 @@ class KVCacheManager:
             needed += num_writers if ref_count > num_writers else num_writers - 1
         return needed
 
+    def table_for_decode(self, seq: Sequence) -> list[int] | None:
+        """seq's table when its next token goes into a block it already holds alone (no new
+        block, no copy-on-write: most decode steps), else None (use blocks_to_grow / grow).
+        One call instead of a plan, blocks_to_grow and grow per sequence per step."""
+        table = self._tables.get(seq.seq_id)
+        computed = seq.num_computed_tokens
+        offset = computed % self.block_size
+        if table is None or offset == 0 or computed // self.block_size >= len(table):
+            return None
+        if self.pool.blocks[table[computed // self.block_size]].ref_count > 1:
+            return None
+        return table
+
     def _shared_partial_block(self, seq: Sequence, table: list[int]) -> int | None:
         """The block seq writes next, when it is partly filled and shared (copy-on-write)."""
         offset = seq.num_computed_tokens % self.block_size

@@ -130,17 +130,21 @@ class Scheduler:
             if not self.swapped:
                 self._admit_waiting(out, budget)
         out.moves = self.kv.take_moves()
+        tables = self.kv.device_tables()
         for item in out.scheduled:
-            item.block_table = self.kv.block_table(item.seq)
+            item.block_table = tables.get(item.seq.seq_id, [])
         return out
 
     def after_forward(self, out: SchedulerOutput) -> None:
         """The step's tokens are in the cache: advance, commit full blocks, and let parked
         sequences share their leader's recomputed prompt (before anyone can finish and free)."""
+        kv = self.kv
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-            self.kv.commit_full_blocks(item.seq, item.group.cache_salt)
-        for group in {id(s.group): s.group for s in out.scheduled}.values():
+            kv.commit_full_blocks(item.seq, item.group.cache_salt)
+        # Only a group of several sequences has followers to unpark (a lone one never parks).
+        groups = {id(s.group): s.group for s in out.scheduled if len(s.group.seqs) > 1}
+        for group in groups.values():
             self._unpark(group)
 
     def _unpark(self, group: SequenceGroup) -> None:
@@ -162,8 +166,23 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
+        running_status, kv = SequenceStatus.RUNNING, self.kv
         while index < len(self.running) and budget > 0:
             group = self.running[index]
+            # The common step of a lone sequence (no beams, no samples): one decode token into
+            # a block it holds alone. Exactly what the general path below does for it (no block
+            # needed: nothing to check, grow or preempt), without its lists.
+            seqs = group.seqs
+            if group.beam is None and len(seqs) == 1:
+                seq = seqs[0]
+                if seq.status is running_status and seq.num_tokens - seq.num_computed_tokens == 1:
+                    table = kv.table_for_decode(seq)
+                    if table is not None:
+                        # out.scheduled, not a local: a preemption rebinds it.
+                        out.scheduled.append(ScheduledSeq(seq, group, 1, True, table))
+                        budget -= 1
+                        index += 1
+                        continue
             plans = self._plan(group, budget)
             if not plans:
                 index += 1
