@@ -136,6 +136,7 @@ if wants tests; then
     -p tests.support.model_dir_override --timeout 150 -k "not on_cpu" \
     tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_cache_ops.py \
     tests/kernels/test_kernel_backend.py tests/kernels/test_kernel_attention_splits.py \
+    tests/kernels/test_kernel_split_engine.py \
     tests/kernels/test_kernel_index_overflow.py tests/kernels/test_kernel_engine_e2e.py \
     tests/engine/test_warmup.py tests/engine/test_cuda_graphs.py tests/engine/test_mixed_graphs.py
 fi
