@@ -1,5 +1,6 @@
 """Runs one forward for the whole mixed batch (prefill chunks + decode tokens) per step."""
 
+import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -7,6 +8,7 @@ import torch
 
 from engine_service.core.scheduler_output import BlockMoves, ScheduledSeq
 from engine_service.model.config import ModelConfig
+from engine_service.model.cpu_malloc import keep_step_buffers
 from engine_service.model.cuda_graphs import DecodeGraphs
 from engine_service.model.dtype import DTYPES
 from engine_service.model.eager_block_tables import EagerBlockTables
@@ -20,6 +22,8 @@ from kernels import get_kernel_backend
 
 if TYPE_CHECKING:
     from engine_service.model.parallel.rank import RankOf
+
+log = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -48,6 +52,9 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
         self.kernels = get_kernel_backend(kernel_backend, self.device)
+        if self.device.type == "cpu":  # each step's large buffers stay in the heap
+            tuning = keep_step_buffers()
+            log.debug("C allocator: %s", tuning.detail)
         if self.device.type == "cuda":
             # Refuse a model too large for the device here, not by an OOM halfway through.
             free, total = torch.cuda.mem_get_info(self.device)
