@@ -21,6 +21,12 @@ table's width); items past the last split exit at once.
 
 `plan_splits` is the same arithmetic on the host: what tests and benchmarks read (the kernel
 never waits for it).
+
+Prefill / mixed batches split too, more simply, when their grid of query tiles is small (a
+short chunk at a long position: 256 new tokens at 30k are 17 tiles per KV head): the host
+gives the grid a split axis of S (`prefill_splits`, from the token and sequence counts, so a
+CUDA graph's bucket fixes it), and each tile cuts its keys into at most S splits of at least
+min_keys_per_split keys; partials go to token x S items.
 """
 
 from __future__ import annotations
@@ -66,6 +72,20 @@ class KVSplitPolicy:
         if self.keys_per_split:
             return bound
         return min(bound, num_seqs + -(-self.target_programs // num_kv_heads))
+
+    def prefill_splits(self, num_q_tiles: int, num_kv_heads: int) -> int:
+        """The split axis of a prefill / mixed batch's grid of num_q_tiles query tiles (a
+        bound from its token and sequence counts): doubled while the grid stays within
+        target_programs, so only a few query tiles (a short chunk over a long context)
+        split. Each tile then cuts its keys into at most that many splits of at least
+        min_keys_per_split keys (forced: keys_per_split keys, up to max_splits) in the
+        kernel. Per-tile partials cost num_tokens x splits rows, bounded the same way."""
+        if self.keys_per_split:
+            return self.max_splits
+        splits, programs = 1, num_q_tiles * num_kv_heads
+        while splits < self.max_splits and programs * splits * 2 <= self.target_programs:
+            splits *= 2
+        return splits
 
     def tiles_per_split(self, total_tiles: int, num_kv_heads: int, tile_n: int) -> int:
         """P in key tiles, from the batch's total key tiles (the kernel's arithmetic)."""

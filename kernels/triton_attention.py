@@ -87,11 +87,6 @@ def _plan_tiles_per_split(
 
 
 @jit
-def _add(a, b):
-    return a + b
-
-
-@jit
 def _locate_work_item(
     seq_lens_ptr,  # [num_seqs] int32
     num_seqs,
@@ -111,7 +106,9 @@ def _locate_work_item(
         lens = tl.load(seq_lens_ptr + index, mask=valid, other=0)
         splits = _split_count((lens + TILE_N - 1) // TILE_N, tiles_per_split, MAX_SPLITS)
         splits = tl.where(valid, splits, 0)
-        ends = done + tl.associative_scan(splits, 0, _add)  # one past each sequence's items
+        # One past each sequence's items (a combine function of the interpreter's own: a jit
+        # one runs element by element there, 10x slower).
+        ends = done + tl.associative_scan(splits, 0, SUM_COMBINE)
         before = valid & (ends <= work)  # sequences wholly before this item
         seq += tl.reduce(before.to(tl.int32), 0, SUM_COMBINE)
         first = tl.maximum(first, tl.reduce(tl.where(before, ends, 0), 0, MAX_COMBINE))
@@ -127,10 +124,10 @@ ATTENTION_PER_STEP_ARGS = ("num_seqs", "stride_table_seq", "target_programs",
 @jit(do_not_specialize=ATTENTION_PER_STEP_ARGS)
 def paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_size]
-    partial_acc_ptr,  # [work_items, num_heads, HEAD_PAD] fp32        (DECODE, MAX_SPLITS > 1)
-    partial_max_ptr,  # [work_items, num_heads] fp32, log2 domain
-    partial_sum_ptr,  # [work_items, num_heads] fp32
-    split_meta_ptr,  # [num_seqs, 2] int32: each sequence's first work item and split count
+    partial_acc_ptr,  # [items, num_heads, HEAD_PAD] fp32  (items: decode work items, or
+    partial_max_ptr,  # [items, num_heads] fp32, log2       tokens x key splits of prefill)
+    partial_sum_ptr,  # [items, num_heads] fp32
+    split_meta_ptr,  # [num_tokens, 2] int32: each token's first item and split count
     query_ptr,  # [num_tokens, num_heads, head_size]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -184,6 +181,7 @@ def paged_attention_kernel(
         split = work - first_work
     else:
         tile_index = tl.program_id(0)
+        split = tl.program_id(2)
         seq = _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q)
         q_tile_in_seq = tile_index - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -226,9 +224,22 @@ def paged_attention_kernel(
                 tl.store(split_meta_ptr + 2 * seq, first_work)
                 tl.store(split_meta_ptr + 2 * seq + 1, num_splits)
     else:
-        num_splits = 1
-        first_kv_tile = 0
-        end_kv_tile = num_kv_tiles
+        # Few query tiles over long contexts (the host gave the grid a split axis): the tile's
+        # keys cut evenly into as many splits as that axis has, each of at least
+        # min_tiles_per_split tiles (or forced_tiles_per_split, when > 0).
+        min_tiles = tl.where(forced_tiles_per_split > 0, forced_tiles_per_split,
+                             min_tiles_per_split)
+        num_splits = tl.maximum(tl.minimum(tl.num_programs(2), num_kv_tiles // min_tiles), 1)
+        if split >= num_splits:
+            return
+        first_kv_tile = split * num_kv_tiles // num_splits
+        end_kv_tile = (split + 1) * num_kv_tiles // num_splits
+        if tl.num_programs(2) > 1:
+            if split == 0:  # each token's partials: items token * S .. token * S + count - 1
+                first_item = (token * tl.num_programs(2)).to(tl.int32)
+                tl.store(split_meta_ptr + 2 * token, first_item, mask=row_valid)
+                tl.store(split_meta_ptr + 2 * token + 1, num_splits + first_item * 0,
+                         mask=row_valid)
 
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -274,13 +285,18 @@ def paged_attention_kernel(
 
     out_mask = row_valid[:, None] & dim_valid[None, :]
     o_offsets = token[:, None] * stride_o_token + head[:, None] * stride_o_head + dims[None, :]
-    if MAX_SPLITS == 1:
+    if DECODE and MAX_SPLITS == 1:
         _store_output(out_ptr + o_offsets, acc, running_sum, out_mask)
     elif num_splits == 1:
         _store_output(out_ptr + o_offsets, acc, running_sum, out_mask)
     else:
-        # One partial per (work item, head); partial buffers are contiguous.
-        row_id = (work * (QUERIES_PER_KV * tl.num_programs(1)) + head).to(tl.int64)
+        # One partial per (item, head), items numbered as the combine kernel reads them:
+        # decode, the work item; prefill, token * splits + split.
+        if DECODE:
+            item = work + rows * 0
+        else:
+            item = token * tl.num_programs(2) + split
+        row_id = (item * (QUERIES_PER_KV * tl.num_programs(1)) + head).to(tl.int64)
         tl.store(partial_max_ptr + row_id, running_max, mask=row_valid)
         tl.store(partial_sum_ptr + row_id, running_sum, mask=row_valid)
         tl.store(partial_acc_ptr + row_id[:, None] * HEAD_PAD + dims[None, :], acc, mask=out_mask)
@@ -294,13 +310,15 @@ def _store_output(out_ptrs, acc, running_sum, mask):
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
-@jit
+@jit(do_not_specialize=("num_seqs",))
 def _combine_splits_kernel(
-    out_ptr,  # [num_seqs, num_heads, head_size]: a decode batch, token i of sequence i
-    partial_acc_ptr,  # [work_items, num_heads, HEAD_PAD] fp32
-    partial_max_ptr,  # [work_items, num_heads] fp32, log2 domain
-    partial_sum_ptr,  # [work_items, num_heads] fp32
-    split_meta_ptr,  # [num_seqs, 2] int32: first work item, split count
+    out_ptr,  # [num_tokens, num_heads, head_size]
+    partial_acc_ptr,  # [items, num_heads, HEAD_PAD] fp32
+    partial_max_ptr,  # [items, num_heads] fp32, log2 domain
+    partial_sum_ptr,  # [items, num_heads] fp32
+    split_meta_ptr,  # [num_tokens, 2] int32: the token's first item, its split count
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    num_seqs,
     stride_o_token,
     stride_o_head,
     HEAD_SIZE: tl.constexpr,
@@ -310,6 +328,10 @@ def _combine_splits_kernel(
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
+    # A mixed-step graph's padding tokens belong to no sequence: no program wrote their
+    # split metadata (nor their output), so there is nothing to read.
+    if token >= tl.load(query_start_loc_ptr + num_seqs):
+        return
     first = tl.load(split_meta_ptr + 2 * token)
     num_splits = tl.load(split_meta_ptr + 2 * token + 1)
     if num_splits == 1:
@@ -372,36 +394,45 @@ def paged_attention(
     group_rows = max(MIN_DOT_ROWS, triton.next_power_of_2(queries_per_kv))
     decode = num_tokens == num_seqs
     policy = kv_splits or default_split_policy(query.device)
-    max_splits = policy.max_splits if decode else 1
     if decode:
         # Decode rows hold one token each, so a taller tile would only add masked rows.
         block_m, tile_n = group_rows, decode_tile_n(block_size)
         num_warps = 4 if query.dtype != torch.float32 else fp32_num_warps(head_pad)
         num_stages = None
         grid_rows = num_seqs
-        if max_splits > 1:
+        if policy.max_splits > 1:
             grid_rows = policy.work_items(num_seqs, num_kv_heads,
                                           block_tables.shape[1] * block_size)
+        grid = (grid_rows, num_kv_heads, 1)
+        items = grid_rows if policy.max_splits > 1 else 0
     else:
         tiles = prefill_tiles or default_prefill_tiles(query.dtype, head_pad, block_size)
         block_m, tile_n = max(tiles.block_m, group_rows), tiles.tile_n
         num_warps, num_stages = tiles.num_warps, tiles.num_stages
-        grid_rows = num_tokens // (block_m // queries_per_kv) + num_seqs  # see module docstring
+        num_q_tiles = num_tokens // (block_m // queries_per_kv) + num_seqs  # module docstring
+        prefill_splits = policy.prefill_splits(num_q_tiles, num_kv_heads)
+        grid = (num_q_tiles, num_kv_heads, prefill_splits)
+        items = num_tokens * prefill_splits if prefill_splits > 1 else 0
     block_q = block_m // queries_per_kv
-    if max_splits > 1:
-        f32 = dict(dtype=torch.float32, device=query.device)
-        partial_acc = torch.empty((grid_rows, num_heads, head_pad), **f32)
-        partial_max = torch.empty((grid_rows, num_heads), **f32)
+    f32 = dict(dtype=torch.float32, device=query.device)
+    if items:
+        partial_acc = torch.empty((items, num_heads, head_pad), **f32)
+        partial_max = torch.empty((items, num_heads), **f32)
         partial_sum = torch.empty_like(partial_max)
-        split_meta = torch.empty((num_seqs, 2), dtype=torch.int32, device=query.device)
+        split_meta = torch.empty((num_tokens, 2), dtype=torch.int32, device=query.device)
+    elif decode:
+        partial_acc = partial_max = partial_sum = out  # unused (MAX_SPLITS == 1)
+        split_meta = seq_lens
     else:
-        partial_acc = partial_max = partial_sum = out  # unused (no sequence splits)
-        split_meta = seq_lens  # unused
+        # Never written with one split, but of the split case's types, so that both run one
+        # compiled variant.
+        partial_acc = partial_max = partial_sum = torch.empty(1, **f32)
+        split_meta = torch.empty(2, dtype=torch.int32, device=query.device)
     min_tiles = -(-policy.min_keys_per_split // tile_n)
     forced_tiles = -(-policy.keys_per_split // tile_n)
     options = {} if num_stages is None else {"num_stages": num_stages}
     count_launch("paged_attention")
-    paged_attention_kernel[(grid_rows, num_kv_heads)](
+    paged_attention_kernel[grid](
         out, partial_acc, partial_max, partial_sum, split_meta,
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         scale * LOG2_E, num_seqs,
@@ -418,18 +449,18 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         DECODE=decode,
-        MAX_SPLITS=max_splits,
+        MAX_SPLITS=policy.max_splits if decode else 1,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=INTERPRETED and torch.bfloat16 in (query.dtype, key_cache.dtype),
         num_warps=num_warps,
         **options,
     )
-    if max_splits > 1:
+    if items:
         count_launch("combine_splits")
-        _combine_splits_kernel[(num_seqs, num_heads)](
-            out, partial_acc, partial_max, partial_sum, split_meta,
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            out, partial_acc, partial_max, partial_sum, split_meta, query_start_loc, num_seqs,
             out.stride(0), out.stride(1),
-            HEAD_SIZE=head_size, HEAD_PAD=head_pad, MAX_SPLITS=max_splits,
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, MAX_SPLITS=policy.max_splits,
         )
     return out
 

@@ -95,6 +95,38 @@ def test_padding_rows_of_a_decode_graph_split_too() -> None:
                                atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_short_chunk_at_a_long_position_splits_its_keys(dtype: torch.dtype) -> None:
+    # A 20-token chunk ending a 600-token context beside decodes: few query tiles, so the
+    # policy gives the grid a split axis and each tile cuts its keys (rows near the chunk's
+    # start see fewer keys than its last row: some of their splits are empty).
+    query_lens, context_lens = [1, 20, 1, 3], [9, 600, 40, 3]
+    policy = KVSplitPolicy(target_programs=64, min_keys_per_split=64, max_splits=8)
+    num_q_tiles = sum(query_lens) // 8 + len(query_lens)  # more than the kernel has
+    assert policy.prefill_splits(num_q_tiles, 2) > 1
+    batch = make_paged_batch(query_lens, context_lens, num_heads=4, num_kv_heads=2,
+                             head_size=32, dtype=dtype, seed=8)
+    out = paged_attention(*batch.args(), kv_splits=policy)
+    _check(batch, out)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, paged_attention(*batch.args(), kv_splits=NO_SPLITS),
+                                   atol=1e-6, rtol=1e-6)
+
+
+def test_split_chunk_with_padding_tokens_of_a_mixed_graph() -> None:
+    # A mixed-step graph's bucket has tokens past the last sequence's (no sequence, output
+    # left unwritten): the combine step must not read their (unwritten) split metadata.
+    query_lens, context_lens = [1, 20], [9, 600]
+    batch = make_paged_batch(query_lens, context_lens, num_heads=4, num_kv_heads=2,
+                             head_size=32, seed=9)
+    real = batch.query.shape[0]
+    padded = torch.randn(real + 5, 4, 32, generator=torch.Generator().manual_seed(1))
+    padded[:real] = batch.query
+    policy = KVSplitPolicy(target_programs=64, min_keys_per_split=64, max_splits=8)
+    out = paged_attention(padded.to(batch.query.device), *batch.args()[1:], kv_splits=policy)
+    _check(batch, out[:real])
+
+
 # ---- the policy's arithmetic (host mirror of the kernel's) ----------------------------------
 
 H200_SMS, H200_KV_HEADS, TILE = 132, 8, 32
@@ -139,6 +171,16 @@ def test_split_count_never_falls_as_a_sequence_grows() -> None:
             for tiles, splits in enumerate(counts, start=1):
                 assert 1 <= splits <= tiles
                 assert splits == cap or -(-tiles // splits) <= per
+
+
+def test_prefill_splits_only_small_grids() -> None:
+    # 256 new tokens at a long position (Llama-8B: 64-row tiles of 16 tokens): 17 tiles x 8
+    # KV heads -> 2 splits; a 2,048-token chunk, or 64 decodes beside a chunk, none.
+    assert H200.prefill_splits(256 // 16 + 1, 8) == 2
+    assert H200.prefill_splits(2048 // 16 + 1, 8) == 1
+    assert H200.prefill_splits(64 + 256 // 16 + 65, 8) == 1
+    assert H200.prefill_splits(2, 8) == 32  # a 16-token chunk: up to 32 (min keys decide)
+    assert NO_SPLITS.prefill_splits(1, 1) == 1
 
 
 def test_more_keys_in_the_batch_never_mean_smaller_splits() -> None:

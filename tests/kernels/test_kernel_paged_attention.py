@@ -68,10 +68,11 @@ def test_gqa_group_sizes(paged_batch, num_heads: int, num_kv_heads: int) -> None
     _check(batch, paged_attention(*batch.args()))
 
 
-def test_split_policy_leaves_mixed_batch_unsplit(paged_batch) -> None:
-    # Only decode batches split; a policy that would cut every sequence changes nothing here.
+def test_split_kv_mixed_batch(paged_batch) -> None:
+    # Up to 4 splits of 32+ keys per query tile; context 1 .. 333: some tiles split, some not.
     batch = paged_batch(*_lens(MIXED), dtype=torch.float16)
-    _check(batch, paged_attention(*batch.args(), kv_splits=FORCED_SPLITS))
+    policy = KVSplitPolicy(target_programs=1, keys_per_split=32, max_splits=4)
+    _check(batch, paged_attention(*batch.args(), kv_splits=policy))
 
 
 def test_split_kv_decode_only(paged_batch) -> None:
