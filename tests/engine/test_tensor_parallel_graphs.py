@@ -12,13 +12,17 @@ The torch reference attention runs the mixed-step buffers (the C++ CPU kernel in
 query_start_loc ends at the token count; tests/engine/test_mixed_graphs.py says so).
 """
 
+import os
 import random
+import signal
+import threading
 
 import pytest
 
 from engine_service import LLM, SamplingParams
 from engine_service.core.errors import InvalidRequestError
 from engine_service.model.kv_cache_setup import graph_rows
+from engine_service.model.parallel.errors import TensorParallelError
 from tests.engine.test_tensor_parallel import TOP, assert_close
 
 SEEDS = (10, 11, 23)  # recompute / swap alternate; prefix caching in 10 and 23
@@ -142,3 +146,32 @@ def test_a_pool_under_the_buffers_is_refused_on_rank_0_first(tiny_llama_dir):
         assert engine.runner.workers.all_alive()
     finally:
         llm.close()
+
+
+def test_a_worker_killed_mid_step_in_the_buffers_fails_the_step_naming_it(tiny_llama_dir):
+    """A worker SIGKILLed while the steps run through the buffers: the step fails at once with
+    TensorParallelError naming the rank and its exit (rank 0 sees the closed connection before
+    the exit can be reaped: the error waits for it briefly rather than blaming the collective),
+    and close() leaves no process."""
+    llm = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", kernel_backend="torch",
+              tensor_parallel_size=2, num_blocks=400, max_num_seqs=8)
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    worker = runner.workers.procs[0]
+    try:
+        runner.capture_decode_graphs(graph_rows(engine.config), engine.max_model_len)
+        runner.capture_mixed_graphs(engine.config.max_num_batched_tokens)
+        for i in range(8):
+            engine.add_request(str(i), [5 + i, 6, 7],
+                               SamplingParams(temperature=0, max_tokens=700, ignore_eos=True))
+        while runner.decode_graphs.num_replays == 0:
+            engine.step()
+        killer = threading.Timer(0.2, os.kill, (worker.pid, signal.SIGKILL))
+        killer.start()
+        with pytest.raises(TensorParallelError) as raised:
+            while engine.has_unfinished_requests():
+                engine.step()
+        killer.join()
+        assert f"rank 1 (pid {worker.pid}) exited with status -9" in str(raised.value)
+    finally:
+        llm.close()
+    assert worker.returncode == -9

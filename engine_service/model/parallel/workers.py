@@ -33,6 +33,10 @@ STARTUP_TIMEOUT_S = 300.0  # from spawn to the rendezvous (imports, on a loaded 
 STOP_GRACE_S = 5.0
 WATCH_INTERVAL_S = 0.1
 MAX_ERROR_BYTES = 2000  # of a worker's message on its report pipe
+# How long a failed collective waits for a worker's exit before blaming the collective: a
+# killed rank's sockets close before its exit can be reaped, so rank 0 often sees the closed
+# connection first (seen: 'Connection reset by peer ... a remote worker hanging').
+EXIT_GRACE_S = 0.5
 
 
 TERM_GRACE_S = 2.0
@@ -214,6 +218,10 @@ class Workers:
     def error(self, cause: BaseException | None) -> TensorParallelError:
         """What went wrong, naming the rank: its exit and its own message when it died, else
         the collective's error (a timeout: a rank that hangs)."""
+        if cause is not None:
+            deadline = time.monotonic() + EXIT_GRACE_S
+            while self.all_alive() and time.monotonic() < deadline:
+                time.sleep(0.01)
         dead = []
         for rank, proc in enumerate(self.procs, start=1):
             if proc.poll() is None:
