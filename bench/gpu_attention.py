@@ -10,6 +10,8 @@ through the pool as after some churn.
   is timed, as a decode step runs them: no host launch gaps, and 32 layers' K/V (1 GB and
   more) never fit the L2, so every byte comes from HBM. Figure: bytes the calls must move
   (all K/V once, Q in, O out) / time, read against the measured read bandwidth.
+- A prompt chunk of 256 new tokens after 30,720 cached (few query tiles over a long context),
+  with and without the split policy (not a target; the figure the policy is for).
 - Prefill: one sequence of 8,192 and of 32,768 new tokens, causal, through the paged kernel;
   against torch SDPA with is_causal=True on contiguous K/V (the FlashAttention-class
   baseline: no mask tensor, which would rule out the flash and cuDNN backends), on each
@@ -50,6 +52,8 @@ DECODE_SHAPES = (
     ("decode skewed 1x32768+63x512", [32768] + [512] * 63),
 )
 PREFILL_LENGTHS = (8192, 32768)
+CHUNK_SHAPE = (256, 30720)  # a prompt chunk of 256 new tokens after 30,720 cached
+DRY_CHUNK_SHAPE = (16, 240)
 DRY_MODEL = ModelShape(num_heads=4, num_kv_heads=2, head_size=16, num_layers=2)
 DRY_DECODE_SHAPES = (("decode 2x64", [64] * 2), ("decode skewed 1x256+3x32", [256] + [32] * 3))
 DRY_PREFILL_LENGTHS = (64, 128)
@@ -258,6 +262,34 @@ def prefill_case(backend, model: ModelShape, length: int, device: str, dtype: to
     return result
 
 
+def chunk_case(backend, model: ModelShape, new: int, cached: int, device: str,
+               dtype: torch.dtype) -> dict:
+    """A short prompt chunk at a long position (few query tiles): with the engine's split
+    policy (the chunk's tiles split their keys when the grid is small) and without (Triton;
+    other backends once). One layer's call, in TFLOP/s and in K/V bytes read / time."""
+    caches, tables, seq_lens_t = _paged_kv(model, 1, [cached + new], device, dtype)
+    qsl = torch.tensor([0, new], dtype=torch.int32, device=device)
+    query = torch.randn(new, model.num_heads, model.head_size, device=device, dtype=dtype)
+    flops = 4 * model.num_heads * model.head_size * causal_pairs(new, cached)
+    elem = torch.empty((), dtype=dtype).element_size()
+    nbytes = 2 * (cached + new) * model.num_kv_heads * model.head_size * elem
+    policies = {"default": None}
+    if backend.name == "triton":
+        policies = {"split": _policy(device, model), "unsplit": NO_SPLITS}
+    row = {"name": f"chunk {new} at {cached}", "new_tokens": new, "cached_tokens": cached,
+           "flops": flops, "bytes": nbytes}
+    for label, policy in policies.items():
+        extra = {} if policy is None else {"kv_splits": policy}
+
+        def call(extra=extra) -> None:
+            backend.paged_attention(query, caches[0, 0], caches[0, 1], tables, seq_lens_t, qsl,
+                                    model.head_size**-0.5, **extra)
+
+        ms = median(time_ms(call, PREFILL_REPEATS, warmup=1, device=device))
+        row[label] = {"ms": ms, "tflops": flops / ms / 1e9, "gb_per_s": nbytes / ms / 1e6}
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_attention",
                                 description=__doc__.split("\n\n")[0])
@@ -312,6 +344,15 @@ def main(argv: list[str] | None = None) -> None:
             row = failure({"name": f"prefill {length}", "tokens": length}, error)
         report.append("prefill", row)
         _release(device)
+    new, cached = DRY_CHUNK_SHAPE if args.dry else CHUNK_SHAPE
+    try:
+        row = chunk_case(backend, model, new, cached, device, dtype)
+        log(f"{row['name']}: " + "; ".join(
+            f"{label} {row[label]['tflops']:.1f} TFLOP/s, {row[label]['gb_per_s']:.0f} GB/s"
+            for label in ("split", "unsplit", "default") if label in row))
+    except Exception as error:
+        row = failure({"name": f"chunk {new} at {cached}"}, error)
+    report.append("chunk", row)
     report.done()
 
 
