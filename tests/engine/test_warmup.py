@@ -50,3 +50,17 @@ def test_no_kernel_compiles_after_warm_up_on_cuda(tiny_llama_dir) -> None:
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 5, 17, 40, 100, 200)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert compiled_variant_counts() == after_warm_up
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_warm_up_times_prefill_tiles_and_keeps_the_fastest_on_cuda(tiny_llama_dir) -> None:
+    """CUDA + Triton: the prefill tile shapes (kernels/attention_tiles.py) are timed once and
+    the fastest is bound into the runner's attention (the graphs captured after replay it)."""
+    llm = LLM(model=str(tiny_llama_dir), device="cuda", kernel_backend="triton",
+              dtype="bfloat16", num_blocks=256, max_num_seqs=8, max_num_batched_tokens=256)
+    report = llm.llm_engine.kv_setup.warmup
+    timed = {k: v for k, v in report.prefill_timings_ms.items() if isinstance(v, float)}
+    assert timed and report.prefill_tiles in timed
+    assert timed[report.prefill_tiles] == min(timed.values())
+    attention = llm.llm_engine.runner.kernels.paged_attention
+    assert attention.keywords["prefill_tiles"].describe() == report.prefill_tiles
