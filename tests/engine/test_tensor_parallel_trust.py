@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -25,9 +26,9 @@ import torch.distributed as dist
 from engine_service import LLM, SamplingParams
 from engine_service.model.parallel.channel import StepChannel
 from engine_service.model.parallel.errors import TensorParallelError
-from engine_service.model.parallel.launch import nccl_store_users
+from engine_service.model.parallel.launch import environ_set, nccl_environment, nccl_store_users
 from engine_service.model.parallel.worker import STOP_AT_ENV
-from engine_service.model.parallel.workers import serve_store
+from engine_service.model.parallel.workers import Workers, serve_store
 from tests.service.test_engine_death import child_pids
 from tests.support.gloo_pair import two_channels
 from tests.support.listening import listening_addresses
@@ -216,8 +217,8 @@ def test_the_store_is_closed_once_every_rank_is_ready(nccl_env, tiny_llama_dir, 
 def test_the_nccl_features_that_use_the_store_are_named():
     """On CUDA the store closes after the start unless an NCCL feature set in the environment
     still talks through it (launch.nccl_store_users): then it stays open, with a warning
-    naming the feature. TORCH_NCCL_DUMP_ON_TIMEOUT, on by torch's default, is set to 0 by
-    the engine unless the user set it."""
+    naming the feature. TORCH_NCCL_DUMP_ON_TIMEOUT, on by torch's default, is set to 0 for
+    the ranks unless the user set it (launch.nccl_environment)."""
     assert nccl_store_users({}) == []
     assert nccl_store_users({"TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
                              "TORCH_NCCL_PROPAGATE_ERROR": "False",
@@ -230,6 +231,39 @@ def test_the_nccl_features_that_use_the_store_are_named():
                              "TORCH_DISTRIBUTED_DEBUG": "detail"}) == [
         "TORCH_NCCL_PROPAGATE_ERROR=true", "TORCH_NCCL_DESYNC_DEBUG=maybe",
         "TORCH_DISTRIBUTED_DEBUG=DETAIL"]
+
+
+DUMP = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+
+
+def test_the_nccl_dump_setting_reaches_the_ranks_and_leaves_the_process_as_it_was(monkeypatch):
+    """On CUDA the flight recorder's dump (it talks through the store, which closes) is
+    turned off for the engine's ranks unless the user set it: in the workers' environment,
+    and in rank 0's only while its group is made (environ_set). It was set in os.environ for
+    good, so an offline LLM turned it off for the user's own NCCL groups made later in the
+    process. (The CUDA start itself needs two GPUs; these are its parts.)"""
+    monkeypatch.delenv(DUMP, raising=False)
+    assert nccl_environment("cuda", os.environ) == {DUMP: "0"}
+    assert nccl_environment("cuda", {DUMP: "1"}) == {}
+    assert nccl_environment("cpu", os.environ) == {}
+    with environ_set({DUMP: "0"}):
+        assert os.environ[DUMP] == "0"
+    assert DUMP not in os.environ
+    monkeypatch.setenv(DUMP, "1")
+    with pytest.raises(KeyError), environ_set({DUMP: "0"}):
+        raise KeyError("the start failed")
+    assert os.environ[DUMP] == "1"
+    monkeypatch.delenv(DUMP)
+    # A worker's environment has it (read in /proc while the worker is stopped), ours not.
+    workers = Workers(SimpleNamespace(threads=1), 2, "127.0.0.1", 0, extra_env={DUMP: "0"})
+    try:
+        worker = workers.procs[0].pid
+        os.kill(worker, signal.SIGSTOP)
+        environ = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
+        assert f"{DUMP}=0".encode() in environ
+        assert DUMP not in os.environ
+    finally:
+        workers.kill()
 
 
 def _listening_ports(pid: int) -> set[int]:

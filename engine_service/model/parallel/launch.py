@@ -2,7 +2,8 @@
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 
@@ -42,13 +43,40 @@ _OFF = ("", "0", "false", "no", "n", "off")
 def nccl_store_users(env: Mapping[str, str]) -> list[str]:
     """The NCCL features `env` turns on that need the store after the start (as 'NAME=value');
     a value other than a clear 'off' counts as on, an unset one as off (TORCH_NCCL_DUMP_ON_
-    TIMEOUT is on by torch's default: start_tensor_parallel sets it to 0 before it asks,
-    unless the user set it)."""
+    TIMEOUT is on by torch's default: start_tensor_parallel asks with nccl_environment's
+    value added)."""
     users = [f"{name}={env[name]}" for name in NCCL_STORE_FEATURES
              if name in env and env[name].strip().lower() not in _OFF]
     if env.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL":
         users.append("TORCH_DISTRIBUTED_DEBUG=DETAIL")
     return users
+
+
+def nccl_environment(device_type: str, env: Mapping[str, str]) -> dict[str, str]:
+    """What the ranks' NCCL groups are made under beyond `env`: on CUDA the flight recorder's
+    dump off (TORCH_NCCL_DUMP_ON_TIMEOUT=0) unless `env` sets it. The dump signal goes
+    through the store, which closes after the start; a timeout is reported by the engine
+    (TensorParallelError) either way."""
+    if device_type != "cuda" or "TORCH_NCCL_DUMP_ON_TIMEOUT" in env:
+        return {}
+    return {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+
+
+@contextmanager
+def environ_set(values: Mapping[str, str]) -> Iterator[None]:
+    """`values` in os.environ while the block runs, then each name as it was (unset if it
+    was). For rank 0's NCCL group, which reads its settings as it is made: an offline LLM
+    lives in the user's process, whose own NCCL groups made later keep their defaults."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def start_tensor_parallel(config, model_config: ModelConfig,
@@ -64,19 +92,17 @@ def start_tensor_parallel(config, model_config: ModelConfig,
     threads = _env_int("PAGEDGEN_TP_THREADS", DEFAULT_THREADS_PER_RANK, 1)
     if config.device == "cpu":
         torch.set_num_threads(threads)  # rank 0 is this process
-    keeps_store: list[str] = []
-    if config.device == "cuda":
-        # The dump signal goes through the store, which closes after the start; a timeout
-        # is reported by the engine (TensorParallelError) either way. Set before the
-        # workers start (they inherit it) and before rank 0's process group reads it.
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
-        keeps_store = nccl_store_users(os.environ)
+    # In the workers' environment, and in rank 0's only while its group is made.
+    nccl_env = nccl_environment(config.device, os.environ)
+    keeps_store = (nccl_store_users({**os.environ, **nccl_env}) if config.device == "cuda"
+                   else [])
     spec = WorkerSpec(config, max_model_len, config.tensor_parallel_timeout_s, threads)
-    workers = Workers(spec, world_size, host, port)
+    workers = Workers(spec, world_size, host, port, extra_env=nccl_env)
     try:
         workers.wait_up()
         device = torch.device("cuda:0" if config.device == "cuda" else "cpu")
-        group = workers.connect(device, config.tensor_parallel_timeout_s)
+        with environ_set(nccl_env):
+            group = workers.connect(device, config.tensor_parallel_timeout_s)
         local = ModelRunner(
             model_config, dtype=config.dtype, device=str(device),
             kernel_backend=config.kernel_backend, block_size=config.block_size,

@@ -123,7 +123,9 @@ def _hand_secret(proc: subprocess.Popen, secret: str) -> None:
 
 
 class Workers:
-    def __init__(self, spec: object, world_size: int, host: str, port: int) -> None:
+    def __init__(self, spec: object, world_size: int, host: str, port: int,
+                 extra_env: dict[str, str] | None = None) -> None:
+        """extra_env: set in the workers' environment beside this process's."""
         self.world_size = world_size
         self.host = host
         self.stopped = False
@@ -132,7 +134,7 @@ class Workers:
         self.secret = new_secret()  # this engine's: on the workers' stdin only
         self.store.set("spec", seal(self.secret.encode(), b"spec", pickle.dumps(spec)))
         address = f"{host}:{self.store.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads)}
+        env = {**os.environ, **(extra_env or {}), "OMP_NUM_THREADS": str(spec.threads)}
         # Each worker's error, as text, on a pipe of its own (the store is open to every local
         # process, and closes once the ranks are ready): read when the worker has exited.
         self._reports: list[int] = []
