@@ -289,12 +289,14 @@ def _open_files(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def test_gloo_listeners_take_no_connection_after_the_start(tiny_llama_dir):
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_gloo_listeners_take_no_connection_after_the_start(host, tiny_llama_dir, monkeypatch):
     """gloo keeps every connection made to a rank's listening ports open for the process's
     life (measured: 100 connections opened and closed by a client, 100 descriptors kept), so
     any local process could use up a rank's open-file limit. Once the groups are connected
     their listeners drop every packet (listeners.py): a client's connect times out and takes
-    no descriptor in either rank, and the engine still generates."""
+    no descriptor in either rank, and the engine still generates. On IPv6 too."""
+    monkeypatch.setenv("PAGEDGEN_TP_HOST", host)
     ours_before = _listening_ports(os.getpid())
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=32)
     try:
@@ -307,9 +309,48 @@ def test_gloo_listeners_take_no_connection_after_the_start(tiny_llama_dir):
             for port in pid_ports:
                 for _ in range(3):
                     with pytest.raises(TimeoutError):
-                        socket.create_connection(("127.0.0.1", port), timeout=0.3).close()
+                        socket.create_connection((host, port), timeout=0.3).close()
         assert {pid: _open_files(pid) for pid in ports} == open_files
         out = llm.generate("The capital of France is", SamplingParams(max_tokens=3))
         assert len(out[0].outputs[0].token_ids) == 3
     finally:
         llm.close()
+
+
+def test_a_listener_another_thread_opens_while_gloo_starts_keeps_its_traffic(tiny_llama_dir,
+                                                                            monkeypatch):
+    """The filter goes on the listeners that appear while a gloo device is made *and* whose
+    address the rank published for gloo: a server the user's process opens in that window
+    (here, inside create_device, as another thread could) is not gloo's and keeps taking
+    connections (it timed out every connect before), while gloo's still refuse."""
+    create = dist.ProcessGroupGloo.create_device
+    servers: list[socket.socket] = []
+
+    def create_while_a_server_opens(*args, **kwargs):
+        device = create(*args, **kwargs)
+        server = socket.socket()
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        servers.append(server)
+        return device
+
+    monkeypatch.setattr(dist.ProcessGroupGloo, "create_device",
+                        staticmethod(create_while_a_server_opens))
+    ours_before = _listening_ports(os.getpid())
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=32)
+    try:
+        assert len(servers) == 2  # a control, a compute device
+        server_ports = {server.getsockname()[1] for server in servers}
+        gloo_ports = _listening_ports(os.getpid()) - ours_before - server_ports
+        assert len(gloo_ports) == 2, gloo_ports
+        for server in servers:
+            socket.create_connection(server.getsockname(), timeout=DEADLINE_S).close()
+        for port in gloo_ports:
+            with pytest.raises(TimeoutError):
+                socket.create_connection(("127.0.0.1", port), timeout=0.3).close()
+        out = llm.generate("The capital of France is", SamplingParams(max_tokens=3))
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        llm.close()
+        for server in servers:
+            server.close()

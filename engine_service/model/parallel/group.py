@@ -103,9 +103,11 @@ class TensorParallelGroup:
 
 
 def _gloo(store: dist.Store, rank: int, world_size: int, host: str,
-          timeout: datetime.timedelta, listeners: set[str]) -> dist.ProcessGroupGloo:
-    """A gloo group, connected to every rank; the socket inodes of its device's listeners
-    are added to `listeners` (listeners.py)."""
+          timeout: datetime.timedelta, listeners: set[str],
+          published: list[bytes]) -> dist.ProcessGroupGloo:
+    """A gloo group, connected to every rank; the socket inodes of the listening sockets
+    that appeared while its device was made are added to `listeners`, and the address this
+    rank published for the group to `published` (listeners.py)."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     before = listening_sockets().keys()
@@ -113,7 +115,11 @@ def _gloo(store: dist.Store, rank: int, world_size: int, host: str,
     # machine's hostname resolves to.
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     listeners |= listening_sockets().keys() - before
-    return dist.ProcessGroupGloo(store, rank, world_size, options)
+    group = dist.ProcessGroupGloo(store, rank, world_size, options)
+    key = f"0/{rank}"  # gloo's: device 0, this rank (absent under TORCH_GLOO_LAZY_INIT)
+    if store.check([key]):
+        published.append(store.get(key))
+    return group
 
 
 def connect_group(store: dist.Store, rank: int, world_size: int, device: torch.device,
@@ -123,8 +129,9 @@ def connect_group(store: dist.Store, rank: int, world_size: int, device: torch.d
     it); a worker's waits for the next step as long as the engine idles."""
     timeout = datetime.timedelta(seconds=timeout_s)
     listeners: set[str] = set()
+    published: list[bytes] = []
     control = _gloo(dist.PrefixStore("control", store), rank, world_size, host,
-                    timeout if rank == 0 else CONTROL_TIMEOUT, listeners)
+                    timeout if rank == 0 else CONTROL_TIMEOUT, listeners, published)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -137,14 +144,15 @@ def connect_group(store: dist.Store, rank: int, world_size: int, device: torch.d
         compute.eager_connect_single_device(device)
     else:
         compute = _gloo(dist.PrefixStore("compute", store), rank, world_size, host, timeout,
-                        listeners)
+                        listeners, published)
     # Every pair is connected: gloo's listeners would only take other processes'
     # connections from now on, and keep each one open (listeners.py).
     if lazy_init():
         log.warning("%s is set: gloo connects its pairs at their first use, so its listening "
                     "ports stay open to every local process (docs/security.md)",
                     LAZY_INIT_ENV)
-    elif not refuse_new_connections(listeners):
-        log.warning("found no gloo listening socket to close (no /proc?): gloo's ports stay "
-                    "open to every local process (docs/security.md)")
+    elif not refuse_new_connections(listeners, published):
+        log.warning("found no gloo listening socket to close (no /proc, or no address of "
+                    "ours in the store's gloo keys): gloo's ports stay open to every local "
+                    "process (docs/security.md)")
     return TensorParallelGroup(rank, world_size, compute, control, timeout)

@@ -17,8 +17,12 @@ connects pairs at their first use instead, so the filter is not attached (listen
 says so).
 
 The listeners are found as the TCP sockets of this process in LISTEN that appear while the
-device is created (create_device binds its listener before it returns), on the device's
-thread: another thread opening a listener at that moment would be taken for gloo's.
+device is created (create_device binds its listener before it returns) and whose address the
+rank published in the store for its peers to connect to (gloo writes it there as a sockaddr:
+family, port, address). Appearing alone is not enough: another thread may open a listener of
+its own in that window (~20 ms a device here, most of it reading /proc), and a drop-all
+filter on it would black-hole its traffic (seen: a server opened then timed out every
+connect). A torch whose gloo publishes addresses otherwise gets no filter, with a warning.
 """
 
 import ctypes
@@ -42,9 +46,21 @@ class _SockFilter(ctypes.Structure):  # struct sock_filter
 _DROP_ALL = (_SockFilter * 1)(_SockFilter(0x06, 0, 0, 0))
 
 
-def listening_sockets() -> dict[str, int]:
-    """This process's TCP sockets in LISTEN: socket inode -> one of its descriptors (none
-    where there is no /proc: not Linux)."""
+def _sockaddr(table: str, local_address: str) -> bytes:
+    """A /proc/net/tcp{,6} local address ('0100007F:A645': the address as the kernel's 32-bit
+    words in host order, then the port) as the start of its sockaddr_in / sockaddr_in6:
+    family (host order), port (network order), then for IPv6 flowinfo 0, and the address."""
+    address, port = local_address.split(":")
+    raw = b"".join(bytes.fromhex(address[i : i + 8])[::-1] for i in range(0, len(address), 8))
+    if table == "tcp":
+        return struct.pack("=H", socket.AF_INET) + struct.pack("!H", int(port, 16)) + raw
+    return (struct.pack("=H", socket.AF_INET6) + struct.pack("!H", int(port, 16))
+            + b"\0\0\0\0" + raw)
+
+
+def listening_sockets() -> dict[str, tuple[int, bytes]]:
+    """This process's TCP sockets in LISTEN: socket inode -> one of its descriptors and its
+    address as a sockaddr's first bytes (none where there is no /proc: not Linux)."""
     if not os.path.isdir("/proc/self/fd"):
         return {}
     fds = {}
@@ -63,7 +79,7 @@ def listening_sockets() -> dict[str, int]:
         for line in path.read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == _TCP_LISTEN and fields[9] in fds:
-                found[fields[9]] = fds[fields[9]]
+                found[fields[9]] = (fds[fields[9]], _sockaddr(table, fields[1]))
     return found
 
 
@@ -71,10 +87,12 @@ def lazy_init() -> bool:
     return os.environ.get(LAZY_INIT_ENV, "").strip().lower() not in ("", "0", "false")
 
 
-def refuse_new_connections(inodes: set[str]) -> int:
-    """Drop every packet that reaches these listening sockets of this process (by socket
-    inode: see the module docstring). Returns how many it found."""
-    fds = [fd for inode, fd in listening_sockets().items() if inode in inodes]
+def refuse_new_connections(inodes: set[str], published: list[bytes]) -> int:
+    """Drop every packet that reaches those of these listening sockets of this process (by
+    socket inode) whose address is in one of the `published` values (the rank's own keys in
+    the store: see the module docstring). Returns how many it found."""
+    fds = [fd for inode, (fd, sockaddr) in listening_sockets().items()
+           if inode in inodes and any(sockaddr in value for value in published)]
     program = struct.pack("HL", len(_DROP_ALL), ctypes.addressof(_DROP_ALL))  # sock_fprog
     for fd in fds:
         sock = socket.socket(fileno=os.dup(fd))  # the same socket; closing the dup leaves it
