@@ -137,6 +137,9 @@ class MixedGraphs:
         at = self.token_region
         self._ids, self._positions, self._slots = (flat[i * at : (i + 1) * at] for i in range(3))
         self._samples = flat[3 * at :]
+        # Token ids, positions and slots as one [3, token_region] view (made once: a step
+        # takes no Tensor.numpy, which the launch counter reads as a possible sync).
+        self._token_rows = flat[: 3 * at].reshape(3, at)
         self._query_start_loc = self.host32.numpy()
         self._slots[:] = -1
         self._q_lens = np.zeros(rows.max_size, dtype=np.int32)
@@ -261,8 +264,7 @@ class MixedGraphs:
 
     def _tokens(self) -> np.ndarray:
         """Token ids, positions and slots of the host mirror as one [3, token_region] view."""
-        at = self.token_region
-        return self.host64.numpy()[: 3 * at].reshape(3, at)
+        return self._token_rows
 
     def apply(self, step: MixedStep) -> None:
         """Rank 0's `prepare`, into this rank's host mirrors (a tensor-parallel worker's)."""
