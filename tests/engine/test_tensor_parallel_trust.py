@@ -317,6 +317,26 @@ def test_gloo_listeners_take_no_connection_after_the_start(host, tiny_llama_dir,
         llm.close()
 
 
+def test_the_groups_connect_at_the_start_under_torch_gloo_lazy_init(tiny_llama_dir,
+                                                                     monkeypatch):
+    """TORCH_GLOO_LAZY_INIT (set for a user's own gloo jobs) would connect the engine's pairs
+    at their first use, through the store, which closes after the start: the first call
+    failed ('tensor-parallel collective failed: Failed to recv, got 0 bytes'), and the
+    listeners stayed open. The engine's devices are made eager whatever it says."""
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+    ours_before = _listening_ports(os.getpid())
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=32)
+    try:
+        out = llm.generate("The capital of France is", SamplingParams(max_tokens=3))
+        assert len(out[0].outputs[0].token_ids) == 3
+        worker = llm.llm_engine.runner.workers.procs[0].pid
+        for port in (_listening_ports(os.getpid()) - ours_before) | _listening_ports(worker):
+            with pytest.raises(TimeoutError):
+                socket.create_connection(("127.0.0.1", port), timeout=0.3).close()
+    finally:
+        llm.close()
+
+
 def test_a_listener_another_thread_opens_while_gloo_starts_keeps_its_traffic(tiny_llama_dir,
                                                                             monkeypatch):
     """The filter goes on the listeners that appear while a gloo device is made *and* whose

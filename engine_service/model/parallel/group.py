@@ -19,12 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine_service.model.parallel.listeners import (
-    LAZY_INIT_ENV,
-    lazy_init,
-    listening_sockets,
-    refuse_new_connections,
-)
+from engine_service.model.parallel.listeners import listening_sockets, refuse_new_connections
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +107,13 @@ def _gloo(store: dist.Store, rank: int, world_size: int, host: str,
     options._timeout = timeout
     before = listening_sockets().keys()
     # Bound to the rendezvous host's interface (loopback by default), not whatever the
-    # machine's hostname resolves to.
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    # machine's hostname resolves to. Eager whatever TORCH_GLOO_LAZY_INIT says (a user's
+    # setting for their own jobs): every pair connects in the group's constructor, while the
+    # store is open (it closes after the start) and before the listeners are closed.
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host, lazy_init=False)]
     listeners |= listening_sockets().keys() - before
     group = dist.ProcessGroupGloo(store, rank, world_size, options)
-    key = f"0/{rank}"  # gloo's: device 0, this rank (absent under TORCH_GLOO_LAZY_INIT)
+    key = f"0/{rank}"  # gloo's: device 0, this rank
     if store.check([key]):
         published.append(store.get(key))
     return group
@@ -147,11 +144,7 @@ def connect_group(store: dist.Store, rank: int, world_size: int, device: torch.d
                         listeners, published)
     # Every pair is connected: gloo's listeners would only take other processes'
     # connections from now on, and keep each one open (listeners.py).
-    if lazy_init():
-        log.warning("%s is set: gloo connects its pairs at their first use, so its listening "
-                    "ports stay open to every local process (docs/security.md)",
-                    LAZY_INIT_ENV)
-    elif not refuse_new_connections(listeners, published):
+    if not refuse_new_connections(listeners, published):
         log.warning("found no gloo listening socket to close (no /proc, or no address of "
                     "ours in the store's gloo keys): gloo's ports stay open to every local "
                     "process (docs/security.md)")

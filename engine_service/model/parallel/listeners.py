@@ -12,9 +12,8 @@ A rank needs no new connection once its groups are made: each gloo group connect
 mesh in its constructor, and the engine makes no group later. So a classic BPF filter that
 drops every packet goes on each of the rank's gloo listening sockets then: a SYN to them is
 dropped, no connection is made and no descriptor taken (a client's connect times out); the
-connections already made are other sockets and keep working. With TORCH_GLOO_LAZY_INIT gloo
-connects pairs at their first use instead, so the filter is not attached (listeners_to_close
-says so).
+connections already made are other sockets and keep working. (The engine's devices are made
+eager whatever TORCH_GLOO_LAZY_INIT says: group.py.)
 
 The listeners are found as the TCP sockets of this process in LISTEN that appear while the
 device is created (create_device binds its listener before it returns) and whose address the
@@ -33,7 +32,6 @@ from pathlib import Path
 
 SO_ATTACH_FILTER = 26  # <asm-generic/socket.h>
 _TCP_LISTEN = "0A"
-LAZY_INIT_ENV = "TORCH_GLOO_LAZY_INIT"
 
 
 class _SockFilter(ctypes.Structure):  # struct sock_filter
@@ -81,10 +79,6 @@ def listening_sockets() -> dict[str, tuple[int, bytes]]:
             if fields[3] == _TCP_LISTEN and fields[9] in fds:
                 found[fields[9]] = (fds[fields[9]], _sockaddr(table, fields[1]))
     return found
-
-
-def lazy_init() -> bool:
-    return os.environ.get(LAZY_INIT_ENV, "").strip().lower() not in ("", "0", "false")
 
 
 def refuse_new_connections(inodes: set[str], published: list[bytes]) -> int:
