@@ -208,6 +208,30 @@ def test_a_failed_worker_fails_generate_with_a_clear_error(failure, tiny_llama_d
     assert worker.returncode is not None
 
 
+def test_rank_0_failing_after_a_call_went_out_kills_its_workers_at_close(tiny_llama_dir):
+    """Rank 0's own forward failing once the call has reached the workers (here a ValueError
+    its model raises, as a bug would) leaves them inside that call's collectives: close()
+    kills them. It sent them 'stop' instead, which they could not take until their all-reduce
+    timed out (tensor_parallel_timeout_s): close() waited that long, and they exited 1 on
+    their own."""
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=64,
+              tensor_parallel_timeout_s=30, device=DEVICE)
+    runner = llm.llm_engine.runner
+    worker = runner.workers.procs[0]
+    try:
+        llm.generate("warm", SamplingParams(max_tokens=2))
+
+        def failing_forward(*args, **kwargs):
+            raise ValueError("rank 0's forward failed")
+
+        runner._local.model.forward = failing_forward
+        with pytest.raises(ValueError, match="rank 0's forward failed"):
+            llm.generate("The capital of France is", SamplingParams(max_tokens=4))
+    finally:
+        llm.close()
+    assert worker.returncode == -signal.SIGKILL
+
+
 def test_a_killed_rank_0_takes_its_workers_with_it(tiny_llama_dir):
     """SIGKILL of the process holding the engine (no close, no finalizer): its workers see
     their parent gone and exit; none is left behind."""

@@ -161,6 +161,12 @@ class TensorParallelRunner:
         except RuntimeError as error:  # gloo / NCCL: a closed connection, a timeout
             self._failed = True
             raise self.workers.error(error) from error
+        except BaseException:
+            # Rank 0 failed on its own (a bug) after the call went out: the workers are in
+            # its collectives, out of step with rank 0 for good, and would take no 'stop'
+            # until their collectives time out. close() kills them.
+            self._failed = True
+            raise
 
     def apply_moves(self, moves: BlockMoves) -> None:
         self._local.apply_moves(moves)
