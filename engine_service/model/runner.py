@@ -52,9 +52,6 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
         self.kernels = get_kernel_backend(kernel_backend, self.device)
-        if self.device.type == "cpu":  # each step's large buffers stay in the heap
-            tuning = keep_step_buffers()
-            log.debug("C allocator: %s", tuning.detail)
         if self.device.type == "cuda":
             # Refuse a model too large for the device here, not by an OOM halfway through.
             free, total = torch.cuda.mem_get_info(self.device)
@@ -79,6 +76,12 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
         self.mixed_graphs: MixedGraphs | None = None  # CUDA only, see capture_mixed_graphs
         self.eager_tables = EagerBlockTables(-(-max_model_len // block_size))
+        if self.device.type == "cpu":
+            # Each step's large buffers stay in the heap from now on. Not before the load: its
+            # temporaries (1-32 MiB each) would be kept too, freed inside the heap where no
+            # trim returns them (~200 MiB held for the process's life on SmolLM2).
+            tuning = keep_step_buffers()
+            log.debug("C allocator: %s", tuning.detail)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> int:
         """Capture the decode forward as CUDA graphs (engine_service/model/cuda_graphs.py),
