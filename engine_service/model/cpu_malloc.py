@@ -50,7 +50,7 @@ def keep_step_buffers() -> MallocTuning:
         libc = ctypes.CDLL(name)
         mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
     except (OSError, AttributeError):
-        return MallocTuning(False, f"{name} has no mallopt (not glibc)")
+        return MallocTuning(False, f"{name} has no mallopt or malloc_trim (not glibc)")
     malloc_trim.argtypes = [ctypes.c_size_t]
     malloc_trim(0)  # every arena's free pages, not only the top's
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
