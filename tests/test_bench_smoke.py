@@ -1,5 +1,5 @@
 """The benchmark harness's pure parts: deterministic workloads, percentile math, the KV memory
-simulation on tiny numbers, and the report/plots rendering. Behaviour only, no timings."""
+simulation on tiny numbers, and the report/plots rendering. Behaviour only, no timings; and the gRPC part of the main bench run end to end on a tiny model."""
 
 import math
 
@@ -599,3 +599,25 @@ def test_the_burst_defers_and_its_table_renders(tiny_llama_dir):
     assert f"| deferred | {round(burst['deferred']['ttft']['p50_ms'])} |" in lines.replace(
         ",", "")
     assert f"{burst['num_prefill_deferrals']} admissions deferred" in lines
+
+
+def test_grpc_peers_serve_the_workloads_on_a_tiny_model(tiny_llama_dir):
+    """The main bench's gRPC part starts a real pagedgen-engine and streams every request of
+    each workload through it (it failed at the engine's start once plain text needed
+    --insecure: no run of `pagedgen-bench` measured gRPC)."""
+    from bench.harness import RunContext
+    from bench.sections.peers import _grpc_peers
+
+    ctx = RunContext(model=str(tiny_llama_dir))
+    throughput = fixed_random(3, 4, 8, 5, seed=1)
+    batch1 = fixed_random(2, 4, 8, 3, seed=2)
+    serving = fixed_random(2, 4, 8, 4, seed=3)
+    runs = _grpc_peers(ctx, throughput, batch1, serving, "float32")
+    assert set(runs) == {"engine_grpc", "engine_grpc_b1", "engine_grpc_serving"}
+    for name, workload in (("engine_grpc", throughput), ("engine_grpc_b1", batch1),
+                           ("engine_grpc_serving", serving)):
+        records = runs[name].records
+        assert sorted((r.prompt_len, r.output_len) for r in records) == sorted(
+            (r.prompt_len, r.output_len) for r in workload.requests), name
+        for record in records:
+            assert record.finish is not None and len(record.token_times) == record.output_len

@@ -168,7 +168,8 @@ def _grpc_peers(ctx: RunContext, throughput, batch1, serving, dtype: str) -> dic
     from engine_service.tools.launch import EngineProcess
 
     log(f"engine over gRPC ({dtype}): start pagedgen-engine")
-    args = ["--prefix-index", "none", "--log-level", "WARNING", "--dtype", dtype]
+    # Plain text, as the client's channel: this measures the engine, not TLS (bench.tls_overhead).
+    args = ["--prefix-index", "none", "--log-level", "WARNING", "--dtype", dtype, "--insecure"]
     sfx = DTYPE_SUFFIX[dtype]
     with EngineProcess(ctx.model, args) as server:
         # Its own prompts: warming up on a measured workload would leave it in the prefix cache.
