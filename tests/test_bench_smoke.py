@@ -1,5 +1,6 @@
 """The benchmark harness's pure parts: deterministic workloads, percentile math, the KV memory
-simulation on tiny numbers, and the report/plots rendering. Behaviour only, no timings; and the gRPC part of the main bench run end to end on a tiny model."""
+simulation on tiny numbers, and the report/plots rendering. Behaviour only, no timings; and
+the main bench's gRPC part end to end on a tiny model."""
 
 import math
 
