@@ -13,7 +13,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # process and per process it starts without its own setting. At torch's default (a thread per
 # core) two workers computing at once keep 4 spinning threads on 2 cores, and each op waits at
 # its barrier: two SmolLM2 bf16 parity tests run side by side took 69 s at 2 threads each and
-# 39 s at 1. Servers the tests start still set their own (--torch-threads' default).
+# 39 s at 1. Servers the tests start inherit it (an engine's core honours OMP_NUM_THREADS).
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 

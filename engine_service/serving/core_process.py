@@ -52,6 +52,7 @@ from engine_service.index.link import (
 )
 from engine_service.serving.engine_info import EngineInfo
 from engine_service.serving.local_pins import check_pin_room, pin_locally
+from engine_service.serving.torch_threads import core_torch_threads
 
 if TYPE_CHECKING:
     from engine_service.core.engine import LLMEngine
@@ -69,7 +70,8 @@ class CoreOptions:
     engine_id: str = ""
     link_options: IndexLinkOptions | None = None
     log_level: str = "INFO"
-    torch_threads: int = 0  # 0: torch's default
+    # --torch-threads: None picks (serving/torch_threads.py), 0 keeps torch's default.
+    torch_threads: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,14 +100,6 @@ def _shippable(error: BaseException) -> BaseException:
     return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-def default_torch_threads(device: str) -> int:
-    """On the CPU, one core is left to the front (gRPC, tokenizer, detokenizer): torch's
-    threads spin at their barriers, so sharing every core with a busy front slows both."""
-    if device != "cpu":
-        return 0
-    return max(1, (os.cpu_count() or 2) - 1)
-
-
 def run_core(channel: CoreChannel, options: CoreOptions) -> None:
     """The core process's entry point (multiprocessing spawn target).
 
@@ -122,12 +116,15 @@ def run_core(channel: CoreChannel, options: CoreOptions) -> None:
     logging.basicConfig(
         level=options.log_level, stream=sys.stderr,
         format="%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+    import torch
+
     from engine_service.core.engine import LLMEngine
 
-    if options.torch_threads:
-        import torch
-
-        torch.set_num_threads(options.torch_threads)
+    threads = core_torch_threads(options.torch_threads, options.config.device,
+                                 torch.get_num_threads())
+    torch.set_num_threads(threads)
+    log.info("the engine core computes with %d torch threads (--torch-threads: %s)", threads,
+             "not given" if options.torch_threads is None else options.torch_threads)
     # Index RPC latencies, appended by the link's thread, shipped to the front's metrics.
     rpc_times: list[tuple[str, float]] = []
     try:

@@ -42,7 +42,6 @@ from engine_service.serving.core_client import DEFAULT_MAX_UNSENT_TOKENS, CoreCl
 from engine_service.serving.core_process import (
     CoreOptions,
     CoreTarget,
-    default_torch_threads,
     run_core,
 )
 from engine_service.serving.engine_info import EngineInfo
@@ -348,8 +347,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CUDA: run every step eagerly, without CUDA graphs (decode and "
                         "mixed steps)")
     p.add_argument("--torch-threads", type=int, default=None,
-                   help="torch threads in the engine core (default: on the CPU, every core but "
-                        "one, which the front keeps for gRPC and text; on CUDA, torch's choice)")
+                   help="torch threads in the engine core (default: on the CPU, one a CPU this "
+                        "process may use: its affinity and cgroup quota, or OMP_NUM_THREADS; "
+                        "on CUDA, torch's choice; 0: torch's choice)")
     p.add_argument("--max-live-requests", type=int, default=ServerOptions().max_live_requests,
                    help="requests accepted and unfinished before RESOURCE_EXHAUSTED")
     p.add_argument("--stream-interval", type=int, default=ServerOptions().stream_interval,
@@ -505,8 +505,7 @@ def serve(args: argparse.Namespace, core_target: CoreTarget = run_core) -> None:
     core_options = CoreOptions(
         config, None if args.prefix_index == "none" else args.prefix_index, engine_id,
         IndexLinkOptions(lease_s=args.index_lease_s, tls=args.tls), args.log_level,
-        default_torch_threads(config.device) if args.torch_threads is None
-        else args.torch_threads)
+        args.torch_threads)
     options = ServerOptions(args.host, args.port, args.metrics_port, args.metrics_host,
                             args.max_live_requests, engine_id, args.http_port, args.http_host,
                             args.stream_interval, door=door_from_args(args), tls=args.tls,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import secrets
 import signal
 import sys
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import grpc
 
+from engine_service.serving.torch_threads import usable_cpus
 from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
@@ -89,6 +91,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--http-port must be in [-1, 65535] (0 = a free port, -1 = off), got "
                 f"{args.http_port}")
     return args
+
+
+def replica_threads(device: str, replicas: int, environ) -> list[str]:
+    """--torch-threads for each of `replicas` CPU engines on this machine: its CPUs shared out
+    (each engine alone would compute on all of them, and several spinning on the same cores
+    wait at every op for each other). Nothing for one engine, on CUDA, or with OMP_NUM_THREADS
+    set (the engines honour it)."""
+    if device != "cpu" or replicas <= 1 or environ.get("OMP_NUM_THREADS"):
+        return []
+    return ["--torch-threads", str(max(1, usable_cpus() // replicas))]
 
 
 def stream_completion(target: str, prompt: str, max_tokens: int, temperature: float,
@@ -199,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
                            "--engine-id", engine_ids[i], *tenancy_args, *plain]
             if args.metrics_port:
                 engine_args += ["--metrics-port", str(args.metrics_port + i)]
+            engine_args += replica_threads(args.device, args.replicas, os.environ)
             if args.replicas == 1:  # the front door: clients bring keys, not certificates
                 engine_args += http_args + door_args + ([] if certs is None
                                                         else ["--tls-server-only"])

@@ -1,0 +1,93 @@
+"""The engine core's torch thread count: one a CPU the process may use (its affinity and its
+cgroup's quota, at most torch's own count), unless --torch-threads or OMP_NUM_THREADS says."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine_service.serving.torch_threads import cgroup_cpu_quota, core_torch_threads, usable_cpus
+from engine_service.tools.launch import EngineProcess
+
+
+def _cgroup(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize("files, quota", [
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu.max": "200000 100000\n"}, 2.0),
+    ({"cpu.max": "150000 100000\n"}, 1.5),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cpu,cpuacct/cpu.cfs_quota_us": "300000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
+     3.0),
+    ({}, None),
+    ({"cpu.max": "garbage\n"}, None),
+])
+def test_the_cgroup_quota_is_read_from_v2_and_v1(tmp_path, files, quota):
+    assert cgroup_cpu_quota(_cgroup(tmp_path, files)) == quota
+
+
+def test_usable_cpus_is_the_affinity_capped_by_the_quota(tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cpus(_cgroup(tmp_path, {})) == affinity
+    one_and_a_half = _cgroup(tmp_path / "a", {"cpu.max": "150000 100000"})
+    assert usable_cpus(one_and_a_half) == 1  # a second thread would be throttled
+    a_tenth = _cgroup(tmp_path / "b", {"cpu.max": "10000 100000"})
+    assert usable_cpus(a_tenth) == 1
+    many = _cgroup(tmp_path / "c", {"cpu.max": f"{100000 * (affinity + 8)} 100000"})
+    assert usable_cpus(many) == affinity
+
+
+def test_who_decides_the_count(tmp_path):
+    two_cpus = _cgroup(tmp_path, {"cpu.max": "200000 100000"})
+    affinity = len(os.sched_getaffinity(0))
+    # Not told: every CPU it may use, never more than torch's own count (physical cores).
+    assert core_torch_threads(None, "cpu", 64, {}, two_cpus) == min(2, affinity)
+    assert core_torch_threads(None, "cpu", 1, {}, two_cpus) == 1
+    # The user's: --torch-threads (0 is torch's default as it is), then OMP_NUM_THREADS.
+    assert core_torch_threads(3, "cpu", 64, {}, two_cpus) == 3
+    assert core_torch_threads(0, "cpu", 64, {}, two_cpus) == 64
+    assert core_torch_threads(None, "cpu", 6, {"OMP_NUM_THREADS": "6"}, two_cpus) == 6
+    # On CUDA the threads feed the GPU: torch's choice.
+    assert core_torch_threads(None, "cuda", 64, {}, two_cpus) == 64
+
+
+def _core_threads_logged(model_dir: Path, log_path: Path, extra: list[str]) -> str:
+    with EngineProcess(model_dir, ["--insecure", "--prefix-index", "none", "--num-blocks", "64",
+                                   "--log-level", "INFO", *extra], log_path=log_path):
+        pass
+    [line] = [line for line in log_path.read_text().splitlines()
+              if "torch threads" in line]
+    return line
+
+
+def test_a_served_engine_computes_on_every_cpu_it_may_use(tiny_llama_dir, tmp_path,
+                                                          monkeypatch):
+    """The shipped default, through a real pagedgen-engine (the suite's workers set
+    OMP_NUM_THREADS=1 for the servers they start: unset here), and --torch-threads over it."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch_default = int(subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        capture_output=True, text=True, check=True).stdout)
+    expected = min(usable_cpus(), torch_default)
+    line = _core_threads_logged(tiny_llama_dir, tmp_path / "default.log", [])
+    assert f"computes with {expected} torch threads (--torch-threads: not given)" in line
+    line = _core_threads_logged(tiny_llama_dir, tmp_path / "one.log", ["--torch-threads", "1"])
+    assert "computes with 1 torch threads (--torch-threads: 1)" in line
+
+
+def test_the_stack_shares_the_cpus_out_among_its_cpu_replicas():
+    from engine_service.tools.stack import replica_threads
+
+    cpus = usable_cpus()
+    assert replica_threads("cpu", 1, {}) == []  # one engine: all of them (its own default)
+    assert replica_threads("cpu", 2, {}) == ["--torch-threads", str(max(1, cpus // 2))]
+    assert replica_threads("cpu", 16, {}) == ["--torch-threads", str(max(1, cpus // 16))]
+    assert replica_threads("cpu", 3, {"OMP_NUM_THREADS": "4"}) == []
+    assert replica_threads("cuda", 3, {}) == []
