@@ -25,18 +25,36 @@ from pathlib import Path
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def cgroup_cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
-    """CPUs this process's cgroup may use per period (quota / period), None without a limit:
-    cgroup v2's cpu.max ("max 100000" or "200000 100000"), else v1's cfs_quota_us (-1: none)."""
-    try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    for folder in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+def cgroup_cpu_quota(root: Path = CGROUP_ROOT, own: str | None = None) -> float | None:
+    """CPUs this process's cgroup may use per period (quota / period), None without a limit.
+
+    cgroup v2: cpu.max ("max 100000" or "200000 100000") of the process's own cgroup and each
+    above it (the smallest holds: a systemd unit's CPUQuota sits in a parent); inside a
+    container's cgroup namespace that cgroup is the root of the mount. Else v1's
+    cpu.cfs_quota_us (-1: none). own: /proc/self/cgroup's text (read when None)."""
+    if own is None:
         try:
-            quota_us = int((root / folder / "cpu.cfs_quota_us").read_text())
-            period_us = int((root / folder / "cpu.cfs_period_us").read_text())
+            own = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            own = ""
+    v2_path = next((line[3:] for line in own.splitlines() if line.startswith("0::")), "/")
+    folder, quotas = root / v2_path.strip().lstrip("/"), []
+    while True:
+        try:
+            quota, period = (folder / "cpu.max").read_text().split()[:2]
+            if quota != "max":
+                quotas.append(int(quota) / int(period))
+        except (OSError, ValueError):
+            pass
+        if folder == root or root not in folder.parents:
+            break
+        folder = folder.parent
+    if quotas:
+        return min(quotas)
+    for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        try:
+            quota_us = int((root / name / "cpu.cfs_quota_us").read_text())
+            period_us = int((root / name / "cpu.cfs_period_us").read_text())
         except (OSError, ValueError):
             continue
         return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us

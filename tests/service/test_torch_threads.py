@@ -30,7 +30,20 @@ def _cgroup(tmp_path: Path, files: dict[str, str]) -> Path:
     ({"cpu.max": "garbage\n"}, None),
 ])
 def test_the_cgroup_quota_is_read_from_v2_and_v1(tmp_path, files, quota):
-    assert cgroup_cpu_quota(_cgroup(tmp_path, files)) == quota
+    assert cgroup_cpu_quota(_cgroup(tmp_path, files), own="0::/\n") == quota
+
+
+def test_a_v2_quota_above_the_process_cgroup_holds(tmp_path):
+    """A systemd unit's CPUQuota sits in a parent of the process's cgroup; the smallest of the
+    chain holds, and a cgroup without cpu.max (the root's) is no limit."""
+    unit = "system.slice/pagedgen.service"
+    root = _cgroup(tmp_path, {"system.slice/cpu.max": "300000 100000",
+                              f"{unit}/cpu.max": "max 100000",
+                              f"{unit}/engine/cpu.max": "max 100000"})
+    assert cgroup_cpu_quota(root, own=f"0::/{unit}/engine\n") == 3.0
+    (root / unit / "cpu.max").write_text("150000 100000")
+    assert cgroup_cpu_quota(root, own=f"1:cpu:/\n0::/{unit}/engine\n") == 1.5
+    assert cgroup_cpu_quota(root, own="0::/\n") is None  # the root has no cpu.max
 
 
 def test_usable_cpus_is_the_affinity_capped_by_the_quota(tmp_path):
