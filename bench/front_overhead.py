@@ -132,7 +132,8 @@ def served(model_dir: Path, batch: int, max_tokens: int, checkout: Path | None,
                     "from engine_service.serving.server import main; main()")
             engine.command = lambda: [sys.executable, "-c", boot,
                                       "--model", str(model_dir), "--host", engine.host,
-                                      "--port", str(engine.port), *engine_args(batch)]
+                                      "--port", str(engine.port), *engine_args(batch),
+                                      *extra, *_plain_text_flag(checkout)]
         with engine:
             pid = engine.proc.pid
             # Warm-up outside the measurement (first requests compile nothing on the CPU, but
@@ -148,6 +149,13 @@ def served(model_dir: Path, batch: int, max_tokens: int, checkout: Path | None,
             else:
                 os.environ[key] = value
     return {"tokens": tokens, "wall_s": wall, "cpu_s": cpu}
+
+
+def _plain_text_flag(checkout: Path) -> list[str]:
+    """--insecure where the checkout's servers need it for plain text (TLS came with
+    trust/cli_args.py; older checkouts serve plain text without a flag and refuse it)."""
+    args_file = checkout / "trust" / "cli_args.py"
+    return ["--insecure"] if args_file.is_file() and '"--insecure"' in args_file.read_text() else []
 
 
 def figures(run: dict) -> dict:
