@@ -123,12 +123,14 @@ def run_core(channel: CoreChannel, options: CoreOptions) -> None:
     threads = core_torch_threads(options.torch_threads, options.config.device,
                                  torch.get_num_threads())
     torch.set_num_threads(threads)
-    log.info("the engine core computes with %d torch threads (--torch-threads: %s)", threads,
-             "not given" if options.torch_threads is None else options.torch_threads)
     # Index RPC latencies, appended by the link's thread, shipped to the front's metrics.
     rpc_times: list[tuple[str, float]] = []
     try:
         engine = LLMEngine(options.config)
+        # Read back once the engine is made: a CPU tensor-parallel engine's rank 0 (this
+        # process) takes PAGEDGEN_TP_THREADS as the model is split, over the count above.
+        log.info("the engine core computes with %d torch threads (%s)", torch.get_num_threads(),
+                 _threads_origin(options))
         link = connect_prefix_index(engine, options.prefix_index, options.engine_id,
                                     options.link_options, start=False,
                                     on_rpc=lambda method, s: rpc_times.append((method, s)))
@@ -155,6 +157,15 @@ def run_core(channel: CoreChannel, options: CoreOptions) -> None:
             pass
         raise SystemExit(1) from None
     engine.close()  # the workers of a tensor-parallel engine stop with it
+
+
+def _threads_origin(options: CoreOptions) -> str:
+    """Where the core's torch thread count came from, for its log line."""
+    if options.config.device == "cpu" and options.config.tensor_parallel_size > 1:
+        return "a tensor-parallel rank: PAGEDGEN_TP_THREADS"
+    if options.torch_threads is None:
+        return "--torch-threads: not given"
+    return f"--torch-threads: {options.torch_threads}"
 
 
 def _raiser(error: Exception) -> Callable[[LLMEngine], None]:

@@ -104,3 +104,31 @@ def test_the_stack_shares_the_cpus_out_among_its_cpu_replicas():
     assert replica_threads("cpu", 16, {}) == ["--torch-threads", str(max(1, cpus // 16))]
     assert replica_threads("cpu", 3, {"OMP_NUM_THREADS": "4"}) == []
     assert replica_threads("cuda", 3, {}) == []
+
+
+def test_a_cpu_tensor_parallel_engine_says_the_threads_its_rank_0_computes_with(tiny_llama_dir,
+                                                                                tmp_path,
+                                                                                monkeypatch):
+    """Rank 0 of a CPU tensor-parallel engine computes with PAGEDGEN_TP_THREADS (one a rank by
+    default), set as the model is split, after the core's own default: the log says that
+    count, not the one it replaced. And the engine still starts and generates."""
+    import grpc
+
+    from pagedgen_api import generation_pb2 as pb
+    from pagedgen_api import generation_pb2_grpc as pb_grpc
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("PAGEDGEN_TP_THREADS", raising=False)
+    log_path = tmp_path / "tp.log"
+    request = pb.GenerateRequest(text="The capital of France is",
+                                 sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True,
+                                                            temperature=0))
+    with EngineProcess(tiny_llama_dir, ["--insecure", "--prefix-index", "none",
+                                        "--tensor-parallel-size", "2", "--dtype", "float32",
+                                        "--num-blocks", "64", "--log-level", "INFO"],
+                       log_path=log_path) as engine:
+        with grpc.insecure_channel(engine.target) as channel:
+            reply = pb_grpc.GenerationStub(channel).Generate(request, timeout=120)
+    assert len(reply.completions[0].token_ids) == 8
+    [line] = [line for line in log_path.read_text().splitlines() if "torch threads" in line]
+    assert "computes with 1 torch threads" in line, line
