@@ -19,46 +19,85 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
+V1_CPU_FOLDERS = ("cpu", "cpu,cpuacct", "cpuacct,cpu")  # where hosts mount v1's cpu controller
+
+
 def cgroup_cpu_quota(root: Path = CGROUP_ROOT, own: str | None = None) -> float | None:
     """CPUs this process's cgroup may use per period (quota / period), None without a limit.
 
-    cgroup v2: cpu.max ("max 100000" or "200000 100000") of the process's own cgroup and each
-    above it (the smallest holds: a systemd unit's CPUQuota sits in a parent); inside a
-    container's cgroup namespace that cgroup is the root of the mount. Else v1's
-    cpu.cfs_quota_us (-1: none). own: /proc/self/cgroup's text (read when None)."""
+    cgroup v2: cpu.max ("max 100000" or "200000 100000"), else v1 (or a hybrid host's cpu
+    controller): cpu.cfs_quota_us over cpu.cfs_period_us (-1: none). Either is read in the
+    process's own cgroup and each above it, the smallest holding (a systemd unit's CPUQuota
+    sits in a parent); inside a container's cgroup namespace, or where its own cgroup is
+    mounted as the root, the walk ends at the mount's root, which holds the container's limit.
+    own: /proc/self/cgroup's text (read when None)."""
     if own is None:
         try:
             own = Path("/proc/self/cgroup").read_text()
         except OSError:
             own = ""
-    v2_path = next((line[3:] for line in own.splitlines() if line.startswith("0::")), "/")
-    folder, quotas = root / v2_path.strip().lstrip("/"), []
+    quota = _smallest_along(root, _own_path(own, None), _v2_quota)
+    if quota is not None:
+        return quota
+    for name in V1_CPU_FOLDERS:
+        quota = _smallest_along(root / name, _own_path(own, "cpu"), _v1_quota)
+        if quota is not None:
+            return quota
+    return None
+
+
+def _own_path(own: str, controller: str | None) -> str:
+    """The process's cgroup in /proc/self/cgroup: v2's ("0::path") when controller is None,
+    else the v1 hierarchy's that lists it ("4:cpu,cpuacct:path"); "/" if none does."""
+    for line in own.splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        if controller is None and fields[0] == "0" and not fields[1]:
+            return fields[2]
+        if controller is not None and controller in fields[1].split(","):
+            return fields[2]
+    return "/"
+
+
+def _smallest_along(top: Path, path: str,
+                    read: Callable[[Path], float | None]) -> float | None:
+    """The smallest quota `read` finds in top/path and each folder above it, up to top."""
+    folder, quotas = top / path.strip().lstrip("/"), []
     while True:
-        try:
-            quota, period = (folder / "cpu.max").read_text().split()[:2]
-            if quota != "max":
-                quotas.append(int(quota) / int(period))
-        except (OSError, ValueError):
-            pass
-        if folder == root or root not in folder.parents:
+        quota = read(folder)
+        if quota is not None:
+            quotas.append(quota)
+        if folder == top or top not in folder.parents:
             break
         folder = folder.parent
-    if quotas:
-        return min(quotas)
-    for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
-        try:
-            quota_us = int((root / name / "cpu.cfs_quota_us").read_text())
-            period_us = int((root / name / "cpu.cfs_period_us").read_text())
-        except (OSError, ValueError):
-            continue
-        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
-    return None
+    return min(quotas, default=None)
+
+
+def _v2_quota(folder: Path) -> float | None:
+    try:
+        quota, period = (folder / "cpu.max").read_text().split()[:2]
+        if quota == "max":
+            return None
+        quota_us, period_us = int(quota), int(period)
+    except (OSError, ValueError):
+        return None
+    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+
+
+def _v1_quota(folder: Path) -> float | None:
+    try:
+        quota_us = int((folder / "cpu.cfs_quota_us").read_text())
+        period_us = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
 def usable_cpus(root: Path = CGROUP_ROOT) -> int:

@@ -28,6 +28,7 @@ def _cgroup(tmp_path: Path, files: dict[str, str]) -> Path:
      3.0),
     ({}, None),
     ({"cpu.max": "garbage\n"}, None),
+    ({"cpu.max": "100000 0\n"}, None),  # no period: not a limit, not a ZeroDivisionError
 ])
 def test_the_cgroup_quota_is_read_from_v2_and_v1(tmp_path, files, quota):
     assert cgroup_cpu_quota(_cgroup(tmp_path, files), own="0::/\n") == quota
@@ -44,6 +45,24 @@ def test_a_v2_quota_above_the_process_cgroup_holds(tmp_path):
     (root / unit / "cpu.max").write_text("150000 100000")
     assert cgroup_cpu_quota(root, own=f"1:cpu:/\n0::/{unit}/engine\n") == 1.5
     assert cgroup_cpu_quota(root, own="0::/\n") is None  # the root has no cpu.max
+
+
+def test_a_v1_quota_above_the_process_cgroup_holds(tmp_path):
+    """cgroup v1 (or a hybrid host's cpu controller): the quota is read along the process's
+    path in the cpu hierarchy too, as v2's is (a systemd unit's CPUQuota on such a host sits
+    in the unit's cgroup, not the hierarchy's root, which has none); a path not under the
+    mount (a container whose own cgroup is the mount's root) ends at the root's."""
+    unit = "system.slice/pagedgen.service"
+    root = _cgroup(tmp_path, {"cpu,cpuacct/cpu.cfs_quota_us": "-1",
+                              "cpu,cpuacct/cpu.cfs_period_us": "100000",
+                              f"cpu,cpuacct/{unit}/cpu.cfs_quota_us": "150000",
+                              f"cpu,cpuacct/{unit}/cpu.cfs_period_us": "100000"})
+    hybrid = f"5:cpuset:/\n4:cpu,cpuacct:/{unit}\n1:name=systemd:/{unit}\n0::/{unit}\n"
+    assert cgroup_cpu_quota(root, own=hybrid) == 1.5
+    assert cgroup_cpu_quota(root, own="4:cpu,cpuacct:/\n") is None
+    container = _cgroup(tmp_path / "c", {"cpu/cpu.cfs_quota_us": "200000",
+                                         "cpu/cpu.cfs_period_us": "100000"})
+    assert cgroup_cpu_quota(container, own="3:cpu:/docker/0123abcd\n") == 2.0
 
 
 def test_usable_cpus_is_the_affinity_capped_by_the_quota(tmp_path):
