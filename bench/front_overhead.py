@@ -133,7 +133,7 @@ def served(model_dir: Path, batch: int, max_tokens: int, checkout: Path | None,
             engine.command = lambda: [sys.executable, "-c", boot,
                                       "--model", str(model_dir), "--host", engine.host,
                                       "--port", str(engine.port), *engine_args(batch),
-                                      *extra, *_plain_text_flag(checkout)]
+                                      *extra, *baseline_flags(checkout)]
         with engine:
             pid = engine.proc.pid
             # Warm-up outside the measurement (first requests compile nothing on the CPU, but
@@ -151,11 +151,21 @@ def served(model_dir: Path, batch: int, max_tokens: int, checkout: Path | None,
     return {"tokens": tokens, "wall_s": wall, "cpu_s": cpu}
 
 
-def _plain_text_flag(checkout: Path) -> list[str]:
-    """--insecure where the checkout's servers need it for plain text (TLS came with
-    trust/cli_args.py; older checkouts serve plain text without a flag and refuse it)."""
-    args_file = checkout / "trust" / "cli_args.py"
-    return ["--insecure"] if args_file.is_file() and '"--insecure"' in args_file.read_text() else []
+def baseline_flags(checkout: Path) -> list[str]:
+    """What another checkout's server is told to serve as this bench measures, where it has
+    the flag (an older one refuses a flag it lacks): plain text (--insecure, since TLS came
+    with trust/cli_args.py; before it plain text needed no flag) and one torch thread in its
+    core (--torch-threads 1: from the front/core split to 13c7dc3 the core's default, every
+    core but one, overrode the OMP_NUM_THREADS this bench sets, so on a machine of more than
+    2 cores the baseline's core computed on several threads against one here)."""
+    def has(path: str, flag: str) -> bool:
+        file = checkout / path
+        return file.is_file() and f'"{flag}"' in file.read_text()
+
+    flags = ["--insecure"] if has("trust/cli_args.py", "--insecure") else []
+    if has("engine_service/serving/server.py", "--torch-threads"):
+        flags += ["--torch-threads", "1"]
+    return flags
 
 
 def figures(run: dict) -> dict:
