@@ -25,10 +25,10 @@ pytestmark = pytest.mark.timeout(300)
 ENGINE_ID = "apply-rate"
 BLOCK_SIZE = 16
 # The index's bucket holds 2 ops per pool block plus one largest Apply (--max-ops): 128 ops
-# here, refilled at 10 a second. The burst records several times that: commits, acquires,
+# here, refilled at 25 a second. The burst records several times that: commits, acquires,
 # releases and the evictions of a 32-block pool.
 NUM_BLOCKS = 32
-INDEX_RATE_ARGS = ["--apply-ops-per-s", "10", "--max-ops", "64"]
+INDEX_RATE_ARGS = ["--apply-ops-per-s", "25", "--max-ops", "64"]
 # At most 8 sequences a step keep one step's ops under the index's 64 per Apply.
 ENGINE_ARGS = ["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
                "--max-model-len", "256", "--max-num-seqs", "8", "--dtype", "float32",
@@ -118,4 +118,4 @@ def test_an_engine_past_its_apply_rate_backs_off_and_the_index_catches_up(tiny_l
         backoffs = [line for line in log_path.read_text().splitlines()
                     if "backing off" in line]
         assert len(backoffs) == refused
-        assert all("--apply-ops-per-s 10" in line for line in backoffs)
+        assert all("--apply-ops-per-s 25" in line for line in backoffs)
