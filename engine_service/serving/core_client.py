@@ -33,6 +33,7 @@ from engine_service.model.sampling_params import SamplingParams
 from engine_service.serving.core_process import CoreChannel, CoreOptions, CoreTarget, run_core
 from engine_service.serving.engine_info import EngineInfo
 from engine_service.serving.output_text import RequestText
+from engine_service.serving.output_wire import unpack_row
 from engine_service.serving.status import RequestRejected
 
 log = logging.getLogger("engine_service.serving.core_client")
@@ -85,7 +86,8 @@ class OutputBuffer:
     in the front (grpcio's own work is most of a message's cost)."""
 
     __slots__ = ("_pending", "_ready", "_text_parts", "_interval", "_started", "prompt_token_ids",
-                 "prompt", "text", "_unsent", "_max_unsent", "_on_overflow")
+                 "prompt", "text", "_unsent", "_max_unsent", "_on_overflow", "arrival_time",
+                 "first_token_time")
 
     def __init__(self, prompt_token_ids: list[int], prompt: str | None,
                  text: RequestText | None, stream_interval: int = 1,
@@ -105,10 +107,15 @@ class OutputBuffer:
         self._unsent = 0
         self._max_unsent = max_unsent_tokens
         self._on_overflow = on_overflow
+        # The request's times, from its outputs so far: what a TokenRow leaves out.
+        self.arrival_time = 0.0
+        self.first_token_time: float | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, RequestOutput):
             item.prompt_token_ids, item.prompt = self.prompt_token_ids, self.prompt
+            self.arrival_time = item.arrival_time
+            self.first_token_time = self.first_token_time or item.first_token_time
             if self.text is not None:
                 self.text.apply(item)
             if isinstance(self._pending, BaseException):
@@ -425,9 +432,15 @@ class CoreClient:
                 buffer.put(error)
         finished = False
         for output in outputs:
-            buffer = streams.get(output.request_id)
-            if buffer is None:
-                continue
+            if type(output) is tuple:  # a TokenRow (output_wire.py)
+                buffer = streams.get(output[0])
+                if buffer is None:
+                    continue
+                output = unpack_row(output, buffer.arrival_time, buffer.first_token_time)
+            else:
+                buffer = streams.get(output.request_id)
+                if buffer is None:
+                    continue
             buffer.put(output)
             if output.finished:
                 finished = True

@@ -52,6 +52,7 @@ from engine_service.index.link import (
 )
 from engine_service.serving.engine_info import EngineInfo
 from engine_service.serving.local_pins import check_pin_room, pin_locally
+from engine_service.serving.output_wire import pack
 from engine_service.serving.torch_threads import core_torch_threads
 
 if TYPE_CHECKING:
@@ -325,8 +326,8 @@ class CoreLoop:
             output.prompt_token_ids = output.prompt = None
         times = self.rpc_times[:]
         del self.rpc_times[:len(times)]
-        self.conn.send(("step", self._outputs, self._errors, self.engine.snapshot, link_view,
-                        self._results, times))
+        self.conn.send(("step", pack(self._outputs), self._errors, self.engine.snapshot,
+                        link_view, self._results, times))
         self._outputs, self._errors, self._results = [], [], []
 
 
