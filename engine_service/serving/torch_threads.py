@@ -3,7 +3,8 @@
 On the CPU: one a core this process may run on. That is torch's own count (physical cores, or
 OMP_NUM_THREADS), capped by what the process is allowed: its CPU affinity and its cgroup's CPU
 quota. Torch counts the machine's cores, so in a container limited to 2 CPUs of a 64-core node
-it would start 64 threads, which the quota then throttles mid-step.
+it would start 64 threads, which the quota then throttles mid-step. Where the quota is what
+limits the count, one CPU of it is left to the front (core_torch_threads says why).
 
 Every core, not every core but the front's: the front's work per step (grpcio, text) is short
 next to a real model's step, and leaving a core to it cost more than it saved. SmolLM2 over
@@ -100,13 +101,17 @@ def _v1_quota(folder: Path) -> float | None:
     return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
-def usable_cpus(root: Path = CGROUP_ROOT) -> int:
+def _affinity() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def usable_cpus(root: Path = CGROUP_ROOT, affinity: int | None = None) -> int:
     """CPUs this process may run on at once: its affinity, capped by its cgroup's quota (a
     quota of 1.5 CPUs is 1: a second thread would be throttled half of each period)."""
-    try:
-        count = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        count = os.cpu_count() or 1
+    count = _affinity() if affinity is None else affinity
     quota = cgroup_cpu_quota(root)
     if quota is not None:
         count = min(count, max(1, math.floor(quota)))
@@ -115,11 +120,19 @@ def usable_cpus(root: Path = CGROUP_ROOT) -> int:
 
 def core_torch_threads(requested: int | None, device: str, torch_default: int,
                        environ: Mapping[str, str] = os.environ,
-                       root: Path = CGROUP_ROOT) -> int:
+                       root: Path = CGROUP_ROOT, affinity: int | None = None) -> int:
     """The core's torch thread count. requested: --torch-threads (None: not given; 0: torch's
     default as it is). torch_default: torch.get_num_threads() before any setting."""
     if requested is not None:
         return requested or torch_default
     if device != "cpu" or environ.get("OMP_NUM_THREADS"):
         return torch_default  # on CUDA torch's; OMP_NUM_THREADS is the user's own choice
-    return max(1, min(torch_default, usable_cpus(root)))
+    affinity = _affinity() if affinity is None else affinity
+    cpus = usable_cpus(root, affinity)
+    if cpus < affinity:
+        # A cgroup quota sets the count: a budget, not cores shared with the front. CPU time
+        # past it is not lent by anyone but throttled for the rest of the period, and threads
+        # that spin at every op's barrier spend all of theirs; so one CPU of it stays the
+        # front's (gRPC, text), as the Kubernetes overlay's --torch-threads=1 of 2 CPUs did.
+        cpus -= 1
+    return max(1, min(torch_default, cpus))

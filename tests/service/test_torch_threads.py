@@ -78,10 +78,19 @@ def test_usable_cpus_is_the_affinity_capped_by_the_quota(tmp_path):
 
 def test_who_decides_the_count(tmp_path):
     two_cpus = _cgroup(tmp_path, {"cpu.max": "200000 100000"})
-    affinity = len(os.sched_getaffinity(0))
     # Not told: every CPU it may use, never more than torch's own count (physical cores).
-    assert core_torch_threads(None, "cpu", 64, {}, two_cpus) == min(2, affinity)
-    assert core_torch_threads(None, "cpu", 1, {}, two_cpus) == 1
+    assert core_torch_threads(None, "cpu", 64, {}, two_cpus, affinity=2) == 2
+    assert core_torch_threads(None, "cpu", 1, {}, two_cpus, affinity=2) == 1
+    # A quota below the CPUs it may run on is a budget: one CPU of it stays the front's,
+    # since time past it is throttled, not shared (a 2-CPU pod of a 64-core node: 1 thread).
+    on_a_big_node = dict(affinity=64)
+    assert core_torch_threads(None, "cpu", 32, {}, two_cpus, **on_a_big_node) == 1
+    four_cpus = _cgroup(tmp_path / "four", {"cpu.max": "400000 100000"})
+    assert core_torch_threads(None, "cpu", 32, {}, four_cpus, **on_a_big_node) == 3
+    assert core_torch_threads(None, "cpu", 32, {}, four_cpus, affinity=4) == 4  # not binding
+    a_tenth = _cgroup(tmp_path / "tenth", {"cpu.max": "10000 100000"})
+    assert core_torch_threads(None, "cpu", 32, {}, a_tenth, **on_a_big_node) == 1
+    assert core_torch_threads(None, "cpu", 32, {}, tmp_path / "none", **on_a_big_node) == 32
     # The user's: --torch-threads (0 is torch's default as it is), then OMP_NUM_THREADS.
     assert core_torch_threads(3, "cpu", 64, {}, two_cpus) == 3
     assert core_torch_threads(0, "cpu", 64, {}, two_cpus) == 64
@@ -107,7 +116,7 @@ def test_a_served_engine_computes_on_every_cpu_it_may_use(tiny_llama_dir, tmp_pa
     torch_default = int(subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
         capture_output=True, text=True, check=True).stdout)
-    expected = min(usable_cpus(), torch_default)
+    expected = core_torch_threads(None, "cpu", torch_default, {})
     line = _core_threads_logged(tiny_llama_dir, tmp_path / "default.log", [])
     assert f"computes with {expected} torch threads (--torch-threads: not given)" in line
     line = _core_threads_logged(tiny_llama_dir, tmp_path / "one.log", ["--torch-threads", "1"])
