@@ -7,6 +7,7 @@ without one, run by bench/gpu_check.sh on a lent GPU).
 """
 
 import gc
+import os
 import random
 import uuid
 from types import SimpleNamespace
@@ -293,7 +294,13 @@ def test_padding_rows_are_reset_every_step(tiny_llama_dir) -> None:
     assert any(padded_steps), padded_steps  # 3 sequences ran in the graph of 4
 
 
-@pytest.mark.parametrize("seed", range(8))
+# Four seeds by default (two plans on each tiny model; the targeted runs above pin the cases a
+# plan may not draw); more, or one to replay, with PAGEDGEN_GRAPH_SEEDS=0,1,... (test_mixed_graphs
+# reads it too).
+RANDOM_SEEDS = [int(s) for s in os.environ.get("PAGEDGEN_GRAPH_SEEDS", "0,1,2,3").split(",")]
+
+
+@pytest.mark.parametrize("seed", RANDOM_SEEDS)
 def test_graph_buffers_in_random_runs_on_cpu(tiny_llama_dir, tiny_qwen2_dir, seed) -> None:
     """Random runs (_random_plan) with the graphs' buffers, run eagerly on the CPU, give
     every request the outputs (tokens and logprobs) of the usual step inputs."""
