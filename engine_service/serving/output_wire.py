@@ -3,9 +3,9 @@
 Most outputs of a streaming step say one thing: request R's only sequence has these new tokens
 (so many in all, so many prompt tokens from the cache). As a RequestOutput holding a
 CompletionOutput, each costs pickle two slotted dataclasses, whose state goes through
-Python-level __getstate__ / __setstate__: 64 such outputs took 0.86 ms to pickle and 0.50 ms
-to unpickle a step on this CPU (13 and 8 us a streamed token, core and front), against 36 and
-35 us as tuples. Such an output travels as a `TokenRow` tuple; the front rebuilds the same
+Python-level __getstate__ / __setstate__: the round trip (pickled in the core, unpickled in
+the front) took 6.31 us a streamed token on this CPU, 1.56 as rows, packing and rebuilding
+included (bench/README). Such an output travels as a `TokenRow` tuple; the front rebuilds the same
 RequestOutput from it and the request's times it already holds. Everything else (a finish,
 several sequences, logprobs, text, a request's first tokens, which carry its first-token time)
 travels whole, in its place in the list.

@@ -86,18 +86,21 @@ def _v2_quota(folder: Path) -> float | None:
         quota, period = (folder / "cpu.max").read_text().split()[:2]
         if quota == "max":
             return None
-        quota_us, period_us = int(quota), int(period)
+        return _cpus(int(quota), int(period))
     except (OSError, ValueError):
         return None
-    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
 def _v1_quota(folder: Path) -> float | None:
     try:
-        quota_us = int((folder / "cpu.cfs_quota_us").read_text())
-        period_us = int((folder / "cpu.cfs_period_us").read_text())
+        return _cpus(int((folder / "cpu.cfs_quota_us").read_text()),
+                     int((folder / "cpu.cfs_period_us").read_text()))
     except (OSError, ValueError):
         return None
+
+
+def _cpus(quota_us: int, period_us: int) -> float | None:
+    """CPUs a quota per period allows; None for no limit (v1's -1) or a period of 0."""
     return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
