@@ -16,8 +16,15 @@ torch thread. What is measured:
   bookkeeping. What remains is the Python around them: scheduling, step inputs, sampling rows,
   outputs, detokenization, `generate`'s own loop. The model runner's share (building and
   uploading the step's inputs, in `ModelRunner.execute` outside the model) is shown apart.
-- **direct steps**: the same requests stepped with `LLMEngine.step`; the median step over the
-  first 20 decode steps, and over 20 steps after 1,000 output tokens, in total and host-only.
+- **alternated steps**: the same requests stepped with `LLMEngine.step` (an output per request
+  per step, as a streaming caller gets) in two engines, one at the shortest output length
+  (moved up to a whole number of 16-token blocks below the longest: 104) and one at the
+  longest, in alternated windows of 16 steps, so the machine's drift falls on both alike: the
+  host time per sequence per step of each (median of the windows) and the median ratio of the
+  pairs. Then what a step of each executes over one more window, counted exactly
+  (`bench/step_work.py`: Python and C calls, and bytecode instructions): equal counts are host
+  work that does not grow with the output, whatever the timings; the functions whose counts
+  differ are named.
 
 Times are thread CPU time (`time.thread_time`: with one torch thread every op runs on the
 calling thread), so a busy shared machine inflates them less than wall time would; wall time
@@ -36,11 +43,15 @@ from pathlib import Path
 
 import torch
 
+from bench.step_work import count_step_work, differences
+
 MODEL_SHAPE = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=8, intermediate_size=64)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 PROMPT_LEN = 8
-DIRECT_WINDOW = 20  # steps per median in the direct-step figures
+DIRECT_WINDOW = 16  # steps per window of the alternated figures: one block of 16 tokens
+BLOCK = 16  # the engine's default block size: window starts a multiple of it apart
+ALTERNATED_ROUNDS = 6
 
 
 def tiny_llama(out_dir: Path, max_model_len: int) -> Path:
@@ -140,33 +151,63 @@ def offline_host_us(llm, timer: ComputeTimer, batch: int, max_tokens: int) -> di
     }
 
 
-def direct_steps(llm, timer: ComputeTimer, batch: int, after: int) -> dict:
-    """Median step (ms) over the first decode steps and over the steps after `after` tokens."""
-    from engine_service import SamplingParams
+def _stepped_engine(model_dir: Path, batch: int, max_model_len: int, tokens: int):
+    """An engine of its own (instrumented) with `batch` requests stepped to `tokens` output
+    tokens each, with room left for the measured windows."""
+    from engine_service import LLM, SamplingParams
 
+    llm = LLM(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=batch,
+              max_model_len=max_model_len, enable_prefix_caching=False)
+    timer = instrument(llm)
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=after + DIRECT_WINDOW + 1,
+    params = SamplingParams(temperature=0.0, max_tokens=max_model_len - PROMPT_LEN,
                             ignore_eos=True)
     for i, request in enumerate(prompts(batch)):
         engine.add_request(f"direct-{i}", request["prompt_token_ids"], params)
-    engine.step()  # the prefill (and each sequence's first token)
-    steps: list[tuple[float, float, float]] = []  # (cpu, host cpu, wall) per decode step
-    while engine.has_unfinished_requests():
-        timer.cpu = 0.0
-        c, w = time.thread_time(), time.perf_counter()
+    for _ in range(tokens):  # the first step is the prefill, which samples each first token
         engine.step()
-        cpu = time.thread_time() - c
-        steps.append((cpu, cpu - timer.cpu, time.perf_counter() - w))
+    return engine, timer
 
-    def median_ms(window: list[tuple[float, float, float]], k: int) -> float:
-        return statistics.median(s[k] for s in window) * 1e3
 
-    start, late = steps[:DIRECT_WINDOW], steps[after - 1 : after - 1 + DIRECT_WINDOW]
+def alternated_steps(model_dir: Path, batch: int, early: int, late: int,
+                     rounds: int, max_model_len: int) -> dict:
+    """Host time per sequence per step of two engines, one at `early` output tokens and one at
+    `late`, stepped in alternated windows of DIRECT_WINDOW steps (the order swapped each
+    round), so that the machine's drift falls on both alike; then each engine's calls per
+    step over one more window. Windows start a multiple of 16 steps apart, so both cross the
+    same number of block boundaries."""
+    engines = {"early": _stepped_engine(model_dir, batch, max_model_len, early),
+               "late": _stepped_engine(model_dir, batch, max_model_len, late)}
+    host: dict[str, list[float]] = {"early": [], "late": []}
+    order = ["early", "late"]
+    for _ in range(rounds):
+        for name in order:
+            engine, timer = engines[name]
+            timer.cpu = 0.0
+            c = time.thread_time()
+            for _ in range(DIRECT_WINDOW):
+                engine.step()
+            cpu = time.thread_time() - c
+            host[name].append((cpu - timer.cpu) / (DIRECT_WINDOW * batch) * 1e6)
+        order.reverse()
+    work = {name: count_step_work(engine, DIRECT_WINDOW)
+            for name, (engine, _timer) in engines.items()}
+    early_work, late_work = work["early"], work["late"]
+    ratios = [b / a for a, b in zip(host["early"], host["late"], strict=True)]
     return {
-        "start_ms": median_ms(start, 0), "start_host_ms": median_ms(start, 1),
-        "start_wall_ms": median_ms(start, 2),
-        "late_ms": median_ms(late, 0), "late_host_ms": median_ms(late, 1),
-        "late_wall_ms": median_ms(late, 2),
+        "early_tokens": early, "late_tokens": late, "window_steps": DIRECT_WINDOW,
+        "early_host_us": host["early"], "late_host_us": host["late"],
+        "early_median_us": statistics.median(host["early"]),
+        "late_median_us": statistics.median(host["late"]),
+        "median_late_over_early": statistics.median(ratios),
+        "early_calls_per_step": early_work.total_calls() / DIRECT_WINDOW,
+        "late_calls_per_step": late_work.total_calls() / DIRECT_WINDOW,
+        "early_instructions_per_step": early_work.total_instructions() / DIRECT_WINDOW,
+        "late_instructions_per_step": late_work.total_instructions() / DIRECT_WINDOW,
+        # Over the window, per function: (early, late).
+        "calls_that_differ": differences(early_work.calls, late_work.calls),
+        "instructions_that_differ": differences(early_work.instructions,
+                                                late_work.instructions),
     }
 
 
@@ -175,22 +216,25 @@ def host_time(batch: int, lengths: list[int], repeats: int, model_dir: Path) -> 
 
     torch.set_num_threads(1)
     longest = max(lengths)
-    max_model_len = PROMPT_LEN + longest + DIRECT_WINDOW + 8
+    # The alternated engines' early start: the shortest length, moved up so the two start a
+    # whole number of blocks apart (100 and 1,000 -> 104 and 1,000).
+    early = longest - (longest - min(lengths)) // BLOCK * BLOCK
+    max_model_len = PROMPT_LEN + longest + DIRECT_WINDOW * (ALTERNATED_ROUNDS + 1) + 8
     tiny_llama(model_dir, max_model_len)
     llm = LLM(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=batch,
               max_model_len=max_model_len, enable_prefix_caching=False)
     timer = instrument(llm)
     llm.generate(prompts(batch), SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    result: dict = {"batch": batch, "offline": {}, "direct": None}
+    result: dict = {"batch": batch, "offline": {}, "alternated": None}
     for _ in range(repeats):  # alternated lengths, best of each
         for n in lengths:
             run = offline_host_us(llm, timer, batch, n)
             best = result["offline"].get(n)
             if best is None or run["host_us_per_seq_step"] < best["host_us_per_seq_step"]:
                 result["offline"][n] = run
-        run = direct_steps(llm, timer, batch, longest)
-        best = result["direct"]
-        result["direct"] = run if best is None else {k: min(v, best[k]) for k, v in run.items()}
+    del llm
+    result["alternated"] = alternated_steps(model_dir, batch, early, longest,
+                                            ALTERNATED_ROUNDS, max_model_len)
     return result
 
 
@@ -203,12 +247,21 @@ def report(result: dict) -> str:
             f"{r['runner_inputs_us_per_seq_step']:5.2f}); total {r['total_us_per_seq_step']:6.2f}"
             f", of which model + LM head + argmax {r['compute_us_per_seq_step']:6.2f}"
         )
-    d = result["direct"]
+    a = result["alternated"]
     lines.append(
-        f"direct step: at start {d['start_ms']:.2f} ms (host {d['start_host_ms']:.2f}) "
-        f"[{d['start_wall_ms']:.2f}]; after {max(result['offline'])} tokens "
-        f"{d['late_ms']:.2f} ms (host {d['late_host_ms']:.2f}) [{d['late_wall_ms']:.2f}]"
-    )
+        f"engine.step, alternated windows of {a['window_steps']} steps, host us/seq/step: "
+        f"{a['early_tokens']} tokens {a['early_median_us']:.2f} (median of "
+        f"{', '.join(f'{x:.2f}' for x in a['early_host_us'])}), {a['late_tokens']} tokens "
+        f"{a['late_median_us']:.2f} (of {', '.join(f'{x:.2f}' for x in a['late_host_us'])});"
+        f" late / early, median of the pairs: {a['median_late_over_early']:.3f}")
+    lines.append(
+        f"per step, at {a['early_tokens']} / {a['late_tokens']} tokens: calls "
+        f"{a['early_calls_per_step']:.2f} / {a['late_calls_per_step']:.2f}, bytecode "
+        f"instructions {a['early_instructions_per_step']:.2f} / "
+        f"{a['late_instructions_per_step']:.2f}")
+    for kind in ("calls", "instructions"):
+        for fn, (early, late) in a[f"{kind}_that_differ"].items():
+            lines.append(f"  {kind} over the window differ: {fn} {early} -> {late}")
     return "\n".join(lines)
 
 

@@ -622,3 +622,28 @@ def test_grpc_peers_serve_the_workloads_on_a_tiny_model(tiny_llama_dir):
             (r.prompt_len, r.output_len) for r in workload.requests), name
         for record in records:
             assert record.finish is not None and len(record.token_times) == record.output_len
+
+
+def test_step_loop_bench_on_a_tiny_batch(tmp_path):
+    """`python -m bench.step_loop --host-time` end to end on 2 sequences (its own process: it
+    sets torch to one thread): the offline figures for both lengths, the alternated engines
+    a whole number of blocks apart, and their steps' exact counts, which match (the host work
+    of a step does not grow with the output)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "step_loop.json"
+    subprocess.run([sys.executable, "-m", "bench.step_loop", "--host-time", "--batch", "2",
+                    "--tokens", "20,52", "--repeats", "1", "--model-dir", str(tmp_path / "m"),
+                    "--json", str(out)], check=True, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert set(result["offline"]) == {"20", "52"}
+    alternated = result["alternated"]
+    assert (alternated["early_tokens"], alternated["late_tokens"]) == (20, 52)
+    assert len(alternated["early_host_us"]) == len(alternated["late_host_us"]) >= 2
+    early, late = alternated["early_calls_per_step"], alternated["late_calls_per_step"]
+    assert early > 100 and abs(late - early) <= 0.01 * early
+    early, late = (alternated["early_instructions_per_step"],
+                   alternated["late_instructions_per_step"])
+    assert early > 1000 and abs(late - early) <= 0.01 * early

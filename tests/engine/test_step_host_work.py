@@ -1,13 +1,15 @@
 """Host work per step in O(batch), not O(tokens so far) (issue 36): outputs carry deltas only,
 penalty counts are kept per sequence (and equal counts recomputed from scratch), the decode
 graphs' block tables are written incrementally, the detokenizer's fast decode gives decode()'s
-text. Structure is checked here; the times are bench/step_loop.py's."""
+text, and a step late in a request executes what one early executes (exact counts of calls
+and bytecode instructions). Structure is checked here; the times are bench/step_loop.py's."""
 
 import random
 
 import pytest
 import torch
 
+from bench.step_work import count_step_work, differences
 from engine_service import SamplingParams
 from engine_service.core.sequence import Sequence, SequenceGroup, TokenView
 from engine_service.model.beam_search_params import BeamSearchParams
@@ -89,6 +91,47 @@ def test_outputs_carry_deltas_only_over_2000_tokens(make_llm, tiny_llama_dir, mo
             assert seen["lps"] == final.logprobs and len(final.logprobs) == LONG
             assert [lp.token_id for lp in final.logprobs] == final.token_ids
     assert engine.sampler.token_counts.num_held == 0
+
+
+def test_step_work_does_not_grow_with_the_output(make_llm, tiny_llama_dir):
+    """What an engine step executes after ~560 output tokens is what it executes after ~80,
+    counted exactly: the same functions called as often, the same bytecode instructions in
+    each. A loop over the output so far (per token or per block) in Python would add
+    instructions, and calls wherever it called anything. (One C call that copies the output,
+    a list() or a slice, counts once at any length: the copy counter above catches those of
+    the sequences' token lists.) Greedy with logprobs, n = 2 seeded sampling with penalties,
+    and a stop string (the detokenizer's hold-back), with prefix caching on (a block hash as
+    each block fills); the two windows start a whole number of 16-token blocks apart, so each
+    crosses the same block boundaries. What may differ: the detokenizer's path per token
+    depends on which token came (a token's text kept for the next decode, a character split
+    over tokens held back), a few calls and instructions a token; a walk over the ~35 blocks or
+    ~560 tokens of each sequence would add thousands of instructions a window."""
+    engine = make_llm(tiny_llama_dir, num_blocks=512, max_model_len=1024).llm_engine
+    engine.add_request("greedy", [31, 32, 33], SamplingParams(
+        temperature=0, max_tokens=900, ignore_eos=True, logprobs=2))
+    engine.add_request("two", list(range(100, 140)), SamplingParams(
+        temperature=1.0, n=2, seed=7, max_tokens=900, ignore_eos=True, repetition_penalty=1.2,
+        frequency_penalty=0.1))
+    engine.add_request("stop", list(range(300, 310)), SamplingParams(
+        temperature=0.7, seed=3, max_tokens=900, ignore_eos=True, stop=["zq!x"]))
+    window, sequences = 32, 4
+    for _ in range(48):
+        engine.step()
+    early = count_step_work(engine, window)
+    for _ in range(30 * 16 - window):  # 30 blocks on
+        engine.step()
+    late = count_step_work(engine, window)
+    assert all(len(s.token_ids) > 500 for g in engine.scheduler.running for s in g.seqs)
+    assert sum(len(g.seqs) for g in engine.scheduler.running) == sequences
+
+    # Per function: one call, or 16 instructions, per sequence per step of what the token's
+    # path explains; a walk over the output is 35 or 560 per sequence per step, or more.
+    seq_steps = sequences * window
+    assert not differences(early.calls, late.calls, seq_steps), "calls, early -> late"
+    assert not differences(early.instructions, late.instructions, 16 * seq_steps), (
+        "bytecode instructions, early -> late")
+    assert abs(late.total_calls() - early.total_calls()) <= seq_steps
+    assert abs(late.total_instructions() - early.total_instructions()) <= 16 * seq_steps
 
 
 def test_generate_returns_whole_completions(make_llm, tiny_llama_dir):
