@@ -64,7 +64,9 @@ def tiny_llama(out_dir: Path, max_model_len: int) -> Path:
                          rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                          tie_word_embeddings=False, **MODEL_SHAPE)
     marker = out_dir / "step_loop.json"
-    if marker.is_file() and json.loads(marker.read_text()) == config.to_dict():
+    # As JSON gives it back (int keys become strings), taken before saving adds fields to it.
+    wanted = json.loads(json.dumps(config.to_dict()))
+    if marker.is_file() and json.loads(marker.read_text()) == wanted:
         return out_dir
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -76,7 +78,7 @@ def tiny_llama(out_dir: Path, max_model_len: int) -> Path:
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out_dir / name)
-    marker.write_text(json.dumps(config.to_dict()))
+    marker.write_text(json.dumps(wanted))
     return out_dir
 
 
