@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -95,14 +96,18 @@ def offline_here(model_dir: str, batch: int, max_tokens: int) -> dict:
     return {"tokens": tokens, "wall_s": wall, "cpu_s": cpu}
 
 
-async def stream_all(target: str, batch: int, max_tokens: int) -> int:
+async def stream_all(target: str, batch: int, max_tokens: int,
+                     started: Callable[[], None] = lambda: None) -> int:
+    """`batch` concurrent streams of `max_tokens` tokens; the output tokens received. The
+    channel is connected first (one stream of one token), then `started()` marks the start of
+    what is measured."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
 
-        async def one(ids: list[int]) -> int:
+        async def one(ids: list[int], tokens: int) -> int:
             request = pb.GenerateRequest(
                 token_ids=pb.TokenIds(ids=ids),
-                sampling=pb.SamplingParams(temperature=0, max_tokens=max_tokens,
+                sampling=pb.SamplingParams(temperature=0, max_tokens=tokens,
                                            ignore_eos=True))
             count = 0
             async for message in stub.GenerateStream(request, timeout=600):
@@ -110,8 +115,9 @@ async def stream_all(target: str, batch: int, max_tokens: int) -> int:
             return count
 
         requests = [p["prompt_token_ids"] for p in prompts(batch)]
-        await one(requests[0][:4])  # warm-up
-        counts = await asyncio.gather(*(one(ids) for ids in requests))
+        await one(requests[0][:4], 1)  # connects the channel
+        started()
+        counts = await asyncio.gather(*(one(ids, max_tokens) for ids in requests))
     return sum(counts)
 
 
@@ -139,9 +145,14 @@ def served(model_dir: Path, batch: int, max_tokens: int, checkout: Path | None,
             # Warm-up outside the measurement (first requests compile nothing on the CPU, but
             # the tokenizer and the first batches are slower).
             asyncio.run(stream_all(engine.target, 4, 16))
-            cpu, wall = process_cpu_s(pid), time.perf_counter()
-            tokens = asyncio.run(stream_all(engine.target, batch, max_tokens))
-            wall, cpu = time.perf_counter() - wall, process_cpu_s(pid) - cpu
+            start: dict[str, float] = {}
+
+            def started() -> None:  # the client connected: from here on it is measured
+                start["cpu"], start["wall"] = process_cpu_s(pid), time.perf_counter()
+
+            tokens = asyncio.run(stream_all(engine.target, batch, max_tokens, started))
+            wall = time.perf_counter() - start["wall"]
+            cpu = process_cpu_s(pid) - start["cpu"]
     finally:
         for key, value in env_before.items():
             if value is None:
