@@ -47,6 +47,7 @@ def count_step_work(engine, steps: int) -> StepWork:
         return count_opcode
 
     profile = cProfile.Profile()
+    previous = sys.gettrace()  # a debugger's or coverage's tracer: back when done
     sys.settrace(trace)
     profile.enable()
     try:
@@ -54,7 +55,7 @@ def count_step_work(engine, steps: int) -> StepWork:
             engine.step()
     finally:
         profile.disable()
-        sys.settrace(None)
+        sys.settrace(previous)
     calls = {f"{file}:{line}:{name}": counts[1]
              for (file, line, name), counts in pstats.Stats(profile).stats.items()}  # type: ignore[attr-defined]
     return StepWork(calls, instructions)
