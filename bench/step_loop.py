@@ -18,7 +18,7 @@ torch thread. What is measured:
   uploading the step's inputs, in `ModelRunner.execute` outside the model) is shown apart.
 - **alternated steps**: the same requests stepped with `LLMEngine.step` (an output per request
   per step, as a streaming caller gets) in two engines, one at the shortest output length
-  (moved up to a whole number of 16-token blocks below the longest: 104) and one at the
+  (moved to a whole number of 16-token blocks below the longest: 100 -> 104) and one at the
   longest, in alternated windows of 16 steps, so the machine's drift falls on both alike: the
   host time per sequence per step of each (median of the windows) and the median ratio of the
   pairs. Then what a step of each executes over one more window, counted exactly
@@ -175,9 +175,9 @@ def alternated_steps(model_dir: Path, batch: int, early: int, late: int,
                      rounds: int, max_model_len: int) -> dict:
     """Host time per sequence per step of two engines, one at `early` output tokens and one at
     `late`, stepped in alternated windows of DIRECT_WINDOW steps (the order swapped each
-    round), so that the machine's drift falls on both alike; then each engine's calls per
-    step over one more window. Windows start a multiple of 16 steps apart, so both cross the
-    same number of block boundaries."""
+    round), so that the machine's drift falls on both alike; then what one more window of
+    each executes (bench/step_work.py). Windows start a multiple of 16 steps apart, so both
+    cross the same number of block boundaries."""
     engines = {"early": _stepped_engine(model_dir, batch, max_model_len, early),
                "late": _stepped_engine(model_dir, batch, max_model_len, late)}
     host: dict[str, list[float]] = {"early": [], "late": []}
@@ -198,6 +198,8 @@ def alternated_steps(model_dir: Path, batch: int, early: int, late: int,
     ratios = [b / a for a, b in zip(host["early"], host["late"], strict=True)]
     return {
         "early_tokens": early, "late_tokens": late, "window_steps": DIRECT_WINDOW,
+        # The counted window follows the timed ones.
+        "counted_from_tokens": [early + rounds * DIRECT_WINDOW, late + rounds * DIRECT_WINDOW],
         "early_host_us": host["early"], "late_host_us": host["late"],
         "early_median_us": statistics.median(host["early"]),
         "late_median_us": statistics.median(host["late"]),
@@ -213,15 +215,29 @@ def alternated_steps(model_dir: Path, batch: int, early: int, late: int,
     }
 
 
+def model_len(lengths: list[int]) -> int:
+    """The random model's context for these output lengths: the alternated windows' tokens on
+    top of the longest (bench.step_loop_stub uses the same, so neither rewrites the model)."""
+    return PROMPT_LEN + max(lengths) + DIRECT_WINDOW * (ALTERNATED_ROUNDS + 1) + 8
+
+
+def early_length(lengths: list[int]) -> int | None:
+    """The alternated engines' early start: the shortest length, moved up so the two start a
+    whole number of blocks apart (100 and 1,000 -> 104 and 1,000), or down one block where
+    they are less than a block apart (50 and 60 -> 44); None for a single length."""
+    shortest, longest = min(lengths), max(lengths)
+    if shortest == longest:
+        return None
+    early = longest - max(1, (longest - shortest) // BLOCK) * BLOCK
+    return early if early >= 1 else None
+
+
 def host_time(batch: int, lengths: list[int], repeats: int, model_dir: Path) -> dict:
     from engine_service import LLM, SamplingParams
 
     torch.set_num_threads(1)
     longest = max(lengths)
-    # The alternated engines' early start: the shortest length, moved up so the two start a
-    # whole number of blocks apart (100 and 1,000 -> 104 and 1,000).
-    early = longest - (longest - min(lengths)) // BLOCK * BLOCK
-    max_model_len = PROMPT_LEN + longest + DIRECT_WINDOW * (ALTERNATED_ROUNDS + 1) + 8
+    max_model_len = model_len(lengths)
     tiny_llama(model_dir, max_model_len)
     llm = LLM(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=batch,
               max_model_len=max_model_len, enable_prefix_caching=False)
@@ -235,8 +251,10 @@ def host_time(batch: int, lengths: list[int], repeats: int, model_dir: Path) -> 
             if best is None or run["host_us_per_seq_step"] < best["host_us_per_seq_step"]:
                 result["offline"][n] = run
     del llm
-    result["alternated"] = alternated_steps(model_dir, batch, early, longest,
-                                            ALTERNATED_ROUNDS, max_model_len)
+    early = early_length(lengths)
+    if early is not None:
+        result["alternated"] = alternated_steps(model_dir, batch, early, longest,
+                                                ALTERNATED_ROUNDS, max_model_len)
     return result
 
 
@@ -250,6 +268,9 @@ def report(result: dict) -> str:
             f", of which model + LM head + argmax {r['compute_us_per_seq_step']:6.2f}"
         )
     a = result["alternated"]
+    if a is None:
+        lines.append("engine.step, alternated: needs two output lengths (--tokens A,B)")
+        return "\n".join(lines)
     lines.append(
         f"engine.step, alternated windows of {a['window_steps']} steps, host us/seq/step: "
         f"{a['early_tokens']} tokens {a['early_median_us']:.2f} (median of "
@@ -257,7 +278,8 @@ def report(result: dict) -> str:
         f"{a['late_median_us']:.2f} (of {', '.join(f'{x:.2f}' for x in a['late_host_us'])});"
         f" late / early, median of the pairs: {a['median_late_over_early']:.3f}")
     lines.append(
-        f"per step, at {a['early_tokens']} / {a['late_tokens']} tokens: calls "
+        f"per step, from {a['counted_from_tokens'][0]} / {a['counted_from_tokens'][1]} tokens:"
+        f" calls "
         f"{a['early_calls_per_step']:.2f} / {a['late_calls_per_step']:.2f}, bytecode "
         f"instructions {a['early_instructions_per_step']:.2f} / "
         f"{a['late_instructions_per_step']:.2f}")

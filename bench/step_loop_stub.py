@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.step_loop import DIRECT_WINDOW, PROMPT_LEN, prompts, tiny_llama
+from bench.step_loop import PROMPT_LEN, model_len, prompts, tiny_llama
 
 VOCAB_LOW, VOCAB_HIGH = 100, 49000  # ordinary tokens of SmolLM2's vocabulary
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     lengths = [int(n) for n in args.tokens.split(",")]
     torch.set_num_threads(1)
-    max_model_len = PROMPT_LEN + max(lengths) + DIRECT_WINDOW + 8
+    max_model_len = model_len(lengths)
     tiny_llama(args.model_dir, max_model_len)
     llm = LLM(model=str(args.model_dir), device="cpu", dtype="float32", max_num_seqs=args.batch,
               max_model_len=max_model_len, enable_prefix_caching=False)

@@ -632,15 +632,18 @@ def test_step_loop_bench_on_a_tiny_batch(tmp_path):
     import json
     import subprocess
     import sys
+    from pathlib import Path
 
     out = tmp_path / "step_loop.json"
+    repo = Path(__file__).resolve().parents[1]  # this checkout's bench, not an installed one
     subprocess.run([sys.executable, "-m", "bench.step_loop", "--host-time", "--batch", "2",
                     "--tokens", "20,52", "--repeats", "1", "--model-dir", str(tmp_path / "m"),
-                    "--json", str(out)], check=True, capture_output=True, timeout=300)
+                    "--json", str(out)], check=True, capture_output=True, timeout=300, cwd=repo)
     result = json.loads(out.read_text())
     assert set(result["offline"]) == {"20", "52"}
     alternated = result["alternated"]
     assert (alternated["early_tokens"], alternated["late_tokens"]) == (20, 52)
+    assert alternated["counted_from_tokens"] == [20 + 6 * 16, 52 + 6 * 16]
     assert len(alternated["early_host_us"]) == len(alternated["late_host_us"]) >= 2
     early, late = alternated["early_calls_per_step"], alternated["late_calls_per_step"]
     assert early > 100 and abs(late - early) <= 0.01 * early
