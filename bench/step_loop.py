@@ -153,13 +153,21 @@ def offline_host_us(llm, timer: ComputeTimer, batch: int, max_tokens: int) -> di
     }
 
 
+def bench_llm(model_dir: Path, batch: int, max_model_len: int):
+    """The offline API on the random model as every figure here (and bench.step_loop_stub)
+    runs it: CPU, float32, no prefix caching."""
+    from engine_service import LLM
+
+    return LLM(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=batch,
+               max_model_len=max_model_len, enable_prefix_caching=False)
+
+
 def _stepped_engine(model_dir: Path, batch: int, max_model_len: int, tokens: int):
     """An engine of its own (instrumented) with `batch` requests stepped to `tokens` output
     tokens each, with room left for the measured windows."""
-    from engine_service import LLM, SamplingParams
+    from engine_service import SamplingParams
 
-    llm = LLM(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=batch,
-              max_model_len=max_model_len, enable_prefix_caching=False)
+    llm = bench_llm(model_dir, batch, max_model_len)
     timer = instrument(llm)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=max_model_len - PROMPT_LEN,
@@ -233,14 +241,13 @@ def early_length(lengths: list[int]) -> int | None:
 
 
 def host_time(batch: int, lengths: list[int], repeats: int, model_dir: Path) -> dict:
-    from engine_service import LLM, SamplingParams
+    from engine_service import SamplingParams
 
     torch.set_num_threads(1)
     longest = max(lengths)
     max_model_len = model_len(lengths)
     tiny_llama(model_dir, max_model_len)
-    llm = LLM(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=batch,
-              max_model_len=max_model_len, enable_prefix_caching=False)
+    llm = bench_llm(model_dir, batch, max_model_len)
     timer = instrument(llm)
     llm.generate(prompts(batch), SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     result: dict = {"batch": batch, "offline": {}, "alternated": None}

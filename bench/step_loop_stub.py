@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.step_loop import PROMPT_LEN, model_len, prompts, tiny_llama
+from bench.step_loop import PROMPT_LEN, bench_llm, model_len, prompts, tiny_llama
 
 VOCAB_LOW, VOCAB_HIGH = 100, 49000  # ordinary tokens of SmolLM2's vocabulary
 
@@ -75,7 +75,7 @@ def run(llm, batch: int, max_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine_service import LLM, SamplingParams
+    from engine_service import SamplingParams
 
     p = argparse.ArgumentParser(prog="python -m bench.step_loop_stub",
                                 description=__doc__.split("\n\n")[0])
@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     max_model_len = model_len(lengths)
     tiny_llama(args.model_dir, max_model_len)
-    llm = LLM(model=str(args.model_dir), device="cpu", dtype="float32", max_num_seqs=args.batch,
-              max_model_len=max_model_len, enable_prefix_caching=False)
+    llm = bench_llm(args.model_dir, args.batch, max_model_len)
     stub_model(llm, args.batch)
     llm.generate(prompts(args.batch),
                  SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))

@@ -432,15 +432,12 @@ class CoreClient:
                 buffer.put(error)
         finished = False
         for output in outputs:
-            if type(output) is tuple:  # a TokenRow (output_wire.py)
-                buffer = streams.get(output[0])
-                if buffer is None:
-                    continue
+            row = type(output) is tuple  # a TokenRow (output_wire.py)
+            buffer = streams.get(output[0] if row else output.request_id)
+            if buffer is None:
+                continue
+            if row:
                 output = unpack_row(output, buffer.arrival_time, buffer.first_token_time)
-            else:
-                buffer = streams.get(output.request_id)
-                if buffer is None:
-                    continue
             buffer.put(output)
             if output.finished:
                 finished = True
