@@ -65,7 +65,11 @@ def test_a_refused_backlog_is_dropped_for_a_resync_and_the_index_catches_up(
             assert policy.counters.backlog_resyncs >= 1
             details = link.health_details()
             assert int(details["backlog_resyncs"]) == policy.counters.backlog_resyncs
-            assert int(details["registrations"]) >= 2  # each drop re-registered and re-synced
+            # Each drop re-registers and re-syncs, on the link's thread, which may still be in
+            # its back-off from a refused Apply when the last request ends; the re-sync's ops
+            # are read on the engine's thread (this one, while it waits).
+            wait_until(lambda: int(link.health_details()["registrations"]) >= 2, CATCH_UP_S,
+                       "a re-registration after the backlog's drop", engine=engine)
             # Once idle, the index's view is the pool's: nothing was lost by the drop.
             wait_until(lambda: index_matches_pool(test_certs, index.target, ENGINE_ID, engine),
                        CATCH_UP_S, "the index's view of the engine equals its pool",
