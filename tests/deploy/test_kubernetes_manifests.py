@@ -5,6 +5,7 @@ the Redis password."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import shutil
@@ -85,6 +86,7 @@ def _secret_files() -> Path:
     from trust.certs_tool import main as make_certs
 
     root = Path(tempfile.mkdtemp(prefix="pagedgen-secrets-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)  # keys and certs: not left behind
     certs = root / "certs"
     make_certs(["--out", str(certs), "--engine", "", "--router", "--index", "--client",
                 "--host", "localhost"])

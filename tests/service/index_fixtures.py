@@ -83,9 +83,10 @@ class Driver:
         return {rid: out.outputs[0].token_ids for rid, out in sorted(self.finished.items())}
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str,
-               engine: LLMEngine | None = None) -> float:
-    """Polls predicate; the seconds it took. Raises naming `what` on timeout. With `engine`,
+def wait_until(predicate: Callable[[], bool], timeout_s: float,
+               what: str | Callable[[], str], engine: LLMEngine | None = None) -> float:
+    """Polls predicate; the seconds it took. Raises naming `what` on timeout (a callable: the
+    state it describes, read at the timeout). With `engine`,
     the test thread is that engine's thread: it runs the commands other threads (the index
     link) post to it while it waits, as the serving loop does between steps."""
     start = time.monotonic()
@@ -95,7 +96,8 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str,
         if predicate():
             break
         if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"{what}: not within {timeout_s}s")
+            said = what() if callable(what) else what
+            raise AssertionError(f"{said}: not within {timeout_s}s")
         time.sleep(0.02)
     return time.monotonic() - start
 
