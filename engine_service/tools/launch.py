@@ -16,7 +16,7 @@ from prefix_index.tools.redis_process import free_port
 from prefix_index.tools.server_process import ServerProcess, wait_serving
 from trust.cli_args import add_tls_args, resolve_tls_args, tls_argv
 from trust.credentials import TlsFiles, sync_channel
-from trust.identity import ENGINE_ROLE
+from trust.identity import ENGINE_ROLE, INDEX_ROLE, ROUTER_ROLE
 
 
 def wait_engine_serving(target: str, timeout_s: float, proc: subprocess.Popen | None = None,
@@ -73,6 +73,13 @@ def parse_check_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(prog="python -m engine_service.tools.launch")
     p.add_argument("--check", required=True, metavar="HOST:PORT")
     p.add_argument("--timeout-s", type=float, default=3.0)
+    # A probe reaches the pod as localhost, which a certificate issued for the Service's names
+    # (cert-manager's, say) does not name: with --role the server proves that role instead
+    # (<role>.pagedgen.internal), as the services check each other.
+    p.add_argument("--role", choices=(ENGINE_ROLE, ROUTER_ROLE, INDEX_ROLE), default=None,
+                   help="over TLS, the role the server's certificate must hold (engine, router, "
+                        "index), checked by its <role>.pagedgen.internal name instead of the "
+                        "target's host")
     add_tls_args(p)
     args = p.parse_args(argv)
     resolve_tls_args(p, args)
@@ -84,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     reports SERVING (container healthchecks; works for the engine and the prefix index)."""
     args = parse_check_args(argv)
     try:
-        with sync_channel(args.check, args.tls) as channel:
+        with sync_channel(args.check, args.tls, peer_role=args.role) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=args.timeout_s)
     except grpc.RpcError as error:
