@@ -55,7 +55,14 @@ REQUIRE_ENV = "PAGEDGEN_REQUIRE_CPU_EXTENSION"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 
+# Where builds go, when the cache is not the place: an image mounts the cache (the model)
+# read-only, and compiles where it may write (docker/Dockerfile).
+EXTENSIONS_DIR_ENV = "PAGEDGEN_EXTENSIONS_DIR"
+
+
 def _cache_root() -> Path:
+    if os.environ.get(EXTENSIONS_DIR_ENV):
+        return Path(os.environ[EXTENSIONS_DIR_ENV])
     base = os.environ.get("PAGEDGEN_CACHE_DIR") or Path.home() / ".cache" / "pagedgen"
     return Path(base) / "extensions"
 
