@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -199,6 +200,10 @@ def test_container_ports_probes_and_annotations_agree_with_the_flags(resources):
                 assert check.check == f"localhost:{args.port}", f"{script} {kind}"
                 assert check.tls is not None and check.tls.ca == args.tls.ca, \
                     f"{script} {kind}: the probe does not speak TLS with the pod's CA"
+                # It dials localhost, which a certificate need not name (cert-manager's, in
+                # README.md, do not): it checks the server's role name instead.
+                assert check.role == TLS_ROLES[script], \
+                    f"{script} {kind}: --role {check.role}, the pod serves {TLS_ROLES[script]}"
                 assert probe["timeoutSeconds"] >= 5, f"{script} {kind}: python starts slowly"
             else:
                 assert pod.resolve_port(probe["tcpSocket"]["port"]) == args.port, \
@@ -268,6 +273,31 @@ def test_the_router_service_publishes_the_client_ports_and_http_needs_a_key(reso
     assert Path(keys).is_relative_to(_secret_files() / API_KEYS_SECRET), router.api_key_file
     # Clients reach the engines only through the router.
     assert not getattr(servers["pagedgen-engine"][2], "http_port", 0)
+
+
+def test_services_mark_their_tls_ports_as_tls(resources):
+    """Every port a server speaks TLS on is published as appProtocol https (HTTP over TLS; gRPC
+    is HTTP/2): a mesh or gateway reads appProtocol, or else the port's name ("grpc", "http"),
+    to choose what to speak, and cleartext to a TLS port fails. Plain ports do not claim TLS."""
+    tls_ports: set[tuple[str, int]] = set()
+    for script, (pod, _, args) in _servers(resources).items():
+        assert args.tls is not None, script
+        tls_ports |= {(pod.workload, port) for port in (args.port, getattr(args, "http_port", 0))
+                      if port}
+    published = set()
+    for service in _by_kind(resources, "Service"):
+        [pod] = [p for p in pods(resources)
+                 if selects({"matchLabels": service["spec"]["selector"]}, p.labels)]
+        for port in service["spec"]["ports"]:
+            where = f"Service {service['metadata']['name']} port {port['port']}"
+            target = (pod.workload, pod.resolve_port(port.get("targetPort", port["port"])))
+            if target in tls_ports:
+                assert port.get("appProtocol") == "https", \
+                    f"{where}: TLS, but appProtocol {port.get('appProtocol')!r}"
+                published.add(target)
+            else:
+                assert port.get("appProtocol") != "https", f"{where}: plain, but claims TLS"
+    assert published == tls_ports, f"TLS ports no Service publishes: {tls_ports - published}"
 
 
 def _service_target(resources: list[dict], address: str) -> tuple[Pod, int]:
@@ -445,6 +475,61 @@ def test_overlays_place_the_engines():
     _, resources_, args = engine("cpu")
     assert resources_["requests"]["cpu"] == resources_["limits"]["cpu"]
     assert int(resources_["limits"]["cpu"]) >= 1 and args.torch_threads is None
+
+
+# What minikube's own pods request on its node, beside ours: the API server (250m), controller
+# manager (200m), scheduler (100m), etcd (100m, 100 MiB), CoreDNS (100m, 70 MiB) and Calico's
+# node agent (250m), which README.md's --cni=calico adds.
+MINIKUBE_SYSTEM_CPUS = 1.0
+MINIKUBE_SYSTEM_GIB = 0.25
+
+
+def _quantity(value: str | int) -> float:
+    """A Kubernetes CPU or memory quantity as a number (CPUs, bytes)."""
+    text = str(value)
+    for suffix, scale in (("m", 1e-3), ("Ki", 2**10), ("Mi", 2**20), ("Gi", 2**30),
+                          ("Ti", 2**40)):
+        if text.endswith(suffix):
+            return float(text[:-len(suffix)]) * scale
+    return float(text)
+
+
+def _pod_requests(pod: Pod) -> dict[str, float]:
+    """What the scheduler reserves for one pod: its containers' requests together, or its
+    largest initContainer's where that is more (they run one at a time, before the rest)."""
+    assert not any(c.get("restartPolicy") for c in pod.spec.get("initContainers", [])), \
+        f"{pod.workload}: sidecar initContainers are counted differently"
+
+    def requests(container: dict, name: str) -> float:
+        return _quantity(container.get("resources", {}).get("requests", {}).get(name, 0))
+
+    return {name: max([sum(requests(c, name) for c in pod.spec["containers"]),
+                       *(requests(c, name) for c in pod.spec.get("initContainers", []))])
+            for name in ("cpu", "memory")}
+
+
+def test_the_readme_states_what_the_cpu_overlay_requests():
+    """README.md's totals for the cpu overlay are what its pods request (replicas included), and
+    the minikube node it says to start has room for them beside minikube's own pods."""
+    resources = list(_rendered("cpu"))
+    replicas = {(r["kind"], r["metadata"]["name"]): r["spec"].get("replicas", 1)
+                for r in resources if r["kind"] in ("Deployment", "StatefulSet")}
+    cpus = gib = 0.0
+    for pod in pods(resources):
+        count = replicas[(pod.kind, pod.workload)]
+        requested = _pod_requests(pod)
+        cpus += count * requested["cpu"]
+        gib += count * requested["memory"] / 2**30
+    text = " ".join((KUBE / "README.md").read_text().split())
+    stated = re.search(r"cpu overlay's pods request ([\d.]+) CPUs and ([\d.]+) GiB", text)
+    assert stated, "README.md does not state the cpu overlay's requests"
+    assert (float(stated[1]), float(stated[2])) == (round(cpus, 2), round(gib, 2)), \
+        f"README.md states {stated[1]} CPUs and {stated[2]} GiB; the pods request " \
+        f"{cpus:.2f} CPUs and {gib:.2f} GiB"
+    start = re.search(r"minikube start --cpus=(\d+) --memory=(\d+)g\b", text)
+    assert start, "README.md does not say how to start a minikube node with room"
+    assert int(start[1]) >= cpus + MINIKUBE_SYSTEM_CPUS, start[0]
+    assert int(start[2]) >= gib + MINIKUBE_SYSTEM_GIB, start[0]
 
 
 def test_the_renderer_merges_as_kustomize_does():
