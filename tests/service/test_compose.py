@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,9 @@ from trust.cli_args import TLS_ENV, tls_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
+# The services that hold a certificate, and its role (its folder of the certs volume).
+CERT_ROLES = {"prefix-index": "index", "engine": "engine", "engine-gpu1": "engine",
+              "engine-cpu": "engine", "engine-tp2": "engine", "router": "router"}
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +71,61 @@ def test_dependencies_healthchecks_and_gpu(services):
         assert (ROOT / services[name]["build"]["dockerfile"]).exists()
 
 
-def test_commands_parse_with_the_real_console_scripts(services, secret_files, tmp_path):
+def test_healthchecks_check_the_role_not_the_host(services):
+    """Each `launch --check` probe names the role the server's certificate must hold, so it
+    keeps working with certificates (your own CA's) that do not name localhost."""
+    from engine_service.tools.launch import parse_check_args
+
+    probes = {name: service["healthcheck"]["test"] for name, service in services.items()
+              if "engine_service.tools.launch" in service.get("healthcheck", {}).get("test", [])}
+    assert set(probes) == set(CERT_ROLES), probes
+    for name, test in probes.items():
+        assert test[:4] == ["CMD", "python", "-m", "engine_service.tools.launch"], name
+        assert parse_check_args(test[4:]).role == CERT_ROLES[name], name
+
+
+def test_each_gpu_engine_has_a_gpu_of_its_own(services):
+    """A reservation by `count` hands every replica of a service the same first GPUs, so a GPU
+    engine is a service per GPU, each reserving its own by id, one replica each; the docs never
+    offer --scale for them."""
+    reserved = []
+    for name in ("engine", "engine-gpu1"):
+        engine = services[name]
+        [device] = engine["deploy"]["resources"]["reservations"]["devices"]
+        assert "count" not in device and len(device["device_ids"]) == 1, name
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"], name
+        assert engine["deploy"]["replicas"] == 1 and engine["image"] == "pagedgen:gpu", name
+        assert "--device=cuda" in engine["command"], name
+        reserved += device["device_ids"]
+    assert len(reserved) == len(set(reserved)), reserved
+    # A one-GPU host runs --profile gpu: the second GPU's engine is not in it.
+    assert "gpu" not in services["engine-gpu1"]["profiles"]
+    for doc in (COMPOSE, ROOT / "README.md"):
+        assert not re.search(r"--scale engine=[1-9]", doc.read_text()), doc.name
+
+
+def test_cpu_replicas_fit_a_small_host(services, host_paths, tmp_path):
+    """Torch threads wait for each other at every op: the default CPU replicas' threads, all
+    together, fit a 2-core host, and each replica's CPU limit leaves its front a CPU."""
+    from engine_service.serving.torch_threads import core_torch_threads
+
+    cpu = services["engine-cpu"]
+    args = engine_args([_on_this_machine(a, host_paths["engine-cpu"]) for a in cpu["command"][1:]])
+    limit = float(cpu["cpus"])
+    (tmp_path / "cpu.max").write_text(f"{int(limit * 100_000)} 100000")  # what --cpus sets
+    for host_cores in (2, 4, 16):
+        threads = core_torch_threads(args.torch_threads, "cpu", torch_default=host_cores,
+                                     environ={}, root=tmp_path, affinity=host_cores)
+        assert cpu["deploy"]["replicas"] * threads <= 2, (host_cores, threads)
+        assert threads < limit, (host_cores, threads)
+
+
+def test_commands_parse_with_the_real_console_scripts(services, host_paths):
     """The flags in compose.yaml are ones the servers accept (argparse exits on a bad one)."""
-    for name in ("engine", "engine-cpu"):
+    for name in ("engine", "engine-gpu1", "engine-cpu"):
         script, *argv = services[name]["command"]
         assert script == "pagedgen-engine"
-        args = engine_args([_on_this_machine(a, secret_files, tmp_path) for a in argv])
+        args = engine_args([_on_this_machine(a, host_paths[name]) for a in argv])
         assert args.prefix_index == "prefix-index:50061" and args.port == 50051
     script, *argv = services["prefix-index"]["command"]
     assert script == "pagedgen-prefix-index"
@@ -81,23 +134,23 @@ def test_commands_parse_with_the_real_console_scripts(services, secret_files, tm
     assert index_args(argv).port == 50061
     script, *argv = services["router"]["command"]
     assert script == "pagedgen-router"
-    args = router_args([_on_this_machine(a, secret_files, tmp_path) for a in argv])
+    args = router_args([_on_this_machine(a, host_paths["router"]) for a in argv])
     assert args.prefix_index == "prefix-index:50061" and args.engine_list == []
     assert args.policy == "kv-aware" and args.port == 50051
 
 
-def test_the_tensor_parallel_engine_spans_two_gpus(services, secret_files, tmp_path):
+def test_the_tensor_parallel_engine_spans_two_gpus(services, host_paths):
     tp2 = services["engine-tp2"]
     assert tp2["profiles"] == ["gpu-tp2"] and tp2["image"] == services["engine"]["image"]
     [device] = tp2["deploy"]["resources"]["reservations"]["devices"]
     assert device["count"] == 2 and device["capabilities"] == ["gpu"]
     script, *argv = tp2["command"]
-    args = engine_args([_on_this_machine(a, secret_files, tmp_path) for a in argv])
+    args = engine_args([_on_this_machine(a, host_paths["engine-tp2"]) for a in argv])
     assert script == "pagedgen-engine" and args.tensor_parallel_size == 2
     assert args.device == "cuda" and args.prefix_index == "prefix-index:50061"
 
 
-def test_the_router_fronts_scalable_engine_replicas(services, secret_files, tmp_path):
+def test_the_router_fronts_scalable_engine_replicas(services, host_paths):
     """Only the router is published; replicas have no fixed id or host port (so --scale works)
     and register hostname:50051 (the default advertised address when bound to 0.0.0.0)."""
     router = services["router"]
@@ -108,23 +161,30 @@ def test_the_router_fronts_scalable_engine_replicas(services, secret_files, tmp_
     for name in ("engine", "engine-cpu"):
         engine = services[name]
         assert "ports" not in engine, name
-        args = engine_args([_on_this_machine(a, secret_files, tmp_path)
+        args = engine_args([_on_this_machine(a, host_paths[name])
                             for a in engine["command"][1:]])
         assert args.engine_id is None and args.advertise_address == "" and args.host == "0.0.0.0"
     assert services["engine-cpu"]["deploy"]["replicas"] >= 2
 
 
-def test_healthcheck_probe_reports_serving(engine_server):
+def test_healthcheck_probe_reports_serving(engine_server, services):
     done = subprocess.run(["python", "-m", "engine_service.tools.launch", "--check",
                            engine_server.target,
                            *tls_argv(engine_server.certs.files("client"))],
                           capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert done.returncode == 0 and done.stdout.strip().endswith("SERVING"), done
+    # The engines' healthcheck as written (its role included), with an engine's certificate
+    # from PAGEDGEN_TLS_* as in the container.
+    probe = [engine_server.target if arg == "localhost:50051" else arg
+             for arg in services["engine-cpu"]["healthcheck"]["test"][1:]]
+    done = subprocess.run(probe, capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip().endswith("SERVING"), done
 
 
-def test_every_service_runs_tls_with_certificates_from_the_certs_job(services):
+def test_every_service_runs_tls_with_certificates_from_the_certs_job(services, certs_volume):
     """The `certs` job's command is one pagedgen-certs accepts; the index, the engines and the
-    router read their own certificate from the volume it fills (issue 32)."""
+    router read their own certificate from the volume it fills (issue 32), each from its
+    role's folder of it, mounted read-only."""
     from trust.certs_tool import parse_args as certs_args
 
     script, *argv = services["certs"]["command"]
@@ -132,15 +192,73 @@ def test_every_service_runs_tls_with_certificates_from_the_certs_job(services):
     made = certs_args(argv)
     assert made.router and made.index and made.engine == [""]
     assert {"localhost", "router", "prefix-index"} <= set(made.host)
-    for name, stem in (("prefix-index", "index"), ("engine", "engine"), ("engine-cpu", "engine"),
-                       ("router", "router")):
+    for name, stem in CERT_ROLES.items():
         env = services[name]["environment"]
-        assert env == {"PAGEDGEN_TLS_CERT": f"/certs/{stem}.pem",
-                       "PAGEDGEN_TLS_KEY": f"/certs/{stem}-key.pem",
+        assert env == {"PAGEDGEN_TLS_CERT": "/certs/cert.pem",
+                       "PAGEDGEN_TLS_KEY": "/certs/key.pem",
                        "PAGEDGEN_TLS_CA": "/certs/ca.pem"}, name
-        assert "pagedgen-certs:/certs:ro" in services[name]["volumes"], name
+        assert {"type": "volume", "source": "pagedgen-certs", "target": "/certs",
+                "read_only": True, "volume": {"subpath": stem}} in services[name]["volumes"], name
+        for path in env.values():
+            assert (certs_volume / stem / Path(path).name).is_file(), (name, path)
+    # A Docker that ignored the subpath would mount the volume's root: no service may find its
+    # certificate and key there (it refuses to start), rather than start seeing every key.
+    assert not (certs_volume / "cert.pem").exists() and not (certs_volume / "key.pem").exists()
     assert services["prefix-index"]["depends_on"]["certs"] == {
         "condition": "service_completed_successfully"}
+
+
+def test_no_service_but_the_certs_job_sees_the_ca_key_or_another_role_s_key(services,
+                                                                            certs_volume):
+    """Every service runs as the same uid, and the certs volume holds the CA's key and every
+    role's key: a service that could read them could mint any role's certificate (a published
+    router an engine's). Each sees its role's folder alone: its certificate and key and the CA
+    certificate, the same as the job made."""
+    assert (certs_volume / "ca-key.pem").is_file()  # the job's alone
+    for name, service in services.items():
+        if name == "certs":
+            continue
+        assert "volumes_from" not in service, name
+        mounts = [m for m in service.get("volumes", []) if "pagedgen-certs" in str(m)]
+        if name not in CERT_ROLES:
+            assert mounts == [], name
+            continue
+        [mount] = mounts
+        assert isinstance(mount, dict) and mount["read_only"] is True, name
+        role = CERT_ROLES[name]
+        seen = certs_volume / mount["volume"]["subpath"]
+        made = {"ca.pem": "ca.pem", "cert.pem": f"{role}.pem", "key.pem": f"{role}-key.pem"}
+        assert sorted(p.name for p in seen.iterdir()) == sorted(made), name
+        for file in seen.iterdir():
+            assert file.read_bytes() == (certs_volume / made[file.name]).read_bytes(), file
+        assert (seen / "key.pem").stat().st_mode & 0o077 == 0, "keys stay 0600"
+
+
+def test_the_certs_job_keeps_what_it_made(services, certs_volume):
+    """`docker compose up` runs the certs job again: the CA clients trust and every role's
+    files stay as they were."""
+    before = {p: p.read_bytes() for p in certs_volume.rglob("*") if p.is_file()}
+    done = _run_certs_job(services["certs"], certs_volume)
+    assert "wrote" not in done.stdout, done.stdout
+    assert {p: p.read_bytes() for p in certs_volume.rglob("*") if p.is_file()} == before
+
+
+def _run_certs_job(job: dict, volume: Path) -> subprocess.CompletedProcess:
+    """The certs job's entrypoint and command as written, its volume (/certs) here `volume`."""
+    assert job["volumes"] == ["pagedgen-certs:/certs"]
+    argv = [_interpolated(a).replace("/certs", str(volume))
+            for a in (*job["entrypoint"], *job["command"])]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+@pytest.fixture(scope="module")
+def certs_volume(services, tmp_path_factory) -> Path:
+    """The `pagedgen-certs` volume as the certs job leaves it."""
+    volume = tmp_path_factory.mktemp("certs-volume")
+    _run_certs_job(services["certs"], volume)
+    return volume
 
 
 def _interpolated(text: str) -> str:
@@ -148,11 +266,13 @@ def _interpolated(text: str) -> str:
     return text.replace("$$", "$")
 
 
-def _header_commands() -> list[str]:
-    """The secret-making commands of compose.yaml's header, as written."""
-    lines = COMPOSE.read_text().split("# Secrets", 1)[1].splitlines()[2:]
+def _header_commands(section: str) -> list[str]:
+    """The commands of a section of compose.yaml's header (`# Secrets`, `# API keys`), as
+    written: the indented block after its first lines."""
+    lines = COMPOSE.read_text().split(f"\n# {section}", 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("#   "))
     commands = []
-    for line in lines:
+    for line in lines[start:]:
         if not line.startswith("#   "):
             break
         commands.append(line.removeprefix("#   "))
@@ -160,29 +280,57 @@ def _header_commands() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def secret_files(tmp_path_factory) -> dict[str, Path]:
-    """compose.yaml's secrets, made by the header's commands as written (in a scratch
-    directory): secret name -> the file compose would mount at /run/secrets/<name>."""
+def header_dir(tmp_path_factory) -> Path:
+    """A scratch directory (compose.yaml's, as it were) where the header's secret-making
+    commands ran as written."""
     work = tmp_path_factory.mktemp("compose")
-    commands = _header_commands()
+    commands = _header_commands("Secrets")
     assert any(c.startswith("pagedgen-keys add") for c in commands), commands
     done = subprocess.run(["bash", "-euc", "\n".join(commands)], cwd=work, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+    return work
+
+
+@pytest.fixture(scope="module")
+def secret_files(header_dir) -> dict[str, Path]:
+    """compose.yaml's secrets, as the header's commands made them: secret name -> the file
+    compose would mount at /run/secrets/<name>."""
     declared = yaml.safe_load(COMPOSE.read_text())["secrets"]
     files = {}
     for name, source in declared.items():
         assert set(source) == {"file"}, f"secret {name}: {source} (a file, never inline)"
         assert source["file"].startswith("./secrets/"), source
-        files[name] = work / source["file"]
+        files[name] = header_dir / source["file"]
         assert files[name].is_file(), f"the header's commands do not make {source['file']}"
     return files
 
 
-def _on_this_machine(text: str, secret_files: dict[str, Path], certs: Path) -> str:
-    for name, path in secret_files.items():
-        text = text.replace(f"/run/secrets/{name}", str(path))
-    return text.replace("/certs/", f"{certs}/")
+@pytest.fixture(scope="module")
+def host_paths(services, secret_files, header_dir, certs_volume) -> dict[str, dict[str, Path]]:
+    """service -> {a path in its container: where that lies here}: its compose secrets, its
+    bind mounts (relative to compose.yaml: the header's directory) and its folder of the
+    certs volume."""
+    paths = {}
+    for name, service in services.items():
+        seen = {f"/run/secrets/{secret}": secret_files[secret]
+                for secret in service.get("secrets", [])}
+        for mount in service.get("volumes", []):
+            if isinstance(mount, str):
+                continue  # pagedgen-cache: no file a command names
+            if mount["type"] == "bind":
+                seen[mount["target"]] = header_dir / mount["source"]
+            elif mount["source"] == "pagedgen-certs":
+                seen[mount["target"]] = certs_volume / mount["volume"]["subpath"]
+        paths[name] = seen
+    return paths
+
+
+def _on_this_machine(text: str, paths: dict[str, Path]) -> str:
+    """`text` with each path of a container (host_paths' keys) where it lies here."""
+    for inside in sorted(paths, key=len, reverse=True):
+        text = text.replace(inside, str(paths[inside]))
+    return text
 
 
 def test_only_the_router_client_ports_are_published(services):
@@ -199,7 +347,7 @@ def test_only_the_router_client_ports_are_published(services):
 
 
 def test_redis_takes_its_password_from_a_secret_and_bounds_its_memory(services, secret_files,
-                                                                      tmp_path):
+                                                                      host_paths, tmp_path):
     """Runs compose's Redis entrypoint and command with the real redis-server (the image's
     docker-entrypoint.sh, which only drops to the redis user, stands in as `exec "$@"`): the
     password is the secret's, maxmemory and noeviction are set, no argument holds the password,
@@ -222,7 +370,7 @@ def test_redis_takes_its_password_from_a_secret_and_bounds_its_memory(services, 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    entrypoint = [_on_this_machine(_interpolated(a), secret_files, tmp_path)
+    entrypoint = [_on_this_machine(_interpolated(a), host_paths["redis"])
                   for a in redis["entrypoint"]]
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin:/usr/local/bin"}
     # Its own process group: the entrypoint's shell pipes into redis-server, which a signal
@@ -246,8 +394,8 @@ def test_redis_takes_its_password_from_a_secret_and_bounds_its_memory(services, 
         assert cli("config", "get", "maxmemory-policy", auth=password).split() == [
             "maxmemory-policy", "noeviction"]
         assert cli("config", "get", "maxmemory", auth=password).split()[1] == str(512 << 20)
-        check = _on_this_machine(_interpolated(redis["healthcheck"]["test"][1]), secret_files,
-                                 tmp_path).replace("redis-cli", f"redis-cli -p {port}")
+        check = _on_this_machine(_interpolated(redis["healthcheck"]["test"][1]),
+                                 host_paths["redis"]).replace("redis-cli", f"redis-cli -p {port}")
         assert redis["healthcheck"]["test"][0] == "CMD-SHELL"
         assert subprocess.run(["sh", "-c", check], env=env, timeout=10).returncode == 0
         wrong = tmp_path / "wrong"
@@ -273,12 +421,12 @@ def _group_gone(pgid: int, timeout_s: float) -> bool:
 
 
 def test_the_index_reads_the_password_in_its_redis_url_from_the_secret(services, secret_files,
-                                                                        tmp_path):
+                                                                        host_paths):
     """The index's entrypoint puts PAGEDGEN_REDIS_URL, with the secret's password, in its
     environment (not its arguments), and the real parser takes the URL from there."""
     index = services["prefix-index"]
     assert index["secrets"] == ["redis-password"]
-    entrypoint = [_on_this_machine(_interpolated(a), secret_files, tmp_path)
+    entrypoint = [_on_this_machine(_interpolated(a), host_paths["prefix-index"])
                   for a in index["entrypoint"]]
     script = ("import sys; from prefix_index.server.main import parse_args, redacted_url; "
               "url = parse_args(sys.argv[1:]).redis_url; print(url); print(redacted_url(url))")
@@ -294,25 +442,22 @@ def test_the_index_reads_the_password_in_its_redis_url_from_the_secret(services,
 
 
 def test_the_router_takes_api_keys_and_shares_the_tenant_secret_with_engines(
-        services, secret_files, tmp_path):
+        services, secret_files, host_paths):
     """With the secrets the header makes and the certificates the certs job makes, every
     service's command and TLS environment parse with its real parser: the router reads the API
     key file (pagedgen-keys'), router and engines one tenant secret, each its certificate."""
     from tenancy.salt import read_secret
-    from trust.certs_tool import main as make_certs
 
     script, *argv = services["certs"]["command"]
-    certs = tmp_path / "certs"
     assert argv[:2] == ["--out", "/certs"] and script == "pagedgen-certs"
-    make_certs(["--out", str(certs), *argv[2:]])
-    parsers = {"router": router_args, "engine": engine_args, "engine-cpu": engine_args,
-               "prefix-index": index_args}
+    parsers = {"router": router_args, "engine": engine_args, "engine-gpu1": engine_args,
+               "engine-cpu": engine_args, "engine-tp2": engine_args, "prefix-index": index_args}
     secret = read_secret(str(secret_files["tenant-secret"]))
     for name, parse in parsers.items():
         service = services[name]
-        env = {k: _on_this_machine(v, secret_files, certs)
+        env = {k: _on_this_machine(v, host_paths[name])
                for k, v in service["environment"].items()}
-        argv = [_on_this_machine(a, secret_files, certs) for a in service["command"][1:]]
+        argv = [_on_this_machine(a, host_paths[name]) for a in service["command"][1:]]
         with mock.patch.dict(os.environ, env):
             args = parse(argv)
         assert args.tls is not None, name
@@ -320,7 +465,36 @@ def test_the_router_takes_api_keys_and_shares_the_tenant_secret_with_engines(
             continue
         assert "tenant-secret" in service["secrets"], name
         assert args.tenant_secret == secret, name
-    router = router_args([_on_this_machine(a, secret_files, certs)
+    router = router_args([_on_this_machine(a, host_paths["router"])
                           for a in services["router"]["command"][1:]])
-    assert set(services["router"]["secrets"]) == {"api-keys", "tenant-secret"}
+    assert services["router"]["secrets"] == ["tenant-secret"]
     assert router.keyring is not None and router.tenant_secret == secret
+
+
+def test_api_keys_rotate_as_the_header_says(services, host_paths, header_dir):
+    """pagedgen-keys writes a new key file (mode 0600) and renames it over the old one. The
+    router reads it through a read-only mount of its directory, where the new file shows (a
+    single-file mount, as compose secrets are, keeps the old inode), and the header's rotation
+    steps leave it readable by the router's uid: after SIGHUP the router holds the new key."""
+    router = services["router"]
+    assert "api-keys" not in yaml.safe_load(COMPOSE.read_text())["secrets"]
+    [key_file] = [a.removeprefix("--api-key-file=") for a in router["command"]
+                  if a.startswith("--api-key-file=")]
+    [mount] = [m for m in router["volumes"] if isinstance(m, dict) and m["type"] == "bind"
+               and key_file.startswith(m["target"] + "/")]
+    assert mount["read_only"] is True
+    args = router_args([_on_this_machine(a, host_paths["router"]) for a in router["command"][1:]])
+    here = args.keyring.path
+    assert here.stat().st_mode & 0o004, "the header's first steps leave it readable by all"
+    *steps, reload = _header_commands("API keys")
+    assert reload.split("#")[0].split() == ["docker", "compose", "kill", "-s", "SIGHUP", "router"]
+    inode = here.stat().st_ino
+    done = subprocess.run(["bash", "-euc", "\n".join(steps)], cwd=header_dir,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    new_key = done.stdout.split()[0]
+    assert here.stat().st_ino != inode  # why the directory is mounted, not the file
+    assert here.stat().st_mode & 0o004, "uid 10001 is not the file's owner: others must read"
+    assert args.keyring.table.tenant_for(new_key) is None
+    assert args.keyring.reload()  # what SIGHUP does
+    assert args.keyring.table.tenant_for(new_key).name == "acme"
