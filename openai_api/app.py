@@ -38,6 +38,7 @@ from openai_api.to_engine import (
     EngineCall,
     chat_call,
     chat_messages,
+    check_token_count,
     completion_call,
     rest_of_context,
 )
@@ -112,6 +113,11 @@ _INTERNAL_ERROR = ApiError(HTTPStatus.INTERNAL_SERVER_ERROR,
                            "log has the details)", code="internal_error")
 
 
+_STOPPED = ApiError(HTTPStatus.SERVICE_UNAVAILABLE,
+                    "the server is shutting down (its drain's grace ran out) before this "
+                    "request finished: retry the request", code="unavailable")
+
+
 class _InternalErrors:
     """A bug's 500, still in OpenAI's shape (clients parse `error` whatever the status), the
     exception itself not told (it may carry internals) but logged. Handled here, not by
@@ -131,6 +137,15 @@ class _InternalErrors:
 
         try:
             await self.app(scope, receive, tracking)
+        except asyncio.CancelledError:
+            # The server stops with this request still running (the drain's grace ran out):
+            # the client is told to retry, as a stream is (SHUTTING_DOWN), where uvicorn would
+            # answer a plain-text 500. The cancellation goes on either way.
+            if not started and scope["type"] == "http":
+                with contextlib.suppress(Exception):
+                    await JSONResponse(_STOPPED.body(), status_code=_STOPPED.status)(
+                        scope, receive, send)
+            raise
         except Exception:
             if started or scope["type"] != "http":
                 raise  # the status is sent: only closing the connection is left
@@ -149,10 +164,10 @@ class _Api:
         body = schemas.parse(schemas.CompletionRequest, await _body(request))
         model = self._model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        call = completion_call(body, request_id)
+        call = completion_call(body, request_id, model.max_model_len)
         return await self._answer(request, call, Renderer(
             request_id, body.model or model.name, False, call.n, call.logprobs,
-            self.backend.token_texts))
+            self.backend.token_texts, self.backend.token_bytes))
 
     async def chat_completions(self, request: Request) -> Response:
         raw = await _body(request)
@@ -168,7 +183,7 @@ class _Api:
             rest_of_context(wire, list(reply.token_ids), model.longest_sequence(call.n))
         return await self._answer(request, call, Renderer(
             request_id, body.model or model.name, True, call.n, call.logprobs,
-            self.backend.token_texts))
+            self.backend.token_texts, self.backend.token_bytes))
 
     def _model(self, name: str | None) -> ServedModel:
         """The served model `name` asks for (404 when none by that name); None asks for the
@@ -182,8 +197,8 @@ class _Api:
             if model.name == name:
                 return model
         raise ApiError(HTTPStatus.NOT_FOUND,
-                       f"model must be one of {', '.join(repr(m.name) for m in served)} "
-                       f"(GET /v1/models), got {name!r}", "model", "model_not_found")
+                       f"model must be one of {', '.join(json.dumps(m.name) for m in served)} "
+                       f"(GET /v1/models), got {json.dumps(name)}", "model", "model_not_found")
 
     async def _answer(self, request: Request, call: EngineCall, render: Renderer) -> Response:
         if call.stream:
@@ -193,6 +208,9 @@ class _Api:
             except ClientGone:
                 await events.aclose()
                 return Response(status_code=499)
+            except asyncio.CancelledError:  # the server stops: _InternalErrors answers 503
+                await events.aclose()
+                raise
             return EventStream(_prepend(first, events), SHUTTING_DOWN)
         try:
             replies = await unless_disconnected(request.receive, _all_or_none(
@@ -304,6 +322,8 @@ class _Api:
         schemas.check_message_count(raw, MAX_CHAT_MESSAGES)
         body = schemas.parse(schemas.TokenizeRequest, raw)
         model = self._model(body.model)
+        if body.add_generation_prompt is False:  # as chat refuses it: the same tokens
+            raise schemas.unserved("add_generation_prompt", False)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(HTTPStatus.BAD_REQUEST,
                            "give exactly one of prompt (text) or messages (chat), got "
@@ -329,7 +349,7 @@ class _Api:
         raw = await _body(request)
         schemas.check_message_count(raw, MAX_CHAT_MESSAGES)
         body = schemas.parse(schemas.PinPrefixRequest, raw)
-        self._model(body.model)
+        model = self._model(body.model)
         given = [name for name in ("prompt", "messages", "tokens")
                  if getattr(body, name) is not None]
         if len(given) != 1:
@@ -342,9 +362,11 @@ class _Api:
             wire.text = body.prompt
         elif body.messages is not None:
             wire.chat.CopyFrom(chat_messages(body.messages))
-        else:
+        else:  # no prompt could use more of a prefix: counted before the ids are read
+            check_token_count("tokens", body.tokens, model.max_model_len)
             wire.token_ids.ids.extend(body.tokens)
-        names = {"text": "prompt", "token_ids": "tokens", "chat.messages": "messages",
+        names = {"text": "prompt", "token_ids": "tokens", "token_ids.ids": "tokens",
+                 "chat.messages": "messages",
                  "chat": "messages", "input": given[0], "prompt": given[0]}
         reply = await self._unary("PinPrefix", wire, names, _caller(request))
         return JSONResponse({"num_blocks": reply.num_blocks, "num_pinned": reply.num_pinned})
@@ -425,9 +447,7 @@ def _event(payload: dict) -> bytes:
 
 
 # How a stream still running when the server stops (its drain's grace is over) ends.
-SHUTTING_DOWN = _event(ApiError(
-    HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down (its drain's grace ran out) "
-    "before this stream finished: retry the request", code="unavailable").body()) + DONE
+SHUTTING_DOWN = _event(_STOPPED.body()) + DONE
 
 
 async def _prepend(first: bytes, rest: AsyncGenerator[bytes, None]

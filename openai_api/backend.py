@@ -30,6 +30,9 @@ class Backend:
     serving: Callable[[], bool]  # /health: True only while new requests are accepted
     models: Callable[[], list[ServedModel]]  # empty: not known yet (no replica up)
     token_texts: Callable[[list[int]], Awaitable[list[str]]]  # one text per token id
+    # One token's raw bytes per id (chat logprobs' `bytes`; openai_api/token_bytes.py makes
+    # it from a tokenizer); None: the UTF-8 of token_texts', which loses a partial character.
+    token_bytes: Callable[[list[int]], Awaitable[list[bytes]]] | None = None
 
 
 def model_of(info) -> ServedModel:

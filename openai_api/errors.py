@@ -43,7 +43,7 @@ class ApiError(Exception):
     status: HTTPStatus
     message: str
     param: str | None = None
-    code: str | None = None
+    code: str | None = None  # OpenAI's machine-readable code ("model_not_found"), or none
 
     def body(self) -> dict:
         return {"error": {
@@ -51,7 +51,7 @@ class ApiError(Exception):
             "type": ERROR_TYPES.get(self.status, "internal_error" if self.status >= 500
                                     else "invalid_request_error"),
             "param": self.param,
-            "code": self.code if self.code is not None else int(self.status),
+            "code": self.code,  # OpenAI's: a string or null, never the status again
         }}
 
 

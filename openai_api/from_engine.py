@@ -50,6 +50,7 @@ class Renderer:
     n: int
     logprobs: int | None  # None: no logprobs asked for
     token_texts: Callable[[list[int]], Awaitable[list[str]]]
+    token_bytes: Callable[[list[int]], Awaitable[list[bytes]]] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _choices: dict[int, _ChoiceState] = field(default_factory=dict)
 
@@ -134,7 +135,11 @@ class Renderer:
                                                           for t in lp.top})
         texts = dict(zip(ids, await self.token_texts(ids), strict=True)) if ids else {}
         if self.chat:
-            return {"content": [self._chat_token(lp, texts) for lp in logprobs]}
+            if self.token_bytes is not None and ids:
+                raw = dict(zip(ids, await self.token_bytes(ids), strict=True))
+            else:  # a partial character's bytes are lost with its text (U+FFFD)
+                raw = {t: text.encode() for t, text in texts.items()}
+            return {"content": [self._chat_token(lp, texts, raw) for lp in logprobs]}
         state = self._state(index)
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for lp in logprobs:
@@ -149,16 +154,19 @@ class Renderer:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
 
-    def _chat_token(self, lp: pb.TokenLogprob, texts: dict[int, str]) -> dict:
+    def _chat_token(self, lp: pb.TokenLogprob, texts: dict[int, str], raw: dict[int, bytes]
+                    ) -> dict:
         best = sorted(lp.top, key=lambda t: t.logprob, reverse=True)[:self.logprobs]
-        entry = _chat_entry(texts[lp.token_id], lp.logprob)
-        entry["top_logprobs"] = [_chat_entry(texts[t.token_id], t.logprob) for t in best]
+        entry = _chat_entry(texts[lp.token_id], raw[lp.token_id], lp.logprob)
+        entry["top_logprobs"] = [_chat_entry(texts[t.token_id], raw[t.token_id], t.logprob)
+                                 for t in best]
         return entry
 
 
-def _chat_entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": _finite(logprob),
-            "bytes": list(text.encode("utf-8", errors="replace"))}
+def _chat_entry(text: str, raw: bytes, logprob: float) -> dict:
+    """OpenAI's: `bytes` the token's own UTF-8 bytes, which joined rebuild the text even where
+    one token holds part of a character (its `token` text is then U+FFFD)."""
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(raw)}
 
 
 def _finite(logprob: float) -> float:

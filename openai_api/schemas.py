@@ -83,9 +83,15 @@ class _Sampling(_Strict):
                 if value is None or value in neutral or (name == "best_of" and value in (
                         1, data.get("n"))):
                     continue
-                raise bad_request(name, f"{name} is not supported by this server, got "
-                                        f"{_shown(value)}: remove it")
+                raise unserved(name, value)
         return data
+
+
+def unserved(name: str, value: object) -> ApiError:
+    """The 400 for a field this server does not serve (UNSERVED_FIELDS), given a value that
+    asks for something."""
+    return bad_request(name, f"{name} is not supported by this server, got {_shown(value)}: "
+                             "remove it")
 
 
 class CompletionRequest(_Sampling):
@@ -138,7 +144,7 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # accepted: the engine tokenizes as Generate does
-    add_generation_prompt: bool | None = None
+    add_generation_prompt: bool | None = None  # true only: chat's tokens always end with it
 
 
 class DetokenizeRequest(_Strict):
@@ -168,8 +174,8 @@ def check_message_count(body: bytes, limit: int) -> None:
         return
     try:
         data = json.loads(body)
-    except ValueError:
-        return  # not JSON: parse() says so
+    except (ValueError, RecursionError):
+        return  # not JSON, or nested past what json.loads takes: parse() refuses it (400)
     messages = data.get("messages") if isinstance(data, dict) else None
     if isinstance(messages, list) and len(messages) > limit:
         raise bad_request("messages", f"messages must hold at most {limit} messages, got "
@@ -240,7 +246,7 @@ def _dotted(loc: list) -> str:
 def _loads(body: bytes) -> object:
     try:
         return json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

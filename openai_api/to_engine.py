@@ -41,8 +41,11 @@ class EngineCall:
     batch_prompt: bool = False  # the completions prompt was a list (choices by prompt)
 
 
-def completion_call(req: CompletionRequest, request_id: str) -> EngineCall:
-    prompts, batch = _prompts(req.prompt)
+def completion_call(req: CompletionRequest, request_id: str, max_model_len: int = 0
+                    ) -> EngineCall:
+    """`max_model_len`: the served model's context (0: not known), which no token-id prompt
+    may pass."""
+    prompts, batch = _prompts(req.prompt, max_model_len)
     requests, names = [], []
     for i, prompt in enumerate(prompts):
         wire = _generate_request(req, f"{request_id}-{i}" if batch else request_id)
@@ -163,26 +166,41 @@ def _field_names(prompt: str, max_tokens: str, logprobs: str) -> dict[str, str]:
     }
 
 
-def _prompts(prompt: object) -> tuple[list[str | list[int]], bool]:
+def _prompts(prompt: object, max_model_len: int) -> tuple[list[str | list[int]], bool]:
     """OpenAI's prompt forms: a string, token ids, or a list of either; and whether it was a
-    list of prompts."""
+    list of prompts. Token-id lists are counted before their ids are read one by one: a body
+    of millions of ids (tens of MB, under the body limit) held the event loop, and every
+    stream on it, for seconds."""
     allowed = ("a string, a list of token ids (32-bit ints), or a list of strings or of "
                "token-id lists")
     if isinstance(prompt, str):
         return [prompt], False
     if not isinstance(prompt, list) or not prompt:
         raise bad_request("prompt", f"prompt must be {allowed}, got {_json(prompt)}")
-    if all(_is_int(t) for t in prompt):
-        return [prompt], False
+    if _is_int(prompt[0]):  # token ids (a list of prompts starts with a string or a list)
+        check_token_count("prompt", prompt, max_model_len)
+        if all(_is_int(t) for t in prompt):
+            return [prompt], False
     if len(prompt) > MAX_PROMPTS:
         raise bad_request("prompt", f"prompt must hold at most {MAX_PROMPTS} prompts, got "
                                     f"{len(prompt)}")
     for i, item in enumerate(prompt):
+        if isinstance(item, list):
+            check_token_count(f"prompt[{i}]", item, max_model_len)
         if not (isinstance(item, str) or (isinstance(item, list)
                                           and all(_is_int(t) for t in item))):
             raise bad_request(f"prompt[{i}]", f"prompt[{i}] must be a string or a list of "
                                               f"token ids, got {_json(item)}")
     return list(prompt), True
+
+
+def check_token_count(where: str, ids: list, max_model_len: int) -> None:
+    """The engine's own context check (its words), made before the ids are read (0: no
+    context known yet)."""
+    if max_model_len and len(ids) >= max_model_len:
+        raise bad_request(where, f"{where} must be at most {max_model_len - 1} tokens (the "
+                                 f"{max_model_len}-token context keeps one for the output), "
+                                 f"got {len(ids)} tokens")
 
 
 def _is_int(value: object) -> bool:

@@ -7,6 +7,7 @@ import asyncio
 
 from openai_api.backend import Backend, ServedModel, model_of
 from openai_api.call_context import HttpCallContext
+from openai_api.token_bytes import token_bytes as token_bytes_of
 from pagedgen_api import generation_pb2 as pb
 from router.core import Router
 from router.servicer import RouterServicer
@@ -36,6 +37,12 @@ def router_backend(router: Router, servicer: RouterServicer) -> Backend:
             for t in token_ids))
         return [reply.text for reply in replies]
 
+    async def token_bytes(token_ids: list[int]) -> list[bytes]:
+        tokenizer = router.prompts.local(router.replicas.routable())
+        if tokenizer is not None:  # on the tokenizer's own thread, as token_texts
+            return await router.prompts.run(lambda: token_bytes_of(tokenizer)(token_ids))
+        return [text.encode() for text in await token_texts(token_ids)]  # no raw bytes here
+
     return Backend(servicer=servicer,
                    serving=lambda: router.serving and not servicer.draining,
-                   models=models, token_texts=token_texts)
+                   models=models, token_texts=token_texts, token_bytes=token_bytes)

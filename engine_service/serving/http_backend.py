@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine_service.serving.servicer import GenerationServicer
 from openai_api.backend import Backend, ServedModel
+from openai_api.token_bytes import token_bytes
 
 
 def engine_backend(servicer: GenerationServicer) -> Backend:
@@ -19,5 +20,11 @@ def engine_backend(servicer: GenerationServicer) -> Backend:
         # On the loop, like the servicer's own tokenizing: this tokenizer is the front's.
         return [tokenizer.decode([t]) for t in token_ids]
 
+    of = token_bytes(tokenizer) if tokenizer is not None else None
+
+    async def raw_bytes(token_ids: list[int]) -> list[bytes]:
+        return of(token_ids)
+
     return Backend(servicer=servicer, serving=lambda: not servicer.draining,
-                   models=lambda: [model], token_texts=token_texts)
+                   models=lambda: [model], token_texts=token_texts,
+                   token_bytes=raw_bytes if of is not None else None)

@@ -131,7 +131,7 @@ def test_404_unknown_model_and_path(client, http_engine):
         client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
     error = error_of(raised)
     assert error["param"] == "model" and error["code"] == "model_not_found"
-    assert repr(http_engine.model) in error["message"]
+    assert json.dumps(http_engine.model) in error["message"]  # JSON quotes, not repr
     status, body = http_engine.call(f"{http_engine.base_url}/v1/embeddings", {"input": "x"},
                                     API_KEY)
     assert status == 404 and "not served here" in body["error"]["message"]
