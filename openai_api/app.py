@@ -164,7 +164,7 @@ class _Api:
         body = schemas.parse(schemas.CompletionRequest, await _body(request))
         model = self._model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        call = completion_call(body, request_id, model.max_model_len)
+        call = completion_call(body, request_id, model.prompt_context)
         return await self._answer(request, call, Renderer(
             request_id, body.model or model.name, False, call.n, call.logprobs,
             self.backend.token_texts, self.backend.token_bytes))
@@ -322,8 +322,6 @@ class _Api:
         schemas.check_message_count(raw, MAX_CHAT_MESSAGES)
         body = schemas.parse(schemas.TokenizeRequest, raw)
         model = self._model(body.model)
-        if body.add_generation_prompt is False:  # as chat refuses it: the same tokens
-            raise schemas.unserved("add_generation_prompt", False)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(HTTPStatus.BAD_REQUEST,
                            "give exactly one of prompt (text) or messages (chat), got "
@@ -332,6 +330,8 @@ class _Api:
             wire, names = pb.TokenizeRequest(text=body.prompt), {"text": "prompt",
                                                                   "input": "prompt"}
         else:
+            if body.add_generation_prompt is False:  # as chat refuses it: the same tokens
+                raise schemas.unserved("add_generation_prompt", False)
             wire = pb.TokenizeRequest(chat=chat_messages(body.messages))
             names = {"chat.messages": "messages", "chat": "messages", "input": "messages"}
         reply = await self._unary("Tokenize", wire, names, _caller(request))
@@ -363,7 +363,7 @@ class _Api:
         elif body.messages is not None:
             wire.chat.CopyFrom(chat_messages(body.messages))
         else:  # no prompt could use more of a prefix: counted before the ids are read
-            check_token_count("tokens", body.tokens, model.max_model_len)
+            check_token_count("tokens", body.tokens, model.prompt_context, for_output=False)
             wire.token_ids.ids.extend(body.tokens)
         names = {"text": "prompt", "token_ids": "tokens", "token_ids.ids": "tokens",
                  "chat.messages": "messages",

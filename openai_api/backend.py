@@ -14,6 +14,15 @@ class ServedModel:
     max_model_len: int
     kv_blocks: int  # the KV pool, which all the sequences of one request must fit in
     block_size: int
+    # Behind a router, the largest context among the replicas serving it (max_model_len is
+    # the smallest): the longest prompt a request may carry, as the router's gRPC door allows.
+    # 0: max_model_len.
+    widest_context: int = 0
+
+    @property
+    def prompt_context(self) -> int:
+        """The context a prompt's length is checked against before its ids are read."""
+        return self.widest_context or self.max_model_len
 
     def longest_sequence(self, num_seqs: int) -> int:
         """The most tokens each of a request's `num_seqs` sequences can reach: the context, or

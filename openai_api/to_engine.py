@@ -194,13 +194,20 @@ def _prompts(prompt: object, max_model_len: int) -> tuple[list[str | list[int]],
     return list(prompt), True
 
 
-def check_token_count(where: str, ids: list, max_model_len: int) -> None:
+def check_token_count(where: str, ids: list, max_model_len: int,
+                      for_output: bool = True) -> None:
     """The engine's own context check (its words), made before the ids are read (0: no
-    context known yet)."""
-    if max_model_len and len(ids) >= max_model_len:
+    context known yet). A prompt keeps one token of the context for its output; a pinned
+    prefix may fill it."""
+    if not max_model_len:
+        return
+    if for_output and len(ids) >= max_model_len:
         raise bad_request(where, f"{where} must be at most {max_model_len - 1} tokens (the "
                                  f"{max_model_len}-token context keeps one for the output), "
                                  f"got {len(ids)} tokens")
+    if not for_output and len(ids) > max_model_len:
+        raise bad_request(where, f"{where} must be at most {max_model_len} tokens (the "
+                                 f"context), got {len(ids)} tokens")
 
 
 def _is_int(value: object) -> bool:

@@ -17,14 +17,17 @@ def router_backend(router: Router, servicer: RouterServicer) -> Backend:
     def models() -> list[ServedModel]:
         """The models the routable replicas serve (compatible replicas share one and its
         block size), each with the smallest context and KV pool among them: a request may go
-        to any of them."""
+        to any of them; prompts are checked against the largest, as the gRPC door does."""
         served: dict[str, ServedModel] = {}
         for replica in router.replicas.routable():
             model = model_of(replica.info)
             known = served.get(model.name)
-            served[model.name] = model if known is None else ServedModel(
+            served[model.name] = ServedModel(
+                model.name, model.max_model_len, model.kv_blocks, model.block_size,
+                model.max_model_len) if known is None else ServedModel(
                 model.name, min(known.max_model_len, model.max_model_len),
-                min(known.kv_blocks, model.kv_blocks), model.block_size)
+                min(known.kv_blocks, model.kv_blocks), model.block_size,
+                max(known.widest_context, model.max_model_len))
         return sorted(served.values(), key=lambda m: m.name)
 
     async def token_texts(token_ids: list[int]) -> list[str]:

@@ -88,7 +88,7 @@ def parse_check_args(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m engine_service.tools.launch --check HOST:PORT`: exit 0 when the gRPC server there
-    reports SERVING (container healthchecks; works for the engine and the prefix index)."""
+    reports SERVING (container healthchecks of the engine, the router and the prefix index)."""
     args = parse_check_args(argv)
     try:
         with sync_channel(args.check, args.tls, peer_role=args.role) as channel:

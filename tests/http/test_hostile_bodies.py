@@ -70,9 +70,12 @@ def test_a_huge_token_prompt_is_refused_by_its_length(http_engine):
     error = _refused(http_engine, "/v1/completions",
                      {"model": http_engine.model, "prompt": ["Hi", [99_999_999] * context]})
     assert error["param"] == "prompt[1]" and "context" in error["message"]
+    # A pinned prefix may fill the context (the gRPC door's bound): one more is refused.
+    error = _refused(http_engine, "/pin_prefix", {"tokens": [99_999_999] * (context + 1)})
+    assert error["param"] == "tokens" and error["message"] == (
+        f"tokens must be at most {context} tokens (the context), got {context + 1} tokens")
     error = _refused(http_engine, "/pin_prefix", {"tokens": [99_999_999] * context})
-    assert error["param"] == "tokens" and error["message"].startswith(
-        f"tokens must be at most {context - 1} tokens")
+    assert "context" not in error["message"], error  # the engine's refusal: not in the vocabulary
 
 
 def test_tokenize_refuses_add_generation_prompt_false_as_chat_does(http_engine, client):
@@ -83,6 +86,11 @@ def test_tokenize_refuses_add_generation_prompt_false_as_chat_does(http_engine, 
     status, reply = http_engine.call(f"{http_engine.base_url}/tokenize",
                                      {**body, "add_generation_prompt": True}, API_KEY)
     assert status == 200 and reply["count"] > 0
+    # The flag means nothing to a text prompt: not refused there.
+    status, reply = http_engine.call(f"{http_engine.base_url}/tokenize",
+                                     {"model": http_engine.model, "prompt": "Hi",
+                                      "add_generation_prompt": False}, API_KEY)
+    assert status == 200 and reply["count"] > 0, reply
 
 
 def test_pin_prefix_names_tokens(http_engine):

@@ -113,3 +113,35 @@ def test_the_engine_s_chat_logprob_bytes_rebuild_its_text(smollm2_dir, tmp_path,
     joined = b"".join(bytes(entry.bytes) for entry in content).decode()
     ending = "<|im_end|>" if choice.finish_reason == "stop" else ""
     assert joined == choice.message.content + ending
+
+
+def test_sentencepiece_pieces_keep_their_word_start_space():
+    """A Llama-2-style tokenizer (SentencePiece BPE with byte fallback, built here): a '▁word'
+    piece's bytes carry its space (decoding the token alone strips it), byte pieces are their
+    byte, and the joined bytes are the text with the one leading space SentencePiece adds."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    words = ["▁Hello", "▁world"]
+    merges = []
+    for word in words:
+        for end in range(1, len(word)):
+            merges.append((word[:end], word[end]))
+            for piece in (word[:end], word[end], word[:end + 1]):
+                vocab.setdefault(piece, len(vocab))
+    model = models.BPE(vocab=vocab, merges=list(dict.fromkeys(merges)), unk_token="<unk>",
+                       byte_fallback=True, fuse_unk=True)
+    backend = Tokenizer(model)
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                               normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>",
+                                        eos_token="</s>", unk_token="<unk>")
+    text = "Hello world 日"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens(ids)[:2] == words
+    pieces = token_bytes(tokenizer)(ids)
+    assert pieces[:2] == [b" Hello", b" world"]
+    assert b"".join(pieces).decode() == " " + text
