@@ -130,8 +130,8 @@ class GenerationServicer:
     def PinPrefix(self, request, context):
         """Pins the full blocks of a prompt's prefix, computing them first when they are not cached
         (a prefill-only request): in the prefix index where the engine has one, else in the
-        engine's own cache under a local budget (10% of its pool). RESOURCE_EXHAUSTED past the
-        budget.
+        engine's own cache under a local budget (a share of its pool that follows the running
+        requests' demand, EngineStats.pin_budget_blocks). RESOURCE_EXHAUSTED past the budget.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

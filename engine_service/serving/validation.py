@@ -147,8 +147,10 @@ class RequestValidator:
     def prompt(self, req, oneof: str) -> Prompt:
         """The token ids of a request's `text` | `token_ids` | `chat` input."""
         which = req.WhichOneof(oneof)
-        if which is None:
-            raise _invalid("input must be one of text, token_ids or chat, got none of them")
+        if which is None:  # the request's own choices (Tokenize has no token_ids)
+            names = [f.name for f in req.DESCRIPTOR.oneofs_by_name[oneof].fields]
+            raise _invalid(f"{oneof} must be one of {', '.join(names[:-1])} or {names[-1]}, "
+                           f"got none of them")
         if which == "text":
             return self.text_prompt(req.text)
         if which == "token_ids":

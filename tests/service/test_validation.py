@@ -241,3 +241,10 @@ def test_other_rpcs_validate_too(stub):
         raise AssertionError("Tokenize accepted a bad role")
     except grpc.RpcError as error:
         assert error.code() == INVALID and "chat.messages[0].role must be" in error.details()
+    # Tokenize's input is text or chat: the refusal names those, not Generate's three.
+    try:
+        stub.Tokenize(pb.TokenizeRequest())
+        raise AssertionError("Tokenize accepted no input")
+    except grpc.RpcError as error:
+        assert error.code() == INVALID
+        assert error.details() == "input must be one of text or chat, got none of them"
