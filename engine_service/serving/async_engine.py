@@ -152,6 +152,15 @@ class AsyncEngine:
         self.engine.post(abort)
         return True
 
+    def cut_live(self, error: BaseException) -> int:
+        """Ends every live request's stream with `error` and stops the request in the engine
+        (the server's drain ran out of time); how many there were."""
+        request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._streams[request_id].put(error)
+            self.abort(request_id)
+        return len(request_ids)
+
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs fn(engine) on the engine thread between two steps (a consistent view)."""
         self.check_alive()

@@ -358,6 +358,15 @@ class CoreClient:
         self._send(("abort", request_id))
         return True
 
+    def cut_live(self, error: BaseException) -> int:
+        """Ends every live request's stream with `error` and stops the request in the engine
+        (the server's drain ran out of time); how many there were."""
+        request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._streams[request_id].put(error)
+            self.abort(request_id)
+        return len(request_ids)
+
     async def call(self, name: str, args: tuple) -> Any:
         self.check_alive()
         call_id = next(self._call_ids)

@@ -48,6 +48,7 @@ from engine_service.serving.engine_info import EngineInfo
 from engine_service.serving.http_backend import engine_backend
 from engine_service.serving.metrics import EngineMetrics
 from engine_service.serving.servicer import GenerationServicer, IndexLink
+from engine_service.serving.status import RequestRejected
 from engine_service.serving.text_worker import TextWorker
 from engine_service.serving.validation import RequestValidator
 from openai_api.cli_args import add_http_args, resolve_http_args
@@ -72,6 +73,9 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 TP_SIZE_ENV = "PAGEDGEN_TENSOR_PARALLEL_SIZE"
+# After the drain's grace, how long the cut streams get to send their status before the
+# server stops (one step and a message each; the server's own stop gives 0.5 s more).
+CUT_SEND_S = 1.0
 
 
 @dataclass(slots=True)
@@ -255,6 +259,15 @@ class EngineServer:
         if self.async_engine.num_live:
             log.warning("%d requests still live after %.1fs: cancelling them",
                         self.async_engine.num_live, grace_s)
+            # Each stream ends with a status that says why (grpc.aio's own stop would say only
+            # "Cancelling all calls"), its request stopped in the engine; a moment to send it.
+            self.async_engine.cut_live(RequestRejected(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the engine is shutting down: this request was still running when its drain "
+                f"(--grace-s {grace_s:g}) ended, and was stopped; retry it on another engine"))
+            cut_until = time.monotonic() + CUT_SEND_S
+            while self.async_engine.num_live and time.monotonic() < cut_until:
+                await asyncio.sleep(0.02)
         if self.http is not None:
             await self.http.stop(max(0.5, deadline - time.monotonic()))
         await self.server.stop(max(0.5, deadline - time.monotonic()))
