@@ -165,7 +165,8 @@ class Router:
                 if self.config.policy == "kv-aware":
                     details["routing"] = "prefix-hash-bounded (fallback while the index is down)"
         for replica in self.replicas.replicas.values():
-            state = "up" if replica.routable else f"down: {replica.last_error or 'incompatible'}"
+            state = ("up" if replica.routable
+                     else f"down: {self.replicas.why_not_routed(replica)}")
             details[f"replica.{replica.name}"] = f"{replica.address} {state}"
         return details
 
@@ -260,10 +261,20 @@ class Router:
         return None
 
     def _no_replica_message(self, exclude: set[str]) -> str:
+        """Why no replica can take a request, for its client: counts only (replicas' names,
+        addresses and errors are the deployment's, and go to this router's log)."""
         known = len(self.replicas.replicas)
         if not known:
             return "no engine replica is known yet (none registered with the prefix index)"
-        downs = "; ".join(f"{r.name} at {r.address}: {r.last_error or 'incompatible model'}"
-                          for r in self.replicas.replicas.values() if not r.routable)
-        failed = f"; failed this request: {', '.join(sorted(exclude))}" if exclude else ""
-        return f"no engine replica can take the request ({known} known; {downs}{failed})"
+        downs = [r for r in self.replicas.replicas.values() if not r.routable]
+        if downs or exclude:
+            log.warning("no replica can take a request: down %s; failed it %s",
+                        "; ".join(f"{r.name} at {r.address}: "
+                                  f"{self.replicas.why_not_routed(r)}" for r in downs)
+                        or "none", ", ".join(sorted(exclude)) or "none")
+        parts = [f"{known} known"]
+        if downs:
+            parts.append(f"{len(downs)} unavailable")
+        if exclude:
+            parts.append(f"{len(exclude)} tried for this request")
+        return f"no engine replica can take the request ({', '.join(parts)})"

@@ -75,6 +75,13 @@ class Progress:
     finished: bool = False
 
 
+def _too_large(error: grpc.aio.AioRpcError) -> bool:
+    """gRPC refused a message past its size limit (either end's): RESOURCE_EXHAUSTED too, but
+    the request's size, not the replica's load."""
+    return (error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "message larger than max" in (error.details() or ""))
+
+
 def tenant_metadata(tenant: str | None) -> tuple[tuple[str, str], ...] | None:
     """What tells a replica whose request it runs (its Abort is that tenant's alone); an
     engine believes it only from a router's certificate (tenancy/gate.py)."""
@@ -303,6 +310,13 @@ class RoutedRequest:
                                        f"({replica.last_error or 'removed'})", got_output))
                 elif self._ended_here:  # Abort cancelled it, not the client
                     buffer.end(Failure(grpc.StatusCode.CANCELLED, "aborted by the client",
+                                       got_output))
+                elif isinstance(error, grpc.aio.AioRpcError) and _too_large(error):
+                    # gRPC's own message size refusal, not a full replica: every replica
+                    # would refuse it, so it is the request's fault (not retried).
+                    buffer.end(Failure(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"the request is larger than the replica's message size "
+                                       f"limit, which its context sets ({error.details()})",
                                        got_output))
                 elif isinstance(error, grpc.aio.AioRpcError):
                     buffer.end(Failure(error.code(), error.details() or "", got_output))

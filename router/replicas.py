@@ -259,6 +259,17 @@ class ReplicaSet:
                       self.hasher.identity, self.hasher.block_size)
         replica.compatible = same
 
+    def why_not_routed(self, replica: Replica) -> str:
+        """Why a replica that is not routable is not, for the router's health and log."""
+        if replica.last_error:
+            return replica.last_error
+        info, hasher = replica.info, self.hasher
+        if not replica.compatible and info is not None and hasher is not None:
+            return (f"serves {info.model_identity} with block size {info.block_size}, this "
+                    f"router {hasher.identity} with {hasher.block_size}: replicas behind one "
+                    f"router must serve one model")
+        return "not polled yet"
+
     def _hashes_as(self, info: pb.ModelInfoResponse) -> bool:
         return (info.model_identity == self.hasher.identity
                 and info.block_size == self.hasher.block_size)

@@ -80,15 +80,22 @@ class RouterServicer(pb_grpc.GenerationServicer):
             self.door.leave(caller)
 
     async def _refuse_oversized(self, request, context, count_failed: bool = True) -> None:
-        """A chat's message count and size, or a text's size, refused here as an engine refuses
-        them, before anything reads them further (the local tokenizer renders a chat message
-        by message: half a million empty ones took seconds of the router's tokenizer thread)."""
+        """A prompt's token count, a chat's message count and size, or a text's size, refused
+        here as an engine refuses them, before anything reads them further (the local
+        tokenizer renders a chat message by message: half a million empty ones took seconds of
+        the router's tokenizer thread)."""
         which = request.WhichOneof("input")
-        if which not in ("chat", "text"):
+        if which not in ("chat", "text", "token_ids"):
             return
-        max_chars = CHARS_PER_CONTEXT_TOKEN * self._context_tokens()
+        context_tokens = self._context_tokens()
+        max_chars = CHARS_PER_CONTEXT_TOKEN * context_tokens
         try:
-            if which == "chat":
+            if which == "token_ids":
+                # Refused here, as the engine would: forwarded, a prompt far past the context
+                # is past the engine's message size limit (sized to its context), a refusal
+                # that says nothing of the prompt.
+                check_token_ids_size(request, context_tokens)
+            elif which == "chat":
                 check_chat_size(request.chat.messages, max_chars)
             else:
                 check_text_size(request.text, max_chars)
@@ -314,3 +321,20 @@ class RouterServicer(pb_grpc.GenerationServicer):
             total.prefix_cache_hit_rate = total.prefix_cache_hits / total.prefix_cache_queries
         total.index_details.update(self.router.details())
         return total
+
+
+def check_token_ids_size(request, context_tokens: int) -> None:
+    """A prompt of token ids longer than the replicas' context, refused as the engine words it
+    (a generation keeps one token of the context for its output; a pin may fill it)."""
+    num_ids = len(request.token_ids.ids)
+    if isinstance(request, pb.GenerateRequest):
+        if num_ids >= context_tokens:
+            raise RequestRejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt must be at most {context_tokens - 1} tokens (the {context_tokens}-token "
+                f"context keeps one for the output), got {num_ids} tokens")
+    elif num_ids > context_tokens:
+        raise RequestRejected(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"token_ids must hold at most {context_tokens} ids (the replicas' context), got "
+            f"{num_ids}")

@@ -85,6 +85,11 @@ class TenantDoor:
         (calls at the same time each see the others'), or refuses it past the budget. Keep
         the reservation when the pin is made; cancel_pin() it when it is not."""
         settings = caller.settings
+        if settings is not None and settings.max_pins == 0:
+            # Not a budget spent but a right not granted: no unpinning would let it through.
+            raise TenantRefused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"tenant {settings.name!r} may not pin prefixes (max_pins is 0 in the key file)")
         if settings is None or not chain:
             return PinReservation(None, b"", None)
         name, prefix = settings.name, chain[-1]

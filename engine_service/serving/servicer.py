@@ -196,13 +196,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     if isinstance(item, DeadlinePassed):
                         self.engine.abort(engine_request_id)
                         finished = True  # the abort above is enough; do not send a second one
+                        self.metrics.requests_finished.labels("abort").inc()
                         await context.abort(
                             grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"deadline exceeded after {time.monotonic() - arrival:.3f}s and "
                             f"{num_tokens} generated tokens; the request was aborted",
                         )
                     if isinstance(item, BaseException):
+                        # Stopped in the engine already (an unread stream's overflow, a
+                        # failed step): no second abort, but counted as one.
                         finished = True
+                        self.metrics.requests_finished.labels("abort").inc()
                         await context.abort(*status_for(item))
                     finished = item.finished
                     new_tokens = sum(len(c.token_ids_delta) for c in item.outputs)

@@ -106,7 +106,10 @@ def test_a_tenant_past_its_pin_budget_is_refused_while_others_pin(tenant_stack, 
     assert "max_pins" in refused.value.details()
     with pytest.raises(grpc.RpcError) as no_budget:
         _pin(stub, keys["bob"], 3603)  # the default: no pins
-    assert no_budget.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # Not granted, rather than spent: no advice to unpin (HTTP 403, not 429 to retry).
+    assert no_budget.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "may not pin" in no_budget.value.details()
+    assert "unpin" not in no_budget.value.details()
     assert _pin(stub, keys["alice"], 3604).num_blocks == 3  # no limit
     assert _generate(stub, keys["pinner"], 3605).usage.completion_tokens == 2  # still served
     _pin(stub, keys["pinner"], 3601, unpin=True)  # its budget back
