@@ -62,7 +62,10 @@ def test_messages_carry_the_interval_and_say_the_same(engines, sampling, test_ce
     assert counts[0] >= 1  # the first tokens are not held back
     # Every message between the first and the last waited for the interval's tokens.
     assert all(count >= INTERVAL for count in counts[1:-1]), counts
-    assert len(grouped) <= 2 + sampling.max_tokens // INTERVAL < len(every_token), counts
+    assert len(grouped) <= 2 + sampling.max_tokens // INTERVAL, counts
+    # (Not compared with the plain stream's count: a stream busy sending merges what arrives
+    # meanwhile (core_client.OutputBuffer), so under load the plain one sends fewer messages
+    # too; a loaded suite run saw 7 for 21 tokens, under the bound of 7 above.)
 
 
 def test_a_bad_interval_is_refused_by_name(tiny_llama_dir, test_certs):
