@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import PurePath
 
 import grpc
 
@@ -226,7 +227,11 @@ class RouterServicer(pb_grpc.GenerationServicer):
         return await self._forward(context, "Detokenize", request)
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context) -> pb.ModelInfoResponse:
-        return await self._forward(context, "ModelInfo", request)
+        caller = await self.door.caller(context)
+        reply = await self._forward(context, "ModelInfo", request)
+        if not self.door.shows_paths(caller):  # the replica's directory: its name only
+            reply.model_path = PurePath(reply.model_path).name
+        return reply
 
     async def PinPrefix(self, request: pb.PinPrefixRequest, context) -> pb.PinPrefixResponse:
         """Pinned on the replica the prefix routes to (where its requests will go); not a
@@ -288,7 +293,12 @@ class RouterServicer(pb_grpc.GenerationServicer):
     async def EngineStats(self, request: pb.EngineStatsRequest, context
                           ) -> pb.EngineStatsResponse:
         """Every routable replica's stats summed (usage: over all their blocks); the router's
-        own state in index_details."""
+        own state in index_details. The operator's: a tenant needs may_read_stats."""
+        caller = await self.door.caller(context)
+        try:
+            self.door.check_stats(caller, "EngineStats")
+        except TenantRefused as error:
+            await context.abort(error.code, error.message)
         total = pb.EngineStatsResponse(draining=self.draining)
         used_blocks = 0.0
         remaining = context.time_remaining()

@@ -64,6 +64,20 @@ class TenantDoor:
                 f"priority must be 0 for tenant {settings.name!r} (may_set_priority is not "
                 f"granted in the key file), got {priority}")
 
+    def check_stats(self, caller: Caller, what: str) -> None:
+        """EngineStats is the operator's: refused to a tenant not granted may_read_stats (a
+        service's call, such as a router's poll, has no tenant)."""
+        settings = caller.settings
+        if settings is not None and not settings.may_read_stats:
+            raise TenantRefused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{what} is not for tenant {settings.name!r} (may_read_stats is not granted "
+                f"in the key file)")
+
+    def shows_paths(self, caller: Caller) -> bool:
+        """Whether ModelInfo may show the caller the server's model path (else its name)."""
+        return caller.settings is None or caller.settings.may_read_stats
+
     def enter(self, caller: Caller) -> None:
         """Counts one more live request of the caller's tenant (leave() when it ends)."""
         settings = caller.settings

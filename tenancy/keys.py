@@ -5,6 +5,7 @@
     may_set_priority = false   # GenerateRequest.priority != 0 is refused (PERMISSION_DENIED)
     max_live_requests = 64     # unfinished requests at once (RESOURCE_EXHAUSTED past it)
     max_pins = 512             # blocks pinned at once through PinPrefix (0: no pins)
+    may_read_stats = false     # EngineStats, ModelInfo's model path (PERMISSION_DENIED, name only)
     cache_group = "acme"       # tenants of one group share cached blocks (default: its name)
 
     [[keys]]
@@ -28,7 +29,8 @@ DEFAULT_MAX_LIVE_REQUESTS = 256
 DEFAULT_MAX_PINS = 0  # pins hold blocks every tenant's requests need: granted, not assumed
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-_TENANT_FIELDS = {"may_set_priority", "max_live_requests", "max_pins", "cache_group"}
+_TENANT_FIELDS = {"may_set_priority", "max_live_requests", "max_pins", "cache_group",
+                  "may_read_stats"}
 _KEY_FIELDS = {"tenant", "sha256", "label"}
 
 
@@ -39,6 +41,9 @@ class Tenant:
     max_live_requests: int | None = DEFAULT_MAX_LIVE_REQUESTS  # None: no limit
     max_pins: int | None = DEFAULT_MAX_PINS  # pinned blocks at once; None: no limit
     cache_group: str = ""  # tenants with the same group share the cache; "" = its name
+    # The server's own state: EngineStats (counters every tenant's traffic moves, and behind a
+    # router its replicas' addresses) and ModelInfo's model path. An operator's, not granted.
+    may_read_stats: bool = False
 
     @property
     def salt_group(self) -> str:
@@ -47,7 +52,7 @@ class Tenant:
 
 # The one tenant of --api-key: the operator's own key, trusted with everything.
 SINGLE_KEY_TENANT = Tenant("default", may_set_priority=True, max_live_requests=None,
-                           max_pins=None)
+                           max_pins=None, may_read_stats=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,10 +137,11 @@ def _tenant(name: str, settings, source: str) -> Tenant:
     if unknown:
         raise ValueError(f"{where}: fields must be among {', '.join(sorted(_TENANT_FIELDS))}, "
                          f"got {', '.join(sorted(unknown))}")
-    may_set_priority = settings.get("may_set_priority", False)
-    if not isinstance(may_set_priority, bool):
-        raise ValueError(f"{where}.may_set_priority must be true or false, got "
-                         f"{may_set_priority!r}")
+    flags = {}
+    for key in ("may_set_priority", "may_read_stats"):
+        flags[key] = settings.get(key, False)
+        if not isinstance(flags[key], bool):
+            raise ValueError(f"{where}.{key} must be true or false, got {flags[key]!r}")
     limits = {}
     for key, default in (("max_live_requests", DEFAULT_MAX_LIVE_REQUESTS),
                          ("max_pins", DEFAULT_MAX_PINS)):
@@ -148,5 +154,5 @@ def _tenant(name: str, settings, source: str) -> Tenant:
     if not isinstance(group, str) or (group and not TENANT_NAME.fullmatch(group)):
         raise ValueError(f"{where}.cache_group must be 1 to 64 characters of [A-Za-z0-9._-] "
                          f"(or absent: the tenant's own name), got {group!r}")
-    return Tenant(name, may_set_priority, limits["max_live_requests"], limits["max_pins"],
-                  group)
+    return Tenant(name, flags["may_set_priority"], limits["max_live_requests"],
+                  limits["max_pins"], group, flags["may_read_stats"])

@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     add.add_argument("--label", default="", help="which key this is, for its owner")
     add.add_argument("--may-set-priority", action="store_true",
                      help="a new tenant may set GenerateRequest.priority")
+    add.add_argument("--may-read-stats", action="store_true",
+                     help="a new tenant may read EngineStats and ModelInfo's model path (the "
+                          "operator's)")
     add.add_argument("--max-live-requests", type=int, default=DEFAULT_MAX_LIVE_REQUESTS,
                      help="a new tenant's unfinished requests at once (-1: no limit)")
     add.add_argument("--max-pins", type=int, default=DEFAULT_MAX_PINS,
@@ -93,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         print(hash_key(args.key))
         return
     settings = {"may_set_priority": args.may_set_priority,
-                "max_live_requests": args.max_live_requests, "max_pins": args.max_pins}
+                "max_live_requests": args.max_live_requests, "max_pins": args.max_pins,
+                "may_read_stats": args.may_read_stats}
     if args.cache_group:
         settings["cache_group"] = args.cache_group
     try:

@@ -12,6 +12,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from pathlib import PurePath
 from typing import Protocol
 
 import grpc
@@ -279,10 +280,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # ---- introspection ----------------------------------------------------------------------
     async def ModelInfo(self, request: pb.ModelInfoRequest, context) -> pb.ModelInfoResponse:
+        caller = await self.door.caller(context)
         info = self.engine.info
         mc, limits = info.model_config, info.limits
         return pb.ModelInfoResponse(
-            model_path=str(mc.path),
+            # This server's directory is the operator's to see (tenants: its name).
+            model_path=str(mc.path) if self.door.shows_paths(caller) else PurePath(mc.path).name,
             model_identity=info.model_identity,  # what seeds the block-hash chain
             architecture=mc.architecture,
             vocab_size=mc.vocab_size,
@@ -302,6 +305,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
     async def EngineStats(self, request: pb.EngineStatsRequest, context) -> pb.EngineStatsResponse:
+        caller = await self.door.caller(context)
+        try:  # counters every tenant's traffic moves: the operator's (may_read_stats)
+            self.door.check_stats(caller, "EngineStats")
+        except TenantRefused as error:
+            await context.abort(error.code, error.message)
         await self._require_live_engine(context)
         stats: EngineStats = self.engine.snapshot  # published by the engine each step
         link = self.index_link

@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
         key_file = log_dir / "api-keys.toml"
         key_file.unlink(missing_ok=True)  # (a log folder used before: one key, this run's)
         api_key = add_key(key_file, "stack", "pagedgen-stack", {
-            "may_set_priority": True, "max_live_requests": -1, "max_pins": -1})
+            "may_set_priority": True, "max_live_requests": -1, "max_pins": -1,
+            "may_read_stats": True})
     secret_file = args.tenant_secret_file
     if secret_file is None:
         secret_file = log_dir / "tenant-secret"

@@ -20,11 +20,13 @@ from tests.router.stack import RouterStack
 
 # Each tenant's settings in the key file (keys are made by pagedgen-keys' add_key).
 TENANTS = {
-    "alice": {"may_set_priority": True, "max_live_requests": -1, "max_pins": -1},
+    "alice": {"may_set_priority": True, "max_live_requests": -1, "max_pins": -1,
+              "may_read_stats": True},  # the stack's own checks read EngineStats with it
     "alice-ci": {"cache_group": "alice"},  # shares alice's cache, as configured
     "bob": {},  # the defaults: no priority, no pins
     "one-at-a-time": {"max_live_requests": 1},
     "pinner": {"max_pins": 4},
+    "operator": {"may_read_stats": True},  # EngineStats and ModelInfo's path: granted
 }
 
 

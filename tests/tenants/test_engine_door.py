@@ -103,3 +103,20 @@ def test_aborts_priority_and_live_requests_at_the_engine(engine, stub):
 def test_request_ids_are_scoped_per_tenant_at_the_engine(engine, stub):
     _, keys, _ = engine
     same_id_in_two_tenants(stub, keys["alice"], keys["bob"], "engine-shared-id", 3704)
+
+
+def test_engine_stats_and_model_paths_are_the_operator_s(engine, stub):
+    """EngineStats (counters every tenant's traffic moves) needs may_read_stats; ModelInfo
+    shows others the model directory's name, not the server's path."""
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.EngineStats(pb.EngineStatsRequest(), timeout=30, metadata=bearer(engine[1]["bob"]))
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "may_read_stats" in refused.value.details() and "'bob'" in refused.value.details()
+    stats = stub.EngineStats(pb.EngineStatsRequest(), timeout=30,
+                             metadata=bearer(engine[1]["operator"]))
+    assert stats.num_blocks > 0
+    bob = stub.ModelInfo(pb.ModelInfoRequest(), timeout=30, metadata=bearer(engine[1]["bob"]))
+    operator = stub.ModelInfo(pb.ModelInfoRequest(), timeout=30,
+                              metadata=bearer(engine[1]["operator"]))
+    assert "/" in operator.model_path and operator.model_path.endswith("/" + bob.model_path)
+    assert bob.model_path and "/" not in bob.model_path

@@ -98,3 +98,20 @@ def test_a_client_salt_still_separates_a_tenants_own_requests(tenant_stack, stub
     assert _cached_tokens(stub, keys["bob"], ids, "one") == 0
     assert _cached_tokens(stub, keys["bob"], ids, "one") >= 32
     assert _cached_tokens(stub, keys["bob"], ids, "two") == 0
+
+
+def test_router_stats_and_model_paths_are_the_operator_s(tenant_stack, stub):
+    """Through the router, EngineStats (its replicas' addresses among them) needs
+    may_read_stats; ModelInfo shows others the model directory's name only."""
+    keys = tenant_stack.keys
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.EngineStats(pb.EngineStatsRequest(), timeout=30, metadata=bearer(keys["bob"]))
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "may_read_stats" in refused.value.details()
+    stats = stub.EngineStats(pb.EngineStatsRequest(), timeout=30,
+                             metadata=bearer(keys["operator"]))
+    assert stats.num_blocks > 0 and stats.index_details
+    bob = stub.ModelInfo(pb.ModelInfoRequest(), timeout=30, metadata=bearer(keys["bob"]))
+    operator = stub.ModelInfo(pb.ModelInfoRequest(), timeout=30,
+                              metadata=bearer(keys["operator"]))
+    assert operator.model_path.endswith("/" + bob.model_path) and "/" not in bob.model_path

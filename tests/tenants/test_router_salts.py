@@ -28,7 +28,7 @@ PREFIX_BLOCKS = 12
 @pytest.fixture(scope="module")
 def routed(tiny_llama_dir, tmp_path_factory, test_certs) -> Iterator[tuple[RouterStack, dict]]:
     folder = tmp_path_factory.mktemp("tenant-routes")
-    keys = write_keys(folder / "keys.toml", {"alice": {}, "bob": {}})
+    keys = write_keys(folder / "keys.toml", {"alice": {"may_read_stats": True}, "bob": {}})
     secret = folder / "secret"
     secret.write_bytes(SECRET)
     args = ["--api-key-file", str(keys.path), "--tenant-secret-file", str(secret)]

@@ -260,7 +260,7 @@ def test_the_readmes_tls_grpcurl_commands_work_as_written(stack, tmp_path):
     commands = [line for line in block.splitlines() if line.startswith("grpcurl ")]
     assert len(commands) == 3
     key_file = tmp_path / "api-keys.toml"
-    key = add_key(key_file, "docs")
+    key = add_key(key_file, "docs", settings={"may_read_stats": True})  # for the poll below
     router = stack.start_router(["--prefix-index", stack.index.target,
                                  "--api-key-file", str(key_file)], name="router-keys")
     try:
