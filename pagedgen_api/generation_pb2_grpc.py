@@ -116,13 +116,15 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """model_path is the model directory's name only for a tenant not granted may_read_stats.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def EngineStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The server's own state: PERMISSION_DENIED to a tenant not granted may_read_stats.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -2,7 +2,8 @@
 missing) and print the key, once: only its SHA-256 is written.
 
     pagedgen-keys add --file keys.toml --tenant acme [--max-live-requests 64] [--max-pins 512]
-                      [--may-set-priority] [--cache-group shared] [--label ci]
+                      [--may-set-priority] [--may-read-stats] [--cache-group shared]
+                      [--label ci]
     pagedgen-keys hash KEY      # the SHA-256 the file stores for KEY
 
 Servers read the file again on SIGHUP (`kill -HUP PID`). To remove a key, delete its [[keys]]

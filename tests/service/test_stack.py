@@ -60,3 +60,16 @@ def test_stack_with_replicas_streams_through_the_router(tiny_llama_dir, tmp_path
     assert "stopped cleanly" in out
     for i in range(2):  # both engines drained on SIGTERM, neither killed
         assert "draining" in (tmp_path / f"engine-{i}.log").read_text()
+
+
+def test_stack_with_replicas_and_a_tenant_key_of_the_user_s(tiny_llama_dir, tmp_path):
+    """With the user's own key file, whose tenant may not read EngineStats (the default), the
+    stack cannot count the routed replicas: it goes on once the router serves (it failed)."""
+    from tenancy.keys_tool import add_key
+
+    keys = tmp_path / "keys.toml"
+    key = add_key(keys, "me")
+    out = run_stack(tmp_path, "--replicas", "2", "--model", str(tiny_llama_dir),
+                    "--api-key-file", str(keys), "--api-key", key)
+    assert_streamed_the_reference(out, tiny_llama_dir)
+    assert "stopped cleanly" in out
