@@ -78,6 +78,10 @@ class RouterStack:
             if self.with_router:
                 self.start_router()
         except BaseException:
+            # (A router that started and then failed its wait is not on the stack: it was
+            # left running after its test.)
+            if self.router is not None:
+                self.router.kill()
             self._stack.close()
             raise
         return self
