@@ -4,6 +4,7 @@ an HTTP request is routed, failed over and resumed exactly as a gRPC one."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from openai_api.backend import Backend, ServedModel, model_of
 from openai_api.call_context import HttpCallContext
@@ -40,10 +41,17 @@ def router_backend(router: Router, servicer: RouterServicer) -> Backend:
             for t in token_ids))
         return [reply.text for reply in replies]
 
+    # The local tokenizer's bytes function, made once per tokenizer: making it reads the whole
+    # tokenizer's JSON (is its decoder byte-level?), too much for every request.
+    made: list[tuple[object, Callable[[list[int]], list[bytes]]]] = []  # (tokenizer, function)
+
     async def token_bytes(token_ids: list[int]) -> list[bytes]:
         tokenizer = router.prompts.local(router.replicas.routable())
         if tokenizer is not None:  # on the tokenizer's own thread, as token_texts
-            return await router.prompts.run(lambda: token_bytes_of(tokenizer)(token_ids))
+            if not made or made[0][0] is not tokenizer:
+                made[:] = [(tokenizer, token_bytes_of(tokenizer))]
+            of = made[0][1]
+            return await router.prompts.run(lambda: of(token_ids))
         return [text.encode() for text in await token_texts(token_ids)]  # no raw bytes here
 
     return Backend(servicer=servicer,
