@@ -34,14 +34,26 @@ def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
-def add_key(path: Path, tenant: str, label: str = "", settings: dict | None = None) -> str:
+def add_key(path: Path, tenant: str, label: str = "", settings: dict | None = None,
+            given: dict | None = None) -> str:
     """Appends a new key of `tenant` to the file at `path` (and a [tenants.NAME] table with
     `settings` when the tenant has none); returns the key. ValueError when the file, or the
-    file as it would be, does not load."""
+    file as it would be, does not load, or when one of `given` (the settings the caller
+    named) differs from an existing tenant's: its table stays as it is, so it would be
+    ignored."""
     if not TENANT_NAME.fullmatch(tenant):
         raise ValueError(f"--tenant must be 1 to 64 characters of [A-Za-z0-9._-], got {tenant!r}")
     text = path.read_text() if path.exists() else ""
     known = load_key_file(path).tenants if text else []
+    existing = next((t for t in known if t.name == tenant), None)
+    differing = sorted(name for name, value in (given or {}).items()
+                       if existing is not None and _as_loaded(value) != getattr(existing, name))
+    if differing:
+        flags = ", ".join("--" + name.replace("_", "-") for name in differing)
+        raise ValueError(
+            f"tenant {tenant!r} exists in {path} with other settings: {flags} would not change "
+            f"it (they set a new tenant's table); edit [tenants.{tenant}] in the file and "
+            f"send SIGHUP to the servers, or add the key without them")
     if tenant not in {t.name for t in known}:
         lines = [f"\n[tenants.{tenant}]"]
         for name, value in (settings or {}).items():
@@ -62,6 +74,11 @@ def add_key(path: Path, tenant: str, label: str = "", settings: dict | None = No
     return key
 
 
+def _as_loaded(value):
+    """A setting as the key file's loader gives it (-1, no limit, is None)."""
+    return None if value == -1 and not isinstance(value, bool) else value
+
+
 def _toml(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -77,17 +94,19 @@ def main(argv: list[str] | None = None) -> None:
     add.add_argument("--file", type=Path, required=True, help="the key file (created if absent)")
     add.add_argument("--tenant", required=True)
     add.add_argument("--label", default="", help="which key this is, for its owner")
-    add.add_argument("--may-set-priority", action="store_true",
+    # (Defaults of None: a setting named for a tenant that exists is refused, not ignored.)
+    add.add_argument("--may-set-priority", action="store_true", default=None,
                      help="a new tenant may set GenerateRequest.priority")
-    add.add_argument("--may-read-stats", action="store_true",
-                     help="a new tenant may read EngineStats and ModelInfo's model path (the "
-                          "operator's)")
-    add.add_argument("--max-live-requests", type=int, default=DEFAULT_MAX_LIVE_REQUESTS,
-                     help="a new tenant's unfinished requests at once (-1: no limit)")
-    add.add_argument("--max-pins", type=int, default=DEFAULT_MAX_PINS,
+    add.add_argument("--may-read-stats", action="store_true", default=None,
+                     help="a new tenant may read EngineStats, ModelInfo's model path and ids, "
+                          "and which replicas ran its requests (the operator's)")
+    add.add_argument("--max-live-requests", type=int, default=None,
+                     help="a new tenant's unfinished requests at once (-1: no limit; default "
+                          f"{DEFAULT_MAX_LIVE_REQUESTS})")
+    add.add_argument("--max-pins", type=int, default=None,
                      help="a new tenant's blocks pinned at once through PinPrefix (-1: no "
-                          "limit)")
-    add.add_argument("--cache-group", default="",
+                          f"limit; default {DEFAULT_MAX_PINS})")
+    add.add_argument("--cache-group", default=None,
                      help="a new tenant shares cached blocks with the tenants of this group "
                           "(default: none but itself)")
     show = sub.add_parser("hash", help="print the SHA-256 a key file stores for KEY")
@@ -96,13 +115,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "hash":
         print(hash_key(args.key))
         return
-    settings = {"may_set_priority": args.may_set_priority,
-                "max_live_requests": args.max_live_requests, "max_pins": args.max_pins,
-                "may_read_stats": args.may_read_stats}
-    if args.cache_group:
-        settings["cache_group"] = args.cache_group
+    defaults = {"may_set_priority": False, "max_live_requests": DEFAULT_MAX_LIVE_REQUESTS,
+                "max_pins": DEFAULT_MAX_PINS, "may_read_stats": False, "cache_group": ""}
+    given = {name: getattr(args, name) for name in defaults if getattr(args, name) is not None}
+    settings = {name: default if getattr(args, name) is None else getattr(args, name)
+                for name, default in defaults.items()}
+    if not settings["cache_group"]:
+        del settings["cache_group"]
     try:
-        key = add_key(args.file, args.tenant, args.label, settings)
+        key = add_key(args.file, args.tenant, args.label, settings, given)
     except ValueError as error:
         p.exit(2, f"pagedgen-keys: {error}\n")
     print(key)

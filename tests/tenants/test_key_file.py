@@ -26,6 +26,31 @@ def test_pagedgen_keys_adds_a_key_and_stores_only_its_hash(tmp_path):
     assert load_key_file(path).tenant_for(key + "x") is None
 
 
+def test_settings_named_for_a_tenant_that_exists_are_refused_not_ignored(tmp_path):
+    """A second key of a tenant takes the tenant's table as it is; a setting named with it
+    that differs (an operator granting --may-read-stats) would do nothing, so it is refused,
+    the file unchanged, saying where the setting lives. The same settings again (the README's
+    set-up run twice) add the key."""
+    path = tmp_path / "keys.toml"
+    first = subprocess.run(["pagedgen-keys", "add", "--file", str(path), "--tenant", "acme"],
+                           capture_output=True, text=True, timeout=60, check=True)
+    before = path.read_text()
+    refused = subprocess.run(["pagedgen-keys", "add", "--file", str(path), "--tenant", "acme",
+                              "--may-read-stats", "--max-pins", "8"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and not refused.stdout
+    assert ("tenant 'acme' exists" in refused.stderr and "--max-pins, --may-read-stats"
+            in refused.stderr and "[tenants.acme]" in refused.stderr), refused.stderr
+    assert path.read_text() == before
+    second = subprocess.run(["pagedgen-keys", "add", "--file", str(path), "--tenant", "acme",
+                             "--label", "ci", "--max-pins", "0", "--max-live-requests", "256"],
+                            capture_output=True, text=True, timeout=60, check=True)
+    keys = load_key_file(path)
+    for done in (first, second):
+        tenant = keys.tenant_for(done.stdout.strip())
+        assert (tenant.name, tenant.may_read_stats, tenant.max_pins) == ("acme", False, 0)
+
+
 @pytest.mark.parametrize("text, message", [
     ("[tenants.a]\nmax_pins = 'many'\n", "tenants.a.max_pins must be an integer >= 0"),
     ("[tenants.a]\ncolour = 1\n", "tenants.a: fields must be among"),
