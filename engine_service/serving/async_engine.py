@@ -24,7 +24,11 @@ from engine_service.core.errors import EngineDeadError, RequestError
 from engine_service.core.outputs import RequestOutput
 from engine_service.core.stats import EngineStats
 from engine_service.model.sampling_params import SamplingParams
-from engine_service.serving.core_client import DEFAULT_MAX_UNSENT_TOKENS, OutputBuffer
+from engine_service.serving.core_client import (
+    DEFAULT_MAX_UNSENT_TOKENS,
+    OutputBuffer,
+    cut_streams,
+)
 from engine_service.serving.engine_info import EngineInfo
 
 if TYPE_CHECKING:  # the front imports no torch: the engine is the core's
@@ -155,11 +159,7 @@ class AsyncEngine:
     def cut_live(self, error: BaseException) -> int:
         """Ends every live request's stream with `error` and stops the request in the engine
         (the server's drain ran out of time); how many there were."""
-        request_ids = list(self._streams)
-        for request_id in request_ids:
-            self._streams[request_id].put(error)
-            self.abort(request_id)
-        return len(request_ids)
+        return cut_streams(self._streams, self.abort, error)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs fn(engine) on the engine thread between two steps (a consistent view)."""

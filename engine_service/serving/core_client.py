@@ -77,6 +77,16 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput,
     return older
 
 
+def cut_streams(streams: dict[str, OutputBuffer], abort: Callable[[str], bool],
+                error: BaseException) -> int:
+    """Ends every stream in `streams` with `error` and aborts its request; how many."""
+    request_ids = list(streams)
+    for request_id in request_ids:
+        streams[request_id].put(error)
+        abort(request_id)
+    return len(request_ids)
+
+
 class OutputBuffer:
     """A request's outputs on their way to its stream: at most one pending item, merged.
 
@@ -361,11 +371,7 @@ class CoreClient:
     def cut_live(self, error: BaseException) -> int:
         """Ends every live request's stream with `error` and stops the request in the engine
         (the server's drain ran out of time); how many there were."""
-        request_ids = list(self._streams)
-        for request_id in request_ids:
-            self._streams[request_id].put(error)
-            self.abort(request_id)
-        return len(request_ids)
+        return cut_streams(self._streams, self.abort, error)
 
     async def call(self, name: str, args: tuple) -> Any:
         self.check_alive()
