@@ -13,11 +13,12 @@ carried to another replica when its replica fails.
   tokenizer). Sampled output stays a valid sample (a seed restarts on the new replica), and
   presence/frequency penalties only see the tokens generated after the switch. Requests with
   n > 1 are not resumed (UNAVAILABLE).
-- Trailing metadata says how it ran, one entry per attempt, in order: `pagedgen-replicas`
-  names the replicas, `pagedgen-route` the policy that chose each (`kv-aware`, `round-robin`,
-  `least-load`, `prefix-hash`, `prefix-hash-bounded`, or `prefix-hash-bounded-fallback` when
-  kv-aware had no answer from the index: it is down, or one Lookup took longer than
-  `lookup_timeout_s`).
+- Trailing metadata says how it ran, one entry per attempt, in order: `pagedgen-route` the
+  policy that chose each (`kv-aware`, `round-robin`, `least-load`, `prefix-hash`,
+  `prefix-hash-bounded`, or `prefix-hash-bounded-fallback` when kv-aware had no answer from
+  the index: it is down, or one Lookup took longer than `lookup_timeout_s`), and, to a caller
+  who may see the deployment's names (no tenants, or may_read_stats), `pagedgen-replicas`
+  the replicas.
 - Client cancellation and deadlines reach the replica: the upstream call carries the client's
   remaining time and is cancelled with the client's call.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -53,6 +55,7 @@ _MAYBE_DEAD = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
 _HEALTH_CHECK_TIMEOUT_S = 0.5
 _WATCH_INTERVAL_S = 0.25  # how often a running attempt checks its replica is still there
 DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
+log = logging.getLogger("router.proxy")
 REPLICA_METADATA = "pagedgen-replicas"
 ROUTE_METADATA = "pagedgen-route"
 
@@ -96,11 +99,13 @@ def route_label(route: Route) -> str:
 
 class RoutedRequest:
     def __init__(self, router: Router, request: pb.GenerateRequest,
-                 context: grpc.aio.ServicerContext, tenant: str | None = None) -> None:
+                 context: grpc.aio.ServicerContext, tenant: str | None = None,
+                 sees_replicas: bool = True) -> None:
         self.router = router
         self.request = request  # its cache_salt is the tenant's (router/servicer.py)
         self.context = context
         self.tenant = tenant  # who may Abort it; None: no tenants (an open router)
+        self.sees_replicas = sees_replicas  # the client may learn which replicas ran it
         self.progress: dict[int, Progress] = {}
         self.first_usage: pb.Usage | None = None  # from the first replica that answered
         self.resumed_at = 0  # tokens generated before the latest switch of replica
@@ -109,6 +114,7 @@ class RoutedRequest:
         self.routed_by: list[str] = []  # the policy that chose each of them (trailing metadata)
         self.replica: Replica | None = None  # running it now; None while being routed
         self.aborted = False  # the client called Abort: never sent again, ended with ABORT
+        self.cut_reason: str | None = None  # the router's drain ended it: UNAVAILABLE, this
         self._call: grpc.aio.UnaryStreamCall | None = None  # the upstream call running now
         self._ended_here = False  # the router cancelled that call for an Abort
 
@@ -120,6 +126,19 @@ class RoutedRequest:
         if self._call is not None:
             self._ended_here = True
             self._call.cancel()
+
+    def cut(self, reason: str) -> None:
+        """Ends the request at the router with UNAVAILABLE and `reason` (its drain ran out of
+        time): the upstream call is cancelled, which frees the request's blocks on its
+        replica, and the client is told why rather than grpc.aio's "Cancelling all calls"."""
+        self.cut_reason = reason
+        if self._call is not None:
+            self._ended_here = True
+            self._call.cancel()
+
+    async def _refuse_if_cut(self) -> None:
+        if self.cut_reason is not None:
+            await self._refuse(grpc.StatusCode.UNAVAILABLE, self.cut_reason)
 
     async def _refuse(self, code: grpc.StatusCode, message: str) -> None:
         self.router.metrics.failed.labels(code.name).inc()
@@ -162,6 +181,7 @@ class RoutedRequest:
         while True:
             prompt_ids = token_ids if not self.resumed_at else list(upstream.token_ids.ids)
             self.replica = None  # being routed: an Abort now ends it here
+            await self._refuse_if_cut()
             if self.aborted:
                 yield await self._aborted_message(request_id)
                 return
@@ -177,6 +197,7 @@ class RoutedRequest:
             if first_route is None:
                 first_route = route
                 router.metrics.route_seconds.observe(time.monotonic() - arrival)
+            await self._refuse_if_cut()
             if self.aborted:
                 yield await self._aborted_message(request_id)
                 return
@@ -186,8 +207,10 @@ class RoutedRequest:
             self.routed_by.append(route_label(route))
             # Which replicas ran the request, and why there: for clients debugging latency, and
             # for tests (a fallback route is legitimate, but says nothing of cache affinity).
-            self.context.set_trailing_metadata(((REPLICA_METADATA, ",".join(self.served_by)),
-                                                (ROUTE_METADATA, ",".join(self.routed_by))))
+            trailing = ((ROUTE_METADATA, ",".join(self.routed_by)),)
+            if self.sees_replicas:
+                trailing = ((REPLICA_METADATA, ",".join(self.served_by)),) + trailing
+            self.context.set_trailing_metadata(trailing)
             failure = None
             finished = False
             async with contextlib.aclosing(self._relay(replica, route, upstream)) as relayed:
@@ -204,6 +227,7 @@ class RoutedRequest:
             self.replica = None
             if failure is None or finished:  # (a failure after the last message changes nothing)
                 return
+            await self._refuse_if_cut()
             if self.aborted:  # aborted while its replica failed, hung, or was cancelled by us
                 yield await self._aborted_message(request_id)
                 return
@@ -225,9 +249,14 @@ class RoutedRequest:
             failed.add(replica.address)
             resume = self._resume_request(upstream, token_ids)
             if isinstance(resume, str):
-                await self._refuse(grpc.StatusCode.UNAVAILABLE,
-                                   f"replica {replica.name} failed mid-stream "
-                                   f"({code.name}: {failure.details}); {resume}")
+                # (Its name and error, which may hold an address, are the operator's.)
+                log.warning("request %s: replica %s at %s failed mid-stream (%s: %s); %s",
+                            request_id, replica.name, replica.address, code.name,
+                            failure.details, resume)
+                why = (f"replica {replica.name} failed mid-stream ({code.name}: "
+                       f"{failure.details})" if self.sees_replicas
+                       else f"its replica failed mid-stream ({code.name})")
+                await self._refuse(grpc.StatusCode.UNAVAILABLE, f"{why}; {resume}")
             await self._continue_text(token_ids)
             if isinstance(resume, pb.GenerateStreamResponse):
                 if resume.choices:  # with the text the failed replica held back

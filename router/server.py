@@ -19,6 +19,7 @@ import contextlib
 import logging
 import signal
 import sys
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -52,6 +53,9 @@ INDEX_SERVICE_NAME = prefix_index_pb2.DESCRIPTOR.services_by_name["PrefixIndex"]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 HEALTH_INTERVAL_S = 0.2
+# After the drain's grace, how long the cut streams get to send their status before the
+# server stops (the server's own stop gives 0.5 s more).
+CUT_SEND_S = 1.0
 DEFAULT_STREAMS_PER_CONNECTION = 1024  # calls one client connection may hold open at once
 
 
@@ -128,8 +132,25 @@ class RouterServer:
                 await self._health_task
         await self._update_health()
         # Both fronts' running streams get the same grace, together.
-        await asyncio.gather(self.server.stop(grace_s),
-                             self.http.stop(grace_s) if self.http is not None else _nothing())
+        deadline = time.monotonic() + grace_s
+        live = self.router.live
+        while live and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if live:
+            log.warning("%d requests still live after %.1fs: cancelling them", len(live),
+                        grace_s)
+            # Each ends with a status that says why (grpc.aio's own stop would say only
+            # "Cancelling all calls"), its replica's call cancelled; a moment to send it.
+            reason = (f"the router is shutting down: this request was still running when its "
+                      f"drain (--grace-s {grace_s:g}) ended, and was stopped; retry it")
+            for routed in list(live.values()):
+                routed.cut(reason)
+            cut_until = time.monotonic() + CUT_SEND_S
+            while live and time.monotonic() < cut_until:
+                await asyncio.sleep(0.02)
+        left_s = max(0.5, deadline - time.monotonic())  # (other calls: PinPrefix, Tokenize)
+        await asyncio.gather(self.server.stop(left_s),
+                             self.http.stop(left_s) if self.http is not None else _nothing())
         await self.router.stop()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from pathlib import PurePath
 
@@ -27,6 +28,8 @@ from router.replicas import Replica
 from tenancy.door import TenantDoor, TenantRefused
 from tenancy.gate import Caller
 from tenancy.request_ids import scoped_request_id
+
+log = logging.getLogger("router.servicer")
 
 
 class RouterServicer(pb_grpc.GenerationServicer):
@@ -73,7 +76,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
             self.router.metrics.failed.labels(error.code.name).inc()
             await context.abort(error.code, error.message)
         try:
-            routed = RoutedRequest(self.router, salted, context, caller.tenant)
+            routed = RoutedRequest(self.router, salted, context, caller.tenant,
+                                   self.door.shows_internals(caller))
             async with contextlib.aclosing(routed.stream()) as messages:
                 async for message in messages:
                     yield message
@@ -208,8 +212,12 @@ class RouterServicer(pb_grpc.GenerationServicer):
                     await context.abort(code, error.details() or code.name)
                 replica.mark_down(f"{code.name}: {error.details()}")
                 last_error = error
-        detail = (f"; last: {last_error.details()}" if last_error is not None
-                  else f" ({self.router.details().get('replicas', '0')} known)")
+        # Counts only: a connection's error names the replica's address, the deployment's.
+        if last_error is not None:
+            log.warning("no replica answered %s; last: %s", method, last_error.details())
+            detail = f" ({len(replicas)} tried)"
+        else:
+            detail = f" ({self.router.details().get('replicas', '0')} known)"
         await context.abort(grpc.StatusCode.UNAVAILABLE,
                             f"no engine replica answered {method}{detail}")
 
@@ -229,8 +237,9 @@ class RouterServicer(pb_grpc.GenerationServicer):
     async def ModelInfo(self, request: pb.ModelInfoRequest, context) -> pb.ModelInfoResponse:
         caller = await self.door.caller(context)
         reply = await self._forward(context, "ModelInfo", request)
-        if not self.door.shows_paths(caller):  # the replica's directory: its name only
+        if not self.door.shows_internals(caller):  # which replica and where: the operator's
             reply.model_path = PurePath(reply.model_path).name
+            reply.engine_id = reply.instance_id = ""
         return reply
 
     async def PinPrefix(self, request: pb.PinPrefixRequest, context) -> pb.PinPrefixResponse:

@@ -74,8 +74,11 @@ class TenantDoor:
                 f"{what} is not for tenant {settings.name!r} (may_read_stats is not granted "
                 f"in the key file)")
 
-    def shows_paths(self, caller: Caller) -> bool:
-        """Whether ModelInfo may show the caller the server's model path (else its name)."""
+    def shows_internals(self, caller: Caller) -> bool:
+        """Whether the caller may see the deployment's own names (may_read_stats, as for
+        EngineStats): the server's model path (else its name), which engine and which process
+        of it answers (ModelInfo's engine_id and instance_id), and through a router which
+        replicas ran a request (trailing metadata `pagedgen-replicas`)."""
         return caller.settings is None or caller.settings.may_read_stats
 
     def enter(self, caller: Caller) -> None:

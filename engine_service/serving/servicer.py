@@ -283,9 +283,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         caller = await self.door.caller(context)
         info = self.engine.info
         mc, limits = info.model_config, info.limits
+        # This server's directory and identity are the operator's to see (tenants: the
+        # directory's name, no engine or process id).
+        internals = self.door.shows_internals(caller)
         return pb.ModelInfoResponse(
-            # This server's directory is the operator's to see (tenants: its name).
-            model_path=str(mc.path) if self.door.shows_paths(caller) else PurePath(mc.path).name,
+            model_path=str(mc.path) if internals else PurePath(mc.path).name,
             model_identity=info.model_identity,  # what seeds the block-hash chain
             architecture=mc.architecture,
             vocab_size=mc.vocab_size,
@@ -297,9 +299,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             device=info.device,
             max_n=MAX_N,
             max_logprobs=MAX_LOGPROBS,
-            engine_id=self.engine_id,
+            engine_id=self.engine_id if internals else "",
             max_beam_width=limits.max_beam_width,
-            instance_id=self.instance_id,
+            instance_id=self.instance_id if internals else "",
             served_model_name=info.served_model_name,
             tensor_parallel_size=info.tensor_parallel_size,
         )

@@ -107,7 +107,8 @@ def test_request_ids_are_scoped_per_tenant_at_the_engine(engine, stub):
 
 def test_engine_stats_and_model_paths_are_the_operator_s(engine, stub):
     """EngineStats (counters every tenant's traffic moves) needs may_read_stats; ModelInfo
-    shows others the model directory's name, not the server's path."""
+    shows others the model directory's name, not the server's path, and not which engine or
+    process answers."""
     with pytest.raises(grpc.RpcError) as refused:
         stub.EngineStats(pb.EngineStatsRequest(), timeout=30, metadata=bearer(engine[1]["bob"]))
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
@@ -120,3 +121,6 @@ def test_engine_stats_and_model_paths_are_the_operator_s(engine, stub):
                               metadata=bearer(engine[1]["operator"]))
     assert "/" in operator.model_path and operator.model_path.endswith("/" + bob.model_path)
     assert bob.model_path and "/" not in bob.model_path
+    assert operator.engine_id and operator.instance_id
+    assert bob.engine_id == bob.instance_id == ""
+    assert bob.model_identity == operator.model_identity  # what a client needs is there

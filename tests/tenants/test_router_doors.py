@@ -102,7 +102,8 @@ def test_a_client_salt_still_separates_a_tenants_own_requests(tenant_stack, stub
 
 def test_router_stats_and_model_paths_are_the_operator_s(tenant_stack, stub):
     """Through the router, EngineStats (its replicas' addresses among them) needs
-    may_read_stats; ModelInfo shows others the model directory's name only."""
+    may_read_stats; ModelInfo shows others the model directory's name only and no replica's
+    ids, and their streams' trailing metadata does not name the replicas that ran them."""
     keys = tenant_stack.keys
     with pytest.raises(grpc.RpcError) as refused:
         stub.EngineStats(pb.EngineStatsRequest(), timeout=30, metadata=bearer(keys["bob"]))
@@ -115,3 +116,16 @@ def test_router_stats_and_model_paths_are_the_operator_s(tenant_stack, stub):
     operator = stub.ModelInfo(pb.ModelInfoRequest(), timeout=30,
                               metadata=bearer(keys["operator"]))
     assert operator.model_path.endswith("/" + bob.model_path) and "/" not in bob.model_path
+    assert operator.engine_id and operator.instance_id
+    assert bob.engine_id == bob.instance_id == ""
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                                 sampling=pb.SamplingParams(max_tokens=2))
+    trailers: dict[str, list[dict]] = {}
+    for who in ("bob", "operator"):
+        _, unary = stub.Generate.with_call(request, timeout=60, metadata=bearer(keys[who]))
+        stream = stub.GenerateStream(request, timeout=60, metadata=bearer(keys[who]))
+        assert list(stream)
+        trailers[who] = [dict(call.trailing_metadata() or ()) for call in (unary, stream)]
+    assert all(t.get("pagedgen-replicas") for t in trailers["operator"]), trailers
+    assert all("pagedgen-replicas" not in t and t.get("pagedgen-route")
+               for t in trailers["bob"]), trailers
