@@ -34,6 +34,7 @@ from pagedgen_api import generation_pb2_grpc as pb_grpc
 from pagedgen_api import prefix_index_pb2
 from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
+from prefix_index.tools.metrics_args import add_metrics_args, resolve_metrics_host
 from router.config import DEFAULT_CONTEXT_TOKENS, POLICIES, RouterConfig
 from router.core import Router
 from router.http_backend import router_backend
@@ -63,7 +64,7 @@ class RouterServer:
     """The gRPC server around a Router: health follows whether any replica can take work."""
 
     def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 50050,
-                 metrics_port: int = 0, metrics_host: str = "0.0.0.0",
+                 metrics_port: int = 0, metrics_host: str = "127.0.0.1",
                  http: HttpServer | None = None, door: TenantDoor | None = None,
                  tls: TlsMaterial | None = None,
                  max_context_tokens: int = DEFAULT_CONTEXT_TOKENS,
@@ -223,11 +224,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_http_args(p, routed=True)
     add_tenancy_args(p)
     add_tls_args(p)
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
-    p.add_argument("--metrics-host", default="0.0.0.0")
+    add_metrics_args(p)
     p.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
+    resolve_metrics_host(args)
     args.engine_list = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not args.engine_list and args.prefix_index == "none":
         p.error("give --engines host:port,... or --prefix-index HOST:PORT")

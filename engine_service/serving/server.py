@@ -57,6 +57,7 @@ from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
+from prefix_index.tools.metrics_args import add_metrics_args, resolve_metrics_host
 from prefix_index.tools.server_options import ConnectionLimits
 from tenancy.cli_args import add_tenancy_args, door_from_args, resolve_tenancy_args
 from tenancy.door import TenantDoor
@@ -83,7 +84,7 @@ class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = any free port
     metrics_port: int = 0  # 0 = no metrics endpoint
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"
     max_live_requests: int = 1024
     engine_id: str = ""
     http_port: int = 0  # the OpenAI-compatible HTTP API (openai_api/); 0 = off
@@ -386,12 +387,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_http_args(p, routed=False)
     add_tenancy_args(p)
     add_tls_args(p, server_only_option=True)
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
-    p.add_argument("--metrics-host", default="0.0.0.0")
+    add_metrics_args(p)
     p.add_argument("--grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests get to finish")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
+    resolve_metrics_host(args)
     if args.max_live_requests < 1:
         p.error(f"--max-live-requests must be >= 1, got {args.max_live_requests}")
     if not 1 <= args.stream_interval <= 1024:

@@ -36,6 +36,7 @@ from prefix_index.server.store import IndexStore
 from prefix_index.server.sweeper import run_sweeper
 from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
+from prefix_index.tools.metrics_args import add_metrics_args, resolve_metrics_host
 from prefix_index.tools.server_options import ConnectionLimits, apply_message_bytes
 from trust.cli_args import add_tls_args, resolve_tls_args, warn_if_plain_text
 from trust.credentials import TlsMaterial
@@ -63,7 +64,7 @@ class IndexServer:
     together. Usable in-process (tests) or from main()."""
 
     def __init__(self, config: IndexConfig, host: str = "127.0.0.1", port: int = 0,
-                 metrics_port: int = 0, metrics_host: str = "0.0.0.0",
+                 metrics_port: int = 0, metrics_host: str = "127.0.0.1",
                  tls: TlsMaterial | None = None) -> None:
         self.config = config
         self.tls = tls  # None: plain text, every caller allowed everything
@@ -206,13 +207,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     q.add_argument("--max-watchers-per-connection", type=int,
                    default=quotas.max_watchers_per_connection,
                    help="WatchResidency streams one connection holds at once")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = off)")
-    p.add_argument("--metrics-host", default="0.0.0.0")
+    add_metrics_args(p)
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_tls_args(p)
     args = p.parse_args(argv)
+    resolve_metrics_host(args)
     resolve_tls_args(p, args)
     if args.hot_window_s <= 0:
         p.error(f"--hot-window-s: {args.hot_window_s} is not allowed; expected > 0")
