@@ -572,3 +572,27 @@ def test_the_renderer_agrees_with_kustomize(build):
 
     theirs = keyed(doc for doc in yaml.safe_load_all(done.stdout) if doc)
     assert keyed(_rendered(build)) == theirs
+
+
+def test_every_pagedgen_container_has_a_read_only_root_and_a_writable_tmp(resources):
+    """readOnlyRootFilesystem on every container of the image (its servers and the model's
+    preparation), each with an emptyDir at /tmp, where they write (tests/deploy/
+    test_read_only_root.py runs them so); the engine's caches and $HOME there too."""
+    seen = set()
+    for pod in pods(resources):
+        volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
+        for container in pod.containers():
+            script = _script(container)
+            if script is None:
+                continue
+            seen.add(script)
+            where = f"{pod.workload}/{container['name']}"
+            assert container["securityContext"].get("readOnlyRootFilesystem") is True, where
+            tmp = [m for m in container.get("volumeMounts", []) if m["mountPath"] == "/tmp"]
+            assert len(tmp) == 1 and not tmp[0].get("readOnly"), where
+            assert "emptyDir" in volumes[tmp[0]["name"]], where
+            if script == "pagedgen-engine":
+                env = container_env(pod, container)
+                assert env.get("HOME") == "/tmp", where
+                assert env.get("PAGEDGEN_CACHE_DIR", "").startswith("/tmp/"), where
+    assert seen == {*SERVERS, "pagedgen-prepare-model"}

@@ -193,7 +193,7 @@ def test_every_service_runs_tls_with_certificates_from_the_certs_job(services, c
     assert made.router and made.index and made.engine == [""]
     assert {"localhost", "router", "prefix-index"} <= set(made.host)
     for name, stem in CERT_ROLES.items():
-        env = services[name]["environment"]
+        env = {k: v for k, v in services[name]["environment"].items() if "TLS" in k}
         assert env == {"PAGEDGEN_TLS_CERT": "/certs/cert.pem",
                        "PAGEDGEN_TLS_KEY": "/certs/key.pem",
                        "PAGEDGEN_TLS_CA": "/certs/ca.pem"}, name
@@ -498,3 +498,16 @@ def test_api_keys_rotate_as_the_header_says(services, host_paths, header_dir):
     assert args.keyring.table.tenant_for(new_key) is None
     assert args.keyring.reload()  # what SIGHUP does
     assert args.keyring.table.tenant_for(new_key).name == "acme"
+
+
+def test_pagedgen_services_run_on_a_read_only_root_with_a_tmpfs(services):
+    """As in Kubernetes (tests/deploy/test_read_only_root.py runs the servers so): every
+    service of the image has a read-only root and /tmp in memory; the engines keep their
+    caches ($HOME, PAGEDGEN_CACHE_DIR) there, their model volume being read-only."""
+    ours = {name: s for name, s in services.items() if s.get("image", "").startswith("pagedgen")}
+    assert {"certs", "prefix-index", "prepare-model", "router", "engine-cpu"} <= set(ours)
+    for name, service in ours.items():
+        assert service.get("read_only") is True and "/tmp" in service.get("tmpfs", []), name
+        if service["command"][0] == "pagedgen-engine":
+            env = service["environment"]
+            assert env["HOME"] == "/tmp" and env["PAGEDGEN_CACHE_DIR"].startswith("/tmp/"), name
