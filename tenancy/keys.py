@@ -5,7 +5,8 @@
     may_set_priority = false   # GenerateRequest.priority != 0 is refused (PERMISSION_DENIED)
     max_live_requests = 64     # unfinished requests at once (RESOURCE_EXHAUSTED past it)
     max_pins = 512             # blocks pinned at once through PinPrefix (0: no pins)
-    may_read_stats = false     # EngineStats, ModelInfo's model path (PERMISSION_DENIED, name only)
+    may_read_stats = false     # EngineStats (else PERMISSION_DENIED), the deployment's names
+                               # (ModelInfo's model path, else its name; engine and replica ids)
     cache_group = "acme"       # tenants of one group share cached blocks (default: its name)
 
     [[keys]]
@@ -42,7 +43,8 @@ class Tenant:
     max_pins: int | None = DEFAULT_MAX_PINS  # pinned blocks at once; None: no limit
     cache_group: str = ""  # tenants with the same group share the cache; "" = its name
     # The server's own state: EngineStats (counters every tenant's traffic moves, and behind a
-    # router its replicas' addresses) and ModelInfo's model path. An operator's, not granted.
+    # router its replicas' addresses), ModelInfo's model path, engine_id and instance_id, and
+    # which replicas ran a request (the router's pagedgen-replicas). An operator's, not granted.
     may_read_stats: bool = False
 
     @property
@@ -59,6 +61,7 @@ SINGLE_KEY_TENANT = Tenant("default", may_set_priority=True, max_live_requests=N
 class KeyTable:
     tenants_by_hash: dict[str, Tenant] = field(default_factory=dict)
     source: str = ""  # the file it came from, or --api-key
+    tables: dict[str, Tenant] = field(default_factory=dict)  # every [tenants.NAME], keyed or not
 
     def tenant_for(self, key: str) -> Tenant | None:
         return self.tenants_by_hash.get(hash_key(key))
@@ -123,7 +126,7 @@ def parse_key_table(data: dict, source: str) -> KeyTable:
             raise ValueError(f"{where}.sha256 must be unique: the same key is listed for "
                              f"{by_hash[digest].name!r} already")
         by_hash[digest] = tenants[tenant]
-    return KeyTable(by_hash, source)
+    return KeyTable(by_hash, source, tenants)
 
 
 def _tenant(name: str, settings, source: str) -> Tenant:

@@ -23,6 +23,7 @@ from tenancy.keys import (
     DEFAULT_MAX_LIVE_REQUESTS,
     DEFAULT_MAX_PINS,
     TENANT_NAME,
+    Tenant,
     hash_key,
     load_key_file,
 )
@@ -44,17 +45,19 @@ def add_key(path: Path, tenant: str, label: str = "", settings: dict | None = No
     if not TENANT_NAME.fullmatch(tenant):
         raise ValueError(f"--tenant must be 1 to 64 characters of [A-Za-z0-9._-], got {tenant!r}")
     text = path.read_text() if path.exists() else ""
-    known = load_key_file(path).tenants if text else []
-    existing = next((t for t in known if t.name == tenant), None)
+    # Every [tenants.NAME] table, those with no key yet (written by hand, or their keys
+    # deleted) too: one of them must not get a second table.
+    tables = load_key_file(path).tables if text else {}
+    existing = tables.get(tenant)
     differing = sorted(name for name, value in (given or {}).items()
-                       if existing is not None and _as_loaded(value) != getattr(existing, name))
+                       if existing is not None and not _same(name, value, existing))
     if differing:
         flags = ", ".join("--" + name.replace("_", "-") for name in differing)
         raise ValueError(
             f"tenant {tenant!r} exists in {path} with other settings: {flags} would not change "
             f"it (they set a new tenant's table); edit [tenants.{tenant}] in the file and "
             f"send SIGHUP to the servers, or add the key without them")
-    if tenant not in {t.name for t in known}:
+    if existing is None:
         lines = [f"\n[tenants.{tenant}]"]
         for name, value in (settings or {}).items():
             lines.append(f"{name} = {_toml(value)}")
@@ -69,14 +72,22 @@ def add_key(path: Path, tenant: str, label: str = "", settings: dict | None = No
     partial = path.with_name(path.name + ".partial")
     partial.write_text(text)
     os.chmod(partial, 0o600)
-    load_key_file(partial)  # the file as it will be must load
+    try:
+        load_key_file(partial)  # the file as it will be must load
+    except ValueError:
+        partial.unlink()
+        raise
     partial.replace(path)
     return key
 
 
-def _as_loaded(value):
-    """A setting as the key file's loader gives it (-1, no limit, is None)."""
-    return None if value == -1 and not isinstance(value, bool) else value
+def _same(name: str, value, tenant: Tenant) -> bool:
+    """Whether a setting given on the command line is what `tenant`'s table says already."""
+    if name == "cache_group":  # (its own name is what an empty group means)
+        return (value or tenant.name) == tenant.salt_group
+    if value == -1 and not isinstance(value, bool):  # -1, no limit, loads as None
+        value = None
+    return value == getattr(tenant, name)
 
 
 def _toml(value) -> str:
@@ -115,6 +126,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "hash":
         print(hash_key(args.key))
         return
+    for flag in ("max_live_requests", "max_pins"):  # named as typed, before any file is read
+        value = getattr(args, flag)
+        if value is not None and value < -1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 0, or -1 for no limit, got {value}")
+    if args.cache_group is not None and not TENANT_NAME.fullmatch(args.cache_group):
+        p.error(f"--cache-group must be 1 to 64 characters of [A-Za-z0-9._-], got "
+                f"{args.cache_group!r}")
     defaults = {"may_set_priority": False, "max_live_requests": DEFAULT_MAX_LIVE_REQUESTS,
                 "max_pins": DEFAULT_MAX_PINS, "may_read_stats": False, "cache_group": ""}
     given = {name: getattr(args, name) for name in defaults if getattr(args, name) is not None}

@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import urllib.request
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_service.serving.server import advertised_address
 from prefix_index.tools.addresses import join_host_port
+from prefix_index.tools.redis_process import free_port
 from trust.cli_args import tls_argv
 
 
@@ -42,6 +44,25 @@ def test_a_router_on_ipv6_loopback_answers_there(test_certs) -> None:
                 health_pb2.HealthCheckRequest(), timeout=30)
         assert answer.status in (health_pb2.HealthCheckResponse.SERVING,
                                  health_pb2.HealthCheckResponse.NOT_SERVING)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_router_on_bracketed_ipv6_serves_its_metrics_there() -> None:
+    """--host [::1] (as gRPC writes it) with a metrics port: the metrics bind ::1 too (the
+    server failed to start: Prometheus' server takes no brackets)."""
+    metrics_port = free_port()  # (free on 127.0.0.1: as good as on ::1 here)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.server", "--host", "[::1]", "--port", "0",
+         "--engines", "127.0.0.1:9", "--prefix-index", "none", "--insecure",
+         "--metrics-port", str(metrics_port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("router listening on [::1]:"), (line, proc.stderr.read())
+        with urllib.request.urlopen(f"http://[::1]:{metrics_port}/metrics", timeout=10) as got:
+            assert b"pagedgen_router" in got.read()
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -22,3 +22,8 @@ def test_the_metrics_port_binds_where_the_server_binds_unless_told(server):
     assert parse([*base, "--host", "0.0.0.0"]).metrics_host == "0.0.0.0"  # a container's
     assert parse([*base, "--host", "0.0.0.0", "--metrics-host", "10.1.2.3"]
                  ).metrics_host == "10.1.2.3"
+    # IPv6 as --host may write it (its gRPC and HTTP ports take the brackets): Prometheus'
+    # server does not, and the server failed to start.
+    assert parse([*base, "--host", "[::1]"]).metrics_host == "::1"
+    assert parse([*base, "--host", "::"]).metrics_host == "::"
+

@@ -15,6 +15,9 @@ def add_metrics_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_metrics_host(args: argparse.Namespace) -> None:
-    """--metrics-host defaults to --host (a server bound to loopback keeps its counters there)."""
+    """--metrics-host defaults to --host (a server bound to loopback keeps its counters there);
+    an IPv6 address without the brackets --host may carry (Prometheus' server takes none)."""
     if args.metrics_host is None:
         args.metrics_host = args.host
+    if args.metrics_host.startswith("[") and args.metrics_host.endswith("]"):
+        args.metrics_host = args.metrics_host[1:-1]

@@ -31,17 +31,26 @@ print("streamed tokens:", tokens)
 """
 
 
-def _can_unshare() -> bool:
+# Its own PID namespace too: when the script ends, however it ends (a failed step under
+# set -e, the timeout killing unshare), every server it started ends with it.
+UNSHARE = ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private"]
+
+
+def _can_unshare(scratch: Path) -> bool:
+    """Whether this machine lets the test make the namespace: root, unshare, and mount inside
+    (a container may allow the first two and deny mounts)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         return False
-    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"],
+    scratch.mkdir()
+    probe = subprocess.run([*UNSHARE, "mount", "-t", "tmpfs", "tmpfs", str(scratch)],
                            capture_output=True, timeout=30)
     return probe.returncode == 0
 
 
 def test_engine_and_router_serve_on_a_read_only_root(tiny_llama_dir, tmp_path):
-    if not _can_unshare():
-        pytest.skip("needs root and unshare --mount (a mount namespace) to make / read-only")
+    if not _can_unshare(tmp_path / "probe"):
+        pytest.skip("needs root, unshare and mount (mount and PID namespaces) to make / "
+                    "read-only")
     extensions = _cache_root()  # the kernels this checkout built (setup), bound in writable
     extensions.mkdir(parents=True, exist_ok=True)
     logs = tmp_path / "logs"
@@ -51,18 +60,20 @@ def test_engine_and_router_serve_on_a_read_only_root(tiny_llama_dir, tmp_path):
     engine_port, router_port = free_port(), free_port()
     python = sys.executable
     binds = [(ROOT, "ro"), (tiny_llama_dir, "ro"), (extensions, "rw"), (logs, "rw")]
+    # The environment each container has in deploy/kubernetes (the engine's caches and HOME
+    # in /tmp; the router's HOME read-only, as there); the kernels are this checkout's.
+    engine_env = (f"HOME=/tmp PAGEDGEN_CACHE_DIR=/tmp/cache "
+                  f"PAGEDGEN_EXTENSIONS_DIR={extensions} OMP_NUM_THREADS=1")
     inner = f"""
 set -e
 cd {ROOT}
-export HOME=/tmp PAGEDGEN_CACHE_DIR=/tmp/cache PAGEDGEN_EXTENSIONS_DIR={extensions}
-export OMP_NUM_THREADS=1
-{python} -m engine_service.serving.server --model {tiny_llama_dir} --insecure \\
-    --port {engine_port} --prefix-index none --num-blocks 64 --dtype float32 \\
+env {engine_env} {python} -m engine_service.serving.server --model {tiny_llama_dir} \
+    --insecure --port {engine_port} --prefix-index none --num-blocks 64 --dtype float32 \
     > {logs}/engine.log 2>&1 &
-{python} -m router.server --engines 127.0.0.1:{engine_port} --insecure --port {router_port} \\
+{python} -m router.server --engines 127.0.0.1:{engine_port} --insecure --port {router_port} \
     > {logs}/router.log 2>&1 &
 for i in $(seq 120); do
-  {python} -m engine_service.tools.launch --check 127.0.0.1:{router_port} --insecure \\
+  {python} -m engine_service.tools.launch --check 127.0.0.1:{router_port} --insecure \
       > /dev/null 2>&1 && break
   sleep 1
 done
@@ -71,15 +82,16 @@ kill %1 %2
 wait
 """
     mounts = [f"mount --bind / {new_root}", f"mount -o remount,bind,ro {new_root}",
-              f"mount -t proc proc {new_root}/proc", f"mount --rbind /dev {new_root}/dev",
+              f"mount -t proc proc {new_root}/proc",  # (this PID namespace's)
+              f"mount --rbind /dev {new_root}/dev",
               f"mount -t tmpfs tmpfs {new_root}/tmp"]
     for path, mode in binds:
         mounts += [f"mkdir -p {new_root}{path}", f"mount --bind {path} {new_root}{path}"]
         if mode == "ro":
             mounts.append(f"mount -o remount,bind,ro {new_root}{path}")
     script = " && ".join(mounts) + f" && exec chroot {new_root} bash -c {_quoted(inner)}"
-    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c",
-                           script], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*UNSHARE, "bash", "-c", script], capture_output=True, text=True,
+                          timeout=300)
     engine_log = (logs / "engine.log").read_text()
     router_log = (logs / "router.log").read_text()
     assert done.returncode == 0 and "streamed tokens: 6" in done.stdout, (

@@ -51,6 +51,33 @@ def test_settings_named_for_a_tenant_that_exists_are_refused_not_ignored(tmp_pat
         assert (tenant.name, tenant.may_read_stats, tenant.max_pins) == ("acme", False, 0)
 
 
+def test_a_tenant_table_without_keys_gets_its_key_not_a_second_table(tmp_path):
+    """A [tenants.NAME] written by hand (docs/security.md) has no key yet: the tool adds one
+    under it (it appended a second table, and the file no longer loaded)."""
+    path = tmp_path / "keys.toml"
+    path.write_text("[tenants.acme]\nmax_pins = 512\n")
+    done = subprocess.run(["pagedgen-keys", "add", "--file", str(path), "--tenant", "acme",
+                           "--cache-group", "acme"],  # (its own name: what the table means)
+                          capture_output=True, text=True, timeout=60, check=True)
+    tenant = load_key_file(path).tenant_for(done.stdout.strip())
+    assert (tenant.name, tenant.max_pins) == ("acme", 512)
+    assert path.read_text().count("[tenants.acme]") == 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-pins", "-5"], "--max-pins must be >= 0, or -1 for no limit, got -5"),
+    (["--max-live-requests", "-2"], "--max-live-requests must be >= 0, or -1 for no limit"),
+    (["--cache-group", "a b"], "--cache-group must be 1 to 64 characters"),
+])
+def test_a_bad_setting_is_refused_naming_the_flag_and_nothing_is_written(tmp_path, flags,
+                                                                         message):
+    path = tmp_path / "keys.toml"
+    refused = subprocess.run(["pagedgen-keys", "add", "--file", str(path), "--tenant", "newt",
+                              *flags], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+    assert list(tmp_path.iterdir()) == []  # no file, no .partial left behind
+
+
 @pytest.mark.parametrize("text, message", [
     ("[tenants.a]\nmax_pins = 'many'\n", "tenants.a.max_pins must be an integer >= 0"),
     ("[tenants.a]\ncolour = 1\n", "tenants.a: fields must be among"),
