@@ -1,7 +1,11 @@
 """The offline API, mirroring vLLM's: LLM(model=...).generate(prompts, SamplingParams(...))."""
 
+import contextlib
+import dataclasses
 import itertools
-from collections.abc import Sequence
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -13,6 +17,37 @@ from engine_service.model.beam_search_params import BeamSearchParams
 from engine_service.model.sampling_params import SamplingParams
 
 Prompt = str | dict
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+ENGINE_ARGS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
+
+
+@contextlib.contextmanager
+def _interrupts_between_steps() -> Iterator[Callable[[], None]]:
+    """Ctrl-C while generating is taken between engine steps (the yielded check raises it), not
+    inside one: a step cut short under tensor parallelism leaves the workers in a collective
+    rank 0 never finishes, and the next call hung until gloo's timeout. A second Ctrl-C during
+    the same step raises at once. Only in the main thread, and only over Python's default
+    handler: a program's own SIGINT handler is left alone."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield lambda: None
+        return
+    pending = []
+
+    def defer(signum, frame) -> None:
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+
+    def check() -> None:
+        if pending:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, defer)
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class LLM:
@@ -20,6 +55,12 @@ class LLM:
     default model (SmolLM2-135M-Instruct, prepared into the cache by pagedgen-prepare-model)."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
+        unknown = sorted(set(engine_args) - set(ENGINE_ARGS))
+        if unknown:
+            # EngineConfig's own TypeError named neither LLM nor what it does take.
+            raise TypeError(f"LLM() got unknown keyword argument(s) {', '.join(unknown)}; the "
+                            f"engine settings are: {', '.join(ENGINE_ARGS)}")
+        self._closed = False
         if model is None:
             from engine_service.tools.prepare_model import ensure_default_model
 
@@ -29,8 +70,23 @@ class LLM:
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (tensor_parallel_size > 1; otherwise
-        nothing to do). They also stop when this object is collected or the process exits."""
+        nothing to do). They also stop when this object is collected or the process exits.
+        Idempotent; generating afterwards raises RuntimeError."""
+        self._closed = True
         self.llm_engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        # Without it, a closed tensor-parallel LLM failed on its stopped workers ("rank 1
+        # exited with status 0"), and a one-rank one went on working: neither says "closed".
+        if self._closed:
+            raise RuntimeError("this LLM is closed (close() or the end of its with block): "
+                               "make a new LLM to generate")
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -45,6 +101,8 @@ class LLM:
         return tokenizer
 
     def _token_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, dict):
+            self._check_prompt_dict(prompt)
         if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in
                                        prompt and "prompt" in prompt):
             self._need_tokenizer("text")
@@ -58,6 +116,49 @@ class LLM:
             "prompt must be a string, {'prompt': str} or {'prompt_token_ids': "
             f"[int, ...]}}, got {type(prompt).__name__}: {str(prompt)[:80]!r}"
         )
+
+    @staticmethod
+    def _check_prompt_dict(prompt: dict) -> None:
+        # An unknown key was ignored: a misspelt "cache_salt" silently shared the cache.
+        unknown = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
+        if unknown:
+            raise InvalidRequestError(
+                "prompt", f"a prompt dict takes the keys {', '.join(PROMPT_KEYS)}, got "
+                f"{', '.join(map(repr, unknown))}")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise InvalidRequestError("prompt", f"prompt['prompt'] must be a string, got "
+                                      f"{type(text).__name__}: {str(text)[:80]!r}")
+        ids = prompt.get("prompt_token_ids")
+        if ids is not None and not isinstance(ids, list | tuple):
+            raise InvalidRequestError(
+                "prompt_token_ids", f"prompt_token_ids must be a list of ints, got "
+                f"{type(ids).__name__}: {str(ids)[:80]!r}")
+        salt = prompt.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise InvalidRequestError("cache_salt", f"cache_salt must be a string or None, got "
+                                      f"{salt!r}")
+
+    @staticmethod
+    def _sampling_params_list(sampling_params: object, num_prompts: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * num_prompts
+        if not isinstance(sampling_params, list | tuple) or not all(
+                isinstance(p, SamplingParams) for p in sampling_params):
+            raise InvalidRequestError(
+                "sampling_params", "sampling_params must be a SamplingParams, a list of them "
+                f"(one per prompt) or None, got {str(sampling_params)[:80]!r}")
+        if len(sampling_params) != num_prompts:
+            raise InvalidRequestError(
+                "sampling_params", f"sampling_params must be one or one per prompt "
+                f"({num_prompts}), got {len(sampling_params)}")
+        # Checked again: a field assigned since construction skipped the checks (n = 0 ran
+        # 16 tokens, stop = "ab" stopped on "a" or "b").
+        for params in {id(p): p for p in sampling_params}.values():
+            params.verify()
+        return list(sampling_params)
 
     def generate(
         self,
@@ -75,18 +176,17 @@ class LLM:
                 "prompt must be a string, a dict or a list of them, "
                 f"got {type(prompts).__name__}: {str(prompts)[:80]!r}"
             )
+        self._check_open()
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(
-                f"sampling_params must be one or one per prompt ({len(prompts)}), "
-                f"got {len(sampling_params)}"
-            )
+        sampling_params = self._sampling_params_list(sampling_params, len(prompts))
+        if priority is not None and (
+                not isinstance(priority, list | tuple)
+                or not all(isinstance(p, int) and not isinstance(p, bool) for p in priority)):
+            raise InvalidRequestError("priority", f"priority must be a list of ints (one per "
+                                      f"prompt) or None, got {str(priority)[:80]!r}")
         if priority is not None and len(priority) != len(prompts):
-            raise ValueError(
+            raise InvalidRequestError(
+                "priority",
                 f"priority must have one entry per prompt ({len(prompts)}), got {len(priority)}"
             )
         engine = self.llm_engine
@@ -107,25 +207,33 @@ class LLM:
                 )
             )
         order = {}
-        for index, (request_id, token_ids, params, text, salt, prio) in enumerate(requests):
-            # Only the final outputs are read here: the engine makes no output per step.
-            engine.add_request(request_id, token_ids, params, prompt=text, cache_salt=salt,
-                               priority=prio, final_output_only=True)
-            order[request_id] = index
         results: list[RequestOutput | None] = [None] * len(requests)
-        bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm)
+        # No bar at all unless asked: even a disabled tqdm starts its monitor thread, which
+        # then outlives the call.
+        bar = tqdm(total=len(requests), desc="generate") if use_tqdm else None
         try:
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        results[order[output.request_id]] = output
-                        bar.update(1)
+            # Added inside the try: a request added before an interrupt is aborted with the
+            # rest, not left to run in (and break) the next call.
+            for index, (request_id, token_ids, params, text, salt, prio) in enumerate(requests):
+                # Only the final outputs are read here: the engine makes no output per step.
+                engine.add_request(request_id, token_ids, params, prompt=text, cache_salt=salt,
+                                   priority=prio, final_output_only=True)
+                order[request_id] = index
+            with _interrupts_between_steps() as check_interrupt:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            results[order[output.request_id]] = output
+                            if bar is not None:
+                                bar.update(1)
+                    check_interrupt()
         except BaseException:
             for request_id in order:
                 engine.abort_request(request_id)
             raise
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         return results
 
     def pin_prefix(self, prompt: Prompt, ttl_s: float = 0.0, unpin: bool = False,
@@ -142,6 +250,7 @@ class LLM:
         holds any more)."""
         from engine_service.serving.validation import MAX_TTL_S
 
+        self._check_open()
         engine = self.llm_engine
         if not isinstance(unpin, bool):
             raise InvalidRequestError("unpin", f"unpin must be True or False, got {unpin!r}")
@@ -181,8 +290,10 @@ class LLM:
         engine.add_request(request_id, token_ids, SamplingParams(temperature=0.0, max_tokens=1),
                            cache_salt=salt, final_output_only=True, pin_prefill=True)
         try:
-            while engine.has_unfinished_requests():
-                engine.step()
+            with _interrupts_between_steps() as check_interrupt:
+                while engine.has_unfinished_requests():
+                    engine.step()
+                    check_interrupt()
         except BaseException:
             engine.abort_request(request_id)
             raise
@@ -228,7 +339,19 @@ class LLM:
         **kwargs,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
+        if not isinstance(messages, list):
+            raise InvalidRequestError("messages", "messages must be a list of {'role': ..., "
+                                      "'content': ...} dicts (or a list of such lists), got "
+                                      f"{type(messages).__name__}: {str(messages)[:80]!r}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        for conversation in conversations:
+            # The template's own failure was a jinja UndefinedError naming no argument.
+            if not isinstance(conversation, list) or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+                    for m in conversation):
+                raise InvalidRequestError(
+                    "messages", "messages must be a list of {'role': str, 'content': ...} "
+                    f"dicts (or a list of such lists), got {str(conversation)[:80]!r}")
         tokenizer = self._need_tokenizer("chat messages")
         prompts = []
         for conversation in conversations:

@@ -70,6 +70,12 @@ class SamplingParams:
     early_stopping: bool | str = False  # True, False or "never", as in HF transformers
 
     def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Check (and normalize) every field; ValueError names the first bad one. Run again by
+        LLM.generate: a field assigned after construction (`params.max_tokens = 0`) skips
+        __post_init__, and the engine trusts what it is given."""
         n = _check_int("n", self.n, f"1 to {MAX_N}")
         if not 1 <= n <= MAX_N:
             raise ValueError(f"n must be between 1 and {MAX_N}, got {n}")
