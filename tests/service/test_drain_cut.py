@@ -5,13 +5,11 @@ all calls", which says nothing of a drain."""
 from __future__ import annotations
 
 import asyncio
-import signal
 
 import grpc
 
 from engine_service.tools.launch import EngineProcess
-from pagedgen_api import generation_pb2 as pb
-from pagedgen_api import generation_pb2_grpc as pb_grpc
+from tests.support.drain_cut import stream_until_cut
 
 
 def test_a_stream_past_the_grace_ends_unavailable_saying_why(tiny_llama_dir, tmp_path,
@@ -23,20 +21,7 @@ def test_a_stream_past_the_grace_ends_unavailable_saying_why(tiny_llama_dir, tmp
     try:
         async def body() -> tuple[int, grpc.aio.AioRpcError]:
             async with test_certs.aio_channel(engine.target) as channel:
-                stub = pb_grpc.GenerationStub(channel)
-                # Far more decode steps than a second of grace holds.
-                call = stub.GenerateStream(pb.GenerateRequest(
-                    text="Keep going", sampling=pb.SamplingParams(
-                        max_tokens=4000, n=16, ignore_eos=True)), timeout=120)
-                await call.read()
-                engine.proc.send_signal(signal.SIGTERM)
-                messages = 1
-                try:
-                    while await call.read() is not grpc.aio.EOF:
-                        messages += 1
-                except grpc.aio.AioRpcError as error:
-                    return messages, error
-                raise AssertionError(f"the stream finished in the grace ({messages} messages)")
+                return await stream_until_cut(channel, engine.proc)
 
         messages, error = asyncio.run(body())
         assert engine.proc.wait(30) == 0
