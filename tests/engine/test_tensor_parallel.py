@@ -12,6 +12,7 @@ checked; after it the contexts differ) each side's token is in the other's top 5
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -227,9 +228,17 @@ def test_rank_0_failing_after_a_call_went_out_kills_its_workers_at_close(tiny_ll
         runner._local.model.forward = failing_forward
         with pytest.raises(ValueError, match="rank 0's forward failed"):
             llm.generate("The capital of France is", SamplingParams(max_tokens=4))
+        # The group is broken for good: the next step is refused at once, not sent to workers
+        # that would take it only after their collective's 30 s timeout.
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="group is broken"):
+            llm.llm_engine.runner.run_batch(None)
+        assert time.monotonic() - start < 5
     finally:
         llm.close()
     assert worker.returncode == -signal.SIGKILL
+    with pytest.raises(TensorParallelError, match="group is closed"):
+        runner.run_batch(None)
 
 
 def test_a_killed_rank_0_takes_its_workers_with_it(tiny_llama_dir):

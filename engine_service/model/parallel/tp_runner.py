@@ -152,7 +152,14 @@ class TensorParallelRunner:
 
     def _run(self, method: str, args: tuple, local: Callable[[], object]) -> object:
         """Broadcast the call, then run it here; a failed collective names the rank that
-        failed (TensorParallelError)."""
+        failed (TensorParallelError). Refused at once once the group has failed or closed: the
+        workers are gone, or inside a collective rank 0 left, and a call would wait out the
+        collective timeout before failing the same way."""
+        if self._failed or self.workers.stopped:
+            raise TensorParallelError(
+                f"the tensor-parallel group is {'closed' if self.workers.stopped else 'broken'}"
+                f" (an earlier call failed, or close() ran): {method} cannot run; start a new "
+                f"engine")
         call = Call(method, args, self._pending_moves)
         self._pending_moves = []
         try:
