@@ -50,6 +50,10 @@ class Denied(Exception):
         self.code = code
 
 
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
+
+
 def authorize(method: str, context, secure: bool, engine_id: str | None = None) -> Caller:
     """The caller of `method` (on `engine_id`, for engines' methods), or Denied."""
     if not secure:
@@ -62,8 +66,8 @@ def authorize(method: str, context, secure: bool, engine_id: str | None = None) 
     wanted = METHOD_ROLES.get(method)
     if peer.role != wanted:
         raise Denied(grpc.StatusCode.PERMISSION_DENIED,
-                     f"{method}: a {peer.role} certificate may not call it; it is for "
-                     f"{wanted or 'nobody'}s")
+                     f"{method}: {_article(peer.role)} {peer.role} certificate may not call "
+                     f"it; it is for {wanted or 'nobody'}s")
     if wanted != ENGINE_ROLE:
         return Caller(peer.role)
     if peer.engine_id is not None and engine_id != peer.engine_id:

@@ -38,26 +38,33 @@ class RedisHealth:
             await self.servicer.set(name, status)
         self.metrics.redis_up.set(1 if up else 0)
 
-    async def set_redis_up(self, up: bool) -> None:
+    async def set_redis_up(self, up: bool, reason: str = "") -> None:
+        """`reason`: why Redis is down, for the log (what an operator acts on: a refused
+        connection, a wrong password, a timeout)."""
         if up == self.redis_up:
             return
-        if not up:
-            # Pooled connections point at a dead server: drop them so the next call dials anew.
-            await self.store.reset_connections()
+        # Set before any await: the probe and failing calls notice an outage at once, and
+        # the first of them alone logs it and resets the connections.
+        self.redis_up = up
         if up:
             log.info("redis reachable: serving")
         else:
-            log.warning("redis unreachable: not serving")
-        self.redis_up = up
-        await self._publish(up)
+            log.warning("redis unreachable: not serving (%s)", reason or "a call to it failed")
+            # Pooled connections point at a dead server: drop them so the next call dials anew.
+            await self.store.reset_connections()
+        await self._publish(self.redis_up)  # (the state now: it may have flipped meanwhile)
 
     async def probe_once(self) -> bool:
+        reason = ""
         try:
             async with asyncio.timeout(self.probe_timeout_s):
                 up = await self.store.ping()
-        except (RedisError, OSError, TimeoutError):
-            up = False
-        await self.set_redis_up(up)
+        except TimeoutError:
+            up, reason = False, f"no answer to PING within {self.probe_timeout_s:g}s"
+        except (RedisError, OSError) as error:
+            # redis-py's messages name the host and port, never the password.
+            up, reason = False, f"{type(error).__name__}: {error}"
+        await self.set_redis_up(up, reason)
         return up
 
     async def run(self) -> None:

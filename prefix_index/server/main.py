@@ -12,10 +12,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
-from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,6 +31,7 @@ from prefix_index.api.ops import HASH_BYTES
 from prefix_index.server.config import IndexConfig, Limits, PinPolicy, Quotas
 from prefix_index.server.health import RedisHealth
 from prefix_index.server.metrics import IndexMetrics
+from prefix_index.server.redis_url import EXPECTED, redacted_url, url_problem
 from prefix_index.server.servicer import PrefixIndexServicer
 from prefix_index.server.store import IndexStore
 from prefix_index.server.sweeper import run_sweeper
@@ -138,19 +139,7 @@ def connection_limits(limits: Limits) -> ConnectionLimits:
 
 
 REDIS_URL_ENV = "PAGEDGEN_REDIS_URL"
-
-
-def redacted_url(url: str) -> str:
-    """The URL with its password, if any, replaced by '***' (for logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+MAX_PORT = 65535
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -215,8 +204,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     resolve_metrics_host(args)
     resolve_tls_args(p, args)
-    if args.hot_window_s <= 0:
-        p.error(f"--hot-window-s: {args.hot_window_s} is not allowed; expected > 0")
+    problem = url_problem(args.redis_url)
+    if problem:  # (the URL itself is not shown: it may hold a password)
+        p.error(f"--redis-url (or ${REDIS_URL_ENV}): {problem}; expected {EXPECTED}")
+    if not 0 < args.hot_window_s < math.inf:
+        p.error(f"--hot-window-s: {args.hot_window_s} is not allowed; expected a finite "
+                "number > 0")
     if not 0 <= args.pin_budget_fraction <= 1:
         p.error(f"--pin-budget-fraction: {args.pin_budget_fraction} is not allowed; "
                 "expected 0..1")
@@ -228,10 +221,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("lease_s", "sweep_interval_s", "redis_timeout_s", "probe_interval_s",
                  "history_per_block", "view_ttl_s", "max_num_blocks", "max_lease_s",
                  "max_engines", "max_engines_per_identity", "apply_ops_per_s",
-                 "max_watchers_per_identity", "max_watchers_per_connection"):
-        if getattr(args, name) <= 0:
+                 "max_watchers_per_identity", "max_watchers_per_connection", "max_ops",
+                 "max_chain"):
+        # (written so that a NaN fails it too)
+        if not 0 < getattr(args, name) < math.inf:
             p.error(f"--{name.replace('_', '-')}: {getattr(args, name)} is not allowed; "
-                    "expected > 0")
+                    "expected a finite number > 0")
+    for name in ("hot_threshold", "grace_s"):
+        if not 0 <= getattr(args, name) < math.inf:
+            p.error(f"--{name.replace('_', '-')}: {getattr(args, name)} is not allowed; "
+                    "expected a finite number >= 0")
+    # The kernel takes a port modulo 65536: --port 70000 would serve on 4464.
+    for name in ("port", "metrics_port"):
+        if not 0 <= getattr(args, name) <= MAX_PORT:
+            p.error(f"--{name.replace('_', '-')}: {getattr(args, name)} is not allowed; "
+                    f"expected 0..{MAX_PORT} (0 = {'any free port' if name == 'port' else 'off'})")
+    if args.lease_s > args.max_lease_s:  # else every Register asking for the default fails
+        p.error(f"--lease-s: {args.lease_s} is not allowed; expected at most --max-lease-s "
+                f"({args.max_lease_s})")
     return args
 
 

@@ -37,10 +37,14 @@ class ApplyRate:
                  max_engines: int) -> None:
         self.rate = rate
         self.max_ops = max_ops
-        # An engine this process did not see register: the largest pool's.
+        # An engine this process did not see register and the caller could not size (the
+        # servicer sizes it from the registration, see `registered`): the largest pool's.
         self.default_capacity = float(RESYNC_OPS_PER_BLOCK * max_num_blocks + max_ops)
         self.max_tracked = 2 * max_engines  # engines gone leave no bucket behind for long
         self.buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+
+    def tracks(self, engine_id: str) -> bool:
+        return engine_id in self.buckets
 
     def registered(self, engine_id: str, num_blocks: int) -> None:
         capacity = float(RESYNC_OPS_PER_BLOCK * num_blocks + self.max_ops)

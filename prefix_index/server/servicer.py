@@ -107,10 +107,10 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
                 code, message = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed"
             else:
                 code, message = grpc.StatusCode.UNAVAILABLE, "redis did not answer in time"
-                await self.health.set_redis_up(False)
+                await self.health.set_redis_up(False, f"{method}: {message}")
         except _REDIS_DOWN as exc:
             code, message = grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}"
-            await self.health.set_redis_up(False)
+            await self.health.set_redis_up(False, f"{method}: {message}")
         except OutOfMemoryError as exc:
             # maxmemory with noeviction: nothing more fits until entries leave (leases lapse,
             # blocks are evicted) or Redis gets more memory. Not the caller's fault, not a bug.
@@ -237,7 +237,15 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         async def work():
             ops.extend(validate.apply_ops(request, self.config.limits))
             await self._check_owner(caller, request.engine_id, request.epoch)
-            self.apply_rate.take(request.engine_id, len(ops))
+            if not self.apply_rate.tracks(request.engine_id):
+                # Registered through another index process, or before this one started: its
+                # bucket holds its own pool's re-sync, not the largest pool's (8M ops). Not
+                # registered: no bucket; the store refuses it (NOT_FOUND).
+                num_blocks = await self.store.pool_size(request.engine_id)
+                if num_blocks is not None and not self.apply_rate.tracks(request.engine_id):
+                    self.apply_rate.registered(request.engine_id, num_blocks)
+            if self.apply_rate.tracks(request.engine_id):
+                self.apply_rate.take(request.engine_id, len(ops))
             return await self.store.apply(request.engine_id, request.epoch, ops, request.seq)
 
         result = await self._call("Apply", context, work)
@@ -252,7 +260,8 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
 
         async def work():
             chain = validate.hashes("chain", request.chain, self.config.limits)
-            return await self.store.lookup(chain, request.model_identity)
+            model = validate.model_identity_filter(request.model_identity)
+            return await self.store.lookup(chain, model)
 
         matches = await self._call("Lookup", context, work)
         return pb.LookupResponse(engines=[wire.match_to_proto(m) for m in matches])

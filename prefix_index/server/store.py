@@ -256,10 +256,13 @@ class IndexStore:
 
     async def reset_connections(self) -> None:
         """Drop pooled connections to a server that went away, so the next call dials anew.
-        (A cluster client re-discovers its nodes by itself.)"""
+        (A cluster client re-discovers its nodes by itself.) The idle ones only: a call in
+        flight ends by its own timeout or error, or succeeds if Redis answers in time; closing
+        its connection under it made it fail 'Connection closed by server', which Redis had
+        not done. (redis-py drops a connection that failed a call.)"""
         pool = getattr(self.redis, "connection_pool", None)
         if pool is not None:
-            await pool.disconnect()
+            await pool.disconnect(inuse_connections=False)
 
     async def register(self, engine_id: str, model_identity: str, block_size: int,
                        num_blocks: int, lease_s: float, nonce: str = "",
@@ -366,6 +369,11 @@ class IndexStore:
 
     async def engine_ids(self) -> list[str]:
         return sorted(m.decode() for m in await self.redis.smembers(ENGINES_KEY))
+
+    async def pool_size(self, engine_id: str) -> int | None:
+        """The pool size engine_id registered with; None when it is not registered."""
+        num_blocks = await self.redis.hget(engine_keys(engine_id, ("meta",))[0], "num_blocks")
+        return None if num_blocks is None else int(num_blocks)
 
     async def is_live(self, engine_id: str) -> bool:
         return bool(await self.redis.exists(engine_keys(engine_id, ("meta",))[0]))

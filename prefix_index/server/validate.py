@@ -27,8 +27,10 @@ from prefix_index.server.errors import InvalidRequestError
 
 # No braces: the id goes inside the Redis Cluster hash tag {engine_id}.
 _ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-# host:port, the host a name, an IPv4 address or a bracketed IPv6 one.
-_SERVING_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}")
+# host:port, the host a name, an IPv4 address or a bracketed IPv6 one; the port 1..65535
+# (checked apart: a router dials what is registered, and port 0 or 70000 dials nothing).
+_SERVING_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
+MAX_PORT = 65535
 MAX_BLOCK_SIZE = 1 << 16
 MAX_MODEL_IDENTITY = 1024
 MAX_NONCE = 128
@@ -121,12 +123,24 @@ def register(request: pb.RegisterRequest, limits: Limits, default_lease_s: float
                                   f"({_short(request.instance_id)}) is too long; at most "
                                   f"{MAX_NONCE}")
     address = request.serving_address
-    if address and (len(address) > MAX_SERVING_ADDRESS or not _SERVING_ADDRESS.fullmatch(address)):
-        raise InvalidRequestError(f"serving_address: {_short(address)} is not allowed; expected "
-                                  f"empty or host:port (at most {MAX_SERVING_ADDRESS} characters)")
+    if address:
+        matched = len(address) <= MAX_SERVING_ADDRESS and _SERVING_ADDRESS.fullmatch(address)
+        if not matched or not 1 <= int(matched.group(2)) <= MAX_PORT:
+            raise InvalidRequestError(
+                f"serving_address: {_short(address)} is not allowed; expected empty or "
+                f"host:port, the port 1..{MAX_PORT} (at most {MAX_SERVING_ADDRESS} characters)")
     return RegisterArgs(request.engine_id, request.model_identity, request.block_size,
                         request.num_blocks, lease_s, request.nonce, address,
                         request.instance_id)
+
+
+def model_identity_filter(value: str) -> str:
+    """Lookup's optional model filter: empty, or what Register accepts as a model identity."""
+    if len(value) > MAX_MODEL_IDENTITY:
+        raise InvalidRequestError(f"model_identity: {len(value)} characters ({_short(value)}) "
+                                  f"is too long; expected empty (any model) or "
+                                  f"1-{MAX_MODEL_IDENTITY} characters, as registered")
+    return value
 
 
 def seq(value: int) -> int:

@@ -74,6 +74,13 @@ local function check_epoch(epoch)
       'this one cannot read; register again')
   end
   if current ~= epoch then
+    -- Epochs only rise: one above the current was never issued by this Redis, or the Redis
+    -- lost the registration that issued it (a failover or restore), not re-registered over.
+    if tonumber(epoch) > tonumber(current) then
+      return fail('STALE_EPOCH', 'epoch ' .. epoch .. ' is newer than the current epoch ' ..
+        current .. ': Register never returned it here, or Redis lost that registration ' ..
+        '(a failover or restore); register again')
+    end
     return fail('STALE_EPOCH', 'epoch ' .. epoch .. ' is stale; the current epoch is ' ..
       current .. ' (the engine re-registered); register again')
   end
