@@ -7,7 +7,8 @@ the methods it may call:
   registered themselves (the principal is folded into the registration's nonce, so a lease held
   by another certificate is another process's);
 - routers read: Lookup, Stats, WatchResidency;
-- anything else is PERMISSION_DENIED; no certificate (or one naming no role) UNAUTHENTICATED.
+- anything else is PERMISSION_DENIED; a certificate naming no role UNAUTHENTICATED (a caller
+  with no certificate at all is refused by the TLS handshake, before any method).
 A plain-text index (--insecure) knows nobody and allows everything, as before.
 """
 
