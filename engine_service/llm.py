@@ -3,6 +3,7 @@
 import contextlib
 import dataclasses
 import itertools
+import numbers
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -130,7 +131,7 @@ class LLM:
             raise InvalidRequestError("prompt", f"prompt['prompt'] must be a string, got "
                                       f"{type(text).__name__}: {str(text)[:80]!r}")
         ids = prompt.get("prompt_token_ids")
-        if ids is not None and not isinstance(ids, list | tuple):
+        if ids is not None and not isinstance(ids, list | tuple | range):
             raise InvalidRequestError(
                 "prompt_token_ids", f"prompt_token_ids must be a list of ints, got "
                 f"{type(ids).__name__}: {str(ids)[:80]!r}")
@@ -181,7 +182,8 @@ class LLM:
         sampling_params = self._sampling_params_list(sampling_params, len(prompts))
         if priority is not None and (
                 not isinstance(priority, list | tuple)
-                or not all(isinstance(p, int) and not isinstance(p, bool) for p in priority)):
+                or not all(isinstance(p, numbers.Integral) and not isinstance(p, bool)
+                           for p in priority)):
             raise InvalidRequestError("priority", f"priority must be a list of ints (one per "
                                       f"prompt) or None, got {str(priority)[:80]!r}")
         if priority is not None and len(priority) != len(prompts):
@@ -214,11 +216,13 @@ class LLM:
         try:
             # Added inside the try: a request added before an interrupt is aborted with the
             # rest, not left to run in (and break) the next call.
+            # Noted before it is added (aborting one never added is a no-op): an interrupt
+            # inside add_request, after the engine queued it, must abort it too.
             for index, (request_id, token_ids, params, text, salt, prio) in enumerate(requests):
+                order[request_id] = index
                 # Only the final outputs are read here: the engine makes no output per step.
                 engine.add_request(request_id, token_ids, params, prompt=text, cache_salt=salt,
                                    priority=prio, final_output_only=True)
-                order[request_id] = index
             with _interrupts_between_steps() as check_interrupt:
                 while engine.has_unfinished_requests():
                     for output in engine.step():
@@ -227,6 +231,7 @@ class LLM:
                             if bar is not None:
                                 bar.update(1)
                     check_interrupt()
+                check_interrupt()  # (one that came in as the last step ended is not lost)
         except BaseException:
             for request_id in order:
                 engine.abort_request(request_id)
@@ -339,16 +344,17 @@ class LLM:
         **kwargs,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
-        if not isinstance(messages, list):
+        if not isinstance(messages, list | tuple):
             raise InvalidRequestError("messages", "messages must be a list of {'role': ..., "
                                       "'content': ...} dicts (or a list of such lists), got "
                                       f"{type(messages).__name__}: {str(messages)[:80]!r}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         for conversation in conversations:
-            # The template's own failure was a jinja UndefinedError naming no argument.
-            if not isinstance(conversation, list) or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
-                    for m in conversation):
+            # The template's own failure was a jinja UndefinedError naming no argument. (An
+            # assistant's tool call may come without content.)
+            if not isinstance(conversation, list | tuple) or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and ("content" in m or "tool_calls" in m) for m in conversation):
                 raise InvalidRequestError(
                     "messages", "messages must be a list of {'role': str, 'content': ...} "
                     f"dicts (or a list of such lists), got {str(conversation)[:80]!r}")
@@ -356,7 +362,7 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=True
+                list(conversation), tokenize=False, add_generation_prompt=True
             )
             prompts.append(
                 {

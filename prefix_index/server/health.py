@@ -31,6 +31,15 @@ class RedisHealth:
         self.probe_timeout_s = probe_timeout_s
         self.redis_up: bool | None = None  # None until the first probe
         self.draining = False
+        self._early_probe: asyncio.Task | None = None
+
+    def probe_soon(self) -> None:
+        """A call succeeded while Redis was taken for down: probe now rather than at the next
+        interval. Not "Redis is back" by itself: a call may succeed without reaching Redis (an
+        empty Lookup, one answered from the cached engine list), which flipped health to
+        SERVING and back every call of an outage."""
+        if self._early_probe is None or self._early_probe.done():
+            self._early_probe = asyncio.ensure_future(self.probe_once())
 
     async def _publish(self, up: bool) -> None:
         status = SERVING if up and not self.draining else NOT_SERVING

@@ -37,18 +37,23 @@ class ApplyRate:
                  max_engines: int) -> None:
         self.rate = rate
         self.max_ops = max_ops
-        # An engine this process did not see register and the caller could not size (the
-        # servicer sizes it from the registration, see `registered`): the largest pool's.
+        # An engine whose pool is not known (not registered): the largest pool's.
         self.default_capacity = float(RESYNC_OPS_PER_BLOCK * max_num_blocks + max_ops)
         self.max_tracked = 2 * max_engines  # engines gone leave no bucket behind for long
         self.buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+        self.epochs: dict[str, int] = {}  # the registration each bucket was sized for
 
-    def tracks(self, engine_id: str) -> bool:
-        return engine_id in self.buckets
+    def sized_for(self, engine_id: str, epoch: int) -> bool:
+        """Whether engine_id's bucket was sized for the registration of `epoch` (a new one,
+        through this process or another, may have another pool)."""
+        return engine_id in self.buckets and self.epochs.get(engine_id) == epoch
 
-    def registered(self, engine_id: str, num_blocks: int) -> None:
-        capacity = float(RESYNC_OPS_PER_BLOCK * num_blocks + self.max_ops)
+    def registered(self, engine_id: str, num_blocks: int | None, epoch: int) -> None:
+        """A full bucket for the registration of `epoch` (num_blocks None: not known)."""
+        capacity = (self.default_capacity if num_blocks is None
+                    else float(RESYNC_OPS_PER_BLOCK * num_blocks + self.max_ops))
         self._put(engine_id, TokenBucket(capacity, capacity, time.monotonic()))
+        self.epochs[engine_id] = epoch
 
     def take(self, engine_id: str, num_ops: int) -> None:
         """Spends `num_ops` tokens, or QuotaExceededError (nothing spent)."""
@@ -72,7 +77,8 @@ class ApplyRate:
         self.buckets[engine_id] = bucket
         self.buckets.move_to_end(engine_id)
         while len(self.buckets) > self.max_tracked:
-            self.buckets.popitem(last=False)  # the engine idle longest (gone, most likely)
+            gone, _ = self.buckets.popitem(last=False)  # idle longest (gone, most likely)
+            self.epochs.pop(gone, None)
 
 
 def check_engine_count(engine_id: str, live: dict[str, str], principal: str | None,

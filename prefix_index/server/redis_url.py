@@ -40,7 +40,10 @@ def redacted_url(url: str) -> str:
     query = "&".join(pairs)
     if netloc == parts.netloc and query == parts.query:
         return url
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
+    shown = urlunsplit(parts._replace(netloc=netloc, query=query))
+    if not netloc and url.startswith(f"{parts.scheme}://"):  # (urlunsplit drops the '//')
+        shown = f"{parts.scheme}://{shown[len(parts.scheme) + 1:]}"
+    return shown
 
 
 def url_problem(url: str) -> str | None:
@@ -56,15 +59,17 @@ def url_problem(url: str) -> str | None:
     if parts.fragment:
         return "it has a '#' (unescaped in the password?)"
     if parts.scheme != "unix":
-        if not parts.hostname:
-            return "it names no host"
+        if not parts.hostname and "@" in parts.netloc:  # (no host at all: redis-py's localhost)
+            return "its host is empty (an unescaped '/' or '@' in the password?)"
+        if not parts.hostname and "@" in url[len(parts.scheme) + 3:]:
+            return "its host is empty (an unescaped '/' in the password?)"
         try:
             _ = parts.port
         except ValueError:
             return ("its port is not a number in 0..65535 (an unescaped ':' or '/' in the "
                     "password?)")
         db = unquote_plus(parts.path).strip("/")
-        if db and not db.isdigit():
+        if db and not (db.isascii() and db.isdigit()):  # ('²' is a digit to Python)
             return "its path is not a database number (/0, /1, ...)"
     try:
         parse_url(url)

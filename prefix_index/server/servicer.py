@@ -96,7 +96,7 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
             async with asyncio.timeout(budget):
                 result = await work()
             if self.health.redis_up is False:
-                await self.health.set_redis_up(True)  # back before the next probe noticed
+                self.health.probe_soon()  # back, perhaps: before the next probe would see it
             return result
         except tuple(_REQUEST_ERRORS) as exc:
             code, message = _REQUEST_ERRORS[type(exc)], str(exc)
@@ -190,7 +190,7 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
             registration = await self._register(args)
         except EngineIdTakenError as taken:
             registration = await self._take_over(args, taken)
-        self.apply_rate.registered(args.engine_id, args.num_blocks)
+        self.apply_rate.registered(args.engine_id, args.num_blocks, registration.epoch)
         return registration
 
     async def _register(self, args: validate.RegisterArgs, replaces: str = ""):
@@ -237,15 +237,14 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         async def work():
             ops.extend(validate.apply_ops(request, self.config.limits))
             await self._check_owner(caller, request.engine_id, request.epoch)
-            if not self.apply_rate.tracks(request.engine_id):
-                # Registered through another index process, or before this one started: its
-                # bucket holds its own pool's re-sync, not the largest pool's (8M ops). Not
-                # registered: no bucket; the store refuses it (NOT_FOUND).
+            if not self.apply_rate.sized_for(request.engine_id, request.epoch):
+                # Registered (again) through another index process, or before this one
+                # started: its bucket holds its own pool's re-sync, read once per registration
+                # (epoch) from Redis, not the largest pool's (8M ops). Not registered (None):
+                # the largest pool's, for this epoch too; the store refuses it (NOT_FOUND).
                 num_blocks = await self.store.pool_size(request.engine_id)
-                if num_blocks is not None and not self.apply_rate.tracks(request.engine_id):
-                    self.apply_rate.registered(request.engine_id, num_blocks)
-            if self.apply_rate.tracks(request.engine_id):
-                self.apply_rate.take(request.engine_id, len(ops))
+                self.apply_rate.registered(request.engine_id, num_blocks, request.epoch)
+            self.apply_rate.take(request.engine_id, len(ops))
             return await self.store.apply(request.engine_id, request.epoch, ops, request.seq)
 
         result = await self._call("Apply", context, work)

@@ -191,3 +191,59 @@ def test_a_failure_while_adding_the_batch_leaves_no_request_behind(tiny_llama_di
     assert not llm.llm_engine.has_unfinished_requests()
     [out] = llm.generate("Hello", SamplingParams(max_tokens=2))
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_inputs_a_vllm_user_passes_are_taken(llm):
+    """What the type checks must not refuse (they did): token ids as a range, numpy integer
+    priorities, messages as a tuple, an assistant's tool call without content."""
+    import numpy as np
+
+    [by_range] = llm.generate({"prompt_token_ids": range(5, 9)}, SamplingParams(max_tokens=2))
+    assert by_range.prompt_token_ids == [5, 6, 7, 8]
+    outs = llm.generate(["a", "b"], SamplingParams(max_tokens=1),
+                        priority=[np.int64(1), np.int64(0)])
+    assert len(outs) == 2
+    [chat] = llm.chat(({"role": "user", "content": "hi"},), SamplingParams(max_tokens=1))
+    assert len(chat.outputs[0].token_ids) == 1
+
+
+def test_an_interrupt_inside_add_request_leaves_nothing_queued(tiny_llama_dir, make_llm,
+                                                                monkeypatch):
+    # The engine had queued the second request when the interrupt came: it was not in the
+    # abort list, ran on, and the next generate failed on its unknown id (KeyError).
+    llm = make_llm(tiny_llama_dir, num_blocks=16)
+    add = llm.llm_engine.add_request
+    calls = []
+
+    def add_then_interrupted(*args, **kwargs):
+        add(*args, **kwargs)
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.llm_engine, "add_request", add_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2))
+    monkeypatch.setattr(llm.llm_engine, "add_request", add)
+    assert not llm.llm_engine.has_unfinished_requests()
+    [out] = llm.generate("Hello", SamplingParams(max_tokens=2))
+    assert len(out.outputs[0].token_ids) == 2
+
+
+def test_ctrl_c_as_the_last_step_ends_is_not_lost(tiny_llama_dir, make_llm, monkeypatch):
+    # It came in after the last between-steps check: the deferred interrupt was dropped and
+    # generate returned as if nobody had pressed it.
+    llm = make_llm(tiny_llama_dir, num_blocks=16)
+    engine = llm.llm_engine
+    unfinished = engine.has_unfinished_requests
+
+    def unfinished_then_interrupted():
+        left = unfinished()
+        if not left:
+            os.kill(os.getpid(), signal.SIGINT)
+        return left
+
+    monkeypatch.setattr(engine, "has_unfinished_requests", unfinished_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate("Hello", SamplingParams(max_tokens=2))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -6,6 +6,7 @@ it as Redis refusing clients), even when Redis answered them in time. Real Redis
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 from grpc_health.v1.health import aio as health_aio
@@ -37,3 +38,43 @@ def test_an_outage_noticed_leaves_calls_in_flight_to_finish(redis_server):
         await pusher.aclose()
 
     asyncio.run(body())
+
+
+def test_calls_that_do_not_reach_redis_do_not_end_the_outage(test_certs):
+    """Redis down: a Lookup of an empty chain succeeds without Redis. It made the index take
+    Redis for back (health SERVING, 'redis reachable' logged) until the next probe, once per
+    such call; now it only brings the next probe forward, which finds Redis still down."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from prefix_index.tools.launch import IndexProcess
+    from prefix_index.tools.redis_process import RedisProcess
+    from trust.identity import INDEX_ROLE, ROUTER_ROLE
+
+    redis = RedisProcess().start()
+    try:
+        with IndexProcess(redis.url, ["--log-level", "WARNING", "--probe-interval-s", "0.3"],
+                          tls=test_certs.files("index")) as index:
+            redis.kill()
+            with test_certs.channel(index.target, peer_role=INDEX_ROLE) as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+
+                def status() -> int:
+                    return health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+                deadline = time.monotonic() + 10
+                while status() != health_pb2.HealthCheckResponse.NOT_SERVING:
+                    assert time.monotonic() < deadline, "the outage was not noticed"
+                    time.sleep(0.05)
+
+                async def lookups() -> list[int]:
+                    seen = []
+                    async with test_certs.index_client(index.target, 5.0, ROUTER_ROLE) as client:
+                        for _ in range(4):
+                            assert await client.lookup([]) == []
+                            seen.append(status())
+                    return seen
+
+                seen = asyncio.run(lookups())
+            assert set(seen) == {health_pb2.HealthCheckResponse.NOT_SERVING}, seen
+    finally:
+        redis.kill()

@@ -59,3 +59,28 @@ async def _send(target, test_certs, engine_id, epoch):
     async with test_certs.index_client(target, 5.0, ENGINE_ROLE) as client:
         client.attach(engine_id, epoch)
         return await _ops_until_refused(client, 10 * BUCKET_OPS)
+
+
+def test_a_re_registration_through_another_index_resizes_the_bucket(redis_server, test_certs,
+                                                                    engine_id):
+    """Two index processes on one Redis: the engine sends an Apply through A, re-registers
+    through B with a pool 16x larger, then sends its Applies through A again. A sizes the
+    bucket for the new registration (its epoch), not the one it had sized first (it throttled
+    the new pool's re-sync at the old pool's 12 ops)."""
+    files = test_certs.files("index")
+    big = 16 * NUM_BLOCKS
+    with IndexProcess(redis_server.url, ARGS, tls=files) as a, \
+            IndexProcess(redis_server.url, ARGS, tls=files) as b:
+        async def body():
+            async with test_certs.index_client(b.target, 5.0, ENGINE_ROLE) as via_b, \
+                    test_certs.index_client(a.target, 5.0, ENGINE_ROLE) as via_a:
+                first = await via_b.register(engine_id, "m", 16, NUM_BLOCKS, 60)
+                via_a.attach(engine_id, first)
+                await via_a.apply([Evict(0)])
+                second = await via_b.register(engine_id, "m", 16, big, 60)
+                via_a.attach(engine_id, second)
+                return await _ops_until_refused(via_a, 10 * big)
+
+        sent, refusal = asyncio.run(body())
+    assert sent == 2 * big + MAX_OPS, sent
+    assert refusal is not None and f"{2 * big + MAX_OPS:g} ops" in refusal.details, refusal

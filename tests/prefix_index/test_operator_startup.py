@@ -75,6 +75,9 @@ def test_the_limits_flags_still_take_good_values():
     # A '#' or '/' left unescaped in a password: the parser's own error quoted its pieces.
     (f"redis://:ab#{PASSWORD}@127.0.0.1:6379/0", "it has a '#'"),
     (f"redis://:ab#cd{PASSWORD}:x@127.0.0.1:6379/0", "it has a '#'"),
+    (f"redis://:ab/{PASSWORD}@127.0.0.1:6379/0", "its host is empty (an unescaped '/'"),
+    # (A digit to Python, not to redis-py, which took database 0.)
+    (f"redis://:{PASSWORD}@127.0.0.1:6379/\u00b2", "its path is not a database number"),
 ])
 def test_a_bad_redis_url_is_refused_without_a_traceback_or_its_password(url, reason,
                                                                         test_certs):
@@ -91,6 +94,16 @@ def test_a_bad_redis_url_is_refused_without_a_traceback_or_its_password(url, rea
     assert "expected redis://" in done.stderr
     assert PASSWORD not in done.stderr + done.stdout
     assert "ab#" not in done.stderr + done.stdout
+
+
+def test_urls_redis_py_reads_as_meant_are_taken_and_shown_without_secrets():
+    from prefix_index.server.redis_url import redacted_url, url_problem
+
+    for url in ("redis://", "redis:///0", "redis://localhost", "redis://u@h",
+                "redis://[::1]:6379/0", "unix:///tmp/r.sock?db=1", "rediss://h:6380/0"):
+        assert url_problem(url) is None, url  # (no host: redis-py's localhost:6379)
+    assert (redacted_url(f"unix:///tmp/r.sock?db=2&password={PASSWORD}")
+            == "unix:///tmp/r.sock?db=2&password=***")
 
 
 def _wait_for_line(path, text: str, timeout_s: float = 60.0) -> str:
