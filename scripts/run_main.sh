@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec python3 -m engine_service.tools.stack "$@"
+# The interpreter setup.sh installed into ($PYTHON, as there), not whichever python3 is first.
+exec "${PYTHON:-python3}" -m engine_service.tools.stack "$@"

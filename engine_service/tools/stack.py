@@ -1,7 +1,10 @@
-"""pagedgen-stack: the whole stack on this machine, no Docker: Redis, the prefix index and the
-engine on the default model, each a real process on a free loopback port (the OpenAI-compatible
-HTTP API on port 8000); then one chat prompt streamed through the generated gRPC stubs, printed
-as the deltas arrive; then a clean shutdown.
+"""pagedgen-stack: the whole stack on this machine, no Docker.
+
+Redis, the prefix index and the engine on the default model, each a real process on a free
+loopback port (the OpenAI-compatible HTTP API on port 8000); then one chat prompt streamed
+through the generated gRPC stubs, printed as the deltas arrive; then a clean shutdown: the
+router, the engines (drained), the index, then Redis. SIGTERM to the stack at any point stops
+what it started in that order; a terminal's Ctrl-C reaches every service at once, and each stops.
 
     pagedgen-stack [--prompt TEXT] [--max-tokens N] [--keep-running]
     pagedgen-stack --replicas 3    # three engines behind pagedgen-router; streamed through it
@@ -9,6 +12,8 @@ as the deltas arrive; then a clean shutdown.
 Secure by default: a development CA and a certificate per service (trust/certs.py) under the log
 folder's certs/; the index and the engines talk mutual TLS, the front door serves TLS, and the
 stack prints the CA file clients verify it with. --insecure runs everything in plain text.
+Without --log-dir, all of it (keys included) lives in a temporary folder removed on exit; a
+failed run keeps its logs there, its keys and certificates removed.
 
 The front door takes API keys: a key file of the stack's own (one tenant allowed everything,
 its key printed) unless --api-key-file names yours (then --api-key is the one the stack's own
@@ -19,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import secrets
+import shutil
 import signal
+import socket
 import sys
 import tempfile
-import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -36,7 +43,7 @@ from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.launch import IndexProcess
-from prefix_index.tools.redis_process import RedisProcess, free_port
+from prefix_index.tools.redis_process import RedisProcess, find_redis_server, free_port
 from router.tools.launch import RouterProcess
 from tenancy.client import with_api_key
 from tenancy.keys_tool import add_key
@@ -46,10 +53,32 @@ from trust.credentials import TlsFiles, end_client_channel
 log = logging.getLogger("engine_service.tools.stack")
 DEFAULT_HTTP_PORT = 8000  # vLLM's: OpenAI clients and examples expect it
 DEFAULT_PROMPT = "What is a KV cache in a language model? Answer in two sentences."
+FAILED = 1  # a service failed: a temporary log folder keeps its logs
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM: raised in the main thread so that run() unwinds, stopping what it
+    started (a signal's default action would leave every child running, orphaned)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame) -> None:
+    raise Stopped(signum)
+
+
+def _note_second_signal(signum: int, _frame) -> None:
+    # Raised here, it would cut a child's drain short and leave that child running.
+    print(f"{signal.Signals(signum).name}: already stopping, waiting for the services to exit",
+          file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pagedgen-stack", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="pagedgen-stack", description=__doc__.split("\n\n")[0],
+                                epilog="Ctrl-C or SIGTERM stops every service it started, "
+                                       "at any point.")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message to complete")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -68,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep-running", action="store_true",
                    help="after the completion, serve until Ctrl-C / SIGTERM")
     p.add_argument("--log-dir", type=Path, default=None,
-                   help="where the engine's log goes (default: a temporary folder)")
+                   help="where the logs, certificates and keys go (default: a temporary folder, "
+                        "removed on exit; a failed run keeps its logs there)")
     p.add_argument("--api-key-file", type=Path, default=None,
                    help="the front door's keys and tenants (pagedgen-keys add); default: a "
                         "file of one new key, printed, in the log folder")
@@ -87,10 +117,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not 1 <= args.replicas <= 16:
         p.error(f"--replicas must be in 1..16, got {args.replicas}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        p.error(f"--temperature must be a finite number >= 0 (0 = greedy), got "
+                f"{args.temperature}")
     if not -1 <= args.http_port <= 65535:
         p.error(f"--http-port must be in [-1, 65535] (0 = a free port, -1 = off), got "
                 f"{args.http_port}")
+    for flag, port in (("--engine-port", args.engine_port), ("--index-port", args.index_port)):
+        if not 0 <= port <= 65535:
+            p.error(f"{flag} must be in [0, 65535] (0 = a free port), got {port}")
+    if args.metrics_port and not 1 <= args.metrics_port <= 65536 - args.replicas:
+        p.error(f"--metrics-port must be in [1, {65536 - args.replicas}] (engine i serves on "
+                f"it + i; 0 = off), got {args.metrics_port}")
+    if args.model is not None and not Path(args.model).exists():
+        p.error(f"--model must be a local HF directory or GGUF file; {args.model!r} does not "
+                f"exist (leave it out for the default model)")
+    check_ports_free(p, args)
     return args
+
+
+def _in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def check_ports_free(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Each port asked for by number is free now, else exit 2 naming its flag before anything
+    starts (a taken one failed a service's start, its log naming no flag of ours). The default
+    --http-port 8000 is the one a second stack on this machine finds taken."""
+    asked = [("--engine-port", args.engine_port, "0 = a free port"),
+             ("--index-port", args.index_port, "0 = a free port"),
+             ("--http-port", args.http_port, "0 = a free port, -1 = off")]
+    if args.metrics_port:
+        asked += [("--metrics-port", args.metrics_port + i, "0 = off")
+                  for i in range(args.replicas)]
+    for flag, port, allowed in asked:
+        if port > 0 and _in_use(port):
+            p.error(f"{flag} {port}: 127.0.0.1:{port} is in use (another pagedgen-stack?); "
+                    f"give a free port ({allowed})")
 
 
 def replica_threads(device: str, replicas: int, environ) -> list[str]:
@@ -160,20 +228,60 @@ def print_how_to_connect(target: str, certs: Path | None, api_key: str) -> None:
 
 
 def wait_for_signal() -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    """Until SIGINT / SIGTERM: run() has them raise Stopped, which ends this."""
+    while True:
+        # Not signal.pause(): a signal landing just before it would be handled only at the
+        # next one. A sleep is cut short by the signal, or ends and runs the handler.
+        time.sleep(0.5)
+
+
+def _remove_temporary(log_dir: Path, keep_logs: bool) -> None:
+    """The temporary log folder goes on exit: it holds the CA's and services' private keys, the
+    API keys and the tenant secret. A failed run keeps the logs (its message points at them)."""
+    if not keep_logs:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        return
+    shutil.rmtree(log_dir / "certs", ignore_errors=True)
+    for name in ("api-keys.toml", "tenant-secret"):
+        (log_dir / name).unlink(missing_ok=True)
+    print(f"logs kept in {log_dir} (its keys and certificates removed)", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Start, stream, (serve,) stop; the exit code. SIGINT / SIGTERM stop every service, newest
+    first, at any point (before the completion: 128 + the signal's number)."""
+    try:  # before anything starts or is written: none found is a set-up problem
+        redis_binary = find_redis_server()
+    except FileNotFoundError as error:
+        raise RuntimeError(f"{error} (bash scripts/setup.sh installs one)") from None
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT,
+                                                                      signal.SIGTERM)}
+    temporary = args.log_dir is None
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pagedgen-stack-"))
+    code = FAILED
+    try:
+        code = _run(args, log_dir, redis_binary)
+    except Stopped as stopped:
+        print(f"\nstopped by {stopped} before the stack was done; every service stopped",
+              file=sys.stderr, flush=True)
+        code = 128 + stopped.signum
+    finally:
+        for sig in previous:
+            signal.signal(sig, _note_second_signal)
+        if temporary:
+            _remove_temporary(log_dir, keep_logs=code == FAILED and any(log_dir.glob("*.log")))
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code
+
+
+def _run(args: argparse.Namespace, log_dir: Path, redis_binary: str) -> int:
     model = args.model
     if model is None:
         from engine_service.tools.prepare_model import ensure_default_model
 
         print("preparing the default model (converted once, then cached) ...", flush=True)
         model = str(ensure_default_model(quiet=False))
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pagedgen-stack-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     key_file, api_key = args.api_key_file, args.api_key
     if key_file is None:
@@ -206,12 +314,16 @@ def run(args: argparse.Namespace) -> int:
     ca = None if certs is None else ensure_ca(certs).cert.read_bytes()
     started = time.monotonic()
     with ExitStack() as stack:
-        redis = stack.enter_context(RedisProcess())
+        # Each stop is registered before its start: a signal during a start still stops it.
+        redis = RedisProcess(binary=redis_binary)
+        stack.callback(redis.stop)
+        redis.start()
         print(f"redis         {redis.url}", flush=True)
         index = IndexProcess(redis.url, ["--log-level", "WARNING", *plain],
                              port=args.index_port or None,
                              tls=tls_files("index"))
-        stack.enter_context(index)
+        stack.push(index)
+        index.start()
         print(f"prefix index  {index.target}", flush=True)
         engines = []
         http_port = None if args.http_port < 0 else (args.http_port or free_port())
@@ -229,7 +341,8 @@ def run(args: argparse.Namespace) -> int:
             log_path = log_dir / f"engine-{i}.log"
             engine = EngineProcess(model, engine_args, port=port, log_path=log_path,
                                    tls=tls_files("engine", engine_ids[i]))
-            stack.enter_context(engine)
+            stack.push(engine)
+            engine.start()
             engines.append(engine)
             print(f"engine        {engine.target}  (model {model}, log {log_path})", flush=True)
         target = engines[0].target
@@ -239,7 +352,8 @@ def run(args: argparse.Namespace) -> int:
                                     *http_args, *tenancy_args, *door_args, *plain],
                                    port=args.engine_port or None,
                                    log_path=log_dir / "router.log", tls=tls_files("router"))
-            stack.enter_context(router)
+            stack.push(router)
+            router.start()
             _wait_for_replicas(router.target, args.replicas, api_key, ca)
             target = router.target
             print(f"router        {target}  (kv-aware over {args.replicas} engines, log "
@@ -258,10 +372,15 @@ def run(args: argparse.Namespace) -> int:
                                   api_key=api_key, ca=ca)
         print(f"\n[usage: {usage.prompt_tokens} prompt tokens ({usage.cached_tokens} cached), "
               f"{usage.completion_tokens} completion tokens]", flush=True)
-        if args.keep_running:
-            http = "" if http_port is None else f" and {scheme}://127.0.0.1:{http_port}"
-            print(f"serving on {target}{http}; Ctrl-C to stop", flush=True)
-            wait_for_signal()
+        try:  # the completion is done: a signal from here on is the ordinary way to stop
+            if args.keep_running:
+                http = "" if http_port is None else f" and {scheme}://127.0.0.1:{http_port}"
+                print(f"serving on {target}{http}; Ctrl-C to stop", flush=True)
+                wait_for_signal()
+        except Stopped:
+            pass
+        for sig in (signal.SIGINT, signal.SIGTERM):  # from here on, nothing cuts a drain short
+            signal.signal(sig, _note_second_signal)
         print("shutting down ...", flush=True)
         # ExitStack stops the rest in reverse: the router, the engines (each drained), the
         # index, then Redis.
@@ -272,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
             if code != 0:
                 print(f"engine {i} exited with {code}; see {log_dir / f'engine-{i}.log'}",
                       file=sys.stderr)
-                return 1
+                return FAILED
     print("stopped cleanly", flush=True)
     return 0
 
@@ -284,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run(args))
     except (RuntimeError, TimeoutError, grpc.RpcError) as error:
         print(f"pagedgen-stack failed: {error}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(FAILED)
 
 
 if __name__ == "__main__":
