@@ -29,7 +29,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -43,7 +42,12 @@ from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.launch import IndexProcess
-from prefix_index.tools.redis_process import RedisProcess, find_redis_server, free_port
+from prefix_index.tools.redis_process import (
+    RedisProcess,
+    find_redis_server,
+    free_port,
+    is_free,
+)
 from router.tools.launch import RouterProcess
 from tenancy.client import with_api_key
 from tenancy.keys_tool import add_key
@@ -136,15 +140,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _in_use(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
 def check_ports_free(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Each port asked for by number is free now, else exit 2 naming its flag before anything
     starts (a taken one failed a service's start, its log naming no flag of ours). The default
@@ -156,7 +151,7 @@ def check_ports_free(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         asked += [("--metrics-port", args.metrics_port + i, "0 = off")
                   for i in range(args.replicas)]
     for flag, port, allowed in asked:
-        if port > 0 and _in_use(port):
+        if port > 0 and not is_free("127.0.0.1", port):
             p.error(f"{flag} {port}: 127.0.0.1:{port} is in use (another pagedgen-stack?); "
                     f"give a free port ({allowed})")
 

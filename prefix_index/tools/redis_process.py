@@ -48,7 +48,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _is_free(host: str, port: int) -> bool:
+def is_free(host: str, port: int) -> bool:
+    """Whether `port` on `host` can be bound now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((host, port))
@@ -61,7 +62,7 @@ def free_cluster_port(host: str = "127.0.0.1") -> int:
     """A free port whose cluster bus port (port + 10000) is free and valid too."""
     for _ in range(200):
         port = free_port(host)
-        if port + 10000 <= 65535 and _is_free(host, port + 10000):
+        if port + 10000 <= 65535 and is_free(host, port + 10000):
             return port
     raise OSError("no free port with a free cluster bus port (port + 10000)")
 

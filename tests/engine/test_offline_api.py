@@ -170,29 +170,6 @@ def test_generate_leaves_no_thread_behind(tiny_llama_dir):
     assert done.stdout.strip().splitlines()[-1] == "['MainThread']"
 
 
-def test_a_failure_while_adding_the_batch_leaves_no_request_behind(tiny_llama_dir, make_llm,
-                                                                   monkeypatch):
-    # Before: the requests added before the failure stayed queued, and the next generate
-    # stepped them too and failed on their unknown request ids (KeyError).
-    llm = make_llm(tiny_llama_dir, num_blocks=16)
-    add = llm.llm_engine.add_request
-    calls = []
-
-    def add_then_interrupt(*args, **kwargs):
-        calls.append(args[0])
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        add(*args, **kwargs)
-
-    monkeypatch.setattr(llm.llm_engine, "add_request", add_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2))
-    monkeypatch.setattr(llm.llm_engine, "add_request", add)
-    assert not llm.llm_engine.has_unfinished_requests()
-    [out] = llm.generate("Hello", SamplingParams(max_tokens=2))
-    assert len(out.outputs[0].token_ids) == 2
-
-
 def test_inputs_a_vllm_user_passes_are_taken(llm):
     """What the type checks must not refuse (they did): token ids as a range, numpy integer
     priorities, messages as a tuple, an assistant's tool call without content."""
@@ -207,21 +184,26 @@ def test_inputs_a_vllm_user_passes_are_taken(llm):
     assert len(chat.outputs[0].token_ids) == 1
 
 
-def test_an_interrupt_inside_add_request_leaves_nothing_queued(tiny_llama_dir, make_llm,
-                                                                monkeypatch):
-    # The engine had queued the second request when the interrupt came: it was not in the
-    # abort list, ran on, and the next generate failed on its unknown id (KeyError).
+@pytest.mark.parametrize("queued", [False, True], ids=["before-queued", "after-queued"])
+def test_an_interrupt_while_adding_the_batch_leaves_no_request_behind(tiny_llama_dir, make_llm,
+                                                                      monkeypatch, queued):
+    """Ctrl-C (or any failure) inside add_request of the second prompt, before or after the
+    engine queued it. The requests added stayed queued (and with `queued`, the one being
+    added): the next generate stepped them too and failed on their ids (KeyError)."""
     llm = make_llm(tiny_llama_dir, num_blocks=16)
     add = llm.llm_engine.add_request
     calls = []
 
-    def add_then_interrupted(*args, **kwargs):
-        add(*args, **kwargs)
+    def add_interrupted(*args, **kwargs):
         calls.append(args[0])
+        if queued:
+            add(*args, **kwargs)
         if len(calls) == 2:
             raise KeyboardInterrupt
+        if not queued:
+            add(*args, **kwargs)
 
-    monkeypatch.setattr(llm.llm_engine, "add_request", add_then_interrupted)
+    monkeypatch.setattr(llm.llm_engine, "add_request", add_interrupted)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2))
     monkeypatch.setattr(llm.llm_engine, "add_request", add)
