@@ -123,15 +123,18 @@ class RoutedRequest:
         had not admitted the request yet): the upstream call is cancelled, which the replica
         sees as the client going away, and the client gets the ABORT ending."""
         self.aborted = True
-        if self._call is not None:
-            self._ended_here = True
-            self._call.cancel()
+        self._cancel_upstream()
 
     def cut(self, reason: str) -> None:
         """Ends the request at the router with UNAVAILABLE and `reason` (its drain ran out of
         time): the upstream call is cancelled, which frees the request's blocks on its
         replica, and the client is told why rather than grpc.aio's "Cancelling all calls"."""
         self.cut_reason = reason
+        self._cancel_upstream()
+
+    def _cancel_upstream(self) -> None:
+        """The replica's call cancelled by the router (its failure then means that, not the
+        replica's fault); nothing when no call runs now."""
         if self._call is not None:
             self._ended_here = True
             self._call.cancel()
