@@ -76,6 +76,7 @@ class Progress:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)  # its text deltas
     finished: bool = False
+    cumulative_logprob: float | None = None  # the latest the client received
 
 
 def _too_large(error: grpc.aio.AioRpcError) -> bool:
@@ -109,6 +110,8 @@ class RoutedRequest:
         self.progress: dict[int, Progress] = {}
         self.first_usage: pb.Usage | None = None  # from the first replica that answered
         self.resumed_at = 0  # tokens generated before the latest switch of replica
+        # Their logprob sum: a resumed replica's cumulative_logprob counts only its own tokens.
+        self.resumed_logprob = 0.0
         self.resumed_text: ResumedText | None = None  # the text, from the first switch on
         self.served_by: list[str] = []  # replicas that ran it, in order (trailing metadata)
         self.routed_by: list[str] = []  # the policy that chose each of them (trailing metadata)
@@ -394,6 +397,9 @@ class RoutedRequest:
         prompt and every token generated."""
         for choice in message.choices:
             progress = self.progress.setdefault(choice.index, Progress())
+            if choice.HasField("cumulative_logprob"):
+                choice.cumulative_logprob += self.resumed_logprob
+                progress.cumulative_logprob = choice.cumulative_logprob
             progress.token_ids.extend(choice.token_ids)
             progress.text.append(choice.text)
             if choice.finish_reason:
@@ -425,6 +431,8 @@ class RoutedRequest:
             if kept is None:
                 continue
             message.usage.completion_tokens -= len(choice.token_ids) - kept
+            if choice.HasField("cumulative_logprob"):
+                choice.cumulative_logprob -= sum(lp.logprob for lp in choice.logprobs[kept:])
             del choice.token_ids[kept:]
             del choice.logprobs[kept:]
             choice.finish_reason = pb.FINISH_REASON_STOP
@@ -455,6 +463,7 @@ class RoutedRequest:
         resume.sampling.max_tokens = max_tokens - generated
         resume.sampling.min_tokens = max(0, sampling.min_tokens - generated)
         self.resumed_at = generated
+        self.resumed_logprob = progress.cumulative_logprob or 0.0
         return resume
 
     def _length_message(self, request_id: str, generated: int, progress: Progress

@@ -149,6 +149,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
                     which = delta.WhichOneof("stop_reason")
                     if which is not None:
                         setattr(gathered, which, getattr(delta, which))
+                    if delta.HasField("cumulative_logprob"):  # the latest says all so far
+                        gathered.cumulative_logprob = delta.cumulative_logprob
         if last is None or not last.finished:
             await context.abort(grpc.StatusCode.INTERNAL,
                                 "the replica's stream ended without its last message")

@@ -452,6 +452,7 @@ class LLMEngine:
             seq.token_ids.append(token)
             if seq.logprobs is not None:
                 seq.logprobs.append(logprob)
+                seq.cumulative_logprob += logprob.logprob
             detokenizer = seq.detokenizer
             matched_stop = False
             if detokenizer is not None and not seq.text_deferred:
@@ -629,6 +630,7 @@ class LLMEngine:
                 text_delta="".join(seq.unstreamed_text),
                 token_ids_delta=new,
                 logprobs_delta=lp_delta,
+                cumulative_logprob=seq.cumulative_logprob if lp_delta is not None else None,
                 num_tokens=num_tokens,
             )
             seq.num_streamed_tokens = num_tokens

@@ -26,8 +26,9 @@ class CompletionOutput:
     text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
     logprobs_delta: list | None = None
-    # Beam search: the sum of the beam's token logprobs (what beams are ranked by, before the
-    # length penalty). None for sampled completions.
+    # The sum of the output tokens' logprobs so far: for beam search what beams are ranked by
+    # (before the length penalty); for sampled completions only when logprobs are asked (as
+    # vLLM), else None.
     cumulative_logprob: float | None = None
     num_tokens: int = 0  # output tokens so far, this output's delta included
 

@@ -74,6 +74,8 @@ class Sequence:
     generator: torch.Generator | None = None
     detokenizer: object | None = None
     logprobs: list | None = None
+    # The sum of the sampled tokens' logprobs, kept as they come (when logprobs are asked).
+    cumulative_logprob: float = 0.0
     # Output tokens already handed to the caller, and the text the detokenizer released since
     # the last output, in pieces (streaming deltas: nothing is re-read from the start).
     num_streamed_tokens: int = 0

@@ -21,12 +21,15 @@ FinishSequence = Callable[[int, str], None]
 
 
 class _SequenceText:
-    __slots__ = ("detokenizer", "num_kept", "stop")
+    __slots__ = ("cumulative_logprob", "detokenizer", "num_kept", "stop")
 
     def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
         self.detokenizer = detokenizer
         self.num_kept = 0  # output tokens passed on (those up to a matched stop string)
         self.stop: str | None = None  # the stop string that finished it here
+        # The kept tokens' logprob sum once a stop string finished it here: the core's goes
+        # on over the tokens cut (one more step may run before it hears of the stop).
+        self.cumulative_logprob: float | None = None
 
 
 class RequestText:
@@ -67,6 +70,7 @@ class RequestText:
             completion.token_ids_delta, completion.text_delta = [], ""
             if completion.logprobs_delta is not None:
                 completion.logprobs_delta = []
+            completion.cumulative_logprob = sequence.cumulative_logprob
         else:
             text: list[str] = []
             kept = 0
@@ -80,7 +84,12 @@ class RequestText:
             if kept < len(completion.token_ids_delta):
                 completion.token_ids_delta = completion.token_ids_delta[:kept]
                 if completion.logprobs_delta is not None:
+                    cut = completion.logprobs_delta[kept:]
                     completion.logprobs_delta = completion.logprobs_delta[:kept]
+                    if completion.cumulative_logprob is not None:
+                        completion.cumulative_logprob -= sum(lp.logprob for lp in cut)
+            if sequence.stop is not None:
+                sequence.cumulative_logprob = completion.cumulative_logprob
             sequence.num_kept += kept
             if sequence.stop is None and completion.finish_reason is not None:
                 text.append(detokenizer.finish())  # EOS, length or abort: release the tail

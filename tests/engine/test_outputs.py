@@ -119,3 +119,27 @@ def test_gguf_file_loads_and_matches_converted_dir(make_llm, smollm2_dir, smollm
     from_gguf = gguf_llm.generate(prompt, params)[0].outputs[0]
     from_dir = smollm2_llm.generate(prompt, params)[0].outputs[0]
     assert from_gguf.token_ids == from_dir.token_ids and "Paris" in from_gguf.text
+
+
+def test_cumulative_logprob_is_the_sum_of_the_sampled_tokens(make_llm, tiny_llama_dir):
+    """As vLLM: a sampled completion carries it when logprobs are asked, each output the
+    sum so far; without logprobs it is None."""
+    llm = make_llm(tiny_llama_dir, num_blocks=64)
+    params = SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=8, ignore_eos=True,
+                            logprobs=1)
+    [out] = llm.generate({"prompt_token_ids": [41, 42, 43]}, params)
+    for completion in out.outputs:
+        total = sum(entry.logprob for entry in completion.logprobs)
+        assert completion.cumulative_logprob == pytest.approx(total, abs=1e-9)
+        assert completion.cumulative_logprob < 0
+    engine = llm.llm_engine
+    engine.add_request("s", [31, 32, 33], params)
+    streamed = 0.0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            first = output.outputs[0]
+            streamed += sum(entry.logprob for entry in first.logprobs_delta)
+            assert first.cumulative_logprob == pytest.approx(streamed, abs=1e-9)
+    [plain] = llm.generate({"prompt_token_ids": [41, 42, 43]},
+                           SamplingParams(temperature=0.8, seed=5, max_tokens=4))
+    assert plain.outputs[0].cumulative_logprob is None

@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedgen_api import generation_pb2 as pb
@@ -26,10 +27,12 @@ from tests.router.test_routing import PREFIX_BLOCKS, prompt, with_suffix
 MAX_TOKENS = 300
 
 
-def stream_request(ids: list[int], request_id: str) -> pb.GenerateRequest:
+def stream_request(ids: list[int], request_id: str, logprobs: int | None = None
+                   ) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=request_id, token_ids=pb.TokenIds(ids=ids),
-        sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                   logprobs=logprobs))
 
 
 def busy_engine(stack) -> str:
@@ -57,19 +60,26 @@ def test_a_replica_killed_mid_stream_is_invisible_to_the_client(stack, router_st
                                                       timeout=120) for c in m.choices
                 for t in c.token_ids]
     assert len(baseline) == MAX_TOKENS
-    call = router_stub.GenerateStream(stream_request(ids, "survivor"), timeout=120)
+    call = router_stub.GenerateStream(stream_request(ids, "survivor", logprobs=0), timeout=120)
     tokens: list[int] = []
+    logprobs: list[float] = []
     messages = iter(call)
     while len(tokens) < 5:
-        tokens += [t for c in next(messages).choices for t in c.token_ids]
+        message = next(messages)
+        tokens += [t for c in message.choices for t in c.token_ids]
+        logprobs += [lp.logprob for c in message.choices for lp in c.logprobs]
     victim = wait_until(lambda: busy_engine(stack), what="the replica running the stream")
     stack.kill_engine(victim)
     last = None
     for message in messages:
         tokens += [t for c in message.choices for t in c.token_ids]
+        logprobs += [lp.logprob for c in message.choices for lp in c.logprobs]
         last = message
     assert last is not None and last.finished
     assert tokens == baseline
+    # The cumulative logprob goes on from where the failed replica's left off.
+    assert len(logprobs) == MAX_TOKENS
+    assert last.choices[-1].cumulative_logprob == pytest.approx(sum(logprobs), abs=1e-6)
     assert last.choices[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert last.usage.prompt_tokens == len(ids)
     assert last.usage.completion_tokens == MAX_TOKENS

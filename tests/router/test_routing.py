@@ -232,3 +232,21 @@ def test_forwarded_calls(stack, router_stub):
     pinned = router_stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=prompt(1))),
                                    timeout=10)
     assert pinned.num_blocks == PREFIX_BLOCKS
+
+
+def test_cumulative_logprobs_reach_the_client_whole(router_stub):
+    """The router's Generate gathers a stream: a beam's cumulative logprob and a sampled
+    completion's (logprobs asked) reach the client as the stream's last message said them."""
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt(3)), sampling=pb.SamplingParams(
+        beam_width=2, n=2, max_tokens=4, ignore_eos=True))
+    beams = router_stub.Generate(request, timeout=60).completions
+    assert len(beams) == 2 and all(c.HasField("cumulative_logprob") for c in beams)
+    assert beams[0].cumulative_logprob != 0
+    request.sampling.Clear()
+    request.sampling.MergeFrom(pb.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                 logprobs=1))
+    [sampled] = router_stub.Generate(request, timeout=60).completions
+    assert sampled.cumulative_logprob == pytest.approx(
+        sum(lp.logprob for lp in sampled.logprobs), abs=1e-6)
+    streamed = [c for m in router_stub.GenerateStream(request, timeout=60) for c in m.choices]
+    assert streamed[-1].cumulative_logprob == pytest.approx(sampled.cumulative_logprob, abs=1e-5)

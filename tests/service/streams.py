@@ -16,6 +16,9 @@ class Assembled:
     finish_reason: int = pb.FINISH_REASON_UNSPECIFIED
     stop_reason: str | int | None = None
     num_finish_messages: int = 0
+    # The latest sent: a sum of floats, whose last bits depend on how the front merged the
+    # core's outputs; compared with approx, not by ==.
+    cumulative_logprob: float | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -45,6 +48,8 @@ def assemble(messages: Iterable[pb.GenerateStreamResponse]) -> AssembledRequest:
             acc.text += choice.text
             acc.token_ids += list(choice.token_ids)
             acc.logprobs += list(choice.logprobs)
+            if choice.HasField("cumulative_logprob"):
+                acc.cumulative_logprob = choice.cumulative_logprob
             if choice.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 acc.finish_reason = choice.finish_reason
                 acc.stop_reason = stop_reason_of(choice)
@@ -56,6 +61,7 @@ def assemble(messages: Iterable[pb.GenerateStreamResponse]) -> AssembledRequest:
 def from_unary(reply: pb.GenerateResponse) -> dict[int, Assembled]:
     return {
         c.index: Assembled(c.text, list(c.token_ids), list(c.logprobs), c.finish_reason,
-                           stop_reason_of(c), 1)
+                           stop_reason_of(c), 1,
+                           c.cumulative_logprob if c.HasField("cumulative_logprob") else None)
         for c in reply.completions
     }

@@ -56,5 +56,49 @@ def test_front_text_equals_the_engines(stub, offline_llm, name):
             assert got.stop_reason == expected.stop_reason
         if options.get("logprobs"):
             assert [lp.token_id for lp in got.logprobs] == list(got.token_ids)
+            # Of the tokens sent, not of those the core made past a stop string the front cut.
+            total = sum(lp.logprob for lp in got.logprobs)
+            assert got.cumulative_logprob == pytest.approx(total, abs=1e-9)
+            assert streamed.completions[expected.index].cumulative_logprob == pytest.approx(
+                expected.cumulative_logprob, abs=1e-6)
+        else:
+            assert got.cumulative_logprob is None
     # The case is about stop strings: at least one completion ended on one.
     assert stopped >= 1, [(c.finish_reason, c.text) for c in reference.outputs]
+
+
+def test_cumulative_logprob_counts_only_the_tokens_kept(offline_llm):
+    """A stop string matched in the front cuts the tokens after it, and the core may run one
+    more step before it hears: the cumulative logprob sent is of the tokens kept alone."""
+    from engine_service.core.outputs import CompletionOutput, RequestOutput
+    from engine_service.model.token_logprobs import TokenLogprobs
+    from engine_service.serving.output_text import RequestText
+
+    tokenizer = offline_llm.get_tokenizer()
+    ids = tokenizer.encode(" one two three four five", add_special_tokens=False)
+    words = [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
+    stop_at = next(i for i, text in enumerate(words) if text.endswith("three"))
+    params = SamplingParams(stop=[" three"], logprobs=0)
+    finished = []
+    text = RequestText(tokenizer, [1], params, lambda index, stop: finished.append(stop))
+
+    def core_output(token_ids: list[int], before: float) -> RequestOutput:
+        """What the core sends: its cumulative over every token it made."""
+        logprobs = [TokenLogprobs(t, -1.0 - t % 7, {}) for t in token_ids]
+        cumulative = before + sum(lp.logprob for lp in logprobs)
+        completion = CompletionOutput(0, token_ids_delta=list(token_ids),
+                                      logprobs_delta=logprobs, cumulative_logprob=cumulative,
+                                      num_tokens=len(token_ids))
+        return RequestOutput("r", None, [1], [completion], finished=False)
+
+    first = core_output(ids[: stop_at + 2], 0.0)  # one token past the stop string
+    made = first.outputs[0].cumulative_logprob
+    text.apply(first)
+    sent = first.outputs[0]
+    assert finished == [" three"] and sent.token_ids_delta == ids[: stop_at + 1]
+    assert sent.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in sent.logprobs_delta))
+    assert sent.cumulative_logprob > made  # the cut token's logprob (negative) is out
+    late = core_output(ids[stop_at + 2:], made)  # the step the core ran before it heard
+    text.apply(late)
+    assert late.outputs[0].token_ids_delta == []
+    assert late.outputs[0].cumulative_logprob == sent.cumulative_logprob
