@@ -11,6 +11,7 @@ checked; after it the contexts differ) each side's token is in the other's top 5
 """
 
 import os
+import pickle
 import signal
 import time
 
@@ -261,3 +262,24 @@ def test_a_killed_rank_0_takes_its_workers_with_it(tiny_llama_dir):
         proc.kill()
         proc.wait()
     assert all(wait_gone(pid) for pid in workers), "a worker outlived rank 0"
+
+
+def test_a_call_that_does_not_pickle_fails_alone(tiny_llama_dir):
+    """Nothing went out: the group is not broken, the next call is served (it was refused as
+    'broken' for the engine's life), and block moves recorded before it still reach the
+    workers."""
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=64,
+              tensor_parallel_timeout_s=30, device=DEVICE)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        before = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids
+        runner = llm.llm_engine.runner
+        pending = runner._pending_moves = [object()]  # as if a copy-on-write waited to go
+        with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+            runner.run_batch(lambda: None)  # a local function does not pickle
+        assert runner._pending_moves is pending
+        runner._pending_moves = []
+        after = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids
+        assert after == before
+    finally:
+        llm.close()

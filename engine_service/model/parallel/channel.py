@@ -52,9 +52,23 @@ class StepChannel:
     def _broadcast(self, tensor: torch.Tensor) -> None:
         self.group.broadcast_step(tensor)
 
-    def send(self, message: object) -> None:
+    def pack(self, message: object) -> bytes:
+        """The message as `send_packed` sends it. Nothing is sent: a message that does not
+        pickle, or that its receivers would refuse for its size, fails here and leaves the
+        workers waiting for the next one as before."""
         start = time.perf_counter()
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self.pickle_s += time.perf_counter() - start
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise TensorParallelError(f"tensor-parallel step message of {len(data)} bytes not "
+                                      f"sent: its receivers take at most {MAX_MESSAGE_BYTES}")
+        return data
+
+    def send(self, message: object) -> None:
+        self.send_packed(self.pack(message))
+
+    def send_packed(self, data: bytes) -> None:
+        start = time.perf_counter()
         digest = tag(self._key, _label(self.sequence), data)
         pickled = time.perf_counter()
         view = self._buffer.numpy()

@@ -160,10 +160,12 @@ class TensorParallelRunner:
                 f"the tensor-parallel group is {'closed' if self.workers.stopped else 'broken'}"
                 f" (an earlier call failed, or close() ran): {method} cannot run; start a new "
                 f"engine")
-        call = Call(method, args, self._pending_moves)
+        # Packed before anything goes out: a call that cannot be sent (it does not pickle, or
+        # is too large) fails alone, the group as it was and the moves still pending.
+        data = self.channel.pack(Call(method, args, self._pending_moves))
         self._pending_moves = []
         try:
-            self.channel.send(call)
+            self.channel.send_packed(data)
             return local()
         except RuntimeError as error:  # gloo / NCCL: a closed connection, a timeout
             self._failed = True
