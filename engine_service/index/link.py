@@ -427,11 +427,12 @@ class PrefixIndexLink:
         """One Apply with the next sequence number. A timeout or an unreachable index leaves
         its outcome unknown: it is sent once more with the same number, which the index applies
         at most once; a gap or a replay (ABORTED: the index lost or repeated our writes) fails,
-        and the caller re-registers and re-syncs. A refusal (RESOURCE_EXHAUSTED: nothing was
-        applied) waits and sends the same Apply again, for as long as the index refuses it,
-        unless the policy has dropped the backlog meanwhile for a re-sync (its generation
-        moved on): then StaleBatchError, and the ops are never sent. Pins (no generation)
-        are sent again until the index takes them."""
+        and the caller re-registers and re-syncs. CANCELLED from the index (its drain's grace
+        ran out: a rolling restart) leaves the outcome unknown too, and is sent once more. A
+        refusal (RESOURCE_EXHAUSTED: nothing was applied) waits and sends the same Apply
+        again, for as long as the index refuses it, unless the policy has dropped the backlog
+        meanwhile for a re-sync (its generation moved on): then StaleBatchError, and the ops
+        are never sent. Pins (no generation) are sent again until the index takes them."""
         assert self._client is not None
         seq = self._seq + 1
         retried_unknown = False
@@ -448,7 +449,8 @@ class PrefixIndexLink:
                         raise StaleBatchError from error
                     continue
                 transient = error.code in (grpc.StatusCode.UNAVAILABLE,
-                                           grpc.StatusCode.DEADLINE_EXCEEDED)
+                                           grpc.StatusCode.DEADLINE_EXCEEDED) or (
+                    error.code == grpc.StatusCode.CANCELLED and not self._closing)
                 if retried_unknown or not transient:
                     raise
                 retried_unknown = True
