@@ -16,8 +16,10 @@ class RouterMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.decisions = Counter(
-            PREFIX + "decisions", "Requests routed, by the policy that chose and the replica.",
-            ["policy", "replica"], registry=r)
+            PREFIX + "decisions",
+            "Routing decisions, by the policy that chose and the replica: a request's first "
+            "attempt, and each retry and resumed stream again.", ["policy", "replica"],
+            registry=r)
         self.predicted_cached_tokens = Counter(
             PREFIX + "predicted_cached_tokens",
             "Prompt tokens the index said the chosen replica holds, by replica.",
@@ -27,7 +29,8 @@ class RouterMetrics:
             "Prompt tokens the replica served from its cache (usage.cached_tokens).",
             ["replica"], registry=r)
         self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prompt tokens of finished requests, by replica.",
+            PREFIX + "prompt_tokens",
+            "Prompt tokens of requests finished OK, by the replica first routed to.",
             ["replica"], registry=r)
         self.fallbacks = Counter(
             PREFIX + "fallbacks",
@@ -41,7 +44,8 @@ class RouterMetrics:
             PREFIX + "resumed_streams",
             "Streams continued on another replica after theirs failed mid-stream.", registry=r)
         self.failed = Counter(
-            PREFIX + "requests_failed", "Requests ended with an error status, by code.",
+            PREFIX + "requests_failed",
+            "Requests ended with an error status, by code (a client's cancel not counted).",
             ["code"], registry=r)
         self.route_seconds = Histogram(
             PREFIX + "route_seconds",

@@ -40,7 +40,8 @@ class IndexMetrics:
                                         "Retried Applies answered from the stored result.",
                                         registry=r)
         self.redis_up = Gauge("pagedgen_prefix_index_redis_up",
-                              "1 when the last Redis probe answered.", registry=r)
+                              "1 while Redis answers; 0 from the first probe or call that "
+                              "failed to reach it until a probe answers again.", registry=r)
 
     def record_ops(self, ops: list[Op], results: list[OpResult]) -> None:
         for op, result in zip(ops, results, strict=True):
