@@ -3,8 +3,10 @@
 Redis, the prefix index and the engine on the default model, each a real process on a free
 loopback port (the OpenAI-compatible HTTP API on port 8000); then one chat prompt streamed
 through the generated gRPC stubs, printed as the deltas arrive; then a clean shutdown: the
-router, the engines (drained), the index, then Redis. SIGTERM to the stack at any point stops
-what it started in that order; a terminal's Ctrl-C reaches every service at once, and each stops.
+router, the engines (drained), the index, then Redis. SIGTERM, a terminal's Ctrl-C or its
+closing (SIGHUP) at any point stops what it started in that order (each service runs in a
+session of its own, which the terminal's signals do not reach); a SIGKILLed stack takes its
+services with it (Linux).
 
     pagedgen-stack [--prompt TEXT] [--max-tokens N] [--keep-running]
     pagedgen-stack --replicas 3    # three engines behind pagedgen-router; streamed through it
@@ -17,7 +19,8 @@ failed run keeps its logs there, its keys and certificates removed.
 
 The front door takes API keys: a key file of the stack's own (one tenant allowed everything,
 its key printed) unless --api-key-file names yours (then --api-key is the one the stack's own
-request sends); every engine and the router share one --tenant-secret-file.
+request sends); every engine and the router share one --tenant-secret-file. Redis asks for a
+random password, which the index alone is given, in its environment (not on a command line).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from engine_service.serving.torch_threads import usable_cpus
 from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
+from prefix_index.server.redis_url import redacted_url
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import (
     RedisProcess,
@@ -61,7 +65,7 @@ FAILED = 1  # a service failed: a temporary log folder keeps its logs
 
 
 class Stopped(Exception):
-    """SIGINT or SIGTERM: raised in the main thread so that run() unwinds, stopping what it
+    """SIGINT, SIGTERM or SIGHUP: raised in the main thread so that run() unwinds, stopping what it
     started (a signal's default action would leave every child running, orphaned)."""
 
     def __init__(self, signum: int) -> None:
@@ -69,12 +73,31 @@ class Stopped(Exception):
         self.signum = signum
 
 
+# Ctrl-C, SIGTERM, and SIGHUP (the terminal closed): each stops the services in order. The
+# services run in sessions of their own, so a terminal's signals reach the stack alone.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def _raise_stopped(signum: int, _frame) -> None:
+    if signum == signal.SIGHUP:
+        _leave_closed_terminal()
     raise Stopped(signum)
+
+
+def _leave_closed_terminal() -> None:
+    """After a hang-up a terminal's writes fail (EIO): what the stack says while it stops the
+    services goes nowhere instead of ending it half way."""
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and stream.isatty():
+            setattr(sys, name, devnull)
 
 
 def _note_second_signal(signum: int, _frame) -> None:
     # Raised here, it would cut a child's drain short and leave that child running.
+    if signum == signal.SIGHUP:
+        _leave_closed_terminal()
     print(f"{signal.Signals(signum).name}: already stopping, waiting for the services to exit",
           file=sys.stderr, flush=True)
 
@@ -223,7 +246,7 @@ def print_how_to_connect(target: str, certs: Path | None, api_key: str) -> None:
 
 
 def wait_for_signal() -> None:
-    """Until SIGINT / SIGTERM: run() has them raise Stopped, which ends this."""
+    """Until a stop signal: run() has them raise Stopped, which ends this."""
     while True:
         # Not signal.pause(): a signal landing just before it would be handled only at the
         # next one. A sleep is cut short by the signal, or ends and runs the handler.
@@ -243,14 +266,13 @@ def _remove_temporary(log_dir: Path, keep_logs: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start, stream, (serve,) stop; the exit code. SIGINT / SIGTERM stop every service, newest
-    first, at any point (before the completion: 128 + the signal's number)."""
+    """Start, stream, (serve,) stop; the exit code. SIGINT / SIGTERM / SIGHUP stop every service,
+    newest first, at any point (before the completion: 128 + the signal's number)."""
     try:  # before anything starts or is written: none found is a set-up problem
         redis_binary = find_redis_server()
     except FileNotFoundError as error:
         raise RuntimeError(f"{error} (bash scripts/setup.sh installs one)") from None
-    previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT,
-                                                                      signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
     temporary = args.log_dir is None
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pagedgen-stack-"))
     code = FAILED
@@ -310,13 +332,18 @@ def _run(args: argparse.Namespace, log_dir: Path, redis_binary: str) -> int:
     started = time.monotonic()
     with ExitStack() as stack:
         # Each stop is registered before its start: a signal during a start still stops it.
-        redis = RedisProcess(binary=redis_binary)
+        # Any local user reaches loopback: without a password, the index's state was theirs
+        # to read and rewrite. On stdin, as the index's URL goes in its environment: `ps`
+        # shows every user each process's command line.
+        redis = RedisProcess(binary=redis_binary, password=secrets.token_urlsafe(32),
+                             password_on_stdin=True, own_session=True)
         stack.callback(redis.stop)
         redis.start()
-        print(f"redis         {redis.url}", flush=True)
+        print(f"redis         {redacted_url(redis.url)}", flush=True)
         index = IndexProcess(redis.url, ["--log-level", "WARNING", *plain],
-                             port=args.index_port or None,
-                             tls=tls_files("index"))
+                             port=args.index_port or None, tls=tls_files("index"),
+                             redis_url_in_env=True)
+        index.own_session = True
         stack.push(index)
         index.start()
         print(f"prefix index  {index.target}", flush=True)
@@ -336,6 +363,7 @@ def _run(args: argparse.Namespace, log_dir: Path, redis_binary: str) -> int:
             log_path = log_dir / f"engine-{i}.log"
             engine = EngineProcess(model, engine_args, port=port, log_path=log_path,
                                    tls=tls_files("engine", engine_ids[i]))
+            engine.own_session = True
             stack.push(engine)
             engine.start()
             engines.append(engine)
@@ -347,6 +375,7 @@ def _run(args: argparse.Namespace, log_dir: Path, redis_binary: str) -> int:
                                     *http_args, *tenancy_args, *door_args, *plain],
                                    port=args.engine_port or None,
                                    log_path=log_dir / "router.log", tls=tls_files("router"))
+            router.own_session = True
             stack.push(router)
             router.start()
             _wait_for_replicas(router.target, args.replicas, api_key, ca)
@@ -374,7 +403,7 @@ def _run(args: argparse.Namespace, log_dir: Path, redis_binary: str) -> int:
                 wait_for_signal()
         except Stopped:
             pass
-        for sig in (signal.SIGINT, signal.SIGTERM):  # from here on, nothing cuts a drain short
+        for sig in STOP_SIGNALS:  # from here on, nothing cuts a drain short
             signal.signal(sig, _note_second_signal)
         print("shutting down ...", flush=True)
         # ExitStack stops the rest in reverse: the router, the engines (each drained), the

@@ -31,7 +31,7 @@ from prefix_index.api.ops import HASH_BYTES
 from prefix_index.server.config import IndexConfig, Limits, PinPolicy, Quotas
 from prefix_index.server.health import RedisHealth
 from prefix_index.server.metrics import IndexMetrics
-from prefix_index.server.redis_url import EXPECTED, redacted_url, url_problem
+from prefix_index.server.redis_url import EXPECTED, REDIS_URL_ENV, redacted_url, url_problem
 from prefix_index.server.servicer import PrefixIndexServicer
 from prefix_index.server.store import IndexStore
 from prefix_index.server.sweeper import run_sweeper
@@ -138,7 +138,6 @@ def connection_limits(limits: Limits) -> ConnectionLimits:
         max_send_bytes=-1, keepalive_time_ms=30_000, keepalive_timeout_ms=10_000)
 
 
-REDIS_URL_ENV = "PAGEDGEN_REDIS_URL"
 MAX_PORT = 65535
 
 

@@ -14,6 +14,9 @@ from urllib.parse import unquote_plus, urlsplit, urlunsplit
 from redis.asyncio.connection import parse_url
 
 SCHEMES = ("redis", "rediss", "unix")
+# The index reads its URL from this variable when no --redis-url is given: a password in it is
+# out of `ps`, which shows every user each command line.
+REDIS_URL_ENV = "PAGEDGEN_REDIS_URL"
 EXPECTED = ("redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or "
             "unix://[[user]:password@]/path.sock[?db=N]; percent-encode '@', ':', '/', '#' "
             "and '?' in a password")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from prefix_index.server.redis_url import REDIS_URL_ENV
 from prefix_index.tools.redis_process import free_port
 from prefix_index.tools.server_process import ServerProcess
 from prefix_index.tools.server_process import wait_serving as wait_until_serving
@@ -31,9 +32,14 @@ class IndexProcess(ServerProcess):
 
     def __init__(self, redis_url: str, extra_args: Sequence[str] = (), port: int | None = None,
                  host: str = "127.0.0.1", start_timeout_s: float = 20.0,
-                 wait_for_redis: bool = True, tls: TlsFiles | None = None) -> None:
-        """`tls`: the index's certificate, key and CA (mutual TLS); None: plain text."""
+                 wait_for_redis: bool = True, tls: TlsFiles | None = None,
+                 redis_url_in_env: bool = False) -> None:
+        """`tls`: the index's certificate, key and CA (mutual TLS); None: plain text.
+        `redis_url_in_env`: the URL (a password in it) goes in the child's environment
+        ($PAGEDGEN_REDIS_URL, readable by this user alone), not on its command line."""
         self.redis_url = redis_url
+        self.redis_url_in_env = redis_url_in_env
+        self.env = {REDIS_URL_ENV: redis_url} if redis_url_in_env else None
         self.tls = tls
         self.extra_args = list(extra_args)
         self.host = host
@@ -45,7 +51,8 @@ class IndexProcess(ServerProcess):
     def command(self) -> list[str]:
         script = shutil.which("pagedgen-prefix-index")
         base = [script] if script else [sys.executable, "-m", "prefix_index.server.main"]
-        return base + ["--redis-url", self.redis_url, "--host", self.host,
+        url = [] if self.redis_url_in_env else ["--redis-url", self.redis_url]
+        return base + [*url, "--host", self.host,
                        "--port", str(self.port), *self.extra_args,
                        *(tls_argv(self.tls) if self.tls else [])]
 

@@ -7,10 +7,12 @@ nothing is left behind and a restart comes back empty (as a crashed cache would)
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -67,11 +69,47 @@ def free_cluster_port(host: str = "127.0.0.1") -> int:
     raise OSError("no free port with a free cluster bus port (port + 10000)")
 
 
+# Runs in the child before its command: asks the kernel for SIGTERM when the thread that started
+# it exits (PR_SET_PDEATHSIG, 1 in <linux/prctl.h>; kept across exec), then execs the command. A
+# parent gone before the prctl (another parent now) gets no signal: the child exits instead.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0):\n"
+    "    sys.exit('prctl(PR_SET_PDEATHSIG) failed')\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def tied_to_this_process(command: list[str]) -> tuple[list[str], dict[str, object]]:
+    """`command` and Popen options for a child in a session of its own, SIGTERMed when its
+    parent dies.
+
+    Its own session: a terminal's Ctrl-C (SIGINT to the terminal's foreground process group)
+    reaches the parent alone, which can stop its children in order. Then nothing would stop
+    them if the parent were killed: on Linux the kernel SIGTERMs the child when the *thread*
+    that started it exits, so start it from the thread that lives as long as it should (the
+    main thread). Not a preexec_fn: with one, Python runs its fork hooks, and an exception a
+    signal handler raises there (the stack's Stopped) is printed and dropped."""
+    if sys.platform != "linux":
+        return command, {"start_new_session": True}
+    wrapped = [sys.executable, "-S", "-E", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
+    return wrapped, {"start_new_session": True}
+
+
+def _config_value(value: str) -> str:
+    """`value` as one argument of a redis.conf line: double-quoted, every byte but ASCII
+    letters and digits written \\xHH (Redis unescapes them), so any string survives."""
+    return '"' + "".join(chr(b) if b < 128 and chr(b).isalnum() else f"\\x{b:02x}"
+                         for b in value.encode()) + '"'
+
+
 def _answers_ping(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.2) as sock:
             sock.sendall(b"PING\r\n")
-            # NOAUTH: up, and asking for its password (--requirepass) first.
+            # NOAUTH: up, and asking for its password (requirepass) first.
             return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
@@ -82,12 +120,18 @@ class RedisProcess:
 
     def __init__(self, port: int | None = None, binary: str | None = None,
                  host: str = "127.0.0.1", start_timeout_s: float = 10.0,
-                 extra_args: list[str] | None = None, password: str | None = None) -> None:
-        """`password`: Redis's --requirepass; `url` then carries it."""
+                 extra_args: list[str] | None = None, password: str | None = None,
+                 password_on_stdin: bool = False, own_session: bool = False) -> None:
+        """`password`: Redis's requirepass; `url` then carries it. It goes on redis-server's
+        command line (--requirepass), which `ps` shows every user, unless `password_on_stdin`:
+        then as a config line on its stdin. `own_session`: see tied_to_this_process."""
         self.host = host
         self.password = password
+        self.password_on_stdin = password_on_stdin and password is not None
+        self.own_session = own_session
         self.extra_args = list(extra_args or []) + (
-            ["--requirepass", password] if password is not None else [])
+            ["--requirepass", password] if password is not None and not password_on_stdin
+            else [])
         self._cluster = "--cluster-enabled" in self.extra_args
         self._pick_port = port is None  # a port we picked may be taken meanwhile: pick again
         self.port = port if port is not None else self._free_port()
@@ -131,8 +175,19 @@ class RedisProcess:
             "--daemonize", "no", "--loglevel", "warning", "--logfile", "redis.log",
             *self.extra_args,
         ]
+        if self.password_on_stdin:
+            args.insert(1, "-")  # config on stdin: "-" first (7 takes it first or last, 6 first)
+        args, popen = tied_to_this_process(args) if self.own_session else (args, {})
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      cwd=self._workdir.name)
+                                      cwd=self._workdir.name, stdin=(
+                                          subprocess.PIPE if self.password_on_stdin else None),
+                                      **popen)
+        if self.password_on_stdin:
+            try:
+                self._proc.stdin.write(f"requirepass {_config_value(self.password)}\n".encode())
+                self._proc.stdin.close()  # read to its end before it starts
+            except BrokenPipeError:
+                pass  # it exited: the wait below reports how
         deadline = time.monotonic() + self.start_timeout_s
         while not _answers_ping(self.host, self.port):
             if self._proc.poll() is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from prefix_index.tools.redis_process import tied_to_this_process
 from trust.credentials import TlsMaterial, sync_channel
 
 
@@ -46,6 +47,9 @@ class ServerProcess:
 
     name = "server"
     proc: subprocess.Popen | None = None
+    env: dict[str, str] | None = None  # joins the child's environment
+    # A session of its own, SIGTERMed when this process dies (tied_to_this_process).
+    own_session = False
     host: str
     port: int
 
@@ -54,11 +58,13 @@ class ServerProcess:
         return f"{self.host}:{self.port}"
 
     def spawn(self, command: list[str], log_path: Path | None = None) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(self.env or {}))
+        command, session = (tied_to_this_process(command) if self.own_session
+                            else (command, {}))
         stderr = open(log_path, "wb") if log_path else None  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
-                                         stderr=stderr)
+                                         stderr=stderr, **session)
         finally:
             if stderr is not None:
                 stderr.close()  # the child holds its own descriptor

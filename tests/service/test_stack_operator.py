@@ -1,6 +1,8 @@
 """pagedgen-stack as a new user meets it: what --help says, flags refused before anything starts
-(naming the flag, the value and what is allowed), no redis-server, and Ctrl-C / SIGTERM at any
-point stopping every service it started and removing its temporary folder (keys included)."""
+(naming the flag, the value and what is allowed), no redis-server, Ctrl-C / SIGTERM at any
+point stopping every service it started (newest first) and removing its temporary folder (keys
+included), a SIGKILLed stack taking its services with it, and its Redis asking for a password
+that no process's command line shows."""
 
 from __future__ import annotations
 
@@ -12,8 +14,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
@@ -47,17 +52,61 @@ def live_in_group(pgid: int) -> list[str]:
     return live
 
 
-def wait_group_gone(pgid: int, timeout_s: float = 10.0) -> list[str]:
+def started_by_test(tmp_path: Path) -> dict[int, str]:
+    """Live processes of this test's stack, in whatever group or session, by pid: those with
+    its TMPDIR in their environment (the stack's and its Python services'), or working in a
+    folder under it (redis-server, which overwrites its environment with its title)."""
+    tmp = tmp_path / "tmp"
+    marker = f"TMPDIR={tmp}".encode()
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            environ = proc.joinpath("environ").read_bytes().split(b"\0")
+            cwd = Path(os.readlink(proc / "cwd"))
+            cmdline = proc.joinpath("cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue  # gone, or not ours to read
+        if marker in environ or cwd.is_relative_to(tmp):
+            found[int(proc.name)] = cmdline.decode(errors="replace").strip()
+    return found
+
+
+def wait_group_gone(pgid: int, tmp_path: Path, timeout_s: float = 10.0) -> list[str]:
+    """Until the stack's process group, and every process it started, is gone; those left."""
     deadline = time.monotonic() + timeout_s
-    while (live := live_in_group(pgid)) and time.monotonic() < deadline:
+    while True:
+        live = live_in_group(pgid) + [f"{pid} {cmd}" for pid, cmd
+                                      in started_by_test(tmp_path).items()]
+        if not live or time.monotonic() > deadline:
+            return live
         time.sleep(0.1)
-    return live
 
 
-def run_until(tmp_path: Path, args: list[str], line: str, sig: int,
+def service_kind(cmdline: str) -> str | None:
+    """Which of the stack's services a command line is (None: an engine's core, the stack)."""
+    for kind, names in (("redis", ("redis-server", "valkey-server")),
+                        ("index", ("pagedgen-prefix-index", "prefix_index.server.main")),
+                        ("engine", ("pagedgen-engine", "engine_service.serving.server")),
+                        ("router", ("pagedgen-router", "router.server"))):
+        if any(name in cmdline for name in names):
+            return kind
+    return None
+
+
+def send_to_stack(sig: int) -> Callable[[subprocess.Popen], None]:
+    return lambda proc: proc.send_signal(sig)
+
+
+def run_until(tmp_path: Path, args: list[str], line: str,
+              send: int | Callable[[subprocess.Popen], None],
               timeout_s: float = 180.0) -> tuple[int, str, list[str]]:
-    """Start the stack in a process group of its own, send `sig` to it alone once stdout shows
-    `line`; returns its exit code, its output and the processes of its group still alive."""
+    """Start the stack in a process group of its own, `send` it a signal (a number: to the stack
+    alone) once stdout shows `line`; returns its exit code, its output and the processes of its
+    group, and any other it started, still alive."""
+    if isinstance(send, int):
+        send = send_to_stack(send)
     proc = subprocess.Popen(STACK + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=stack_env(tmp_path), start_new_session=True)
     out, buffered, sent = [], b"", False
@@ -71,12 +120,12 @@ def run_until(tmp_path: Path, args: list[str], line: str, sig: int,
                     break
                 buffered += chunk
                 if not sent and line.encode() in buffered:
-                    proc.send_signal(sig)
+                    send(proc)
                     sent = True
         out.append(buffered.decode(errors="replace"))
         code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         assert sent, "".join(out)
-        return code, "".join(out), wait_group_gone(proc.pid)
+        return code, "".join(out), wait_group_gone(proc.pid, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -84,6 +133,11 @@ def run_until(tmp_path: Path, args: list[str], line: str, sig: int,
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for pid in started_by_test(tmp_path):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.stdout.close()
 
 
@@ -179,6 +233,115 @@ def test_keep_running_stops_cleanly_on_sigterm_and_removes_its_keys(tiny_llama_d
     # The printed CA and keys lived in a temporary folder that outlived the stack (0600 keys,
     # but every run left one more in /tmp).
     assert ours_left(tmp_path) == [], out
+
+
+class ExitOrder:
+    """A `send` for run_until: sends `sig` to the stack's whole process group, as a terminal's
+    Ctrl-C does, and records the order its services exit in (pidfds: readable at exit)."""
+
+    def __init__(self, tmp_path: Path, sig: int) -> None:
+        self.tmp_path, self.sig = tmp_path, sig
+        self.exits: list[set[str]] = []  # services seen exiting together, in order
+        self.started: list[str] = []
+        self._watcher: threading.Thread | None = None
+
+    def __call__(self, proc: subprocess.Popen) -> None:
+        fds = {}
+        for pid, cmdline in started_by_test(self.tmp_path).items():
+            if kind := service_kind(cmdline):
+                fds[os.pidfd_open(pid)] = kind
+        self.started = sorted(fds.values())
+        self._watcher = threading.Thread(target=self._watch, args=(fds,), daemon=True)
+        self._watcher.start()
+        os.killpg(proc.pid, self.sig)
+
+    def _watch(self, fds: dict[int, str]) -> None:
+        deadline = time.monotonic() + 60
+        while fds and time.monotonic() < deadline:
+            ready, _, _ = select.select(list(fds), [], [], 1.0)
+            if ready:
+                self.exits.append({fds[fd] for fd in ready})
+            for fd in ready:
+                del fds[fd]
+                os.close(fd)
+
+    def rank(self, kind: str) -> int:
+        self._watcher.join(60)
+        return next(i for i, kinds in enumerate(self.exits) if kind in kinds)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
+def test_ctrl_c_in_a_terminal_stops_the_services_newest_first(sig, tiny_llama_dir, tmp_path):
+    """A terminal's Ctrl-C is SIGINT to its foreground process group (its closing, SIGHUP):
+    with the services in the stack's group, each got it at once, and Redis was gone while the
+    engine still drained. SIGHUP, unhandled, killed the stack itself."""
+    order = ExitOrder(tmp_path, sig)
+    code, out, live = run_until(tmp_path, ["--model", str(tiny_llama_dir), "--http-port", "0",
+                                           "--max-tokens", "4", "--keep-running"],
+                                "Ctrl-C to stop", order)
+    assert order.started == ["engine", "index", "redis"], out
+    assert order.rank("engine") <= order.rank("index") <= order.rank("redis"), order.exits
+    assert code == 0 and "stopped cleanly" in out, out
+    assert live == [], out
+    assert ours_left(tmp_path) == [], out
+
+
+def test_a_killed_stack_leaves_no_service_running(tiny_llama_dir, tmp_path):
+    """SIGKILL cannot be handled: its services, in sessions of their own, would outlive it."""
+    code, out, live = run_until(tmp_path, ["--model", str(tiny_llama_dir), "--http-port", "0",
+                                           "--max-tokens", "4", "--keep-running"],
+                                "Ctrl-C to stop", signal.SIGKILL)
+    assert code == -signal.SIGKILL, out
+    assert live == [], out
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
+
+
+def redis_says(host: str, port: int, *command: str) -> bytes:
+    """One command's raw reply, on a connection of its own."""
+    parts = [f"*{len(command)}\r\n".encode()]
+    for arg in command:
+        parts.append(f"${len(arg.encode())}\r\n".encode() + arg.encode() + b"\r\n")
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(b"".join(parts))
+        return sock.recv(256)
+
+
+def test_the_stack_s_redis_asks_for_a_password_no_command_line_shows(tiny_llama_dir,
+                                                                      tmp_path):
+    """Any local user could read and rewrite the index's state in the stack's Redis. Its
+    password reaches the index in the environment (readable by the same user only), not as
+    --redis-url, which `ps` shows every user."""
+    seen = {}
+
+    def check_then_stop(proc: subprocess.Popen) -> None:
+        [index] = [pid for pid, cmdline in started_by_test(tmp_path).items()
+                   if service_kind(cmdline) == "index"]
+        url = urlsplit(environ_of(index)["PAGEDGEN_REDIS_URL"])
+        seen["password"] = password = unquote(url.password or "")
+        assert len(password) >= 32, url.password
+        assert redis_says(url.hostname, url.port, "PING").startswith(b"-NOAUTH")
+        assert redis_says(url.hostname, url.port, "AUTH", password) == b"+OK\r\n"
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                assert password.encode() not in cmdline.read_bytes(), cmdline
+            except OSError:
+                pass  # gone meanwhile
+        for path in (tmp_path / "tmp").rglob("*"):  # nor on disk (a config file, say)
+            if path.is_file():
+                assert password.encode() not in path.read_bytes(), path
+        proc.send_signal(signal.SIGTERM)
+
+    code, out, live = run_until(tmp_path, ["--model", str(tiny_llama_dir), "--http-port", "0",
+                                           "--max-tokens", "4", "--keep-running"],
+                                "Ctrl-C to stop", check_then_stop)
+    assert code == 0 and "stopped cleanly" in out, out
+    assert seen["password"] not in out  # the URL printed has it redacted
+    assert "redis         redis://:***@127.0.0.1:" in out, out
+    assert live == [], out
 
 
 def test_a_failed_start_keeps_the_logs_but_not_the_keys(tmp_path):
