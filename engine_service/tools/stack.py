@@ -15,7 +15,8 @@ Secure by default: a development CA and a certificate per service (trust/certs.p
 folder's certs/; the index and the engines talk mutual TLS, the front door serves TLS, and the
 stack prints the CA file clients verify it with. --insecure runs everything in plain text.
 Without --log-dir, all of it (keys included) lives in a temporary folder removed on exit; a
-failed run keeps its logs there, its keys and certificates removed.
+failed run keeps its logs there, its keys and certificates removed; the folder of a stack
+that was killed (SIGKILL) is removed by the next stack this user starts.
 
 The front door takes API keys: a key file of the stack's own (one tenant allowed everything,
 its key printed) unless --api-key-file names yours (then --api-key is the one the stack's own
@@ -265,16 +266,49 @@ def _remove_temporary(log_dir: Path, keep_logs: bool) -> None:
     print(f"logs kept in {log_dir} (its keys and certificates removed)", file=sys.stderr)
 
 
+TEMPORARY_PREFIX = "pagedgen-stack-"
+OWNER_FILE = "stack.pid"  # in a temporary folder: the stack that made it
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process (a reused pid): not ours to judge
+    return True
+
+
+def _remove_abandoned_folders() -> None:
+    """The temporary folders of stacks that were killed (SIGKILL runs no clean-up: their
+    services die with them, their folders stay): each holds private keys, API keys and the
+    tenant secret. Only this user's, named as ours, whose stack's pid is gone."""
+    for folder in Path(tempfile.gettempdir()).glob(TEMPORARY_PREFIX + "*"):
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            pid = int((folder / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not a folder of ours, or one being made right now
+        if not _alive(pid):
+            shutil.rmtree(folder, ignore_errors=True)
+            print(f"removed {folder}, left by a stack that was killed", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     """Start, stream, (serve,) stop; the exit code. SIGINT / SIGTERM / SIGHUP stop every service,
     newest first, at any point (before the completion: 128 + the signal's number)."""
+    _remove_abandoned_folders()
     try:  # before anything starts or is written: none found is a set-up problem
         redis_binary = find_redis_server()
     except FileNotFoundError as error:
         raise RuntimeError(f"{error} (bash scripts/setup.sh installs one)") from None
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
     temporary = args.log_dir is None
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pagedgen-stack-"))
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix=TEMPORARY_PREFIX))
+    if temporary:
+        (log_dir / OWNER_FILE).write_text(str(os.getpid()))
     code = FAILED
     try:
         code = _run(args, log_dir, redis_binary)

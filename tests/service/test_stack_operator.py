@@ -293,6 +293,15 @@ def test_a_killed_stack_leaves_no_service_running(tiny_llama_dir, tmp_path):
                                 "Ctrl-C to stop", signal.SIGKILL)
     assert code == -signal.SIGKILL, out
     assert live == [], out
+    # Its folder, keys and all, stayed; the next stack removes it before it starts.
+    [left] = [name for name in ours_left(tmp_path) if name.startswith("pagedgen-stack-")]
+    empty = tmp_path / "bin"  # (no redis-server: it stops right after)
+    empty.mkdir()
+    done = subprocess.run(STACK + ["--model", str(tiny_llama_dir), "--http-port", "0"],
+                          capture_output=True, text=True, timeout=60,
+                          env=stack_env(tmp_path, PATH=str(empty)))
+    assert f"removed {tmp_path / 'tmp' / left}, left by a stack that was killed" in done.stderr
+    assert not any(name.startswith("pagedgen-stack-") for name in ours_left(tmp_path))
 
 
 def environ_of(pid: int) -> dict[str, str]:
