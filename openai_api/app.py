@@ -46,13 +46,17 @@ from pagedgen_api import generation_pb2 as pb
 from tenancy.gate import Gate
 
 DONE = b"data: [DONE]\n\n"
+# How long a request's body may take to arrive once its head has: 64 MiB (the most taken) at
+# about 1 MiB/s. A body sent a byte at a time held its connection and handler for good.
+BODY_TIMEOUT_S = 60.0
 CALLER_SCOPE_KEY = "pagedgen.caller"
 log = logging.getLogger("openai_api.app")
 T = TypeVar("T")
 
 
-def create_app(backend: Backend, gate: Gate | None = None) -> Starlette:
-    api = _Api(backend)
+def create_app(backend: Backend, gate: Gate | None = None,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> Starlette:
+    api = _Api(backend, body_timeout_s)
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
@@ -155,13 +159,17 @@ class _InternalErrors:
 
 
 class _Api:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, body_timeout_s: float) -> None:
         self.backend = backend
         self.servicer = backend.servicer
+        self.body_timeout_s = body_timeout_s
+
+    async def _body(self, request: Request) -> bytes:
+        return await _body(request, self.body_timeout_s)
 
     # ---- generation -------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        body = schemas.parse(schemas.CompletionRequest, await _body(request))
+        body = schemas.parse(schemas.CompletionRequest, await self._body(request))
         model = self._model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         call = completion_call(body, request_id, model.prompt_context)
@@ -170,7 +178,7 @@ class _Api:
             self.backend.token_texts, self.backend.token_bytes))
 
     async def chat_completions(self, request: Request) -> Response:
-        raw = await _body(request)
+        raw = await self._body(request)
         schemas.check_message_count(raw, MAX_CHAT_MESSAGES)
         body = schemas.parse(schemas.ChatCompletionRequest, raw)
         model = self._model(body.model)
@@ -318,7 +326,7 @@ class _Api:
                             else HTTPStatus.SERVICE_UNAVAILABLE)
 
     async def tokenize(self, request: Request) -> Response:
-        raw = await _body(request)
+        raw = await self._body(request)
         schemas.check_message_count(raw, MAX_CHAT_MESSAGES)
         body = schemas.parse(schemas.TokenizeRequest, raw)
         model = self._model(body.model)
@@ -339,14 +347,14 @@ class _Api:
                              "tokens": list(reply.token_ids)})
 
     async def detokenize(self, request: Request) -> Response:
-        body = schemas.parse(schemas.DetokenizeRequest, await _body(request))
+        body = schemas.parse(schemas.DetokenizeRequest, await self._body(request))
         self._model(body.model)
         reply = await self._unary("Detokenize", pb.DetokenizeRequest(token_ids=body.tokens),
                                   {"token_ids": "tokens"}, _caller(request))
         return JSONResponse({"prompt": reply.text})
 
     async def pin_prefix(self, request: Request) -> Response:
-        raw = await _body(request)
+        raw = await self._body(request)
         schemas.check_message_count(raw, MAX_CHAT_MESSAGES)
         body = schemas.parse(schemas.PinPrefixRequest, raw)
         model = self._model(body.model)
@@ -380,21 +388,31 @@ def _caller(request: Request):
     return request.scope.get(CALLER_SCOPE_KEY)
 
 
-async def _body(request: Request) -> bytes:
+async def _body(request: Request, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
     """The request's body, refused with a 413 as soon as it is known to pass MAX_BODY_BYTES
-    (by its Content-Length, else by what has arrived), before it is held whole."""
+    (by its Content-Length, else by what has arrived), before it is held whole; with a 408
+    when it has not all arrived within `timeout_s`."""
     limit = schemas.MAX_BODY_BYTES
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(f"got {declared}")
     chunks, size = [], 0
     stream = request.stream()
-    async for chunk in stream:
-        size += len(chunk)
-        if size > limit:
-            await _drain(stream)
-            raise _too_large("got more")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in stream:
+                size += len(chunk)
+                if size > limit:
+                    break
+                chunks.append(chunk)
+    except TimeoutError:
+        of = f" of {declared}" if declared.isdigit() else ""
+        raise ApiError(HTTPStatus.REQUEST_TIMEOUT,
+                       f"the request body must arrive within {timeout_s:g} s of its head, got "
+                       f"{size} bytes{of} by then", code="request_timeout") from None
+    if size > limit:
+        await _drain(stream)
+        raise _too_large("got more")
     return b"".join(chunks)
 
 

@@ -12,8 +12,9 @@ import time
 
 import uvicorn
 
-from openai_api.app import create_app
+from openai_api.app import BODY_TIMEOUT_S, create_app
 from openai_api.backend import Backend
+from openai_api.connection_guard import HEAD_TIMEOUT_S, default_max_connections, guarded_h11
 from prefix_index.tools.bind_error import BindError
 from tenancy.gate import Gate
 from trust.credentials import TlsMaterial
@@ -34,7 +35,9 @@ class HttpServer:
     served once the backend exists."""
 
     def __init__(self, host: str, port: int, gate: Gate | None = None,
-                 tls: TlsMaterial | None = None, require_client_cert: bool = False) -> None:
+                 tls: TlsMaterial | None = None, require_client_cert: bool = False,
+                 head_timeout_s: float = HEAD_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
+                 max_connections: int | None = None) -> None:
         self.host, self.requested_port = host, port
         self.gate = gate  # who may call (tenancy/gate.py); None: anyone
         self.tls = tls  # HTTPS with the gRPC port's certificate; None: plain HTTP
@@ -43,6 +46,11 @@ class HttpServer:
         self.require_client_cert = require_client_cert
         if tls is not None and tls.files is None:
             raise ValueError("tls: HTTPS needs the certificate and key as files (uvicorn)")
+        # A request's head and body must arrive in time, and the connections are counted
+        # (connection_guard.py): a client that opens sockets and sends nothing, or a byte at a
+        # time, holds none of the process's file descriptors for long.
+        self.head_timeout_s, self.body_timeout_s = head_timeout_s, body_timeout_s
+        self.max_connections = max_connections or default_max_connections()
         self.port = 0
         self._socket: socket.socket | None = None
         self._server: _LoopServer | None = None
@@ -59,7 +67,9 @@ class HttpServer:
             self.bind()
         files = self.tls.files if self.tls is not None else None
         mutual = files is not None and self.require_client_cert
-        config = uvicorn.Config(create_app(backend, self.gate), lifespan="off",
+        config = uvicorn.Config(create_app(backend, self.gate, self.body_timeout_s),
+                                lifespan="off",
+                                http=guarded_h11(self.head_timeout_s, self.max_connections),
                                 log_level="warning", access_log=False,
                                 ssl_certfile=str(files.cert) if files else None,
                                 ssl_keyfile=str(files.key) if files else None,

@@ -41,9 +41,11 @@ log = logging.getLogger("engine_service.serving.core_client")
 # Core messages handled per reader callback before the loop gets a turn.
 MESSAGES_PER_CALLBACK = 8
 # What may wait for a stream its client does not read, in tokens (each top logprob one more):
-# a reader that pauses lets a request's output merge into one larger message, up to this,
-# which is still ~1 MiB at most; past it the request is stopped (OutputBuffer._overflow). At
-# 64 sequences of ~50 tokens/s it is 20 s of not reading; at one sequence, many minutes.
+# a reader that pauses lets a request's output merge into one larger message, up to this;
+# past it the request is stopped (OutputBuffer._overflow). At 64 sequences of ~50 tokens/s it
+# is 20 s of not reading; at one sequence, many minutes. Held as Python objects, a unit cost
+# the front ~170 bytes (measured: 40 unread streams of 1,000 tokens with 20 logprobs, +140 MB),
+# so up to ~11 MB a stream; the servicer's queue limit bounds how many streams (num_live).
 DEFAULT_MAX_UNSENT_TOKENS = 1 << 16
 
 _WHOLE_FIELDS = tuple(n for n in CompletionOutput.__slots__ if not n.endswith("_delta"))

@@ -51,6 +51,7 @@ from engine_service.serving.servicer import GenerationServicer, IndexLink
 from engine_service.serving.status import RequestRejected
 from engine_service.serving.text_worker import TextWorker
 from engine_service.serving.validation import RequestValidator
+from engine_service.serving.wire_errors import WireErrorInterceptor
 from openai_api.cli_args import add_http_args, resolve_http_args
 from openai_api.server import HttpServer
 from pagedgen_api import generation_pb2 as pb
@@ -148,9 +149,12 @@ class EngineServer:
         connection = options.connection or generation_limits(
             engine.max_model_len if engine is not None else served_context(core.options.config),
             options.max_live_requests)
+        # The key check first (a caller it refuses learns nothing of its request), then
+        # requests that do not decode are refused as the client's error (wire_errors.py).
+        interceptors = [GateInterceptor(gate)] if gate.takes_keys else []
         self.server = grpc.aio.server(
             options=connection.options(),
-            interceptors=[GateInterceptor(gate)] if gate.takes_keys else None)
+            interceptors=[*interceptors, WireErrorInterceptor()])
         self.port = 0
         self.http = (HttpServer(options.http_host, options.http_port, gate, options.tls,
                                 require_client_cert=options.tls_client_cert)

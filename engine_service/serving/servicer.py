@@ -37,6 +37,11 @@ from tenancy.gate import Caller
 from tenancy.request_ids import scoped_request_id
 
 log = logging.getLogger(__name__)
+# A generation's text or chat input longer than this (in characters) is tokenized on the text
+# worker, not on the event loop: a 131,000-character prompt held the loop ~0.1 s, and every
+# other stream with it (a flood of them: 0.3 s gaps in another client's stream), and a
+# 128K-token context takes prompts 32 times as long. Shorter ones cost the loop under ~3 ms.
+INLINE_TOKENIZE_CHARS = 8192
 
 FINISH_REASONS = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -86,7 +91,26 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.door = door or TenantDoor()  # who calls; tenants' salts and limits (tenancy/)
         # Live request id -> the tenant that started it: only that tenant may Abort it.
         self.owners: dict[str, str | None] = {}
+        # Generation calls from their admission until their last message is sent. A request
+        # the engine finished still holds its output here until its client reads it: the queue
+        # limit counts these calls (num_live), not only the engine's live requests, or a
+        # client that never read its streams piled up finished outputs without bound (3.5 MB a
+        # stream of 1,000 tokens with 20 logprobs, the engine's live count back at 0).
+        self.num_open_calls = 0
+        self.num_tokenizing = 0  # generations whose long prompt is on the text worker
         self.draining = False
+
+    @property
+    def num_live(self) -> int:
+        """Requests the queue limit counts: live in the engine, or not yet sent in full, or
+        with their prompt being tokenized."""
+        return max(self.engine.num_live, self.num_open_calls) + self.num_tokenizing
+
+    def _check_queue_room(self) -> None:
+        limit = self.validator.max_live_requests
+        if self.num_live >= limit:
+            raise QueueFullError("request", f"live requests must be at most {limit} (the queue "
+                                            f"limit), got {self.num_live + 1}: retry later")
 
     # ---- generation -------------------------------------------------------------------------
     async def GenerateStream(
@@ -133,10 +157,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                "the engine is draining (shutting down): retry on another one")
         try:
             self.door.check_priority(caller, request.priority)
-            # Live ids are the tenant's own: another tenant's live id is free here.
+            prompt = None
+            if self.text_worker is not None and _input_chars(request) > INLINE_TOKENIZE_CHARS:
+                self._check_queue_room()  # counted from now: the wait holds the request
+                self.num_tokenizing += 1
+                try:
+                    prompt = await self.text_worker.run(_tokenize, request, bounded=False)
+                finally:
+                    self.num_tokenizing -= 1
+            # Live ids are the tenant's own: another tenant's live id is free here. (No await
+            # from here to the engine's add: the id and the queue limit hold until then.)
             valid = self.validator.generate(
                 request, lambda rid: self.engine.is_live(scoped_request_id(caller.tenant, rid)),
-                self.engine.num_live)
+                self.num_live, prompt)
         except (RequestRejected, RequestError) as error:
             await self._refuse(context, *status_for(error))
         except TenantRefused as error:
@@ -166,6 +199,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # The id it runs under in the engine: another tenant may use the same one at once.
         engine_request_id = scoped_request_id(caller.tenant, valid.request_id)
         self.owners[engine_request_id] = caller.tenant
+        self.num_open_calls += 1
         try:
             arrival = time.monotonic()
             remaining = context.time_remaining()
@@ -229,6 +263,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     self.engine.abort(engine_request_id)
                     self.metrics.requests_finished.labels("abort").inc()
         finally:
+            self.num_open_calls -= 1
             self.owners.pop(engine_request_id, None)
             self.door.leave(caller)
 
@@ -271,7 +306,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except RequestRejected as error:
             await context.abort(*status_for(error))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return pb.DetokenizeResponse(text=await self._text_work(_detokenize, ids, skip))
+        try:
+            text = await self._text_work(_detokenize, ids, skip)
+        except RequestRejected as error:
+            await context.abort(*status_for(error))
+        return pb.DetokenizeResponse(text=text)
 
     async def _text_work(self, work, *args):
         if self.text_worker is None:  # (no worker: on the loop, with the loop's tokenizer)
@@ -403,10 +442,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                               salt: str | None) -> None:
         """The pin's prefill, admitted as a request is: within the queue limit and the
         tenant's live requests, and counted in the prompt-token metric."""
-        limit = self.validator.max_live_requests
-        if self.engine.num_live >= limit:
-            raise QueueFullError("request", f"live requests must be at most {limit} (the queue "
-                                            f"limit), got {self.engine.num_live + 1}: retry later")
+        self._check_queue_room()
         self.door.enter(caller)
         try:
             self.metrics.prompt_tokens.inc(len(token_ids))
@@ -415,8 +451,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.door.leave(caller)
 
 
-def _tokenize(validator: RequestValidator, request: pb.TokenizeRequest) -> Prompt:
+def _tokenize(validator: RequestValidator,
+              request: pb.TokenizeRequest | pb.GenerateRequest) -> Prompt:
     return validator.prompt(request, "input")
+
+
+def _input_chars(request: pb.GenerateRequest) -> int:
+    """The characters a request's input gives the tokenizer (0 for token ids)."""
+    which = request.WhichOneof("input")
+    if which == "text":
+        return len(request.text)
+    if which == "chat":
+        return sum(len(m.role) + len(m.content) for m in request.chat.messages)
+    return 0
 
 
 def _detokenize(validator: RequestValidator, ids: list[int], skip_special_tokens: bool) -> str:

@@ -106,8 +106,11 @@ class RequestValidator:
 
     # ---- Generate / GenerateStream --------------------------------------------------------
     def generate(
-        self, req: pb.GenerateRequest, is_live: Callable[[str], bool], num_live: int
+        self, req: pb.GenerateRequest, is_live: Callable[[str], bool], num_live: int,
+        prompt: Prompt | None = None,
     ) -> ValidRequest:
+        """`prompt`: the request's input already tokenized (elsewhere: a long one), else
+        tokenized here."""
         request_id = req.request_id or uuid.uuid4().hex
         if not REQUEST_ID_PATTERN.fullmatch(request_id):
             raise _invalid(
@@ -115,7 +118,8 @@ class RequestValidator:
                 f"generated one), got {_shown(request_id)}"
             )
         cache_salt = self.cache_salt(req.cache_salt)
-        prompt = self.prompt(req, "input")
+        if prompt is None:
+            prompt = self.prompt(req, "input")
         params = self.sampling_params(req.sampling)
         self.check_fits(prompt.token_ids, params)
         if is_live(request_id):

@@ -1,0 +1,132 @@
+"""Clients that hold HTTP connections without finishing a request (slowloris), and too many
+connections at once: each is bounded (openai_api/connection_guard.py, app.py's body deadline),
+answered in OpenAI's error shape where an answer can go, and the server serves on.
+
+Before, uvicorn kept a connection that sent no request, a head a byte at a time or a body that
+never ended for good: 600 of them were all still open after 70 s, each a file descriptor of
+the process that also accepts the engine's gRPC connections."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from openai_api.backend import Backend, ServedModel
+from openai_api.server import HttpServer
+from tests.http.http_util import call
+
+HEAD_TIMEOUT_S = 0.5
+BODY_TIMEOUT_S = 0.5
+MAX_CONNECTIONS = 8
+
+
+class _Servicer:  # the requests here never get as far as the servicer
+    pass
+
+
+async def _texts(ids: list[int]) -> list[str]:
+    return [str(i) for i in ids]
+
+
+@pytest.fixture
+def server():
+    loop = asyncio.new_event_loop()
+    http = HttpServer("127.0.0.1", 0, head_timeout_s=HEAD_TIMEOUT_S,
+                      body_timeout_s=BODY_TIMEOUT_S, max_connections=MAX_CONNECTIONS)
+    backend = Backend(_Servicer(), lambda: True, lambda: [ServedModel("m", 64, 16, 16)], _texts)
+    loop.run_until_complete(http.start(backend))
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    yield http.port
+    asyncio.run_coroutine_threadsafe(http.stop(0.1), loop).result(timeout=30)
+    loop.call_soon_threadsafe(loop.stop)
+    runner.join(timeout=30)
+    loop.close()
+
+
+def _connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """Everything until the server closes the connection (a timeout fails the test)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    """One whole response on a kept-alive connection (its head and Content-Length's body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return data
+
+
+def _error(response: bytes) -> tuple[int, dict]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+def test_a_connection_that_sends_nothing_is_closed(server):
+    with _connect(server) as sock:
+        started = time.monotonic()
+        assert _read_all(sock) == b""  # closed, nothing said: no request to answer
+        assert time.monotonic() - started < HEAD_TIMEOUT_S + 5
+
+
+def test_a_head_sent_a_byte_at_a_time_is_answered_408(server):
+    with _connect(server) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(3):  # still sending, but the head never ends
+            time.sleep(HEAD_TIMEOUT_S / 4)
+            sock.sendall(b"X")
+        status, error = _error(_read_all(sock))
+    assert status == 408 and error["code"] == "request_timeout"
+    assert f"must arrive within {HEAD_TIMEOUT_S:g} s" in error["message"], error
+
+
+def test_a_body_that_never_ends_is_answered_408(server):
+    with _connect(server) as sock:
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        status, error = _error(_read_all(sock))
+    assert status == 408 and error["code"] == "request_timeout"
+    assert error["message"] == (f"the request body must arrive within {BODY_TIMEOUT_S:g} s of "
+                                f"its head, got 1 bytes of 100 by then")
+
+
+def test_a_head_in_time_is_served_and_keep_alive_rearms(server):
+    with _connect(server) as sock:
+        for _ in range(2):  # the second head is awaited from the end of the first response
+            sock.sendall(b"GET /health HTTP/1.1\r\n")
+            time.sleep(HEAD_TIMEOUT_S / 3)
+            sock.sendall(b"Host: x\r\n\r\n")
+            response = _read_response(sock)
+            assert response.startswith(b"HTTP/1.1 200"), response
+
+
+def test_connections_past_the_limit_are_refused_503_and_the_server_serves_on(server):
+    held = [_connect(server) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.1)  # accepted by the server's loop
+        with _connect(server) as extra:
+            status, error = _error(_read_all(extra))
+        assert status == 503 and error["code"] == "too_many_connections"
+        assert f"must be at most {MAX_CONNECTIONS}, got {MAX_CONNECTIONS + 1}" in error["message"]
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.2)  # their closes reach the server
+    assert call(f"http://127.0.0.1:{server}/health")[0] == 200
