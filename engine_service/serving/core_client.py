@@ -18,6 +18,7 @@ import logging
 import multiprocessing
 import os
 import struct
+import time
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -47,6 +48,12 @@ MESSAGES_PER_CALLBACK = 8
 # the front ~170 bytes (measured: 40 unread streams of 1,000 tokens with 20 logprobs, +140 MB),
 # so up to ~11 MB a stream; the servicer's queue limit bounds how many streams (num_live).
 DEFAULT_MAX_UNSENT_TOKENS = 1 << 16
+# A core that sends nothing this long while it has work (a stream or a call) is taken for hung
+# (a step that never returns: a driver, a deadlock) and killed: without it, a core alive but
+# stuck kept health SERVING and took requests that waited for ever. The core sends a message
+# every step, so only a single step this long reads as hung (vLLM's engine iteration timeout is
+# 60 s too). 0: never.
+DEFAULT_STALL_TIMEOUT_S = 60.0
 
 _WHOLE_FIELDS = tuple(n for n in CompletionOutput.__slots__ if not n.endswith("_delta"))
 
@@ -233,6 +240,8 @@ class CoreClient:
         self.stream_interval = 1  # OutputBuffer's: new tokens gathered per streamed message
         # OutputBuffer's bound on what waits for a stream that is not read (0: none).
         self.max_unsent_tokens = DEFAULT_MAX_UNSENT_TOKENS
+        self.stall_timeout_s = DEFAULT_STALL_TIMEOUT_S
+        self._heard_at = 0.0  # the core's last message, or when work began after a silence
         self.snapshot: EngineStats | None = None
         self.link = CoreLinkView(self) if options.prefix_index else None
         self.dead: BaseException | None = None
@@ -276,7 +285,32 @@ class CoreClient:
         self._loop.add_reader(self._outputs.fileno(), self._readable)
         self._loop.add_reader(self._process.sentinel, self._core_exited)
         self._started = True
+        self._heard_at = time.monotonic()
+        self._loop.call_later(self._stall_check_interval(), self._check_stall)
         return self.info
+
+    def _stall_check_interval(self) -> float:
+        return min(1.0, self.stall_timeout_s / 4) if self.stall_timeout_s > 0 else 1.0
+
+    def _check_stall(self) -> None:
+        """Every second or so: a core silent past stall_timeout_s with work to do is killed and
+        the front dies as when the core exits (NOT_SERVING, streams INTERNAL, exit 1)."""
+        if self.dead is not None or self._stopping or self._outputs is None:
+            return
+        timeout = self.stall_timeout_s
+        silent = time.monotonic() - self._heard_at
+        if timeout > 0 and (self._streams or self._calls) and silent > timeout:
+            self._process.kill()  # SIGKILL: a stopped or stuck process takes no other word
+            self._die(f"the engine core sent nothing for {silent:.0f} s with "
+                      f"{len(self._streams)} requests live (--core-stall-timeout-s "
+                      f"{timeout:g}): taken for hung and killed")
+            return
+        self._loop.call_later(self._stall_check_interval(), self._check_stall)
+
+    def _work_begins(self) -> None:
+        """A request or call after a silence with nothing to do: the silence was not a stall."""
+        if not self._streams and not self._calls:
+            self._heard_at = time.monotonic()
 
     def _first_message(self) -> tuple:
         while not self._outputs.poll(0.2):
@@ -351,6 +385,7 @@ class CoreClient:
         self.check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id must be unique among live requests, got {request_id!r}")
+        self._work_begins()
         text = None
         if self.tokenizer is not None:
             text = RequestText(self.tokenizer, prompt_token_ids, params,
@@ -378,6 +413,7 @@ class CoreClient:
     async def call(self, name: str, args: tuple) -> Any:
         self.check_alive()
         call_id = next(self._call_ids)
+        self._work_begins()
         future = self._loop.create_future()
         self._calls[call_id] = future
         self._send(("call", call_id, name, args))
@@ -437,6 +473,7 @@ class CoreClient:
             self._die(f"a message from the engine core could not be read: {error!r}")
 
     def _dispatch(self, message: tuple) -> None:
+        self._heard_at = time.monotonic()
         kind = message[0]
         if kind == "died":
             self._die(message[1])

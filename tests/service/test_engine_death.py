@@ -179,6 +179,44 @@ def test_a_killed_engine_core_ends_streams_and_the_front_exits_non_zero(tiny_lla
     assert returncode == 1, log_path.read_text()[-2000:]
 
 
+def test_a_hung_engine_core_is_killed_and_the_front_exits_non_zero(tiny_llama_dir, tmp_path,
+                                                                   test_certs):
+    """A core alive but stuck (SIGSTOP here: a step that never returns) sent nothing, and its
+    front stayed SERVING with the stream waiting for good; past --core-stall-timeout-s it is
+    taken for hung: killed, the stream INTERNAL saying so, the front exits 1."""
+    log_path = tmp_path / "engine.log"
+    engine = EngineProcess(tiny_llama_dir, ["--num-blocks", "256", "--grace-s", "2",
+                                            "--core-stall-timeout-s", "2", "--log-level",
+                                            "INFO"], log_path=log_path,
+                           tls=test_certs.files("engine")).start()
+    try:
+        core = core_pid_of(engine.proc.pid)
+        time.sleep(3)  # idle past the timeout: no work, no stall
+        with test_certs.channel(engine.target) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            stream = stub.GenerateStream(pb.GenerateRequest(
+                text="a long one", sampling=pb.SamplingParams(max_tokens=2000, ignore_eos=True)),
+                timeout=120)
+            next(stream)  # it is running
+            os.kill(core, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            try:
+                for _ in stream:
+                    pass
+                code = details = None
+            except grpc.RpcError as error:
+                code, details = error.code(), error.details()
+            ended_after = time.monotonic() - stopped_at
+        returncode = engine.proc.wait(timeout=30)
+    finally:
+        engine.kill()
+    assert code == grpc.StatusCode.INTERNAL, details
+    assert "sent nothing for" in details and "taken for hung and killed" in details
+    assert ended_after >= 2
+    assert returncode == 1, log_path.read_text()[-2000:]
+    assert wait_gone(core), "the hung core outlived its front"
+
+
 def test_a_killed_front_takes_its_engine_core_with_it(tiny_llama_dir, tmp_path, test_certs):
     engine = EngineProcess(tiny_llama_dir, ["--num-blocks", "64", "--log-level", "WARNING"],
                            log_path=tmp_path / "engine.log",
