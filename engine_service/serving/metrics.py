@@ -7,9 +7,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine_service.core.stats import EngineStats
+from prefix_index.tools.metrics_server import serve_metrics
 
 PREFIX = "pagedgen_engine_"
 # Time to first token: from 1 ms (a tiny model, no queue) to 5 minutes (a long CPU prefill behind
@@ -154,4 +155,4 @@ class EngineMetrics:
         self._last = stats
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        serve_metrics(self.registry, port, host)  # bounded: prefix_index/tools/metrics_server.py

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from prefix_index.api.ops import AcquireKind, Op, OpResult
+from prefix_index.tools.metrics_server import serve_metrics
 
 
 class IndexMetrics:
@@ -56,4 +57,4 @@ class IndexMetrics:
                 self.forgotten_blocks.inc(result.count)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        serve_metrics(self.registry, port, host)  # bounded: prefix_index/tools/metrics_server.py
