@@ -27,6 +27,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from engine_service.serving.connection_limits import generation_limits
+from engine_service.serving.wire_errors import WireErrorInterceptor
 from openai_api.cli_args import add_http_args, resolve_http_args
 from openai_api.server import HttpServer
 from pagedgen_api import generation_pb2 as pb
@@ -80,9 +81,11 @@ class RouterServer:
         # Message sizes for the longest context it fronts, streams per connection, keepalive
         # (no SO_REUSEPORT: a taken port fails).
         connection = generation_limits(max_context_tokens, max_streams_per_connection)
-        self.server = grpc.aio.server(
-            options=connection.options(),
-            interceptors=[GateInterceptor(door.gate)] if door.gate.takes_keys else None)
+        # The key check first, then requests that do not decode are the client's error
+        # (INVALID_ARGUMENT), not UNKNOWN with a traceback logged per call (wire_errors.py).
+        gate = [GateInterceptor(door.gate)] if door.gate.takes_keys else []
+        self.server = grpc.aio.server(options=connection.options(),
+                                      interceptors=[*gate, WireErrorInterceptor()])
         self.port = 0
         self.http = http  # the OpenAI-compatible HTTP API, when served
         self._health_task: asyncio.Task | None = None

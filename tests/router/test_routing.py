@@ -250,3 +250,21 @@ def test_cumulative_logprobs_reach_the_client_whole(router_stub):
         sum(lp.logprob for lp in sampled.logprobs), abs=1e-6)
     streamed = [c for m in router_stub.GenerateStream(request, timeout=60) for c in m.choices]
     assert streamed[-1].cumulative_logprob == pytest.approx(sampled.cumulative_logprob, abs=1e-5)
+
+
+def test_a_request_that_does_not_decode_is_invalid_argument(stack):
+    """As at the engine (engine_service/serving/wire_errors.py): a client's bad bytes are its
+    error, not UNKNOWN with a traceback in the router's log."""
+    good = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=2))
+    bad = good.SerializeToString().replace(b"hi", b"\xff\xfe")
+    with stack.channel() as channel:
+        generate_raw = channel.unary_unary("/pagedgen.generation.v1.Generation/Generate",
+                                           request_serializer=lambda b: b,
+                                           response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as refused:
+            generate_raw(bad, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "well-formed protobuf message" in refused.value.details()
+        reply = pb.GenerateResponse.FromString(generate_raw(good.SerializeToString(),
+                                                            timeout=60))
+        assert reply.usage.completion_tokens == 2
