@@ -13,6 +13,7 @@ import contextlib
 import logging
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,10 +35,48 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("router.core")
 MAX_LOOKUP_BLOCKS = 16384  # the index's limit on one chain
+REFUSALS_LOG_INTERVAL_S = 30.0  # the most often refusals for want of a replica are logged
 
 
 class NoReplicaError(Exception):
     """No replica can take the request now."""
+
+
+class RefusalLog:
+    """The router's log of requests no replica could take: one WARNING when that starts or
+    its cause changes (other replicas down), then at most one every `interval_s` with the
+    count refused meanwhile, and one INFO with the count when a request is routed again. An
+    outage refuses every request: one line each would bury the log (each is counted in
+    requests_failed_total{code="UNAVAILABLE"} already)."""
+
+    def __init__(self, interval_s: float = REFUSALS_LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self.unlogged = 0  # refused since the last line
+        self._cause: frozenset[str] | None = None  # replicas down at the last line; None: none
+        self._logged_at = 0.0
+
+    def refused(self, down: frozenset[str], describe: Callable[[], str]) -> None:
+        """A request refused while the replicas named in `down` are not routable;
+        `describe()`: why, for the log line."""
+        now = time.monotonic()
+        if down == self._cause and now - self._logged_at < self.interval_s:
+            self.unlogged += 1
+            return
+        meanwhile = (f" ({self.unlogged} more refused since the last such line)"
+                     if self.unlogged else "")
+        log.warning("no replica can take a request: %s%s", describe(), meanwhile)
+        self._cause, self._logged_at, self.unlogged = down, now, 0
+
+    def routed(self) -> None:
+        """A request was routed: a run of refusals, if any, has ended."""
+        if self._cause is None:
+            return
+        if self.unlogged:
+            log.info("routing requests again; %d more refused for want of a replica since the "
+                     "last such line", self.unlogged)
+        else:
+            log.info("routing requests again")
+        self._cause, self.unlogged = None, 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +118,11 @@ class Router:
         self.recent = RecentRoutes(config.share_window)  # where the last requests went
         self.recent_prefixes = RecentPrefixes(config.prefix_window)  # and with what prefix
         self._tasks: list[asyncio.Task] = []
+        self.refusals = RefusalLog()
         if self.index is not None:
             self.metrics.index_up.set_function(lambda: 1.0 if self.index.up else 0.0)
+        else:  # no index to be up or down: a 0 would read as an outage ("index down" alerts)
+            self.metrics.without_index()
         self.metrics.replicas_routable.set_function(lambda: len(self.replicas.routable()))
 
     def _replica_restarted(self, replica: Replica) -> None:
@@ -226,6 +268,7 @@ class Router:
             if decision.fallback and self.index is not None:
                 self.metrics.fallbacks.inc()
         held = (index_matches or {}).get(replica.engine_id, 0)
+        self.refusals.routed()
         return Route(decision, route.num_prompt_tokens, min(held, decision.matched_blocks),
                      tuple(chain))
 
@@ -268,10 +311,11 @@ class Router:
             return "no engine replica is known yet (none registered with the prefix index)"
         downs = [r for r in self.replicas.replicas.values() if not r.routable]
         if downs or exclude:
-            log.warning("no replica can take a request: down %s; failed it %s",
-                        "; ".join(f"{r.name} at {r.address}: "
-                                  f"{self.replicas.why_not_routed(r)}" for r in downs)
-                        or "none", ", ".join(sorted(exclude)) or "none")
+            self.refusals.refused(
+                frozenset(r.address for r in downs),
+                lambda: "down {}; failed it {}".format(
+                    "; ".join(f"{r.name} at {r.address}: {self.replicas.why_not_routed(r)}"
+                              for r in downs) or "none", ", ".join(sorted(exclude)) or "none"))
         parts = [f"{known} known"]
         if downs:
             parts.append(f"{len(downs)} unavailable")

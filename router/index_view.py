@@ -78,6 +78,7 @@ class IndexView:
         """Keeps the residency copy current, for as long as the router runs: watches, and on
         a failure marks the copy unsynced (routes ask by Lookup) and watches again."""
         retry_s = WATCH_RETRY_S
+        failing = False  # a watch's end was logged at INFO and none synced since
         while True:
             synced_at = None
             try:
@@ -98,8 +99,12 @@ class IndexView:
             # Jitter: the routers of one index, cut off together, do not all come back at once
             # for a snapshot.
             wait_s = retry_s * random.uniform(0.5, 1.0)
-            log.info("residency watch of %s ended (%s): routes ask by Lookup; watching again "
-                     "in %.1fs", self.target, error, wait_s)
+            # INFO when a watch that held (or the first) ends; its retries failing in turn
+            # while the index is down are DEBUG: one line per outage, not one every few s.
+            level = logging.INFO if synced_at is not None or not failing else logging.DEBUG
+            log.log(level, "residency watch of %s ended (%s): routes ask by Lookup; watching "
+                    "again in %.1fs", self.target, error, wait_s)
+            failing = True
             await asyncio.sleep(wait_s)
             retry_s = min(2 * retry_s, WATCH_RETRY_MAX_S)
 

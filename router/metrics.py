@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 PREFIX = "pagedgen_router_"
@@ -43,6 +45,11 @@ class RouterMetrics:
         self.resumed_streams = Counter(
             PREFIX + "resumed_streams",
             "Streams continued on another replica after theirs failed mid-stream.", registry=r)
+        self.requests = Counter(
+            PREFIX + "requests",
+            "Generation requests routed (gRPC and HTTP), once each as the client's call ended, "
+            "by code: OK, the error status, CANCELLED when the client went away first.",
+            ["code"], registry=r)
         self.failed = Counter(
             PREFIX + "requests_failed",
             "Requests ended with an error status, by code (a client's cancel not counted).",
@@ -53,7 +60,8 @@ class RouterMetrics:
             buckets=ROUTE_BUCKETS, registry=r)
         self.index_up = Gauge(
             PREFIX + "prefix_index_up",
-            "1 while the prefix index answers (kv-aware routes by it), 0 while falling back.",
+            "1 while the prefix index answers (kv-aware routes by it), 0 while falling back; "
+            "not exported by a router without one.",
             registry=r)
         self.replicas_routable = Gauge(
             PREFIX + "replicas_routable", "Replicas healthy, compatible and not draining.",
@@ -61,6 +69,12 @@ class RouterMetrics:
         self.in_flight = Gauge(
             PREFIX + "in_flight_requests", "Requests this router is running, by replica.",
             ["replica"], registry=r)
+
+    def without_index(self) -> None:
+        """A router with no prefix index exports no prefix_index_up: a constant 0 would read
+        as an index that is down."""
+        with contextlib.suppress(KeyError):  # (unregistered already)
+            self.registry.unregister(self.index_up)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.registry)

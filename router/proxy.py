@@ -120,6 +120,7 @@ class RoutedRequest:
         self.cut_reason: str | None = None  # the router's drain ended it: UNAVAILABLE, this
         self._call: grpc.aio.UnaryStreamCall | None = None  # the upstream call running now
         self._ended_here = False  # the router cancelled that call for an Abort
+        self._refused: grpc.StatusCode | None = None  # the status the router ended it with
 
     def abort_here(self) -> None:
         """Ends the request at the router (its replica could not be told: down, hung, or it
@@ -148,9 +149,34 @@ class RoutedRequest:
 
     async def _refuse(self, code: grpc.StatusCode, message: str) -> None:
         self.router.metrics.failed.labels(code.name).inc()
+        self._refused = code
         await self.context.abort(code, message)
 
     async def stream(self) -> AsyncIterator[pb.GenerateStreamResponse]:
+        """The request's messages; how the client's call ended is counted once in
+        requests_total: OK once its last message went out (or the stream ended), the code the
+        router refused it with, CANCELLED when the client went away first."""
+        code: str | None = None
+        try:
+            async with contextlib.aclosing(self._stream()) as out:
+                async for message in out:
+                    if message.finished:  # (a consumer may stop reading after it)
+                        code = "OK"
+                    yield message
+            code = code or "OK"
+        except BaseException as error:
+            if code is None:
+                if self._refused is not None:
+                    code = self._refused.name
+                elif isinstance(error, asyncio.CancelledError | GeneratorExit):
+                    code = grpc.StatusCode.CANCELLED.name
+                else:  # a bug's exception: gRPC ends the call UNKNOWN
+                    code = grpc.StatusCode.UNKNOWN.name
+            raise
+        finally:
+            self.router.metrics.requests.labels(code or "OK").inc()
+
+    async def _stream(self) -> AsyncIterator[pb.GenerateStreamResponse]:
         router = self.router
         arrival = time.monotonic()
         upstream = pb.GenerateRequest()

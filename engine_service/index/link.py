@@ -3,7 +3,9 @@
 It registers, sends the op batches each step recorded (engine_service/index/policy.py) as
 batched Applies, heartbeats when idle, and never lets a failure reach the engine: any error flips
 `degraded` (the engine keeps serving on its local LRU), then it re-registers (new epoch) and
-re-syncs the mirror on its own every `retry_interval_s` until the index answers again.
+re-syncs the mirror on its own until the index answers again: the first retry after
+`retry_interval_s`, later ones further apart (RetryBackoff: up to RETRY_MAX_S, jittered, so
+the engines of one index do not retry in step), back to `retry_interval_s` once a call succeeds.
 
 An Apply the index refuses with RESOURCE_EXHAUSTED (past this engine's --apply-ops-per-s, or
 Redis full) applied nothing and is no outage: the link keeps those ops, waits (the delay the
@@ -59,6 +61,9 @@ ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 REFUSED_BACKOFF_S = 0.1
 REFUSED_BACKOFF_MAX_S = 5.0
 REFUSED_JITTER = 0.2  # each wait is stretched by up to this share, so engines do not align
+# The longest wait between two attempts to register while degraded: what an index that comes
+# back may wait for an engine, at most, besides the call itself.
+RETRY_MAX_S = 5.0
 TARGET = re.compile(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:.]+\]:\d{1,5}")
 
 
@@ -88,7 +93,9 @@ class PinRefusedError(Exception):
 class IndexLinkOptions:
     lease_s: float = 30.0  # the index drops our entries if we are silent this long
     rpc_timeout_s: float = 1.0  # deadline of every call: a hung index degrades us fast
-    retry_interval_s: float = 0.5  # between re-registration attempts while degraded
+    # The first wait before registering again while degraded; later ones grow (jittered)
+    # to RETRY_MAX_S, and start over from this once the index answers.
+    retry_interval_s: float = 0.5
     max_ops_per_apply: int = 1024  # the index allows 4096
     max_hashes_per_apply: int = 16384  # the index allows 65536
     low_water: LowWaterMark | None = None  # default: LowWaterMark.for_pool (one step's blocks)
@@ -122,6 +129,30 @@ class IndexLinkStats:
     apply_backoffs: int = 0  # Applies refused with RESOURCE_EXHAUSTED, kept and sent again
     rpc_seconds: dict[str, float] = field(default_factory=dict)  # method -> total latency
     rpc_calls: dict[str, int] = field(default_factory=dict)  # method -> calls
+
+
+class RetryBackoff:
+    """Waits between attempts while degraded: decorrelated jitter (each wait drawn between
+    `base_s` and three times the previous one, at most `max_s`), back to `base_s` after a
+    success. Engines that lost the index together spread their retries instead of all
+    registering every `base_s`."""
+
+    def __init__(self, base_s: float, max_s: float = RETRY_MAX_S,
+                 rng: random.Random | None = None) -> None:
+        self.base_s = base_s
+        self.max_s = max(base_s, max_s)
+        self._rng = rng or random.Random()
+        self.last_s = 0.0  # the latest wait; 0: none since the last success
+
+    def next_s(self) -> float:
+        if not self.last_s:
+            self.last_s = self.base_s
+        else:
+            self.last_s = min(self.max_s, self._rng.uniform(self.base_s, 3 * self.last_s))
+        return self.last_s
+
+    def reset(self) -> None:
+        self.last_s = 0.0
 
 
 def _check_target(target: str) -> None:
@@ -209,6 +240,7 @@ class PrefixIndexLink:
         self._send_lock = asyncio.Lock()  # one Apply at a time keeps the ops in order
         self._client: PrefixIndexClient | None = None
         self._jitter = random.Random()
+        self.retry = RetryBackoff(options.retry_interval_s, rng=self._jitter)
         self._thread = threading.Thread(
             target=self._loop.run_until_complete, args=(self._run(),),
             name=f"prefix-index-link-{engine_id}", daemon=True,
@@ -250,6 +282,8 @@ class PrefixIndexLink:
         if s.degraded:
             details["degraded_for_s"] = f"{time.monotonic() - self._degraded_since:.1f}"
             details["last_error"] = self.last_error
+            # The latest wait between two attempts to register (RetryBackoff).
+            details["retry_wait_s"] = f"{self.retry.last_s:.2f}"
         return details
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -298,10 +332,12 @@ class PrefixIndexLink:
                         await self._timed("Heartbeat", self._client.heartbeat())
                 except Exception as error:  # noqa: BLE001 - the engine must never see it
                     self._on_failure(error)
+                    wait_s = self.retry.next_s()
                     # Refused: the other process's lease must lapse first; no point hammering.
-                    await self._sleep(max(self.options.retry_interval_s, self.options.lease_s / 3)
-                                      if self.refused else self.options.retry_interval_s)
+                    await self._sleep(max(wait_s, self.options.lease_s / 3)
+                                      if self.refused else wait_s)
                     continue
+                self.retry.reset()  # (every call of this round succeeded)
                 try:
                     await asyncio.wait_for(self._wake.wait(), heartbeat_every)
                 except TimeoutError:

@@ -60,6 +60,36 @@ _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError
 # Redis error replies that mean "not now" (loading, failover, busy script), not "wrong".
 _REDIS_TRANSIENT = ("LOADING", "BUSY", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN",
                     "MOVED", "ASK")
+# A caller refused (its certificate's role, its engine id) is logged once per this long per
+# identity: a misconfigured engine retrying every 0.5 s must not fill the log.
+REFUSED_LOG_INTERVAL_S = 60.0
+REFUSED_IDENTITIES = 1024  # identities remembered for that; the oldest forgotten past it
+
+
+class RefusedCallers:
+    """When each refused caller identity was last logged, for at most `capacity` of them."""
+
+    def __init__(self, interval_s: float = REFUSED_LOG_INTERVAL_S,
+                 capacity: int = REFUSED_IDENTITIES) -> None:
+        self.interval_s = interval_s
+        self.capacity = capacity
+        self._logged_at: dict[str, float] = {}  # identity -> monotonic time; oldest first
+        self._unlogged: dict[str, int] = {}  # identity -> refusals since its last line
+
+    def should_log(self, identity: str) -> int | None:
+        """None: not now (counted); else log, and this many were refused unlogged before."""
+        now = time.monotonic()
+        logged_at = self._logged_at.get(identity)
+        if logged_at is not None and now - logged_at < self.interval_s:
+            self._unlogged[identity] = self._unlogged.get(identity, 0) + 1
+            return None
+        self._logged_at.pop(identity, None)  # (re-inserted last: the newest)
+        while len(self._logged_at) >= self.capacity:
+            oldest = next(iter(self._logged_at))
+            del self._logged_at[oldest]
+            self._unlogged.pop(oldest, None)
+        self._logged_at[identity] = now
+        return self._unlogged.pop(identity, 0)
 
 
 class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
@@ -81,6 +111,7 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
         # last slot of a quota (other index processes may still overshoot it by their own).
         self._new_engines = asyncio.Lock()
         self.prober = HolderProber(config.holder_probe_timeout_s, tls)
+        self.refused_callers = RefusedCallers()
 
     async def _call(self, method: str, context: grpc.aio.ServicerContext,
                     work: Callable[[], Awaitable[T]], extra_s: float = 0.0) -> T:
@@ -127,7 +158,7 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
             self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
             self.metrics.rpcs.labels(method, code.name).inc()
         if code == grpc.StatusCode.UNAVAILABLE:
-            log.warning("%s: %s", method, message)
+            self._log_unavailable(method, message)
         await context.abort(code, message)
         raise AssertionError("unreachable: context.abort raises")
 
@@ -136,10 +167,24 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
             return authorize(method, context, self.secure, engine_id)
         except Denied as denied:
             self.metrics.rpcs.labels(method, denied.code.name).inc()
-            log.warning("%s refused (%s) to %s: %s", method, denied.code.name, context.peer(),
-                        denied)
+            # Who: its certificate (one engine's connections come from many ports).
+            digest = peer_certificate_digest(context)
+            before = self.refused_callers.should_log(digest or context.peer())
+            if before is not None:
+                log.warning("%s refused (%s) to %s%s: %s%s", method, denied.code.name,
+                            context.peer(), f" (certificate sha256 {digest[:16]})" if digest
+                            else "", denied,
+                            f" ({before} more refusals to it in the last "
+                            f"{self.refused_callers.interval_s:g}s)" if before else "")
             await context.abort(denied.code, str(denied))
             raise AssertionError("unreachable: context.abort raises") from None
+
+    def _log_unavailable(self, method: str, message: str) -> None:
+        """A call refused UNAVAILABLE: a WARNING, unless health knows Redis is down already
+        (its logger said so once for the outage): then every engine's and router's retry
+        would repeat it, a DEBUG."""
+        level = logging.DEBUG if self.health.redis_up is False else logging.WARNING
+        log.log(level, "%s: %s", method, message)
 
     async def _check_owner(self, caller: Caller, engine_id: str, epoch: int) -> None:
         """NotOwnerError when `engine_id` is registered at `epoch` by another principal (a
@@ -304,5 +349,8 @@ class PrefixIndexServicer(pb_grpc.PrefixIndexServicer):
             self.watchers.release(identity, connection)
             if code != grpc.StatusCode.OK:  # (a watcher that left is not counted: no status)
                 self.metrics.rpcs.labels("WatchResidency", code.name).inc()
-        log.warning("WatchResidency: %s", message)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            self._log_unavailable("WatchResidency", message)
+        else:
+            log.warning("WatchResidency: %s", message)
         await context.abort(code, message + "; watch again for a new snapshot")

@@ -170,3 +170,12 @@ def test_help_says_what_is_counted_where_it_is_not_what_the_name_suggests():
     assert "idle pinned blocks are not free" in help_text(engine, "num_free_blocks")
     assert "retry" in help_text(router, "decisions")
     assert "call" in help_text(index, "redis_up")  # failing calls set it to 0 too, not probes only
+
+
+def test_the_front_door_error_ratio_divides_by_every_request():
+    """The alert's denominator counts every request (requests_total), not only those routed
+    (route_seconds_count, which left out requests refused before routing)."""
+    [row] = [line for line in OPERATING_MD.read_text().splitlines()
+             if line.startswith("| errors at the front door |")]
+    assert "pagedgen_router_requests_total" in row and "route_seconds_count" not in row
+    assert "OK" in help_text(RouterMetrics(), "requests")

@@ -1,0 +1,123 @@
+"""pagedgen_router_requests_total{code}: every client call that reaches routing counted once,
+as it ended, over gRPC (unary and stream) and the HTTP front (which runs the same
+RoutedRequest): OK, the status the router ended it with, CANCELLED when the client left. The
+router counted only failures before, so no error ratio could be read. And a router without an
+index exports no prefix_index_up (a constant 0 read as an index down).
+
+The router runs in this process in front of one real engine (no index); clients call it over
+loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from prometheus_client import generate_latest
+
+from openai_api.server import HttpServer
+from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+from router.config import RouterConfig
+from router.core import Router
+from router.server import RouterServer
+from tests.router.stack import RouterStack
+
+CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "UNAVAILABLE")
+SETTLE_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir, tmp_path_factory, test_certs) -> Iterator[RouterStack]:
+    with RouterStack(tiny_llama_dir, tmp_path_factory.mktemp("requests-total"), test_certs,
+                     num_engines=1, with_index=False, with_router=False) as running:
+        yield running
+
+
+def http_call(url: str, body: dict | None = None) -> dict | str:
+    """GET `url`, or POST `body` as JSON; the JSON answer, or a stream's text."""
+    data = json.dumps(body).encode() if body is not None else None
+    call = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(call, timeout=60) as answer:
+        text = answer.read().decode()
+    return text if body is not None and body.get("stream") else json.loads(text)
+
+
+def request(max_tokens: int, request_id: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id, token_ids=pb.TokenIds(ids=list(range(100, 140))),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_every_call_is_counted_once_by_how_it_ended(engine):
+    async def body() -> dict[str, float]:
+        [replica] = engine.engines.values()
+        router = Router(RouterConfig(stats_interval_s=0.05), [replica.target], None,
+                        tls=engine.certs.material("router"))
+        http = HttpServer("127.0.0.1", 0)
+        server = RouterServer(router, port=0, http=http, tls=engine.certs.material("router"))
+        await server.start()
+
+        def count(code: str) -> float:
+            return router.metrics.registry.get_sample_value(
+                "pagedgen_router_requests_total", {"code": code}) or 0.0
+
+        try:
+            deadline = time.monotonic() + SETTLE_S
+            while not router.replicas.routable():
+                assert time.monotonic() < deadline, "the engine never became routable"
+                await asyncio.sleep(0.05)
+            async with engine.certs.aio_end_client_channel(f"127.0.0.1:{server.port}") as ch:
+                stub = pb_grpc.GenerationStub(ch)
+                reply = await stub.Generate(request(4), timeout=60)  # 1: OK
+                assert reply.usage.completion_tokens == 4
+                assert count("OK") == 1
+                messages = [m async for m in stub.GenerateStream(request(4), timeout=60)]
+                assert messages[-1].finished  # 2: OK
+                assert count("OK") == 2
+                call = stub.GenerateStream(request(2000), timeout=60)  # 3: the client leaves
+                first = await call.read()
+                assert first is not grpc.aio.EOF and not first.finished
+                call.cancel()
+                deadline = time.monotonic() + SETTLE_S
+                while count("CANCELLED") < 1:
+                    assert time.monotonic() < deadline, "the cancel was not counted"
+                    await asyncio.sleep(0.02)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:  # 4: refused
+                    await stub.Generate(request(4, request_id="no spaces allowed"), timeout=60)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert count("INVALID_ARGUMENT") == 1
+            base = f"http://127.0.0.1:{http.port}/v1"
+            [model] = (await asyncio.to_thread(http_call, f"{base}/models"))["data"]
+            body = {"model": model["id"], "prompt": list(range(100, 140)), "max_tokens": 4,
+                    "temperature": 0}
+            answer = await asyncio.to_thread(http_call, f"{base}/completions", body)  # 5: OK
+            assert answer["usage"]["completion_tokens"] == 4
+            streamed = await asyncio.to_thread(http_call, f"{base}/completions",
+                                               body | {"stream": True})
+            assert "[DONE]" in streamed  # 6: OK, streamed over HTTP
+            await asyncio.sleep(0.2)  # (nothing more may be counted after the calls ended)
+            return {code: count(code) for code in CODES}
+        finally:
+            await server.stop(0)
+
+    counts = asyncio.run(body())
+    assert counts == {"OK": 4, "CANCELLED": 1, "INVALID_ARGUMENT": 1, "UNAVAILABLE": 0}
+
+
+def test_a_router_without_an_index_exports_no_index_gauge():
+    async def exported(index_target: str | None) -> bytes:
+        router = Router(RouterConfig(), ["127.0.0.1:1"], index_target)
+        try:
+            return generate_latest(router.metrics.registry)
+        finally:
+            await router.replicas.close()
+            if router.index is not None:
+                await router.index.close()
+
+    assert b"pagedgen_router_prefix_index_up" not in asyncio.run(exported(None))
+    assert b"pagedgen_router_prefix_index_up 0.0" in asyncio.run(exported("127.0.0.1:2"))
