@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from prefix_index.tools.metrics_server import serve_metrics
 
 PREFIX = "pagedgen_router_"
 # Routing is tokenize + hash + one index Lookup: tens of microseconds to a few milliseconds.
@@ -77,4 +79,4 @@ class RouterMetrics:
             self.registry.unregister(self.index_up)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        serve_metrics(self.registry, port, host)  # bounded: prefix_index/tools/metrics_server.py

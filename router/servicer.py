@@ -51,9 +51,15 @@ class RouterServicer(pb_grpc.GenerationServicer):
         request, counted among the failed ones as the engine counts it among the rejected."""
         if self.draining:
             if count_failed:
-                self.router.metrics.failed.labels(grpc.StatusCode.UNAVAILABLE.name).inc()
+                self._count_refused(grpc.StatusCode.UNAVAILABLE)
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "the router is draining (shutting down): retry on another one")
+
+    def _count_refused(self, code: grpc.StatusCode) -> None:
+        """A generation request refused before it was routed: a failed one, and one of all
+        (requests_total; RoutedRequest counts the routed ones)."""
+        self.router.metrics.failed.labels(code.name).inc()
+        self.router.metrics.requests.labels(code.name).inc()
 
     # ---- generation -------------------------------------------------------------------------
     async def GenerateStream(self, request: pb.GenerateRequest, context
@@ -68,12 +74,12 @@ class RouterServicer(pb_grpc.GenerationServicer):
         caller = await self.door.caller(context)
         await self._refuse_if_draining(context)
         await self._refuse_oversized(request, context)
-        salted = await self._salted(caller, request, context)
+        salted = await self._salted(caller, request, context, count_failed=True)
         try:
             self.door.check_priority(caller, request.priority)
             self.door.enter(caller)
         except TenantRefused as error:
-            self.router.metrics.failed.labels(error.code.name).inc()
+            self._count_refused(error.code)
             await context.abort(error.code, error.message)
         try:
             routed = RoutedRequest(self.router, salted, context, caller.tenant,
@@ -106,7 +112,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 check_text_size(request.text, max_chars)
         except RequestRejected as error:
             if count_failed:
-                self.router.metrics.failed.labels(error.code.name).inc()
+                self._count_refused(error.code)
             await context.abort(error.code, error.message)
 
     def _context_tokens(self) -> int:
@@ -116,10 +122,12 @@ class RouterServicer(pb_grpc.GenerationServicer):
                    if r.info is not None]
         return max(lengths) if lengths else self.max_context_tokens
 
-    async def _salted(self, caller: Caller, request, context):
+    async def _salted(self, caller: Caller, request, context, count_failed: bool = False):
         """`request` (a GenerateRequest or PinPrefixRequest) with its tenant's cache salt, the
         one the engines hash with: routes read the same chains as the engines hold."""
         if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:  # (as the engine says it)
+            if count_failed:
+                self._count_refused(grpc.StatusCode.INVALID_ARGUMENT)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, "
                                 f"got {len(request.cache_salt)}")

@@ -19,6 +19,7 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 
+from engine_service.serving.validation import MAX_CACHE_SALT_CHARS
 from openai_api.server import HttpServer
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
@@ -91,22 +92,28 @@ def test_every_call_is_counted_once_by_how_it_ended(engine):
                     await stub.Generate(request(4, request_id="no spaces allowed"), timeout=60)
                 assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert count("INVALID_ARGUMENT") == 1
+                salted = request(4)  # 5: refused at the door, before routing
+                salted.cache_salt = "s" * (MAX_CACHE_SALT_CHARS + 1)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Generate(salted, timeout=60)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert count("INVALID_ARGUMENT") == 2
             base = f"http://127.0.0.1:{http.port}/v1"
             [model] = (await asyncio.to_thread(http_call, f"{base}/models"))["data"]
             body = {"model": model["id"], "prompt": list(range(100, 140)), "max_tokens": 4,
                     "temperature": 0}
-            answer = await asyncio.to_thread(http_call, f"{base}/completions", body)  # 5: OK
+            answer = await asyncio.to_thread(http_call, f"{base}/completions", body)  # 6: OK
             assert answer["usage"]["completion_tokens"] == 4
             streamed = await asyncio.to_thread(http_call, f"{base}/completions",
                                                body | {"stream": True})
-            assert "[DONE]" in streamed  # 6: OK, streamed over HTTP
+            assert "[DONE]" in streamed  # 7: OK, streamed over HTTP
             await asyncio.sleep(0.2)  # (nothing more may be counted after the calls ended)
             return {code: count(code) for code in CODES}
         finally:
             await server.stop(0)
 
     counts = asyncio.run(body())
-    assert counts == {"OK": 4, "CANCELLED": 1, "INVALID_ARGUMENT": 1, "UNAVAILABLE": 0}
+    assert counts == {"OK": 4, "CANCELLED": 1, "INVALID_ARGUMENT": 2, "UNAVAILABLE": 0}
 
 
 def test_a_router_without_an_index_exports_no_index_gauge():
