@@ -27,6 +27,7 @@ class HttpCallContext:
         # open server, the same as gate.OPEN_CALLER.
         self.caller = caller
         self.trailing_metadata: tuple[tuple[str, str], ...] = ()
+        self._code: grpc.StatusCode | None = None
 
     def time_remaining(self) -> float | None:
         return None  # HTTP requests carry no deadline; a client that leaves aborts its request
@@ -34,5 +35,10 @@ class HttpCallContext:
     def set_trailing_metadata(self, metadata) -> None:
         self.trailing_metadata = tuple(metadata)
 
+    def code(self) -> grpc.StatusCode | None:
+        """The status the call was aborted with, as gRPC's context says it; None before."""
+        return self._code
+
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        self._code = code
         raise CallAborted(code, details)

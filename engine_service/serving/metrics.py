@@ -100,6 +100,11 @@ class EngineMetrics:
             PREFIX + "requests_finished",
             "Sequences finished, by finish reason (a request with n > 1 counts n; abort: "
             "cancelled, past its deadline, or failed).", ["finish_reason"], registry=r)
+        self.requests = Counter(
+            PREFIX + "requests",
+            "Generation requests (gRPC and HTTP), once each as the call ended, by code: OK, "
+            "the status it ended with (refusals at admission included), CANCELLED when the "
+            "client went away first.", ["code"], registry=r)
         self.requests_rejected = Counter(
             PREFIX + "requests_rejected", "Requests refused before admission, by status code.",
             ["code"], registry=r)

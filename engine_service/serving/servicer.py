@@ -116,37 +116,51 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        valid, caller = await self._admit(request, context)
-        finished_indices: set[int] = set()
-        async with contextlib.aclosing(self._run(valid, caller, context)) as outputs:
-            async for output in outputs:
-                choices = []
-                for c in output.outputs:
-                    # A finish reason is sent once, with the completion's last delta.
-                    newly_finished = _newly_finished(c, finished_indices)
-                    if c.token_ids_delta or c.text_delta or newly_finished:
-                        choices.append(_completion(c, delta=True))
-                yield pb.GenerateStreamResponse(
-                    request_id=valid.request_id,
-                    choices=choices,
-                    usage=_usage(output),
-                    finished=output.finished,
-                )
+        code = "OK"  # how the call ended, counted once (requests_total); here, not around it:
+        try:         # a wrapping generator would cost every streamed message a hop
+            valid, caller = await self._admit(request, context)
+            finished_indices: set[int] = set()
+            async with contextlib.aclosing(self._run(valid, caller, context)) as outputs:
+                async for output in outputs:
+                    choices = []
+                    for c in output.outputs:
+                        # A finish reason is sent once, with the completion's last delta.
+                        newly_finished = _newly_finished(c, finished_indices)
+                        if c.token_ids_delta or c.text_delta or newly_finished:
+                            choices.append(_completion(c, delta=True))
+                    yield pb.GenerateStreamResponse(
+                        request_id=valid.request_id,
+                        choices=choices,
+                        usage=_usage(output),
+                        finished=output.finished,
+                    )
+        except BaseException as error:
+            code = _ended_with(error, context)
+            raise
+        finally:
+            self.metrics.requests.labels(code).inc()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> pb.GenerateResponse:
-        valid, caller = await self._admit(request, context)
-        last = None
-        async with contextlib.aclosing(self._run(valid, caller, context)) as outputs:
-            async for output in outputs:
-                last = output
-        assert last is not None and last.finished
-        return pb.GenerateResponse(
-            request_id=valid.request_id,
-            completions=[_completion(c, delta=False) for c in last.outputs],
-            usage=_usage(last),
-        )
+        code = "OK"
+        try:
+            valid, caller = await self._admit(request, context)
+            last = None
+            async with contextlib.aclosing(self._run(valid, caller, context)) as outputs:
+                async for output in outputs:
+                    last = output
+            assert last is not None and last.finished
+            return pb.GenerateResponse(
+                request_id=valid.request_id,
+                completions=[_completion(c, delta=False) for c in last.outputs],
+                usage=_usage(last),
+            )
+        except BaseException as error:
+            code = _ended_with(error, context)
+            raise
+        finally:
+            self.metrics.requests.labels(code).inc()
 
     async def _admit(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -454,6 +468,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 def _tokenize(validator: RequestValidator,
               request: pb.TokenizeRequest | pb.GenerateRequest) -> Prompt:
     return validator.prompt(request, "input")
+
+
+def _ended_with(error: BaseException, context) -> str:
+    """The code a generation call that raised ended with: the status it was aborted with (a
+    gRPC or an HTTP call's context says it), else CANCELLED when the client went away (the
+    call cancelled, or its consumer closed it), else UNKNOWN (a bug's exception)."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        return grpc.StatusCode.CANCELLED.name
+    return grpc.StatusCode.UNKNOWN.name
 
 
 def _input_chars(request: pb.GenerateRequest) -> int:
