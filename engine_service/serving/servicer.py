@@ -173,12 +173,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.door.check_priority(caller, request.priority)
             prompt = None
             if self.text_worker is not None and _input_chars(request) > INLINE_TOKENIZE_CHARS:
-                self._check_queue_room()  # counted from now: the wait holds the request
+                # Counted from now, in the queue and among its tenant's live requests: the
+                # wait holds the request (a tenant allowed one took every queue slot with
+                # long prompts while they waited here).
+                self._check_queue_room()
+                self.door.enter(caller)
                 self.num_tokenizing += 1
                 try:
                     prompt = await self.text_worker.run(_tokenize, request, bounded=False)
                 finally:
                     self.num_tokenizing -= 1
+                    self.door.leave(caller)  # _run enters again, with no await between
             # Live ids are the tenant's own: another tenant's live id is free here. (No await
             # from here to the engine's add: the id and the queue limit hold until then.)
             valid = self.validator.generate(
