@@ -51,9 +51,16 @@ DEFAULT_MAX_UNSENT_TOKENS = 1 << 16
 # A core that sends nothing this long while it has work (a stream or a call) is taken for hung
 # (a step that never returns: a driver, a deadlock) and killed: without it, a core alive but
 # stuck kept health SERVING and took requests that waited for ever. The core sends a message
-# every step, so only a single step this long reads as hung (vLLM's engine iteration timeout is
-# 60 s too). 0: never.
+# every step, so only a single step this long reads as hung: on a GPU 60 s (vLLM's engine
+# iteration timeout); on a CPU ten minutes, since one step there grows with its chunk's context
+# (SmolLM2-135M on one thread: 17.8 s a step at 8,000 tokens; a model ten times its size, ten
+# times that). 0: never.
 DEFAULT_STALL_TIMEOUT_S = 60.0
+DEFAULT_CPU_STALL_TIMEOUT_S = 600.0
+
+
+def default_stall_timeout_s(device: str) -> float:
+    return DEFAULT_STALL_TIMEOUT_S if device.startswith("cuda") else DEFAULT_CPU_STALL_TIMEOUT_S
 
 _WHOLE_FIELDS = tuple(n for n in CompletionOutput.__slots__ if not n.endswith("_delta"))
 
@@ -240,7 +247,7 @@ class CoreClient:
         self.stream_interval = 1  # OutputBuffer's: new tokens gathered per streamed message
         # OutputBuffer's bound on what waits for a stream that is not read (0: none).
         self.max_unsent_tokens = DEFAULT_MAX_UNSENT_TOKENS
-        self.stall_timeout_s = DEFAULT_STALL_TIMEOUT_S
+        self.stall_timeout_s = DEFAULT_CPU_STALL_TIMEOUT_S  # (the server sets it per device)
         self._heard_at = 0.0  # the core's last message, or when work began after a silence
         self.snapshot: EngineStats | None = None
         self.link = CoreLinkView(self) if options.prefix_index else None
@@ -302,8 +309,8 @@ class CoreClient:
         if timeout > 0 and (self._streams or self._calls) and silent > timeout:
             self._process.kill()  # SIGKILL: a stopped or stuck process takes no other word
             self._die(f"the engine core sent nothing for {silent:.0f} s with "
-                      f"{len(self._streams)} requests live (--core-stall-timeout-s "
-                      f"{timeout:g}): taken for hung and killed")
+                      f"{len(self._streams)} requests and {len(self._calls)} calls waiting "
+                      f"(--core-stall-timeout-s {timeout:g}): taken for hung and killed")
             return
         self._loop.call_later(self._stall_check_interval(), self._check_stall)
 

@@ -40,8 +40,8 @@ from engine_service.serving.async_engine import AsyncEngine
 from engine_service.serving.connection_limits import generation_limits
 from engine_service.serving.core_client import (
     DEFAULT_MAX_UNSENT_TOKENS,
-    DEFAULT_STALL_TIMEOUT_S,
     CoreClient,
+    default_stall_timeout_s,
 )
 from engine_service.serving.core_process import (
     CoreOptions,
@@ -108,8 +108,9 @@ class ServerOptions:
     # What may wait unsent for a stream its client does not read before the request is stopped
     # with RESOURCE_EXHAUSTED, in tokens (core_client.py); 0: no bound.
     max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS
-    # A core silent this long with work to do is taken for hung and killed (core_client.py).
-    core_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    # A core silent this long with work to do is taken for hung and killed (core_client.py);
+    # None: by the engine's device (60 s on a GPU, 600 s on a CPU).
+    core_stall_timeout_s: float | None = None
 
 
 class EngineServer:
@@ -175,7 +176,9 @@ class EngineServer:
         self.async_engine.max_unsent_tokens = self.options.max_unsent_tokens
         if isinstance(self.async_engine, CoreClient):
             self.async_engine.tokenizer = tokenizer  # the core makes no text: we do
-            self.async_engine.stall_timeout_s = self.options.core_stall_timeout_s
+            stall_s = self.options.core_stall_timeout_s
+            self.async_engine.stall_timeout_s = (default_stall_timeout_s(info.device)
+                                                 if stall_s is None else stall_s)
             self.async_engine.stream_interval = self.options.stream_interval
         # A third copy for Tokenize / Detokenize on a thread of their own (text_worker.py).
         text_tokenizer = None if tokenizer is None else load_tokenizer(info.model_config)
@@ -386,11 +389,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the request aborted) once this many tokens, each top logprob counted "
                         "as one more, wait unsent for it; a reader that pauses gets them merged "
                         "into one message (0: no bound)")
-    p.add_argument("--core-stall-timeout-s", type=float,
-                   default=ServerOptions().core_stall_timeout_s,
+    p.add_argument("--core-stall-timeout-s", type=float, default=None,
                    help="an engine core that sends nothing this long while it has requests "
                         "(one step that never returns) is killed and the server exits 1, as "
-                        "when the core dies (0: never)")
+                        "when the core dies (default 60 on a GPU, 600 on a CPU; 0: never)")
     p.add_argument("--prefix-index", default="none",
                    help="HOST:PORT of the prefix index, or 'none' for a local LRU only")
     p.add_argument("--index-lease-s", type=float, default=IndexLinkOptions().lease_s,
@@ -415,7 +417,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--stream-interval must be in [1, 1024] tokens, got {args.stream_interval}")
     if args.max_unsent_tokens < 0:
         p.error(f"--max-unsent-tokens must be >= 0 (0: no bound), got {args.max_unsent_tokens}")
-    if not 0 <= args.core_stall_timeout_s <= 86400:  # (NaN fails it too)
+    if args.core_stall_timeout_s is not None and not 0 <= args.core_stall_timeout_s <= 86400:
         p.error(f"--core-stall-timeout-s must be in [0, 86400] seconds (0: never), got "
                 f"{args.core_stall_timeout_s}")
     if args.torch_threads is not None and args.torch_threads < 0:
