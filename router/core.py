@@ -44,10 +44,11 @@ class NoReplicaError(Exception):
 
 class RefusalLog:
     """The router's log of requests no replica could take: one WARNING when that starts or
-    its cause changes (other replicas down), then at most one every `interval_s` with the
-    count refused meanwhile, and one INFO with the count when a request is routed again. An
-    outage refuses every request: one line each would bury the log (each is counted in
-    requests_failed_total{code="UNAVAILABLE"} already)."""
+    its cause changes (other replicas down), then at most one line every `interval_s`: a
+    WARNING with the count refused meanwhile while refusals go on, an INFO with that count once
+    requests are routed again. An outage refuses every request: one line each would bury the
+    log (each is counted in requests_failed_total{code="UNAVAILABLE"} already); a partial one
+    routes and refuses by turns, which must not log a pair of lines a refusal either."""
 
     def __init__(self, interval_s: float = REFUSALS_LOG_INTERVAL_S) -> None:
         self.interval_s = interval_s
@@ -68,8 +69,9 @@ class RefusalLog:
         self._cause, self._logged_at, self.unlogged = down, now, 0
 
     def routed(self) -> None:
-        """A request was routed: a run of refusals, if any, has ended."""
-        if self._cause is None:
+        """A request was routed: a run of refusals, if any, has ended, said once the interval
+        since the last line has passed (refusals in between carry the run on)."""
+        if self._cause is None or time.monotonic() - self._logged_at < self.interval_s:
             return
         if self.unlogged:
             log.info("routing requests again; %d more refused for want of a replica since the "

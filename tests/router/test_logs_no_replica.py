@@ -50,23 +50,33 @@ def test_an_outage_of_every_replica_logs_once_then_counts(caplog):
         assert line.levelno == logging.WARNING
         assert A in line.getMessage() and B in line.getMessage()
 
-        b.healthy, b.info = True, pb.ModelInfoResponse()  # B is back, then fails again
+        # A partial outage: B routes some requests, others (which failed on B already) find
+        # no replica: a new cause (A down alone), said once; routings and refusals by turns
+        # then carry the run on, no line a turn (a pair of lines a refusal before).
+        b.healthy, b.info = True, pb.ModelInfoResponse()
+        for _ in range(10):
+            await router.route([1, 2, 3], "", set())
+            with pytest.raises(NoReplicaError):
+                await router.route([1, 2, 3], "", {B})
+        assert len(refusal_lines(caplog)) == 2 and routed_again_lines(caplog) == []
+        router.refusals.interval_s = 0.0  # the interval passed: routing again is said, once
         await router.route([1, 2, 3], "", set())
         [again] = routed_again_lines(caplog)
-        assert again.levelno == logging.INFO and "21 more refused" in again.getMessage()
+        assert again.levelno == logging.INFO and "9 more refused" in again.getMessage()
+        router.refusals.interval_s = 30.0
         b.healthy = False
         await refuse(router, 5)
-        assert len(refusal_lines(caplog)) == 2  # a new run of refusals: said again, once
+        assert len(refusal_lines(caplog)) == 3  # a new run of refusals: said again, once
 
         router.replicas.replicas = {A: a}  # B removed: the replicas down changed
         await refuse(router, 3)
-        assert len(refusal_lines(caplog)) == 3
+        assert len(refusal_lines(caplog)) == 4
 
         # Past the interval, the next refusal logs again with the count since the last line.
         router.refusals.interval_s = 0.0
         await refuse(router, 1)
         lines = refusal_lines(caplog)
-        assert len(lines) == 4 and "2 more refused since the last such line" in \
+        assert len(lines) == 5 and "2 more refused since the last such line" in \
             lines[-1].getMessage()
         for replica in (a, b):
             await replica.close()
