@@ -470,6 +470,7 @@ class PrefixIndexLink:
         meanwhile for a re-sync (its generation moved on): then StaleBatchError, and the ops
         are never sent. Pins (no generation) are sent again until the index takes them."""
         assert self._client is not None
+        client = self._client
         seq = self._seq + 1
         retried_unknown = False
         refusals_in_a_row = 0
@@ -484,9 +485,12 @@ class PrefixIndexLink:
                     if generation is not None and generation != self.policy.generation:
                         raise StaleBatchError from error
                     continue
+                # (A CANCELLED of the link's own, closing or replacing its client, is not the
+                # index's: this Apply's seq and epoch died with that client.)
                 transient = error.code in (grpc.StatusCode.UNAVAILABLE,
                                            grpc.StatusCode.DEADLINE_EXCEEDED) or (
-                    error.code == grpc.StatusCode.CANCELLED and not self._closing)
+                    error.code == grpc.StatusCode.CANCELLED and not self._closing
+                    and self._client is client)
                 if retried_unknown or not transient:
                     raise
                 retried_unknown = True
