@@ -98,13 +98,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # stream of 1,000 tokens with 20 logprobs, the engine's live count back at 0).
         self.num_open_calls = 0
         self.num_tokenizing = 0  # generations whose long prompt is on the text worker
+        self.num_pinning = 0  # PinPrefix prefills running in the engine (no generation call)
         self.draining = False
 
     @property
     def num_live(self) -> int:
         """Requests the queue limit counts: live in the engine, or not yet sent in full, or
-        with their prompt being tokenized."""
-        return max(self.engine.num_live, self.num_open_calls) + self.num_tokenizing
+        with their prompt being tokenized. (The engine's count, for a request it has not
+        dropped yet after its call ended.)"""
+        calls = self.num_open_calls + self.num_pinning
+        return max(self.engine.num_live, calls) + self.num_tokenizing
 
     def _check_queue_room(self) -> None:
         limit = self.validator.max_live_requests
@@ -465,7 +468,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.door.enter(caller)
         try:
             self.metrics.prompt_tokens.inc(len(token_ids))
-            await self.pinner.compute(token_ids, salt)
+            self.num_pinning += 1
+            try:
+                await self.pinner.compute(token_ids, salt)
+            finally:
+                self.num_pinning -= 1
         finally:
             self.door.leave(caller)
 

@@ -9,6 +9,7 @@ engine through `engine_server.channel()` (a client certificate).
 from __future__ import annotations
 
 import importlib.util
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -18,6 +19,7 @@ import grpc
 import pytest
 
 from engine_service.tools.launch import EngineProcess
+from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.launch import IndexProcess
 from prefix_index.tools.redis_process import RedisProcess, free_port
@@ -87,7 +89,21 @@ def engine_server(tiny_llama_dir, tmp_path_factory, test_certs) -> Iterator[Engi
         process = EngineProcess(tiny_llama_dir, engine_args(metrics_port, index_target),
                                 log_path=log_path, tls=test_certs.files("engine"))
         stack.enter_context(process)
-        yield EngineUnderTest(process, metrics_port, log_path, test_certs)
+        engine = EngineUnderTest(process, metrics_port, log_path, test_certs)
+        if index_target is not None:
+            # The link registers once the server serves: a PinPrefix before that is refused
+            # (UNAVAILABLE, "not registered yet"), which a test's first call could meet.
+            wait_linked(engine)
+        yield engine
+
+
+def wait_linked(engine: EngineUnderTest, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with engine.channel() as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        while stub.EngineStats(pb.EngineStatsRequest(), timeout=10).degraded:
+            assert time.monotonic() < deadline, "the engine never registered at the index"
+            time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")
