@@ -8,6 +8,11 @@ the engine no descriptor to accept a gRPC connection with. Here a connection mus
 whole request head within `head_timeout_s` of opening (or of its last response), and one past
 `max_connections` is answered 503 and closed at once. The body's own deadline is the app's
 (openai_api/app.py `_body`): it is read by the handler, not here.
+
+Over TLS the connection is taken from its TCP accept (`TlsAcceptor`): asyncio's
+create_server(ssl=...) calls the HTTP protocol's connection_made only once the handshake is done,
+so a client that never sent a ClientHello was neither timed nor counted, and held its descriptor
+for asyncio's default handshake timeout (60 s).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import resource
+import ssl
 from http import HTTPStatus
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -70,8 +76,12 @@ class GuardedH11Protocol(H11Protocol):
         self._await_head()
 
     def on_response_complete(self) -> None:
+        previous = self.cycle
         super().on_response_complete()
-        if not self.transport.is_closing():
+        # A pipelined request whose head came with the last one has started its cycle inside
+        # super(): its head is in, so no head is awaited now (the timer would close it running);
+        # it re-arms when that request's response completes.
+        if not self.transport.is_closing() and self.cycle is previous:
             self._await_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -98,3 +108,92 @@ class GuardedH11Protocol(H11Protocol):
                 f"{self.head_timeout_s:g} s, got {len(partial)} bytes of it by then",
                 code="request_timeout")))
         self.transport.close()
+
+
+class TlsAcceptor:
+    """The protocol factory uvicorn.Config(http=...) takes for HTTPS, with uvicorn's `ssl` left
+    unset: each TCP connection is counted from its accept against `max_connections` (one past
+    it is closed at once: no 503 can go before a handshake), its handshake must finish within
+    `handshake_timeout_s`, and only then is it handed to `http_protocol` (GuardedH11Protocol,
+    which times its head from there)."""
+
+    def __init__(self, http_protocol: type[H11Protocol], context: ssl.SSLContext,
+                 handshake_timeout_s: float, max_connections: int) -> None:
+        self.http_protocol, self.context = http_protocol, context
+        self.handshake_timeout_s, self.max_connections = handshake_timeout_s, max_connections
+        # Accepted, handshake not yet done: each with the task that awaits it (held here: the
+        # loop keeps only weak references to tasks).
+        self.handshaking: dict[asyncio.Transport, asyncio.Task] = {}
+
+    def __call__(self, **http_arguments) -> asyncio.Protocol:
+        """What uvicorn calls once per accepted connection, with the HTTP protocol's arguments."""
+        return _TlsHandshake(self, http_arguments)
+
+    def abort_handshakes(self) -> None:
+        """On shutdown: a handshake under way is no request to finish."""
+        for transport in list(self.handshaking):
+            transport.abort()
+
+
+class _TlsHandshake(asyncio.Protocol):
+    """A raw TCP connection until its TLS handshake is done (loop.start_tls)."""
+
+    def __init__(self, acceptor: TlsAcceptor, http_arguments: dict) -> None:
+        self.acceptor, self.http_arguments = acceptor, http_arguments
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        acceptor = self.acceptor
+        connections = self.http_arguments["server_state"].connections
+        if len(connections) + len(acceptor.handshaking) >= acceptor.max_connections:
+            transport.abort()
+            return
+        # Nothing is read until start_tls has set its SSL protocol on the transport.
+        transport.pause_reading()
+        acceptor.handshaking[transport] = asyncio.ensure_future(self._handshake(transport))
+
+    async def _handshake(self, transport: asyncio.Transport) -> None:
+        acceptor = self.acceptor
+        early = _UntilHandedOver()
+        if transport.is_closing():  # aborted (shutdown) before this ran: no handshake to await
+            acceptor.handshaking.pop(transport, None)
+            return
+        try:
+            tls = await asyncio.get_running_loop().start_tls(
+                transport, early, acceptor.context, server_side=True,
+                ssl_handshake_timeout=acceptor.handshake_timeout_s)
+        except OSError:  # timed out, a bad handshake (SSLError) or gone: start_tls closed it
+            return
+        finally:
+            acceptor.handshaking.pop(transport, None)
+        if tls is None or early.lost:  # gone as the handshake finished
+            return
+        http = acceptor.http_protocol(**self.http_arguments)
+        tls.set_protocol(http)
+        http.connection_made(tls)
+        for data in early.data:
+            http.data_received(data)
+        if early.eof and not http.eof_received():
+            tls.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        pass  # before start_tls only (it takes the transport over): its failure says so
+
+
+class _UntilHandedOver(asyncio.Protocol):
+    """What the TLS transport delivers to until the HTTP protocol has it: start_tls delivers
+    the data read with the handshake's end before it returns, and H11Protocol must see its
+    connection_made first. Holds at most what one handshake's last reads brought."""
+
+    def __init__(self) -> None:
+        self.data: list[bytes] = []
+        self.eof = self.lost = False
+
+    def data_received(self, data: bytes) -> None:
+        self.data.append(data)
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        return True  # kept open: the HTTP protocol, handed the EOF, decides
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True

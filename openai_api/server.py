@@ -11,10 +11,16 @@ import ssl
 import time
 
 import uvicorn
+from uvicorn.config import SSL_PROTOCOL_VERSION, create_ssl_context
 
 from openai_api.app import BODY_TIMEOUT_S, create_app
 from openai_api.backend import Backend
-from openai_api.connection_guard import HEAD_TIMEOUT_S, default_max_connections, guarded_h11
+from openai_api.connection_guard import (
+    HEAD_TIMEOUT_S,
+    TlsAcceptor,
+    default_max_connections,
+    guarded_h11,
+)
 from prefix_index.tools.bind_error import BindError
 from tenancy.gate import Gate
 from trust.credentials import TlsMaterial
@@ -55,6 +61,7 @@ class HttpServer:
         self._socket: socket.socket | None = None
         self._server: _LoopServer | None = None
         self._task: asyncio.Task | None = None
+        self._tls_acceptor: TlsAcceptor | None = None
 
     def bind(self) -> int:
         """BindError when the port is taken; returns the bound port."""
@@ -65,16 +72,23 @@ class HttpServer:
     async def start(self, backend: Backend) -> None:
         if self._socket is None:
             self.bind()
-        files = self.tls.files if self.tls is not None else None
-        mutual = files is not None and self.require_client_cert
+        http = guarded_h11(self.head_timeout_s, self.max_connections)
+        if self.tls is not None:
+            # TLS is set up here, not by uvicorn: its create_server(ssl=...) hands a connection
+            # to the protocol only after the handshake, untimed and uncounted until then.
+            files = self.tls.files
+            mutual = self.require_client_cert
+            context = create_ssl_context(
+                certfile=str(files.cert), keyfile=str(files.key), password=None,
+                ssl_version=SSL_PROTOCOL_VERSION,
+                cert_reqs=ssl.CERT_REQUIRED if mutual else ssl.CERT_NONE,
+                ca_certs=str(files.ca) if mutual else None, ciphers=None)
+            self._tls_acceptor = TlsAcceptor(http, context, self.head_timeout_s,
+                                             self.max_connections)
+            http = self._tls_acceptor
         config = uvicorn.Config(create_app(backend, self.gate, self.body_timeout_s),
-                                lifespan="off",
-                                http=guarded_h11(self.head_timeout_s, self.max_connections),
-                                log_level="warning", access_log=False,
-                                ssl_certfile=str(files.cert) if files else None,
-                                ssl_keyfile=str(files.key) if files else None,
-                                ssl_ca_certs=str(files.ca) if mutual else None,
-                                ssl_cert_reqs=ssl.CERT_REQUIRED if mutual else ssl.CERT_NONE)
+                                lifespan="off", http=http,
+                                log_level="warning", access_log=False)
         self._server = _LoopServer(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))
         while not self._server.started:  # bound already: this is uvicorn's own set-up
@@ -101,6 +115,8 @@ class HttpServer:
         while self._server.server_state.tasks and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self._server.config.timeout_graceful_shutdown = max(0.1, deadline - time.monotonic())
+        if self._tls_acceptor is not None:
+            self._tls_acceptor.abort_handshakes()
         self._server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await self._task

@@ -68,3 +68,36 @@ def test_it_binds_an_ipv6_address():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_trickling_client_is_cut_at_the_deadline_and_scrapes_go_on(metrics):
+    # Each header byte comes well within the socket's read timeout (0.5 s), so only a deadline
+    # per connection cuts them: before, 4 such clients held every slot and refused each scrape.
+    trickling = [socket.create_connection(("127.0.0.1", metrics)) for _ in range(4)]
+    stop = threading.Event()
+
+    def trickle(sock: socket.socket) -> None:
+        request = b"GET /metrics HTTP/1.1\r\n" + b"X" * 100
+        for byte in request:
+            if stop.wait(0.2):
+                return
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                return  # cut by the server
+
+    senders = [threading.Thread(target=trickle, args=(sock,), daemon=True) for sock in trickling]
+    started = time.monotonic()
+    for sender in senders:
+        sender.start()
+    try:
+        assert all(closed_by_server(sock, 2.0) for sock in trickling)
+        assert time.monotonic() - started < 1.5, "cut later than ~1 s"
+        time.sleep(0.2)  # their threads see the sockets shut and give their slots back
+        assert "pagedgen_test_scrapes_total 1.0" in scrape(metrics)
+    finally:
+        stop.set()
+        for sender in senders:
+            sender.join(timeout=5)
+        for sock in trickling:
+            sock.close()

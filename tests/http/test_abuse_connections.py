@@ -9,6 +9,7 @@ the process that also accepts the engine's gRPC connections."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -19,6 +20,7 @@ import pytest
 from openai_api.backend import Backend, ServedModel
 from openai_api.server import HttpServer
 from tests.http.http_util import call
+from tests.support.tls import SessionCerts
 
 HEAD_TIMEOUT_S = 0.5
 BODY_TIMEOUT_S = 0.5
@@ -33,20 +35,29 @@ async def _texts(ids: list[int]) -> list[str]:
     return [str(i) for i in ids]
 
 
-@pytest.fixture
-def server():
+@contextlib.contextmanager
+def serving(http: HttpServer):
+    """`http` served on a loop of its own; its port."""
     loop = asyncio.new_event_loop()
-    http = HttpServer("127.0.0.1", 0, head_timeout_s=HEAD_TIMEOUT_S,
-                      body_timeout_s=BODY_TIMEOUT_S, max_connections=MAX_CONNECTIONS)
     backend = Backend(_Servicer(), lambda: True, lambda: [ServedModel("m", 64, 16, 16)], _texts)
     loop.run_until_complete(http.start(backend))
     runner = threading.Thread(target=loop.run_forever, daemon=True)
     runner.start()
-    yield http.port
-    asyncio.run_coroutine_threadsafe(http.stop(0.1), loop).result(timeout=30)
-    loop.call_soon_threadsafe(loop.stop)
-    runner.join(timeout=30)
-    loop.close()
+    try:
+        yield http.port
+    finally:
+        asyncio.run_coroutine_threadsafe(http.stop(0.1), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(timeout=30)
+        loop.close()
+
+
+@pytest.fixture
+def server():
+    http = HttpServer("127.0.0.1", 0, head_timeout_s=HEAD_TIMEOUT_S,
+                      body_timeout_s=BODY_TIMEOUT_S, max_connections=MAX_CONNECTIONS)
+    with serving(http) as port:
+        yield port
 
 
 def _connect(port: int) -> socket.socket:
@@ -65,13 +76,20 @@ def _read_response(sock: socket.socket) -> bytes:
     """One whole response on a kept-alive connection (its head and Content-Length's body)."""
     data = b""
     while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
+        data += _recv(sock, data)
     head, _, body = data.partition(b"\r\n\r\n")
     length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                   if line.lower().startswith(b"content-length:"))
     while len(body) < length:
-        body += sock.recv(65536)
+        chunk = _recv(sock, data)
+        data, body = data + chunk, body + chunk
     return data
+
+
+def _recv(sock: socket.socket, so_far: bytes) -> bytes:
+    chunk = sock.recv(65536)
+    assert chunk, f"the server closed the connection mid-response, after {so_far!r}"
+    return chunk
 
 
 def _error(response: bytes) -> tuple[int, dict]:
@@ -130,3 +148,54 @@ def test_connections_past_the_limit_are_refused_503_and_the_server_serves_on(ser
             sock.close()
     time.sleep(0.2)  # their closes reach the server
     assert call(f"http://127.0.0.1:{server}/health")[0] == 200
+
+
+def test_a_pipelined_request_running_past_the_head_timeout_is_answered():
+    # The second request's head comes with the first: it is in when the first response ends,
+    # so no head is awaited then. Its body comes only after twice the head timeout (within the
+    # body's own deadline); the head timer closed the connection with that request running.
+    with serving(HttpServer("127.0.0.1", 0, head_timeout_s=HEAD_TIMEOUT_S, body_timeout_s=5.0,
+                            max_connections=MAX_CONNECTIONS)) as port, _connect(port) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1\r\n\r\n")
+        first = _read_response(sock)
+        assert first.startswith(b"HTTP/1.1 200"), first
+        time.sleep(2 * HEAD_TIMEOUT_S)
+        sock.sendall(b"{")  # not JSON: answered 400, but answered
+        second = _read_response(sock)
+        assert second.startswith(b"HTTP/1.1 400"), second
+
+
+def _closed_within(sock: socket.socket, within_s: float) -> bool:
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_tls_connections_that_never_say_hello_are_counted_and_timed(tmp_path):
+    # asyncio hands a TLS connection to the HTTP protocol after its handshake only: one that
+    # sent no ClientHello was counted nowhere and held its descriptor 60 s (asyncio's default).
+    certs = SessionCerts.make(tmp_path)
+    http = HttpServer("127.0.0.1", 0, tls=certs.files("engine").load(),
+                      head_timeout_s=HEAD_TIMEOUT_S, body_timeout_s=BODY_TIMEOUT_S,
+                      max_connections=MAX_CONNECTIONS)
+    with serving(http) as port:
+        silent = [_connect(port) for _ in range(MAX_CONNECTIONS)]
+        try:
+            time.sleep(0.1)  # accepted by the server's loop
+            with _connect(port) as extra:  # past the bound: closed at once, no handshake
+                assert _closed_within(extra, HEAD_TIMEOUT_S / 2)
+            started = time.monotonic()
+            assert all(_closed_within(sock, HEAD_TIMEOUT_S + 5) for sock in silent)
+            assert time.monotonic() - started < HEAD_TIMEOUT_S + 2
+        finally:
+            for sock in silent:
+                sock.close()
+        time.sleep(0.2)  # their closes reach the server
+        status, _ = call(f"https://127.0.0.1:{port}/health", context=certs.ssl_context())
+        assert status == 200
