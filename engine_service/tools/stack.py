@@ -16,7 +16,8 @@ folder's certs/; the index and the engines talk mutual TLS, the front door serve
 stack prints the CA file clients verify it with. --insecure runs everything in plain text.
 Without --log-dir, all of it (keys included) lives in a temporary folder removed on exit; a
 failed run keeps its logs there, its keys and certificates removed; the folder of a stack
-that was killed (SIGKILL) is removed by the next stack this user starts.
+that was killed (SIGKILL) is removed by the next stack this user starts (a live stack holds a
+lock on its own, seen from any pid namespace sharing /tmp).
 
 The front door takes API keys: a key file of the stack's own (one tenant allowed everything,
 its key printed) unless --api-key-file names yours (then --api-key is the one the stack's own
@@ -31,10 +32,8 @@ import logging
 import math
 import os
 import secrets
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -43,6 +42,11 @@ import grpc
 
 from engine_service.serving.torch_threads import usable_cpus
 from engine_service.tools.launch import EngineProcess
+from engine_service.tools.stack_folders import (
+    make_temporary,
+    remove_abandoned_folders,
+    remove_temporary,
+)
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.server.redis_url import redacted_url
@@ -79,28 +83,43 @@ class Stopped(Exception):
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def _raise_stopped(signum: int, _frame) -> None:
-    if signum == signal.SIGHUP:
-        _leave_closed_terminal()
-    raise Stopped(signum)
+class StopSignals:
+    """The stack's handlers of STOP_SIGNALS, and what they need of the terminal it started in.
 
+    After a hang-up a terminal's writes fail (EIO), and the kernel makes them fail before it
+    sends SIGHUP: isatty() is already False in the handler, so which of fds 1 and 2 were the
+    terminal is recorded at start-up. On SIGHUP /dev/null is put under those fds (dup2), so
+    that what the stack says while it stops the services goes nowhere instead of ending it
+    half way; print() and logging handlers holding the old stream objects write to it too."""
 
-def _leave_closed_terminal() -> None:
-    """After a hang-up a terminal's writes fail (EIO): what the stack says while it stops the
-    services goes nowhere instead of ending it half way."""
-    devnull = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        if stream is not None and stream.isatty():
-            setattr(sys, name, devnull)
+    def __init__(self) -> None:
+        self.terminal_fds = [fd for fd in (1, 2) if os.isatty(fd)]
+        # Opened now: the handler then needs no free descriptor, nor a file system, to do it.
+        self._devnull = (os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+                         if self.terminal_fds else None)
 
+    def raise_stopped(self, signum: int, _frame) -> None:
+        if signum == signal.SIGHUP:
+            self.leave_closed_terminal()
+        raise Stopped(signum)
 
-def _note_second_signal(signum: int, _frame) -> None:
-    # Raised here, it would cut a child's drain short and leave that child running.
-    if signum == signal.SIGHUP:
-        _leave_closed_terminal()
-    print(f"{signal.Signals(signum).name}: already stopping, waiting for the services to exit",
-          file=sys.stderr, flush=True)
+    def note_second_signal(self, signum: int, _frame) -> None:
+        # Raised here, it would cut a child's drain short and leave that child running.
+        if signum == signal.SIGHUP:
+            self.leave_closed_terminal()
+        print(f"{signal.Signals(signum).name}: already stopping, waiting for the services to "
+              f"exit", file=sys.stderr, flush=True)
+
+    def leave_closed_terminal(self) -> None:
+        if self._devnull is None:
+            return
+        for fd in self.terminal_fds:
+            os.dup2(self._devnull, fd)
+
+    def close(self) -> None:
+        if self._devnull is not None:
+            os.close(self._devnull)
+            self._devnull = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -254,79 +273,42 @@ def wait_for_signal() -> None:
         time.sleep(0.5)
 
 
-def _remove_temporary(log_dir: Path, keep_logs: bool) -> None:
-    """The temporary log folder goes on exit: it holds the CA's and services' private keys, the
-    API keys and the tenant secret. A failed run keeps the logs (its message points at them)."""
-    if not keep_logs:
-        shutil.rmtree(log_dir, ignore_errors=True)
-        return
-    shutil.rmtree(log_dir / "certs", ignore_errors=True)
-    for name in ("api-keys.toml", "tenant-secret"):
-        (log_dir / name).unlink(missing_ok=True)
-    print(f"logs kept in {log_dir} (its keys and certificates removed)", file=sys.stderr)
-
-
-TEMPORARY_PREFIX = "pagedgen-stack-"
-OWNER_FILE = "stack.pid"  # in a temporary folder: the stack that made it
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process (a reused pid): not ours to judge
-    return True
-
-
-def _remove_abandoned_folders() -> None:
-    """The temporary folders of stacks that were killed (SIGKILL runs no clean-up: their
-    services die with them, their folders stay): each holds private keys, API keys and the
-    tenant secret. Only this user's, named as ours, whose stack's pid is gone."""
-    for folder in Path(tempfile.gettempdir()).glob(TEMPORARY_PREFIX + "*"):
-        try:
-            if folder.stat().st_uid != os.getuid():
-                continue
-            pid = int((folder / OWNER_FILE).read_text())
-        except (OSError, ValueError):
-            continue  # not a folder of ours, or one being made right now
-        if not _alive(pid):
-            shutil.rmtree(folder, ignore_errors=True)
-            print(f"removed {folder}, left by a stack that was killed", file=sys.stderr)
-
-
 def run(args: argparse.Namespace) -> int:
     """Start, stream, (serve,) stop; the exit code. SIGINT / SIGTERM / SIGHUP stop every service,
     newest first, at any point (before the completion: 128 + the signal's number)."""
-    _remove_abandoned_folders()
+    remove_abandoned_folders()
     try:  # before anything starts or is written: none found is a set-up problem
         redis_binary = find_redis_server()
     except FileNotFoundError as error:
         raise RuntimeError(f"{error} (bash scripts/setup.sh installs one)") from None
-    previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
+    handlers = StopSignals()
+    previous = {sig: signal.signal(sig, handlers.raise_stopped) for sig in STOP_SIGNALS}
     temporary = args.log_dir is None
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix=TEMPORARY_PREFIX))
     if temporary:
-        (log_dir / OWNER_FILE).write_text(str(os.getpid()))
+        log_dir, lock_fd = make_temporary()
+    else:
+        log_dir = args.log_dir
     code = FAILED
     try:
-        code = _run(args, log_dir, redis_binary)
+        code = _run(args, log_dir, redis_binary, handlers)
     except Stopped as stopped:
         print(f"\nstopped by {stopped} before the stack was done; every service stopped",
               file=sys.stderr, flush=True)
         code = 128 + stopped.signum
     finally:
         for sig in previous:
-            signal.signal(sig, _note_second_signal)
+            signal.signal(sig, handlers.note_second_signal)
         if temporary:
-            _remove_temporary(log_dir, keep_logs=code == FAILED and any(log_dir.glob("*.log")))
+            remove_temporary(log_dir, lock_fd,
+                              keep_logs=code == FAILED and any(log_dir.glob("*.log")))
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        handlers.close()
     return code
 
 
-def _run(args: argparse.Namespace, log_dir: Path, redis_binary: str) -> int:
+def _run(args: argparse.Namespace, log_dir: Path, redis_binary: str,
+         handlers: StopSignals) -> int:
     model = args.model
     if model is None:
         from engine_service.tools.prepare_model import ensure_default_model
@@ -438,7 +420,7 @@ def _run(args: argparse.Namespace, log_dir: Path, redis_binary: str) -> int:
         except Stopped:
             pass
         for sig in STOP_SIGNALS:  # from here on, nothing cuts a drain short
-            signal.signal(sig, _note_second_signal)
+            signal.signal(sig, handlers.note_second_signal)
         print("shutting down ...", flush=True)
         # ExitStack stops the rest in reverse: the router, the engines (each drained), the
         # index, then Redis.

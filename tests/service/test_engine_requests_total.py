@@ -25,7 +25,8 @@ def http_post(certs, url: str, body: dict) -> int:
     request = urllib.request.Request(url, json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=60, context=certs.ssl_context("client")) as reply:
+        with urllib.request.urlopen(request, timeout=60,
+                                    context=certs.ssl_context("client")) as reply:
             reply.read()
             return reply.status
     except urllib.error.HTTPError as error:

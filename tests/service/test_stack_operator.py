@@ -6,8 +6,10 @@ that no process's command line shows."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
+import pty
 import select
 import shutil
 import signal
@@ -246,6 +248,11 @@ class ExitOrder:
         self._watcher: threading.Thread | None = None
 
     def __call__(self, proc: subprocess.Popen) -> None:
+        self.watch()
+        os.killpg(proc.pid, self.sig)
+
+    def watch(self) -> None:
+        """From now on, record the order the running services exit in."""
         fds = {}
         for pid, cmdline in started_by_test(self.tmp_path).items():
             if kind := service_kind(cmdline):
@@ -253,7 +260,6 @@ class ExitOrder:
         self.started = sorted(fds.values())
         self._watcher = threading.Thread(target=self._watch, args=(fds,), daemon=True)
         self._watcher.start()
-        os.killpg(proc.pid, self.sig)
 
     def _watch(self, fds: dict[int, str]) -> None:
         deadline = time.monotonic() + 60
@@ -286,21 +292,108 @@ def test_ctrl_c_in_a_terminal_stops_the_services_newest_first(sig, tiny_llama_di
     assert ours_left(tmp_path) == [], out
 
 
+# Run with the terminal on its stdin as its controlling terminal, as a shell's job is.
+TAKE_TERMINAL = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                 "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
+def test_a_terminal_hang_up_stops_the_services_newest_first(tiny_llama_dir, tmp_path):
+    """The terminal closing (its pty's master closed): the kernel makes the terminal's writes
+    fail (EIO) before it sends SIGHUP, so isatty() was already False in the handler, stdout
+    stayed the terminal and the stack's 'shutting down ...' ended it half way (exit 1)."""
+    master, slave = pty.openpty()
+    args = ["--model", str(tiny_llama_dir), "--http-port", "0", "--max-tokens", "4",
+            "--keep-running"]
+    proc = subprocess.Popen([sys.executable, "-c", TAKE_TERMINAL, *STACK[1:], *args],
+                            stdin=slave, stdout=slave, stderr=slave, env=stack_env(tmp_path),
+                            start_new_session=True)
+    os.close(slave)
+    order = ExitOrder(tmp_path, signal.SIGHUP)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 180
+        while b"Ctrl-C to stop" not in seen and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: the stack closed the terminal (it exited)
+                    chunk = b""
+                if not chunk:
+                    break
+                seen += chunk
+        out = seen.decode(errors="replace")
+        assert "Ctrl-C to stop" in out, out
+        order.watch()
+        os.close(master)  # the terminal closes: the kernel hangs it up and sends SIGHUP
+        master = None
+        code = proc.wait(timeout=60)
+        live = wait_group_gone(proc.pid, tmp_path)
+    finally:
+        if master is not None:
+            os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in started_by_test(tmp_path):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert order.started == ["engine", "index", "redis"], out
+    assert code == 0, out  # returned from run(): 'stopped cleanly', written to /dev/null
+    assert order.rank("engine") <= order.rank("index") <= order.rank("redis"), order.exits
+    assert live == [], out
+    assert ours_left(tmp_path) == [], out
+
+
+def start_next_stack(tmp_path: Path) -> str:
+    """A stack starting on the same TMPDIR, which sweeps it first; its stderr. (No redis-server:
+    it stops right after.)"""
+    empty = tmp_path / "bin"
+    empty.mkdir(exist_ok=True)
+    done = subprocess.run(STACK + ["--http-port", "0"], capture_output=True, text=True,
+                          timeout=60, env=stack_env(tmp_path, PATH=str(empty)))
+    assert "no redis-server found" in done.stderr, done.stderr
+    return done.stderr
+
+
+def holders_of(path: Path) -> list[int]:
+    """Pids with `path` open."""
+    holders = []
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd) == str(path):
+                holders.append(int(fd.parts[2]))
+        except OSError:
+            continue
+    return holders
+
+
 def test_a_killed_stack_leaves_no_service_running(tiny_llama_dir, tmp_path):
     """SIGKILL cannot be handled: its services, in sessions of their own, would outlive it."""
+    def check_lock_then_kill(proc: subprocess.Popen) -> None:
+        # The stack alone holds its folder's lock (a service holding it would keep a killed
+        # stack's folder from being swept for as long as it ran).
+        [folder] = (tmp_path / "tmp").glob("pagedgen-stack-*")
+        lock = folder / "stack.lock"
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        assert holders_of(lock) == [proc.pid]
+        proc.kill()
+
     code, out, live = run_until(tmp_path, ["--model", str(tiny_llama_dir), "--http-port", "0",
                                            "--max-tokens", "4", "--keep-running"],
-                                "Ctrl-C to stop", signal.SIGKILL)
+                                "Ctrl-C to stop", check_lock_then_kill)
     assert code == -signal.SIGKILL, out
     assert live == [], out
     # Its folder, keys and all, stayed; the next stack removes it before it starts.
     [left] = [name for name in ours_left(tmp_path) if name.startswith("pagedgen-stack-")]
-    empty = tmp_path / "bin"  # (no redis-server: it stops right after)
-    empty.mkdir()
-    done = subprocess.run(STACK + ["--model", str(tiny_llama_dir), "--http-port", "0"],
-                          capture_output=True, text=True, timeout=60,
-                          env=stack_env(tmp_path, PATH=str(empty)))
-    assert f"removed {tmp_path / 'tmp' / left}, left by a stack that was killed" in done.stderr
+    stderr = start_next_stack(tmp_path)
+    assert f"removed {tmp_path / 'tmp' / left}, left by a stack that was killed" in stderr
     assert not any(name.startswith("pagedgen-stack-") for name in ours_left(tmp_path))
 
 
@@ -365,6 +458,9 @@ def test_a_failed_start_keeps_the_logs_but_not_the_keys(tmp_path):
     assert (folder / "engine-0.log").exists()
     assert not (folder / "certs").exists()
     assert not (folder / "api-keys.toml").exists() and not (folder / "tenant-secret").exists()
+    # The next stack took them for a killed stack's folder and removed them.
+    assert "removed" not in start_next_stack(tmp_path)
+    assert (folder / "engine-0.log").exists()
     shutil.rmtree(folder)
 
 
