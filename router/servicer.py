@@ -24,6 +24,7 @@ from pagedgen_api import generation_pb2_grpc as pb_grpc
 from router.config import DEFAULT_CONTEXT_TOKENS
 from router.core import NoReplicaError, Router
 from router.proxy import RoutedRequest, tenant_metadata
+from router.relay_buffer import merge_messages
 from router.replicas import Replica
 from tenancy.door import TenantDoor, TenantRefused
 from tenancy.gate import Caller
@@ -142,29 +143,22 @@ class RouterServicer(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         """The stream, gathered: a unary request is resumed like a stream when its replica
         fails."""
-        completions: dict[int, pb.Completion] = {}
-        last = None
+        gathered = pb.GenerateStreamResponse()  # the messages merged as a slow reader's are
+        received = False
         async with contextlib.aclosing(self._routed(request, context)) as messages:
             async for message in messages:
-                last = message
-                for delta in message.choices:
-                    gathered = completions.setdefault(delta.index, pb.Completion(index=delta.index))
-                    gathered.text += delta.text
-                    gathered.token_ids.extend(delta.token_ids)
-                    gathered.logprobs.extend(delta.logprobs)
-                    if delta.finish_reason:
-                        gathered.finish_reason = delta.finish_reason
-                    which = delta.WhichOneof("stop_reason")
-                    if which is not None:
-                        setattr(gathered, which, getattr(delta, which))
-                    if delta.HasField("cumulative_logprob"):  # the latest says all so far
-                        gathered.cumulative_logprob = delta.cumulative_logprob
-        if last is None or not last.finished:
+                if received:
+                    merge_messages(gathered, message)
+                else:
+                    gathered.CopyFrom(message)
+                    received = True
+        if not gathered.finished:
             await context.abort(grpc.StatusCode.INTERNAL,
                                 "the replica's stream ended without its last message")
-        return pb.GenerateResponse(request_id=last.request_id,
-                                   completions=[completions[i] for i in sorted(completions)],
-                                   usage=last.usage)
+        return pb.GenerateResponse(
+            request_id=gathered.request_id,
+            completions=sorted(gathered.choices, key=lambda choice: choice.index),
+            usage=gathered.usage)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         caller = await self.door.caller(context)

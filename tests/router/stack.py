@@ -112,6 +112,13 @@ class RouterStack:
                          tls=self.certs.files("index")))
         return self.index
 
+    def restart_dead_engines(self) -> None:
+        """Every engine up again, each dead one at its old port (a test before on this
+        worker may have killed some)."""
+        for engine_id, engine in list(self.engines.items()):
+            if engine.proc is None or engine.proc.poll() is not None:
+                self.start_engine(engine_id, port=engine.port)
+
     def kill_engine(self, engine_id: str) -> None:
         self.engines[engine_id].kill()
 

@@ -150,15 +150,8 @@ async def cancel_while_queued(stub, counts: Counts, seed: int) -> bool:
     return counts.prefilled() == prefilled
 
 
-def restart_dead_engines(stack: RouterStack) -> None:
-    """Run alone or after the death test: every engine of the stack up again (its old port)."""
-    for engine_id, engine in list(stack.engines.items()):
-        if engine.proc is None or engine.proc.poll() is not None:
-            stack.start_engine(engine_id, port=engine.port)
-
-
 def test_counters_are_back_at_zero_after_client_cancels(engines):
-    restart_dead_engines(engines)
+    engines.restart_dead_engines()  # run alone or after the death test
 
     async def body() -> None:
         async with router_in_front_of(engines) as (router, stub):
@@ -187,7 +180,7 @@ def test_counters_are_back_at_zero_after_client_cancels(engines):
 
 
 def test_counters_are_back_at_zero_after_a_replica_dies_mid_stream(engines):
-    restart_dead_engines(engines)
+    engines.restart_dead_engines()  # run alone or after the death test
     # Long enough that no stream can end between its first message and the kill.
     max_tokens = 1000
 

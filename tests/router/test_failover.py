@@ -45,16 +45,16 @@ def busy_engine(stack) -> str:
     return ""
 
 
-def restart_dead_engines(stack) -> None:
-    """Every engine of the stack up (a test before may have killed one), at its old port."""
-    for engine_id, engine in list(stack.engines.items()):
-        if engine.proc is None or engine.proc.poll() is not None:
-            stack.start_engine(engine_id, port=engine.port)
+@pytest.fixture(autouse=True)
+def every_engine_up(stack) -> None:
+    """Each test starts with both replicas, each dead one restarted at its old port: the test
+    before it on this worker (under --dist load, not necessarily the one before it in the
+    file) may have killed some."""
+    stack.restart_dead_engines()
     stack.wait_routable(len(stack.engines))
 
 
 def test_a_replica_killed_mid_stream_is_invisible_to_the_client(stack, router_stub):
-    restart_dead_engines(stack)  # a test before it on this worker may have killed one
     ids = prompt(11)
     baseline = [t for m in router_stub.GenerateStream(stream_request(ids, "baseline"),
                                                       timeout=120) for c in m.choices
@@ -101,7 +101,6 @@ def model_info(stack, target: str) -> pb.ModelInfoResponse:
 def test_a_replica_restarted_under_its_id_gets_no_stale_credit(stack, router_stub):
     # Its own victim, whatever ran before: a replica that cached the prompt, then killed; the
     # prompt then runs (and is cached) on the survivor.
-    restart_dead_engines(stack)
     ids = prompt(13)
     _, [victim] = generate(router_stub, ids)
     chain = hasher_of(router_stub).chain(ids, None)
@@ -138,7 +137,6 @@ def test_a_replica_restarted_under_its_id_gets_no_stale_credit(stack, router_stu
 def test_a_replica_that_hangs_mid_stream_is_left_behind(stack, router_stub):
     """SIGSTOP: the process is alive and its sockets open, but nothing answers. The router
     finds it down (its stats poll times out) and moves the silent stream elsewhere."""
-    restart_dead_engines(stack)  # a test before it on this worker may have killed one
     ids = prompt(12)
     baseline = [t for m in router_stub.GenerateStream(stream_request(ids, "hang-baseline"),
                                                       timeout=120) for c in m.choices
@@ -172,7 +170,6 @@ def router_details(router_stub) -> dict[str, str]:
 
 
 def test_index_down_falls_back_then_recovers_by_itself(stack, router_stub):
-    restart_dead_engines(stack)  # a test before it on this worker may have killed one
     # Routes read the router's copy of the index's residency view while its watch holds.
     wait_until(lambda: router_details(router_stub)["index_residency"] == "synced",
                what="the router's residency copy synced")

@@ -248,3 +248,16 @@ def test_sigterm_drains_the_front_and_stops_the_core(tiny_llama_dir, tmp_path, t
     assert tokens == 40
     assert returncode == 0
     assert wait_gone(core)
+
+
+def test_the_stall_timeout_a_user_gets_follows_the_device(tiny_llama_dir):
+    """Unset (the default), --core-stall-timeout-s is a GPU step's 60 s or a CPU's ten minutes,
+    where one step of a long prompt may take many seconds; the flag takes 0 (never)."""
+    from engine_service.serving.core_client import default_stall_timeout_s
+    from engine_service.serving.server import parse_args
+
+    assert default_stall_timeout_s("cpu") == 600.0
+    assert default_stall_timeout_s("cuda:0") == 60.0
+    model = ["--model", str(tiny_llama_dir), "--insecure"]
+    assert parse_args(model).core_stall_timeout_s is None
+    assert parse_args([*model, "--core-stall-timeout-s", "0"]).core_stall_timeout_s == 0
