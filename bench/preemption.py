@@ -62,6 +62,16 @@ def _median_ms(fn, repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
+def _moved(runner, moves) -> None:
+    """The moves applied and landed: on CUDA a swap in is only queued when apply_moves
+    returns."""
+    import torch
+
+    runner.apply_moves(moves)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
 def block_cost(make_engine, block_size: int, tokens: int, repeats: int) -> BlockCost:
     from engine_service.core.scheduler_output import BlockMoves
     from engine_service.model.sampling_params import SamplingParams
@@ -73,8 +83,8 @@ def block_cost(make_engine, block_size: int, tokens: int, repeats: int) -> Block
     runner = engine.runner
     # The runner's CPU pool is sized from swap_space; the blocks moved are the first ones.
     pairs = [(i, i) for i in range(num_blocks)]
-    out_ms = _median_ms(lambda: runner.apply_moves(BlockMoves(swap_out=pairs)), repeats)
-    in_ms = _median_ms(lambda: runner.apply_moves(BlockMoves(swap_in=pairs)), repeats)
+    out_ms = _median_ms(lambda: _moved(runner, BlockMoves(swap_out=pairs)), repeats)
+    in_ms = _median_ms(lambda: _moved(runner, BlockMoves(swap_in=pairs)), repeats)
     prompt = list(fixed_random(1, tokens, tokens, 1, seed=block_size).requests[0]
                   .prompt_token_ids)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
