@@ -17,7 +17,8 @@ stack prints the CA file clients verify it with. --insecure runs everything in p
 Without --log-dir, all of it (keys included) lives in a temporary folder removed on exit; a
 failed run keeps its logs there, its keys and certificates removed; the folder of a stack
 that was killed (SIGKILL) is removed by the next stack this user starts (a live stack holds a
-lock on its own, seen from any pid namespace sharing /tmp).
+lock on its own, seen from any pid namespace sharing /tmp), and its Redis's work folder
+(pagedgen-redis-*, no secrets) by the next Redis started, a stack's or a test's.
 
 The front door takes API keys: a key file of the stack's own (one tenant allowed everything,
 its key printed) unless --api-key-file names yours (then --api-key is the one the stack's own
@@ -42,15 +43,15 @@ import grpc
 
 from engine_service.serving.torch_threads import usable_cpus
 from engine_service.tools.launch import EngineProcess
-from engine_service.tools.stack_folders import (
-    make_temporary,
-    remove_abandoned_folders,
-    remove_temporary,
-)
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.server.redis_url import redacted_url
 from prefix_index.tools.launch import IndexProcess
+from prefix_index.tools.locked_folders import (
+    make_temporary,
+    remove_abandoned_folders,
+    remove_temporary,
+)
 from prefix_index.tools.redis_process import (
     RedisProcess,
     find_redis_server,

