@@ -61,6 +61,7 @@ ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 REFUSED_BACKOFF_S = 0.1
 REFUSED_BACKOFF_MAX_S = 5.0
 REFUSED_JITTER = 0.2  # each wait is stretched by up to this share, so engines do not align
+REFUSED_LOG_INTERVAL_S = 30.0  # the most often refused Applies are logged (RefusedApplies)
 # The longest wait between two attempts to register while degraded: what an index that comes
 # back may wait for an engine, at most, besides the call itself.
 RETRY_MAX_S = 5.0
@@ -129,6 +130,45 @@ class IndexLinkStats:
     apply_backoffs: int = 0  # Applies refused with RESOURCE_EXHAUSTED, kept and sent again
     rpc_seconds: dict[str, float] = field(default_factory=dict)  # method -> total latency
     rpc_calls: dict[str, int] = field(default_factory=dict)  # method -> calls
+
+
+class RefusedApplies:
+    """The link's log of Applies the index refused (RESOURCE_EXHAUSTED): one WARNING when
+    refusals start, then at most one line every `interval_s`: a WARNING with the count refused
+    meanwhile while refusals go on, an INFO with that count once an Apply is taken again. Past
+    its --apply-ops-per-s the index refuses an Apply per back-off for as long as a burst lasts:
+    a line each buried the log (each is counted in apply_backoffs already). Under a rate limit
+    Applies are refused and taken by turns: a run of refusals ends at an Apply taken once the
+    interval since its last line has passed (refusals in between carry it on), so no pair of
+    lines is logged per refusal (as the router's RefusalLog)."""
+
+    def __init__(self, target: str, interval_s: float = REFUSED_LOG_INTERVAL_S) -> None:
+        self.target = target
+        self.interval_s = interval_s
+        self.unlogged = 0  # refused since the last line
+        self._refusing = False  # a run of refusals was logged and has not ended
+        self._logged_at = 0.0
+
+    def refused(self, num_ops: int, details: str, delay_s: float) -> None:
+        now = time.monotonic()
+        if self._refusing and now - self._logged_at < self.interval_s:
+            self.unlogged += 1
+            return
+        meanwhile = (f" ({self.unlogged} more refused since the last such line)"
+                     if self.unlogged else "")
+        log.warning("prefix index %s: Apply of %d ops refused (%s); keeping them, backing off "
+                    "%.2fs%s", self.target, num_ops, details, delay_s, meanwhile)
+        self._refusing, self._logged_at, self.unlogged = True, now, 0
+
+    def taken(self) -> None:
+        """An Apply was taken: a run of refusals, if any, has ended, said once the interval
+        since its last line has passed."""
+        if not self._refusing or time.monotonic() - self._logged_at < self.interval_s:
+            return
+        meanwhile = (f"; {self.unlogged} more refused since the last such line"
+                     if self.unlogged else "")
+        log.info("prefix index %s: Applies taken again%s", self.target, meanwhile)
+        self._refusing, self.unlogged = False, 0
 
 
 class RetryBackoff:
@@ -235,6 +275,7 @@ class PrefixIndexLink:
         self._channel_failed = False
         self._closing = False
         self._last_rpc = 0.0
+        self._refusals = RefusedApplies(target)
         self._loop = asyncio.new_event_loop()
         self._wake = asyncio.Event()
         self._send_lock = asyncio.Lock()  # one Apply at a time keeps the ops in order
@@ -496,6 +537,7 @@ class PrefixIndexLink:
                 retried_unknown = True
         self._seq = seq
         self._stats.applies += 1
+        self._refusals.taken()
         return reply
 
     async def _back_off(self, error: PrefixIndexClientError, num_ops: int,
@@ -509,8 +551,7 @@ class PrefixIndexLink:
             delay_s = min(REFUSED_BACKOFF_MAX_S, REFUSED_BACKOFF_S * 2 ** refusals_in_a_row)
         delay_s *= 1 + self._jitter.uniform(0, REFUSED_JITTER)
         self._stats.apply_backoffs += 1
-        log.warning("prefix index %s: Apply of %d ops refused (%s); keeping them, backing off "
-                    "%.2fs", self.target, num_ops, error.details, delay_s)
+        self._refusals.refused(num_ops, error.details, delay_s)
         deadline = time.monotonic() + delay_s
         heartbeat_every = max(0.05, self.options.lease_s / 3)
         while (not self._closing and generation in (None, self.policy.generation)

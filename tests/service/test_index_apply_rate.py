@@ -6,13 +6,16 @@ engine's. Real processes on the session's certificates: Redis, the index, pagedg
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from engine_service.core.block_hash import BlockHasher
+from engine_service.index.link import REFUSED_LOG_INTERVAL_S, RefusedApplies
 from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
@@ -69,6 +72,7 @@ def test_an_engine_past_its_apply_rate_backs_off_and_the_index_catches_up(tiny_l
                 sampling=pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)),
                 timeout=120)
 
+        started = time.monotonic()
         with ThreadPoolExecutor(BURST) as pool:
             replies = list(pool.map(generate, prompts))
         # Serving never failed: every request of the burst is answered whole.
@@ -105,6 +109,7 @@ def test_an_engine_past_its_apply_rate_backs_off_and_the_index_catches_up(tiny_l
         held = {m.engine_id: m.matched_blocks for m in asyncio.run(lookup())}
         assert held == {ENGINE_ID: 2}
 
+        elapsed_s = time.monotonic() - started
         # The index refused Applies, and the engine waited each time before sending again:
         # one back-off per refusal, each long enough that the Apply after it passed.
         page = urllib.request.urlopen(f"http://127.0.0.1:{index_metrics_port}/metrics",
@@ -115,7 +120,44 @@ def test_an_engine_past_its_apply_rate_backs_off_and_the_index_catches_up(tiny_l
         assert refused >= 1, "the burst never reached the index's Apply rate"
         assert int(details["apply_backoffs"]) == refused
         assert refused <= accepted
+        # Logged as a WARNING when the refusals began, then at most once an interval with the
+        # count refused meanwhile (a line each buried the log); the rest of the count comes
+        # with the next line (an INFO, not logged here, once Applies are taken again).
         backoffs = [line for line in log_path.read_text().splitlines()
                     if "backing off" in line]
-        assert len(backoffs) == refused
+        assert 1 <= len(backoffs) <= 1 + elapsed_s / REFUSED_LOG_INTERVAL_S
+        assert len(backoffs) + more_refused(backoffs) <= refused
         assert all("--apply-ops-per-s 25" in line for line in backoffs)
+
+
+def more_refused(lines: list[str]) -> int:
+    """The refusals lines say were not logged on lines of their own."""
+    return sum(int(n) for line in lines
+               for n in re.findall(r"(\d+) more refused since the last such line", line))
+
+
+def test_a_flood_of_refused_applies_is_a_few_lines_that_count_every_refusal(caplog):
+    refusals = RefusedApplies("index:50061", interval_s=3600.0)
+    with caplog.at_level(logging.INFO, logger="engine_service.index.link"):
+        for _ in range(500):  # refused and taken by turns, as under the index's Apply rate
+            refusals.refused(64, "past --apply-ops-per-s 25", 0.1)
+            refusals.taken()
+        refusals.interval_s = 0.0  # the interval past: one line, with the count meanwhile
+        refusals.refused(64, "past --apply-ops-per-s 25", 0.1)
+        refusals.interval_s = 3600.0
+        for _ in range(200):
+            refusals.refused(64, "past --apply-ops-per-s 25", 0.1)
+        refusals.interval_s = 0.0  # taken again, the interval past: said with the count
+        refusals.taken()
+        refusals.interval_s = 3600.0
+        refusals.refused(64, "redis full", 0.1)  # a new run: said at once
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records
+             if r.name == "engine_service.index.link"]
+    assert [level for level, _ in lines] == [logging.WARNING, logging.WARNING, logging.INFO,
+                                             logging.WARNING]
+    warnings = [text for level, text in lines if level == logging.WARNING]
+    assert len(warnings) + more_refused([text for _, text in lines]) == 500 + 1 + 200 + 1
+    assert "(499 more refused since the last such line)" in lines[1][1]
+    assert lines[2][1] == ("prefix index index:50061: Applies taken again; 200 more refused "
+                           "since the last such line")
+    assert "more refused" not in lines[3][1] and "(redis full)" in lines[3][1]
