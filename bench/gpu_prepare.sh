@@ -8,16 +8,25 @@
 #                Python (3.12: bench/results/gpu_h200/at_037af0b/gpu_check.log) on x86-64
 #                Linux, at the versions installed here (what CI tests): grpcio and its
 #                health and reflection services (the served stage), protobuf (our stubs
-#                need >= 7.35), redis (imported by the optional tests stage)
+#                need >= 7.35), redis (imported by the optional tests stage); and what
+#                pagedgen-engine and engine_service.tools.launch import that the image lacks
+#                (its package list: /work/.library/device/KINDS.md): cryptography (trust/,
+#                with cffi and pycparser), starlette, uvicorn and pydantic (the HTTP front,
+#                with pydantic-core, annotated-types and typing-inspection; and the
+#                typing-extensions and anyio they need, whose versions there are unknown).
+#                Without them the served stage stops at its first import
+#                (ModuleNotFoundError; tests/bench/test_gpu_carry.py)
 #   .gpu_carry/  smollm2/: SmolLM2's config.json, generation_config.json and tokenizer files
 #                (the 8B checkpoint is drawn there, its tokenizer padded to Llama-3's
 #                128,256 ids: bench/random_checkpoint.py); source.txt: the commit and whether
 #                the tree had changes, which the summary records (.git does not travel)
-# Together about 12 MiB; the device tool carries 64 MiB with the working tree.
+# Together about 18 MiB; the device tool carries 64 MiB with the working tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GPU_PYTHON=3.12
-PACKAGES=(grpcio grpcio-health-checking grpcio-reflection protobuf redis)
+PACKAGES=(grpcio grpcio-health-checking grpcio-reflection protobuf redis
+  cryptography cffi pycparser starlette uvicorn pydantic pydantic-core annotated-types
+  typing-inspection typing-extensions anyio)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64
   manylinux2014_x86_64 manylinux1_x86_64)
 
@@ -67,4 +76,7 @@ tree=$(git ls-files -z -co --exclude-standard | du -cb --files0-from=- 2>/dev/nu
 echo "wheels: $(cd .whl && ls | tr '\n' ' ')"
 echo "carried $((carried >> 20)) MiB + working tree $((tree >> 20)) MiB (the tool's limit: 64 MiB)"
 [ $((carried + tree)) -lt $((64 << 20)) ] || echo "warning: over the 64 MiB the device tool carries" >&2
-echo 'run: command "bash bench/gpu_check.sh", carry [".whl", ".gpu_carry"], timeout_s 360'
+# Each call's budget is 300 s; the stage running when it runs out may go 30 s past it (10 s
+# to die, 20 to reap). The second call right after the first finds the machine warm.
+echo 'run 1: command "bash bench/gpu_check.sh", carry [".whl", ".gpu_carry"], timeout_s 360'
+echo 'run 2: command "bash bench/gpu_check.sh checkpoint peer_hf", carry [".whl", ".gpu_carry"], timeout_s 360'

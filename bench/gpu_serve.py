@@ -13,6 +13,7 @@ An untimed run of 8 short requests first: the first streams of a server pay one-
 from __future__ import annotations
 
 import argparse
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -48,15 +49,24 @@ def main(argv: list[str] | None = None) -> None:
     extra = engine_args(args.dry)
     report.set("engine_args", extra)
     log_path = args.log or Path(tempfile.mkdtemp(prefix="gpu_serve_")) / "engine.log"
+    # The stage's time limit arrives as SIGTERM. Python's default would end this process
+    # without leaving the `with` below, and the engine, draining for up to 30 s, would hold
+    # most of the GPU's memory into the next stage: exit through it instead, and kill the
+    # engine at once (its figures are lost anyway).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     t0 = time.perf_counter()
     with EngineProcess(args.model, [*extra, "--insecure"], start_timeout_s=240,
                        log_path=log_path) as server:
         report.set("engine_start_s", time.perf_counter() - t0)
         log(f"engine serving at {server.target} after {time.perf_counter() - t0:.1f} s")
-        run_grpc(server.target, fixed_random(8, 16, 64, 8, spec["seed"] + 99), "warmup",
-                 progress=False)
-        run = run_grpc(server.target, workload, "grpc", max_concurrency=spec["num_requests"],
-                       progress=False)
+        try:
+            run_grpc(server.target, fixed_random(8, 16, 64, 8, spec["seed"] + 99), "warmup",
+                     progress=False)
+            run = run_grpc(server.target, workload, "grpc",
+                           max_concurrency=spec["num_requests"], progress=False)
+        except SystemExit:
+            server.kill()
+            raise
     summary = summarize(run.records, run.duration_s)
     report.set("grpc", {"workload": spec, "duration_s": run.duration_s,
                         "output_tokens": summary.num_output_tokens,
@@ -67,6 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     log(f"gRPC: {summary.output_throughput:.0f} output tok/s over {run.duration_s:.1f} s "
         f"({summary.num_output_tokens} tokens); engine log {log_path}")
     report.done()
+
+
+def _exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
