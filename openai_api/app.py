@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from engine_service.serving.send_stall import SendStallWatch
 from engine_service.serving.validation import MAX_CHAT_MESSAGES
 from openai_api import schemas
 from openai_api.auth import ApiKeyCheck
@@ -46,17 +47,25 @@ from pagedgen_api import generation_pb2 as pb
 from tenancy.gate import Gate
 
 DONE = b"data: [DONE]\n\n"
-# How long a request's body may take to arrive once its head has: 64 MiB (the most taken) at
-# about 1 MiB/s. A body sent a byte at a time held its connection and handler for good.
+# How long a request's body may go without a byte arriving (from its head, then from each
+# part): nginx's client_body_timeout is 60 s. A body sent a byte at a time held its connection
+# and handler for good, and an honest 10 MB body at 100 KB/s was refused when this bounded the
+# whole body.
 BODY_TIMEOUT_S = 60.0
+# Past its first BODY_TIMEOUT_S a body must also keep this pace on average (Apache
+# mod_reqtimeout's MinRate, 500 bytes/s): a byte every 59 s is not refused by the timeout above,
+# and held a handler for up to MAX_BODY_BYTES minutes. So a body takes at most
+# BODY_TIMEOUT_S + MAX_BODY_BYTES / BODY_MIN_BYTES_PER_S in all, and less the less it sends.
+BODY_MIN_BYTES_PER_S = 500
 CALLER_SCOPE_KEY = "pagedgen.caller"
 log = logging.getLogger("openai_api.app")
 T = TypeVar("T")
 
 
 def create_app(backend: Backend, gate: Gate | None = None,
-               body_timeout_s: float = BODY_TIMEOUT_S) -> Starlette:
-    api = _Api(backend, body_timeout_s)
+               body_timeout_s: float = BODY_TIMEOUT_S,
+               send_stall_timeout_s: float = 0.0) -> Starlette:
+    api = _Api(backend, body_timeout_s, send_stall_timeout_s)
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
@@ -159,10 +168,21 @@ class _InternalErrors:
 
 
 class _Api:
-    def __init__(self, backend: Backend, body_timeout_s: float) -> None:
+    def __init__(self, backend: Backend, body_timeout_s: float,
+                 send_stall_timeout_s: float) -> None:
         self.backend = backend
         self.servicer = backend.servicer
         self.body_timeout_s = body_timeout_s
+        self.send_stall_timeout_s = send_stall_timeout_s  # 0: streams never ended for it
+        # Stalls counted and logged with the servicer's own gRPC ones (engine or router); a
+        # servicer without a watch gets one for its log lines.
+        self.send_stalls = (getattr(self.servicer, "send_stalls", None)
+                            or SendStallWatch(send_stall_timeout_s, "this server's"))
+
+    def _send_stalled(self, waited_s: float) -> None:
+        """A stream's client took nothing for send_stall_timeout_s (disconnect.py EventStream
+        closed it): counted and logged as the servicer's own gRPC ones."""
+        self.send_stalls.stalled(waited_s)
 
     async def _body(self, request: Request) -> bytes:
         return await _body(request, self.body_timeout_s)
@@ -219,7 +239,8 @@ class _Api:
             except asyncio.CancelledError:  # the server stops: _InternalErrors answers 503
                 await events.aclose()
                 raise
-            return EventStream(_prepend(first, events), SHUTTING_DOWN)
+            return EventStream(_prepend(first, events), SHUTTING_DOWN,
+                               self.send_stall_timeout_s, self._send_stalled)
         try:
             replies = await unless_disconnected(request.receive, _all_or_none(
                 self._unary("Generate", r, names, _caller(request))
@@ -391,25 +412,40 @@ def _caller(request: Request):
 async def _body(request: Request, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
     """The request's body, refused with a 413 as soon as it is known to pass MAX_BODY_BYTES
     (by its Content-Length, else by what has arrived), before it is held whole; with a 408
-    when it has not all arrived within `timeout_s`."""
+    when no byte of it arrives for `timeout_s` (from its head, then from each part), or when
+    past its first `timeout_s` it falls below BODY_MIN_BYTES_PER_S on average."""
     limit = schemas.MAX_BODY_BYTES
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(f"got {declared}")
     chunks, size = [], 0
     stream = request.stream()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    ceiling = started + timeout_s  # the pace's bound: grows with each byte that arrives
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(timeout_s) as deadline:
             async for chunk in stream:
                 size += len(chunk)
                 if size > limit:
                     break
                 chunks.append(chunk)
+                ceiling = started + timeout_s + size / BODY_MIN_BYTES_PER_S
+                deadline.reschedule(min(loop.time() + timeout_s, ceiling))
     except TimeoutError:
         of = f" of {declared}" if declared.isdigit() else ""
-        raise ApiError(HTTPStatus.REQUEST_TIMEOUT,
-                       f"the request body must arrive within {timeout_s:g} s of its head, got "
-                       f"{size} bytes{of} by then", code="request_timeout") from None
+        elapsed = loop.time() - started
+        if len(chunks) <= 1:  # nothing came after what came with the head
+            message = (f"the request body must arrive within {timeout_s:g} s of its head, "
+                       f"got {size} bytes{of} by then")
+        elif loop.time() >= ceiling:
+            message = (f"the request body must arrive at {BODY_MIN_BYTES_PER_S} bytes/s or "
+                       f"more past its first {timeout_s:g} s, got {size} bytes{of} in "
+                       f"{elapsed:.0f} s")
+        else:
+            message = (f"the request body stopped arriving: no byte for {timeout_s:g} s, "
+                       f"after {size} bytes{of} in {elapsed:.0f} s")
+        raise ApiError(HTTPStatus.REQUEST_TIMEOUT, message, code="request_timeout") from None
     if size > limit:
         await _drain(stream)
         raise _too_large("got more")

@@ -22,6 +22,10 @@ class CallAborted(Exception):
 
 
 class HttpCallContext:
+    # The servicers' send-stall watch leaves these calls alone: the HTTP API watches its own
+    # writes to the client (openai_api/disconnect.py) and closes the connection itself.
+    sends_watched = True
+
     def __init__(self, caller=None) -> None:
         # Who sent it (tenancy/gate.py's Caller, from the HTTP API's key check); None: an
         # open server, the same as gate.OPEN_CALLER.

@@ -25,6 +25,7 @@ from http import HTTPStatus
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from openai_api.disconnect import TRANSPORT_STATE_KEY
 from openai_api.errors import ApiError
 
 # What a client gets to send a request's head (the request line and headers): one that means
@@ -64,6 +65,9 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._head_timer: asyncio.TimerHandle | None = None
         self._awaited_after = None  # the request cycle the awaited head comes after
+        # Each request's scope["state"] is a copy of this: a stream whose client takes nothing
+        # aborts the connection with it (disconnect.py EventStream).
+        self.app_state = {**self.app_state, TRANSPORT_STATE_KEY: transport}
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
             transport.write(_raw_response(ApiError(

@@ -43,7 +43,7 @@ class HttpServer:
     def __init__(self, host: str, port: int, gate: Gate | None = None,
                  tls: TlsMaterial | None = None, require_client_cert: bool = False,
                  head_timeout_s: float = HEAD_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
-                 max_connections: int | None = None) -> None:
+                 max_connections: int | None = None, send_stall_timeout_s: float = 0.0) -> None:
         self.host, self.requested_port = host, port
         self.gate = gate  # who may call (tenancy/gate.py); None: anyone
         self.tls = tls  # HTTPS with the gRPC port's certificate; None: plain HTTP
@@ -57,6 +57,8 @@ class HttpServer:
         # time, holds none of the process's file descriptors for long.
         self.head_timeout_s, self.body_timeout_s = head_timeout_s, body_timeout_s
         self.max_connections = max_connections or default_max_connections()
+        # A stream whose client takes nothing this long is closed (disconnect.py); 0: never.
+        self.send_stall_timeout_s = send_stall_timeout_s
         self.port = 0
         self._socket: socket.socket | None = None
         self._server: _LoopServer | None = None
@@ -86,7 +88,8 @@ class HttpServer:
             self._tls_acceptor = TlsAcceptor(http, context, self.head_timeout_s,
                                              self.max_connections)
             http = self._tls_acceptor
-        config = uvicorn.Config(create_app(backend, self.gate, self.body_timeout_s),
+        config = uvicorn.Config(create_app(backend, self.gate, self.body_timeout_s,
+                                           self.send_stall_timeout_s),
                                 lifespan="off", http=http,
                                 log_level="warning", access_log=False)
         self._server = _LoopServer(config)

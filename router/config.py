@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine_service.serving.send_stall import DEFAULT_SEND_STALL_TIMEOUT_S
+
 # The longest context among the replicas a router fronts, until they say theirs: it sizes the
 # largest request the router takes (--max-context-tokens); 128K tokens is 16 MiB of text.
 DEFAULT_CONTEXT_TOKENS = 1 << 17
@@ -69,6 +71,10 @@ class RouterConfig:
     # one more), before its request is stopped with RESOURCE_EXHAUSTED (router/relay_buffer.py;
     # the engine's --max-unsent-tokens, the same default); 0: no bound.
     max_unsent_tokens: int = 1 << 16
+    # A client that takes nothing from its stream this long while a message waits has the
+    # stream ended (DEADLINE_EXCEEDED; HTTP: the connection closed) and its request stopped
+    # (engine_service/serving/send_stall.py, the engine's default); 0: never.
+    send_stall_timeout_s: float = DEFAULT_SEND_STALL_TIMEOUT_S
 
     def check(self) -> None:
         """Raises ValueError naming a setting outside what is allowed."""
@@ -91,6 +97,9 @@ class RouterConfig:
         if self.max_unsent_tokens < 0:
             raise ValueError(f"max_unsent_tokens must be >= 0 (0: no bound), got "
                              f"{self.max_unsent_tokens}")
+        if not 0 <= self.send_stall_timeout_s <= 86400:
+            raise ValueError(f"send_stall_timeout_s must be in [0, 86400] seconds (0: never), "
+                             f"got {self.send_stall_timeout_s}")
         if self.prefix_hash_blocks < 1:
             raise ValueError(f"prefix_hash_blocks must be >= 1, got {self.prefix_hash_blocks}")
         for name in ("lookup_timeout_s", "stats_interval_s", "discovery_interval_s",

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from engine_service.serving.send_stall import SendStallWatch
 from router.config import RouterConfig
 from router.index_view import IndexView
 from router.metrics import RouterMetrics
@@ -121,6 +122,10 @@ class Router:
         self.recent_prefixes = RecentPrefixes(config.prefix_window)  # and with what prefix
         self._tasks: list[asyncio.Task] = []
         self.refusals = RefusalLog()
+        # Client streams that take nothing for --send-stall-timeout-s are ended (proxy.py,
+        # the HTTP API through the servicer).
+        self.send_stalls = SendStallWatch(config.send_stall_timeout_s, "the router's",
+                                          self.metrics.send_stalls.inc)
         if self.index is not None:
             self.metrics.index_up.set_function(lambda: 1.0 if self.index.up else 0.0)
         else:  # no index to be up or down: a 0 would read as an outage ("index down" alerts)

@@ -6,8 +6,6 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from prefix_index.tools.metrics_server import serve_metrics
-
 PREFIX = "pagedgen_router_"
 # Routing is tokenize + hash + one index Lookup: tens of microseconds to a few milliseconds.
 # Fine from 1 to 5 ms: where routing with an index Lookup lands, and the target (2 ms) lies.
@@ -52,6 +50,10 @@ class RouterMetrics:
             "Generation requests routed (gRPC and HTTP), once each as the client's call ended, "
             "by code: OK, the error status, CANCELLED when the client went away first.",
             ["code"], registry=r)
+        self.send_stalls = Counter(
+            PREFIX + "send_stalls",
+            "Generation streams ended because their client took nothing for "
+            "--send-stall-timeout-s (its request stopped at its replica).", registry=r)
         self.failed = Counter(
             PREFIX + "requests_failed",
             "Requests ended with an error status, by code (a client's cancel not counted).",
@@ -77,6 +79,3 @@ class RouterMetrics:
         as an index that is down."""
         with contextlib.suppress(KeyError):  # (unregistered already)
             self.registry.unregister(self.index_up)
-
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        serve_metrics(self.registry, port, host)  # bounded: prefix_index/tools/metrics_server.py

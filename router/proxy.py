@@ -157,15 +157,21 @@ class RoutedRequest:
         requests_total: OK once its last message went out (or the stream ended), the code the
         router refused it with, CANCELLED when the client went away first."""
         code: str | None = None
+        send = self.router.send_stalls.open(self.context)
         try:
             async with contextlib.aclosing(self._stream()) as out:
                 async for message in out:
                     if message.finished:  # (a consumer may stop reading after it)
                         code = "OK"
+                    send.since = time.monotonic()
                     yield message
+                    send.since = None  # written: the transport took it
             code = code or "OK"
         except BaseException as error:
-            if code is None:
+            if send.stalled:  # (its last message too: the client never had it)
+                code = grpc.StatusCode.DEADLINE_EXCEEDED.name
+                self.router.metrics.failed.labels(code).inc()
+            elif code is None:
                 if self._refused is not None:
                     code = self._refused.name
                 elif isinstance(error, asyncio.CancelledError | GeneratorExit):
@@ -174,6 +180,7 @@ class RoutedRequest:
                     code = grpc.StatusCode.UNKNOWN.name
             raise
         finally:
+            self.router.send_stalls.close(send)
             self.router.metrics.requests.labels(code or "OK").inc()
 
     async def _stream(self) -> AsyncIterator[pb.GenerateStreamResponse]:

@@ -36,6 +36,12 @@ from pagedgen_api import prefix_index_pb2
 from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
 from prefix_index.tools.metrics_args import add_metrics_args, resolve_metrics_host
+from prefix_index.tools.metrics_server import MetricsServer
+from prefix_index.tools.server_options import (
+    DEFAULT_MAX_CONNECTION_IDLE_S,
+    add_connection_args,
+    resolve_connection_args,
+)
 from router.config import DEFAULT_CONTEXT_TOKENS, POLICIES, RouterConfig
 from router.core import Router
 from router.http_backend import router_backend
@@ -69,7 +75,9 @@ class RouterServer:
                  http: HttpServer | None = None, door: TenantDoor | None = None,
                  tls: TlsMaterial | None = None,
                  max_context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-                 max_streams_per_connection: int = DEFAULT_STREAMS_PER_CONNECTION) -> None:
+                 max_streams_per_connection: int = DEFAULT_STREAMS_PER_CONNECTION,
+                 max_connections: int | None = None,
+                 max_connection_idle_s: float = DEFAULT_MAX_CONNECTION_IDLE_S) -> None:
         self.router = router
         # The front door: server-authenticated TLS (clients bring API keys, not certificates).
         self.credentials = tls.server_credentials(require_client_cert=False) if tls else None
@@ -78,17 +86,22 @@ class RouterServer:
         door = door or TenantDoor()  # who may call (tenancy/); the HTTP API's gate is its gate
         self.servicer = RouterServicer(router, door, max_context_tokens)
         self.health = health_aio.HealthServicer()
-        # Message sizes for the longest context it fronts, streams per connection, keepalive
+        # Message sizes for the longest context it fronts, streams per connection, keepalive,
+        # connections at once (None: by the open-file limit) and how long an idle one stays
         # (no SO_REUSEPORT: a taken port fails).
-        connection = generation_limits(max_context_tokens, max_streams_per_connection)
+        connection = generation_limits(max_context_tokens, max_streams_per_connection,
+                                       max_connections, max_connection_idle_s)
         # The key check first, then requests that do not decode are the client's error
         # (INVALID_ARGUMENT), not UNKNOWN with a traceback logged per call (wire_errors.py).
-        gate = [GateInterceptor(door.gate)] if door.gate.takes_keys else []
+        # Both tell the servicer what they refuse: requests_total counts those too.
+        refused = self.servicer.count_refused_call
+        gate = [GateInterceptor(door.gate, refused)] if door.gate.takes_keys else []
         self.server = grpc.aio.server(options=connection.options(),
-                                      interceptors=[*gate, WireErrorInterceptor()])
+                                      interceptors=[*gate, WireErrorInterceptor(refused)])
         self.port = 0
         self.http = http  # the OpenAI-compatible HTTP API, when served
         self._health_task: asyncio.Task | None = None
+        self._metrics_server: MetricsServer | None = None  # stopped by stop()
 
     async def start(self) -> int:
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
@@ -103,7 +116,8 @@ class RouterServer:
         if self.metrics_port:
             # Before the router's tasks and the server start: a port in use fails here, with
             # nothing running yet to stop (after them, the process died of SIGSEGV).
-            serve_metrics(self.router.metrics.serve, self.metrics_port, self.metrics_host)
+            self._metrics_server = serve_metrics(self.router.metrics.registry,
+                                                 self.metrics_port, self.metrics_host)
         await self.router.start()
         await self._update_health()
         await self.server.start()
@@ -156,6 +170,9 @@ class RouterServer:
         await asyncio.gather(self.server.stop(left_s),
                              self.http.stop(left_s) if self.http is not None else _nothing())
         await self.router.stop()
+        if self._metrics_server is not None:  # its port and threads, back for the next server
+            await asyncio.to_thread(self._metrics_server.stop)
+            self._metrics_server = None
 
 
 async def _nothing() -> None:
@@ -217,6 +234,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a client that does not read its stream has its request stopped "
                         "(RESOURCE_EXHAUSTED) once this many tokens, each top logprob one "
                         "more, wait unsent for it (0: no bound)")
+    p.add_argument("--send-stall-timeout-s", type=float, default=d.send_stall_timeout_s,
+                   help="a stream (gRPC or HTTP) whose client takes nothing this long while its "
+                        "next message waits is ended (gRPC: DEADLINE_EXCEEDED; HTTP: the "
+                        "connection closed) and its request stopped; a slow reader that takes "
+                        "anything in that time is not (0: never)")
     p.add_argument("--max-context-tokens", type=int, default=DEFAULT_CONTEXT_TOKENS,
                    help="the longest context of the replicas: sizes the largest request "
                         "message taken (a whole context of text), past which gRPC answers "
@@ -228,10 +250,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_tenancy_args(p)
     add_tls_args(p)
     add_metrics_args(p)
+    add_connection_args(p)
     p.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     resolve_metrics_host(args)
+    resolve_connection_args(p, args)
     args.engine_list = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not args.engine_list and args.prefix_index == "none":
         p.error("give --engines host:port,... or --prefix-index HOST:PORT")
@@ -257,7 +281,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefix_hash_blocks=args.prefix_hash_blocks,
         lookup_timeout_s=args.lookup_timeout_s, stats_interval_s=args.stats_interval_s,
         discovery_interval_s=args.discovery_interval_s,
-        max_unsent_tokens=args.max_unsent_tokens)
+        max_unsent_tokens=args.max_unsent_tokens,
+        send_stall_timeout_s=args.send_stall_timeout_s)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -266,11 +291,13 @@ async def serve(args: argparse.Namespace) -> None:
     router = Router(config_from_args(args), args.engine_list, index, args.tokenizer,
                     RouterMetrics(), args.tls)
     door = door_from_args(args)
-    http = (HttpServer(args.http_host, args.http_port, door.gate, args.tls) if args.http_port
+    http = (HttpServer(args.http_host, args.http_port, door.gate, args.tls,
+                       send_stall_timeout_s=args.send_stall_timeout_s) if args.http_port
             else None)
     server = RouterServer(router, args.host, args.port, args.metrics_port, args.metrics_host,
                           http, door, args.tls, args.max_context_tokens,
-                          args.max_streams_per_connection)
+                          args.max_streams_per_connection, args.max_connections,
+                          args.max_connection_idle_s)
     port = await server.start()
     # One line on stdout that launchers read to learn the port (--port 0).
     print(f"router listening on {join_host_port(args.host, port)}", flush=True)

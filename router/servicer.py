@@ -12,6 +12,7 @@ from pathlib import PurePath
 
 import grpc
 
+from engine_service.serving.send_stall import SendStallWatch
 from engine_service.serving.status import RequestRejected
 from engine_service.serving.validation import (
     CHARS_PER_CONTEXT_TOKEN,
@@ -19,6 +20,7 @@ from engine_service.serving.validation import (
     check_chat_size,
     check_text_size,
 )
+from engine_service.serving.wire_errors import GENERATE_METHODS
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from router.config import DEFAULT_CONTEXT_TOKENS
@@ -55,6 +57,19 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 self._count_refused(grpc.StatusCode.UNAVAILABLE)
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "the router is draining (shutting down): retry on another one")
+
+    @property
+    def send_stalls(self) -> SendStallWatch:
+        """The router's watch of its clients' streams (the HTTP API counts its own stalls
+        with it)."""
+        return self.router.send_stalls
+
+    def count_refused_call(self, method: str, code: grpc.StatusCode) -> None:
+        """A call the interceptors refused before it reached us (no valid key: UNAUTHENTICATED;
+        bytes that did not decode: INVALID_ARGUMENT): counted as our own refusals are when it
+        was a generation request, once (each interceptor refuses and tells only its own)."""
+        if method in GENERATE_METHODS:
+            self._count_refused(code)
 
     def _count_refused(self, code: grpc.StatusCode) -> None:
         """A generation request refused before it was routed: a failed one, and one of all

@@ -24,6 +24,10 @@ from tenancy.keyring import KeyRing
 from tenancy.keys import Tenant
 from trust.identity import ROUTER_ROLE, peer_identity
 
+# Told of a call refused before its method ran: (its full method name, the status code). A server
+# counts the refused generation requests with it as its servicer counts its own refusals.
+RefusalHook = Callable[[str, grpc.StatusCode], None]
+
 TENANT_METADATA = "x-pagedgen-tenant"
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 NO_KEY = "this server needs an API key: send the metadata authorization: Bearer <key>"
@@ -92,10 +96,11 @@ def _peer_role(context) -> str | None:
 
 class GateInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call but health and reflection without a valid key or a router's
-    certificate: UNAUTHENTICATED, and the method is never run."""
+    certificate: UNAUTHENTICATED, and the method is never run (`on_refused` is told)."""
 
-    def __init__(self, gate: Gate) -> None:
+    def __init__(self, gate: Gate, on_refused: RefusalHook | None = None) -> None:
         self.gate = gate
+        self.on_refused = on_refused
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -106,16 +111,19 @@ class GateInterceptor(grpc.aio.ServerInterceptor):
             return handler
         except Unauthenticated:
             pass  # a router's certificate may still let it in: that needs the context
-        return _checked(handler, self.gate)
+        return _checked(handler, self.gate, handler_call_details.method, self.on_refused)
 
 
-def _checked(handler: grpc.RpcMethodHandler, gate: Gate) -> grpc.RpcMethodHandler:
+def _checked(handler: grpc.RpcMethodHandler, gate: Gate, method: str,
+             on_refused: RefusalHook | None) -> grpc.RpcMethodHandler:
     """`handler` run only after `gate` lets its caller in (it aborts otherwise)."""
 
     async def admit(context) -> None:
         try:
             gate.caller(context)
         except Unauthenticated as error:
+            if on_refused is not None:
+                on_refused(method, grpc.StatusCode.UNAUTHENTICATED)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
 
     def unary(inner):

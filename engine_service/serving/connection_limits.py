@@ -6,9 +6,11 @@ from __future__ import annotations
 from engine_service.model.sampling_params import MAX_LOGPROBS, MAX_N
 from engine_service.serving.validation import CHARS_PER_CONTEXT_TOKEN, MAX_CHAT_MESSAGES
 from prefix_index.tools.server_options import (
+    DEFAULT_MAX_CONNECTION_IDLE_S,
     GENERATION_REQUEST_FIXED_BYTES,
     ConnectionLimits,
     capped,
+    default_max_connections,
     output_token_bytes,
     prompt_message_bytes,
 )
@@ -33,11 +35,19 @@ def generation_reply_bytes(context_tokens: int) -> int:
     return capped(MAX_N * context_tokens * per_token + GENERATION_REQUEST_FIXED_BYTES)
 
 
-def generation_limits(context_tokens: int, max_live_requests: int) -> ConnectionLimits:
+def generation_limits(context_tokens: int, max_live_requests: int,
+                      max_connections: int | None = None,
+                      max_connection_idle_s: float = DEFAULT_MAX_CONNECTION_IDLE_S,
+                      ) -> ConnectionLimits:
     """`max_live_requests`: the most generations one client (a router multiplexes all of its
-    requests to an engine on one connection) may have open on one connection."""
+    requests to an engine on one connection) may have open on one connection;
+    `max_connections` (None: the default by the open-file limit) and `max_connection_idle_s`:
+    the server's --max-connections and --max-connection-idle-s (0: no limit)."""
     return ConnectionLimits(
         max_receive_bytes=generation_request_bytes(context_tokens),
         max_send_bytes=generation_reply_bytes(context_tokens),
         max_streams_per_connection=max_live_requests + SIDE_CALLS,
+        max_connections=(default_max_connections() if max_connections is None
+                         else max_connections),
+        max_connection_idle_s=max_connection_idle_s,
     )

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine_service.core.stats import EngineStats
-from prefix_index.tools.metrics_server import serve_metrics
 
 PREFIX = "pagedgen_engine_"
 # Time to first token: from 1 ms (a tiny model, no queue) to 5 minutes (a long CPU prefill behind
@@ -105,6 +104,10 @@ class EngineMetrics:
             "Generation requests (gRPC and HTTP), once each as the call ended, by code: OK, "
             "the status it ended with (refusals at admission included), CANCELLED when the "
             "client went away first.", ["code"], registry=r)
+        self.send_stalls = Counter(
+            PREFIX + "send_stalls",
+            "Generation streams ended because their client took nothing for "
+            "--send-stall-timeout-s (its request stopped, its slot freed).", registry=r)
         self.requests_rejected = Counter(
             PREFIX + "requests_rejected", "Requests refused before admission, by status code.",
             ["code"], registry=r)
@@ -158,6 +161,3 @@ class EngineMetrics:
         self.num_pins_released.inc(max(0, stats.num_pins_released - last.num_pins_released))
         self.num_steps.inc(max(0, stats.num_steps - last.num_steps))
         self._last = stats
-
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        serve_metrics(self.registry, port, host)  # bounded: prefix_index/tools/metrics_server.py

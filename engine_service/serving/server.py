@@ -51,11 +51,12 @@ from engine_service.serving.core_process import (
 from engine_service.serving.engine_info import EngineInfo
 from engine_service.serving.http_backend import engine_backend
 from engine_service.serving.metrics import EngineMetrics
+from engine_service.serving.send_stall import DEFAULT_SEND_STALL_TIMEOUT_S
 from engine_service.serving.servicer import GenerationServicer, IndexLink
 from engine_service.serving.status import RequestRejected
 from engine_service.serving.text_worker import TextWorker
 from engine_service.serving.validation import RequestValidator
-from engine_service.serving.wire_errors import WireErrorInterceptor
+from engine_service.serving.wire_errors import GENERATE_METHODS, WireErrorInterceptor
 from openai_api.cli_args import add_http_args, resolve_http_args
 from openai_api.server import HttpServer
 from pagedgen_api import generation_pb2 as pb
@@ -63,7 +64,13 @@ from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
 from prefix_index.tools.metrics_args import add_metrics_args, resolve_metrics_host
-from prefix_index.tools.server_options import ConnectionLimits
+from prefix_index.tools.metrics_server import MetricsServer
+from prefix_index.tools.server_options import (
+    DEFAULT_MAX_CONNECTION_IDLE_S,
+    ConnectionLimits,
+    add_connection_args,
+    resolve_connection_args,
+)
 from tenancy.cli_args import add_tenancy_args, door_from_args, resolve_tenancy_args
 from tenancy.door import TenantDoor
 from tenancy.gate import GateInterceptor
@@ -105,9 +112,16 @@ class ServerOptions:
     # Message sizes, streams per connection, keepalive (connection_limits.py); None: computed
     # from the in-process engine's context.
     connection: ConnectionLimits | None = None
+    # gRPC connections open at once (None: by the open-file limit) and how long one with no
+    # call stays (server_options.py); 0: no limit. Used when `connection` is None.
+    max_connections: int | None = None
+    max_connection_idle_s: float = DEFAULT_MAX_CONNECTION_IDLE_S
     # What may wait unsent for a stream its client does not read before the request is stopped
     # with RESOURCE_EXHAUSTED, in tokens (core_client.py); 0: no bound.
     max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS
+    # A stream (gRPC or HTTP) whose client takes nothing this long is ended and its request
+    # stopped (servicer.py SendStallWatch); 0: never.
+    send_stall_timeout_s: float = DEFAULT_SEND_STALL_TIMEOUT_S
     # A core silent this long with work to do is taken for hung and killed (core_client.py);
     # None: by the engine's device (60 s on a GPU, 600 s on a CPU).
     core_stall_timeout_s: float | None = None
@@ -155,19 +169,31 @@ class EngineServer:
         gate = options.door.gate
         connection = options.connection or generation_limits(
             engine.max_model_len if engine is not None else served_context(core.options.config),
-            options.max_live_requests)
+            options.max_live_requests, options.max_connections, options.max_connection_idle_s)
         # The key check first (a caller it refuses learns nothing of its request), then
         # requests that do not decode are refused as the client's error (wire_errors.py).
-        interceptors = [GateInterceptor(gate)] if gate.takes_keys else []
+        # Both tell us what they refuse: requests_total counts those too.
+        refused = self._count_refused_call
+        interceptors = [GateInterceptor(gate, refused)] if gate.takes_keys else []
         self.server = grpc.aio.server(
             options=connection.options(),
-            interceptors=[*interceptors, WireErrorInterceptor()])
+            interceptors=[*interceptors, WireErrorInterceptor(refused)])
         self.port = 0
         self.http = (HttpServer(options.http_host, options.http_port, gate, options.tls,
-                                require_client_cert=options.tls_client_cert)
+                                require_client_cert=options.tls_client_cert,
+                                send_stall_timeout_s=options.send_stall_timeout_s)
                      if options.http_port else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine_failed = asyncio.Event()  # set (on the loop) when the engine died
+        self._metrics_server: MetricsServer | None = None  # stopped by stop()
+
+    def _count_refused_call(self, method: str, code: grpc.StatusCode) -> None:
+        """A generation request the interceptors refused (no valid key, bytes that did not
+        decode) before the servicer saw it: counted as the servicer counts its own refusals,
+        among the rejected and in requests_total, once."""
+        if method in GENERATE_METHODS:
+            self.metrics.requests_rejected.labels(code.name).inc()
+            self.metrics.requests.labels(code.name).inc()
 
     def _make_servicer(self, info: EngineInfo) -> GenerationServicer:
         # The servicer tokenizes on the event loop thread while the engine thread detokenizes:
@@ -191,6 +217,7 @@ class EngineServer:
             self.options.door,
             TextWorker(RequestValidator(info.limits, text_tokenizer,
                                         self.options.max_live_requests)),
+            send_stall_timeout_s=self.options.send_stall_timeout_s,
         )
 
     def _on_dead(self, error: BaseException) -> None:
@@ -243,8 +270,9 @@ class EngineServer:
         if self.options.metrics_port:
             # Before the engine thread and the server start: a port in use fails here, with
             # nothing running yet to stop.
-            serve_metrics(self.metrics.serve, self.options.metrics_port,
-                          self.options.metrics_host)
+            self._metrics_server = serve_metrics(self.metrics.registry,
+                                                 self.options.metrics_port,
+                                                 self.options.metrics_host)
         self._loop = asyncio.get_running_loop()
         if self.servicer is None:  # a core process: built (model, profile, warm-up) first
             self.servicer = self._make_servicer(await self.async_engine.start())
@@ -289,6 +317,9 @@ class EngineServer:
         await self.async_engine.stop()
         if self.servicer is not None and self.servicer.text_worker is not None:
             self.servicer.text_worker.close()
+        if self._metrics_server is not None:  # its port and threads, back for the next server
+            await asyncio.to_thread(self._metrics_server.stop)
+            self._metrics_server = None
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
@@ -389,6 +420,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the request aborted) once this many tokens, each top logprob counted "
                         "as one more, wait unsent for it; a reader that pauses gets them merged "
                         "into one message (0: no bound)")
+    p.add_argument("--send-stall-timeout-s", type=float,
+                   default=ServerOptions().send_stall_timeout_s,
+                   help="a stream (gRPC or HTTP) whose client takes nothing this long while its "
+                        "next message waits is ended (gRPC: DEADLINE_EXCEEDED; HTTP: the "
+                        "connection closed) and its request stopped; a slow reader that takes "
+                        "anything in that time is not (0: never)")
     p.add_argument("--core-stall-timeout-s", type=float, default=None,
                    help="an engine core that sends nothing this long while it has requests "
                         "(one step that never returns) is killed and the server exits 1, as "
@@ -406,17 +443,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_tenancy_args(p)
     add_tls_args(p, server_only_option=True)
     add_metrics_args(p)
+    add_connection_args(p)
     p.add_argument("--grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests get to finish")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     resolve_metrics_host(args)
+    resolve_connection_args(p, args)
     if args.max_live_requests < 1:
         p.error(f"--max-live-requests must be >= 1, got {args.max_live_requests}")
     if not 1 <= args.stream_interval <= 1024:
         p.error(f"--stream-interval must be in [1, 1024] tokens, got {args.stream_interval}")
     if args.max_unsent_tokens < 0:
         p.error(f"--max-unsent-tokens must be >= 0 (0: no bound), got {args.max_unsent_tokens}")
+    if not 0 <= args.send_stall_timeout_s <= 86400:
+        p.error(f"--send-stall-timeout-s must be in [0, 86400] seconds (0: never), got "
+                f"{args.send_stall_timeout_s}")
     if args.core_stall_timeout_s is not None and not 0 <= args.core_stall_timeout_s <= 86400:
         p.error(f"--core-stall-timeout-s must be in [0, 86400] seconds (0: never), got "
                 f"{args.core_stall_timeout_s}")
@@ -546,7 +588,10 @@ def serve(args: argparse.Namespace, core_target: CoreTarget = run_core) -> None:
                             args.stream_interval, door=door_from_args(args), tls=args.tls,
                             tls_client_cert=not args.tls_server_only)
     options.max_unsent_tokens = args.max_unsent_tokens
+    options.send_stall_timeout_s = args.send_stall_timeout_s
     options.core_stall_timeout_s = args.core_stall_timeout_s
+    options.max_connections = args.max_connections
+    options.max_connection_idle_s = args.max_connection_idle_s
     warn_if_plain_text("pagedgen-engine", args.tls)
     if asyncio.run(_serve(args, options, core_options, EngineMetrics(), core_target)):
         sys.exit(1)

@@ -27,6 +27,11 @@ from engine_service.serving.core_client import CoreClient
 from engine_service.serving.metrics import EngineMetrics
 from engine_service.serving.named_locks import NamedLocks
 from engine_service.serving.prefix_pins import PrefixPinner
+from engine_service.serving.send_stall import (
+    DEFAULT_SEND_STALL_TIMEOUT_S,
+    SendStallWatch,
+    StreamSend,
+)
 from engine_service.serving.status import RequestRejected, status_for
 from engine_service.serving.text_worker import TextWorker
 from engine_service.serving.validation import Prompt, RequestValidator, ValidRequest
@@ -77,6 +82,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         index_link: IndexLink | None = None,
         door: TenantDoor | None = None,
         text_worker: TextWorker | None = None,
+        send_stall_timeout_s: float = DEFAULT_SEND_STALL_TIMEOUT_S,
     ) -> None:
         self.engine = engine
         self.validator = validator
@@ -100,6 +106,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.num_tokenizing = 0  # generations whose long prompt is on the text worker
         self.num_pinning = 0  # PinPrefix prefills running in the engine (no generation call)
         self.draining = False
+        self.send_stalls = SendStallWatch(send_stall_timeout_s, "this engine's",
+                                          metrics.send_stalls.inc)
 
     @property
     def num_live(self) -> int:
@@ -119,10 +127,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        code = "OK"  # how the call ended, counted once (requests_total); here, not around it:
-        try:         # a wrapping generator would cost every streamed message a hop
+        # How the call ended, counted once (requests_total), and its writes as the stall watch
+        # sees them: here, not around it: a wrapping generator would cost every message a hop.
+        code = "OK"
+        send: StreamSend | None = None
+        try:
             valid, caller = await self._admit(request, context)
             finished_indices: set[int] = set()
+            send = self.send_stalls.open(context)
             async with contextlib.aclosing(self._run(valid, caller, context)) as outputs:
                 async for output in outputs:
                     choices = []
@@ -131,16 +143,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         newly_finished = _newly_finished(c, finished_indices)
                         if c.token_ids_delta or c.text_delta or newly_finished:
                             choices.append(_completion(c, delta=True))
+                    send.since = time.monotonic()
                     yield pb.GenerateStreamResponse(
                         request_id=valid.request_id,
                         choices=choices,
                         usage=_usage(output),
                         finished=output.finished,
                     )
+                    send.since = None  # written: the transport took it
         except BaseException as error:
             code = _ended_with(error, context)
             raise
         finally:
+            if send is not None:
+                self.send_stalls.close(send)
             self.metrics.requests.labels(code).inc()
 
     async def Generate(

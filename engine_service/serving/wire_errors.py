@@ -19,6 +19,8 @@ from google.protobuf.message import DecodeError
 from pagedgen_api import generation_pb2 as pb
 
 GENERATION_PREFIX = f"/{pb.DESCRIPTOR.services_by_name['Generation'].full_name}/"
+# The generation requests a server counts in requests_total (gRPC's full method names).
+GENERATE_METHODS = frozenset({GENERATION_PREFIX + "Generate", GENERATION_PREFIX + "GenerateStream"})
 
 
 class _Undecodable:
@@ -33,7 +35,10 @@ class _Undecodable:
 class WireErrorInterceptor(grpc.aio.ServerInterceptor):
     """For the Generation service's methods (one request each): their requests decoded here."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_refused: Callable[[str, grpc.StatusCode], None] | None = None) -> None:
+        # Told of each request refused here (its method, INVALID_ARGUMENT): the servicer never
+        # sees it, so it cannot count it itself.
+        self.on_refused = on_refused
         # Method -> (its handler, the lenient one), made once, not on every call; keyed by the
         # service's own methods only (an unknown one has no handler), so it stays that small.
         self._lenient: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
@@ -46,11 +51,13 @@ class WireErrorInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         made = self._lenient.get(method)
         if made is None or made[0] is not handler:
-            made = self._lenient[method] = (handler, _lenient(handler))
+            made = self._lenient[method] = (handler, _lenient(handler, method, self.on_refused))
         return made[1]
 
 
-def _lenient(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _lenient(handler: grpc.RpcMethodHandler, method: str,
+             on_refused: Callable[[str, grpc.StatusCode], None] | None,
+             ) -> grpc.RpcMethodHandler:
     decode = handler.request_deserializer
 
     def deserialize(data: bytes):
@@ -61,6 +68,8 @@ def _lenient(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
     async def refuse_undecodable(request, context) -> None:
         if isinstance(request, _Undecodable):
+            if on_refused is not None:
+                on_refused(method, grpc.StatusCode.INVALID_ARGUMENT)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"the request must be a well-formed protobuf message: "
                                 f"{request.message}")

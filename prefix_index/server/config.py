@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from prefix_index.tools.server_options import DEFAULT_MAX_CONNECTION_IDLE_S
+
 
 @dataclass(frozen=True, slots=True)
 class PinPolicy:
@@ -78,3 +80,7 @@ class IndexConfig:
     pin_policy: PinPolicy = PinPolicy()
     limits: Limits = Limits()
     quotas: Quotas = Quotas()
+    # gRPC connections open at once (None: by the open-file limit) and how long one with no
+    # call stays (prefix_index/tools/server_options.py); 0: no limit.
+    max_connections: int | None = None
+    max_connection_idle_s: float = DEFAULT_MAX_CONNECTION_IDLE_S

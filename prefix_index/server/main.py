@@ -38,7 +38,15 @@ from prefix_index.server.sweeper import run_sweeper
 from prefix_index.tools.addresses import join_host_port
 from prefix_index.tools.bind_error import BindError, bind_grpc, serve_metrics
 from prefix_index.tools.metrics_args import add_metrics_args, resolve_metrics_host
-from prefix_index.tools.server_options import ConnectionLimits, apply_message_bytes
+from prefix_index.tools.metrics_server import MetricsServer
+from prefix_index.tools.server_options import (
+    DEFAULT_MAX_CONNECTION_IDLE_S,
+    ConnectionLimits,
+    add_connection_args,
+    apply_message_bytes,
+    default_max_connections,
+    resolve_connection_args,
+)
 from trust.cli_args import add_tls_args, resolve_tls_args, warn_if_plain_text
 from trust.credentials import TlsMaterial
 
@@ -84,8 +92,10 @@ class IndexServer:
         # Pings to clients on idle connections: a router whose host vanished without a TCP
         # reset would otherwise hold its residency watcher (a slot and a Redis connection)
         # until the kernel's keepalive, hours later.
-        self.server = grpc.aio.server(options=connection_limits(config.limits).options())
+        self.server = grpc.aio.server(options=connection_limits(
+            config.limits, config.max_connections, config.max_connection_idle_s).options())
         self._tasks: list[asyncio.Task] = []
+        self._metrics_server: MetricsServer | None = None  # stopped by stop()
 
     async def start(self) -> int:
         servicer = PrefixIndexServicer(self.store, self.config, self.health, self.metrics,
@@ -100,7 +110,8 @@ class IndexServer:
         self.port = bind_grpc(self.server, join_host_port(self.host, self.requested_port),
                               credentials)
         if self.metrics_port:  # first: a port in use fails with nothing running to stop
-            serve_metrics(self.metrics.serve, self.metrics_port, self.metrics_host)
+            self._metrics_server = serve_metrics(self.metrics.registry, self.metrics_port,
+                                                 self.metrics_host)
         await self.health.drain_off()
         await self.health.probe_once()
         await self.server.start()
@@ -122,20 +133,30 @@ class IndexServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.store.close()
+        if self._metrics_server is not None:  # its port and threads, back for the next server
+            await asyncio.to_thread(self._metrics_server.stop)
+            self._metrics_server = None
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
 
 
-def connection_limits(limits: Limits) -> ConnectionLimits:
+def connection_limits(limits: Limits, max_connections: int | None = None,
+                      max_connection_idle_s: float = DEFAULT_MAX_CONNECTION_IDLE_S,
+                      ) -> ConnectionLimits:
     """Requests up to the largest Apply or Lookup `limits` allow (an engine's full re-sync
     comes in Applies of at most that size); replies unbounded here: each answers a bounded
     request (results per op, victims among the engine's own blocks), and its reader sets its
-    own receive limit. Keepalive every 30 s (a second index on our port fails to bind)."""
+    own receive limit. Keepalive every 30 s (a second index on our port fails to bind).
+    `max_connections` (None: by the open-file limit), `max_connection_idle_s`: the server's
+    --max-connections and --max-connection-idle-s (0: no limit)."""
     return ConnectionLimits(
         max_receive_bytes=apply_message_bytes(limits.max_ops, limits.max_hashes,
                                               limits.max_chain, HASH_BYTES),
-        max_send_bytes=-1, keepalive_time_ms=30_000, keepalive_timeout_ms=10_000)
+        max_send_bytes=-1, keepalive_time_ms=30_000, keepalive_timeout_ms=10_000,
+        max_connections=(default_max_connections() if max_connections is None
+                         else max_connections),
+        max_connection_idle_s=max_connection_idle_s)
 
 
 MAX_PORT = 65535
@@ -196,12 +217,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=quotas.max_watchers_per_connection,
                    help="WatchResidency streams one connection holds at once")
     add_metrics_args(p)
+    add_connection_args(p)
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_tls_args(p)
     args = p.parse_args(argv)
     resolve_metrics_host(args)
+    resolve_connection_args(p, args)
     resolve_tls_args(p, args)
     problem = url_problem(args.redis_url)
     if problem:  # (the URL itself is not shown: it may hold a password)
@@ -248,6 +271,8 @@ def config_from_args(args: argparse.Namespace) -> IndexConfig:
         redis_timeout_s=args.redis_timeout_s, probe_interval_s=args.probe_interval_s,
         holder_probe_timeout_s=args.holder_probe_timeout_s,
         view_ttl_s=args.view_ttl_s,
+        max_connections=args.max_connections,
+        max_connection_idle_s=args.max_connection_idle_s,
         pin_policy=PinPolicy(hot_threshold=args.hot_threshold, window_s=args.hot_window_s,
                              cool_fraction=args.cool_fraction,
                              budget_fraction=args.pin_budget_fraction,

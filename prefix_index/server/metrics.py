@@ -5,7 +5,6 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from prefix_index.api.ops import AcquireKind, Op, OpResult
-from prefix_index.tools.metrics_server import serve_metrics
 
 
 class IndexMetrics:
@@ -55,6 +54,3 @@ class IndexMetrics:
                 self.evicted_blocks.inc(len(result.evicted))
             elif kind == "forget":
                 self.forgotten_blocks.inc(result.count)
-
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        serve_metrics(self.registry, port, host)  # bounded: prefix_index/tools/metrics_server.py

@@ -4,17 +4,21 @@ had started."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from prometheus_client import CollectorRegistry
+
+from prefix_index.tools import metrics_server
 
 
 class BindError(OSError):
     """A server's gRPC or metrics port could not be bound."""
 
 
-def serve_metrics(serve: Callable[[int, str], None], port: int, host: str) -> None:
-    """Start the Prometheus endpoint (call it before anything else runs)."""
+def serve_metrics(registry: CollectorRegistry, port: int,
+                  host: str) -> metrics_server.MetricsServer:
+    """Start the Prometheus endpoint (call it before anything else runs); the server, for its
+    service's stop() to stop."""
     try:
-        serve(port, host)
+        return metrics_server.serve_metrics(registry, port, host)
     except OSError as error:
         raise BindError(f"metrics port {host}:{port}: {error.strerror or error}") from error
 

@@ -9,6 +9,9 @@ one past that is closed at once (a scraper opens one at a time). No line is logg
 The deadline is one per connection, kept by a single sweeper thread: a socket timeout alone
 bounds each read, so a client that sent a header byte every few seconds held its slot for good,
 and `max_connections` of them refused every scrape.
+
+A service stopped in-process (tests start and stop many) stops its server too: stop() frees the
+port and ends every thread the server started, which would otherwise stay for the process's life.
 """
 
 from __future__ import annotations
@@ -53,8 +56,16 @@ class _Deadlines:
             self._due.pop(sock, None)
 
     def stop(self) -> None:
+        """Ends sweep(), and shuts down every connection still open: their handlers end now,
+        not at their deadlines."""
         with self._changed:
             self._stopped = True
+            for sock in self._due:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # the client has gone already
+            self._due.clear()
             self._changed.notify()
 
     def sweep(self) -> None:
@@ -70,17 +81,32 @@ class _Deadlines:
                 self._changed.wait(min(self._due.values(), default=now + 60.0) - now)
 
 
-class _BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # (still joined by server_close: ThreadingMixIn's block_on_close)
     max_connections = MAX_CONNECTIONS
     deadline_s = READ_TIMEOUT_S
 
     def server_bind(self) -> None:
         self._slots = threading.BoundedSemaphore(self.max_connections)
         self._deadlines = _Deadlines()
-        threading.Thread(target=self._deadlines.sweep, name="metrics-deadlines",
-                         daemon=True).start()
+        self._sweeper = threading.Thread(target=self._deadlines.sweep, name="metrics-deadlines",
+                                         daemon=True)
+        self._sweeper.start()
+        self._serving: threading.Thread | None = None
         super().server_bind()
+
+    def serve_in_thread(self) -> None:
+        self._serving = threading.Thread(target=self.serve_forever, name="metrics", daemon=True)
+        self._serving.start()
+
+    def stop(self) -> None:
+        """Stops serving (a second call does nothing more): once it returns, the port is free
+        and every thread this server started has ended. Blocks up to serve_forever's poll
+        interval (0.5 s)."""
+        if self._serving is not None:
+            self.shutdown()  # (would wait for ever on a serve_forever never started)
+            self._serving.join()
+        self.server_close()
 
     def process_request(self, request, client_address) -> None:
         if not self._slots.acquire(blocking=False):
@@ -99,8 +125,11 @@ class _BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
         super().shutdown_request(request)
 
     def server_close(self) -> None:
+        """The port closed, open connections shut down, their threads and the sweeper joined
+        (also when the bind failed)."""
         self._deadlines.stop()
-        super().server_close()
+        super().server_close()  # ThreadingMixIn joins the connections' threads
+        self._sweeper.join()
 
     def process_request_thread(self, request, client_address) -> None:
         try:
@@ -111,17 +140,17 @@ class _BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
 
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0",
                   read_timeout_s: float = READ_TIMEOUT_S,
-                  max_connections: int = MAX_CONNECTIONS) -> WSGIServer:
+                  max_connections: int = MAX_CONNECTIONS) -> MetricsServer:
     """Serves `registry` at http://host:port/metrics from a daemon thread; the server (its
-    `server_address` says the port bound, its shutdown() stops it). A connection gets
+    `server_address` says the port bound, its stop() stops it). A connection gets
     `read_timeout_s` in all from its accept, and each of its socket reads as long."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                 flags=socket.AI_PASSIVE)[0][0]
     handler = type("Handler", (_Handler,), {"timeout": read_timeout_s})
-    server_class = type("Server", (_BoundedServer,), {"address_family": family,
-                                                      "max_connections": max_connections,
-                                                      "deadline_s": read_timeout_s})
+    server_class = type("Server", (MetricsServer,), {"address_family": family,
+                                                     "max_connections": max_connections,
+                                                     "deadline_s": read_timeout_s})
     server = server_class((host, port), handler)
     server.set_app(make_wsgi_app(registry))
-    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    server.serve_in_thread()
     return server

@@ -1,6 +1,9 @@
 """The gRPC options every pagedgen server binds with (the engine, the router, the index): message
 sizes, streams per connection and keepalive enforcement, so that no single connection can make a
-server hold an unbounded message, an unbounded number of calls, or answer a ping flood.
+server hold an unbounded message, an unbounded number of calls, or answer a ping flood; and how
+many connections the server keeps at once and how long one with no call stays open, so that
+many clients together cannot take every file descriptor (--max-connections,
+--max-connection-idle-s: add_connection_args, one definition for the three servers).
 
 Message sizes are computed from what the server accepts, not guessed: a message past the largest
 one a legitimate caller can send is refused by gRPC itself with RESOURCE_EXHAUSTED before it is
@@ -10,7 +13,10 @@ limits (generation_message_bytes, apply_message_bytes) and hands it here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import math
+import resource
+from dataclasses import dataclass, field
 
 # protobuf's own ceiling for one message: a bound past it means "no bound", so say so.
 PROTOBUF_MAX_BYTES = (1 << 31) - 1
@@ -26,6 +32,26 @@ DOUBLE_BYTES = 9  # tag + 8
 # request id (128), cache salt (256 chars), 16 stop strings of 256 chars, 256 stop token ids,
 # the sampling scalars; each string at 4 UTF-8 bytes a character. 64 KiB covers it with room.
 GENERATION_REQUEST_FIXED_BYTES = 64 << 10
+# A connection with no call open this long is sent GOAWAY (gRPC's max_connection_idle). A client
+# whose channel is closed so reconnects on its next call without an error, so the limit costs an
+# idle client one reconnect; what it frees are the slots (under max_connections) of channels
+# opened and forgotten: a notebook's, a crashed tool's pool. Ten minutes is far above any of our
+# own clients' quiet spells (a router polls each engine's stats ten times a second, an engine
+# heartbeats the index every 10 s, a residency watch is an open call) and than a kubelet's
+# probe period, and near what cloud load balancers give an idle connection (350 s to 15 min).
+DEFAULT_MAX_CONNECTION_IDLE_S = 600.0
+# Connections one server keeps open at once by default: a quarter of the process's open-file
+# limit (the engine's and the router's HTTP API may keep half: openai_api/connection_guard.py;
+# the rest for the core's pipes, Redis, files), and no more than this. Past it, gRPC closes a
+# new connection as soon as it is accepted; the ones open are served as before.
+MAX_CONNECTIONS_CAP = 4096
+
+
+def default_max_connections() -> int:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS_CAP
+    return max(16, min(MAX_CONNECTIONS_CAP, soft // 4))
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +72,22 @@ class ConnectionLimits:
     # after max_ping_strikes such pings, so pings cannot be used to keep a server busy.
     min_client_ping_interval_ms: int = 10_000
     max_ping_strikes: int = 2
+    # Connections open at once on the server, all clients together (0: no cap), and how long a
+    # connection with no call open stays (0: for good). One server's, not one connection's:
+    # every server's own, from its --max-connections and --max-connection-idle-s.
+    max_connections: int = field(default_factory=default_max_connections)
+    max_connection_idle_s: float = DEFAULT_MAX_CONNECTION_IDLE_S
 
     def options(self) -> list[tuple[str, int]]:
+        server_wide = []
+        if self.max_connections > 0:
+            # (gRPC core's chttp2 server: a connection accepted past it is closed at once.)
+            server_wide.append(("grpc.max_allowed_incoming_connections", self.max_connections))
+        if self.max_connection_idle_s > 0:
+            server_wide.append(("grpc.max_connection_idle_ms",
+                                max(1, round(self.max_connection_idle_s * 1000))))
         return [
+            *server_wide,
             ("grpc.max_receive_message_length", self.max_receive_bytes),
             ("grpc.max_send_message_length", self.max_send_bytes),
             ("grpc.max_concurrent_streams", self.max_streams_per_connection),
@@ -64,6 +103,28 @@ class ConnectionLimits:
             # No SO_REUSEPORT: a second process on our port must fail to bind, not share it.
             ("grpc.so_reuseport", 0),
         ]
+
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    """--max-connections and --max-connection-idle-s, the same on every gRPC server."""
+    p.add_argument("--max-connections", type=int, default=default_max_connections(),
+                   help="gRPC connections this server keeps open at once, all clients "
+                        "together; one past it is closed as soon as it is accepted (default: a "
+                        f"quarter of the open-file limit, at most {MAX_CONNECTIONS_CAP}; "
+                        "0: no limit)")
+    p.add_argument("--max-connection-idle-s", type=float, default=DEFAULT_MAX_CONNECTION_IDLE_S,
+                   help="a gRPC connection with no call open this long is closed (GOAWAY; its "
+                        "client reconnects on its next call) (0: no limit)")
+
+
+def resolve_connection_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """p.error on a bad value: say which, what was expected and what came."""
+    if args.max_connections < 0:
+        p.error(f"--max-connections must be >= 0 (0: no limit), got {args.max_connections}")
+    # (written so that a NaN fails it too)
+    if not 0 <= args.max_connection_idle_s < math.inf:
+        p.error(f"--max-connection-idle-s must be a finite number >= 0 (0: no limit), got "
+                f"{args.max_connection_idle_s}")
 
 
 def capped(num_bytes: int) -> int:

@@ -1,0 +1,132 @@
+"""Streams whose client takes nothing (--send-stall-timeout-s), on the engine's and the router's
+gRPC streams; the HTTP API watches its own writes (openai_api/disconnect.py) and counts and logs
+its stalls here too.
+
+Without a bound, a client that opened a stream and never read held its queue slot and its
+buffered output for good, its connection kept alive by keepalive pings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+# A stream whose next message has waited this long unsent is ended: the bound nginx's
+# send_timeout (60 s) puts on a write to a client.
+DEFAULT_SEND_STALL_TIMEOUT_S = 60.0
+# At most one log line per this many seconds about stalled streams (a flood of them is one
+# client's doing, counted in the metric).
+STALL_LOG_INTERVAL_S = 10.0
+
+
+@dataclass(slots=True, eq=False)
+class StreamSend:
+    """One stream's writes as SendStallWatch sees them: `since` is set while a message waits
+    for the transport (from the yield that hands it to grpc.aio until the generator resumes,
+    which is when its write is done) and None otherwise."""
+
+    task: asyncio.Task | None
+    context: object
+    since: float | None = None
+    stalled: bool = False  # ended by the watch
+
+
+class SendStallWatch:
+    """Ends gRPC streams whose client takes nothing. grpc.aio finishes the write of a message
+    once the transport has room for it: past the client's flow-control window (what it has not
+    read), the write waits. A write still waiting after `timeout_s` means the client read
+    nothing for that long (a slow reader takes something and the write completes), so the call
+    is ended: its task is cancelled (the generator's `finally` stops the request and frees its
+    slot) and DEADLINE_EXCEEDED is queued behind what gRPC holds (a client that reads on gets
+    it after that; on one that never does, nothing more is spent).
+
+    One sweeper task checks every open stream's pending write, so a streamed message costs a
+    clock read, not a timer. `server`: whose flag the status names ("this engine's")."""
+
+    def __init__(self, timeout_s: float, server: str,
+                 on_stall: Callable[[], None] | None = None) -> None:
+        self.timeout_s = timeout_s  # 0: streams are never ended for not reading
+        self.server = server
+        self.on_stall = on_stall  # counts it (a metric)
+        self._sends: set[StreamSend] = set()
+        self._tasks: set[asyncio.Task] = set()  # the sweeper and the aborts (strong refs)
+        self._sweeper: asyncio.Task | None = None
+        self._last_log = -STALL_LOG_INTERVAL_S
+        self._unlogged = 0
+
+    def open(self, context) -> StreamSend:
+        """A stream's record, watched from now until close(); not watched when the watch is off
+        or the call comes from the HTTP API (in-process: it watches its own writes)."""
+        send = StreamSend(asyncio.current_task(), context)
+        if self.timeout_s > 0 and not getattr(context, "sends_watched", False):
+            self._sends.add(send)
+            if self._sweeper is None:
+                self._sweeper = self._spawn(self._sweep())
+        return send
+
+    def close(self, send: StreamSend) -> None:
+        self._sends.discard(send)
+
+    def stalled(self, waited_s: float) -> None:
+        """A stream was ended for not reading (here or by the HTTP API): counted, and logged at
+        most once per STALL_LOG_INTERVAL_S with the number ended since the last line."""
+        if self.on_stall is not None:
+            self.on_stall()
+        now = time.monotonic()
+        self._unlogged += 1
+        if now - self._last_log >= STALL_LOG_INTERVAL_S:
+            log.warning("%d stream(s) ended: the client took nothing for %.0f s "
+                        "(--send-stall-timeout-s %g)", self._unlogged, waited_s, self.timeout_s)
+            self._last_log, self._unlogged = now, 0
+
+    def message(self, waited_s: float) -> str:
+        return (f"the stream was not read: its next message waited {waited_s:.0f} s unsent (the "
+                f"client took nothing), past {self.server} --send-stall-timeout-s "
+                f"{self.timeout_s:g}; the request was stopped: read the stream as it comes")
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _sweep(self) -> None:
+        # Checked 4 times a timeout (at least once a second): a stall is ended within
+        # 1.25 timeouts of its write.
+        interval = min(1.0, self.timeout_s / 4)
+        try:
+            while self._sends:
+                await asyncio.sleep(interval)
+                now = time.monotonic()
+                for send in [s for s in self._sends
+                             if s.since is not None and now - s.since >= self.timeout_s]:
+                    self._sends.discard(send)
+                    send.stalled = True
+                    waited_s = now - send.since
+                    self.stalled(waited_s)
+                    self._spawn(self._end(send, self.message(waited_s)))
+        finally:
+            self._sweeper = None
+
+    @staticmethod
+    async def _end(send: StreamSend, message: str) -> None:
+        # The cancel lands once this awaits, after abort has set the call's code (which the
+        # generator's ending counts): the pending write raises CancelledError in grpc.aio's
+        # task, which ends the call's handler there, and the generator is closed with it.
+        if send.task is not None:
+            send.task.cancel()
+        # abort raises by design (AbortError), once the client has read up to the status or has
+        # gone. When the stuck write is the call's first, grpc.aio has not marked its headers
+        # sent and the status cannot go (ExecuteBatchError): a client that reads on then gets
+        # its messages and no end (grpc.aio cannot cancel a call outright) until its deadline
+        # or its leaving; our side is freed all the same.
+        with contextlib.suppress(Exception):
+            await send.context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)

@@ -1,0 +1,140 @@
+"""A client that opens a GenerateStream and never reads it: once its next message has waited
+unsent --send-stall-timeout-s (the client took nothing), the call is ended, its request
+stopped, its queue slot and output freed, and the stall counted; when the client reads on it
+gets what was sent and then DEADLINE_EXCEEDED naming the flag. A slow reader (a message a
+second) is never cut.
+
+Before, the call held its slot (the queue limit counts open calls) and its output for as long
+as the client kept its connection, which keepalive pings keep open: a finished, unread stream
+refused every later request on a server at its limit."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from engine_service.core.config import EngineConfig
+from engine_service.core.engine import LLMEngine
+from engine_service.serving.server import EngineServer, ServerOptions
+from pagedgen_api import generation_pb2 as pb
+from pagedgen_api import generation_pb2_grpc as pb_grpc
+
+STALL_TIMEOUT_S = 1.0
+# The client grants its stream no more window than it reads: what it does not read waits here.
+SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024),
+                ("grpc.use_local_subchannel_pool", 1)]
+# ~60 KB of output (200 tokens, 20 logprobs): far past what the client's window takes.
+UNREAD = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]),
+                            sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True,
+                                                       logprobs=20))
+# Long enough to generate for seconds; 5 logprobs: what a reader taking a message a second
+# leaves waiting stays under --max-unsent-tokens.
+LONG = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]),
+                          sampling=pb.SamplingParams(max_tokens=1000, ignore_eos=True,
+                                                     logprobs=5, n=16))
+
+
+async def _until(predicate, what: str, timeout_s: float) -> float:
+    """Seconds until `predicate()` held."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"{what}: not reached after {timeout_s}s")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+def _serve(tiny_llama_dir, test_certs, body, stall_timeout_s: float = STALL_TIMEOUT_S):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_blocks=1100,
+                                    max_model_len=1024))
+
+    async def run():
+        server = EngineServer(engine, ServerOptions(
+            port=0, max_live_requests=1, send_stall_timeout_s=stall_timeout_s,
+            tls=test_certs.material("engine")))
+        port = await server.start()
+        try:
+            await body(server, f"127.0.0.1:{port}")
+        finally:
+            await server.stop(grace_s=0.5)
+
+    asyncio.run(run())
+
+
+def test_an_unread_stream_is_ended_and_frees_its_slot(tiny_llama_dir, test_certs):
+    async def body(server: EngineServer, target: str) -> None:
+        servicer = server.servicer
+        async with test_certs.aio_channel(target, options=SMALL_WINDOW) as unread_channel, \
+                test_certs.aio_channel(target) as channel:
+            unread = pb_grpc.GenerationStub(unread_channel).GenerateStream(UNREAD)
+            await unread.initial_metadata()
+            # Its output is made (the engine is done with it) but not read: the call holds the
+            # one slot until the watch ends it.
+            await _until(lambda: server.async_engine.num_live == 0, "generated", 60)
+            waited = await _until(lambda: servicer.num_open_calls == 0, "the call ended",
+                                  STALL_TIMEOUT_S * 5)
+            assert servicer.send_stalls.timeout_s == STALL_TIMEOUT_S
+            assert server.metrics.send_stalls._value.get() == 1
+            assert server.metrics.requests.labels("DEADLINE_EXCEEDED")._value.get() == 1
+            # The slot is free: the next request is served, not RESOURCE_EXHAUSTED.
+            reply = await pb_grpc.GenerationStub(channel).Generate(
+                pb.GenerateRequest(text="Hi", sampling=pb.SamplingParams(max_tokens=2)))
+            assert reply.usage.completion_tokens == 2
+            # Reading on, the client gets what was sent, then why the call ended.
+            received = 0
+            try:
+                async for message in unread:
+                    received += sum(len(c.token_ids) for c in message.choices)
+                raise AssertionError("the stream ended OK")
+            except grpc.aio.AioRpcError as error:
+                assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+                assert "--send-stall-timeout-s 1" in error.details(), error.details()
+                assert "read the stream as it comes" in error.details()
+            assert 0 < received < 200
+            assert waited < STALL_TIMEOUT_S * 3
+
+    _serve(tiny_llama_dir, test_certs, body)
+
+
+def test_an_unfinished_unread_request_is_stopped(tiny_llama_dir, test_certs):
+    # A request still generating when its client stops reading is aborted in the engine.
+    async def body(server: EngineServer, target: str) -> None:
+        request = LONG
+        async with test_certs.aio_channel(target, options=SMALL_WINDOW) as channel:
+            unread = pb_grpc.GenerationStub(channel).GenerateStream(request)
+            await unread.initial_metadata()
+            await _until(lambda: server.servicer.num_open_calls == 0, "the call ended", 30)
+            await _until(lambda: server.async_engine.num_live == 0, "stopped in the engine", 10)
+            unread.cancel()
+
+    _serve(tiny_llama_dir, test_certs, body)
+
+
+def test_a_slow_reader_is_not_cut(tiny_llama_dir, test_certs):
+    # A message a second, each write waiting for the next read (checked: a reader at 1.6
+    # timeouts is cut), under a timeout 3 times that: margin for a loaded machine, whose loop
+    # (the server's and this client's) may be late.
+    timeout_s = 3.0
+
+    async def body(server: EngineServer, target: str) -> None:
+        request = LONG
+        async with test_certs.aio_channel(target, options=SMALL_WINDOW) as channel:
+            call = pb_grpc.GenerationStub(channel).GenerateStream(request)
+            started = time.monotonic()
+            messages = tokens = 0
+            finished = False
+            while not finished:
+                message = await call.read()
+                assert message is not grpc.aio.EOF
+                messages += 1
+                tokens += sum(len(c.token_ids) for c in message.choices)
+                finished = message.finished
+                await asyncio.sleep(1.0)
+            assert await call.code() == grpc.StatusCode.OK
+            assert tokens == 16000
+            assert messages > 3 and time.monotonic() - started > timeout_s  # read for longer
+            assert server.metrics.send_stalls._value.get() == 0
+
+    _serve(tiny_llama_dir, test_certs, body, stall_timeout_s=timeout_s)
