@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import resource
 import ssl
 from http import HTTPStatus
 
@@ -27,6 +26,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from openai_api.disconnect import TRANSPORT_STATE_KEY
 from openai_api.errors import ApiError
+from prefix_index.tools.server_options import open_files_share
 
 # What a client gets to send a request's head (the request line and headers): one that means
 # to call sends it at once; nginx's client_header_timeout is 60 s, Apache's 20 to 40 s.
@@ -37,10 +37,7 @@ MAX_CONNECTIONS_CAP = 8192
 
 
 def default_max_connections() -> int:
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return MAX_CONNECTIONS_CAP
-    return max(16, min(MAX_CONNECTIONS_CAP, soft // 2))
+    return open_files_share(2, MAX_CONNECTIONS_CAP)
 
 
 def guarded_h11(head_timeout_s: float, max_connections: int) -> type[H11Protocol]:

@@ -47,11 +47,17 @@ DEFAULT_MAX_CONNECTION_IDLE_S = 600.0
 MAX_CONNECTIONS_CAP = 4096
 
 
-def default_max_connections() -> int:
+def open_files_share(divisor: int, cap: int) -> int:
+    """1/`divisor` of this process's open-file limit, at least 16 and at most `cap`: what one
+    kind of connection may take of the descriptors by default."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
-        return MAX_CONNECTIONS_CAP
-    return max(16, min(MAX_CONNECTIONS_CAP, soft // 4))
+        return cap
+    return max(16, min(cap, soft // divisor))
+
+
+def default_max_connections() -> int:
+    return open_files_share(4, MAX_CONNECTIONS_CAP)
 
 
 @dataclass(frozen=True, slots=True)

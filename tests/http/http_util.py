@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import ssl
+import threading
 import urllib.error
 import urllib.request
+
+from openai_api.backend import Backend, ServedModel
+from openai_api.server import HttpServer
 
 
 def call(url: str, body: dict | bytes | None = None, api_key: str | None = None,
@@ -23,3 +29,25 @@ def call(url: str, body: dict | bytes | None = None, api_key: str | None = None,
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
+
+
+async def _texts(ids: list[int]) -> list[str]:
+    return [str(i) for i in ids]
+
+
+@contextlib.contextmanager
+def serving(http: HttpServer, servicer):
+    """`http` in front of `servicer` (a stand-in: only the methods a test calls), served on an
+    event loop of its own; its port."""
+    loop = asyncio.new_event_loop()
+    backend = Backend(servicer, lambda: True, lambda: [ServedModel("m", 64, 16, 16)], _texts)
+    loop.run_until_complete(http.start(backend))
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    try:
+        yield http.port
+    finally:
+        asyncio.run_coroutine_threadsafe(http.stop(0.1), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(timeout=30)
+        loop.close()

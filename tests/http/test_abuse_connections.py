@@ -8,18 +8,14 @@ the process that also accepts the engine's gRPC connections."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import socket
-import threading
 import time
 
 import pytest
 
-from openai_api.backend import Backend, ServedModel
 from openai_api.server import HttpServer
-from tests.http.http_util import call
+from tests.http.http_util import call, serving
 from tests.support.tls import SessionCerts
 
 HEAD_TIMEOUT_S = 0.5
@@ -31,32 +27,11 @@ class _Servicer:  # the requests here never get as far as the servicer
     pass
 
 
-async def _texts(ids: list[int]) -> list[str]:
-    return [str(i) for i in ids]
-
-
-@contextlib.contextmanager
-def serving(http: HttpServer):
-    """`http` served on a loop of its own; its port."""
-    loop = asyncio.new_event_loop()
-    backend = Backend(_Servicer(), lambda: True, lambda: [ServedModel("m", 64, 16, 16)], _texts)
-    loop.run_until_complete(http.start(backend))
-    runner = threading.Thread(target=loop.run_forever, daemon=True)
-    runner.start()
-    try:
-        yield http.port
-    finally:
-        asyncio.run_coroutine_threadsafe(http.stop(0.1), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        runner.join(timeout=30)
-        loop.close()
-
-
 @pytest.fixture
 def server():
     http = HttpServer("127.0.0.1", 0, head_timeout_s=HEAD_TIMEOUT_S,
                       body_timeout_s=BODY_TIMEOUT_S, max_connections=MAX_CONNECTIONS)
-    with serving(http) as port:
+    with serving(http, _Servicer()) as port:
         yield port
 
 
@@ -155,7 +130,8 @@ def test_a_pipelined_request_running_past_the_head_timeout_is_answered():
     # so no head is awaited then. Its body comes only after twice the head timeout (within the
     # body's own deadline); the head timer closed the connection with that request running.
     with serving(HttpServer("127.0.0.1", 0, head_timeout_s=HEAD_TIMEOUT_S, body_timeout_s=5.0,
-                            max_connections=MAX_CONNECTIONS)) as port, _connect(port) as sock:
+                            max_connections=MAX_CONNECTIONS), _Servicer()) as port, \
+            _connect(port) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
                      b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1\r\n\r\n")
@@ -184,7 +160,7 @@ def test_tls_connections_that_never_say_hello_are_counted_and_timed(tmp_path):
     http = HttpServer("127.0.0.1", 0, tls=certs.files("engine").load(),
                       head_timeout_s=HEAD_TIMEOUT_S, body_timeout_s=BODY_TIMEOUT_S,
                       max_connections=MAX_CONNECTIONS)
-    with serving(http) as port:
+    with serving(http, _Servicer()) as port:
         silent = [_connect(port) for _ in range(MAX_CONNECTIONS)]
         try:
             time.sleep(0.1)  # accepted by the server's loop

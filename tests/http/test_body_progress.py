@@ -6,19 +6,17 @@ seconds, which the progress timeout alone would let hold its handler for ever)."
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import socket
-import threading
 import time
 
 import pytest
 
 from openai_api.app import BODY_MIN_BYTES_PER_S
-from openai_api.backend import Backend, ServedModel
 from openai_api.server import HttpServer
 from pagedgen_api import generation_pb2 as pb
+from tests.http.http_util import serving
 
 BODY_TIMEOUT_S = 0.5
 
@@ -28,26 +26,11 @@ class TokenizingServicer:
         return pb.TokenizeResponse(token_ids=[1, 2, 3], prompt=request.text)
 
 
-async def _texts(ids: list[int]) -> list[str]:
-    return [str(i) for i in ids]
-
-
 @pytest.fixture
 def server():
-    loop = asyncio.new_event_loop()
-    http = HttpServer("127.0.0.1", 0, body_timeout_s=BODY_TIMEOUT_S)
-    backend = Backend(TokenizingServicer(), lambda: True,
-                      lambda: [ServedModel("m", 64, 16, 16)], _texts)
-    loop.run_until_complete(http.start(backend))
-    runner = threading.Thread(target=loop.run_forever, daemon=True)
-    runner.start()
-    try:
-        yield http.port
-    finally:
-        asyncio.run_coroutine_threadsafe(http.stop(0.1), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        runner.join(timeout=30)
-        loop.close()
+    with serving(HttpServer("127.0.0.1", 0, body_timeout_s=BODY_TIMEOUT_S),
+                 TokenizingServicer()) as port:
+        yield port
 
 
 def _body(size: int) -> bytes:

@@ -13,14 +13,13 @@ import asyncio
 import contextlib
 import json
 import socket
-import threading
 import time
 
 import pytest
 
-from openai_api.backend import Backend, ServedModel
 from openai_api.server import HttpServer
 from pagedgen_api import generation_pb2 as pb
+from tests.http.http_util import serving
 
 STALL_TIMEOUT_S = 2.0
 EVENT_TEXT = "x" * 4000  # ~4 KB an event
@@ -45,27 +44,6 @@ class EndlessServicer:
         finally:
             self.open_streams -= 1
             self.closed_streams += 1
-
-
-async def _texts(ids: list[int]) -> list[str]:
-    return [str(i) for i in ids]
-
-
-@contextlib.contextmanager
-def serving(http: HttpServer, servicer: EndlessServicer):
-    """`http` served on a loop of its own; its port."""
-    loop = asyncio.new_event_loop()
-    backend = Backend(servicer, lambda: True, lambda: [ServedModel("m", 64, 16, 16)], _texts)
-    loop.run_until_complete(http.start(backend))
-    runner = threading.Thread(target=loop.run_forever, daemon=True)
-    runner.start()
-    try:
-        yield http.port
-    finally:
-        asyncio.run_coroutine_threadsafe(http.stop(0.1), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        runner.join(timeout=30)
-        loop.close()
 
 
 @pytest.fixture

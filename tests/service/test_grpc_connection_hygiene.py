@@ -62,6 +62,9 @@ async def cap_holds(target: str, cap: int) -> None:
         assert not await served(channels[cap]), f"connection {cap + 1} of a cap of {cap} served"
         for channel in channels[:cap]:
             assert await served(channel)
+        # The refused channel goes first: it keeps retrying in the background, and would take
+        # the slot freed next as often as the new channel does.
+        await channels[cap].close()
         await channels[0].close()
         late = own_channel(target)
         channels.append(late)
