@@ -55,10 +55,12 @@ def can_listen(port: int) -> bool:
     return True
 
 
-def metrics_threads() -> list[str]:
-    """The metrics server's threads: its accept loop, its deadline sweeper, its connections'."""
+def metrics_threads(before: set[threading.Thread]) -> list[str]:
+    """Metrics servers' threads (accept loops, deadline sweepers, connections') started since
+    `before`: servers other tests of this worker left running have theirs too."""
     return [t.name for t in threading.enumerate()
-            if t.name.startswith("metrics") or "process_request_thread" in t.name]
+            if t not in before
+            and (t.name.startswith("metrics") or "process_request_thread" in t.name)]
 
 
 @pytest.mark.parametrize("service", sorted(SERVICES))
@@ -83,7 +85,8 @@ def test_a_service_stopped_in_process_frees_its_metrics_port_and_threads(service
             await server.stop(0.5)
         idle.close()
 
+    before = set(threading.enumerate())
     for _ in range(2):  # the same port twice: free again after each stop
         asyncio.run(start_scrape_stop())
         assert can_listen(port), f"metrics port {port} still taken after stop"
-        assert metrics_threads() == []
+        assert metrics_threads(before) == []
