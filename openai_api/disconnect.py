@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import socket
 import struct
 import termios
 import time
@@ -56,18 +57,51 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
     return task.result()
 
 
+# struct tcp_info (linux/tcp.h): tcpi_bytes_acked, a u64 at this offset (Linux 4.1 and later).
+TCP_INFO_BYTES_ACKED = 120
+
+
+def acked_bytes(transport) -> int | None:
+    """Bytes of this connection its peer has acknowledged (TCP_INFO's tcpi_bytes_acked), TLS
+    records included; None where the kernel does not say (then unsent_bytes stands in). It
+    grows exactly when the client takes something: a reader far behind is seen only through
+    its window updates, and the data they let through is acked."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError:
+        return None  # not TCP (a Unix socket)
+    if len(info) < TCP_INFO_BYTES_ACKED + 8:
+        return None
+    return struct.unpack_from("Q", info, TCP_INFO_BYTES_ACKED)[0]
+
+
 def unsent_bytes(transport) -> int:
     """Bytes written to `transport` its peer has not acknowledged yet: asyncio's buffer and the
-    kernel's send queue (SIOCOUTQ). The kernel's part matters: with its send buffer grown to
-    megabytes, the socket turns writable again (and asyncio's buffer shrinks) only once a
-    third of it has drained, a long while at a slow reader's pace."""
+    kernel's send queue (SIOCOUTQ). It shrinks as the client takes bytes only while nothing
+    refills it: the stream's next event is written as soon as asyncio's buffer drains, so a
+    sample may miss the progress acked_bytes sees."""
     unsent = transport.get_write_buffer_size()
+    # Under TLS that is the encrypting layer's buffer alone; the socket's transport below it
+    # holds up to its high-water mark of records.
+    below = getattr(getattr(transport, "_ssl_protocol", None), "_transport", None)
+    if below is not None:
+        unsent += below.get_write_buffer_size()
     sock = transport.get_extra_info("socket")
     if sock is not None:
         with contextlib.suppress(OSError):
             queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, struct.pack("i", 0))
             unsent += struct.unpack("i", queued)[0]
     return unsent
+
+
+def taken_mark(transport) -> int:
+    """A number that grows whenever the client takes something (and only then, as far as the
+    server can tell)."""
+    acked = acked_bytes(transport)
+    return acked if acked is not None else -unsent_bytes(transport)
 
 
 class EventStream:
@@ -79,9 +113,11 @@ class EventStream:
     A client that takes nothing for `send_stall_timeout_s` while an event waits to be written
     (uvicorn's send waits while the connection's buffer is past its high-water mark) has its
     connection closed at once (aborted: a close would wait for the unread buffer to drain),
-    which ends the stream as its leaving does: the request is stopped. Taking anything is what
-    waits for the client shrinking (`unsent_bytes`), so a slow reader, whose reads drain it a
-    little at a time, is never cut. 0: no bound."""
+    which ends the stream as its leaving does: the request is stopped. Taking anything is the
+    peer acknowledging bytes (`taken_mark`); a reader far behind is seen taking something only
+    when its kernel reopens its window, once a segment's worth of window (an MSS: ~1.4 KB over
+    Ethernet, 64 KiB over loopback) is free, which takes reading up to about twice that: so
+    much it must take a timeout. 0: no bound."""
 
     def __init__(self, events: AsyncGenerator[bytes, None], last_words: bytes,
                  send_stall_timeout_s: float = 0.0,
@@ -113,13 +149,13 @@ class EventStream:
 
         async def watch_sends(transport, timeout_s: float) -> None:
             taken_at = time.monotonic()  # when the client was last seen taking something
-            buffered = 0
+            mark = taken_mark(transport)
             waited = 0.0
             while waited < timeout_s:
                 await asyncio.sleep(min(1.0, timeout_s / 4))
                 now = time.monotonic()
-                was, buffered = buffered, unsent_bytes(transport)
-                if sending_since is None or buffered < was:
+                was, mark = mark, taken_mark(transport)
+                if sending_since is None or mark > was:
                     taken_at = now
                 waited = now - max(taken_at, sending_since or now)
             transport.abort()  # uvicorn sees the disconnect: unless_disconnected ends pump

@@ -37,6 +37,7 @@ class StreamSend:
     context: object
     since: float | None = None
     stalled: bool = False  # ended by the watch
+    closed: bool = False  # the stream has ended (close())
 
 
 class SendStallWatch:
@@ -73,6 +74,7 @@ class SendStallWatch:
         return send
 
     def close(self, send: StreamSend) -> None:
+        send.closed = True
         self._sends.discard(send)
 
     def stalled(self, waited_s: float) -> None:
@@ -108,21 +110,30 @@ class SendStallWatch:
                 now = time.monotonic()
                 for send in [s for s in self._sends
                              if s.since is not None and now - s.since >= self.timeout_s]:
-                    self._sends.discard(send)
-                    send.stalled = True
-                    waited_s = now - send.since
-                    self.stalled(waited_s)
-                    self._spawn(self._end(send, self.message(waited_s)))
+                    self._sends.discard(send)  # (back in by _end if its write went through)
+                    self._spawn(self._end(send))
         finally:
             self._sweeper = None
 
-    @staticmethod
-    async def _end(send: StreamSend, message: str) -> None:
+    async def _end(self, send: StreamSend) -> None:
+        # Decided here, not in the sweep: the write may have gone through meanwhile (the
+        # client read at last); then the stream goes on, watched again. From this check to the
+        # cancel nothing awaits.
+        if send.closed or send.task is None or send.task.done():
+            return
+        if send.since is None:
+            self._sends.add(send)
+            if self._sweeper is None:
+                self._sweeper = self._spawn(self._sweep())
+            return
+        waited_s = time.monotonic() - send.since
+        send.stalled = True
+        self.stalled(waited_s)
+        message = self.message(waited_s)
         # The cancel lands once this awaits, after abort has set the call's code (which the
         # generator's ending counts): the pending write raises CancelledError in grpc.aio's
         # task, which ends the call's handler there, and the generator is closed with it.
-        if send.task is not None:
-            send.task.cancel()
+        send.task.cancel()
         # abort raises by design (AbortError), once the client has read up to the status or has
         # gone. When the stuck write is the call's first, grpc.aio has not marked its headers
         # sent and the status cannot go (ExecuteBatchError): a client that reads on then gets

@@ -54,10 +54,12 @@ def server():
         yield port, servicer
 
 
-def _open_stream(port: int) -> socket.socket:
-    """A streamed completion on a socket with a small receive buffer, its request sent."""
+def _open_stream(port: int, receive_buffer: int | None = 4096) -> socket.socket:
+    """A streamed completion, its request sent, on a socket with a small receive buffer or
+    (None) the kernel's default, which grows to megabytes."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
+    if receive_buffer is not None:  # (before connect: it sets the window)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
     sock.settimeout(10)
     sock.connect(("127.0.0.1", port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
@@ -90,16 +92,22 @@ def test_a_client_that_never_reads_is_closed_and_its_stream_ended(server):
         assert received < 64 << 20
 
 
-def test_a_slow_reader_is_not_cut(server):
+# What the server sees of a reader far behind is TCP's window updates, and Linux sends one only
+# once a segment's worth of window (an MSS: ~1.4 KB over Ethernet, 64 KiB over loopback) is free
+# again, which takes reading up to about twice that (the buffer's bookkeeping counts too): 96 KiB
+# a second was not seen here. These take 256 KiB a second, far slower than the stream (~2 MB/s),
+# with the kernel's default buffers; the small-buffer one takes an event's worth (4 KB) a second.
+@pytest.mark.parametrize("receive_buffer,taken_a_second", [(4096, len(EVENT_TEXT)),
+                                                           (None, 256 << 10)])
+def test_a_slow_reader_is_not_cut(server, receive_buffer, taken_a_second):
     port, servicer = server
-    with _open_stream(port) as sock:
+    with _open_stream(port, receive_buffer) as sock:
         _wait(lambda: servicer.open_streams == 1, "the stream started", 10)
-        # One event's worth a second, for three timeouts: far slower than the stream.
-        for _ in range(int(STALL_TIMEOUT_S * 3)):
+        for _ in range(int(STALL_TIMEOUT_S * 3)):  # for three timeouts
             time.sleep(1.0)
             taken = 0
-            while taken < len(EVENT_TEXT):
-                chunk = sock.recv(len(EVENT_TEXT) - taken)
+            while taken < taken_a_second:
+                chunk = sock.recv(taken_a_second - taken)
                 assert chunk, "the server closed a slow reader's connection"
                 taken += len(chunk)
         assert servicer.open_streams == 1 and servicer.closed_streams == 0
