@@ -27,6 +27,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from engine_service.serving.connection_limits import generation_limits
+from engine_service.serving.send_stall import add_send_stall_arg
 from engine_service.serving.wire_errors import WireErrorInterceptor
 from openai_api.cli_args import add_http_args, resolve_http_args
 from openai_api.server import HttpServer
@@ -234,11 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a client that does not read its stream has its request stopped "
                         "(RESOURCE_EXHAUSTED) once this many tokens, each top logprob one "
                         "more, wait unsent for it (0: no bound)")
-    p.add_argument("--send-stall-timeout-s", type=float, default=d.send_stall_timeout_s,
-                   help="a stream (gRPC or HTTP) whose client takes nothing this long while its "
-                        "next message waits is ended (gRPC: DEADLINE_EXCEEDED; HTTP: the "
-                        "connection closed) and its request stopped; a slow reader that takes "
-                        "anything in that time is not (0: never)")
+    add_send_stall_arg(p)
     p.add_argument("--max-context-tokens", type=int, default=DEFAULT_CONTEXT_TOKENS,
                    help="the longest context of the replicas: sizes the largest request "
                         "message taken (a whole context of text), past which gRPC answers "

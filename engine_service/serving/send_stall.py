@@ -8,6 +8,7 @@ buffered output for good, its connection kept alive by keepalive pings.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -25,6 +26,17 @@ DEFAULT_SEND_STALL_TIMEOUT_S = 60.0
 # At most one log line per this many seconds about stalled streams (a flood of them is one
 # client's doing, counted in the metric).
 STALL_LOG_INTERVAL_S = 10.0
+
+
+
+def add_send_stall_arg(p: argparse.ArgumentParser) -> None:
+    """--send-stall-timeout-s, the same on the engine and the router."""
+    p.add_argument("--send-stall-timeout-s", type=float, default=DEFAULT_SEND_STALL_TIMEOUT_S,
+                   help="a stream (gRPC or HTTP) whose client takes nothing this long while its "
+                        "next message waits is ended (gRPC: DEADLINE_EXCEEDED; HTTP: the "
+                        "connection closed) and its request stopped; a reader seen taking "
+                        "anything in that time is not (one a whole window behind is seen at "
+                        "its window updates: docs/operating.md) (0: never)")
 
 
 @dataclass(slots=True, eq=False)

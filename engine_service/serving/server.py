@@ -51,7 +51,7 @@ from engine_service.serving.core_process import (
 from engine_service.serving.engine_info import EngineInfo
 from engine_service.serving.http_backend import engine_backend
 from engine_service.serving.metrics import EngineMetrics
-from engine_service.serving.send_stall import DEFAULT_SEND_STALL_TIMEOUT_S
+from engine_service.serving.send_stall import DEFAULT_SEND_STALL_TIMEOUT_S, add_send_stall_arg
 from engine_service.serving.servicer import GenerationServicer, IndexLink
 from engine_service.serving.status import RequestRejected
 from engine_service.serving.text_worker import TextWorker
@@ -420,12 +420,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the request aborted) once this many tokens, each top logprob counted "
                         "as one more, wait unsent for it; a reader that pauses gets them merged "
                         "into one message (0: no bound)")
-    p.add_argument("--send-stall-timeout-s", type=float,
-                   default=ServerOptions().send_stall_timeout_s,
-                   help="a stream (gRPC or HTTP) whose client takes nothing this long while its "
-                        "next message waits is ended (gRPC: DEADLINE_EXCEEDED; HTTP: the "
-                        "connection closed) and its request stopped; a slow reader that takes "
-                        "anything in that time is not (0: never)")
+    add_send_stall_arg(p)
     p.add_argument("--core-stall-timeout-s", type=float, default=None,
                    help="an engine core that sends nothing this long while it has requests "
                         "(one step that never returns) is killed and the server exits 1, as "
