@@ -82,7 +82,11 @@ class _Deadlines:
 
 
 class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # (still joined by server_close: ThreadingMixIn's block_on_close)
+    # Not daemons: ThreadingMixIn's server_close joins only the threads that are not (its
+    # _Threads drops daemons), and stop() promises every connection's thread has ended.
+    # Each lasts at most deadline_s (the sweeper shuts its socket then, and at stop), which
+    # also bounds what one holds an interpreter's exit.
+    daemon_threads = False
     max_connections = MAX_CONNECTIONS
     deadline_s = READ_TIMEOUT_S
 
@@ -128,7 +132,7 @@ class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
         """The port closed, open connections shut down, their threads and the sweeper joined
         (also when the bind failed)."""
         self._deadlines.stop()
-        super().server_close()  # ThreadingMixIn joins the connections' threads
+        super().server_close()  # ThreadingMixIn joins the connections' (non-daemon) threads
         self._sweeper.join()
 
     def process_request_thread(self, request, client_address) -> None:
