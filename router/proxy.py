@@ -163,6 +163,8 @@ class RoutedRequest:
                 async for message in out:
                     if message.finished:  # (a consumer may stop reading after it)
                         code = "OK"
+                    if not send.headers_sent:
+                        await self.router.send_stalls.send_headers(send)
                     send.since = time.monotonic()
                     yield message
                     send.since = None  # written: the transport took it

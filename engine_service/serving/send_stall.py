@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -50,6 +49,8 @@ class StreamSend:
     since: float | None = None
     stalled: bool = False  # ended by the watch
     closed: bool = False  # the stream has ended (close())
+    # The call's headers are out (or the watch does not end this stream): see send_headers.
+    headers_sent: bool = True
 
 
 class SendStallWatch:
@@ -80,10 +81,22 @@ class SendStallWatch:
         or the call comes from the HTTP API (in-process: it watches its own writes)."""
         send = StreamSend(asyncio.current_task(), context)
         if self.timeout_s > 0 and not getattr(context, "sends_watched", False):
+            send.headers_sent = False
             self._sends.add(send)
             if self._sweeper is None:
                 self._sweeper = self._spawn(self._sweep())
         return send
+
+    async def send_headers(self, send: StreamSend) -> None:
+        """Sends a watched call's headers on their own, before its first message. grpc.aio
+        marks them sent only once a write carrying them completes; were the first message the
+        stuck one, ending the call would send them again, which gRPC refuses
+        (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS): no status would go, and a client that has the
+        headers and reads on would wait for its end until its deadline. Headers are not
+        flow-controlled: this never waits on the client's reading."""
+        if not send.headers_sent:
+            send.headers_sent = True
+            await send.context.send_initial_metadata(())
 
     def close(self, send: StreamSend) -> None:
         send.closed = True
@@ -147,9 +160,12 @@ class SendStallWatch:
         # task, which ends the call's handler there, and the generator is closed with it.
         send.task.cancel()
         # abort raises by design (AbortError), once the client has read up to the status or has
-        # gone. When the stuck write is the call's first, grpc.aio has not marked its headers
-        # sent and the status cannot go (ExecuteBatchError): a client that reads on then gets
-        # its messages and no end (grpc.aio cannot cancel a call outright) until its deadline
-        # or its leaving; our side is freed all the same.
-        with contextlib.suppress(Exception):
+        # gone. Any other failure means the status could not go (the client would wait for it
+        # until its deadline; our side is freed all the same): send_headers is there for the
+        # one case seen.
+        try:
             await send.context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)
+        except grpc.aio.AbortError:
+            pass
+        except Exception as error:  # (ExecuteBatchError is not public)
+            log.warning("a stalled stream's status could not be sent: %r", error)

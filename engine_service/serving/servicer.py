@@ -143,6 +143,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         newly_finished = _newly_finished(c, finished_indices)
                         if c.token_ids_delta or c.text_delta or newly_finished:
                             choices.append(_completion(c, delta=True))
+                    if not send.headers_sent:
+                        await self.send_stalls.send_headers(send)
                     send.since = time.monotonic()
                     yield pb.GenerateStreamResponse(
                         request_id=valid.request_id,

@@ -79,7 +79,9 @@ def test_an_unread_stream_is_ended_at_the_router(stack, test_certs):
         before = _metric(metrics_port, STALLS)
         async with test_certs.aio_end_client_channel(router.target, SMALL_WINDOW) as channel, \
                 test_certs.aio_channel(engine.target) as engine_channel:
-            unread = pb_grpc.GenerationStub(channel).GenerateStream(UNREAD)
+            # (A deadline far past the stall's: a stream left without its end fails here, not
+            # at the suite's timeout; the client's own deadline names no flag.)
+            unread = pb_grpc.GenerationStub(channel).GenerateStream(UNREAD, timeout=60)
             await unread.initial_metadata()
 
             async def counted() -> bool:
@@ -101,6 +103,38 @@ def test_an_unread_stream_is_ended_at_the_router(stack, test_certs):
             assert (f"the router's --send-stall-timeout-s {STALL_TIMEOUT_S:g}"
                     in ended.value.details())
             assert 0 < received < 200
+
+    asyncio.run(body())
+
+
+def test_an_unread_stream_whose_first_message_is_stuck_gets_its_end(stack, test_certs):
+    """The first message alone is past the client's window: ending the call sent its headers
+    again, which gRPC refused, and no status went (tests/service/test_send_stall.py)."""
+    engine, router, metrics_port = stack
+    first_too_big = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[1, 2, 3]),
+        sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True, logprobs=20, n=16))
+    deadline_s = 40.0
+
+    async def body():
+        before = _metric(metrics_port, STALLS)
+        async with test_certs.aio_end_client_channel(router.target, SMALL_WINDOW) as channel:
+            unread = pb_grpc.GenerationStub(channel).GenerateStream(first_too_big,
+                                                                    timeout=deadline_s)
+            await unread.initial_metadata()
+
+            async def counted() -> bool:
+                return _metric(metrics_port, STALLS) == before + 1
+
+            await _until(counted, "the stall counted", STALL_TIMEOUT_S * 10)
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                async for _ in unread:
+                    pass
+            assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ended.value
+            assert (f"the router's --send-stall-timeout-s {STALL_TIMEOUT_S:g}"
+                    in ended.value.details())
+            assert time.monotonic() - started < deadline_s / 2  # its end, not its deadline
 
     asyncio.run(body())
 

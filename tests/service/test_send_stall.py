@@ -68,7 +68,8 @@ def test_an_unread_stream_is_ended_and_frees_its_slot(tiny_llama_dir, test_certs
         servicer = server.servicer
         async with test_certs.aio_channel(target, options=SMALL_WINDOW) as unread_channel, \
                 test_certs.aio_channel(target) as channel:
-            unread = pb_grpc.GenerationStub(unread_channel).GenerateStream(UNREAD)
+            # (A deadline far past the stall's: a stream left without its end fails here.)
+            unread = pb_grpc.GenerationStub(unread_channel).GenerateStream(UNREAD, timeout=60)
             await unread.initial_metadata()
             # Its output is made (the engine is done with it) but not read: the call holds the
             # one slot until the watch ends it.
@@ -94,6 +95,40 @@ def test_an_unread_stream_is_ended_and_frees_its_slot(tiny_llama_dir, test_certs
                 assert "read the stream as it comes" in error.details()
             assert 0 < received < 200
             assert waited < STALL_TIMEOUT_S * 3
+
+    _serve(tiny_llama_dir, test_certs, body)
+
+
+def test_an_unread_stream_whose_first_message_is_stuck_gets_its_end(tiny_llama_dir,
+                                                                     test_certs):
+    """The first message alone is past the client's window (16 choices, 20 logprobs each):
+    the write carrying the call's headers is the one that waits. Before, grpc.aio took the
+    headers for unsent, ending the call sent them again, gRPC refused that batch
+    (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS) and no status went: the client, which had the
+    headers, read on until its own deadline."""
+    first_too_big = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[1, 2, 3]),
+        sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True, logprobs=20, n=16))
+    deadline_s = 30.0
+
+    async def body(server: EngineServer, target: str) -> None:
+        async with test_certs.aio_channel(target, options=SMALL_WINDOW) as channel:
+            unread = pb_grpc.GenerationStub(channel).GenerateStream(first_too_big,
+                                                                    timeout=deadline_s)
+            await unread.initial_metadata()
+            await _until(lambda: server.metrics.send_stalls._value.get() == 1, "the stall",
+                         STALL_TIMEOUT_S * 10)
+            started = time.monotonic()
+            received = 0
+            try:
+                async for message in unread:
+                    received += sum(len(c.token_ids) for c in message.choices)
+                raise AssertionError("the stream ended OK")
+            except grpc.aio.AioRpcError as error:
+                assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+                assert "--send-stall-timeout-s 1" in error.details(), error.details()
+            assert received < 16 * 4  # (the stuck message may reach a client reading on)
+            assert time.monotonic() - started < deadline_s / 2  # its end, not its deadline
 
     _serve(tiny_llama_dir, test_certs, body)
 
