@@ -159,13 +159,16 @@ class SendStallWatch:
         # generator's ending counts): the pending write raises CancelledError in grpc.aio's
         # task, which ends the call's handler there, and the generator is closed with it.
         send.task.cancel()
-        # abort raises by design (AbortError), once the client has read up to the status or has
-        # gone. Any other failure means the status could not go (the client would wait for it
-        # until its deadline; our side is freed all the same): send_headers is there for the
-        # one case seen.
+        # abort raises by design (AbortError), once the client has read up to the status. It
+        # fails when the client has gone meanwhile (the status's batch fails: nothing to do),
+        # or when gRPC refuses to start that batch: then no status goes and a client reading on
+        # waits for it until its deadline (our side is freed all the same). send_headers is
+        # there for the one such case seen; another is logged.
         try:
             await send.context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)
         except grpc.aio.AbortError:
             pass
-        except Exception as error:  # (ExecuteBatchError is not public)
-            log.warning("a stalled stream's status could not be sent: %r", error)
+        except Exception as error:  # (grpc.aio's ExecuteBatchError is not public)
+            refused = "start_batch" in str(error)  # its words for a batch refused at the start
+            log.log(logging.WARNING if refused else logging.DEBUG,
+                    "a stalled stream's status could not be sent: %r", error)

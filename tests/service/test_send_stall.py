@@ -11,6 +11,7 @@ refused every later request on a server at its limit."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
@@ -133,7 +134,7 @@ def test_an_unread_stream_whose_first_message_is_stuck_gets_its_end(tiny_llama_d
     _serve(tiny_llama_dir, test_certs, body)
 
 
-def test_an_unfinished_unread_request_is_stopped(tiny_llama_dir, test_certs):
+def test_an_unfinished_unread_request_is_stopped(tiny_llama_dir, test_certs, caplog):
     # A request still generating when its client stops reading is aborted in the engine.
     async def body(server: EngineServer, target: str) -> None:
         request = LONG
@@ -143,8 +144,13 @@ def test_an_unfinished_unread_request_is_stopped(tiny_llama_dir, test_certs):
             await _until(lambda: server.servicer.num_open_calls == 0, "the call ended", 30)
             await _until(lambda: server.async_engine.num_live == 0, "stopped in the engine", 10)
             unread.cancel()
+        # The client gone, the status queued for it fails to go: that is no warning.
+        await _until(lambda: not server.servicer.send_stalls._tasks, "the watch idle", 10)
 
-    _serve(tiny_llama_dir, test_certs, body)
+    with caplog.at_level(logging.DEBUG, logger="engine_service.serving.send_stall"):
+        _serve(tiny_llama_dir, test_certs, body)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "1 stream(s) ended" in warnings[0], warnings
 
 
 def test_a_slow_reader_is_not_cut(tiny_llama_dir, test_certs):
