@@ -47,6 +47,20 @@ async def _until(predicate, what: str, timeout_s: float) -> float:
     return time.monotonic() - started
 
 
+async def _read_to_its_stall(unread) -> tuple[int, str]:
+    """The tokens a stream ended by the watch still delivers, and the details of its end,
+    which must be DEADLINE_EXCEEDED naming the flag."""
+    received = 0
+    try:
+        async for message in unread:
+            received += sum(len(c.token_ids) for c in message.choices)
+    except grpc.aio.AioRpcError as error:
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+        assert "--send-stall-timeout-s 1" in error.details(), error.details()
+        return received, error.details()
+    raise AssertionError("the stream ended OK")
+
+
 def _serve(tiny_llama_dir, test_certs, body, stall_timeout_s: float = STALL_TIMEOUT_S):
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_blocks=1100,
                                     max_model_len=1024))
@@ -85,15 +99,8 @@ def test_an_unread_stream_is_ended_and_frees_its_slot(tiny_llama_dir, test_certs
                 pb.GenerateRequest(text="Hi", sampling=pb.SamplingParams(max_tokens=2)))
             assert reply.usage.completion_tokens == 2
             # Reading on, the client gets what was sent, then why the call ended.
-            received = 0
-            try:
-                async for message in unread:
-                    received += sum(len(c.token_ids) for c in message.choices)
-                raise AssertionError("the stream ended OK")
-            except grpc.aio.AioRpcError as error:
-                assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
-                assert "--send-stall-timeout-s 1" in error.details(), error.details()
-                assert "read the stream as it comes" in error.details()
+            received, details = await _read_to_its_stall(unread)
+            assert "read the stream as it comes" in details
             assert 0 < received < 200
             assert waited < STALL_TIMEOUT_S * 3
 
@@ -120,14 +127,7 @@ def test_an_unread_stream_whose_first_message_is_stuck_gets_its_end(tiny_llama_d
             await _until(lambda: server.metrics.send_stalls._value.get() == 1, "the stall",
                          STALL_TIMEOUT_S * 10)
             started = time.monotonic()
-            received = 0
-            try:
-                async for message in unread:
-                    received += sum(len(c.token_ids) for c in message.choices)
-                raise AssertionError("the stream ended OK")
-            except grpc.aio.AioRpcError as error:
-                assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
-                assert "--send-stall-timeout-s 1" in error.details(), error.details()
+            received, _ = await _read_to_its_stall(unread)
             assert received < 16 * 4  # (the stuck message may reach a client reading on)
             assert time.monotonic() - started < deadline_s / 2  # its end, not its deadline
 
