@@ -93,10 +93,12 @@ class SendStallWatch:
         stuck one, ending the call would send them again, which gRPC refuses
         (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS): no status would go, and a client that has the
         headers and reads on would wait for its end until its deadline. Headers are not
-        flow-controlled: this never waits on the client's reading."""
-        if not send.headers_sent:
-            send.headers_sent = True
-            await send.context.send_initial_metadata(())
+        flow-controlled, but they queue behind what the connection has not taken: on a
+        connection whose client takes no bytes at all (frozen, or gone without a word) this
+        write waits too, so it is watched like a message."""
+        send.since = time.monotonic()
+        await send.context.send_initial_metadata(())
+        send.headers_sent = True
 
     def close(self, send: StreamSend) -> None:
         send.closed = True
@@ -146,7 +148,8 @@ class SendStallWatch:
         # cancel nothing awaits.
         if send.closed or send.task is None or send.task.done():
             return
-        if send.since is None:
+        if send.since is None or time.monotonic() - send.since < self.timeout_s:
+            # The write went through meanwhile (and maybe the next one began): watched again.
             self._sends.add(send)
             if self._sweeper is None:
                 self._sweeper = self._spawn(self._sweep())
@@ -163,12 +166,14 @@ class SendStallWatch:
         # fails when the client has gone meanwhile (the status's batch fails: nothing to do),
         # or when gRPC refuses to start that batch: then no status goes and a client reading on
         # waits for it until its deadline (our side is freed all the same). send_headers is
-        # there for the one such case seen; another is logged.
+        # there for the one such case seen; another is logged. A call stalled in sending its
+        # headers is refused too, but its client takes no bytes at all: nothing to act on.
         try:
             await send.context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)
         except grpc.aio.AbortError:
             pass
         except Exception as error:  # (grpc.aio's ExecuteBatchError is not public)
-            refused = "start_batch" in str(error)  # its words for a batch refused at the start
+            # (gRPC's words for a batch refused at the start)
+            refused = "start_batch" in str(error) and send.headers_sent
             log.log(logging.WARNING if refused else logging.DEBUG,
                     "a stalled stream's status could not be sent: %r", error)

@@ -18,9 +18,11 @@ import grpc
 
 from engine_service.core.config import EngineConfig
 from engine_service.core.engine import LLMEngine
+from engine_service.serving.send_stall import SendStallWatch
 from engine_service.serving.server import EngineServer, ServerOptions
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
+from tests.support.frozen_relay import FrozenRelay
 
 STALL_TIMEOUT_S = 1.0
 # The client grants its stream no more window than it reads: what it does not read waits here.
@@ -61,13 +63,14 @@ async def _read_to_its_stall(unread) -> tuple[int, str]:
     raise AssertionError("the stream ended OK")
 
 
-def _serve(tiny_llama_dir, test_certs, body, stall_timeout_s: float = STALL_TIMEOUT_S):
+def _serve(tiny_llama_dir, test_certs, body, stall_timeout_s: float = STALL_TIMEOUT_S,
+           max_live_requests: int = 1):
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_blocks=1100,
                                     max_model_len=1024))
 
     async def run():
         server = EngineServer(engine, ServerOptions(
-            port=0, max_live_requests=1, send_stall_timeout_s=stall_timeout_s,
+            port=0, max_live_requests=max_live_requests, send_stall_timeout_s=stall_timeout_s,
             tls=test_certs.material("engine")))
         port = await server.start()
         try:
@@ -134,6 +137,49 @@ def test_an_unread_stream_whose_first_message_is_stuck_gets_its_end(tiny_llama_d
     _serve(tiny_llama_dir, test_certs, body)
 
 
+def test_a_stream_opened_on_a_connection_that_takes_nothing_is_ended(tiny_llama_dir,
+                                                                      test_certs):
+    """The client's connection takes no bytes at all (a frozen client): streams already on it
+    fill it, and a stream opened after that waits in sending its headers, which queue behind
+    them. That wait is watched too: before, the call sat in it unwatched, holding its queue
+    slot until keepalive gave up on the connection (80 s at the defaults)."""
+    big = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]),
+                             sampling=pb.SamplingParams(max_tokens=1000, ignore_eos=True,
+                                                        logprobs=20, n=16))
+    small = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]),
+                               sampling=pb.SamplingParams(max_tokens=20, ignore_eos=True))
+    # A large window: the server writes all it can, and the connection, not the stream, is full.
+    wide_window = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 256 << 20),
+                   ("grpc.use_local_subchannel_pool", 1),
+                   ("grpc.ssl_target_name_override", "127.0.0.1")]
+
+    async def body(server: EngineServer, target: str) -> None:
+        servicer = server.servicer
+        relay = FrozenRelay(int(target.rsplit(":", 1)[1]))
+        async with relay.serving() as relayed, \
+                test_certs.aio_channel(relayed, options=wide_window) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            fillers = [stub.GenerateStream(big, timeout=60) for _ in range(4)]
+            for filler in fillers:
+                await filler.read()
+            relay.frozen.set()
+            # The fillers' writes stall and are ended: the connection is full.
+            await _until(lambda: server.metrics.send_stalls._value.get() == 4,
+                         "the fillers ended", 30)
+            late = stub.GenerateStream(small, timeout=60)
+            await _until(lambda: servicer.num_open_calls == 1, "the late call admitted", 10)
+            waited = await _until(lambda: servicer.num_open_calls == 0, "the late call ended",
+                                  STALL_TIMEOUT_S * 10)
+            assert server.metrics.send_stalls._value.get() == 5
+            assert server.metrics.requests.labels("DEADLINE_EXCEEDED")._value.get() == 5
+            await _until(lambda: server.async_engine.num_live == 0, "stopped in the engine", 10)
+            assert waited < STALL_TIMEOUT_S * 5
+            for call in [*fillers, late]:
+                call.cancel()
+
+    _serve(tiny_llama_dir, test_certs, body, max_live_requests=5)
+
+
 def test_an_unfinished_unread_request_is_stopped(tiny_llama_dir, test_certs, caplog):
     # A request still generating when its client stops reading is aborted in the engine.
     async def body(server: EngineServer, target: str) -> None:
@@ -179,3 +225,21 @@ def test_a_slow_reader_is_not_cut(tiny_llama_dir, test_certs):
             assert server.metrics.send_stalls._value.get() == 0
 
     _serve(tiny_llama_dir, test_certs, body, stall_timeout_s=timeout_s)
+
+
+def test_a_write_that_began_after_the_sweep_saw_the_stall_is_not_ended():
+    """The sweep saw a write waiting past the timeout; before its end ran, that write went
+    through and the next one began. The stream is read: it is watched again, not ended with
+    'waited 0 s'."""
+    async def run() -> None:
+        watch = SendStallWatch(STALL_TIMEOUT_S, "this engine's")
+        handler = asyncio.ensure_future(asyncio.sleep(60))
+        send = watch.open(None)
+        send.task = handler
+        send.since = time.monotonic()  # the next write, just begun
+        await watch._end(send)
+        assert not handler.cancelled() and not send.stalled and send in watch._sends
+        watch.close(send)
+        handler.cancel()
+
+    asyncio.run(run())

@@ -1,0 +1,66 @@
+"""A TCP relay between a client and a server that can stop passing the server's bytes: the
+client as the server sees it when it takes nothing at all (a frozen process, a paused VM, a
+network that drops everything), not merely a reader that leaves its flow-control window full.
+Bytes from the client still go through."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+
+class FrozenRelay:
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.frozen = asyncio.Event()  # set: the server's bytes stay where they are
+        self._tasks: set[asyncio.Task] = set()
+
+    async def _pipe_to_server(self, reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+
+    async def _pipe_to_client(self, reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter) -> None:
+        while True:
+            while self.frozen.is_set():  # (not read: the server's sends fill its socket)
+                await asyncio.sleep(0.05)
+            data = await reader.read(1 << 16)
+            if not data:
+                return
+            writer.write(data)
+            await writer.drain()
+
+    async def _relay(self, client_reader: asyncio.StreamReader,
+                     client_writer: asyncio.StreamWriter) -> None:
+        # A small receive buffer toward the server: it is full after little output.
+        upstream = socket.socket()
+        upstream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        upstream.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(upstream, ("127.0.0.1", self.target_port))
+        server_reader, server_writer = await asyncio.open_connection(sock=upstream)
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            await asyncio.gather(self._pipe_to_server(client_reader, server_writer),
+                                 self._pipe_to_client(server_reader, client_writer),
+                                 return_exceptions=True)
+        finally:
+            self._tasks.discard(task)
+            server_writer.close()
+            client_writer.close()
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[str]:
+        """The relay's address while the block runs; its connections are cut after it."""
+        server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        try:
+            yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        finally:
+            server.close()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
