@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import uuid
@@ -31,7 +32,7 @@ from engine_service.serving.validation import MAX_CHAT_MESSAGES
 from openai_api import schemas
 from openai_api.auth import ApiKeyCheck
 from openai_api.backend import Backend, ServedModel
-from openai_api.call_context import CallAborted, HttpCallContext
+from openai_api.call_context import CallAborted, HttpCallContext, StreamCalls
 from openai_api.disconnect import ClientGone, EventStream, unless_disconnected
 from openai_api.errors import ApiError, from_status
 from openai_api.from_engine import Renderer, usage_json
@@ -179,9 +180,11 @@ class _Api:
         self.send_stalls = (getattr(self.servicer, "send_stalls", None)
                             or SendStallWatch(send_stall_timeout_s, "this server's"))
 
-    def _send_stalled(self, waited_s: float) -> None:
+    def _send_stalled(self, calls: StreamCalls, waited_s: float) -> None:
         """A stream's client took nothing for send_stall_timeout_s (disconnect.py EventStream
-        closed it): counted and logged as the servicer's own gRPC ones."""
+        closes it): counted and logged as the servicer's own gRPC ones, and its calls end as
+        theirs do."""
+        calls.end_for_stall()
         self.send_stalls.stalled(waited_s)
 
     async def _body(self, request: Request) -> bytes:
@@ -230,7 +233,8 @@ class _Api:
 
     async def _answer(self, request: Request, call: EngineCall, render: Renderer) -> Response:
         if call.stream:
-            events = self._events(call, render, _caller(request))
+            calls = StreamCalls(_caller(request))
+            events = self._events(call, render, calls)
             try:  # the first event decides the status: a refusal is an HTTP error, not a stream
                 first = await unless_disconnected(request.receive, anext(events))
             except ClientGone:
@@ -240,7 +244,8 @@ class _Api:
                 await events.aclose()
                 raise
             return EventStream(_prepend(first, events), SHUTTING_DOWN,
-                               self.send_stall_timeout_s, self._send_stalled)
+                               self.send_stall_timeout_s,
+                               functools.partial(self._send_stalled, calls))
         try:
             replies = await unless_disconnected(request.receive, _all_or_none(
                 self._unary("Generate", r, names, _caller(request))
@@ -255,14 +260,14 @@ class _Api:
         except CallAborted as aborted:
             raise from_status(aborted.code, aborted.details, field_names) from None
 
-    async def _events(self, call: EngineCall, render: Renderer, caller
+    async def _events(self, call: EngineCall, render: Renderer, calls: StreamCalls
                       ) -> AsyncGenerator[bytes, None]:
         """The stream's events; a refusal before the first one raises ApiError, one after it
         is an error event (the status is sent by then)."""
         usages = [pb.Usage() for _ in call.requests]
         started = False
         try:
-            async with contextlib.aclosing(self._messages(call, caller)) as messages:
+            async with contextlib.aclosing(self._messages(call, calls)) as messages:
                 async for prompt_index, message in messages:
                     if not started:
                         started = True
@@ -288,12 +293,12 @@ class _Api:
                 yield _event(render.chunk([], usage_json(usages)))
         yield DONE
 
-    async def _messages(self, call: EngineCall, caller
+    async def _messages(self, call: EngineCall, calls: StreamCalls
                         ) -> AsyncIterator[tuple[int, pb.GenerateStreamResponse]]:
         """The servicer's stream messages of every prompt, as they come, with the prompt's
         index; closing this ends (aborts) every stream still running."""
         if len(call.requests) == 1:  # the common case, without a task per stream
-            async for message in self._stream(call.requests[0], call.field_names[0], caller):
+            async for message in self._stream(call.requests[0], call.field_names[0], calls):
                 yield 0, message
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -301,7 +306,7 @@ class _Api:
         async def run(i: int) -> None:
             try:
                 async for message in self._stream(call.requests[i], call.field_names[i],
-                                                   caller):
+                                                   calls):
                     queue.put_nowait((i, message))
                 queue.put_nowait((i, None))
             except Exception as error:  # noqa: BLE001 - handed to the reader
@@ -323,9 +328,10 @@ class _Api:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _stream(self, wire: pb.GenerateRequest, field_names: dict[str, str], caller
+    async def _stream(self, wire: pb.GenerateRequest, field_names: dict[str, str],
+                      calls: StreamCalls
                       ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        stream = self.servicer.GenerateStream(wire, HttpCallContext(caller))
+        stream = self.servicer.GenerateStream(wire, calls.context())
         try:
             async with contextlib.aclosing(stream):
                 async for message in stream:

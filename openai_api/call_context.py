@@ -32,6 +32,8 @@ class HttpCallContext:
         self.caller = caller
         self.trailing_metadata: tuple[tuple[str, str], ...] = ()
         self._code: grpc.StatusCode | None = None
+        # The HTTP API closed the stream for its client taking nothing (--send-stall-timeout-s).
+        self.send_stalled = False
 
     def time_remaining(self) -> float | None:
         return None  # HTTP requests carry no deadline; a client that leaves aborts its request
@@ -46,3 +48,28 @@ class HttpCallContext:
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         self._code = code
         raise CallAborted(code, details)
+
+    def end_for_stall(self) -> None:
+        """The HTTP API closes this stream's connection: its client took nothing for
+        --send-stall-timeout-s. The call ends DEADLINE_EXCEEDED, as a gRPC stream the servicer's
+        own watch ends does (requests_total), not CANCELLED as a client that left."""
+        self.send_stalled = True
+        self._code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class StreamCalls:
+    """The servicer calls behind one streamed HTTP response (one per prompt), made here so the
+    response's stall can be told to each."""
+
+    def __init__(self, caller=None) -> None:
+        self.caller = caller
+        self._contexts: list[HttpCallContext] = []
+
+    def context(self) -> HttpCallContext:
+        context = HttpCallContext(self.caller)
+        self._contexts.append(context)
+        return context
+
+    def end_for_stall(self) -> None:
+        for context in self._contexts:
+            context.end_for_stall()

@@ -170,7 +170,9 @@ class RoutedRequest:
                     send.since = None  # written: the transport took it
             code = code or "OK"
         except BaseException as error:
-            if send.stalled:  # (its last message too: the client never had it)
+            # (its last message too: the client never had it); over HTTP the front watches
+            # its writes and says so in the call's context
+            if send.stalled or getattr(self.context, "send_stalled", False):
                 code = grpc.StatusCode.DEADLINE_EXCEEDED.name
                 self.router.metrics.failed.labels(code).inc()
             elif code is None:

@@ -53,7 +53,10 @@ def _served(engine) -> bool:
 
 def test_an_unread_http_stream_is_closed_and_frees_the_slot(engine, test_certs):
     stalls = "pagedgen_engine_send_stalls_total"
+    ended = 'pagedgen_engine_requests_total{code="DEADLINE_EXCEEDED"}'
+    cancelled = 'pagedgen_engine_requests_total{code="CANCELLED"}'
     before = engine.metric(stalls)
+    before_ended, before_cancelled = engine.metric(ended), engine.metric(cancelled)
     raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
     raw.settimeout(30)
@@ -68,6 +71,9 @@ def test_an_unread_http_stream_is_closed_and_frees_the_slot(engine, test_certs):
         _wait(lambda: engine.metric(stalls) == before + 1, "the stall counted",
               STALL_TIMEOUT_S * 10)
         _wait(lambda: _served(engine), "a request served once the unread one ended", 30)
+        # Counted as a stall ends a gRPC stream (it was CANCELLED, as a client that left).
+        assert engine.metric(ended) == before_ended + 1
+        assert engine.metric(cancelled) == before_cancelled
         with contextlib.suppress(OSError):  # aborted: a reset, or what was in flight, then EOF
             while sock.recv(65536):
                 pass

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import socket
 import time
 import urllib.request
 
@@ -43,16 +45,16 @@ def stack(tiny_llama_dir, tmp_path_factory, test_certs):
     engine = EngineProcess(tiny_llama_dir, ["--prefix-index", "none", "--num-blocks", "1100",
                                             "--max-model-len", "1024"],
                            log_path=logs / "engine.log", tls=test_certs.files("engine"))
-    metrics_port = free_port()
+    metrics_port, http_port = free_port(), free_port()
     with contextlib.ExitStack() as stack:
         stack.enter_context(engine.start())
         router = RouterProcess(["--engines", engine.target, "--prefix-index", "none",
                                 "--send-stall-timeout-s", str(STALL_TIMEOUT_S),
                                 "--metrics-port", str(metrics_port),
-                                "--metrics-host", "127.0.0.1"],
+                                "--metrics-host", "127.0.0.1", "--http-port", str(http_port)],
                                log_path=logs / "router.log", tls=test_certs.files("router"))
         stack.enter_context(router.start())
-        yield engine, router, metrics_port
+        yield engine, router, metrics_port, http_port
 
 
 def _metric(port: int, name: str) -> float:
@@ -73,7 +75,7 @@ async def _until(predicate, what: str, timeout_s: float) -> float:
 
 
 def test_an_unread_stream_is_ended_at_the_router(stack, test_certs):
-    engine, router, metrics_port = stack
+    engine, router, metrics_port, _ = stack
 
     async def body():
         before = _metric(metrics_port, STALLS)
@@ -110,7 +112,7 @@ def test_an_unread_stream_is_ended_at_the_router(stack, test_certs):
 def test_an_unread_stream_whose_first_message_is_stuck_gets_its_end(stack, test_certs):
     """The first message alone is past the client's window: ending the call sent its headers
     again, which gRPC refused, and no status went (tests/service/test_send_stall.py)."""
-    engine, router, metrics_port = stack
+    engine, router, metrics_port, _ = stack
     first_too_big = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=[1, 2, 3]),
         sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True, logprobs=20, n=16))
@@ -140,7 +142,7 @@ def test_an_unread_stream_whose_first_message_is_stuck_gets_its_end(stack, test_
 
 
 def test_a_slow_reader_is_not_cut_at_the_router(stack, test_certs):
-    engine, router, metrics_port = stack
+    engine, router, metrics_port, _ = stack
 
     async def body():
         before = _metric(metrics_port, STALLS)
@@ -161,3 +163,31 @@ def test_a_slow_reader_is_not_cut_at_the_router(stack, test_certs):
         assert _metric(metrics_port, STALLS) == before
 
     asyncio.run(body())
+
+
+def test_an_unread_http_stream_is_counted_as_a_stall_not_a_cancel(stack, test_certs):
+    """The router's HTTP front ends a stream whose client takes nothing (it closes the
+    connection) and says so to the call: requests_total counts it DEADLINE_EXCEEDED, as a gRPC
+    stream the watch ends, not CANCELLED (a client that left), which it did before."""
+    _, _, metrics_port, http_port = stack
+    ended = 'pagedgen_router_requests_total{code="DEADLINE_EXCEEDED"}'
+    cancelled = 'pagedgen_router_requests_total{code="CANCELLED"}'
+    before = {name: _metric(metrics_port, name) for name in (STALLS, ended, cancelled)}
+    # ~6 MB of events (16 sequences of 1000 tokens, 5 logprobs): past every buffer between.
+    body = json.dumps({"prompt": "Count to a thousand.", "stream": True, "max_tokens": 1000,
+                       "n": 16, "logprobs": 5, "ignore_eos": True}).encode()
+    raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
+    raw.settimeout(30)
+    raw.connect(("127.0.0.1", http_port))
+    with test_certs.ssl_context().wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        assert sock.recv(1).startswith(b"H")  # the stream started, then nothing is read
+        deadline = time.monotonic() + STALL_TIMEOUT_S * 15
+        while _metric(metrics_port, ended) < before[ended] + 1:
+            assert time.monotonic() < deadline, "the unread HTTP stream was not counted"
+            time.sleep(0.1)
+        assert _metric(metrics_port, STALLS) == before[STALLS] + 1
+        assert _metric(metrics_port, cancelled) == before[cancelled]
