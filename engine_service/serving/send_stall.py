@@ -51,6 +51,7 @@ class StreamSend:
     closed: bool = False  # the stream has ended (close())
     # The call's headers are out (or the watch does not end this stream): see send_headers.
     headers_sent: bool = True
+    headers: asyncio.Future | None = None  # their write, in a task of its own
 
 
 class SendStallWatch:
@@ -94,10 +95,13 @@ class SendStallWatch:
         (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS): no status would go, and a client that has the
         headers and reads on would wait for its end until its deadline. Headers are not
         flow-controlled, but they queue behind what the connection has not taken: on a
-        connection whose client takes no bytes at all (frozen, or gone without a word) this
-        write waits too, so it is watched like a message."""
+        connection whose client takes no bytes at all (frozen, paused) this write waits too, so
+        it is watched like a message, and made in a task of its own that ending the call does
+        not cancel: should the client take bytes again, they go, then the status (_end)."""
         send.since = time.monotonic()
-        await send.context.send_initial_metadata(())
+        send.headers = asyncio.ensure_future(send.context.send_initial_metadata(()))
+        send.headers.add_done_callback(_retrieve_error)
+        await asyncio.shield(send.headers)
         send.headers_sent = True
 
     def close(self, send: StreamSend) -> None:
@@ -162,18 +166,32 @@ class SendStallWatch:
         # generator's ending counts): the pending write raises CancelledError in grpc.aio's
         # task, which ends the call's handler there, and the generator is closed with it.
         send.task.cancel()
+        if not send.headers_sent and send.headers is not None:
+            # Stalled in sending its headers: the status can only follow them (sent again with
+            # it, gRPC would refuse the batch), so it waits for them, as long as the client's
+            # connection lasts.
+            try:
+                await send.headers
+            except Exception as error:  # the client has gone: nothing to send
+                log.debug("a stalled stream's headers did not go: %r", error)
+                return
         # abort raises by design (AbortError), once the client has read up to the status. It
         # fails when the client has gone meanwhile (the status's batch fails: nothing to do),
         # or when gRPC refuses to start that batch: then no status goes and a client reading on
         # waits for it until its deadline (our side is freed all the same). send_headers is
-        # there for the one such case seen; another is logged. A call stalled in sending its
-        # headers is refused too, but its client takes no bytes at all: nothing to act on.
+        # there for the one such case seen; another is logged.
         try:
             await send.context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)
         except grpc.aio.AbortError:
             pass
         except Exception as error:  # (grpc.aio's ExecuteBatchError is not public)
-            # (gRPC's words for a batch refused at the start)
-            refused = "start_batch" in str(error) and send.headers_sent
+            refused = "start_batch" in str(error)  # its words for a batch refused at the start
             log.log(logging.WARNING if refused else logging.DEBUG,
                     "a stalled stream's status could not be sent: %r", error)
+
+
+def _retrieve_error(headers: asyncio.Future) -> None:
+    # A call ended otherwise (its client cancelled) leaves its headers' write unawaited: its
+    # error is nobody's to report (asyncio would log it as never retrieved).
+    if not headers.cancelled():
+        headers.exception()

@@ -154,7 +154,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     )
                     send.since = None  # written: the transport took it
         except BaseException as error:
-            code = _ended_with(error, context)
+            # (a stream stalled in sending its headers ends before its status is set: _end)
+            stalled = send is not None and send.stalled
+            code = "DEADLINE_EXCEEDED" if stalled else _ended_with(error, context)
             raise
         finally:
             if send is not None:
