@@ -301,16 +301,21 @@ class _Api:
             async for message in self._stream(call.requests[0], call.field_names[0], calls):
                 yield 0, message
             return
-        queue: asyncio.Queue = asyncio.Queue()
+        # One message at a time: a prompt's stream waits for this response's writes as a
+        # single prompt's does, so a client that stops reading holds its streams' output in
+        # the servicer (bounded there, merged) and their calls open, ended with the response's
+        # stall. Unbounded, the streams ran to their end into this queue whatever the client
+        # took, held it all here, and were counted OK.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=1)
 
         async def run(i: int) -> None:
             try:
                 async for message in self._stream(call.requests[i], call.field_names[i],
                                                    calls):
-                    queue.put_nowait((i, message))
-                queue.put_nowait((i, None))
+                    await queue.put((i, message))
+                await queue.put((i, None))
             except Exception as error:  # noqa: BLE001 - handed to the reader
-                queue.put_nowait((i, error))
+                await queue.put((i, error))
 
         tasks = [asyncio.ensure_future(run(i)) for i in range(len(call.requests))]
         try:

@@ -167,15 +167,19 @@ def test_a_slow_reader_is_not_cut_at_the_router(stack, test_certs):
 
 def test_an_unread_http_stream_is_counted_as_a_stall_not_a_cancel(stack, test_certs):
     """The router's HTTP front ends a stream whose client takes nothing (it closes the
-    connection) and says so to the call: requests_total counts it DEADLINE_EXCEEDED, as a gRPC
-    stream the watch ends, not CANCELLED (a client that left), which it did before."""
+    connection) and says so to its calls, one a prompt: requests_total counts each
+    DEADLINE_EXCEEDED, as a gRPC stream the watch ends, not CANCELLED (a client that left),
+    nor OK (a list of prompts ran to its end into the front's queue whatever the client
+    took), which it did before."""
     _, _, metrics_port, http_port = stack
     ended = 'pagedgen_router_requests_total{code="DEADLINE_EXCEEDED"}'
     cancelled = 'pagedgen_router_requests_total{code="CANCELLED"}'
-    before = {name: _metric(metrics_port, name) for name in (STALLS, ended, cancelled)}
-    # ~6 MB of events (16 sequences of 1000 tokens, 5 logprobs): past every buffer between.
-    body = json.dumps({"prompt": "Count to a thousand.", "stream": True, "max_tokens": 1000,
-                       "n": 16, "logprobs": 5, "ignore_eos": True}).encode()
+    ok = 'pagedgen_router_requests_total{code="OK"}'
+    before = {name: _metric(metrics_port, name) for name in (STALLS, ended, cancelled, ok)}
+    # ~6 MB of events (2 prompts x 16 sequences of 500 tokens, 5 logprobs): past every
+    # buffer between.
+    body = json.dumps({"prompt": ["Count to a thousand.", "Count to ten."], "stream": True,
+                       "max_tokens": 500, "n": 16, "logprobs": 5, "ignore_eos": True}).encode()
     raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
     raw.settimeout(30)
@@ -186,8 +190,12 @@ def test_an_unread_http_stream_is_counted_as_a_stall_not_a_cancel(stack, test_ce
                      + b"\r\n\r\n" + body)
         assert sock.recv(1).startswith(b"H")  # the stream started, then nothing is read
         deadline = time.monotonic() + STALL_TIMEOUT_S * 15
-        while _metric(metrics_port, ended) < before[ended] + 1:
-            assert time.monotonic() < deadline, "the unread HTTP stream was not counted"
+        while _metric(metrics_port, STALLS) < before[STALLS] + 1:
+            assert time.monotonic() < deadline, "the unread HTTP stream was not ended"
+            time.sleep(0.1)
+        while _metric(metrics_port, ended) < before[ended] + 2:
+            assert time.monotonic() < deadline, "the unread HTTP stream's calls not counted"
             time.sleep(0.1)
         assert _metric(metrics_port, STALLS) == before[STALLS] + 1
         assert _metric(metrics_port, cancelled) == before[cancelled]
+        assert _metric(metrics_port, ok) == before[ok]
