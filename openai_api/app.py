@@ -297,25 +297,34 @@ class _Api:
                         ) -> AsyncIterator[tuple[int, pb.GenerateStreamResponse]]:
         """The servicer's stream messages of every prompt, as they come, with the prompt's
         index; closing this ends (aborts) every stream still running."""
+        # (Each stream closed in place, in aclosing: left to the garbage collector, its abort,
+        # its count and the router's upstream cancel came later, in a task nobody awaits.)
         if len(call.requests) == 1:  # the common case, without a task per stream
-            async for message in self._stream(call.requests[0], call.field_names[0], calls):
-                yield 0, message
+            async with contextlib.aclosing(
+                    self._stream(call.requests[0], call.field_names[0], calls)) as stream:
+                async for message in stream:
+                    yield 0, message
             return
-        # One message at a time: a prompt's stream waits for this response's writes as a
-        # single prompt's does, so a client that stops reading holds its streams' output in
-        # the servicer (bounded there, merged) and their calls open, ended with the response's
-        # stall. Unbounded, the streams ran to their end into this queue whatever the client
-        # took, held it all here, and were counted OK.
-        queue: asyncio.Queue = asyncio.Queue(maxsize=1)
+        # A prompt's next message is taken once its last was handed on (taken[i]): each
+        # stream waits for this response's writes as a single prompt's does, so a client that
+        # stops reading holds its streams' output in the servicer (bounded there, merged) and
+        # their calls open, ended with the response's stall; and the queue, one message a
+        # prompt at most, serves them in turn. Unbounded, the streams ran to their end into it
+        # whatever the client took, held it all here, and were counted OK.
+        queue: asyncio.Queue = asyncio.Queue()
+        taken = [asyncio.Event() for _ in call.requests]
 
         async def run(i: int) -> None:
             try:
-                async for message in self._stream(call.requests[i], call.field_names[i],
-                                                   calls):
-                    await queue.put((i, message))
-                await queue.put((i, None))
+                async with contextlib.aclosing(
+                        self._stream(call.requests[i], call.field_names[i], calls)) as stream:
+                    async for message in stream:
+                        taken[i].clear()
+                        queue.put_nowait((i, message))
+                        await taken[i].wait()
+                queue.put_nowait((i, None))
             except Exception as error:  # noqa: BLE001 - handed to the reader
-                await queue.put((i, error))
+                queue.put_nowait((i, error))
 
         tasks = [asyncio.ensure_future(run(i)) for i in range(len(call.requests))]
         try:
@@ -328,6 +337,7 @@ class _Api:
                     raise item
                 else:
                     yield i, item
+                    taken[i].set()
         finally:
             for task in tasks:
                 task.cancel()
