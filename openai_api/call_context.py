@@ -32,8 +32,9 @@ class HttpCallContext:
         self.caller = caller
         self.trailing_metadata: tuple[tuple[str, str], ...] = ()
         self._code: grpc.StatusCode | None = None
-        # The HTTP API closed the stream for its client taking nothing (--send-stall-timeout-s).
-        self.send_stalled = False
+        # The servicer's record of this stream's writes (send_stall.StreamSend), given by its
+        # watch, which leaves the watching to the HTTP API: end_for_stall marks it.
+        self.send = None
 
     def time_remaining(self) -> float | None:
         return None  # HTTP requests carry no deadline; a client that leaves aborts its request
@@ -51,10 +52,11 @@ class HttpCallContext:
 
     def end_for_stall(self) -> None:
         """The HTTP API closes this stream's connection: its client took nothing for
-        --send-stall-timeout-s. The call ends DEADLINE_EXCEEDED, as a gRPC stream the servicer's
-        own watch ends does (requests_total), not CANCELLED as a client that left."""
-        self.send_stalled = True
-        self._code = grpc.StatusCode.DEADLINE_EXCEEDED
+        --send-stall-timeout-s. Marked as the servicer's own watch marks a gRPC stream it ends,
+        the call counts DEADLINE_EXCEEDED (requests_total), not CANCELLED as a client that
+        left."""
+        if self.send is not None:
+            self.send.stalled = True
 
 
 class StreamCalls:

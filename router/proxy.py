@@ -170,9 +170,7 @@ class RoutedRequest:
                     send.since = None  # written: the transport took it
             code = code or "OK"
         except BaseException as error:
-            # (its last message too: the client never had it); over HTTP the front watches
-            # its writes and says so in the call's context
-            if send.stalled or getattr(self.context, "send_stalled", False):
+            if send.stalled:  # (its last message too: the client never had it)
                 code = grpc.StatusCode.DEADLINE_EXCEEDED.name
                 self.router.metrics.failed.labels(code).inc()
             elif code is None:

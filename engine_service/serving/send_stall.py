@@ -47,7 +47,7 @@ class StreamSend:
     task: asyncio.Task | None
     context: object
     since: float | None = None
-    stalled: bool = False  # ended by the watch
+    stalled: bool = False  # ended by the watch (or, over HTTP, by the HTTP API's)
     closed: bool = False  # the stream has ended (close())
     # The call's headers are out (or the watch does not end this stream): see send_headers.
     headers_sent: bool = True
@@ -81,7 +81,9 @@ class SendStallWatch:
         """A stream's record, watched from now until close(); not watched when the watch is off
         or the call comes from the HTTP API (in-process: it watches its own writes)."""
         send = StreamSend(asyncio.current_task(), context)
-        if self.timeout_s > 0 and not getattr(context, "sends_watched", False):
+        if getattr(context, "sends_watched", False):
+            context.send = send  # marked stalled by its own watcher (HttpCallContext)
+        elif self.timeout_s > 0:
             send.headers_sent = False
             self._sends.add(send)
             if self._sweeper is None:

@@ -154,7 +154,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     )
                     send.since = None  # written: the transport took it
         except BaseException as error:
-            # (a stream stalled in sending its headers ends before its status is set: _end)
+            # (the mark, not the call's code: a stream stalled in sending its headers ends
+            # before its status is set (_end), and one over HTTP has no status)
             stalled = send is not None and send.stalled
             code = "DEADLINE_EXCEEDED" if stalled else _ended_with(error, context)
             raise
