@@ -37,6 +37,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_service.model.sampling_params import SamplingParams
+from engine_service.serving.status import left_code
 from engine_service.serving.validation import REQUEST_ID_PATTERN
 from pagedgen_api import generation_pb2 as pb
 from router.core import NoReplicaError, Route, Router
@@ -155,7 +156,8 @@ class RoutedRequest:
     async def stream(self) -> AsyncIterator[pb.GenerateStreamResponse]:
         """The request's messages; how the client's call ended is counted once in
         requests_total: OK once its last message went out (or the stream ended), the code the
-        router refused it with, CANCELLED when the client went away first."""
+        router refused it with, CANCELLED when the client went away first (DEADLINE_EXCEEDED
+        when its deadline ended it)."""
         code: str | None = None
         send = self.router.send_stalls.open(self.context)
         try:
@@ -177,7 +179,7 @@ class RoutedRequest:
                 if self._refused is not None:
                     code = self._refused.name
                 elif isinstance(error, asyncio.CancelledError | GeneratorExit):
-                    code = grpc.StatusCode.CANCELLED.name
+                    code = left_code(self.context).name
                 else:  # a bug's exception: gRPC ends the call UNKNOWN
                     code = grpc.StatusCode.UNKNOWN.name
             raise

@@ -32,7 +32,7 @@ from engine_service.serving.send_stall import (
     SendStallWatch,
     StreamSend,
 )
-from engine_service.serving.status import RequestRejected, status_for
+from engine_service.serving.status import RequestRejected, left_code, status_for
 from engine_service.serving.text_worker import TextWorker
 from engine_service.serving.validation import Prompt, RequestValidator, ValidRequest
 from pagedgen_api import generation_pb2 as pb
@@ -506,12 +506,13 @@ def _tokenize(validator: RequestValidator,
 def _ended_with(error: BaseException, context) -> str:
     """The code a generation call that raised ended with: the status it was aborted with (a
     gRPC or an HTTP call's context says it), else CANCELLED when the client went away (the
-    call cancelled, or its consumer closed it), else UNKNOWN (a bug's exception)."""
+    call cancelled, or its consumer closed it; DEADLINE_EXCEEDED if its deadline ended it),
+    else UNKNOWN (a bug's exception)."""
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return code.name
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
-        return grpc.StatusCode.CANCELLED.name
+        return left_code(context).name
     return grpc.StatusCode.UNKNOWN.name
 
 

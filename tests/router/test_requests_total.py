@@ -10,10 +10,11 @@ loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 import pytest
@@ -27,6 +28,7 @@ from router.config import RouterConfig
 from router.core import Router
 from router.server import RouterServer
 from tests.router.stack import RouterStack
+from tests.support.frozen_relay import FrozenRelay
 
 CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "UNAVAILABLE")
 SETTLE_S = 30.0
@@ -54,24 +56,36 @@ def request(max_tokens: int, request_id: str = "") -> pb.GenerateRequest:
         sampling=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
 
 
+@contextlib.asynccontextmanager
+async def routing(engine: RouterStack) -> AsyncIterator[tuple[RouterServer, HttpServer]]:
+    """A router (gRPC and HTTP) in front of the engine, routable, while the block runs."""
+    [replica] = engine.engines.values()
+    router = Router(RouterConfig(stats_interval_s=0.05), [replica.target], None,
+                    tls=engine.certs.material("router"))
+    http = HttpServer("127.0.0.1", 0)
+    server = RouterServer(router, port=0, http=http, tls=engine.certs.material("router"))
+    await server.start()
+    try:
+        deadline = time.monotonic() + SETTLE_S
+        while not router.replicas.routable():
+            assert time.monotonic() < deadline, "the engine never became routable"
+            await asyncio.sleep(0.05)
+        yield server, http
+    finally:
+        await server.stop(0)
+
+
+def counter(server: RouterServer) -> Callable[[str], float]:
+    def count(code: str) -> float:
+        return server.router.metrics.registry.get_sample_value(
+            "pagedgen_router_requests_total", {"code": code}) or 0.0
+    return count
+
+
 def test_every_call_is_counted_once_by_how_it_ended(engine):
     async def body() -> dict[str, float]:
-        [replica] = engine.engines.values()
-        router = Router(RouterConfig(stats_interval_s=0.05), [replica.target], None,
-                        tls=engine.certs.material("router"))
-        http = HttpServer("127.0.0.1", 0)
-        server = RouterServer(router, port=0, http=http, tls=engine.certs.material("router"))
-        await server.start()
-
-        def count(code: str) -> float:
-            return router.metrics.registry.get_sample_value(
-                "pagedgen_router_requests_total", {"code": code}) or 0.0
-
-        try:
-            deadline = time.monotonic() + SETTLE_S
-            while not router.replicas.routable():
-                assert time.monotonic() < deadline, "the engine never became routable"
-                await asyncio.sleep(0.05)
+        async with routing(engine) as (server, http):
+            count = counter(server)
             async with engine.certs.aio_end_client_channel(f"127.0.0.1:{server.port}") as ch:
                 stub = pb_grpc.GenerationStub(ch)
                 reply = await stub.Generate(request(4), timeout=60)  # 1: OK
@@ -109,11 +123,36 @@ def test_every_call_is_counted_once_by_how_it_ended(engine):
             assert "[DONE]" in streamed  # 7: OK, streamed over HTTP
             await asyncio.sleep(0.2)  # (nothing more may be counted after the calls ended)
             return {code: count(code) for code in CODES}
-        finally:
-            await server.stop(0)
 
     counts = asyncio.run(body())
     assert counts == {"OK": 4, "CANCELLED": 1, "INVALID_ARGUMENT": 2, "UNAVAILABLE": 0}
+
+
+def test_a_call_its_client_ended_at_the_deadline_counts_deadline_exceeded(engine):
+    """The client's deadline timer cancels its call a little before the router's (which
+    started when the header was read: here held 0.1 s on the way): the deadline ended it, not
+    a client that left."""
+    async def body() -> dict[str, float]:
+        async with routing(engine) as (server, _):
+            count = counter(server)
+            relay = FrozenRelay(server.port)
+            async with relay.serving() as relayed, \
+                    engine.certs.aio_end_client_channel(relayed) as channel:
+                stub = pb_grpc.GenerationStub(channel)
+                await stub.Generate(request(2), timeout=60)  # (the connection is up)
+                relay.held.set()
+                asyncio.get_running_loop().call_later(0.1, relay.held.clear)
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await stub.Generate(request(2000), timeout=0.5)
+                assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                deadline = time.monotonic() + SETTLE_S
+                while count("OK") + count("CANCELLED") + count("DEADLINE_EXCEEDED") < 2:
+                    assert time.monotonic() < deadline, "the call was not counted"
+                    await asyncio.sleep(0.02)
+            return {code: count(code) for code in ("OK", "CANCELLED", "DEADLINE_EXCEEDED")}
+
+    counts = asyncio.run(body())
+    assert counts == {"OK": 1, "CANCELLED": 0, "DEADLINE_EXCEEDED": 1}
 
 
 def test_a_router_without_an_index_exports_no_index_gauge():

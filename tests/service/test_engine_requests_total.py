@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 
 import grpc
+import pytest
 
 from engine_service.core.config import EngineConfig
 from engine_service.core.engine import LLMEngine
@@ -17,6 +18,7 @@ from engine_service.serving.server import EngineServer, ServerOptions
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.redis_process import free_port
+from tests.support.frozen_relay import FrozenRelay
 
 CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED")
 
@@ -82,3 +84,39 @@ def test_every_generation_call_is_counted_once_by_how_it_ended(tiny_llama_dir, t
     counts = asyncio.run(body())
     assert counts == {"OK": 3, "CANCELLED": 1, "INVALID_ARGUMENT": 2, "DEADLINE_EXCEEDED": 1}
 
+
+
+def test_a_call_its_client_ended_at_the_deadline_counts_deadline_exceeded(tiny_llama_dir,
+                                                                           test_certs):
+    """The client's deadline timer cancels its call; the engine's timer for the same deadline
+    started when the header was read, later. The client's cancel arriving first (here: the
+    header held 0.1 s on the way, as a loaded host or a slow link does) is the deadline's
+    end, not a client that left. It counted CANCELLED (seen in CI, without the hold)."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_blocks=256))
+
+    async def body() -> dict[str, float]:
+        server = EngineServer(engine, ServerOptions(port=0, tls=test_certs.material("engine")))
+        port = await server.start()
+        relay = FrozenRelay(port)
+
+        def count(code: str) -> float:
+            return server.metrics.registry.get_sample_value(
+                "pagedgen_engine_requests_total", {"code": code}) or 0.0
+
+        try:
+            async with relay.serving() as relayed, test_certs.aio_channel(relayed) as channel:
+                stub = pb_grpc.GenerationStub(channel)
+                await stub.Generate(request(2), timeout=60)  # (the connection is up)
+                relay.held.set()
+                asyncio.get_running_loop().call_later(0.1, relay.held.clear)
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await stub.Generate(request(1000), timeout=0.5)
+                assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                while sum(count(code) for code in CODES) < 2:
+                    await asyncio.sleep(0.02)
+            return {code: count(code) for code in CODES}
+        finally:
+            await server.stop(0)
+
+    counts = asyncio.run(body())
+    assert counts == {"OK": 1, "CANCELLED": 0, "INVALID_ARGUMENT": 0, "DEADLINE_EXCEEDED": 1}

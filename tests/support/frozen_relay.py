@@ -1,7 +1,8 @@
 """A TCP relay between a client and a server that can stop passing the server's bytes: the
 client as the server sees it when it takes nothing at all (a frozen process, a paused VM, a
 network that drops everything), not merely a reader that leaves its flow-control window full.
-Bytes from the client still go through."""
+Bytes from the client still go through, unless held: a slow link for the client's next bytes
+(a call's header read late)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ class FrozenRelay:
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.frozen = asyncio.Event()  # set: the server's bytes stay where they are
+        self.held = asyncio.Event()  # set: the client's bytes wait in the relay
         self._tasks: set[asyncio.Task] = set()
 
     async def _pipe_to_server(self, reader: asyncio.StreamReader,
                               writer: asyncio.StreamWriter) -> None:
         while data := await reader.read(1 << 16):
+            while self.held.is_set():
+                await asyncio.sleep(0.01)
             writer.write(data)
             await writer.drain()
 
