@@ -153,7 +153,7 @@ def connection_limits(limits: Limits, max_connections: int | None = None,
     return ConnectionLimits(
         max_receive_bytes=apply_message_bytes(limits.max_ops, limits.max_hashes,
                                               limits.max_chain, HASH_BYTES),
-        max_send_bytes=-1, keepalive_time_ms=30_000, keepalive_timeout_ms=10_000,
+        max_send_bytes=-1, keepalive_time_ms=30_000,
         max_connections=(default_max_connections() if max_connections is None
                          else max_connections),
         max_connection_idle_s=max_connection_idle_s)

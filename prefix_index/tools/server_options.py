@@ -60,6 +60,16 @@ def default_max_connections() -> int:
     return open_files_share(4, MAX_CONNECTIONS_CAP)
 
 
+# (gRPC's default is 20 s: with a frozen client, an engine's stop after a 30 s drain ran past
+# Kubernetes' 45 s kill grace. A live peer's core acks a ping in milliseconds.)
+KEEPALIVE_TIMEOUT_MS = 10_000
+# How much longer than its drain (--grace-s) a server's stop can take: the keepalive timeout
+# (above), and an engine's cut streams' second and its core's stop. A process manager's kill
+# grace (terminationGracePeriodSeconds, compose's stop_grace_period) must exceed a preStop
+# pause + --grace-s + this.
+STOP_AFTER_DRAIN_S = KEEPALIVE_TIMEOUT_MS / 1000 + 5.0
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectionLimits:
     """What one client connection may hold of a server."""
@@ -71,8 +81,10 @@ class ConnectionLimits:
     max_streams_per_connection: int = 1024
     # We ping a connection idle this long and drop it when the ack takes longer than the
     # timeout: a peer that vanished without a TCP reset frees its calls in seconds, not hours.
+    # The timeout also bounds a stop: gRPC's stop pings every connection with its GOAWAY and
+    # waits for the ack, all of it on a peer that takes no bytes (STOP_AFTER_DRAIN_S).
     keepalive_time_ms: int = 60_000
-    keepalive_timeout_ms: int = 20_000
+    keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS
     # Clients' own pings: at most one per this interval (with or without calls in flight;
     # clients that keep idle channels alive may ping); a client pinging faster is sent GOAWAY
     # after max_ping_strikes such pings, so pings cannot be used to keep a server busy.

@@ -26,6 +26,7 @@ from engine_service.serving.server import parse_args as engine_args
 from engine_service.tools.launch import parse_check_args
 from engine_service.tools.prepare_model import parse_args as prepare_model_args
 from prefix_index.server.main import parse_args as index_args
+from prefix_index.tools.server_options import STOP_AFTER_DRAIN_S
 from router.server import parse_args as router_args
 from tests.deploy.kustomize_render import RenderError, render, strategic_merge
 from tests.deploy.network_paths import ANYWHERE, allowed_paths
@@ -339,9 +340,9 @@ def test_termination_grace_exceeds_the_drain(resources):
             assert command[0] == "sleep", f"{script}: preStop {command}"
             pause = float(command[1])
         grace = pod.spec.get("terminationGracePeriodSeconds", 30)
-        assert grace > pause + args.grace_s, \
+        assert grace > pause + args.grace_s + STOP_AFTER_DRAIN_S, \
             f"{script}: terminationGracePeriodSeconds {grace} <= preStop {pause} + " \
-            f"--grace-s {args.grace_s}"
+            f"--grace-s {args.grace_s} + the stop after it {STOP_AFTER_DRAIN_S}"
 
 
 def test_network_policies_allow_only_the_architectures_paths(resources):

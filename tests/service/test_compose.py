@@ -17,6 +17,7 @@ import yaml
 
 from engine_service.serving.server import parse_args as engine_args
 from prefix_index.server.main import parse_args as index_args
+from prefix_index.tools.server_options import STOP_AFTER_DRAIN_S
 from router.server import parse_args as router_args
 from trust.cli_args import TLS_ENV, tls_argv
 
@@ -137,6 +138,33 @@ def test_commands_parse_with_the_real_console_scripts(services, host_paths):
     args = router_args([_on_this_machine(a, host_paths["router"]) for a in argv])
     assert args.prefix_index == "prefix-index:50061" and args.engine_list == []
     assert args.policy == "kv-aware" and args.port == 50051
+
+
+def _duration_s(text: str) -> float:
+    """A compose duration ("50s", "1m30s") in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", text)
+    assert parts is not None and text, f"not a duration of minutes and seconds: {text!r}"
+    return int(parts[1] or 0) * 60 + int(parts[2] or 0)
+
+
+def test_the_kill_comes_after_the_drain_and_the_stop(services, host_paths):
+    """Each server's stop_grace_period outlasts its --grace-s and the stop after it (a client
+    that takes no bytes holds gRPC's stop for its keepalive timeout): the kill does not cut a
+    drain short."""
+    parse = {"pagedgen-engine": engine_args, "pagedgen-router": router_args,
+             "pagedgen-prefix-index": index_args}
+    checked = []
+    for name, service in services.items():
+        script, *argv = service.get("command") or [""]
+        if script not in parse:
+            continue
+        args = parse[script]([_on_this_machine(a, host_paths[name]) for a in argv])
+        kill_after = _duration_s(service.get("stop_grace_period", "10s"))
+        assert kill_after > args.grace_s + STOP_AFTER_DRAIN_S, \
+            f"{name}: stop_grace_period {kill_after}s <= --grace-s {args.grace_s} + the stop " \
+            f"after it {STOP_AFTER_DRAIN_S}"
+        checked.append(name)
+    assert {"engine", "engine-cpu", "engine-tp2", "prefix-index", "router"} <= set(checked)
 
 
 def test_the_tensor_parallel_engine_spans_two_gpus(services, host_paths):
