@@ -48,7 +48,8 @@ class RouterMetrics:
         self.requests = Counter(
             PREFIX + "requests",
             "Generation requests routed (gRPC and HTTP), once each as the client's call ended, "
-            "by code: OK, the error status, CANCELLED when the client went away first.",
+            "by code: OK, the error status, CANCELLED when the client went away first "
+            "(DEADLINE_EXCEEDED when its deadline ended it).",
             ["code"], registry=r)
         self.send_stalls = Counter(
             PREFIX + "send_stalls",

@@ -37,7 +37,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_service.model.sampling_params import SamplingParams
-from engine_service.serving.status import left_code
+from engine_service.serving.status import cancel_code
 from engine_service.serving.validation import REQUEST_ID_PATTERN
 from pagedgen_api import generation_pb2 as pb
 from router.core import NoReplicaError, Route, Router
@@ -159,6 +159,7 @@ class RoutedRequest:
         router refused it with, CANCELLED when the client went away first (DEADLINE_EXCEEDED
         when its deadline ended it)."""
         code: str | None = None
+        timeout_s = self.context.time_remaining()
         send = self.router.send_stalls.open(self.context)
         try:
             async with contextlib.aclosing(self._stream()) as out:
@@ -179,7 +180,10 @@ class RoutedRequest:
                 if self._refused is not None:
                     code = self._refused.name
                 elif isinstance(error, asyncio.CancelledError | GeneratorExit):
-                    code = left_code(self.context).name
+                    ended = cancel_code(self.context.time_remaining(), timeout_s)
+                    if ended == grpc.StatusCode.DEADLINE_EXCEEDED:  # (an error, as a stall)
+                        self.router.metrics.failed.labels(ended.name).inc()
+                    code = ended.name
                 else:  # a bug's exception: gRPC ends the call UNKNOWN
                     code = grpc.StatusCode.UNKNOWN.name
             raise

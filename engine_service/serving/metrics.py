@@ -103,7 +103,8 @@ class EngineMetrics:
             PREFIX + "requests",
             "Generation requests (gRPC and HTTP), once each as the call ended, by code: OK, "
             "the status it ended with (refusals at admission included), CANCELLED when the "
-            "client went away first.", ["code"], registry=r)
+            "client went away first (DEADLINE_EXCEEDED when its deadline ended it).", ["code"],
+            registry=r)
         self.send_stalls = Counter(
             PREFIX + "send_stalls",
             "Generation streams ended because their client took nothing for "

@@ -311,9 +311,13 @@ class EngineServer:
             cut_until = time.monotonic() + CUT_SEND_S
             while self.async_engine.num_live and time.monotonic() < cut_until:
                 await asyncio.sleep(0.02)
+        # Both fronts together: each can wait on a client that takes no bytes (gRPC: for the
+        # keepalive timeout; STOP_AFTER_DRAIN_S counts one such wait, not two).
+        left_s = max(0.5, deadline - time.monotonic())
+        fronts = [self.server.stop(left_s)]
         if self.http is not None:
-            await self.http.stop(max(0.5, deadline - time.monotonic()))
-        await self.server.stop(max(0.5, deadline - time.monotonic()))
+            fronts.append(self.http.stop(left_s))
+        await asyncio.gather(*fronts)
         await self.async_engine.stop()
         if self.servicer is not None and self.servicer.text_worker is not None:
             self.servicer.text_worker.close()

@@ -32,7 +32,7 @@ from engine_service.serving.send_stall import (
     SendStallWatch,
     StreamSend,
 )
-from engine_service.serving.status import RequestRejected, left_code, status_for
+from engine_service.serving.status import RequestRejected, cancel_code, status_for
 from engine_service.serving.text_worker import TextWorker
 from engine_service.serving.validation import Prompt, RequestValidator, ValidRequest
 from pagedgen_api import generation_pb2 as pb
@@ -130,6 +130,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # How the call ended, counted once (requests_total), and its writes as the stall watch
         # sees them: here, not around it: a wrapping generator would cost every message a hop.
         code = "OK"
+        timeout_s = context.time_remaining()
         send: StreamSend | None = None
         try:
             valid, caller = await self._admit(request, context)
@@ -157,7 +158,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # (the mark, not the call's code: a stream stalled in sending its headers ends
             # before its status is set (_end), and one over HTTP has no status)
             stalled = send is not None and send.stalled
-            code = "DEADLINE_EXCEEDED" if stalled else _ended_with(error, context)
+            code = "DEADLINE_EXCEEDED" if stalled else _ended_with(error, context, timeout_s)
             raise
         finally:
             if send is not None:
@@ -168,6 +169,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> pb.GenerateResponse:
         code = "OK"
+        timeout_s = context.time_remaining()
         try:
             valid, caller = await self._admit(request, context)
             last = None
@@ -181,7 +183,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 usage=_usage(last),
             )
         except BaseException as error:
-            code = _ended_with(error, context)
+            code = _ended_with(error, context, timeout_s)
             raise
         finally:
             self.metrics.requests.labels(code).inc()
@@ -503,16 +505,16 @@ def _tokenize(validator: RequestValidator,
     return validator.prompt(request, "input")
 
 
-def _ended_with(error: BaseException, context) -> str:
+def _ended_with(error: BaseException, context, timeout_s: float | None) -> str:
     """The code a generation call that raised ended with: the status it was aborted with (a
     gRPC or an HTTP call's context says it), else CANCELLED when the client went away (the
-    call cancelled, or its consumer closed it; DEADLINE_EXCEEDED if its deadline ended it),
-    else UNKNOWN (a bug's exception)."""
+    call cancelled, or its consumer closed it; DEADLINE_EXCEEDED if its deadline, `timeout_s`
+    when it arrived, ended it), else UNKNOWN (a bug's exception)."""
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return code.name
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
-        return left_code(context).name
+        return cancel_code(context.time_remaining(), timeout_s).name
     return grpc.StatusCode.UNKNOWN.name
 
 

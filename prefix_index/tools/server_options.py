@@ -63,10 +63,12 @@ def default_max_connections() -> int:
 # (gRPC's default is 20 s: with a frozen client, an engine's stop after a 30 s drain ran past
 # Kubernetes' 45 s kill grace. A live peer's core acks a ping in milliseconds.)
 KEEPALIVE_TIMEOUT_MS = 10_000
-# How much longer than its drain (--grace-s) a server's stop can take: the keepalive timeout
-# (above), and an engine's cut streams' second and its core's stop. A process manager's kill
-# grace (terminationGracePeriodSeconds, compose's stop_grace_period) must exceed a preStop
-# pause + --grace-s + this.
+# How much longer than its drain (--grace-s) a server's stop takes at most when its parts
+# answer: the keepalive timeout (above; both fronts stop together), an engine's cut streams'
+# second (CUT_SEND_S) and its core's stop (~0.2 s on CPU; a core that hangs is killed after
+# 30 s, and a kubelet's SIGKILL ends it the same way). A process manager's kill grace
+# (terminationGracePeriodSeconds, compose's stop_grace_period) must exceed a preStop pause +
+# --grace-s + this.
 STOP_AFTER_DRAIN_S = KEEPALIVE_TIMEOUT_MS / 1000 + 5.0
 
 
