@@ -28,7 +28,7 @@ from router.config import RouterConfig
 from router.core import Router
 from router.server import RouterServer
 from tests.router.stack import RouterStack
-from tests.support.frozen_relay import FrozenRelay
+from tests.support.frozen_relay import FrozenRelay, called_past_its_deadline_header_held
 
 CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "UNAVAILABLE")
 SETTLE_S = 30.0
@@ -143,13 +143,8 @@ def test_a_call_its_client_ended_at_the_deadline_counts_deadline_exceeded(engine
             relay = FrozenRelay(server.port)
             async with relay.serving() as relayed, \
                     engine.certs.aio_end_client_channel(relayed) as channel:
-                stub = pb_grpc.GenerationStub(channel)
-                await stub.Generate(request(2), timeout=60)  # (the connection is up)
-                relay.held.set()
-                asyncio.get_running_loop().call_later(0.1, relay.held.clear)
-                with pytest.raises(grpc.aio.AioRpcError) as ended:
-                    await stub.Generate(request(2000), timeout=0.5)
-                assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                await called_past_its_deadline_header_held(
+                    relay, pb_grpc.GenerationStub(channel), request(2), request(2000))
                 deadline = time.monotonic() + SETTLE_S
                 while count("OK") + count("CANCELLED") + count("DEADLINE_EXCEEDED") < 2:
                     assert time.monotonic() < deadline, "the call was not counted"

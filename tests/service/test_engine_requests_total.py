@@ -11,7 +11,6 @@ import urllib.error
 import urllib.request
 
 import grpc
-import pytest
 
 from engine_service.core.config import EngineConfig
 from engine_service.core.engine import LLMEngine
@@ -19,7 +18,7 @@ from engine_service.serving.server import EngineServer, ServerOptions
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.redis_process import free_port
-from tests.support.frozen_relay import FrozenRelay
+from tests.support.frozen_relay import FrozenRelay, called_past_its_deadline_header_held
 
 CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED")
 
@@ -106,13 +105,8 @@ def test_a_call_its_client_ended_at_the_deadline_counts_deadline_exceeded(tiny_l
 
         try:
             async with relay.serving() as relayed, test_certs.aio_channel(relayed) as channel:
-                stub = pb_grpc.GenerationStub(channel)
-                await stub.Generate(request(2), timeout=60)  # (the connection is up)
-                relay.held.set()
-                asyncio.get_running_loop().call_later(0.1, relay.held.clear)
-                with pytest.raises(grpc.aio.AioRpcError) as ended:
-                    await stub.Generate(request(1000), timeout=0.5)
-                assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                await called_past_its_deadline_header_held(
+                    relay, pb_grpc.GenerationStub(channel), request(2), request(1000))
                 counted_by = time.monotonic() + 30
                 while sum(count(code) for code in CODES) < 2:
                     assert time.monotonic() < counted_by, "the call was not counted"

@@ -11,6 +11,8 @@ import contextlib
 import socket
 from collections.abc import AsyncIterator
 
+import grpc
+
 
 class FrozenRelay:
     def __init__(self, target_port: int) -> None:
@@ -68,3 +70,18 @@ class FrozenRelay:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def called_past_its_deadline_header_held(relay: FrozenRelay, stub, warm, late) -> None:
+    """`late` called (unary Generate) with a 0.5 s deadline, its header held 0.1 s on the way
+    through `relay` once `warm` has brought the connection up: the client's deadline timer
+    ends it before the server's, which started when the header came."""
+    await stub.Generate(warm, timeout=60)
+    relay.held.set()
+    asyncio.get_running_loop().call_later(0.1, relay.held.clear)
+    try:
+        await stub.Generate(late, timeout=0.5)
+    except grpc.aio.AioRpcError as error:
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+    else:
+        raise AssertionError("the call ended before its deadline")
