@@ -57,7 +57,8 @@ class RouterMetrics:
             "--send-stall-timeout-s (its request stopped at its replica).", registry=r)
         self.failed = Counter(
             PREFIX + "requests_failed",
-            "Requests ended with an error status, by code (a client's cancel not counted).",
+            "Requests ended with an error status, by code (a client's cancel not counted; one "
+            "at its deadline counts DEADLINE_EXCEEDED).",
             ["code"], registry=r)
         self.route_seconds = Histogram(
             PREFIX + "route_seconds",

@@ -149,10 +149,14 @@ def test_a_call_its_client_ended_at_the_deadline_counts_deadline_exceeded(engine
                 while count("OK") + count("CANCELLED") + count("DEADLINE_EXCEEDED") < 2:
                     assert time.monotonic() < deadline, "the call was not counted"
                     await asyncio.sleep(0.02)
-            return {code: count(code) for code in ("OK", "CANCELLED", "DEADLINE_EXCEEDED")}
+            counts = {code: count(code) for code in ("OK", "CANCELLED", "DEADLINE_EXCEEDED")}
+            # An error, as a stall or the replica's deadline is (a client's cancel is not).
+            counts["failed"] = server.router.metrics.registry.get_sample_value(
+                "pagedgen_router_requests_failed_total", {"code": "DEADLINE_EXCEEDED"}) or 0.0
+            return counts
 
     counts = asyncio.run(body())
-    assert counts == {"OK": 1, "CANCELLED": 0, "DEADLINE_EXCEEDED": 1}
+    assert counts == {"OK": 1, "CANCELLED": 0, "DEADLINE_EXCEEDED": 1, "failed": 1}
 
 
 def test_a_router_without_an_index_exports_no_index_gauge():

@@ -85,7 +85,6 @@ def test_every_generation_call_is_counted_once_by_how_it_ended(tiny_llama_dir, t
     assert counts == {"OK": 3, "CANCELLED": 1, "INVALID_ARGUMENT": 2, "DEADLINE_EXCEEDED": 1}
 
 
-
 def test_a_call_its_client_ended_at_the_deadline_counts_deadline_exceeded(tiny_llama_dir,
                                                                            test_certs):
     """The client's deadline timer cancels its call; the engine's timer for the same deadline
