@@ -60,8 +60,9 @@ def default_max_connections() -> int:
     return open_files_share(4, MAX_CONNECTIONS_CAP)
 
 
-# (gRPC's default is 20 s: with a frozen client, an engine's stop after a 30 s drain ran past
-# Kubernetes' 45 s kill grace. A live peer's core acks a ping in milliseconds.)
+# (gRPC's default is 20 s: with a write to a frozen client pending, an engine's stop after a
+# 30 s drain could run past Kubernetes' 45 s kill grace. A live peer's core acks a ping in
+# milliseconds, whatever its Python threads are doing.)
 KEEPALIVE_TIMEOUT_MS = 10_000
 # How much longer than its drain (--grace-s) a server's stop takes at most when its parts
 # answer: the keepalive timeout (above; both fronts stop together), an engine's cut streams'
