@@ -26,6 +26,9 @@ from tenancy.gate import Gate
 from trust.credentials import TlsMaterial
 
 log = logging.getLogger("openai_api.server")
+# What uvicorn's stop gives requests whose connections were aborted to unwind (a cancelled
+# engine call, a closed generator) before it cancels them itself.
+UNWIND_S = 1.0
 
 
 class _LoopServer(uvicorn.Server):
@@ -117,12 +120,32 @@ class HttpServer:
         deadline = time.monotonic() + grace_s
         while self._server.server_state.tasks and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self._server.config.timeout_graceful_shutdown = max(0.1, deadline - time.monotonic())
         if self._tls_acceptor is not None:
             self._tls_acceptor.abort_handshakes()
+        if aborted := self._abort_unfinished_responses():
+            log.warning("%d HTTP responses still unfinished after the drain (their clients "
+                        "take nothing, or they still run): connections closed", aborted)
+        self._server.config.timeout_graceful_shutdown = max(UNWIND_S,
+                                                            deadline - time.monotonic())
         self._server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+
+
+    def _abort_unfinished_responses(self) -> int:
+        """Aborts the connections whose response is not complete; how many. Each request then
+        ends as when its client leaves (disconnect.py: its work cancelled, the engine's request
+        aborted). uvicorn would instead cancel them at its own deadline and log each as an
+        "Exception in ASGI application" with its traceback, though a client that stopped
+        reading is no server error."""
+        aborted = 0
+        for connection in list(self._server.server_state.connections):
+            cycle = getattr(connection, "cycle", None)
+            transport = getattr(connection, "transport", None)
+            if cycle is not None and not cycle.response_complete and transport is not None:
+                transport.abort()
+                aborted += 1
+        return aborted
 
 
 def _bind(host: str, port: int) -> socket.socket:
