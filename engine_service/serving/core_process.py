@@ -158,6 +158,20 @@ def run_core(channel: CoreChannel, options: CoreOptions) -> None:
             pass
         raise SystemExit(1) from None
     engine.close()  # the workers of a tensor-parallel engine stop with it
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Exits 0 without the interpreter's teardown: everything is sent, closed and stopped
+    by now, and tearing down torch's modules took about 0.5 s of every stop (measured on the
+    CPU), time a rolling restart waits for nothing."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # closed or gone: nothing left to lose
+    os._exit(0)
 
 
 def _threads_origin(options: CoreOptions) -> str:

@@ -23,6 +23,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -33,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from engine_service.core.config import BLOCK_SIZES, DEVICES, PREEMPTION_MODES, EngineConfig
 from engine_service.core.stats import EngineStats
 from engine_service.index.link import IndexLinkOptions
-from engine_service.model.config import load_model_config
+from engine_service.model.config import ModelConfig, load_model_config
 from engine_service.model.dtype import DTYPE_CHOICES
 from engine_service.model.tokenizer import load_tokenizer
 from engine_service.serving.async_engine import AsyncEngine
@@ -195,10 +196,12 @@ class EngineServer:
             self.metrics.requests_rejected.labels(code.name).inc()
             self.metrics.requests.labels(code.name).inc()
 
-    def _make_servicer(self, info: EngineInfo) -> GenerationServicer:
-        # The servicer tokenizes on the event loop thread while the engine thread detokenizes:
-        # two tokenizer objects, since HF fast tokenizers are not safe across threads.
-        tokenizer = None if not info.limits.has_tokenizer else load_tokenizer(info.model_config)
+    def _make_servicer(self, info: EngineInfo,
+                       tokenizers: tuple | None = None) -> GenerationServicer:
+        """`tokenizers`: front_tokenizers' pair, loaded already (else loaded here)."""
+        if tokenizers is None:
+            tokenizers = front_tokenizers(info.model_config, info.limits.has_tokenizer)
+        tokenizer, text_tokenizer = tokenizers
         self.async_engine.max_unsent_tokens = self.options.max_unsent_tokens
         if isinstance(self.async_engine, CoreClient):
             self.async_engine.tokenizer = tokenizer  # the core makes no text: we do
@@ -206,8 +209,6 @@ class EngineServer:
             self.async_engine.stall_timeout_s = (default_stall_timeout_s(info.device)
                                                  if stall_s is None else stall_s)
             self.async_engine.stream_interval = self.options.stream_interval
-        # A third copy for Tokenize / Detokenize on a thread of their own (text_worker.py).
-        text_tokenizer = None if tokenizer is None else load_tokenizer(info.model_config)
         return GenerationServicer(
             self.async_engine,
             RequestValidator(info.limits, tokenizer, self.options.max_live_requests),
@@ -275,7 +276,21 @@ class EngineServer:
                                                  self.options.metrics_host)
         self._loop = asyncio.get_running_loop()
         if self.servicer is None:  # a core process: built (model, profile, warm-up) first
-            self.servicer = self._make_servicer(await self.async_engine.start())
+            # Our tokenizers load meanwhile, on a thread (about 0.7 s of every start, most of
+            # it importing transformers): the core's start runs in another process.
+            config = self.async_engine.options.config
+            loading = asyncio.ensure_future(asyncio.to_thread(
+                front_tokenizers, config.model, not config.skip_tokenizer_init))
+            try:
+                info = await self.async_engine.start()
+            except BaseException:
+                # (The core's failure is the one to report; the load is waited for, its
+                # error dropped.)
+                await asyncio.wait([loading])
+                if not loading.cancelled():
+                    loading.exception()
+                raise
+            self.servicer = self._make_servicer(info, await loading)
         else:
             self.async_engine.start()
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
@@ -327,6 +342,17 @@ class EngineServer:
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
+
+
+def front_tokenizers(model: str | Path | ModelConfig, has_tokenizer: bool) -> tuple:
+    """The servicer's tokenizer (prompts; a core's outputs are detokenized with it on the event
+    loop) and the text worker's (Tokenize / Detokenize on a thread of their own, text_worker.py):
+    one object each, since HF fast tokenizers are not safe across threads; (None, None)
+    without one."""
+    if not has_tokenizer:
+        return None, None
+    config = model if isinstance(model, ModelConfig) else load_model_config(model)
+    return load_tokenizer(config), load_tokenizer(config)
 
 
 def advertised_address(args: argparse.Namespace, port: int) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -13,8 +15,10 @@ from engine_service import LLM, SamplingParams
 from engine_service.core.config import EngineConfig
 from engine_service.core.engine import LLMEngine
 from engine_service.serving.server import EngineServer, ServerOptions
+from engine_service.tools.launch import EngineProcess
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
+from trust.cli_args import tls_argv
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -80,3 +84,35 @@ def test_skip_tokenizer_init_over_grpc(no_tokenizer_dir, test_certs):
     assert len(reply.completions[0].token_ids) == 4 and reply.completions[0].text == ""
     assert [code for code, _ in refused] == [grpc.StatusCode.INVALID_ARGUMENT] * 2
     assert all("serves token ids only" in details for _, details in refused)
+
+
+# pagedgen-engine: the core loads the model while the front loads its tokenizers (both read
+# the same directory); the core's error is the one said, and --skip-tokenizer-init loads none.
+def test_pagedgen_engine_without_tokenizer_files_exits_naming_them(no_tokenizer_dir,
+                                                                   test_certs):
+    tls = test_certs.files("engine")
+    done = subprocess.run(
+        [sys.executable, "-m", "engine_service.serving.server", "--model", str(no_tokenizer_dir),
+         "--port", "0", "--num-blocks", "32", *tls_argv(tls)],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "the engine core could not start: TokenizerNotFoundError" in done.stderr
+    assert str(no_tokenizer_dir) in done.stderr and "--skip-tokenizer-init" in done.stderr
+    assert "Traceback" not in done.stderr and "never retrieved" not in done.stderr
+
+
+def test_pagedgen_engine_with_skip_tokenizer_init_serves_token_ids(no_tokenizer_dir, tmp_path,
+                                                                   test_certs):
+    with EngineProcess(no_tokenizer_dir, ["--num-blocks", "32", "--skip-tokenizer-init"],
+                       log_path=tmp_path / "engine.log", tls=test_certs.files("engine")) as engine:
+        with test_certs.channel(engine.target) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            reply = stub.Generate(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                sampling=pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)),
+                timeout=60)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Generate(pb.GenerateRequest(text="hello"), timeout=60)
+    assert len(reply.completions[0].token_ids) == 4 and reply.completions[0].text == ""
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "serves token ids only" in refused.value.details()
