@@ -80,9 +80,13 @@ def _cpu_signature() -> str:
 
 
 def build_directory() -> Path:
-    """Where this source, torch, Python and CPU build their copy of the extension."""
+    """Where this source, torch, Python and CPU build their copy of the extension. The
+    sources' folder is in the key too: torch's build file names the sources by path, so two
+    checkouts of the same code sharing a folder rebuilt it (~25 s) each time the other had
+    loaded it last."""
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES + HEADERS),
+    for part in (str(SOURCES[0].parent).encode(),
+                 *(source.read_bytes() for source in SOURCES + HEADERS),
                  torch.__version__.encode(),
                  sys.version.encode(),
                  " ".join(CFLAGS).encode(), _cpu_signature().encode()):
