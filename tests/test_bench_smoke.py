@@ -650,3 +650,22 @@ def test_step_loop_bench_on_a_tiny_batch(tmp_path):
     early, late = (alternated["early_instructions_per_step"],
                    alternated["late_instructions_per_step"])
     assert early > 1000 and abs(late - early) <= 0.01 * early
+
+
+def test_engine_restart_bench_on_a_tiny_model(tmp_path, tiny_llama_dir):
+    """`python -m bench.engine_restart` end to end, one counted run: each figure measured, the
+    engine served a reply and exited 0 on SIGTERM (it raises otherwise)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "restart.json"
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "bench.engine_restart", "--model", str(tiny_llama_dir),
+                    "--runs", "1", "--json", str(out)], check=True, capture_output=True,
+                   timeout=300, cwd=repo)
+    result = json.loads(out.read_text())
+    [run] = result["runs"]["this tree"]
+    assert all(run[key] > 0 for key in ("ready_s", "first_reply_s", "stop_s"))
+    assert result["medians"]["this tree"] == run
