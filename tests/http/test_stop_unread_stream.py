@@ -45,9 +45,7 @@ def test_an_unread_stream_open_at_the_stop_is_closed_without_an_error():
             # milliseconds (~2 MB/s of events); the client never reads.
             time.sleep(1.0)
             assert servicer.closed_streams == 0
-            stopping = time.monotonic()
         # (serving's exit stopped the server, with a 0.1 s grace)
-        stop_s = time.monotonic() - stopping
     finally:
         for logger in watched:
             logger.removeHandler(records)
@@ -59,5 +57,3 @@ def test_an_unread_stream_open_at_the_stop_is_closed_without_an_error():
     assert not errors, errors
     warnings = [r.getMessage() for r in records.records if r.levelno == logging.WARNING]
     assert any(m.startswith("1 HTTP responses still unfinished") for m in warnings), warnings
-    # uvicorn's own deadline (UNWIND_S) was not waited out: the abort ended it at once.
-    assert stop_s < 1.0, stop_s
