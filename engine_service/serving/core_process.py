@@ -105,7 +105,8 @@ def run_core(channel: CoreChannel, options: CoreOptions) -> None:
     """The core process's entry point (multiprocessing spawn target).
 
     The engine (and with it torch) is imported here, in the core, not where this module is:
-    the serving front imports it for this function and CoreOptions and runs no model."""
+    the serving front imports it for this function and CoreOptions and runs no model. After a
+    stop it does not return: the process exits 0 at once (_exit_now), atexit hooks unrun."""
     parent = os.getppid()
     _die_with_parent()
     if os.getppid() != parent:  # the front died before the request took effect

@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import logging
 import os
 import re
 import signal
 import socket
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -81,6 +84,7 @@ from trust.credentials import TlsMaterial
 if TYPE_CHECKING:  # the front imports no torch: the engine is the core's
     from engine_service.core.engine import LLMEngine
 
+T = TypeVar("T")
 log = logging.getLogger("engine_service.serving.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -277,20 +281,16 @@ class EngineServer:
         self._loop = asyncio.get_running_loop()
         if self.servicer is None:  # a core process: built (model, profile, warm-up) first
             # Our tokenizers load meanwhile, on a thread (about 0.7 s of every start, most of
-            # it importing transformers): the core's start runs in another process.
+            # it importing transformers; a GGUF file's take ~10 s): the core's start runs in
+            # another process.
             config = self.async_engine.options.config
-            loading = asyncio.ensure_future(asyncio.to_thread(
-                front_tokenizers, config.model, not config.skip_tokenizer_init))
-            try:
-                info = await self.async_engine.start()
-            except BaseException:
-                # (The core's failure is the one to report; the load is waited for, its
-                # error dropped.)
-                await asyncio.wait([loading])
-                if not loading.cancelled():
-                    loading.exception()
-                raise
-            self.servicer = self._make_servicer(info, await loading)
+            loading = _in_daemon_thread(front_tokenizers, config.model,
+                                        not config.skip_tokenizer_init)
+            # A signal or the core's failure meanwhile is raised at once: the load is left to
+            # its daemon thread (what it makes or raises goes unread), so neither the exit
+            # nor the core's error waits for it.
+            info = await self.async_engine.start()
+            self.servicer = self._make_servicer(info, await asyncio.wrap_future(loading))
         else:
             self.async_engine.start()
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
@@ -342,6 +342,21 @@ class EngineServer:
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
+
+
+def _in_daemon_thread(fn: Callable[..., T], *args) -> concurrent.futures.Future[T]:
+    """fn(*args) on a daemon thread of its own: unlike asyncio.to_thread's executor, nothing
+    waits for it at exit."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 - handed to whoever awaits it
+            done.set_exception(error)
+
+    threading.Thread(target=run, name="front-tokenizers", daemon=True).start()
+    return done
 
 
 def front_tokenizers(model: str | Path | ModelConfig, has_tokenizer: bool) -> tuple:
