@@ -118,34 +118,43 @@ class HttpServer:
                 self._socket.close()
             return
         deadline = time.monotonic() + grace_s
-        while self._server.server_state.tasks and time.monotonic() < deadline:
+        while ((self._server.server_state.tasks or self._unfinished_connections())
+               and time.monotonic() < deadline):
             await asyncio.sleep(0.05)
         if self._tls_acceptor is not None:
             self._tls_acceptor.abort_handshakes()
-        if aborted := self._abort_unfinished_responses():
+        unfinished = self._unfinished_connections()
+        for connection in unfinished:
+            connection.transport.abort()
+        if unfinished:
             log.warning("%d HTTP responses still unfinished after the drain (their clients "
-                        "take nothing, or they still run): connections closed", aborted)
-        self._server.config.timeout_graceful_shutdown = max(UNWIND_S,
-                                                            deadline - time.monotonic())
+                        "take nothing, or they still run): connections closed",
+                        len(unfinished))
+        self._server.config.timeout_graceful_shutdown = max(
+            UNWIND_S if unfinished else 0.1, deadline - time.monotonic())
         self._server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
 
 
-    def _abort_unfinished_responses(self) -> int:
-        """Aborts the connections whose response is not complete; how many. Each request then
-        ends as when its client leaves (disconnect.py: its work cancelled, the engine's request
-        aborted). uvicorn would instead cancel them at its own deadline and log each as an
-        "Exception in ASGI application" with its traceback, though a client that stopped
-        reading is no server error."""
-        aborted = 0
+    def _unfinished_connections(self) -> list:
+        """The connections whose response is not complete, or is but still has bytes this
+        process holds for a client that has not taken them. Aborting one ends its request as
+        when its client leaves (disconnect.py: its work cancelled, the engine's request
+        aborted). uvicorn would instead cancel the request at its own deadline, and wait on a
+        connection whose bytes cannot be sent, logging an ERROR for each (with an "Exception
+        in ASGI application" traceback for a request), though a client that stopped reading is
+        no server error."""
+        found = []
         for connection in list(self._server.server_state.connections):
             cycle = getattr(connection, "cycle", None)
             transport = getattr(connection, "transport", None)
-            if cycle is not None and not cycle.response_complete and transport is not None:
-                transport.abort()
-                aborted += 1
-        return aborted
+            if transport is None or transport.is_closing():
+                continue
+            if ((cycle is not None and not cycle.response_complete)
+                    or transport.get_write_buffer_size() > 0):
+                found.append(connection)
+        return found
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -36,9 +36,9 @@ async def _texts(ids: list[int]) -> list[str]:
 
 
 @contextlib.contextmanager
-def serving(http: HttpServer, servicer):
+def serving(http: HttpServer, servicer, grace_s: float = 0.1):
     """`http` in front of `servicer` (a stand-in: only the methods a test calls), served on an
-    event loop of its own; its port."""
+    event loop of its own; its port. Stopped on exit with `grace_s`."""
     loop = asyncio.new_event_loop()
     backend = Backend(servicer, lambda: True, lambda: [ServedModel("m", 64, 16, 16)], _texts)
     loop.run_until_complete(http.start(backend))
@@ -47,7 +47,7 @@ def serving(http: HttpServer, servicer):
     try:
         yield http.port
     finally:
-        asyncio.run_coroutine_threadsafe(http.stop(0.1), loop).result(timeout=30)
+        asyncio.run_coroutine_threadsafe(http.stop(grace_s), loop).result(timeout=30 + grace_s)
         loop.call_soon_threadsafe(loop.stop)
         runner.join(timeout=30)
         loop.close()
