@@ -46,6 +46,7 @@ COMMANDS = {
     "compare": Command("bench.compare", "two bench.json side by side"),
     "random-checkpoint": Command("bench.random_checkpoint", "a random-weight checkpoint"),
     "http-vs-grpc": Command("bench.http_vs_grpc", "the HTTP API against gRPC"),
+    "engine-restart": Command("bench.engine_restart", "pagedgen-engine's start and stop"),
 }
 
 

@@ -1,9 +1,9 @@
 """How long pagedgen-engine takes to start and to stop: what a rolling restart, a crash's
 restart and every test that starts an engine wait for.
 
-    python -m bench.engine_restart                          # this tree, SmolLM2, 5 runs
-    python -m bench.engine_restart --baseline-ref cee7697   # and that commit, alternated
-    python -m bench.engine_restart --json out.json
+    pagedgen-bench engine-restart                          # this tree, SmolLM2, 5 runs
+    pagedgen-bench engine-restart --baseline-ref cee7697   # and that commit, alternated
+    pagedgen-bench engine-restart --json out.json          # (or python -m bench.engine_restart)
 
 Each run spawns `python -m engine_service.serving.server` (`--prefix-index none`, plain text,
 the shipped defaults otherwise) and measures:
@@ -13,7 +13,8 @@ the shipped defaults otherwise) and measures:
   for, so this is the teardown alone).
 `--baseline-ref` checks that commit out in a git worktree (in a temporary folder) and runs its
 engine the same way, alternating run by run with this tree's in one process, so both see the
-same machine load; the medians and their ratios are printed.
+same machine load; the medians and their ratios are printed. The worktree builds its own CPU
+extension, in that temporary folder (~25 s, in the first start, which is not counted).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -40,26 +42,41 @@ from prefix_index.tools.redis_process import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MEASURES = ("ready_s", "first_reply_s", "stop_s")
+START_TIMEOUT_S = 300.0  # a GGUF model's start takes ~30 s here
 
 
-def one_run(tree: Path, model: str) -> dict:
+@dataclass(frozen=True, slots=True)
+class Tree:
+    """A checkout to run the engine from, and where its CPU extension builds (None: the
+    usual cache)."""
+
+    path: Path
+    extensions_dir: Path | None = None
+
+
+def one_run(tree: Tree, model: str, log_path: Path) -> dict:
     port = free_port("127.0.0.1")
     target = f"127.0.0.1:{port}"
     command = [sys.executable, "-m", "engine_service.serving.server", "--model", model,
                "--port", str(port), "--prefix-index", "none", "--insecure",
                "--log-level", "WARNING"]
     # The tree's own modules first (an editable install of another tree comes after).
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, "PYTHONPATH": str(tree.path)}
+    if tree.extensions_dir is not None:
+        env["PAGEDGEN_EXTENSIONS_DIR"] = str(tree.extensions_dir)
     started = time.monotonic()
-    proc = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(command, cwd=tree.path, env=env, stdout=subprocess.DEVNULL,
+                                stderr=log)
     try:
         with grpc.insecure_channel(target) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the engine exited with {proc.returncode}:\n"
-                                       f"{proc.stderr.read()[-3000:]}")
+                if proc.poll() is not None or time.monotonic() - started > START_TIMEOUT_S:
+                    said = "exited with" if proc.poll() is not None else "did not serve in"
+                    what = proc.returncode if proc.poll() is not None else f"{START_TIMEOUT_S} s"
+                    raise RuntimeError(f"the engine {said} {what}:\n"
+                                       f"{log_path.read_text()[-3000:]}")
                 with contextlib.suppress(grpc.RpcError):
                     reply = health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -85,17 +102,17 @@ def one_run(tree: Path, model: str) -> dict:
 
 
 @contextlib.contextmanager
-def worktree(ref: str) -> Iterator[Path]:
-    """`ref` checked out in a temporary git worktree (removed after)."""
-    with tempfile.TemporaryDirectory(prefix="pagedgen-baseline-") as folder:
-        path = Path(folder) / "tree"
-        subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", "-q",
-                        str(path), ref], check=True)
-        try:
-            yield path
-        finally:
-            subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force",
-                            str(path)], check=False)
+def worktree(ref: str, folder: Path) -> Iterator[Tree]:
+    """`ref` checked out in a git worktree in `folder` (removed after), its CPU extension
+    built there too: the usual cache keeps no build for a path used once."""
+    path = folder / "tree"
+    subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", "-q",
+                    str(path), ref], check=True)
+    try:
+        yield Tree(path, folder / "extensions")
+    finally:
+        subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force",
+                        str(path)], check=False)
 
 
 def medians(runs: list[dict]) -> dict:
@@ -118,15 +135,19 @@ def main(argv: list[str] | None = None) -> None:
 
         model = str(ensure_default_model(quiet=True))
     result: dict = {"model": model, "load_average": os.getloadavg(), "runs": {}}
-    with contextlib.ExitStack() as stack:
-        trees = {"this tree": REPO_ROOT}
+    with tempfile.TemporaryDirectory(prefix="pagedgen-restart-") as scratch, \
+            contextlib.ExitStack() as stack:
+        log_path = Path(scratch) / "engine.log"
+        trees = {"this tree": Tree(REPO_ROOT)}
         if args.baseline_ref:
-            trees[args.baseline_ref] = stack.enter_context(worktree(args.baseline_ref))
-        for name in trees:
-            one_run(trees[name], model)  # a first start warms the page cache: not counted
+            trees[args.baseline_ref] = stack.enter_context(
+                worktree(args.baseline_ref, Path(scratch)))
+        for tree in trees.values():
+            # Not counted: it warms the page cache (and builds a worktree's extension).
+            one_run(tree, model, log_path)
         for i in range(args.runs):
             for name, tree in trees.items():
-                run = one_run(tree, model)
+                run = one_run(tree, model, log_path)
                 result["runs"].setdefault(name, []).append(run)
                 print(f"{name} #{i + 1}: ready {run['ready_s']:.2f} s, first reply "
                       f"{run['first_reply_s']:.2f} s, stop {run['stop_s']:.2f} s", flush=True)
