@@ -16,24 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.import_witness import witness_source
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Records the stack of the first import of torch, then lets it proceed.
-PROBE = r"""
-import importlib.abc, json, sys, traceback
-sys.path.insert(0, sys.argv[1])
-first_import = []
-
-
-class Witness(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name == "torch" and not first_import:
-            first_import.extend(f"{f.filename}:{f.lineno}" for f in traceback.extract_stack()
-                                if sys.argv[1] in f.filename)
-        return None
-
-
-sys.meta_path.insert(0, Witness())
+PROBE = witness_source("torch") + r"""
 __import__(sys.argv[2])
 print(json.dumps({"heavy": [m for m in ("torch", "transformers") if m in sys.modules],
                   "chain": first_import}))

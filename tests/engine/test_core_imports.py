@@ -12,23 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.import_witness import witness_source
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-PROBE = r"""
-import importlib.abc, json, sys, traceback
-sys.path.insert(0, sys.argv[1])
-first_import = []
-
-
-class Witness(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name == "torch._dynamo" and not first_import:
-            first_import.extend(f"{f.filename}:{f.lineno}" for f in traceback.extract_stack()
-                                if sys.argv[1] in f.filename)
-        return None
-
-
-sys.meta_path.insert(0, Witness())
+PROBE = witness_source("torch._dynamo") + r"""
 from engine_service.llm import LLM
 
 llm = LLM(sys.argv[2], num_blocks=64)
