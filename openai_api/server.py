@@ -136,7 +136,6 @@ class HttpServer:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
 
-
     def _unfinished_connections(self) -> list:
         """The connections whose response is not complete, or is but still has bytes this
         process holds for a client that has not taken them. Aborting one ends its request as
