@@ -266,6 +266,9 @@ class PrefixIndexLink:
         self.last_error = "not registered yet"
         self._degraded_since = time.monotonic()
         self._registered = False
+        # The first round (a registration, or an attempt that failed) has ended: health says
+        # "starting" until then, and the front waits for it before it says SERVING.
+        self._first_round_ended = False
         # This process's token at the index: a second live process with our engine id is
         # refused (ALREADY_EXISTS) instead of each wiping the other's state.
         self.nonce = secrets.token_hex(12)
@@ -309,7 +312,8 @@ class PrefixIndexLink:
         details = {
             "index": self.target,
             # "refused": another live process holds our engine id (we do not fight it).
-            "state": "refused" if self.refused else "degraded" if s.degraded else "ok",
+            "state": ("refused" if self.refused else "starting" if not self._first_round_ended
+                      else "degraded" if s.degraded else "ok"),
             "epoch": str(s.epoch),
             "registrations": str(s.registrations),
             "local_evictions": str(mirror.local_evictions),
@@ -403,6 +407,7 @@ class PrefixIndexLink:
             self._wake.clear()
 
     def _on_failure(self, error: Exception) -> None:
+        self._first_round_ended = True
         self._post(lambda _engine: self.policy.stop_recording())
         self._generation = None
         self._registered = False
@@ -477,6 +482,7 @@ class PrefixIndexLink:
             log.info("prefix index %s: registered, epoch %d, mirror re-synced",
                      self.target, epoch)
         self._stats.degraded = False
+        self._first_round_ended = True  # (after degraded: health never reads the two apart)
 
     async def _flush(self) -> None:
         async with self._send_lock:

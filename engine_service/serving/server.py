@@ -94,6 +94,10 @@ TP_SIZE_ENV = "PAGEDGEN_TENSOR_PARALLEL_SIZE"
 # After the drain's grace, how long the cut streams get to send their status before the
 # server stops (one step and a message each; the server's own stop gives 0.5 s more).
 CUT_SEND_S = 1.0
+# How long health waits, at start, for the index link's first round (a registration, or an
+# attempt that failed) before it says SERVING anyway: the Register call's own deadline (3 s)
+# and the mirror's re-sync, with room.
+FIRST_REGISTRATION_WAIT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -130,6 +134,9 @@ class ServerOptions:
     # A core silent this long with work to do is taken for hung and killed (core_client.py);
     # None: by the engine's device (60 s on a GPU, 600 s on a CPU).
     core_stall_timeout_s: float | None = None
+    # The address routers reach us at, which the index link registers (--advertise-address);
+    # "": the bound host and port (advertised_address).
+    advertise_address: str = ""
 
 
 class EngineServer:
@@ -294,12 +301,37 @@ class EngineServer:
         else:
             self.async_engine.start()
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        # grpc's health servicer says SERVING for "" from the start: not before we do.
+        await self._set_health(NOT_SERVING)
         await self.server.start()
         if self.http is not None:
             await self.http.start(engine_backend(self.servicer))
+        await self._register_with_the_index()
         await self._set_health(SERVING)
         log.info("engine serving on %s:%d", self.options.host, self.port)
         return self.port
+
+    async def _register_with_the_index(self) -> None:
+        """A core's index link registers the address routers reach us at, now that we serve
+        there, and the instance id our ModelInfo answers with. Health says SERVING once its
+        first round has ended: routers list a replica whose health passes, and the first
+        requests' prefixes reach the index as they are cached. An index that cannot be reached
+        (the link serves on the local LRU, degraded) or answers slowly delays it at most
+        FIRST_REGISTRATION_WAIT_S."""
+        link = self.index_link
+        if not isinstance(self.async_engine, CoreClient) or link is None:
+            return  # an in-process engine's link is started by whoever made it
+        address = advertised_address(self.options.advertise_address, self.options.host,
+                                     self.port)
+        self.async_engine.start_link(address, self.servicer.instance_id)
+        until = time.monotonic() + FIRST_REGISTRATION_WAIT_S
+        while link.health_details().get("state") == "starting":
+            if time.monotonic() >= until:
+                log.warning("the prefix index has not answered the engine's registration in "
+                            "%.0f s: serving meanwhile; the link keeps trying",
+                            FIRST_REGISTRATION_WAIT_S)
+                return
+            await asyncio.sleep(0.01)
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -370,12 +402,11 @@ def front_tokenizers(model: str | Path | ModelConfig, has_tokenizer: bool) -> tu
     return load_tokenizer(config), load_tokenizer(config)
 
 
-def advertised_address(args: argparse.Namespace, port: int) -> str:
+def advertised_address(advertise_address: str, host: str, port: int) -> str:
     """The address routers reach this engine at: --advertise-address, else the bound host
     (this machine's hostname when bound to every interface, as in a container)."""
-    if args.advertise_address:
-        return args.advertise_address
-    host = args.host
+    if advertise_address:
+        return advertise_address
     if host in ("0.0.0.0", "::", "[::]", ""):
         host = socket.gethostname()
     return join_host_port(host, port)
@@ -590,9 +621,6 @@ async def _serve(args: argparse.Namespace, options: ServerOptions, core_options:
     if server.http is not None:
         print(f"engine HTTP API on {server.http.scheme}://"
               f"{join_host_port(args.http_host, server.http.port)}", flush=True)
-    # The index link (in the core) registers the address routers reach us at, now that we
-    # serve there, and the instance id our ModelInfo answers with.
-    core.start_link(advertised_address(args, port), server.servicer.instance_id)
     waiters = [asyncio.ensure_future(stopping.wait()),
                asyncio.ensure_future(server.engine_failed.wait())]
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -632,6 +660,7 @@ def serve(args: argparse.Namespace, core_target: CoreTarget = run_core) -> None:
     options.core_stall_timeout_s = args.core_stall_timeout_s
     options.max_connections = args.max_connections
     options.max_connection_idle_s = args.max_connection_idle_s
+    options.advertise_address = args.advertise_address
     warn_if_plain_text("pagedgen-engine", args.tls)
     if asyncio.run(_serve(args, options, core_options, EngineMetrics(), core_target)):
         sys.exit(1)
