@@ -288,7 +288,7 @@ class CoreClient:
         if first[0] != "ready":
             await asyncio.to_thread(self._process.join, 10)
             raise ValueError(f"the engine core could not start: {first[1]}")
-        self.info = first[1]
+        self.info, self.snapshot = first[1], first[2]
         self._loop.add_reader(self._outputs.fileno(), self._readable)
         self._loop.add_reader(self._process.sentinel, self._core_exited)
         self._started = True

@@ -15,7 +15,8 @@ have an interpreter; they talk in batches:
                  ("call", call_id, name, args)     pin_prefix
                  ("start_link", serving_address, instance_id)
                  ("stop",)                          abort what is live, close the link, exit
-  core -> front  ("ready", EngineInfo) once the engine is built, or ("failed", message);
+  core -> front  ("ready", EngineInfo, EngineStats) once the engine is built, or ("failed",
+                 message);
                  then one ("step", outputs, errors, stats, link_view, results, rpc_times) per
                  step or state change: the step's RequestOutputs (token id deltas only: the
                  front detokenizes, and knows each request's prompt), requests refused at
@@ -139,7 +140,8 @@ def run_core(channel: CoreChannel, options: CoreOptions) -> None:
     except Exception as error:  # noqa: BLE001 - said to the front, which exits with it
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         raise SystemExit(2) from None
-    conn.send(("ready", EngineInfo.of(engine)))
+    # Its first stats with it: EngineStats is answered from the moment the front serves.
+    conn.send(("ready", EngineInfo.of(engine), engine.snapshot))
     # A tensor-parallel worker that dies while the engine idles (no collective to fail) ends
     # the core as a failed step would: the error is raised on the engine thread.
     engine.watch_ranks(lambda error: engine.post(_raiser(error)))

@@ -58,3 +58,38 @@ def test_full_pipes_both_ways_do_not_stall(tiny_llama_dir):
         [completion] = output.outputs
         assert len(completion.token_ids) == MAX_TOKENS
         assert len(completion.logprobs) == MAX_TOKENS
+
+
+def _late_loop_core(channel, options) -> None:
+    """The real core, whose step loop (and so its first stats message) starts 3 s after it
+    said ready: as a slow first iteration would."""
+    import time
+
+    from engine_service.serving import core_process
+
+    run = core_process.CoreLoop.run
+
+    def late_run(self) -> None:
+        time.sleep(3.0)
+        run(self)
+
+    core_process.CoreLoop.run = late_run
+    core_process.run_core(channel, options)
+
+
+def test_the_front_has_the_engines_stats_as_soon_as_it_started(tiny_llama_dir):
+    """EngineStats is answered from the front's copy of the core's stats: the first comes with
+    'ready' (it came with the first step message, so a call between the two failed UNKNOWN,
+    AttributeError on None)."""
+    async def body():
+        config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_blocks=64)
+        client = CoreClient(CoreOptions(config, torch_threads=1, log_level="WARNING"),
+                            core_target=_late_loop_core)
+        await client.start()
+        try:
+            return client.snapshot
+        finally:
+            await client.stop()
+
+    stats = asyncio.run(body())
+    assert stats is not None and stats.num_blocks == 64 and stats.num_running == 0
