@@ -39,6 +39,7 @@ from engine_service.model.runner import ModelRunner, kv_bytes_per_block
 from engine_service.model.sampler import Sampler, SamplingRow, make_generator
 from engine_service.model.sampling_params import SamplingParams
 from engine_service.model.tokenizer import load_tokenizer
+from engine_service.model.tokenizer_eos import read_eos_token_id
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +59,12 @@ class LLMEngine:
         self.config = config
         self.model_config: ModelConfig = load_model_config(config.model)
         mc = self.model_config
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(mc)
-        # Every detokenizer of this engine decodes through it (single tokens' texts kept).
-        self._token_decoder = None if self.tokenizer is None else TokenDecoder(self.tokenizer)
+        # Loaded now when this engine makes text; otherwise (a serving core: the front makes
+        # it) on first use, which a core never makes: its EOS id is read from the files.
+        self._tokenizer = None
+        self._token_decoder: TokenDecoder | None = None
+        if config.detokenize:
+            self._load_tokenizer()
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
@@ -119,8 +123,9 @@ class LLMEngine:
             self.kv,
         )
         eos = set(mc.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        tokenizer_eos = self._tokenizer_eos_token_id()
+        if tokenizer_eos is not None:
+            eos.add(tokenizer_eos)
         self.eos_token_ids = eos
         self.pin_budget = PinBudget(num_blocks, PinBudgetConfig(
             config.pin_budget_floor, config.pin_budget_ceiling, config.pin_budget_window_s))
@@ -133,7 +138,7 @@ class LLMEngine:
             num_blocks=self.pool.num_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            has_tokenizer=self.tokenizer is not None)
+            has_tokenizer=not config.skip_tokenizer_init)
         self.sampler = Sampler(mc.vocab_size, eos, seed=config.seed, device=self.runner.device)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -241,7 +246,7 @@ class LLMEngine:
         self._set_max_num_tokens(seq, params)
         if params.seed is not None:
             seq.generator = make_generator(params.seed, index, self.runner.device)
-        if self.tokenizer is not None and self.config.detokenize:
+        if self.config.detokenize and self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 token_ids,
@@ -598,7 +603,7 @@ class LLMEngine:
     def _decode(self, prompt_token_ids: list[int], token_ids: list[int],
                 params: SamplingParams) -> str:
         """A finished beam's text, detokenized as a streamed sequence's would be."""
-        if self.tokenizer is None or not self.config.detokenize:
+        if not self.config.detokenize or self.tokenizer is None:
             return ""
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, [], skip_special_tokens=params.skip_special_tokens,
@@ -652,6 +657,31 @@ class LLMEngine:
         workers = getattr(self.runner, "workers", None)
         if workers is not None:
             workers.watch(on_failure)
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer; None with skip_tokenizer_init."""
+        if self._tokenizer is None and not self.config.skip_tokenizer_init:
+            self._load_tokenizer()
+        return self._tokenizer
+
+    def _load_tokenizer(self) -> None:
+        if self.config.skip_tokenizer_init:
+            return
+        self._tokenizer = load_tokenizer(self.model_config)
+        # Every detokenizer of this engine decodes through it (single tokens' texts kept).
+        self._token_decoder = TokenDecoder(self._tokenizer)
+
+    def _tokenizer_eos_token_id(self) -> int | None:
+        """The tokenizer's EOS id: from its files when they say it plainly (no tokenizer
+        load: tokenizer_eos.py), else from the tokenizer."""
+        if self.config.skip_tokenizer_init:
+            return None
+        if self._tokenizer is None:
+            token_id = read_eos_token_id(self.model_config)
+            if token_id is not None:
+                return token_id
+        return self.tokenizer.eos_token_id
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do for one rank). Idempotent."""
