@@ -22,7 +22,7 @@ MAX_BODY_BYTES = 64 << 20
 # Fields of OpenAI's API (or vLLM's) this server does not serve, and the values that ask for
 # nothing (clients send some of them by default): any other value is refused by name.
 UNSERVED_FIELDS: dict[str, tuple[object, ...]] = {
-    "echo": (False,), "suffix": ("",), "best_of": (), "logit_bias": ({},), "tools": ([],),
+    "echo": (False,), "suffix": ("",), "best_of": (), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "parallel_tool_calls": (False, True), "response_format": ({"type": "text"},),
     "store": (False,), "metadata": ({},), "modalities": (["text"],), "audio": (),
@@ -71,6 +71,8 @@ class _Sampling(_Strict):
     priority: Int32 | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
+    # OpenAI's: token id (a JSON object's key, so a string) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="before")
     @classmethod

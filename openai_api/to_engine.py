@@ -153,8 +153,23 @@ def _set_sampling(s: pb.SamplingParams, req: _Sampling, max_tokens: int | None,
         s.stop.extend([req.stop] if isinstance(req.stop, str) else req.stop)
     if req.stop_token_ids:
         s.stop_token_ids.extend(req.stop_token_ids)
+    if req.logit_bias:
+        s.logit_bias.update(_logit_bias(req.logit_bias))
     if req.use_beam_search:  # vLLM's: n beams, the n best returned
         s.beam_width = s.n if s.HasField("n") else 1
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings (JSON's keys); the values'
+    range is the engine's to check."""
+    ids = {}
+    for key, value in bias.items():
+        token_id = int(key) if key.isascii() and key.isdecimal() else -1
+        if not 0 <= token_id < 2**31:
+            raise bad_request("logit_bias", f"logit_bias must map token ids (decimal strings "
+                                            f"below 2^31) to biases, got the key {_json(key)}")
+        ids[token_id] = value
+    return ids
 
 
 def _field_names(prompt: str, max_tokens: str, logprobs: str) -> dict[str, str]:

@@ -206,7 +206,8 @@ class LLMEngine:
             final_output_only=final_output_only,
             pin_prefill=pin_prefill,
             plain_greedy=(params.is_greedy and not params.has_penalties
-                          and params.logprobs is None and not params.min_tokens),
+                          and params.logprobs is None and not params.min_tokens
+                          and not params.logit_bias),
         )
         if params.use_beam_search:
             # Beams stream nothing (the best ones are known only at the end): no detokenizer.

@@ -74,7 +74,8 @@ class RequestLimits:
         try:
             params.check_for_model(vocab)
         except ValueError as error:
-            raise InvalidRequestError("stop_token_ids", str(error)) from None
+            # The message starts with the field's name (stop_token_ids, logit_bias).
+            raise InvalidRequestError(str(error).split(" ", 1)[0], str(error)) from None
         if not self.has_tokenizer and params.stop:
             raise InvalidRequestError(
                 "stop", f"stop must be empty when the engine has no tokenizer "

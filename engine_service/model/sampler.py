@@ -2,13 +2,15 @@
 
 Order of operations per row, as in vLLM:
   1. logprobs are taken from the raw logits (log_softmax before any processing);
-  2. penalties: repetition over prompt + output tokens, presence/frequency over output tokens
+  2. logit_bias: each row's biases added to its tokens' logits (OpenAI's logit_bias; vLLM
+     applies it among its logits processors, before the penalties);
+  3. penalties: repetition over prompt + output tokens, presence/frequency over output tokens
      (from per-sequence counts kept on the device and updated with each sampled token,
      `TokenCounts`: a step never rebuilds them from the token lists);
-  3. min_tokens: while the output is shorter, stop_token_ids and EOS are masked to -inf. With
+  4. min_tokens: while the output is shorter, stop_token_ids and EOS are masked to -inf. With
      `ignore_eos`, EOS is an ordinary token (vLLM leaves it out of the stop set), so it is not
      masked;
-  4. greedy rows take the argmax; sampled rows are divided by their temperature, then top-k,
+  5. greedy rows take the argmax; sampled rows are divided by their temperature, then top-k,
      top-p (on the top-k-renormalized distribution) and min-p (relative to the most likely
      token) are applied, and a token is drawn.
 
@@ -201,6 +203,23 @@ def _select_rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
     return t.index_select(0, torch.tensor(idx, device=t.device))
 
 
+def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
+    """Rows idx's logit_bias added to their logits, in place: two small uploads, one
+    scatter."""
+    row_idx: list[int] = []
+    col_idx: list[int] = []
+    values: list[float] = []
+    for i in idx:
+        bias = rows[i].params.logit_bias
+        row_idx += [i] * len(bias)
+        col_idx += bias.keys()
+        values += bias.values()
+    device = logits.device
+    positions = torch.tensor([row_idx, col_idx], dtype=torch.long, device=device)
+    logits.index_put_((positions[0], positions[1]),
+                      torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+
+
 def _min_tokens_active(row: SamplingRow) -> bool:
     return len(row.output_token_ids) < row.params.min_tokens
 
@@ -244,10 +263,13 @@ class Sampler:
         want_logprobs, all_greedy = False, True
         penalized: list[int] = []
         min_tokens: list[int] = []
+        biased: list[int] = []
         for i, r in enumerate(rows):
             params = r.params
             if params.logprobs is not None:
                 want_logprobs = True
+            if params.logit_bias:
+                biased.append(i)
             if params.has_penalties:
                 penalized.append(i)
             if params.min_tokens and _min_tokens_active(r):
@@ -255,9 +277,11 @@ class Sampler:
             if not params.is_greedy:
                 all_greedy = False
         slots = None
-        if penalized or min_tokens:
+        if penalized or min_tokens or biased:
             # Never modify the caller's logits (raw logprobs need them); contiguous for view(-1).
             processed = raw.clone(memory_format=torch.contiguous_format)
+            if biased:
+                _add_logit_bias(processed, rows, biased)
             if penalized:
                 slots = self._penalty_slots(rows, penalized)
                 self._apply_penalties(processed, rows, penalized, slots[0])

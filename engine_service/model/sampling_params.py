@@ -10,6 +10,8 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # the detokenizer holds back (longest stop - 1) chars per step
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias: each is a scatter into its row every step
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias is in [-100, 100]
 MIN_SEED = -(2**63)  # the range torch.Generator.manual_seed accepts
 MAX_SEED = 2**64 - 1
 # Temperatures below this are greedy: dividing logits by ~0 only overflows (vLLM does the same).
@@ -68,6 +70,9 @@ class SamplingParams:
     beam_width: int | None = None
     length_penalty: float = 1.0  # finished beams score cum_logprob / length ** length_penalty
     early_stopping: bool | str = False  # True, False or "never", as in HF transformers
+    # token id -> a number added to its logit before penalties and sampling (OpenAI's
+    # logit_bias, in [-100, 100]); logprobs stay the model's own. Normalized to a dict.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.verify()
@@ -130,6 +135,7 @@ class SamplingParams:
             logprobs = _check_int("logprobs", self.logprobs, f"0 to {MAX_LOGPROBS} or None")
             if not 0 <= logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
+        self.logit_bias = self._normalized_logit_bias(self.logit_bias)
         self._check_beam_search()
 
     def _check_beam_search(self) -> None:
@@ -167,6 +173,7 @@ class SamplingParams:
             "presence_penalty": self.presence_penalty != 0,
             "frequency_penalty": self.frequency_penalty != 0,
             "repetition_penalty": self.repetition_penalty != 1,
+            "logit_bias": bool(self.logit_bias),
         }
         for name, is_set in refused.items():
             if is_set:
@@ -210,6 +217,28 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {i!r}")
         return list(ids)
 
+    @staticmethod
+    def _normalized_logit_bias(bias: object) -> dict[int, float]:
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias or None, "
+                             f"got {bias!r}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries, "
+                             f"got {len(bias)}")
+        allowed = f"in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
+        normalized = {}
+        for token_id, value in bias.items():
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"logit_bias must map non-negative token ids to biases, "
+                                 f"got the key {token_id!r}")
+            value = _check_float(f"logit_bias[{token_id}]", value, allowed)
+            if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+                raise ValueError(f"logit_bias[{token_id}] must be {allowed}, got {value:g}")
+            normalized[token_id] = value
+        return normalized
+
     @property
     def use_beam_search(self) -> bool:
         return self.beam_width is not None
@@ -236,9 +265,16 @@ class SamplingParams:
         return self.top_k > 0
 
     def check_for_model(self, vocab_size: int) -> None:
-        """Checks the ids that only make sense against a model's vocabulary."""
+        """Checks the ids that only make sense against a model's vocabulary (ValueError whose
+        message starts with the field's name)."""
         for i in self.stop_token_ids:
             if i >= vocab_size:
                 raise ValueError(
                     f"stop_token_ids must be < the model's vocab size {vocab_size}, got {i}"
+                )
+        for i in self.logit_bias:
+            if i >= vocab_size:
+                raise ValueError(
+                    f"logit_bias must map token ids < the model's vocab size {vocab_size}, "
+                    f"got the key {i}"
                 )

@@ -230,6 +230,8 @@ class RequestValidator:
             kwargs["stop"] = list(msg.stop)
         if msg.stop_token_ids:
             kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+        if msg.logit_bias:
+            kwargs["logit_bias"] = dict(msg.logit_bias)
         if msg.early_stopping not in EARLY_STOPPING:
             names = ", ".join(pb.EarlyStopping.Name(v) for v in EARLY_STOPPING)
             raise _invalid(

@@ -23,6 +23,8 @@ def llm(tiny_llama_dir, live_llms):
         ({"prompt_token_ids": list(range(600))}, SamplingParams(), "context"),
         ({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=511), "max_tokens"),
         ({"prompt_token_ids": [1, 2]}, SamplingParams(stop_token_ids=[10**7]), "stop_token_ids"),
+        ({"prompt_token_ids": [1, 2]}, SamplingParams(logit_bias={10**7: 1.0}),
+         "logit_bias must map token ids < the model's vocab size"),
         (42, SamplingParams(), "prompt must be"),
     ],
 )

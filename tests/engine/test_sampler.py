@@ -17,9 +17,12 @@ def row(params: SamplingParams, prompt=(), output=(), generator=None) -> Samplin
 
 
 def reference_processed(logits: torch.Tensor, r: SamplingRow, eos: set[int]) -> torch.Tensor:
-    """vLLM's penalties and min_tokens masking, written the slow obvious way for one row."""
+    """logit_bias, vLLM's penalties and min_tokens masking, written the slow obvious way for
+    one row."""
     out = logits.clone()
     p = r.params
+    for token, bias in p.logit_bias.items():
+        out[token] += bias
     for token in set(r.prompt_token_ids) | set(r.output_token_ids):
         if out[token] > 0:
             out[token] /= p.repetition_penalty
@@ -57,6 +60,8 @@ def test_greedy_with_penalties_and_min_tokens_matches_reference() -> None:
             min_tokens=[0, 3, 50][i % 3],
             stop_token_ids=[5, 6] if i % 2 else None,
             ignore_eos=i % 5 == 0,
+            # A bias may lift a token past EOS or bury the best one; some rows have none.
+            logit_bias=[None, {3: 9.5}, {EOS: -100.0, 11: 2.0}, {7: 1.5, 8: -3.0}][i % 4],
         )
         prompt = torch.randint(0, vocab, (i % 7,), generator=gen).tolist()
         output = torch.randint(0, 12, (i % 9,), generator=gen).tolist()  # repeats: counts > 1
@@ -86,6 +91,27 @@ def test_min_tokens_masks_eos_and_stop_ids_but_ignore_eos_keeps_eos() -> None:
         row(SamplingParams(temperature=0, min_tokens=2, ignore_eos=True), output=[1]),
     ]
     assert Sampler(10, {EOS})(logits, rows).token_ids == [3, EOS, EOS]
+
+
+def test_logit_bias_moves_only_its_rows_and_leaves_logprobs_raw() -> None:
+    logits = torch.zeros(3, 10)
+    logits[:, 4] = 5.0
+    plain = SamplingParams(temperature=0, logprobs=1)
+    rows = [
+        row(SamplingParams(temperature=0, logprobs=1, logit_bias={9: 100.0})),  # forced
+        row(plain),
+        row(SamplingParams(temperature=0, logprobs=1, logit_bias={4: -100.0, 2: 0.5})),
+    ]
+    result = Sampler(10, {EOS})(logits, rows)
+    assert result.token_ids == [9, 4, 2]
+    raw = logits[0].log_softmax(-1)
+    # The sampled token's logprob is the model's own, as the other penalties leave it.
+    assert result.logprobs[0].logprob == pytest.approx(raw[9].item())
+    # Sampled rows too: a banned token is never drawn, a forced one always is.
+    draws = Sampler(10, {EOS}, seed=0)(logits[0].expand(500, 10).contiguous(), [
+        row(SamplingParams(temperature=1.0, logit_bias={4: -100.0}))] * 250 + [
+        row(SamplingParams(temperature=1.0, top_k=3, logit_bias={6: 100.0}))] * 250)
+    assert 4 not in draws.token_ids[:250] and set(draws.token_ids[250:]) == {6}
 
 
 def test_padded_vocab_columns_are_never_chosen() -> None:

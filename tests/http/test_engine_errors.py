@@ -72,7 +72,9 @@ def test_completions_400_names_the_field(client, http_engine, kwargs, param, wor
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
     ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
     ({"response_format": {"type": "text"}}, None, None),  # asks for nothing: accepted
-    ({"logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ({"logit_bias": {"five": 10}}, "logit_bias", "logit_bias must map token ids"),
+    ({"logit_bias": {"5": 101}}, "logit_bias[5]", "logit_bias[5] must be in [-100, 100]"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias", "the model's vocab size"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
     ({"messages": [{"role": "user", "content": "x" * 1_000_000}]}, "messages",
      "messages must hold at most"),

@@ -247,6 +247,32 @@ def test_greedy_tokens_over_http_equal_grpc(client, http_engine, engine_stub):
     assert chat.usage.prompt_tokens == grpc_chat.usage.prompt_tokens
 
 
+def test_logit_bias_forces_and_bans_tokens_as_over_grpc(client, http_engine, engine_stub):
+    """OpenAI's logit_bias (token ids as strings) reaches the sampler as gRPC's map does: +100
+    forces a token at every step, -100 bans the greedy one."""
+    def grpc_greedy(bias: dict[int, float]) -> pb.Completion:
+        reply = engine_stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(
+            temperature=0, max_tokens=6, ignore_eos=True, logit_bias=bias)), timeout=60)
+        return reply.completions[0]
+
+    plain = grpc_greedy({})
+    forced_id = (plain.token_ids[0] + 1000) % 40000
+    forced = grpc_greedy({forced_id: 100.0})
+    assert list(forced.token_ids) == [forced_id] * 6
+    banned = grpc_greedy({plain.token_ids[0]: -100.0})
+    assert plain.token_ids[0] not in banned.token_ids
+    for bias, expected in (({forced_id: 100.0}, forced), ({plain.token_ids[0]: -100.0}, banned)):
+        http = client.completions.create(
+            model=http_engine.model, prompt=PROMPT, max_tokens=6, temperature=0,
+            logit_bias={str(k): v for k, v in bias.items()}, extra_body={"ignore_eos": True})
+        assert http.choices[0].text == expected.text
+    chat = client.chat.completions.create(
+        model=http_engine.model, messages=CHAT, max_tokens=4, temperature=0,
+        logit_bias={str(forced_id): 100}, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == forced.text[:len(chat.choices[0].message.content)]
+    assert chat.usage.completion_tokens == 4
+
+
 # ---- disconnects --------------------------------------------------------------------------
 ABORTED = 'pagedgen_engine_requests_finished_total{finish_reason="abort"}'
 TOKENS = "pagedgen_engine_generation_tokens_total"

@@ -123,6 +123,21 @@ def test_completions_and_chat_through_the_router(router, router_stub):
     assert grpc_chat.completions[0].text == chat.choices[0].message.content
 
 
+def test_logit_bias_through_the_router(router, router_stub):
+    """OpenAI's logit_bias over the router's HTTP front, and gRPC's map over its gRPC one,
+    reach a replica's sampler: +100 forces the token at every step."""
+    forced_id = 4321
+    reply = router_stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(
+        temperature=0, max_tokens=5, ignore_eos=True, logit_bias={forced_id: 100.0})),
+        timeout=60)
+    assert list(reply.completions[0].token_ids) == [forced_id] * 5
+    with router.client() as client:
+        http = client.completions.create(model=router.model, prompt=PROMPT, max_tokens=5,
+                                         temperature=0, logit_bias={str(forced_id): 100},
+                                         extra_body={"ignore_eos": True})
+    assert http.choices[0].text == reply.completions[0].text
+
+
 def test_async_stream_and_cached_tokens(router):
     system = "A long shared system prompt for the router's cache test. " * 10
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "One?"}]

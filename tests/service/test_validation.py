@@ -84,6 +84,19 @@ def bad_cases() -> list[BadCase]:
         BadCase("stop token id past the vocabulary", pb.GenerateRequest(
             text="x", sampling=sampling(stop_token_ids=[2, 60000])), INVALID,
             "sampling.stop_token_ids must be < the model's vocab size 49152, got 60000"),
+        BadCase("logit bias past the vocabulary", pb.GenerateRequest(
+            text="x", sampling=sampling(logit_bias={2: 1.0, 60000: 5.0})), INVALID,
+            "sampling.logit_bias must map token ids < the model's vocab size 49152, got the "
+            "key 60000"),
+        BadCase("logit bias past 100", pb.GenerateRequest(
+            text="x", sampling=sampling(logit_bias={7: 100.5})), INVALID,
+            "sampling.logit_bias[7] must be in [-100, 100], got 100.5"),
+        BadCase("negative logit bias key", pb.GenerateRequest(
+            text="x", sampling=sampling(logit_bias={-3: 1.0})), INVALID,
+            "sampling.logit_bias must map non-negative token ids to biases, got the key -3"),
+        BadCase("logit bias with beam search", pb.GenerateRequest(
+            text="x", sampling=sampling(beam_width=2, logit_bias={7: 1.0})), INVALID,
+            "sampling.logit_bias must be left unset with beam search"),
         BadCase("top_k < -1", pb.GenerateRequest(text="x", sampling=sampling(top_k=-2)),
                 INVALID, "sampling.top_k must be -1 or 0 (off) or >= 1, got -2"),
         BadCase("min_p > 1", pb.GenerateRequest(text="x", sampling=sampling(min_p=2)), INVALID,

@@ -1,0 +1,55 @@
+"""logit_bias through the engine (the offline API on the tiny Llama): a biased request gets its
+tokens in a batch with plain greedy ones, which keep the tokens they get alone (a step with any
+biased row leaves the all-greedy fast path; the others' rows are untouched), in one step and
+when it joins mid-run."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_service import LLM, SamplingParams
+
+PROMPTS = [[11, 12, 13, 14, 15], [21, 22, 23], [31, 32, 33, 34]]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir, live_llms):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", block_size=16, num_blocks=64,
+              max_model_len=256)
+    live_llms.append(llm)
+    yield llm
+    live_llms.remove(llm)
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_a_forced_and_a_banned_token_beside_plain_greedy_rows(llm):
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = _tokens(llm, PROMPTS, [plain] * 3)
+    forced_id = (alone[0][0] + 777) % 40000
+    forced = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                            logit_bias={forced_id: 100.0})
+    banned = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                            logit_bias={t: -100.0 for t in set(alone[2])})
+    mixed = _tokens(llm, PROMPTS, [forced, plain, banned])
+    assert mixed[0] == [forced_id] * 8
+    assert mixed[1] == alone[1]
+    assert not set(mixed[2]) & set(alone[2])
+
+
+def test_a_small_bias_is_added_not_set(llm):
+    """A bias shifts a logit: one just below the margin between the greedy token and the
+    runner-up leaves the choice; the greedy token's logprob says the margin."""
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=2)
+    [output] = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params)
+    [logprob] = output.outputs[0].logprobs
+    (best, best_lp), (second, second_lp) = sorted(logprob.top.items(), key=lambda kv: -kv[1])[:2]
+    margin = best_lp - second_lp  # the logits' margin: logprobs differ by it too
+    biased = [
+        _tokens(llm, [PROMPTS[1]], [SamplingParams(temperature=0, max_tokens=1,
+                                                   logit_bias={second: margin + delta})])[0][0]
+        for delta in (-1e-3, 1e-3)]
+    assert biased == [best, second]
