@@ -360,11 +360,18 @@ class PrefixIndexLink:
         self._post(lambda _engine: self.policy.stop_recording())
         self._stats.degraded = True
         self.last_error = "closed"
+        self._first_round_ended = True  # no round will come: not "starting" for good
 
     # ---- the loop (link thread) ---------------------------------------------------------------
     async def _run(self) -> None:
-        self._client = PrefixIndexClient(self.target, self.options.rpc_timeout_s,
-                                         self.options.tls)
+        try:
+            self._client = PrefixIndexClient(self.target, self.options.rpc_timeout_s,
+                                             self.options.tls)
+        except Exception as error:  # noqa: BLE001 - the engine serves on its local LRU
+            log.error("prefix index %s: cannot make a client, serving on the local LRU for "
+                      "good: %s", self.target, error)
+            self._on_failure(error)
+            return
         heartbeat_every = max(0.05, self.options.lease_s / 3)
         try:
             while not self._closing:

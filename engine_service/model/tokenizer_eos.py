@@ -1,11 +1,13 @@
-"""The tokenizer's end-of-sequence id, read from its files without loading it.
+"""The tokenizer's end-of-sequence id, without loading it through transformers.
 
 A serving core makes no text (the front does): it needs its tokenizer only for the EOS id that
 ends generation beside config.json's. Loading one imports transformers, about 1 s of every
-engine start. The id is where transformers finds it: the `eos_token` of tokenizer_config.json
-(or special_tokens_map.json), looked up among tokenizer.json's added tokens, then in its
-vocabulary. Anything else (a GGUF file, no tokenizer.json, no EOS named, a name that is not
-there) is left to the tokenizer itself: None here means "load it and ask".
+engine start. The id is where transformers finds it: the `eos_token` named by
+tokenizer_config.json (or special_tokens_map.json), given its id by tokenizer.json as the
+`tokenizers` library loads it (which numbers added tokens itself: the ids written in the file
+are not always the ones it gives). Anything else (a GGUF file, no tokenizer.json, no EOS named,
+the files disagreeing, a name the tokenizer does not hold) is left to the tokenizer itself:
+None here means "load it and ask".
 """
 
 from __future__ import annotations
@@ -23,20 +25,15 @@ def read_eos_token_id(model_config: ModelConfig) -> int | None:
         return None
     path = Path(model_config.path)
     name = _eos_name(path)
-    if name is None:
+    if name is None or not (path / "tokenizer.json").is_file():
         return None
-    tokenizer = _json(path / "tokenizer.json")
-    if tokenizer is None:
+    from tokenizers import Tokenizer  # the Rust library alone: milliseconds to import
+
+    try:
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception:  # noqa: BLE001 - whatever it cannot read, transformers will say why
         return None
-    for added in tokenizer.get("added_tokens") or ():
-        if isinstance(added, dict) and added.get("content") == name:
-            token_id = added.get("id")
-            return token_id if isinstance(token_id, int) else None
-    vocab = (tokenizer.get("model") or {}).get("vocab")
-    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
-        token_id = vocab.get(name)
-        return token_id if isinstance(token_id, int) else None
-    return None  # Unigram's vocabulary is a list of pieces: the tokenizer knows
+    return tokenizer.token_to_id(name)
 
 
 def _eos_name(path: Path) -> str | None:

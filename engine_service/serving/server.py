@@ -197,6 +197,7 @@ class EngineServer:
                      if options.http_port else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine_failed = asyncio.Event()  # set (on the loop) when the engine died
+        self.grpc_started = False  # the gRPC server runs: stop() is what ends it
         self._metrics_server: MetricsServer | None = None  # stopped by stop()
 
     def _count_refused_call(self, method: str, code: grpc.StatusCode) -> None:
@@ -304,9 +305,14 @@ class EngineServer:
         # grpc's health servicer says SERVING for "" from the start: not before we do.
         await self._set_health(NOT_SERVING)
         await self.server.start()
+        self.grpc_started = True
+        # Routers read ModelInfo and EngineStats over gRPC once the index lists us; the HTTP
+        # front, whose /health says 200 once it runs, waits with health.
+        await self._register_with_the_index()
+        if self.engine_failed.is_set():
+            return self.port  # the core died meanwhile: NOT_SERVING stays, the caller stops
         if self.http is not None:
             await self.http.start(engine_backend(self.servicer))
-        await self._register_with_the_index()
         await self._set_health(SERVING)
         log.info("engine serving on %s:%d", self.options.host, self.port)
         return self.port
@@ -314,10 +320,10 @@ class EngineServer:
     async def _register_with_the_index(self) -> None:
         """A core's index link registers the address routers reach us at, now that we serve
         there, and the instance id our ModelInfo answers with. Health says SERVING once its
-        first round has ended: routers list a replica whose health passes, and the first
+        first round has ended: the index lists a replica once its health passes, and the first
         requests' prefixes reach the index as they are cached. An index that cannot be reached
         (the link serves on the local LRU, degraded) or answers slowly delays it at most
-        FIRST_REGISTRATION_WAIT_S."""
+        FIRST_REGISTRATION_WAIT_S; the core dying ends the wait."""
         link = self.index_link
         if not isinstance(self.async_engine, CoreClient) or link is None:
             return  # an in-process engine's link is started by whoever made it
@@ -325,7 +331,8 @@ class EngineServer:
                                      self.port)
         self.async_engine.start_link(address, self.servicer.instance_id)
         until = time.monotonic() + FIRST_REGISTRATION_WAIT_S
-        while link.health_details().get("state") == "starting":
+        while (link.health_details().get("state") == "starting"
+               and not self.engine_failed.is_set()):
             if time.monotonic() >= until:
                 log.warning("the prefix index has not answered the engine's registration in "
                             "%.0f s: serving meanwhile; the link keeps trying",
@@ -608,7 +615,10 @@ async def _serve(args: argparse.Namespace, options: ServerOptions, core_options:
     if not starting.done():
         starting.cancel()
         log.info("stopped during start-up")
-        await core.stop()
+        if server.grpc_started:  # (waiting for the index link's first round)
+            await server.stop(0.0)
+        else:
+            await core.stop()
         return False
     stop_asked.cancel()
     try:
@@ -616,6 +626,9 @@ async def _serve(args: argparse.Namespace, options: ServerOptions, core_options:
     except BaseException:
         await core.stop()
         raise
+    if server.engine_failed.is_set():  # the core died during start-up: no port to announce
+        await server.stop(0.0)
+        return True
     # One line on stdout that launchers read to learn the port (--port 0).
     print(f"engine listening on {join_host_port(args.host, port)}", flush=True)
     if server.http is not None:

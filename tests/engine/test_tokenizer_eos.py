@@ -66,6 +66,28 @@ def test_an_eos_in_the_vocabulary_or_added_is_read_as_loaded(tiny_llama_dir, tmp
     assert read is not None and read == _loaded_eos(model_dir)
 
 
+@pytest.mark.parametrize("added, eos_token", [
+    # In the vocabulary (id 3) and listed again as an added token with another id: the
+    # vocabulary's id stands.
+    ({"id": 9, "content": "</s>"}, "</s>"),
+    # Added past a vocabulary of 7 with a written id of 15: the library numbers it 7.
+    ({"id": 15, "content": "<|end|>"}, "<|end|>"),
+])
+def test_added_token_ids_are_the_ones_the_library_gives(tiny_llama_dir, tmp_path, added,
+                                                        eos_token):
+    """tokenizer.json's written ids of added tokens are not always the ones a load gives (a
+    hand-merged file): the id read is the loaded tokenizer's, not the file's."""
+    model_dir = _with_tokenizer(tiny_llama_dir, tmp_path / "model", eos_token, False)
+    tokenizer_json = json.loads((model_dir / "tokenizer.json").read_text())
+    tokenizer_json["added_tokens"] = [  # the saved entry, with the id written otherwise
+        token for token in tokenizer_json["added_tokens"] if token["content"] != eos_token
+    ] + [{"single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+          "special": True, **added}]
+    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    read = read_eos_token_id(load_model_config(model_dir))
+    assert read is not None and read == _loaded_eos(model_dir) != added["id"]
+
+
 def test_what_the_files_do_not_say_plainly_is_left_to_the_tokenizer(tiny_llama_dir, tmp_path):
     # No EOS named at all.
     model_dir = _with_tokenizer(tiny_llama_dir, tmp_path / "none", None, False)
