@@ -47,6 +47,11 @@ MESSAGES_PER_CALLBACK = 8
 # is 20 s of not reading; at one sequence, many minutes. Held as Python objects, a unit cost
 # the front ~170 bytes (measured: 40 unread streams of 1,000 tokens with 20 logprobs, +140 MB),
 # so up to ~11 MB a stream; the servicer's queue limit bounds how many streams (num_live).
+# How long a stopping core gets to exit once told (it has nothing live: the drain cut it). An
+# idle one takes a fraction of a second; one stuck in a step is killed, losing only its last
+# flush to the index, so that the whole stop stays within the drain plus STOP_AFTER_DRAIN_S
+# and the manifests' termination grace, not 30 s past it.
+CORE_STOP_S = 3.0
 DEFAULT_MAX_UNSENT_TOKENS = 1 << 16
 # A core that sends nothing this long while it has work (a stream or a call) is taken for hung
 # (a step that never returns: a driver, a deadlock) and killed: without it, a core alive but
@@ -339,15 +344,18 @@ class CoreClient:
         process = self._process
         if process is None:
             return
-        if self._started and self.dead is None:
+        told = self._started and self.dead is None
+        if told:
             for request_id in list(self._streams):
                 self.abort(request_id)
             self._send(("stop",))
             self._flush()
-            await asyncio.to_thread(process.join, 30)
+        if self._started:  # told to stop, or exiting by itself once it said it died
+            await asyncio.to_thread(process.join, CORE_STOP_S)
         if process.is_alive():
             if self._started:
-                log.warning("the engine core did not stop in 30 s: killing it")
+                log.warning("the engine core did not %s in %g s: killing it",
+                            "stop" if told else "exit after its failure", CORE_STOP_S)
             process.kill()
             await asyncio.to_thread(process.join, 5)
         self._close_channel()

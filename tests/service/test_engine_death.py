@@ -217,6 +217,45 @@ def test_a_hung_engine_core_is_killed_and_the_front_exits_non_zero(tiny_llama_di
     assert wait_gone(core), "the hung core outlived its front"
 
 
+def test_a_core_stuck_at_sigterm_is_killed_within_the_stop_bound(tiny_llama_dir, tmp_path,
+                                                                  test_certs):
+    """SIGTERM with the core stuck in a step (SIGSTOP) and a request live, at the CPU's default
+    stall timeout (600 s, so the watchdog stays out of it): the drain cuts the stream, and the
+    stuck core is killed CORE_STOP_S after it is told to stop. It was given 30 s, past the
+    drain plus the fronts' stop that the manifests' termination grace allows for."""
+    from engine_service.serving.core_client import CORE_STOP_S
+
+    log_path = tmp_path / "engine.log"
+    engine = EngineProcess(tiny_llama_dir, ["--num-blocks", "256", "--grace-s", "1",
+                                            "--log-level", "INFO"], log_path=log_path,
+                           tls=test_certs.files("engine")).start()
+    try:
+        core = core_pid_of(engine.proc.pid)
+        with test_certs.channel(engine.target) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            stream = stub.GenerateStream(pb.GenerateRequest(
+                text="a long one", sampling=pb.SamplingParams(max_tokens=2000, ignore_eos=True)),
+                timeout=120)
+            next(stream)  # it is running
+            os.kill(core, signal.SIGSTOP)
+            engine.proc.send_signal(signal.SIGTERM)
+            try:
+                for _ in stream:
+                    pass
+                code = None
+            except grpc.RpcError as error:
+                code = error.code()
+        # The drain (1 s), the cut streams' send, the fronts' stop, then the core's bound.
+        returncode = engine.proc.wait(timeout=10 + CORE_STOP_S)
+    finally:
+        engine.kill()
+    log = log_path.read_text()
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert f"the engine core did not stop in {CORE_STOP_S:g} s: killing it" in log, log[-2000:]
+    assert returncode == 0, log[-2000:]
+    assert wait_gone(core), "the stuck core outlived its front"
+
+
 def test_a_killed_front_takes_its_engine_core_with_it(tiny_llama_dir, tmp_path, test_certs):
     engine = EngineProcess(tiny_llama_dir, ["--num-blocks", "64", "--log-level", "WARNING"],
                            log_path=tmp_path / "engine.log",
