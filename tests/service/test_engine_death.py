@@ -122,6 +122,15 @@ def child_pids(parent_pid: int, cmdline_part: bytes) -> list[int]:
     return pids
 
 
+def _running_stream(stub: pb_grpc.GenerationStub):
+    """A long stream, its first message read: the core is stepping it."""
+    stream = stub.GenerateStream(pb.GenerateRequest(
+        text="a long one", sampling=pb.SamplingParams(max_tokens=2000, ignore_eos=True)),
+        timeout=120)
+    next(stream)
+    return stream
+
+
 def core_pid_of(front_pid: int) -> int:
     """The engine core: the front's child running the step loop (multiprocessing spawn)."""
     for pid in child_pids(front_pid, b"spawn_main"):
@@ -155,10 +164,7 @@ def test_a_killed_engine_core_ends_streams_and_the_front_exits_non_zero(tiny_lla
         with test_certs.channel(engine.target) as channel:
             stub = pb_grpc.GenerationStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
-            stream = stub.GenerateStream(pb.GenerateRequest(
-                text="a long one", sampling=pb.SamplingParams(max_tokens=2000, ignore_eos=True)),
-                timeout=120)
-            next(stream)  # it is running
+            stream = _running_stream(stub)
             os.kill(core_pid_of(engine.proc.pid), signal.SIGKILL)
             try:
                 for _ in stream:
@@ -194,10 +200,7 @@ def test_a_hung_engine_core_is_killed_and_the_front_exits_non_zero(tiny_llama_di
         time.sleep(3)  # idle past the timeout: no work, no stall
         with test_certs.channel(engine.target) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            stream = stub.GenerateStream(pb.GenerateRequest(
-                text="a long one", sampling=pb.SamplingParams(max_tokens=2000, ignore_eos=True)),
-                timeout=120)
-            next(stream)  # it is running
+            stream = _running_stream(stub)
             os.kill(core, signal.SIGSTOP)
             stopped_at = time.monotonic()
             try:
@@ -233,10 +236,7 @@ def test_a_core_stuck_at_sigterm_is_killed_within_the_stop_bound(tiny_llama_dir,
         core = core_pid_of(engine.proc.pid)
         with test_certs.channel(engine.target) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            stream = stub.GenerateStream(pb.GenerateRequest(
-                text="a long one", sampling=pb.SamplingParams(max_tokens=2000, ignore_eos=True)),
-                timeout=120)
-            next(stream)  # it is running
+            stream = _running_stream(stub)
             os.kill(core, signal.SIGSTOP)
             engine.proc.send_signal(signal.SIGTERM)
             try:
