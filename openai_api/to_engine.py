@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_service.model.sampling_params import MAX_LOGIT_BIAS
 from openai_api.errors import bad_request
 from openai_api.schemas import (
     MAX_PROMPTS,
@@ -160,14 +161,22 @@ def _set_sampling(s: pb.SamplingParams, req: _Sampling, max_tokens: int | None,
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
-    """OpenAI's logit_bias keys are token ids written as strings (JSON's keys); the values'
-    range is the engine's to check."""
+    """OpenAI's logit_bias keys are token ids written as strings (JSON's keys), each id once:
+    "5" and "05" would both be 5. The values' range is the engine's to check; the count is
+    checked first, before a huge map is converted."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request("logit_bias", f"logit_bias must hold at most {MAX_LOGIT_BIAS} "
+                                        f"entries, got {len(bias)}")
     ids = {}
     for key, value in bias.items():
-        token_id = int(key) if key.isascii() and key.isdecimal() else -1
+        # Decimal digits without a leading zero, and few enough that int() is cheap.
+        canonical = key.isascii() and key.isdecimal() and len(key) <= 10 and (
+            key == "0" or not key.startswith("0"))
+        token_id = int(key) if canonical else -1
         if not 0 <= token_id < 2**31:
             raise bad_request("logit_bias", f"logit_bias must map token ids (decimal strings "
-                                            f"below 2^31) to biases, got the key {_json(key)}")
+                                            f"without leading zeros, below 2^31) to biases, "
+                                            f"got the key {_json(key[:40])}")
         ids[token_id] = value
     return ids
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from engine_service.core.block_pool import blocks_for
 from engine_service.core.errors import InvalidRequestError, RequestTooLargeError
-from engine_service.model.sampling_params import MAX_BEAM_WIDTH, SamplingParams
+from engine_service.model.sampling_params import MAX_BEAM_WIDTH, ModelFieldError, SamplingParams
 
 # Bound on length ** length_penalty (and its inverse): beams are scored in float32, as in HF
 # (core/beam_search.py), and a finished beam's score must stay finite (past about 1e38 it is
@@ -73,9 +73,8 @@ class RequestLimits:
             )
         try:
             params.check_for_model(vocab)
-        except ValueError as error:
-            # The message starts with the field's name (stop_token_ids, logit_bias).
-            raise InvalidRequestError(str(error).split(" ", 1)[0], str(error)) from None
+        except ModelFieldError as error:
+            raise InvalidRequestError(error.field, str(error)) from None
         if not self.has_tokenizer and params.stop:
             raise InvalidRequestError(
                 "stop", f"stop must be empty when the engine has no tokenizer "

@@ -58,6 +58,9 @@ class SamplingRow:
     # Per-sequence generator when params.seed is set; None: the sampler's shared one.
     generator: torch.Generator | None = None
     penalty_slot: int | None = None
+    # params.logit_bias as (token ids, biases) on the sampling device, made at the row's first
+    # biased step: the row lives as long as its sequence, so a step reuses them.
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -204,20 +207,24 @@ def _select_rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
 
 
 def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
-    """Rows idx's logit_bias added to their logits, in place: two small uploads, one
-    scatter."""
-    row_idx: list[int] = []
-    col_idx: list[int] = []
-    values: list[float] = []
-    for i in idx:
-        bias = rows[i].params.logit_bias
-        row_idx += [i] * len(bias)
-        col_idx += bias.keys()
-        values += bias.values()
+    """Rows idx's logit_bias added to their logits, in place: each row's ids and biases are
+    uploaded once (SamplingRow.bias); a step concatenates them and adds with one gather and
+    one scatter (a row's ids are distinct: no accumulation needed)."""
     device = logits.device
-    positions = torch.tensor([row_idx, col_idx], dtype=torch.long, device=device)
-    logits.index_put_((positions[0], positions[1]),
-                      torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+    ids, biases, counts = [], [], []
+    for i in idx:
+        row = rows[i]
+        if row.bias is None:
+            bias = row.params.logit_bias
+            row.bias = (torch.tensor(list(bias), dtype=torch.long, device=device),
+                        torch.tensor(list(bias.values()), dtype=logits.dtype, device=device))
+        ids.append(row.bias[0])
+        biases.append(row.bias[1])
+        counts.append(len(row.bias[0]))
+    columns = torch.cat(ids)
+    row_of = torch.repeat_interleave(torch.tensor(idx, device=device),
+                                     torch.tensor(counts, device=device))
+    logits.index_put_((row_of, columns), logits[row_of, columns] + torch.cat(biases))
 
 
 def _min_tokens_active(row: SamplingRow) -> bool:

@@ -18,6 +18,14 @@ MAX_SEED = 2**64 - 1
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 
+class ModelFieldError(ValueError):
+    """A field whose value does not fit the model (check_for_model): the field's name kept."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def _check_int(name: str, value: object, allowed: str) -> int:
     # bool is a subclass of int, but `n=True` is always a caller's bug.
     if isinstance(value, bool) or not isinstance(value, int):
@@ -177,9 +185,13 @@ class SamplingParams:
         }
         for name, is_set in refused.items():
             if is_set:
+                value = getattr(self, name)
+                shown = (f"{len(value)} entries" if name == "logit_bias"
+                         else repr(value))  # a map may be long: its size says enough
+                hint = " (use stop_token_ids to stop)" if name == "stop" else ""
                 raise ValueError(
                     f"{name} must be left unset with beam search (beam_width set): not "
-                    f"supported there (use stop_token_ids to stop), got {getattr(self, name)!r}"
+                    f"supported there{hint}, got {shown}"
                 )
 
     @staticmethod
@@ -235,7 +247,7 @@ class SamplingParams:
                                  f"got the key {token_id!r}")
             value = _check_float(f"logit_bias[{token_id}]", value, allowed)
             if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
-                raise ValueError(f"logit_bias[{token_id}] must be {allowed}, got {value:g}")
+                raise ValueError(f"logit_bias[{token_id}] must be {allowed}, got {value!r}")
             normalized[token_id] = value
         return normalized
 
@@ -265,16 +277,17 @@ class SamplingParams:
         return self.top_k > 0
 
     def check_for_model(self, vocab_size: int) -> None:
-        """Checks the ids that only make sense against a model's vocabulary (ValueError whose
-        message starts with the field's name)."""
+        """Checks the ids that only make sense against a model's vocabulary (ModelFieldError
+        names the field)."""
         for i in self.stop_token_ids:
             if i >= vocab_size:
-                raise ValueError(
+                raise ModelFieldError(
+                    "stop_token_ids",
                     f"stop_token_ids must be < the model's vocab size {vocab_size}, got {i}"
                 )
         for i in self.logit_bias:
             if i >= vocab_size:
-                raise ValueError(
+                raise ModelFieldError("logit_bias",
                     f"logit_bias must map token ids < the model's vocab size {vocab_size}, "
                     f"got the key {i}"
                 )

@@ -97,6 +97,11 @@ def bad_cases() -> list[BadCase]:
         BadCase("logit bias with beam search", pb.GenerateRequest(
             text="x", sampling=sampling(beam_width=2, logit_bias={7: 1.0})), INVALID,
             "sampling.logit_bias must be left unset with beam search"),
+        BadCase("a full logit bias with beam search", pb.GenerateRequest(
+            text="x", sampling=sampling(beam_width=2, logit_bias={
+                i: 1.0 for i in range(1024)})), INVALID,
+            "sampling.logit_bias must be left unset with beam search (beam_width set): not "
+            "supported there, got 1024 entries"),
         BadCase("top_k < -1", pb.GenerateRequest(text="x", sampling=sampling(top_k=-2)),
                 INVALID, "sampling.top_k must be -1 or 0 (off) or >= 1, got -2"),
         BadCase("min_p > 1", pb.GenerateRequest(text="x", sampling=sampling(min_p=2)), INVALID,
