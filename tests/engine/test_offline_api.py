@@ -110,6 +110,16 @@ def test_context_manager_closes_and_a_closed_llm_says_so(tiny_llama_dir):
     llm.close()  # idempotent
 
 
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler while a test presses Ctrl-C: a suite started in the
+    background by a non-interactive shell (`cmd &`) inherits SIGINT ignored, and Python then
+    leaves it ignored, so the interrupt never came and three tests failed there."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _interrupted_then_generates(llm: LLM) -> float:
     """Ctrl-C 2 ms into a long generate's third step (timed from the step, not the clock, so
     it lands in a step on any machine: inside one, under tensor parallelism, is what hung);
@@ -139,13 +149,13 @@ def _interrupted_then_generates(llm: LLM) -> float:
     return time.monotonic() - start
 
 
-def test_ctrl_c_while_generating(tiny_llama_dir, make_llm):
+def test_ctrl_c_while_generating(tiny_llama_dir, make_llm, python_sigint):
     llm = make_llm(tiny_llama_dir, num_blocks=1024, max_model_len=2048)
     _interrupted_then_generates(llm)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_ctrl_c_while_generating_tensor_parallel(tiny_llama_dir, make_llm):
+def test_ctrl_c_while_generating_tensor_parallel(tiny_llama_dir, make_llm, python_sigint):
     # Before: the interrupt cut rank 0 out of a step's collective; the next generate waited
     # for gloo's 60 s timeout and failed with "rank 1 ... Timed out waiting".
     llm = make_llm(tiny_llama_dir, num_blocks=1024, max_model_len=2048, tensor_parallel_size=2)
@@ -212,7 +222,8 @@ def test_an_interrupt_while_adding_the_batch_leaves_no_request_behind(tiny_llama
     assert len(out.outputs[0].token_ids) == 2
 
 
-def test_ctrl_c_as_the_last_step_ends_is_not_lost(tiny_llama_dir, make_llm, monkeypatch):
+def test_ctrl_c_as_the_last_step_ends_is_not_lost(tiny_llama_dir, make_llm, monkeypatch,
+                                                  python_sigint):
     # It came in after the last between-steps check: the deferred interrupt was dropped and
     # generate returned as if nobody had pressed it.
     llm = make_llm(tiny_llama_dir, num_blocks=16)
