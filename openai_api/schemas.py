@@ -24,11 +24,11 @@ MAX_BODY_BYTES = 64 << 20
 UNSERVED_FIELDS: dict[str, tuple[object, ...]] = {
     "echo": (False,), "suffix": ("",), "best_of": (), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "parallel_tool_calls": (False, True), "response_format": ({"type": "text"},),
+    "parallel_tool_calls": (False, True),
     "store": (False,), "metadata": ({},), "modalities": (["text"],), "audio": (),
     "prediction": (), "reasoning_effort": (), "service_tier": ("auto", "default"),
-    "web_search_options": (), "prompt_logprobs": (), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "logits_processors": (),
+    "web_search_options": (), "prompt_logprobs": (), "logits_processors": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,),
     "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
     "return_tokens_as_token_ids": (False,),
@@ -42,6 +42,31 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema; the output is held to `schema` whatever
+    `strict` says (a grammar masks every step)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs object: one of its fields."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _Sampling(_Strict):
@@ -73,6 +98,14 @@ class _Sampling(_Strict):
     length_penalty: float | None = None
     # OpenAI's: token id (a JSON object's key, so a string) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    # (one constraint per request: to_engine.py).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="before")
     @classmethod

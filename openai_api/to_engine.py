@@ -6,6 +6,7 @@ client's, and its refusals name the wire field, which `field_names` maps back to
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from engine_service.model.sampling_params import MAX_LOGIT_BIAS
@@ -54,10 +55,10 @@ def completion_call(req: CompletionRequest, request_id: str, max_model_len: int 
             wire.text = prompt
         else:
             wire.token_ids.ids.extend(prompt)
-        _set_sampling(wire.sampling, req, req.max_tokens, req.logprobs)
+        constraint = _set_sampling(wire.sampling, req, req.max_tokens, req.logprobs)
         where = f"prompt[{i}]" if batch else "prompt"
         requests.append(wire)
-        names.append(_field_names(where, "max_tokens", "logprobs"))
+        names.append(_field_names(where, "max_tokens", "logprobs", constraint))
     return _call(req, requests, names, req.logprobs, batch_prompt=batch)
 
 
@@ -77,8 +78,9 @@ def chat_call(req: ChatCompletionRequest, request_id: str) -> EngineCall:
                           f"top_logprobs needs logprobs: true, got top_logprobs "
                           f"{req.top_logprobs} with logprobs {_json(req.logprobs)}")
     top = (req.top_logprobs or 0) if req.logprobs else None
-    _set_sampling(wire.sampling, req, max_tokens, top)
-    call = _call(req, [wire], [_field_names("messages", max_name, "top_logprobs")], top)
+    constraint = _set_sampling(wire.sampling, req, max_tokens, top)
+    call = _call(req, [wire], [_field_names("messages", max_name, "top_logprobs", constraint)],
+                 top)
     call.to_end_of_context = max_tokens is None
     return call
 
@@ -138,8 +140,9 @@ def _generate_request(req: _Sampling, request_id: str) -> pb.GenerateRequest:
 
 
 def _set_sampling(s: pb.SamplingParams, req: _Sampling, max_tokens: int | None,
-                  logprobs: int | None) -> None:
-    """The one mapping of OpenAI's sampling fields (and vLLM's) onto SamplingParams."""
+                  logprobs: int | None) -> str | None:
+    """The one mapping of OpenAI's sampling fields (and vLLM's) onto SamplingParams; the
+    client's name of the structured outputs constraint set, if any."""
     for name in ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                  "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                  "include_stop_str_in_output", "skip_special_tokens", "length_penalty"):
@@ -158,6 +161,52 @@ def _set_sampling(s: pb.SamplingParams, req: _Sampling, max_tokens: int | None,
         s.logit_bias.update(_logit_bias(req.logit_bias))
     if req.use_beam_search:  # vLLM's: n beams, the n best returned
         s.beam_width = s.n if s.HasField("n") else 1
+    return _set_structured_outputs(s.structured_outputs, req)
+
+
+def _set_structured_outputs(wire: pb.StructuredOutputs, req: _Sampling) -> str | None:
+    """OpenAI's response_format, vLLM's guided_* fields and its structured_outputs object
+    onto the one wire constraint (two of them at once are refused, naming both). Whether a
+    schema, regex or grammar compiles is the engine's to say."""
+    given: list[tuple[str, str, object]] = []  # (the client's field, kind, value)
+    response_format = req.response_format
+    if response_format is not None and response_format.type == "json_object":
+        given.append(("response_format", "json_object", True))
+    elif response_format is not None and response_format.type == "json_schema":
+        if response_format.json_schema is None:
+            raise bad_request("response_format.json_schema",
+                              "response_format.json_schema must be set when type is "
+                              "json_schema, got none")
+        given.append(("response_format.json_schema.schema", "json",
+                      response_format.json_schema.schema_))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                       ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            given.append((name, kind, value))
+    if req.structured_outputs is not None:
+        for kind in ("json", "json_object", "regex", "choice", "grammar"):
+            value = getattr(req.structured_outputs, "json_" if kind == "json" else kind)
+            if value is not None and value is not False:
+                given.append((f"structured_outputs.{kind}", kind, value))
+        if not given:
+            raise bad_request("structured_outputs", "structured_outputs must set one of json, "
+                                                    "json_object, regex, choice or grammar, "
+                                                    "got none of them")
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(given[1][0], f"{given[1][0]} and {given[0][0]} must not both be "
+                                       f"set: one output constraint per request")
+    name, kind, value = given[0]
+    if kind == "json":
+        # A schema's JSON text as sent; an object (or bool) re-encoded: order kept.
+        wire.json = value if isinstance(value, str) else json.dumps(value)
+    elif kind == "choice":
+        wire.choice.values.extend(value)
+    else:
+        setattr(wire, kind, value)
+    return name
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
@@ -181,13 +230,18 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return ids
 
 
-def _field_names(prompt: str, max_tokens: str, logprobs: str) -> dict[str, str]:
-    return {
+def _field_names(prompt: str, max_tokens: str, logprobs: str,
+                 constraint: str | None = None) -> dict[str, str]:
+    names = {
         "input": prompt, "text": prompt, "token_ids.ids": prompt, "token_ids": prompt,
         "prompt": prompt, "prompt_token_ids": prompt, "chat.messages": prompt,
         "chat": prompt, "sampling.max_tokens": max_tokens, "sampling.logprobs": logprobs,
         "sampling.beam_width": "n", "request": "request",
     }
+    if constraint is not None:  # the engine names structured_outputs and its kind
+        for kind in ("", ".json", ".json_object", ".regex", ".choice", ".grammar"):
+            names[f"sampling.structured_outputs{kind}"] = constraint
+    return names
 
 
 def _prompts(prompt: object, max_model_len: int) -> tuple[list[str | list[int]], bool]:

@@ -5,6 +5,7 @@ manager, block pool, the prefix policy's mirror). Other threads send commands wi
 they run between two steps. Readers use `snapshot`, the stats the engine publishes each step.
 """
 
+import functools
 import itertools
 import logging
 import queue
@@ -34,6 +35,7 @@ from engine_service.model.config import ModelConfig, load_model_config
 from engine_service.model.detokenizer import IncrementalDetokenizer, TokenDecoder
 from engine_service.model.dtype import DTYPES
 from engine_service.model.fingerprint import model_identity, weights_fingerprint
+from engine_service.model.grammar import GrammarCompiler, new_matcher
 from engine_service.model.kv_cache_setup import graph_rows, setup_kv_cache, uses_cuda_graphs
 from engine_service.model.runner import ModelRunner, kv_bytes_per_block
 from engine_service.model.sampler import Sampler, SamplingRow, make_generator
@@ -185,16 +187,20 @@ class LLMEngine:
         priority: int = 0,
         final_output_only: bool = False,
         pin_prefill: bool = False,
+        grammar: object | None = None,
     ) -> None:
         """Queue a request. Each step that runs it reports what is new (deltas), its last
         output the whole completions; with final_output_only (the offline API), only that
         last output is made. pin_prefill: PinPrefix computing the prefix it pins next (not
-        counted in the pin budget's demand)."""
+        counted in the pin budget's demand). grammar: params.structured_outputs compiled
+        by self.grammars (compiled here when not given)."""
         if request_id in self._groups:
             raise DuplicateRequestError(
                 "request_id", f"request_id must be unique among live requests, got {request_id!r}"
             )
         self.validate_request(prompt_token_ids, params)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
         group = SequenceGroup(
             request_id=request_id,
             seqs=[],
@@ -207,7 +213,8 @@ class LLMEngine:
             pin_prefill=pin_prefill,
             plain_greedy=(params.is_greedy and not params.has_penalties
                           and params.logprobs is None and not params.min_tokens
-                          and not params.logit_bias),
+                          and not params.logit_bias and grammar is None),
+            grammar=grammar,
         )
         if params.use_beam_search:
             # Beams stream nothing (the best ones are known only at the end): no detokenizer.
@@ -260,6 +267,8 @@ class LLMEngine:
             # Only a stop string or a streamed output reads the text before the end.
             seq.text_deferred = group.final_output_only and not params.stop
         seq.logprobs = [] if params.logprobs is not None else None
+        if group.grammar is not None:
+            seq.matcher = new_matcher(group.grammar)
         return seq
 
     def _set_max_num_tokens(self, seq: Sequence, params: SamplingParams) -> None:
@@ -467,6 +476,8 @@ class LLMEngine:
                 if delta:
                     seq.unstreamed_text.append(delta)
                 matched_stop = detokenizer.matched_stop is not None
+            if seq.matcher is not None and not self._follow_grammar(seq, group, token):
+                continue
             # Most tokens end nothing: the full check only where one of its reasons may hold.
             if (token in seq.ending_token_ids or len(seq.token_ids) >= seq.max_num_tokens
                     or matched_stop):
@@ -490,7 +501,8 @@ class LLMEngine:
             if row is None:
                 # Views, not copies: a step's work must not grow with the tokens so far.
                 row = seq.sampling_row = SamplingRow(group.params, seq.prompt_view,
-                                                     seq.output_view, seq.generator)
+                                                     seq.output_view, seq.generator,
+                                                     matcher=seq.matcher)
             row.penalty_slot = seq.penalty_slot
             rows.append(row)
         return rows
@@ -514,6 +526,27 @@ class LLMEngine:
             children.append(child)
         group.seqs.extend(children)
         return children
+
+    def _follow_grammar(self, seq: Sequence, group: SequenceGroup, token: int) -> bool:
+        """Advances seq's matcher by `token`; False when that ended seq (the grammar is
+        complete, or refused the token, which its mask should have made impossible)."""
+        if seq.matcher.accept_token(token):
+            if not seq.matcher.is_terminated():
+                return True
+            # The grammar ended on a stop token: so does the output, even below min_tokens
+            # (the sampler let it through only where the grammar allowed nothing else).
+            reason = "stop"
+        else:
+            log.error("request %s: its grammar refused token %d, sampled from its mask; the "
+                      "sequence ends (finish reason abort)", group.request_id, token)
+            reason = "abort"
+        if seq.detokenizer is not None:
+            self._catch_up_text(seq)
+            seq.unstreamed_text.append(seq.detokenizer.finish())
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self.kv.forget(seq)
+        self._release_penalty_slot(seq)
+        return False
 
     def _check_stop(self, seq: Sequence, group: SequenceGroup, token: int) -> None:
         """Whether `token`, just appended (and given to the detokenizer unless its text is
@@ -647,6 +680,12 @@ class LLMEngine:
                 completion.logprobs = seq.logprobs
             completions.append(completion)
         return completions
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured outputs for this model (the tokenizer is loaded on the first)."""
+        return GrammarCompiler(self.model_config, self.model_config.vocab_size,
+                               self.eos_token_ids)
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -80,6 +80,12 @@ class RequestLimits:
                 "stop", f"stop must be empty when the engine has no tokenizer "
                 f"(skip_tokenizer_init), got {params.stop!r}: use stop_token_ids"
             )
+        if not self.has_tokenizer and params.structured_outputs is not None:
+            raise InvalidRequestError(
+                "structured_outputs", "structured_outputs must be unset when the engine has no "
+                "tokenizer (skip_tokenizer_init): a grammar is compiled against its vocabulary, "
+                f"got a {params.structured_outputs.kind} constraint"
+            )
         num_prompt = len(prompt_token_ids)
         if num_prompt >= self.max_model_len:
             raise RequestTooLargeError(

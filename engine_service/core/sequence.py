@@ -93,6 +93,8 @@ class Sequence:
     # Output tokens not given to the detokenizer yet: nothing reads this sequence's text
     # before it ends (no stop strings, final output only), so it is decoded then, in one go.
     text_deferred: bool = False
+    # Structured outputs: the xgrammar matcher that follows this sequence's output tokens.
+    matcher: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -151,6 +153,8 @@ class SequenceGroup:
     # A PinPrefix's prefill: its blocks are the pin's, counted by the pin budget as pins once
     # pinned, so they are not demand the budget must leave room for (core/pin_budget.py).
     pin_prefill: bool = False
+    # Structured outputs: the request's compiled grammar (each sequence has a matcher of it).
+    grammar: object | None = None
     _prompt_token_ids: list[int] | None = field(default=None, repr=False)
 
     def live_seqs(self) -> list[Sequence]:

@@ -7,10 +7,13 @@ Order of operations per row, as in vLLM:
   3. penalties: repetition over prompt + output tokens, presence/frequency over output tokens
      (from per-sequence counts kept on the device and updated with each sampled token,
      `TokenCounts`: a step never rebuilds them from the token lists);
-  4. min_tokens: while the output is shorter, stop_token_ids and EOS are masked to -inf. With
+  4. structured outputs: a constrained row's tokens are masked to -inf unless its grammar
+     allows them next (its matcher's bitmask, model/grammar.py);
+  5. min_tokens: while the output is shorter, stop_token_ids and EOS are masked to -inf. With
      `ignore_eos`, EOS is an ordinary token (vLLM leaves it out of the stop set), so it is not
-     masked;
-  5. greedy rows take the argmax; sampled rows are divided by their temperature, then top-k,
+     masked. Where a grammar allows nothing but a stop token, the grammar wins: the output
+     ends there, however short;
+  6. greedy rows take the argmax; sampled rows are divided by their temperature, then top-k,
      top-p (on the top-k-renormalized distribution) and min-p (relative to the most likely
      token) are applied, and a token is drawn.
 
@@ -61,6 +64,9 @@ class SamplingRow:
     # params.logit_bias as (token ids, biases) on the sampling device, made at the row's first
     # biased step: the row lives as long as its sequence, so a step reuses them.
     bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The sequence's xgrammar matcher (structured outputs): which tokens may come next. The
+    # engine advances it with each token it appends.
+    matcher: object | None = None
 
 
 @dataclass(slots=True)
@@ -271,12 +277,15 @@ class Sampler:
         penalized: list[int] = []
         min_tokens: list[int] = []
         biased: list[int] = []
+        constrained: list[int] = []
         for i, r in enumerate(rows):
             params = r.params
             if params.logprobs is not None:
                 want_logprobs = True
             if params.logit_bias:
                 biased.append(i)
+            if r.matcher is not None:
+                constrained.append(i)
             if params.has_penalties:
                 penalized.append(i)
             if params.min_tokens and _min_tokens_active(r):
@@ -284,7 +293,7 @@ class Sampler:
             if not params.is_greedy:
                 all_greedy = False
         slots = None
-        if penalized or min_tokens or biased:
+        if penalized or min_tokens or biased or constrained:
             # Never modify the caller's logits (raw logprobs need them); contiguous for view(-1).
             processed = raw.clone(memory_format=torch.contiguous_format)
             if biased:
@@ -292,6 +301,8 @@ class Sampler:
             if penalized:
                 slots = self._penalty_slots(rows, penalized)
                 self._apply_penalties(processed, rows, penalized, slots[0])
+            if constrained:
+                min_tokens = self._mask_to_grammar(processed, rows, constrained, min_tokens)
             if min_tokens:
                 self._mask_stop_tokens(processed, rows, min_tokens)
         else:
@@ -394,6 +405,34 @@ class Sampler:
             logits.copy_(selected)
         else:
             logits.index_copy_(0, torch.tensor(idx, device=device), selected)
+
+    def _mask_to_grammar(self, logits: torch.Tensor, rows: list[SamplingRow], idx: list[int],
+                         min_tokens: list[int]) -> list[int]:
+        """Rows idx masked to what their grammars allow next, in place. Their min_tokens
+        stops are masked here too, in the bitmask, unless the grammar allows nothing else (an
+        empty row has no token to draw). Returns the min_tokens rows still to mask."""
+        import xgrammar
+
+        bitmask = torch.empty(len(rows), -(-self.vocab_size // 32), dtype=torch.int32)
+        short = set(min_tokens)
+        for i in idx:
+            rows[i].matcher.fill_next_token_bitmask(bitmask, i)
+            if i in short:
+                self._forbid_stops(bitmask[i], rows[i].params)
+        xgrammar.apply_token_bitmask_inplace(
+            logits, bitmask.to(logits.device), indices=idx, vocab_size=self.vocab_size)
+        return [i for i in min_tokens if rows[i].matcher is None]
+
+    def _forbid_stops(self, allowed: torch.Tensor, params: SamplingParams) -> None:
+        """Clears the stop tokens' bits of one bitmask row, unless no other bit is set."""
+        before = allowed.clone()
+        for token in self.eos_token_ids.union(params.stop_token_ids):
+            if token < self.vocab_size:
+                word, bit = divmod(token, 32)
+                cleared = ~(1 << bit) & 0xFFFFFFFF
+                allowed[word] &= cleared - (1 << 32) if cleared >= 1 << 31 else cleared
+        if not allowed.any():
+            allowed.copy_(before)
 
     def _mask_stop_tokens(self, logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]):
         vocab = logits.shape[1]

@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass
 
+from engine_service.model.structured_outputs import StructuredOutputsParams
+
 MAX_N = 64  # parallel samples per request: each one holds its own KV blocks once it diverges
 MAX_BEAM_WIDTH = 64  # beams per request (an engine may allow fewer: see LLMEngine.validate_request)
 EARLY_STOPPING_CHOICES = (False, True, "never")  # HF's `early_stopping` values
@@ -81,6 +83,10 @@ class SamplingParams:
     # token id -> a number added to its logit before penalties and sampling (OpenAI's
     # logit_bias, in [-100, 100]); logprobs stay the model's own. Normalized to a dict.
     logit_bias: dict[int, float] | None = None
+    # The output must match this (a JSON Schema, a regex, a choice, a grammar): each step's
+    # logits are masked to the tokens that keep it inside (model/grammar.py). A dict is taken
+    # as its fields.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.verify()
@@ -144,7 +150,27 @@ class SamplingParams:
             if not 0 <= logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
         self.logit_bias = self._normalized_logit_bias(self.logit_bias)
+        self._check_structured_outputs()
         self._check_beam_search()
+
+    def _check_structured_outputs(self) -> None:
+        spec = self.structured_outputs
+        if spec is None:
+            return
+        if isinstance(spec, dict):
+            unknown = sorted(set(spec) - set(StructuredOutputsParams.__slots__))
+            if unknown:
+                raise ValueError(f"structured_outputs must have only the fields "
+                                 f"{', '.join(StructuredOutputsParams.__slots__)}, got "
+                                 f"{', '.join(map(repr, unknown))}")
+            spec = self.structured_outputs = StructuredOutputsParams(**spec)
+        if not isinstance(spec, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, a dict "
+                             f"or None, got {type(spec).__name__}")
+        if self.ignore_eos:
+            # The grammar ends the output with EOS: ignoring it would run past the grammar.
+            raise ValueError("ignore_eos must be False with structured_outputs (the output "
+                             "ends where its grammar does, with EOS), got True")
 
     def _check_beam_search(self) -> None:
         self.length_penalty = _check_float("length_penalty", self.length_penalty, "a number")
@@ -182,12 +208,15 @@ class SamplingParams:
             "frequency_penalty": self.frequency_penalty != 0,
             "repetition_penalty": self.repetition_penalty != 1,
             "logit_bias": bool(self.logit_bias),
+            "structured_outputs": self.structured_outputs is not None,
         }
         for name, is_set in refused.items():
             if is_set:
                 value = getattr(self, name)
+                # A map or a schema may be long: its size or its kind says enough.
                 shown = (f"{len(value)} entries" if name == "logit_bias"
-                         else repr(value))  # a map may be long: its size says enough
+                         else f"a {value.kind} constraint" if name == "structured_outputs"
+                         else repr(value))
                 hint = " (use stop_token_ids to stop)" if name == "stop" else ""
                 raise ValueError(
                     f"{name} must be left unset with beam search (beam_width set): not "

@@ -43,7 +43,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
 from engine_service.core.config import EngineConfig
-from engine_service.core.errors import RequestError
+from engine_service.core.errors import DuplicateRequestError, RequestError
 from engine_service.core.outputs import RequestOutput
 from engine_service.index.link import (
     IndexLinkOptions,
@@ -52,6 +52,7 @@ from engine_service.index.link import (
     connect_prefix_index,
 )
 from engine_service.serving.engine_info import EngineInfo
+from engine_service.serving.grammar_queue import GrammarQueue
 from engine_service.serving.local_pins import check_pin_room, pin_locally
 from engine_service.serving.output_wire import pack
 from engine_service.serving.torch_threads import core_torch_threads
@@ -215,6 +216,8 @@ class CoreLoop:
         self._link_view: tuple | None = None
         self._last_publish = 0.0
         self._stopping = False
+        # Requests whose structured outputs compile while the engine steps the others.
+        self.grammars = GrammarQueue(engine.grammars.compile, self._wake)
 
     def _wake(self) -> None:
         try:
@@ -230,6 +233,8 @@ class CoreLoop:
                 if not self._receive(0.0 if busy else IDLE_PUBLISH_S):
                     return  # the front is gone
                 engine.run_commands()
+                if self.grammars:
+                    self._admit_compiled()
                 if self._stopping:
                     break
                 if engine.has_unfinished_requests():
@@ -242,6 +247,7 @@ class CoreLoop:
         except (BrokenPipeError, EOFError, ConnectionResetError):
             log.info("the serving front went away: the core stops")
         finally:
+            self.grammars.close()
             if self.link is not None:
                 self.link.close()
 
@@ -270,6 +276,9 @@ class CoreLoop:
         engine = self.engine
         if kind == "add":
             _, request_id, prompt_token_ids, params, cache_salt, priority, pin_prefill = command
+            if params.structured_outputs is not None:
+                self._compile_first(command)
+                return
             try:
                 engine.add_request(request_id, prompt_token_ids, params,
                                    cache_salt=cache_salt, priority=priority,
@@ -277,7 +286,7 @@ class CoreLoop:
             except RequestError as error:
                 self._errors.append((request_id, error))
         elif kind == "abort":
-            output = engine.abort_request(command[1])
+            output = engine.abort_request(command[1]) or self.grammars.abort(command[1])
             if output is not None:
                 self._outputs.append(output)
         elif kind == "finish_seq":  # a stop string the front matched
@@ -295,6 +304,34 @@ class CoreLoop:
             self._stopping = True
         else:
             raise ValueError(f"unknown core command {kind!r}")
+
+    def _compile_first(self, command: tuple) -> None:
+        """A request with structured outputs: checked now, queued while its grammar
+        compiles, admitted by _admit_compiled."""
+        request_id, prompt_token_ids, params = command[1:4]
+        try:
+            if request_id in self.grammars:
+                raise DuplicateRequestError("request_id", f"request_id must be unique among "
+                                            f"live requests, got {request_id!r}")
+            self.engine.validate_request(prompt_token_ids, params)
+        except RequestError as error:
+            self._errors.append((request_id, error))
+            return
+        self.grammars.submit(request_id, command, params)
+
+    def _admit_compiled(self) -> None:
+        for item in self.grammars.ready():
+            _, request_id, prompt_token_ids, params, cache_salt, priority, pin_prefill = (
+                item.command)
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params,
+                                        cache_salt=cache_salt, priority=priority,
+                                        pin_prefill=pin_prefill, grammar=item.future.result())
+            except RequestError as error:
+                self._errors.append((request_id, error))
+            except Exception as error:  # noqa: BLE001 - the request fails, not the core
+                log.exception("request %s: its structured outputs did not compile", request_id)
+                self._errors.append((request_id, _shippable(error)))
 
     def _call(self, call_id: int, name: str, args: tuple) -> None:
         if name == "pin_check":  # before a pin's prefill (serving/prefix_pins.py)

@@ -232,6 +232,8 @@ class RequestValidator:
             kwargs["stop_token_ids"] = list(msg.stop_token_ids)
         if msg.logit_bias:
             kwargs["logit_bias"] = dict(msg.logit_bias)
+        if msg.HasField("structured_outputs"):
+            kwargs["structured_outputs"] = _structured_outputs(msg.structured_outputs)
         if msg.early_stopping not in EARLY_STOPPING:
             names = ", ".join(pb.EarlyStopping.Name(v) for v in EARLY_STOPPING)
             raise _invalid(
@@ -254,3 +256,15 @@ class RequestValidator:
             raise _invalid(f"ttl_s must be in [0, {MAX_TTL_S:.0f}] seconds (0 = no TTL), "
                            f"got {ttl_s}")
         return ttl_s
+
+
+def _structured_outputs(msg: pb.StructuredOutputs) -> dict:
+    """The wire's oneof as StructuredOutputsParams' fields (which check them)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        names = [f.name for f in msg.DESCRIPTOR.oneofs_by_name["kind"].fields]
+        raise _invalid(f"sampling.structured_outputs must set one of {', '.join(names)}, got "
+                       f"none of them")
+    if kind == "choice":
+        return {"choice": list(msg.choice.values)}
+    return {kind: getattr(msg, kind)}
