@@ -33,6 +33,26 @@ def error_of(raised: pytest.ExceptionInfo) -> dict:
     ({"echo": True}, "echo", "echo is not supported"),
     ({"suffix": "x"}, "suffix", "suffix is not supported"),
     ({"extra_body": {"guided_json": None, "echo": False}}, None, None),  # asks for nothing
+    ({"extra_body": {"guided_regex": "(abc"}}, "guided_regex",
+     "guided_regex must be a valid regular expression, got one that does not compile: Regex "
+     "parsing error at position 5: The parenthesis is not closed."),
+    ({"extra_body": {"guided_json": {"type": "objekt"}}}, "guided_json",
+     'guided_json must be a valid JSON Schema, got one that does not compile: Unsupported type '
+     '"objekt"'),
+    ({"extra_body": {"guided_json": "{oops"}}, "guided_json", "guided_json must be a JSON "
+     "Schema in JSON text, got text that is not JSON"),
+    ({"extra_body": {"guided_choice": []}}, "guided_choice", "must hold 1 to 1024 strings"),
+    ({"extra_body": {"guided_grammar": "root ::= x"}}, "guided_grammar", "is not defined"),
+    ({"extra_body": {"guided_regex": "a+", "guided_choice": ["a"]}}, "guided_choice",
+     "guided_choice and guided_regex must not both be set"),
+    ({"extra_body": {"structured_outputs": {}}}, "structured_outputs",
+     "structured_outputs must set one of"),
+    ({"extra_body": {"structured_outputs": {"regex": "(", "choice": ["a"]}}},
+     "structured_outputs.choice", "must not both be set"),
+    ({"extra_body": {"guided_regex": "a+", "ignore_eos": True}}, "ignore_eos",
+     "ignore_eos must be False with structured_outputs"),
+    ({"extra_body": {"guided_regex": "a+", "use_beam_search": True}, "temperature": 0},
+     "guided_regex", "must be left unset with beam search"),
     ({"extra_body": {"colour": "red"}}, "colour", "colour is not a field"),
     ({"extra_body": {"top_k": -5}}, "top_k", "top_k"),
     ({"extra_body": {"min_tokens": 20}, "max_tokens": 4}, "min_tokens", "min_tokens must be <="),
@@ -70,8 +90,17 @@ def test_completions_400_names_the_field(client, http_engine, kwargs, param, wor
     ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", "must agree"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"response_format": {"type": "json_object"}}, None, None),
     ({"response_format": {"type": "text"}}, None, None),  # asks for nothing: accepted
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema",
+     "must be set when type is json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}},
+     "response_format.json_schema.schema", "response_format.json_schema.schema must be a "
+     "valid JSON Schema, got one that does not compile: Cannot find field 'nope' in #/nope"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", ""),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}},
+     "guided_regex", "guided_regex and response_format must not both be set"),
     ({"logit_bias": {"five": 10}}, "logit_bias", "logit_bias must map token ids"),
     ({"logit_bias": {"5": 101}}, "logit_bias[5]", "logit_bias[5] must be in [-100, 100]"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias", "the model's vocab size"),

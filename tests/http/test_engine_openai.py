@@ -4,6 +4,7 @@ streaming and not), checked against the same engine's gRPC answers."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import openai
 import pytest
@@ -326,3 +327,47 @@ def test_chat_text_parts_and_developer_role_are_the_plain_forms(client, http_eng
                   {"role": "user", "content": [{"type": "text", "text": CHAT[1]["content"]}]}])
     assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
     assert parts.choices[0].message.content == plain.choices[0].message.content
+
+
+# ---- structured outputs ---------------------------------------------------------------------
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "size"],
+          "properties": {"name": {"enum": ["ant", "bee"]},
+                         "size": {"type": "integer", "minimum": 1, "maximum": 9}}}
+
+
+def test_response_format_json_schema_and_guided_fields(client, http_engine, engine_stub):
+    """OpenAI's response_format and vLLM's guided_* reach the engine as gRPC's
+    structured_outputs does: the same constrained text, valid by construction."""
+    import json
+
+    import jsonschema
+
+    grpc_reply = engine_stub.Generate(pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in CHAT]),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=40, structured_outputs=(
+            pb.StructuredOutputs(json=json.dumps(SCHEMA))))), timeout=60)
+    grpc_text = grpc_reply.completions[0].text
+    chat = client.chat.completions.create(
+        model=http_engine.model, messages=CHAT, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "insect", "schema": SCHEMA, "strict": True}})
+    [choice] = chat.choices
+    assert choice.finish_reason == "stop" and choice.message.content == grpc_text
+    jsonschema.validate(json.loads(grpc_text), SCHEMA)
+    streamed = client.chat.completions.create(
+        model=http_engine.model, messages=CHAT, max_tokens=40, temperature=0, stream=True,
+        extra_body={"guided_json": SCHEMA})
+    assert stream_text(streamed)[0] == {0: grpc_text}
+    choices = ["left", "right"]
+    completion = client.completions.create(
+        model=http_engine.model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=3, n=4,
+        extra_body={"guided_choice": choices})
+    assert {c.text for c in completion.choices} <= set(choices)
+    regex = client.completions.create(
+        model=http_engine.model, prompt=PROMPT, max_tokens=12, temperature=0,
+        extra_body={"structured_outputs": {"regex": "[0-9]{2}:[0-9]{2}"}})
+    assert re.fullmatch("[0-9]{2}:[0-9]{2}", regex.choices[0].text)
+    obj = client.chat.completions.create(
+        model=http_engine.model, messages=CHAT, max_tokens=30, temperature=0,
+        response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.startswith("{")
