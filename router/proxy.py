@@ -503,6 +503,8 @@ class RoutedRequest:
         resume.token_ids.ids[:] = token_ids + progress.token_ids  # replaces text / chat
         resume.sampling.max_tokens = max_tokens - generated
         resume.sampling.min_tokens = max(0, sampling.min_tokens - generated)
+        if resume.sampling.HasField("structured_outputs"):  # its grammar goes on after them
+            resume.sampling.structured_outputs.resumed_tokens += generated
         self.resumed_at = generated
         self.resumed_logprob = progress.cumulative_logprob or 0.0
         return resume

@@ -35,7 +35,7 @@ from engine_service.model.config import ModelConfig, load_model_config
 from engine_service.model.detokenizer import IncrementalDetokenizer, TokenDecoder
 from engine_service.model.dtype import DTYPES
 from engine_service.model.fingerprint import model_identity, weights_fingerprint
-from engine_service.model.grammar import GrammarCompiler, new_matcher
+from engine_service.model.grammar import GrammarCompiler, follow_resumed_tokens, new_matcher
 from engine_service.model.kv_cache_setup import graph_rows, setup_kv_cache, uses_cuda_graphs
 from engine_service.model.runner import ModelRunner, kv_bytes_per_block
 from engine_service.model.sampler import Sampler, SamplingRow, make_generator
@@ -269,6 +269,9 @@ class LLMEngine:
         seq.logprobs = [] if params.logprobs is not None else None
         if group.grammar is not None:
             seq.matcher = new_matcher(group.grammar)
+            resumed = params.structured_outputs.resumed_tokens
+            if resumed:  # refused at add_request (index 0) if at all: never in a fork
+                follow_resumed_tokens(seq.matcher, token_ids[-resumed:])
         return seq
 
     def _set_max_num_tokens(self, seq: Sequence, params: SamplingParams) -> None:

@@ -87,6 +87,12 @@ class RequestLimits:
                 f"got a {params.structured_outputs.kind} constraint"
             )
         num_prompt = len(prompt_token_ids)
+        if params.structured_outputs is not None and (
+                params.structured_outputs.resumed_tokens >= num_prompt):
+            raise InvalidRequestError(
+                "structured_outputs", f"structured_outputs.resumed_tokens must be less than "
+                f"the prompt's {num_prompt} tokens, got "
+                f"{params.structured_outputs.resumed_tokens}")
         if num_prompt >= self.max_model_len:
             raise RequestTooLargeError(
                 "prompt",

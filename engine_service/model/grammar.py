@@ -102,6 +102,17 @@ def _ebnf_string(text: str) -> str:
     return '"' + "".join(escaped) + '"'
 
 
+def follow_resumed_tokens(matcher, token_ids: list[int]) -> None:
+    """Advances a new matcher past output a request resumes from (InvalidRequestError when
+    the grammar does not allow it, or ends inside it)."""
+    for position, token in enumerate(token_ids):
+        if not matcher.accept_token(token) or matcher.is_terminated():
+            raise InvalidRequestError(
+                "structured_outputs", f"structured_outputs.resumed_tokens must count output "
+                f"its constraint allows, unfinished; got token {token} at resumed position "
+                f"{position}, which it {'ends on' if matcher.is_terminated() else 'refuses'}")
+
+
 def new_matcher(compiled):
     """A matcher at the start of the grammar (one per sequence)."""
     import xgrammar

@@ -26,8 +26,15 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None  # normalized to a tuple
     grammar: str | None = None  # EBNF
+    # The prompt's last `resumed_tokens` tokens were generated under this constraint already
+    # (a stream the router resumes on another replica): the grammar starts after them.
+    resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.resumed_tokens, bool) or not isinstance(self.resumed_tokens, int) \
+                or self.resumed_tokens < 0:
+            raise ValueError(f"structured_outputs.resumed_tokens must be an int >= 0, "
+                             f"got {self.resumed_tokens!r}")
         if not isinstance(self.json_object, bool):
             raise ValueError(f"structured_outputs.json_object must be a bool, "
                              f"got {self.json_object!r}")

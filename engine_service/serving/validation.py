@@ -265,6 +265,6 @@ def _structured_outputs(msg: pb.StructuredOutputs) -> dict:
         names = [f.name for f in msg.DESCRIPTOR.oneofs_by_name["kind"].fields]
         raise _invalid(f"sampling.structured_outputs must set one of {', '.join(names)}, got "
                        f"none of them")
-    if kind == "choice":
-        return {"choice": list(msg.choice.values)}
-    return {kind: getattr(msg, kind)}
+    given = {"resumed_tokens": msg.resumed_tokens}
+    given[kind] = list(msg.choice.values) if kind == "choice" else getattr(msg, kind)
+    return given

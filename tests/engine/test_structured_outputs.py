@@ -182,3 +182,25 @@ def test_an_engine_without_a_tokenizer_refuses_constraints(make_llm, tiny_llama_
         llm.generate([{"prompt_token_ids": [1, 2, 3]}],
                      SamplingParams(max_tokens=4, structured_outputs={"regex": "a+"}))
     assert caught.value.field == "structured_outputs"
+
+
+def test_a_resumed_request_goes_on_where_the_first_left_off(llm):
+    """The router resumes a stream elsewhere as prompt + output so far, with resumed_tokens
+    saying how much of it is output: the grammar starts after it, and the rest equals what
+    the uninterrupted request generated."""
+    schema = {"json": SCHEMA}
+    [whole] = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
+                           SamplingParams(temperature=0, max_tokens=80, structured_outputs=schema))
+    tokens = list(whole.outputs[0].token_ids)
+    for cut in (1, 7):
+        [rest] = llm.generate(
+            [{"prompt_token_ids": [5, 6, 7, 8] + tokens[:cut]}],
+            SamplingParams(temperature=0, max_tokens=80,
+                           structured_outputs={**schema, "resumed_tokens": cut}))
+        assert tokens[:cut] + list(rest.outputs[0].token_ids) == tokens
+    with pytest.raises(InvalidRequestError, match="resumed_tokens must count output"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(
+            max_tokens=4, structured_outputs={**schema, "resumed_tokens": 2}))
+    with pytest.raises(InvalidRequestError, match="must be less than the prompt's 4 tokens"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(
+            max_tokens=4, structured_outputs={**schema, "resumed_tokens": 4}))

@@ -4,6 +4,7 @@ index killed (prefix-hash-bounded fallback, said in health) and back (kv-aware a
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -91,6 +92,35 @@ def test_a_replica_killed_mid_stream_is_invisible_to_the_client(stack, router_st
                                 range(8)))
     assert all(len(r.completions[0].token_ids) == 4 for r, _ in results)
     assert all(victim not in replicas for _, replicas in results)
+
+
+def test_a_constrained_stream_goes_on_inside_its_grammar(stack, router_stub):
+    """A stream with structured outputs resumed elsewhere: the new replica's grammar starts
+    after the output so far (resumed_tokens), so the stream is the uninterrupted one's (a
+    grammar started afresh on the output would refuse it, or restart it)."""
+    regex = "<[a-z ]{20,}"  # begun afresh, the grammar would make the replica write "<" again
+    request = stream_request(prompt(12), "constrained")
+    request.sampling.ClearField("ignore_eos")  # refused with a grammar, which ends with EOS
+    request.sampling.structured_outputs.regex = regex
+
+    def tokens_of(messages) -> list[int]:
+        return [t for m in messages for c in m.choices for t in c.token_ids]
+
+    baseline = tokens_of(router_stub.GenerateStream(request, timeout=120))
+    assert len(baseline) == MAX_TOKENS  # long enough to be cut: the tiny model rarely ends it
+    request.request_id = "constrained-survivor"
+    call = router_stub.GenerateStream(request, timeout=120)
+    messages = iter(call)
+    received = []
+    while len(tokens_of(received)) < 5:
+        received.append(next(messages))
+    victim = wait_until(lambda: busy_engine(stack), what="the replica running the stream")
+    stack.kill_engine(victim)
+    received += list(messages)
+    assert tokens_of(received) == baseline
+    assert received[-1].finished and served_by(call)[1:] and served_by(call)[0] == victim
+    text = "".join(c.text for m in received for c in m.choices)
+    assert re.fullmatch("<[a-z ]*", text)
 
 
 def model_info(stack, target: str) -> pb.ModelInfoResponse:
