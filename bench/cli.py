@@ -47,6 +47,8 @@ COMMANDS = {
     "random-checkpoint": Command("bench.random_checkpoint", "a random-weight checkpoint"),
     "http-vs-grpc": Command("bench.http_vs_grpc", "the HTTP API against gRPC"),
     "engine-restart": Command("bench.engine_restart", "pagedgen-engine's start and stop"),
+    "structured-outputs": Command("bench.structured_outputs",
+                                  "JSON replies valid with and without a schema, and the cost"),
 }
 
 

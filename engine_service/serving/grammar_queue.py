@@ -49,10 +49,12 @@ class GrammarQueue:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drops a waiting request; its final output (every sequence aborted), or None when it
-        is not waiting here. Its compilation runs on (the grammar is cached for the next)."""
+        is not waiting here. A compilation not started yet is dropped; one running goes on
+        (it cannot be stopped; its grammar is cached for the next request)."""
         item = self._waiting.pop(request_id, None)
         if item is None:
             return None
+        item.future.cancel()
         params: SamplingParams = item.command[3]
         return RequestOutput(
             request_id=request_id, prompt=None, prompt_token_ids=item.command[2],
