@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from typing import Literal
 
 import openai
 import pytest
@@ -371,3 +372,25 @@ def test_response_format_json_schema_and_guided_fields(client, http_engine, engi
         model=http_engine.model, messages=CHAT, max_tokens=30, temperature=0,
         response_format={"type": "json_object"})
     assert obj.choices[0].message.content.startswith("{")
+
+
+def test_the_openai_clients_parse_with_a_pydantic_model(client, http_engine):
+    """client.chat.completions.parse sends the model's strict JSON Schema (with $defs for a
+    nested model) and parses the reply into it: the reply is an instance of the model."""
+    import pydantic
+
+    class Leg(pydantic.BaseModel):
+        side: Literal["left", "right"]
+        length: int
+
+    class Insect(pydantic.BaseModel):
+        name: Literal["ant", "bee"]
+        legs: list[Leg] = pydantic.Field(max_length=2)
+        flies: bool
+
+    reply = client.chat.completions.parse(model=http_engine.model, messages=CHAT,
+                                          max_tokens=120, temperature=0, response_format=Insect)
+    [choice] = reply.choices
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Insect)
+    assert choice.message.parsed.model_dump_json() == choice.message.content.replace(" ", "")
