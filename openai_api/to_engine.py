@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 
 from engine_service.model.sampling_params import MAX_LOGIT_BIAS
+from engine_service.model.structured_outputs import MAX_SCHEMA_DEPTH
 from openai_api.errors import bad_request
 from openai_api.schemas import (
     MAX_PROMPTS,
@@ -201,7 +202,12 @@ def _set_structured_outputs(wire: pb.StructuredOutputs, req: _Sampling) -> str |
     name, kind, value = given[0]
     if kind == "json":
         # A schema's JSON text as sent; an object (or bool) re-encoded: order kept.
-        wire.json = value if isinstance(value, str) else json.dumps(value)
+        try:
+            wire.json = value if isinstance(value, str) else json.dumps(value)
+        except RecursionError:  # the engine's limit is far below what json.dumps takes
+            raise bad_request(name, f"{name} must nest objects and arrays at most "
+                                    f"{MAX_SCHEMA_DEPTH} levels deep, got a deeper "
+                                    f"schema") from None
     elif kind == "choice":
         wire.choice.values.extend(value)
     else:

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 # beside the engine's steps, and its cost grows with it.
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 1024
+# Levels of nested objects and arrays in a schema: its compilation grows much faster than its
+# text with them (990 levels of `items`, 25 KB, took 76 s), and Python's JSON coders recurse.
+MAX_SCHEMA_DEPTH = 64
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -52,6 +55,7 @@ class StructuredOutputsParams:
                     raise ValueError(f"structured_outputs.{name} must be a non-empty string, "
                                      f"got {_shown(value)}")
                 _check_size(name, len(value))
+                _check_utf8(f"structured_outputs.{name}", value)
         if self.choice is not None:
             object.__setattr__(self, "choice", _choices(self.choice))
 
@@ -66,8 +70,7 @@ class StructuredOutputsParams:
 
 
 def _schema_text(schema: object) -> str:
-    """A schema given as JSON text or as a dict, as compact JSON text of an object (or a bool,
-    JSON Schema's match-anything and match-nothing)."""
+    """A schema given as JSON text or as a dict, as compact JSON text of an object."""
     if isinstance(schema, str):
         _check_size("json", len(schema))
         try:
@@ -75,9 +78,13 @@ def _schema_text(schema: object) -> str:
         except ValueError as error:
             raise ValueError(f"structured_outputs.json must be a JSON Schema in JSON text, got "
                              f"text that is not JSON ({error})") from None
-    if not isinstance(schema, dict | bool):
+        except RecursionError:
+            raise _too_deep() from None
+    if not isinstance(schema, dict):
         raise ValueError(f"structured_outputs.json must be a JSON Schema (an object), got "
                          f"{_shown(schema)}")
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise _too_deep()
     try:
         text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as error:
@@ -85,6 +92,34 @@ def _schema_text(schema: object) -> str:
                          f"{error}") from None
     _check_size("json", len(text))
     return text
+
+
+def _depth(value: object) -> int:
+    """Levels of nested dicts and lists in `value`, counted without recursion (a deeper one
+    stops the count: more than the limit is all that matters)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            if level > MAX_SCHEMA_DEPTH:
+                return level
+            stack.extend((child, level + 1)
+                         for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _too_deep() -> ValueError:
+    return ValueError(f"structured_outputs.json must nest objects and arrays at most "
+                      f"{MAX_SCHEMA_DEPTH} levels deep, got a deeper schema")
+
+
+def _check_utf8(name: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{name} must be valid Unicode text, got a lone surrogate at "
+                         f"character {error.start}") from None
 
 
 def _choices(choices: object) -> tuple[str, ...]:
@@ -98,6 +133,7 @@ def _choices(choices: object) -> tuple[str, ...]:
         if not isinstance(choice, str) or not choice:
             raise ValueError(f"structured_outputs.choice[{i}] must be a non-empty string, "
                              f"got {_shown(choice)}")
+        _check_utf8(f"structured_outputs.choice[{i}]", choice)
     _check_size("choice", sum(len(c) for c in choices))
     return tuple(choices)
 

@@ -42,6 +42,8 @@ def error_of(raised: pytest.ExceptionInfo) -> dict:
     ({"extra_body": {"guided_json": "{oops"}}, "guided_json", "guided_json must be a JSON "
      "Schema in JSON text, got text that is not JSON"),
     ({"extra_body": {"guided_choice": []}}, "guided_choice", "must hold 1 to 1024 strings"),
+    ({"extra_body": {"guided_json": '{"anyOf":[' * 2000 + "{}" + "]}" * 2000}}, "guided_json",
+     "guided_json must nest objects and arrays at most 64 levels deep"),
     ({"extra_body": {"guided_grammar": "root ::= x"}}, "guided_grammar", "is not defined"),
     ({"extra_body": {"guided_regex": "a+", "guided_choice": ["a"]}}, "guided_choice",
      "guided_choice and guided_regex must not both be set"),
