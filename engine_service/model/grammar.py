@@ -46,31 +46,44 @@ class GrammarCompiler:
         with self._lock:
             compiler = self._compiler or self._make_compiler()
             try:
-                return _compile(compiler, spec)
+                return compile_spec(compiler, spec)
             except RuntimeError as error:  # xgrammar's parse and conversion errors
-                kind = spec.kind
-                reason = _NOISE.sub("", str(error).strip()).splitlines()[0]
-                raise InvalidRequestError(
-                    "structured_outputs",
-                    f"structured_outputs.{kind} must be a valid {_WHAT[kind]}, got one that "
-                    f"does not compile: {reason}") from None
+                raise compile_error(spec, str(error)) from None
 
     def _make_compiler(self):
-        import xgrammar
-
-        tokenizer = load_tokenizer(self.model_config)
-        info = xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1,
-                                                  cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+        self._compiler = new_compiler(
+            tokenizer_info(self.model_config, self.vocab_size, self.stop_token_ids))
         return self._compiler
+
+
+def tokenizer_info(model_config: ModelConfig, vocab_size: int, stop_token_ids: list[int]):
+    """The model's vocabulary as xgrammar sees it (xgrammar.TokenizerInfo)."""
+    import xgrammar
+
+    return xgrammar.TokenizerInfo.from_huggingface(
+        load_tokenizer(model_config), vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+
+
+def new_compiler(info):
+    import xgrammar
+
+    return xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+
+
+def compile_error(spec: StructuredOutputsParams, reason: str) -> InvalidRequestError:
+    """The caller's error for a constraint xgrammar refused with `reason`."""
+    kind = spec.kind
+    reason = _NOISE.sub("", reason.strip()).splitlines()[0] if reason.strip() else "no reason"
+    return InvalidRequestError(
+        "structured_outputs", f"structured_outputs.{kind} must be a valid {_WHAT[kind]}, got "
+        f"one that does not compile: {reason}")
 
 
 _WHAT = {"json": "JSON Schema", "json_object": "JSON object", "regex": "regular expression",
          "choice": "list of choices", "grammar": "EBNF grammar"}
 
 
-def _compile(compiler, spec: StructuredOutputsParams):
+def compile_spec(compiler, spec: StructuredOutputsParams):
     kind = spec.kind
     if kind == "json":
         # Compact JSON (', ' and ': ' between items, no other whitespace): a model free to add

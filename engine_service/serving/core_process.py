@@ -32,6 +32,7 @@ channel close and its process sentinel fire, and goes NOT_SERVING.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import signal
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING
 from engine_service.core.config import EngineConfig
 from engine_service.core.errors import DuplicateRequestError, RequestError
 from engine_service.core.outputs import RequestOutput
+from engine_service.core.stats import EngineStats
 from engine_service.index.link import (
     IndexLinkOptions,
     IndexUnavailableError,
@@ -52,6 +54,7 @@ from engine_service.index.link import (
     connect_prefix_index,
 )
 from engine_service.serving.engine_info import EngineInfo
+from engine_service.serving.grammar_process import DEFAULT_COMPILE_TIMEOUT_S, GrammarProcess
 from engine_service.serving.grammar_queue import GrammarQueue
 from engine_service.serving.local_pins import check_pin_room, pin_locally
 from engine_service.serving.output_wire import pack
@@ -75,6 +78,7 @@ class CoreOptions:
     log_level: str = "INFO"
     # --torch-threads: None picks (serving/torch_threads.py), 0 keeps torch's default.
     torch_threads: int | None = None
+    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +151,7 @@ def run_core(channel: CoreChannel, options: CoreOptions) -> None:
     # the core as a failed step would: the error is raised on the engine thread.
     engine.watch_ranks(lambda error: engine.post(_raiser(error)))
     try:
-        CoreLoop(engine, channel, link, rpc_times).run()
+        CoreLoop(engine, channel, link, rpc_times, options.grammar_compile_timeout_s).run()
     except BaseException as error:  # the front ends every stream with this and exits non-zero
         log.exception("the engine core failed")
         # Workers first: once the front reads this it exits and kills this process, and a
@@ -198,7 +202,8 @@ class CoreLoop:
     """Receives command batches, steps the engine, sends one message per step."""
 
     def __init__(self, engine: LLMEngine, channel: CoreChannel, link,
-                 rpc_times: list[tuple[str, float]]) -> None:
+                 rpc_times: list[tuple[str, float]],
+                 grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         self.engine = engine
         self.commands = channel.commands
         self.conn = channel.outputs
@@ -215,9 +220,13 @@ class CoreLoop:
         self._pending_calls: list[tuple[int, concurrent.futures.Future]] = []
         self._link_view: tuple | None = None
         self._last_publish = 0.0
+        self._compiling_published = 0  # requests compiling when stats were last sent
         self._stopping = False
-        # Requests whose structured outputs compile while the engine steps the others.
-        self.grammars = GrammarQueue(engine.grammars.compile, self._wake)
+        # Requests whose structured outputs compile, in a process of their own, while the
+        # engine steps the others.
+        self.compiler = GrammarProcess(engine.model_config, engine.model_config.vocab_size,
+                                       engine.eos_token_ids, grammar_compile_timeout_s)
+        self.grammars = GrammarQueue(self.compiler.compile, self._wake, self.compiler.interrupt)
 
     def _wake(self) -> None:
         try:
@@ -248,6 +257,7 @@ class CoreLoop:
             log.info("the serving front went away: the core stops")
         finally:
             self.grammars.close()
+            self.compiler.close()
             if self.link is not None:
                 self.link.close()
 
@@ -373,16 +383,30 @@ class CoreLoop:
                 self._link_view = link_view = view
         now = time.monotonic()
         fresh = self._outputs or self._errors or self._results or link_view or self.rpc_times
+        # Requests entering or leaving the compile queue change num_waiting with no step.
+        fresh = fresh or len(self.grammars) != self._compiling_published
         if not (force or fresh or now - self._last_publish > 1.0):
             return
         self._last_publish = now
+        self._compiling_published = len(self.grammars)
         for output in self._outputs:  # the front knows each request's prompt
             output.prompt_token_ids = output.prompt = None
         times = self.rpc_times[:]
         del self.rpc_times[:len(times)]
-        self.conn.send(("step", pack(self._outputs), self._errors, self.engine.snapshot,
+        self.conn.send(("step", pack(self._outputs), self._errors, self._stats(),
                         link_view, self._results, times))
         self._outputs, self._errors, self._results = [], [], []
+
+    def _stats(self) -> EngineStats:
+        """The engine's stats, requests whose grammar compiles counted as waiting (a router
+        balancing on num_waiting sees them)."""
+        stats = self.engine.snapshot
+        if not self.grammars:
+            return stats
+        return dataclasses.replace(
+            stats, num_waiting=stats.num_waiting + len(self.grammars),
+            num_waiting_prefill_tokens=(stats.num_waiting_prefill_tokens
+                                        + self.grammars.num_prompt_tokens))
 
 
 CoreTarget = Callable[[CoreChannel, CoreOptions], None]

@@ -53,6 +53,7 @@ from engine_service.serving.core_process import (
     run_core,
 )
 from engine_service.serving.engine_info import EngineInfo
+from engine_service.serving.grammar_process import DEFAULT_COMPILE_TIMEOUT_S
 from engine_service.serving.http_backend import engine_backend
 from engine_service.serving.metrics import EngineMetrics
 from engine_service.serving.send_stall import DEFAULT_SEND_STALL_TIMEOUT_S, add_send_stall_arg
@@ -492,6 +493,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch threads in the engine core (default: on the CPU, one a CPU this "
                         "process may use: its affinity and cgroup quota, or OMP_NUM_THREADS; "
                         "on CUDA, torch's choice; 0: torch's choice)")
+    p.add_argument("--grammar-compile-timeout-s", type=float,
+                   default=DEFAULT_COMPILE_TIMEOUT_S,
+                   help="a request's structured outputs (JSON Schema, regex, grammar) that do "
+                        "not compile within this are refused with INVALID_ARGUMENT, the "
+                        "compilation stopped")
     p.add_argument("--max-live-requests", type=int, default=ServerOptions().max_live_requests,
                    help="requests accepted and unfinished before RESOURCE_EXHAUSTED")
     p.add_argument("--stream-interval", type=int, default=ServerOptions().stream_interval,
@@ -542,6 +548,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"{args.core_stall_timeout_s}")
     if args.torch_threads is not None and args.torch_threads < 0:
         p.error(f"--torch-threads must be >= 0 (0: torch's default), got {args.torch_threads}")
+    if not 0 < args.grammar_compile_timeout_s <= 3600:
+        p.error(f"--grammar-compile-timeout-s must be in (0, 3600] seconds, got "
+                f"{args.grammar_compile_timeout_s}")
     if args.grace_s < 0:
         p.error(f"--grace-s must be >= 0, got {args.grace_s}")
     resolve_http_args(p, args)
@@ -663,7 +672,7 @@ def serve(args: argparse.Namespace, core_target: CoreTarget = run_core) -> None:
     core_options = CoreOptions(
         config, None if args.prefix_index == "none" else args.prefix_index, engine_id,
         IndexLinkOptions(lease_s=args.index_lease_s, tls=args.tls), args.log_level,
-        args.torch_threads)
+        args.torch_threads, args.grammar_compile_timeout_s)
     options = ServerOptions(args.host, args.port, args.metrics_port, args.metrics_host,
                             args.max_live_requests, engine_id, args.http_port, args.http_host,
                             args.stream_interval, door=door_from_args(args), tls=args.tls,

@@ -1,18 +1,22 @@
-"""Structured outputs in the served engine: the core compiles a grammar on a thread of its own
-while it steps the other requests, and a request aborted or cancelled while its grammar
-compiles ends cleanly (an abort output, nothing left live)."""
+"""Structured outputs in the served engine: the core compiles a grammar in a process of its own
+while it steps the other requests, a request aborted or cancelled while its grammar compiles
+ends cleanly (an abort output, nothing left live), and a cancelled compilation is stopped."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
+import os
+import time
+from pathlib import Path
 
 import grpc
 
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from tests.service.test_cancel import wait_all_free
+from tests.service.test_grammar_process import alive, very_slow_schema
 
 _schemas = itertools.count()
 
@@ -79,6 +83,7 @@ def test_abort_and_cancel_while_the_grammar_compiles(engine_server, stub):
 
     stats, found, messages, code, cancelled_code = asyncio.run(body())
     assert stats.num_live_requests == 2 and stats.num_running == 0  # both still compiling
+    assert stats.num_waiting == 2  # counted as waiting, where a router balancing looks
     assert found.found and code == grpc.StatusCode.OK
     assert messages[-1].finished
     assert [c.finish_reason for c in messages[-1].choices] == [pb.FINISH_REASON_ABORT]
@@ -111,3 +116,58 @@ def test_invalid_constraints_over_grpc_name_the_field(stub):
             assert error.details().startswith(words), error.details()
         else:
             raise AssertionError(f"accepted {sampling}")
+
+
+def grammar_workers(engine_pid: int) -> list[int]:
+    """The grammar compiler processes under the engine (the core's children)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            parents[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmdline)
+    found = []
+    for pid, (parent, cmdline) in parents.items():
+        if b"engine_service.model.grammar_worker" in cmdline:
+            while parent in parents and parent != engine_pid:
+                parent = parents[parent][0]
+            if parent == engine_pid:
+                found.append(pid)
+    return found
+
+
+def test_a_cancelled_compilation_is_stopped(engine_server, stub):
+    """A constrained request whose schema takes tens of seconds to compile, cancelled: its
+    compilation is stopped (the compiler process killed, where a thread's would have run to
+    its end, holding every other constrained request back), and the next one is served."""
+    engine_pid = engine_server.process.proc.pid
+
+    async def body():
+        async with engine_server.aio_channel() as channel:
+            astub = pb_grpc.GenerationStub(channel)
+            stream = astub.GenerateStream(pb.GenerateRequest(
+                text="A record:", sampling=constrained(very_slow_schema(f"cancel-{os.getpid()}"))),
+                timeout=120)
+            deadline = time.monotonic() + 60
+            while not (workers := grammar_workers(engine_pid)):
+                assert time.monotonic() < deadline, "no grammar compiler process started"
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
+            stats = await astub.EngineStats(pb.EngineStatsRequest())
+            stream.cancel()
+            return workers, stats
+
+    workers, stats = asyncio.run(body())
+    assert stats.num_live_requests == 1 and stats.num_waiting == 1  # compiling when cancelled
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, f"the compiler process {workers} was not stopped"
+        time.sleep(0.1)
+    wait_all_free(stub)
+    reply = stub.Generate(pb.GenerateRequest(text="Again", sampling=pb.SamplingParams(
+        temperature=0, max_tokens=8,
+        structured_outputs=pb.StructuredOutputs(regex="(up|down)"))), timeout=60)
+    assert reply.completions[0].text in ("up", "down")

@@ -1,0 +1,89 @@
+"""The grammar compiler's own process (`python -m engine_service.model.grammar_worker`): the
+serving core sends it each constraint and gets the compiled grammar back as xgrammar's JSON
+(serving/grammar_process.py). A compilation in a process can be stopped: a thread's cannot, and
+a schema can take minutes to compile.
+
+Frames both ways on stdin / stdout: an 8-byte length, then a pickle. The first request is
+("init", model_config, vocab_size, stop_token_ids), answered ("ready", tokenizer info JSON),
+or, for a worker started again, ("init_info", that JSON), answered ("ready", None). Then each
+("compile", spec) is answered ("ok", grammar JSON), ("invalid", xgrammar's reason) or
+("failed", what went wrong).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import struct
+import sys
+from typing import BinaryIO
+
+_LENGTH = struct.Struct("<Q")
+
+
+def write_frame(out: BinaryIO, message: object) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    out.write(_LENGTH.pack(len(data)) + data)
+    out.flush()
+
+
+def read_frame(source: BinaryIO) -> object | None:
+    """The next message, or None at the end of the stream (a writer killed mid-frame too)."""
+    head = source.read(_LENGTH.size)
+    if len(head) < _LENGTH.size:
+        return None
+    length = _LENGTH.unpack(head)[0]
+    data = source.read(length)
+    return pickle.loads(data) if len(data) == length else None
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the core that started it dies, even mid
+    compile (else it would run on to the compilation's end)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: it exits when the core's end of stdin closes
+
+
+def serve(source: BinaryIO, out: BinaryIO) -> None:
+    from engine_service.model.grammar import compile_spec, new_compiler, tokenizer_info
+
+    compiler = None
+    while (message := read_frame(source)) is not None:
+        try:
+            if message[0] == "init":
+                info = tokenizer_info(*message[1:])
+                compiler = new_compiler(info)
+                write_frame(out, ("ready", info.serialize_json()))
+            elif message[0] == "init_info":  # a restart: the vocabulary as the first had it
+                import xgrammar
+
+                compiler = new_compiler(xgrammar.TokenizerInfo.deserialize_json(message[1]))
+                write_frame(out, ("ready", None))
+            else:
+                try:
+                    grammar = compile_spec(compiler, message[1])
+                except RuntimeError as error:  # xgrammar's parse and conversion errors
+                    write_frame(out, ("invalid", str(error)))
+                    continue
+                write_frame(out, ("ok", grammar.serialize_json()))
+        except Exception as error:  # noqa: BLE001 - told to the core, which fails the request
+            write_frame(out, ("failed", f"{type(error).__name__}: {error}"))
+
+
+def main() -> None:
+    _die_with_parent()
+    # The core's Ctrl-C or SIGTERM reaches its whole process group: this process ends with
+    # the core, when its stdin closes, not with a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not break a frame
+    serve(sys.stdin.buffer, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Structured outputs compiled in a process of their own (model/grammar_worker.py), for the
+serving core: a compilation that runs past its time limit, or whose request is cancelled, is
+stopped by killing the process, where a thread's would run to its end holding the queue (a
+crafted schema can take minutes). Compiled grammars come back as xgrammar's JSON, which loads
+in a fraction of the compile time, and are cached here by constraint.
+
+compile() runs on one thread at a time (GrammarQueue's); interrupt() and close() may come from
+any other.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+
+from engine_service.core.errors import InvalidRequestError
+from engine_service.model.config import ModelConfig
+from engine_service.model.grammar import GRAMMAR_CACHE_BYTES, compile_error
+from engine_service.model.grammar_worker import read_frame, write_frame
+from engine_service.model.structured_outputs import StructuredOutputsParams
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
+# Loading the tokenizer and its vocabulary into xgrammar: a GGUF file's tokenizer is converted
+# on load, seconds for a large vocabulary.
+START_TIMEOUT_S = 300.0
+
+
+class CompileInterrupted(Exception):
+    """The compilation was stopped by interrupt() (its request was cancelled)."""
+
+
+class GrammarProcess:
+    def __init__(self, model_config: ModelConfig, vocab_size: int, eos_token_ids,
+                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+        self._init = ("init", model_config, vocab_size, sorted(eos_token_ids))
+        self.timeout_s = timeout_s
+        self._proc: subprocess.Popen | None = None
+        self._tokenizer_info = None  # xgrammar.TokenizerInfo, loaded from the first worker's
+        self._info_json: str | None = None  # its JSON, sent to the workers started after it
+        self._cache: collections.OrderedDict[tuple, object] = collections.OrderedDict()
+        self._cache_bytes = 0
+        self._lock = threading.Lock()  # guards _proc and _interrupted against interrupt()
+        self._interrupted = False
+        self._ticket: object = None  # what the compilation under way is for
+        self._closed = False
+        self.num_started = 0  # worker processes started (restarts after a kill included)
+
+    def compile(self, spec: StructuredOutputsParams, ticket: object = None):
+        """The compiled grammar (xgrammar.CompiledGrammar); InvalidRequestError when it does not
+        compile or takes longer than timeout_s; CompileInterrupted when interrupt() stopped
+        it. `ticket` names this compilation to interrupt()."""
+        cached = self._cache.get(spec.key)
+        if cached is not None:
+            self._cache.move_to_end(spec.key)
+            return cached
+        with self._lock:
+            self._ticket = ticket
+        try:
+            return self._compile(spec)
+        finally:
+            with self._lock:
+                self._ticket = None
+
+    def _compile(self, spec: StructuredOutputsParams):
+        proc = self._running()
+        started = time.monotonic()
+        try:
+            write_frame(proc.stdin, ("compile", spec))
+            reply = self._reply(proc, started + self.timeout_s)
+        except (BrokenPipeError, OSError, EOFError, _TimedOut) as error:
+            interrupted = self._stop(proc)
+            if interrupted:
+                raise CompileInterrupted() from None
+            if isinstance(error, _TimedOut):
+                raise InvalidRequestError(
+                    "structured_outputs",
+                    f"structured_outputs.{spec.kind} must compile within "
+                    f"{self.timeout_s:g} s (--grammar-compile-timeout-s), got one still "
+                    f"compiling after {time.monotonic() - started:.1f} s: simplify it "
+                    f"(fewer patterns, alternatives or nesting levels)") from None
+            raise RuntimeError(f"the grammar compiler process ended ({error!r}); it is "
+                               f"started again for the next request") from None
+        kind, payload = reply
+        if kind == "invalid":
+            raise compile_error(spec, payload)
+        if kind == "failed":
+            raise RuntimeError(f"the grammar compiler failed: {payload}")
+        return self._cached(spec.key, self._load(payload))
+
+    def interrupt(self, ticket: object = None) -> bool:
+        """Stops the compilation under way if it is `ticket`'s (None: any, or none); the
+        process is killed, and the next compile starts another. True when it was."""
+        with self._lock:
+            proc = self._proc
+            if proc is None or proc.poll() is not None or self._ticket != ticket:
+                return False
+            self._interrupted = True
+            proc.kill()
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            proc, self._proc = self._proc, None
+        if proc is not None:
+            _end(proc)
+
+    # ---- the worker -----------------------------------------------------------------------
+    def _running(self) -> subprocess.Popen:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the grammar compiler is closed")
+            if self._proc is not None:
+                if self._proc.poll() is None and not self._interrupted:
+                    return self._proc
+                _end(self._proc)  # killed by interrupt() between two compilations
+            # One thread of CPU at most (xgrammar is told max_threads=1; the tokenizer's own
+            # pool too): the engine's threads keep the others.
+            env = dict(os.environ, OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1",
+                       TOKENIZERS_PARALLELISM="false")
+            proc = subprocess.Popen([sys.executable, "-m", "engine_service.model.grammar_worker"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            self._proc, self._interrupted = proc, False
+            self.num_started += 1
+        # A restart is given the vocabulary the first worker loaded: no tokenizer to load.
+        init = self._init if self._info_json is None else ("init_info", self._info_json)
+        try:
+            write_frame(proc.stdin, init)
+            kind, payload = self._reply(proc, time.monotonic() + START_TIMEOUT_S)
+        except (BrokenPipeError, OSError, EOFError, _TimedOut) as error:
+            if self._stop(proc):
+                raise CompileInterrupted() from None
+            raise RuntimeError(f"the grammar compiler process did not start ({error!r})") \
+                from None
+        if kind != "ready":
+            self._stop(proc)
+            raise RuntimeError(f"the grammar compiler process did not start: {payload}")
+        if self._info_json is None:
+            import xgrammar
+
+            self._tokenizer_info = xgrammar.TokenizerInfo.deserialize_json(payload)
+            self._info_json = payload
+        return proc
+
+    def _reply(self, proc: subprocess.Popen, deadline: float):
+        """The worker's next frame; _TimedOut past `deadline`, EOFError when it died."""
+        remaining = deadline - time.monotonic()
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, remaining))
+        if not ready:
+            raise _TimedOut()
+        reply = read_frame(proc.stdout)
+        if reply is None:
+            raise EOFError(f"exit code {proc.wait()}")
+        return reply
+
+    def _stop(self, proc: subprocess.Popen) -> bool:
+        """Ends a worker that can no longer be trusted to answer in step; True when
+        interrupt() had killed it."""
+        with self._lock:
+            interrupted = self._interrupted and self._proc is proc
+            if self._proc is proc:
+                self._proc, self._interrupted = None, False
+        _end(proc)
+        return interrupted
+
+    # ---- compiled grammars ----------------------------------------------------------------
+    def _load(self, payload: str):
+        import xgrammar
+
+        return xgrammar.CompiledGrammar.deserialize_json(payload, self._tokenizer_info)
+
+    def _cached(self, key: tuple, grammar):
+        size = grammar.memory_size_bytes
+        self._cache[key] = grammar
+        self._cache_bytes += size
+        while self._cache_bytes > GRAMMAR_CACHE_BYTES and len(self._cache) > 1:
+            _, dropped = self._cache.popitem(last=False)
+            self._cache_bytes -= dropped.memory_size_bytes
+        return grammar
+
+
+class _TimedOut(Exception):
+    pass
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        try:
+            pipe.close()
+        except OSError:
+            pass

@@ -1,0 +1,113 @@
+"""The serving core's grammar compiler process (serving/grammar_process.py): a compilation past
+its time limit is refused naming the field and the limit, one interrupted is stopped, and in
+both cases the process is killed and the next constraint compiles in a new one. The grammars
+it hands back drive a matcher as an in-process compilation's do."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from engine_service.core.errors import InvalidRequestError
+from engine_service.model.config import load_model_config
+from engine_service.model.grammar import GrammarCompiler, new_matcher
+from engine_service.model.structured_outputs import StructuredOutputsParams
+from engine_service.serving.grammar_process import CompileInterrupted, GrammarProcess
+from tests.support.tiny_models import SMOLLM2_EOS_TOKEN_ID
+
+
+def very_slow_schema(salt: str) -> str:
+    """Tens of seconds of compilation on this machine (60 string patterns; 25 take a few)."""
+    properties = {f"field_{i}": {"type": "string", "pattern": f"[a-z]{{1,{40 + i}}}-{salt}"}
+                  for i in range(60)}
+    return json.dumps({"type": "object", "properties": properties,
+                       "required": list(properties)})
+
+
+@pytest.fixture
+def compiler(tiny_llama_dir):
+    config = load_model_config(str(tiny_llama_dir))
+    process = GrammarProcess(config, config.vocab_size, [SMOLLM2_EOS_TOKEN_ID], timeout_s=60)
+    yield process
+    process.close()
+
+
+def worker(process: GrammarProcess) -> int:
+    return process._proc.pid
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs (the compiler reaps the workers it kills)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_grammars_from_the_process_match_the_in_process_ones(compiler, tiny_llama_dir):
+    config = load_model_config(str(tiny_llama_dir))
+    local = GrammarCompiler(config, config.vocab_size, [SMOLLM2_EOS_TOKEN_ID])
+    spec = StructuredOutputsParams(regex="(yes|no)[0-9]{2}")
+    ours, theirs = new_matcher(compiler.compile(spec)), new_matcher(local.compile(spec))
+    assert compiler.compile(spec) is compiler.compile(spec)  # cached by constraint
+    from transformers import AutoTokenizer
+
+    tokens = AutoTokenizer.from_pretrained(tiny_llama_dir).encode("no42")
+    for token in tokens:
+        assert ours.accept_token(token) == theirs.accept_token(token) is True
+    assert ours.is_terminated() == theirs.is_terminated()
+    assert not ours.accept_token(tokens[0])  # past the end: both refuse
+    with pytest.raises(InvalidRequestError, match=r"structured_outputs\.regex must be a valid "
+                                                  r"regular expression, got one that does not "
+                                                  r"compile: .*parenthesis"):
+        compiler.compile(StructuredOutputsParams(regex="(ab"))
+    assert compiler.num_started == 1  # a refusal leaves the process as it was
+
+
+def test_a_compilation_past_the_limit_is_refused_and_stopped(compiler):
+    compiler.compile(StructuredOutputsParams(json_object=True))  # started, vocabulary loaded
+    slow = worker(compiler)
+    compiler.timeout_s = 1.0
+    start = time.monotonic()
+    with pytest.raises(InvalidRequestError) as refused:
+        compiler.compile(StructuredOutputsParams(json=very_slow_schema("limit")))
+    assert time.monotonic() - start < 10
+    assert refused.value.field == "structured_outputs"
+    assert str(refused.value).startswith(
+        "structured_outputs.json must compile within 1 s (--grammar-compile-timeout-s), got "
+        "one still compiling after 1.")
+    assert not alive(slow)  # killed, not left to compile on
+    compiler.timeout_s = 60
+    assert compiler.compile(StructuredOutputsParams(regex="[0-9]+")) is not None
+    assert compiler.num_started == 2
+
+
+def test_an_interrupted_compilation_is_stopped_and_the_next_compiles(compiler):
+    compiler.compile(StructuredOutputsParams(json_object=True))
+    slow = worker(compiler)
+    stopped = []
+    threading.Timer(0.5, lambda: stopped.extend(
+        [compiler.interrupt("another request's"), compiler.interrupt("mine")])).start()
+    with pytest.raises(CompileInterrupted):
+        compiler.compile(StructuredOutputsParams(json=very_slow_schema("interrupt")), "mine")
+    assert stopped == [False, True]  # only the compilation it names
+    assert not alive(slow)
+    assert compiler.compile(StructuredOutputsParams(choice=("a", "b"))) is not None
+    assert compiler.num_started == 2
+    assert compiler.interrupt()  # an idle process is killed too, and started again on need
+    assert compiler.compile(StructuredOutputsParams(choice=("c", "d"))) is not None
+    assert compiler.num_started == 3
+
+
+def test_close_ends_the_process(compiler):
+    compiler.compile(StructuredOutputsParams(json_object=True))
+    process = worker(compiler)
+    compiler.close()
+    assert not alive(process)
+    with pytest.raises(RuntimeError, match="closed"):
+        compiler.compile(StructuredOutputsParams(regex="x+"))
