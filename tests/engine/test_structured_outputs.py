@@ -7,13 +7,16 @@ naming the field."""
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import jsonschema
 import pytest
+import torch
 
 from engine_service import LLM, SamplingParams
 from engine_service.core.errors import InvalidRequestError
+from engine_service.model.sampler import Sampler
 from engine_service.model.structured_outputs import MAX_SPEC_CHARS
 
 PROMPTS = ["Give me a record:", "Once upon a time", "def fib(n):", "Hello"]
@@ -218,3 +221,29 @@ def test_a_resumed_request_goes_on_where_the_first_left_off(llm):
     with pytest.raises(InvalidRequestError, match="must be less than the prompt's 4 tokens"):
         llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(
             max_tokens=4, structured_outputs={**schema, "resumed_tokens": 4}))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_forbidding_stops_clears_exactly_their_bits(seed):
+    """The min_tokens stops leave a grammar's bitmask (bits 31 of a word included, the int32
+    sign), each other bit as it was; a row that allows nothing else is kept whole."""
+    vocab = 1000
+    rng = random.Random(seed)
+    sampler = Sampler(vocab, {2, 31})
+    stops = sorted(rng.sample(range(vocab), 200) + [63, vocab + 5])  # one past the vocabulary
+    params = SamplingParams(min_tokens=4, stop_token_ids=stops)
+    words = -(-vocab // 32)
+    row = torch.tensor([rng.getrandbits(32) - (1 << 31) for _ in range(words)],
+                       dtype=torch.int32)
+    expected = row.clone()
+    for token in {2, 31, *stops}:
+        if token < vocab:
+            expected[token // 32] &= ~(1 << (token % 32)) if token % 32 != 31 else 0x7FFFFFFF
+    sampler._forbid_stops(row, params)
+    assert torch.equal(row, expected)
+    only_stops = torch.zeros(words, dtype=torch.int32)
+    only_stops[0] = 1 << 2
+    only_stops[1] = -(1 << 31)  # token 63
+    kept = only_stops.clone()
+    sampler._forbid_stops(only_stops, params)
+    assert torch.equal(only_stops, kept)
