@@ -688,7 +688,7 @@ class LLMEngine:
     def grammars(self) -> GrammarCompiler:
         """Compiles structured outputs for this model (the tokenizer is loaded on the first)."""
         return GrammarCompiler(self.model_config, self.model_config.vocab_size,
-                               self.eos_token_ids)
+                               self.eos_token_ids, lambda: self.tokenizer)
 
     @property
     def tensor_parallel_size(self) -> int:

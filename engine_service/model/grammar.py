@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from engine_service.core.errors import InvalidRequestError
 from engine_service.model.config import ModelConfig
@@ -31,8 +31,11 @@ class GrammarCompiler:
     a time; the matchers it makes belong to the engine's thread."""
 
     def __init__(self, model_config: ModelConfig, vocab_size: int,
-                 eos_token_ids: Iterable[int]) -> None:
+                 eos_token_ids: Iterable[int], tokenizer: Callable[[], object] | None = None
+                 ) -> None:
         self.model_config = model_config
+        # The engine's own tokenizer when it has one loaded (else loaded here, once).
+        self._tokenizer = tokenizer or (lambda: load_tokenizer(model_config))
         self.vocab_size = vocab_size
         # The grammar ends on these: the engine's EOS set, so the end of the grammar is the
         # end of the sequence.
@@ -51,8 +54,11 @@ class GrammarCompiler:
                 raise compile_error(spec, str(error)) from None
 
     def _make_compiler(self):
-        self._compiler = new_compiler(
-            tokenizer_info(self.model_config, self.vocab_size, self.stop_token_ids))
+        import xgrammar
+
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            self._tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+        self._compiler = new_compiler(info)
         return self._compiler
 
 
