@@ -49,6 +49,8 @@ COMMANDS = {
     "engine-restart": Command("bench.engine_restart", "pagedgen-engine's start and stop"),
     "structured-outputs": Command("bench.structured_outputs",
                                   "JSON replies valid with and without a schema, and the cost"),
+    "grammar-cancel": Command("bench.grammar_cancel",
+                              "a constrained request's wait behind a cancelled slow compile"),
 }
 
 
