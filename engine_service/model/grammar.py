@@ -2,10 +2,10 @@
 tokenizer, a matcher per sequence that follows its tokens, and the bitmask of the tokens each
 step may take.
 
-xgrammar is imported on the first constrained request, and the tokenizer loaded then (a
-serving core loads none otherwise). Compiled grammars are cached by xgrammar (same constraint,
-same grammar). A compilation releases the GIL: the serving core runs it on a thread of its own
-(serving/core_process.py) while the engine steps.
+xgrammar is imported on the first constrained request. Compiled grammars are cached by
+xgrammar (same constraint, same grammar). The offline engine compiles here, on its own thread;
+a serving core compiles in a process of its own (model/grammar_worker.py, which loads the
+tokenizer; serving/grammar_process.py), so that a compilation can be stopped.
 """
 
 from __future__ import annotations
