@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     slow_compile_s = time.perf_counter() - started
     waits: dict[str, list[float]] = {"thread": [], "process": []}
     for trial in range(args.trials):  # alternated, each on schemas of its own
-        waits["thread"].append(waited_behind_a_cancel(
-            lambda spec, _request_id: thread.compile(spec), None, f"t{trial}"))
+        waits["thread"].append(waited_behind_a_cancel(thread.compile, None, f"t{trial}"))
         waits["process"].append(waited_behind_a_cancel(
             process.compile, process.interrupt, f"p{trial}"))
     process.close()

@@ -70,10 +70,12 @@ def tokenizer_info(model_config: ModelConfig, vocab_size: int, stop_token_ids: l
         load_tokenizer(model_config), vocab_size=vocab_size, stop_token_ids=stop_token_ids)
 
 
-def new_compiler(info):
+def new_compiler(info, cache: bool = True):
+    """cache=False where the caller keeps the compiled grammars (the serving core does)."""
     import xgrammar
 
-    return xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+    return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=cache,
+                                    cache_limit_bytes=GRAMMAR_CACHE_BYTES)
 
 
 def compile_error(spec: StructuredOutputsParams, reason: str) -> InvalidRequestError:

@@ -40,7 +40,8 @@ def read_frame(source: BinaryIO) -> object | None:
 
 def _die_with_parent() -> None:
     """Linux: the kernel kills this process when the core that started it dies, even mid
-    compile (else it would run on to the compilation's end)."""
+    compile (else it would run on to the compilation's end). Strictly, when the core's thread
+    that started it ends: the compile thread, which lives as long as the compiler."""
     try:
         import ctypes
 
@@ -57,12 +58,13 @@ def serve(source: BinaryIO, out: BinaryIO) -> None:
         try:
             if message[0] == "init":
                 info = tokenizer_info(*message[1:])
-                compiler = new_compiler(info)
+                compiler = new_compiler(info, cache=False)  # the core caches
                 write_frame(out, ("ready", info.serialize_json()))
             elif message[0] == "init_info":  # a restart: the vocabulary as the first had it
                 import xgrammar
 
-                compiler = new_compiler(xgrammar.TokenizerInfo.deserialize_json(message[1]))
+                compiler = new_compiler(xgrammar.TokenizerInfo.deserialize_json(message[1]),
+                                        cache=False)
                 write_frame(out, ("ready", None))
             else:
                 try:

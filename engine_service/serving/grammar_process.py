@@ -31,6 +31,7 @@ DEFAULT_COMPILE_TIMEOUT_S = 30.0
 # Loading the tokenizer and its vocabulary into xgrammar: a GGUF file's tokenizer is converted
 # on load, seconds for a large vocabulary.
 START_TIMEOUT_S = 300.0
+RESTART_TIMEOUT_S = 60.0  # a worker started again: imports only, the vocabulary handed over
 
 
 class CompileInterrupted(Exception):
@@ -49,25 +50,18 @@ class GrammarProcess:
         self._cache_bytes = 0
         self._lock = threading.Lock()  # guards _proc and _interrupted against interrupt()
         self._interrupted = False
-        self._ticket: object = None  # what the compilation under way is for
         self._closed = False
         self.num_started = 0  # worker processes started (restarts after a kill included)
 
-    def compile(self, spec: StructuredOutputsParams, ticket: object = None):
+    def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar (xgrammar.CompiledGrammar); InvalidRequestError when it does not
         compile or takes longer than timeout_s; CompileInterrupted when interrupt() stopped
-        it. `ticket` names this compilation to interrupt()."""
+        it."""
         cached = self._cache.get(spec.key)
         if cached is not None:
             self._cache.move_to_end(spec.key)
             return cached
-        with self._lock:
-            self._ticket = ticket
-        try:
-            return self._compile(spec)
-        finally:
-            with self._lock:
-                self._ticket = None
+        return self._compile(spec)
 
     def _compile(self, spec: StructuredOutputsParams):
         proc = self._running()
@@ -95,12 +89,12 @@ class GrammarProcess:
             raise RuntimeError(f"the grammar compiler failed: {payload}")
         return self._cached(spec.key, self._load(payload))
 
-    def interrupt(self, ticket: object = None) -> bool:
-        """Stops the compilation under way if it is `ticket`'s (None: any, or none); the
-        process is killed, and the next compile starts another. True when it was."""
+    def interrupt(self) -> bool:
+        """Stops the compilation under way, if any: the process is killed (an idle one too),
+        and the next compile starts another. True when one was killed."""
         with self._lock:
             proc = self._proc
-            if proc is None or proc.poll() is not None or self._ticket != ticket:
+            if proc is None or proc.poll() is not None:
                 return False
             self._interrupted = True
             proc.kill()
@@ -134,7 +128,8 @@ class GrammarProcess:
         init = self._init if self._info_json is None else ("init_info", self._info_json)
         try:
             write_frame(proc.stdin, init)
-            kind, payload = self._reply(proc, time.monotonic() + START_TIMEOUT_S)
+            limit_s = START_TIMEOUT_S if self._info_json is None else RESTART_TIMEOUT_S
+            kind, payload = self._reply(proc, time.monotonic() + limit_s)
         except (BrokenPipeError, OSError, EOFError, _TimedOut) as error:
             if self._stop(proc):
                 raise CompileInterrupted() from None

@@ -1,7 +1,8 @@
 """The serving core's grammar compiler process (serving/grammar_process.py): a compilation past
 its time limit is refused naming the field and the limit, one interrupted is stopped, and in
 both cases the process is killed and the next constraint compiles in a new one. The grammars
-it hands back drive a matcher as an in-process compilation's do."""
+it hands back drive a matcher as an in-process compilation's do. The core's queue
+(serving/grammar_queue.py) stops a compilation once no waiting request wants it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import pytest
 from engine_service.core.errors import InvalidRequestError
 from engine_service.model.config import load_model_config
 from engine_service.model.grammar import GrammarCompiler, new_matcher
+from engine_service.model.sampling_params import SamplingParams
 from engine_service.model.structured_outputs import StructuredOutputsParams
 from engine_service.serving.grammar_process import CompileInterrupted, GrammarProcess
+from engine_service.serving.grammar_queue import GrammarQueue
 from tests.support.tiny_models import SMOLLM2_EOS_TOKEN_ID
 
 
@@ -91,11 +94,10 @@ def test_an_interrupted_compilation_is_stopped_and_the_next_compiles(compiler):
     compiler.compile(StructuredOutputsParams(json_object=True))
     slow = worker(compiler)
     stopped = []
-    threading.Timer(0.5, lambda: stopped.extend(
-        [compiler.interrupt("another request's"), compiler.interrupt("mine")])).start()
+    threading.Timer(0.5, lambda: stopped.append(compiler.interrupt())).start()
     with pytest.raises(CompileInterrupted):
-        compiler.compile(StructuredOutputsParams(json=very_slow_schema("interrupt")), "mine")
-    assert stopped == [False, True]  # only the compilation it names
+        compiler.compile(StructuredOutputsParams(json=very_slow_schema("interrupt")))
+    assert stopped == [True]
     assert not alive(slow)
     assert compiler.compile(StructuredOutputsParams(choice=("a", "b"))) is not None
     assert compiler.num_started == 2
@@ -111,3 +113,47 @@ def test_close_ends_the_process(compiler):
     assert not alive(process)
     with pytest.raises(RuntimeError, match="closed"):
         compiler.compile(StructuredOutputsParams(regex="x+"))
+
+
+def queued(request_id: str, schema: str) -> tuple:
+    params = SamplingParams(max_tokens=4, structured_outputs={"json": schema})
+    return ("add", request_id, [1, 2, 3], params, None, 0, False)
+
+
+def wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_the_queue_stops_a_compilation_when_its_last_waiter_leaves(compiler):
+    """Two requests for one slow constraint: the first aborted while it compiles leaves it
+    running (the second still wants it); the second aborted before its own job started stops
+    it too (before, its job's cancel stopped nothing, and the compilation ran on to its time
+    limit, holding every constrained request behind it)."""
+    compiler.compile(StructuredOutputsParams(json_object=True))
+    slow = worker(compiler)
+    woken = threading.Event()
+    queue = GrammarQueue(compiler.compile, woken.set, compiler.interrupt)
+    try:
+        schema = very_slow_schema("queue")
+        for request_id in ("first", "second"):
+            command = queued(request_id, schema)
+            queue.submit(request_id, command, command[3])
+        wait_for(lambda: queue._compiling is not None, "the compilation never started")
+        time.sleep(0.3)
+        assert queue.abort("first").finished
+        time.sleep(0.3)
+        assert alive(slow)  # the second waits for the same grammar
+        assert queue.abort("second").finished
+        wait_for(lambda: not alive(slow), "the abandoned compilation was not stopped", 10)
+        command = queued("third", '{"type": "object", "properties": {"n": {"type": "integer"}}}')
+        queue.submit("third", command, command[3])
+        items = []
+        wait_for(lambda: items.extend(queue.ready()) or items, "the next one never compiled")
+        assert [item.command[1] for item in items] == ["third"]
+        assert items[0].future.result() is not None
+        assert len(queue) == 0 and not queue._wanted
+    finally:
+        queue.close()
