@@ -4,7 +4,7 @@ step may take.
 
 xgrammar is imported on the first constrained request. Compiled grammars are cached by
 xgrammar (same constraint, same grammar). The offline engine compiles here, on its own thread;
-a serving core compiles in a process of its own (model/grammar_worker.py, which loads the
+a serving core compiles in a process of its own (serving/grammar_worker.py, which loads the
 tokenizer; serving/grammar_process.py), so that a compilation can be stopped.
 """
 

@@ -58,6 +58,7 @@ from engine_service.serving.grammar_process import DEFAULT_COMPILE_TIMEOUT_S, Gr
 from engine_service.serving.grammar_queue import GrammarQueue
 from engine_service.serving.local_pins import check_pin_room, pin_locally
 from engine_service.serving.output_wire import pack
+from engine_service.serving.parent_death import die_with_parent
 from engine_service.serving.torch_threads import core_torch_threads
 
 if TYPE_CHECKING:
@@ -89,17 +90,6 @@ class CoreChannel:
     outputs: Connection  # core -> front: one message per step
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when the front dies, even mid model load (a core
-    outliving its front would hold the model's memory, a GPU's included, for nothing)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the core still exits when the front's end of the pipe closes
-
-
 def _shippable(error: BaseException) -> BaseException:
     """An error the front can unpickle and map: the known kinds as they are, others as text."""
     if isinstance(error, (RequestError, PinRefusedError, IndexUnavailableError)):
@@ -114,7 +104,8 @@ def run_core(channel: CoreChannel, options: CoreOptions) -> None:
     the serving front imports it for this function and CoreOptions and runs no model. After a
     stop it does not return: the process exits 0 at once (_exit_now), atexit hooks unrun."""
     parent = os.getppid()
-    _die_with_parent()
+    # A core outliving its front would hold the model's memory, a GPU's included, for nothing.
+    die_with_parent()
     if os.getppid() != parent:  # the front died before the request took effect
         raise SystemExit(1)
     conn = channel.outputs

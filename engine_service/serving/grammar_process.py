@@ -1,4 +1,4 @@
-"""Structured outputs compiled in a process of their own (model/grammar_worker.py), for the
+"""Structured outputs compiled in a process of their own (serving/grammar_worker.py), for the
 serving core: a compilation that runs past its time limit, or whose request is cancelled, is
 stopped by killing the process, where a thread's would run to its end holding the queue (a
 crafted schema can take minutes). Compiled grammars come back as xgrammar's JSON, which loads
@@ -11,7 +11,6 @@ any other.
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import select
 import subprocess
@@ -22,10 +21,8 @@ import time
 from engine_service.core.errors import InvalidRequestError
 from engine_service.model.config import ModelConfig
 from engine_service.model.grammar import GRAMMAR_CACHE_BYTES, compile_error
-from engine_service.model.grammar_worker import read_frame, write_frame
 from engine_service.model.structured_outputs import StructuredOutputsParams
-
-log = logging.getLogger(__name__)
+from engine_service.serving.grammar_worker import read_frame, write_frame
 
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 # Loading the tokenizer and its vocabulary into xgrammar: a GGUF file's tokenizer is converted
@@ -120,7 +117,7 @@ class GrammarProcess:
             # pool too): the engine's threads keep the others.
             env = dict(os.environ, OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1",
                        TOKENIZERS_PARALLELISM="false")
-            proc = subprocess.Popen([sys.executable, "-m", "engine_service.model.grammar_worker"],
+            proc = subprocess.Popen([sys.executable, "-m", "engine_service.serving.grammar_worker"],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
             self._proc, self._interrupted = proc, False
             self.num_started += 1

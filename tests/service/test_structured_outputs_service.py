@@ -131,7 +131,7 @@ def grammar_workers(engine_pid: int) -> list[int]:
             parents[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmdline)
     found = []
     for pid, (parent, cmdline) in parents.items():
-        if b"engine_service.model.grammar_worker" in cmdline:
+        if b"engine_service.serving.grammar_worker" in cmdline:
             while parent in parents and parent != engine_pid:
                 parent = parents[parent][0]
             if parent == engine_pid:

@@ -1,4 +1,4 @@
-"""The grammar compiler's own process (`python -m engine_service.model.grammar_worker`): the
+"""The grammar compiler's own process (`python -m engine_service.serving.grammar_worker`): the
 serving core sends it each constraint and gets the compiled grammar back as xgrammar's JSON
 (serving/grammar_process.py). A compilation in a process can be stopped: a thread's cannot, and
 a schema can take minutes to compile.
@@ -19,6 +19,8 @@ import struct
 import sys
 from typing import BinaryIO
 
+from engine_service.serving.parent_death import die_with_parent
+
 _LENGTH = struct.Struct("<Q")
 
 
@@ -36,18 +38,6 @@ def read_frame(source: BinaryIO) -> object | None:
     length = _LENGTH.unpack(head)[0]
     data = source.read(length)
     return pickle.loads(data) if len(data) == length else None
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when the core that started it dies, even mid
-    compile (else it would run on to the compilation's end). Strictly, when the core's thread
-    that started it ends: the compile thread, which lives as long as the compiler."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: it exits when the core's end of stdin closes
 
 
 def serve(source: BinaryIO, out: BinaryIO) -> None:
@@ -78,7 +68,9 @@ def serve(source: BinaryIO, out: BinaryIO) -> None:
 
 
 def main() -> None:
-    _die_with_parent()
+    # Killed with the core, even mid compile (else it would run on to the compilation's end);
+    # the core's thread that starts it is the compile thread, which lives as long as the core.
+    die_with_parent()
     # The core's Ctrl-C or SIGTERM reaches its whole process group: this process ends with
     # the core, when its stdin closes, not with a traceback of its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
