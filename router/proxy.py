@@ -149,7 +149,10 @@ class RoutedRequest:
             await self._refuse(grpc.StatusCode.UNAVAILABLE, self.cut_reason)
 
     async def _refuse(self, code: grpc.StatusCode, message: str) -> None:
+        # Counted before the abort: grpc.aio's abort sends the status before it raises, so a
+        # client could have its refusal before a count made as the handler unwinds.
         self.router.metrics.failed.labels(code.name).inc()
+        self.router.metrics.requests.labels(code.name).inc()
         self._refused = code
         await self.context.abort(code, message)
 
@@ -173,13 +176,13 @@ class RoutedRequest:
                     send.since = None  # written: the transport took it
             code = code or "OK"
         except BaseException as error:
-            if send.stalled:  # (its last message too: the client never had it)
+            if self._refused is not None:
+                pass  # counted by _refuse, before its status went out
+            elif send.stalled:  # (its last message too: the client never had it)
                 code = grpc.StatusCode.DEADLINE_EXCEEDED.name
                 self.router.metrics.failed.labels(code).inc()
             elif code is None:
-                if self._refused is not None:
-                    code = self._refused.name
-                elif isinstance(error, asyncio.CancelledError | GeneratorExit):
+                if isinstance(error, asyncio.CancelledError | GeneratorExit):
                     ended = cancel_code(self.context.time_remaining(), timeout_s)
                     if ended == grpc.StatusCode.DEADLINE_EXCEEDED:  # (an error, as a stall)
                         self.router.metrics.failed.labels(ended.name).inc()
@@ -189,7 +192,8 @@ class RoutedRequest:
             raise
         finally:
             self.router.send_stalls.close(send)
-            self.router.metrics.requests.labels(code or "OK").inc()
+            if self._refused is None:
+                self.router.metrics.requests.labels(code or "OK").inc()
 
     async def _stream(self) -> AsyncIterator[pb.GenerateStreamResponse]:
         router = self.router
