@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 
 import grpc
 
 from engine_service.core.config import EngineConfig
 from engine_service.core.engine import LLMEngine
+from engine_service.serving.connection_limits import generation_limits
 from engine_service.serving.send_stall import SendStallWatch
 from engine_service.serving.server import EngineServer, ServerOptions
 from pagedgen_api import generation_pb2 as pb
@@ -64,14 +66,19 @@ async def _read_to_its_stall(unread) -> tuple[int, str]:
 
 
 def _serve(tiny_llama_dir, test_certs, body, stall_timeout_s: float = STALL_TIMEOUT_S,
-           max_live_requests: int = 1):
+           max_live_requests: int = 1, keepalive_timeout_ms: int | None = None):
+    """`keepalive_timeout_ms`: the server's, when not the shipped one."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_blocks=1100,
                                     max_model_len=1024))
+    connection = None
+    if keepalive_timeout_ms is not None:
+        connection = replace(generation_limits(engine.max_model_len, max_live_requests),
+                             keepalive_timeout_ms=keepalive_timeout_ms)
 
     async def run():
         server = EngineServer(engine, ServerOptions(
             port=0, max_live_requests=max_live_requests, send_stall_timeout_s=stall_timeout_s,
-            tls=test_certs.material("engine")))
+            tls=test_certs.material("engine"), connection=connection))
         port = await server.start()
         try:
             await body(server, f"127.0.0.1:{port}")
@@ -185,7 +192,12 @@ def test_a_stream_opened_on_a_connection_that_takes_nothing_is_ended(tiny_llama_
             for call in fillers:
                 call.cancel()
 
-    _serve(tiny_llama_dir, test_certs, body, max_live_requests=5)
+    # gRPC sets the server's TCP_USER_TIMEOUT to its keepalive timeout (10 s shipped): the
+    # kernel drops a connection whose peer has kept a zero window that long, ending every call
+    # on it CANCELLED. That is the frozen client's other way out; on a loaded host the fillers
+    # take seconds to fill the connection, and it came first (the late call CANCELLED, not
+    # stalled). Here it is put past the test's length, so the watch is what ends the call.
+    _serve(tiny_llama_dir, test_certs, body, max_live_requests=5, keepalive_timeout_ms=120_000)
 
 
 def test_an_unfinished_unread_request_is_stopped(tiny_llama_dir, test_certs, caplog):
