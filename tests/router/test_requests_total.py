@@ -135,7 +135,7 @@ def test_every_call_is_counted_once_by_how_it_ended(engine):
 
 def test_a_call_its_client_ended_at_the_deadline_counts_deadline_exceeded(engine):
     """The client's deadline timer cancels its call a little before the router's (which
-    started when the header was read: here held 0.1 s on the way): the deadline ended it, not
+    started when the header was read: here held on the way): the deadline ended it, not
     a client that left."""
     async def body() -> dict[str, float]:
         async with routing(engine) as (server, _):

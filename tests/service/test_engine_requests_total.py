@@ -89,7 +89,7 @@ def test_a_call_its_client_ended_at_the_deadline_counts_deadline_exceeded(tiny_l
                                                                            test_certs):
     """The client's deadline timer cancels its call; the engine's timer for the same deadline
     started when the header was read, later. The client's cancel arriving first (here: the
-    header held 0.1 s on the way, as a loaded host or a slow link does) is the deadline's
+    header held on the way, as a loaded host or a slow link does) is the deadline's
     end, not a client that left. It counted CANCELLED (seen in CI, without the hold)."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_blocks=256))
 
