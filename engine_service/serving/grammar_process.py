@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import os
+import pickle
 import select
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from engine_service.core.errors import InvalidRequestError
 from engine_service.model.config import ModelConfig
 from engine_service.model.grammar import GRAMMAR_CACHE_BYTES, compile_error
 from engine_service.model.structured_outputs import StructuredOutputsParams
-from engine_service.serving.grammar_worker import read_frame, write_frame
+from engine_service.serving.grammar_worker import FRAME_LENGTH, write_frame
 
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 # Loading the tokenizer and its vocabulary into xgrammar: a GGUF file's tokenizer is converted
@@ -61,24 +62,32 @@ class GrammarProcess:
         return self._compile(spec)
 
     def _compile(self, spec: StructuredOutputsParams):
-        proc = self._running()
         started = time.monotonic()
-        try:
-            write_frame(proc.stdin, ("compile", spec))
-            reply = self._reply(proc, started + self.timeout_s)
-        except (BrokenPipeError, OSError, EOFError, _TimedOut) as error:
-            interrupted = self._stop(proc)
-            if interrupted:
-                raise CompileInterrupted() from None
-            if isinstance(error, _TimedOut):
-                raise InvalidRequestError(
-                    "structured_outputs",
-                    f"structured_outputs.{spec.kind} must compile within "
-                    f"{self.timeout_s:g} s (--grammar-compile-timeout-s), got one still "
-                    f"compiling after {time.monotonic() - started:.1f} s: simplify it "
-                    f"(fewer patterns, alternatives or nesting levels)") from None
-            raise RuntimeError(f"the grammar compiler process ended ({error!r}); it is "
-                               f"started again for the next request") from None
+        deadline = started + self.timeout_s
+        # A worker that died on its own (killed from outside, out of memory) is started again
+        # and asked once more, within the same time limit: its death is not the request's
+        # fault, unless the constraint kills the second one too.
+        for attempt in (1, 2):
+            proc = self._running()
+            try:
+                write_frame(proc.stdin, ("compile", spec))
+                reply = self._reply(proc, deadline)
+                break
+            except (OSError, EOFError, FrameTimedOut) as error:  # (BrokenPipeError: an OSError)
+                interrupted = self._stop(proc)
+                if interrupted:
+                    raise CompileInterrupted() from None
+                if isinstance(error, FrameTimedOut):
+                    raise InvalidRequestError(
+                        "structured_outputs",
+                        f"structured_outputs.{spec.kind} must compile within "
+                        f"{self.timeout_s:g} s (--grammar-compile-timeout-s), got one still "
+                        f"compiling after {time.monotonic() - started:.1f} s: simplify it "
+                        f"(fewer patterns, alternatives or nesting levels)") from None
+                if attempt == 2:
+                    raise RuntimeError(f"the grammar compiler process ended twice compiling "
+                                       f"this constraint ({error!r}); it is started again "
+                                       f"for the next request") from None
         kind, payload = reply
         if kind == "invalid":
             raise compile_error(spec, payload)
@@ -127,7 +136,7 @@ class GrammarProcess:
             write_frame(proc.stdin, init)
             limit_s = START_TIMEOUT_S if self._info_json is None else RESTART_TIMEOUT_S
             kind, payload = self._reply(proc, time.monotonic() + limit_s)
-        except (BrokenPipeError, OSError, EOFError, _TimedOut) as error:
+        except (BrokenPipeError, OSError, EOFError, FrameTimedOut) as error:
             if self._stop(proc):
                 raise CompileInterrupted() from None
             raise RuntimeError(f"the grammar compiler process did not start ({error!r})") \
@@ -143,12 +152,8 @@ class GrammarProcess:
         return proc
 
     def _reply(self, proc: subprocess.Popen, deadline: float):
-        """The worker's next frame; _TimedOut past `deadline`, EOFError when it died."""
-        remaining = deadline - time.monotonic()
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, remaining))
-        if not ready:
-            raise _TimedOut()
-        reply = read_frame(proc.stdout)
+        """The worker's next frame; FrameTimedOut past `deadline`, EOFError when it died."""
+        reply = read_frame_by(proc.stdout.fileno(), deadline)
         if reply is None:
             raise EOFError(f"exit code {proc.wait()}")
         return reply
@@ -179,8 +184,34 @@ class GrammarProcess:
         return grammar
 
 
-class _TimedOut(Exception):
-    pass
+class FrameTimedOut(Exception):
+    """A worker's frame not whole by its deadline."""
+
+
+def read_frame_by(fd: int, deadline: float) -> object | None:
+    """The next frame (grammar_worker's) read from the pipe `fd`, all of it by `deadline`
+    (time.monotonic()), else FrameTimedOut: a worker stopped mid-frame (SIGSTOP, swapped out) does
+    not hold the compile thread. None at the end of the stream (a worker killed mid-frame)."""
+    head = _read_exactly(fd, FRAME_LENGTH.size, deadline)
+    if head is None:
+        return None
+    data = _read_exactly(fd, FRAME_LENGTH.unpack(head)[0], deadline)
+    return None if data is None else pickle.loads(data)
+
+
+def _read_exactly(fd: int, size: int, deadline: float) -> bytes | None:
+    chunks: list[bytes] = []
+    missing = size
+    while missing:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise FrameTimedOut()
+        chunk = os.read(fd, min(missing, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        missing -= len(chunk)
+    return b"".join(chunks)
 
 
 def _end(proc: subprocess.Popen) -> None:

@@ -21,21 +21,21 @@ from typing import BinaryIO
 
 from engine_service.serving.parent_death import die_with_parent
 
-_LENGTH = struct.Struct("<Q")
+FRAME_LENGTH = struct.Struct("<Q")  # a frame: the pickle's length, then the pickle
 
 
 def write_frame(out: BinaryIO, message: object) -> None:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    out.write(_LENGTH.pack(len(data)) + data)
+    out.write(FRAME_LENGTH.pack(len(data)) + data)
     out.flush()
 
 
 def read_frame(source: BinaryIO) -> object | None:
     """The next message, or None at the end of the stream (a writer killed mid-frame too)."""
-    head = source.read(_LENGTH.size)
-    if len(head) < _LENGTH.size:
+    head = source.read(FRAME_LENGTH.size)
+    if len(head) < FRAME_LENGTH.size:
         return None
-    length = _LENGTH.unpack(head)[0]
+    length = FRAME_LENGTH.unpack(head)[0]
     data = source.read(length)
     return pickle.loads(data) if len(data) == length else None
 

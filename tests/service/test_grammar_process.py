@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 
@@ -18,17 +19,26 @@ from engine_service.model.config import load_model_config
 from engine_service.model.grammar import GrammarCompiler, new_matcher
 from engine_service.model.sampling_params import SamplingParams
 from engine_service.model.structured_outputs import StructuredOutputsParams
-from engine_service.serving.grammar_process import CompileInterrupted, GrammarProcess
+from engine_service.serving.grammar_process import (
+    CompileInterrupted,
+    FrameTimedOut,
+    GrammarProcess,
+    read_frame_by,
+)
 from engine_service.serving.grammar_queue import GrammarQueue
+from engine_service.serving.grammar_worker import FRAME_LENGTH, write_frame
 from tests.support.tiny_models import SMOLLM2_EOS_TOKEN_ID
 
 
-def very_slow_schema(salt: str) -> str:
+def very_slow_schema(salt: str, fields: int = 60) -> str:
     """Tens of seconds of compilation on this machine (60 string patterns; 25 take a few)."""
     properties = {f"field_{i}": {"type": "string", "pattern": f"[a-z]{{1,{40 + i}}}-{salt}"}
-                  for i in range(60)}
+                  for i in range(fields)}
     return json.dumps({"type": "object", "properties": properties,
                        "required": list(properties)})
+
+
+FIELDS_FOR_A_SECOND = 12  # (a schema of this many patterns compiles in about a second)
 
 
 @pytest.fixture
@@ -104,6 +114,47 @@ def test_an_interrupted_compilation_is_stopped_and_the_next_compiles(compiler):
     assert compiler.interrupt()  # an idle process is killed too, and started again on need
     assert compiler.compile(StructuredOutputsParams(choice=("c", "d"))) is not None
     assert compiler.num_started == 3
+
+
+def test_a_worker_that_dies_mid_compile_is_started_again_and_asked_once_more(compiler):
+    """Killed from outside (the OOM killer, an operator): not the request's doing. Before,
+    the request failed INTERNAL."""
+    compiler.compile(StructuredOutputsParams(json_object=True))
+    first = worker(compiler)
+    threading.Timer(0.3, os.kill, (first, signal.SIGKILL)).start()
+    spec = StructuredOutputsParams(json=very_slow_schema("died", fields=FIELDS_FOR_A_SECOND))
+    assert compiler.compile(spec) is not None
+    assert not alive(first)
+    assert compiler.num_started == 2  # (an idle worker killed would not be started again yet)
+
+
+def test_a_frame_is_read_whole_by_its_deadline_or_not_at_all():
+    read_fd, write_fd = os.pipe()
+    try:
+        big = "x" * (3 << 20)  # past a pipe's buffer: read in many chunks
+
+        def send() -> None:
+            with os.fdopen(os.dup(write_fd), "wb") as out:
+                write_frame(out, ("ok", big))
+
+        writer = threading.Thread(target=send)
+        writer.start()
+        assert read_frame_by(read_fd, time.monotonic() + 10) == ("ok", big)
+        writer.join()
+        # A worker stopped mid-frame (SIGSTOP): before, the read past its first byte waited
+        # for good, holding the compile thread.
+        os.write(write_fd, FRAME_LENGTH.pack(100) + b"x" * 10)
+        started = time.monotonic()
+        with pytest.raises(FrameTimedOut):
+            read_frame_by(read_fd, started + 0.5)
+        assert time.monotonic() - started < 5
+        os.close(write_fd)
+        write_fd = -1
+        assert read_frame_by(read_fd, time.monotonic() + 5) is None  # the writer gone
+    finally:
+        os.close(read_fd)
+        if write_fd >= 0:
+            os.close(write_fd)
 
 
 def test_close_ends_the_process(compiler):
