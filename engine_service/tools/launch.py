@@ -52,7 +52,17 @@ class EngineProcess(ServerProcess):
                        *self.extra_args, *(tls_argv(self.tls) if self.tls else [])]
 
     def start(self) -> EngineProcess:
+        self.launch()
+        return self.wait_serving()
+
+    def launch(self) -> EngineProcess:
+        """The process started, not waited for: several engines load their models at once,
+        then each is waited for (wait_serving)."""
         self.spawn(self.command(), self.log_path)
+        return self
+
+    def wait_serving(self) -> EngineProcess:
+        """Blocks until the launched engine serves; it is killed if it does not."""
         try:
             wait_engine_serving(self.target, self.start_timeout_s, self.proc, self.log_path,
                                 self.tls)

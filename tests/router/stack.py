@@ -72,9 +72,12 @@ class RouterStack:
                 self.index = IndexProcess(self.redis.url, ["--log-level", "WARNING"],
                                           tls=self.certs.files("index"))
                 self._stack.enter_context(self.index)
-            for i in range(self.num_engines):
-                self.start_engine(f"engine-{i}")
             self._stack.callback(self._stop_engines)
+            # Launched together, then waited for: their starts overlap.
+            for i in range(self.num_engines):
+                self.start_engine(f"engine-{i}", wait=False)
+            for engine in self.engines.values():
+                engine.wait_serving()
             if self.with_router:
                 self.start_router()
         except BaseException:
@@ -95,14 +98,18 @@ class RouterStack:
         for engine in self.engines.values():
             engine.kill()
 
-    def start_engine(self, engine_id: str, port: int | None = None) -> EngineProcess:
+    def start_engine(self, engine_id: str, port: int | None = None,
+                     wait: bool = True) -> EngineProcess:
+        """`wait`: until it serves; else launched only (wait_serving() later)."""
         index_target = self.index.target if self.index is not None else "none"
         engine = EngineProcess(self.model_dir,
                                engine_args(index_target, engine_id, self.engine_shape),
                                port=port, log_path=self.log_dir / f"{engine_id}.log",
                                tls=self.certs.files("engine"))
-        engine.start()
-        self.engines[engine_id] = engine
+        engine.launch()
+        self.engines[engine_id] = engine  # (killed with the stack from now on)
+        if wait:
+            engine.wait_serving()
         return engine
 
     def restart_index(self, port: int) -> IndexProcess:
