@@ -30,6 +30,9 @@ DEFAULT_COMPILE_TIMEOUT_S = 30.0
 # on load, seconds for a large vocabulary.
 START_TIMEOUT_S = 300.0
 RESTART_TIMEOUT_S = 60.0  # a worker started again: imports only, the vocabulary handed over
+# A worker that died mid-compile is started again (~3 s: xgrammar imports torch) only with at
+# least this much of the compile's time left.
+MIN_RETRY_S = 3.0
 
 
 class CompileInterrupted(Exception):
@@ -46,8 +49,10 @@ class GrammarProcess:
         self._info_json: str | None = None  # its JSON, sent to the workers started after it
         self._cache: collections.OrderedDict[tuple, object] = collections.OrderedDict()
         self._cache_bytes = 0
-        self._lock = threading.Lock()  # guards _proc and _interrupted against interrupt()
-        self._interrupted = False
+        self._lock = threading.Lock()  # guards _proc and the flags against interrupt(), close()
+        self._interrupted = False  # interrupt() killed _proc
+        self._compiling = False  # compile() runs (on its one thread)
+        self._cancelled = False  # interrupt() or close() came while it ran
         self._closed = False
         self.num_started = 0  # worker processes started (restarts after a kill included)
 
@@ -64,17 +69,28 @@ class GrammarProcess:
     def _compile(self, spec: StructuredOutputsParams):
         started = time.monotonic()
         deadline = started + self.timeout_s
-        # A worker that died on its own (killed from outside, out of memory) is started again
-        # and asked once more, within the same time limit: its death is not the request's
-        # fault, unless the constraint kills the second one too.
+        with self._lock:
+            self._compiling, self._cancelled = True, False
+        try:
+            return self._compiled(spec, self._ask(spec, started, deadline))
+        finally:
+            with self._lock:
+                self._compiling = False
+
+    def _ask(self, spec: StructuredOutputsParams, started: float, deadline: float):
+        """The worker's reply to compiling `spec`. A worker that died on its own (killed from
+        outside, out of memory) is started again and asked once more, within the same time
+        limit: its death is not the request's fault, unless the constraint kills the second
+        one too."""
         for attempt in (1, 2):
-            proc = self._running()
+            proc = self._running(deadline if attempt == 2 else None)
             try:
                 write_frame(proc.stdin, ("compile", spec))
-                reply = self._reply(proc, deadline)
-                break
+                return self._reply(proc, deadline)
             except (OSError, EOFError, FrameTimedOut) as error:  # (BrokenPipeError: an OSError)
                 interrupted = self._stop(proc)
+                with self._lock:
+                    interrupted = interrupted or self._cancelled
                 if interrupted:
                     raise CompileInterrupted() from None
                 if isinstance(error, FrameTimedOut):
@@ -84,10 +100,13 @@ class GrammarProcess:
                         f"{self.timeout_s:g} s (--grammar-compile-timeout-s), got one still "
                         f"compiling after {time.monotonic() - started:.1f} s: simplify it "
                         f"(fewer patterns, alternatives or nesting levels)") from None
-                if attempt == 2:
-                    raise RuntimeError(f"the grammar compiler process ended twice compiling "
-                                       f"this constraint ({error!r}); it is started again "
-                                       f"for the next request") from None
+                if attempt == 2 or deadline - time.monotonic() < MIN_RETRY_S:
+                    raise RuntimeError(f"the grammar compiler process ended compiling this "
+                                       f"constraint ({error!r}){' twice' if attempt == 2 else ''}"
+                                       f"; it is started again for the next request") from None
+        raise AssertionError("unreachable")
+
+    def _compiled(self, spec: StructuredOutputsParams, reply):
         kind, payload = reply
         if kind == "invalid":
             raise compile_error(spec, payload)
@@ -97,27 +116,43 @@ class GrammarProcess:
 
     def interrupt(self) -> bool:
         """Stops the compilation under way, if any: the process is killed (an idle one too),
-        and the next compile starts another. True when one was killed."""
+        and the next compile starts another. A compilation between two workers (its first
+        died) is not asked again. True when a process was killed or a compilation stopped."""
         with self._lock:
+            self._cancelled = self._compiling
             proc = self._proc
             if proc is None or proc.poll() is not None:
-                return False
+                return self._compiling
             self._interrupted = True
             proc.kill()
             return True
 
     def close(self) -> None:
+        """Ends the worker. A compilation under way on another thread then reads the end of
+        its pipe and closes it: closed here, its descriptor's number could be reused by the
+        next file opened, and that thread would read someone else's bytes."""
         with self._lock:
             self._closed = True
+            self._cancelled = self._compiling
             proc, self._proc = self._proc, None
-        if proc is not None:
+            compiling = self._compiling
+        if proc is None:
+            return
+        if compiling:
+            proc.kill()
+            proc.wait()
+        else:
             _end(proc)
 
     # ---- the worker -----------------------------------------------------------------------
-    def _running(self) -> subprocess.Popen:
+    def _running(self, deadline: float | None = None) -> subprocess.Popen:
+        """The worker, started when there is none; one started again for a compilation waits
+        for its start no later than that compilation's `deadline`."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the grammar compiler is closed")
+            if self._cancelled:  # (interrupted between a worker's death and its restart)
+                raise CompileInterrupted()
             if self._proc is not None:
                 if self._proc.poll() is None and not self._interrupted:
                     return self._proc
@@ -135,7 +170,9 @@ class GrammarProcess:
         try:
             write_frame(proc.stdin, init)
             limit_s = START_TIMEOUT_S if self._info_json is None else RESTART_TIMEOUT_S
-            kind, payload = self._reply(proc, time.monotonic() + limit_s)
+            ready_by = time.monotonic() + limit_s
+            kind, payload = self._reply(proc, ready_by if deadline is None
+                                        else min(ready_by, deadline))
         except (BrokenPipeError, OSError, EOFError, FrameTimedOut) as error:
             if self._stop(proc):
                 raise CompileInterrupted() from None

@@ -128,6 +128,40 @@ def test_a_worker_that_dies_mid_compile_is_started_again_and_asked_once_more(com
     assert compiler.num_started == 2  # (an idle worker killed would not be started again yet)
 
 
+def test_an_interrupt_between_a_dead_worker_and_its_restart_is_kept(compiler, monkeypatch):
+    """The request is cancelled just as the first worker's death is seen: nothing runs to
+    kill, and before, the retry compiled the constraint nobody wanted on a new worker."""
+    compiler.compile(StructuredOutputsParams(json_object=True))
+    stop = GrammarProcess._stop
+    said = []
+
+    def stop_then_interrupt(self, proc):
+        stopped = stop(self, proc)
+        said.append(self.interrupt())  # (in the window: no process)
+        return stopped
+
+    monkeypatch.setattr(GrammarProcess, "_stop", stop_then_interrupt)
+    threading.Timer(0.3, os.kill, (worker(compiler), signal.SIGKILL)).start()
+    with pytest.raises(CompileInterrupted):
+        compiler.compile(StructuredOutputsParams(
+            json=very_slow_schema("lost", fields=FIELDS_FOR_A_SECOND)))
+    assert said == [True]
+    assert compiler.num_started == 1  # no worker started for it
+
+
+def test_a_worker_dead_near_the_deadline_is_not_started_again_for_it(compiler):
+    """Less time left than a restart takes: the request fails at once (INTERNAL), with no
+    worker started and then killed for a compilation it had no time for."""
+    compiler.compile(StructuredOutputsParams(json_object=True))
+    compiler.timeout_s = 1.5
+    threading.Timer(0.5, os.kill, (worker(compiler), signal.SIGKILL)).start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="ended compiling this constraint"):
+        compiler.compile(StructuredOutputsParams(json=very_slow_schema("late", fields=20)))
+    assert time.monotonic() - started < 1.5
+    assert compiler.num_started == 1
+
+
 def test_a_frame_is_read_whole_by_its_deadline_or_not_at_all():
     read_fd, write_fd = os.pipe()
     try:
@@ -164,6 +198,30 @@ def test_close_ends_the_process(compiler):
     assert not alive(process)
     with pytest.raises(RuntimeError, match="closed"):
         compiler.compile(StructuredOutputsParams(regex="x+"))
+
+
+def test_close_during_a_compilation_stops_it(compiler):
+    """The core stopping while a constraint compiles on its compile thread: the compilation
+    ends as interrupted, its worker is gone, and the thread closes the pipe it was reading."""
+    compiler.compile(StructuredOutputsParams(json_object=True))
+    process = worker(compiler)
+    pipe = compiler._proc.stdout
+    outcome = []
+
+    def run() -> None:
+        try:
+            compiler.compile(StructuredOutputsParams(json=very_slow_schema("close")))
+            outcome.append("compiled")
+        except CompileInterrupted:
+            outcome.append("interrupted")
+
+    compiling = threading.Thread(target=run)
+    compiling.start()
+    time.sleep(0.5)
+    compiler.close()
+    compiling.join(timeout=10)
+    assert outcome == ["interrupted"]
+    assert not alive(process) and pipe.closed
 
 
 def queued(request_id: str, schema: str) -> tuple:
