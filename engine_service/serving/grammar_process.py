@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import collections
 import os
-import pickle
-import select
 import subprocess
 import sys
 import threading
@@ -23,7 +21,7 @@ from engine_service.core.errors import InvalidRequestError
 from engine_service.model.config import ModelConfig
 from engine_service.model.grammar import GRAMMAR_CACHE_BYTES, compile_error
 from engine_service.model.structured_outputs import StructuredOutputsParams
-from engine_service.serving.grammar_worker import FRAME_LENGTH, write_frame
+from engine_service.serving.grammar_worker import FrameTimedOut, read_frame_by, write_frame
 
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 # Loading the tokenizer and its vocabulary into xgrammar: a GGUF file's tokenizer is converted
@@ -173,7 +171,7 @@ class GrammarProcess:
             ready_by = time.monotonic() + limit_s
             kind, payload = self._reply(proc, ready_by if deadline is None
                                         else min(ready_by, deadline))
-        except (BrokenPipeError, OSError, EOFError, FrameTimedOut) as error:
+        except (OSError, EOFError, FrameTimedOut) as error:  # (BrokenPipeError: an OSError)
             if self._stop(proc):
                 raise CompileInterrupted() from None
             raise RuntimeError(f"the grammar compiler process did not start ({error!r})") \
@@ -219,36 +217,6 @@ class GrammarProcess:
             _, dropped = self._cache.popitem(last=False)
             self._cache_bytes -= dropped.memory_size_bytes
         return grammar
-
-
-class FrameTimedOut(Exception):
-    """A worker's frame not whole by its deadline."""
-
-
-def read_frame_by(fd: int, deadline: float) -> object | None:
-    """The next frame (grammar_worker's) read from the pipe `fd`, all of it by `deadline`
-    (time.monotonic()), else FrameTimedOut: a worker stopped mid-frame (SIGSTOP, swapped out) does
-    not hold the compile thread. None at the end of the stream (a worker killed mid-frame)."""
-    head = _read_exactly(fd, FRAME_LENGTH.size, deadline)
-    if head is None:
-        return None
-    data = _read_exactly(fd, FRAME_LENGTH.unpack(head)[0], deadline)
-    return None if data is None else pickle.loads(data)
-
-
-def _read_exactly(fd: int, size: int, deadline: float) -> bytes | None:
-    chunks: list[bytes] = []
-    missing = size
-    while missing:
-        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            raise FrameTimedOut()
-        chunk = os.read(fd, min(missing, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        missing -= len(chunk)
-    return b"".join(chunks)
 
 
 def _end(proc: subprocess.Popen) -> None:

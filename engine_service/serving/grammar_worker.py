@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
 import signal
 import struct
 import sys
+import time
 from typing import BinaryIO
 
 from engine_service.serving.parent_death import die_with_parent
@@ -38,6 +40,37 @@ def read_frame(source: BinaryIO) -> object | None:
     length = FRAME_LENGTH.unpack(head)[0]
     data = source.read(length)
     return pickle.loads(data) if len(data) == length else None
+
+
+class FrameTimedOut(Exception):
+    """A worker's frame not whole by its deadline."""
+
+
+def read_frame_by(fd: int, deadline: float) -> object | None:
+    """The parent's read_frame: the next frame from the pipe `fd`, all of it by `deadline`
+    (time.monotonic()), else FrameTimedOut, so that a worker stopped mid-frame (SIGSTOP,
+    swapped out) does not hold the compile thread. None at the end of the stream (a worker
+    killed mid-frame)."""
+    head = _read_exactly(fd, FRAME_LENGTH.size, deadline)
+    if head is None:
+        return None
+    data = _read_exactly(fd, FRAME_LENGTH.unpack(head)[0], deadline)
+    return None if data is None else pickle.loads(data)
+
+
+def _read_exactly(fd: int, size: int, deadline: float) -> bytes | None:
+    chunks: list[bytes] = []
+    missing = size
+    while missing:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise FrameTimedOut()
+        chunk = os.read(fd, min(missing, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        missing -= len(chunk)
+    return b"".join(chunks)
 
 
 def serve(source: BinaryIO, out: BinaryIO) -> None:

@@ -19,14 +19,14 @@ from engine_service.model.config import load_model_config
 from engine_service.model.grammar import GrammarCompiler, new_matcher
 from engine_service.model.sampling_params import SamplingParams
 from engine_service.model.structured_outputs import StructuredOutputsParams
-from engine_service.serving.grammar_process import (
-    CompileInterrupted,
-    FrameTimedOut,
-    GrammarProcess,
-    read_frame_by,
-)
+from engine_service.serving.grammar_process import CompileInterrupted, GrammarProcess
 from engine_service.serving.grammar_queue import GrammarQueue
-from engine_service.serving.grammar_worker import FRAME_LENGTH, write_frame
+from engine_service.serving.grammar_worker import (
+    FRAME_LENGTH,
+    FrameTimedOut,
+    read_frame_by,
+    write_frame,
+)
 from tests.support.tiny_models import SMOLLM2_EOS_TOKEN_ID
 
 
