@@ -74,7 +74,11 @@ def test_zeros_are_zero_and_the_mapping_goes_with_the_last_view():
     layer = pool[1]
     del pool
     gc.collect()
-    assert _mapping_of(address) == mapping  # a view still holds it
+    # A view still holds it: the range stays mapped. (Not the same smaps entry: a neighbouring
+    # mapping made meanwhile may merge into it, and khugepaged may collapse more of it.)
+    held = _mapping_of(address)
+    assert held is not None
+    assert held["start"] <= mapping["start"] and held["end"] >= mapping["end"], (held, mapping)
     layer.fill_(1)
     del layer
     gc.collect()
