@@ -259,6 +259,10 @@ def test_the_nccl_dump_setting_reaches_the_ranks_and_leaves_the_process_as_it_wa
     try:
         worker = workers.procs[0].pid
         os.kill(worker, signal.SIGSTOP)
+        # Popen returns once exec closed its pipe, before the kernel has laid out the new
+        # environment (/proc's environ reads empty until then, as a run under load saw); the
+        # stop takes hold on the way back to user space, after it.
+        wait_until(lambda: process_state(worker) == "T", "the worker stopped", 30)
         environ = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
         assert f"{DUMP}=0".encode() in environ
         assert DUMP not in os.environ

@@ -68,8 +68,10 @@ def test_an_unread_http_stream_is_closed_and_frees_the_slot(engine, test_certs):
         assert sock.recv(1).startswith(b"H")  # the stream started, then nothing is read
         # Meanwhile the slot is taken: another request is refused (429).
         assert not _served(engine)
-        _wait(lambda: engine.metric(stalls) == before + 1, "the stall counted",
-              STALL_TIMEOUT_S * 10)
+        # The stall starts only once the events written fill every buffer between: a few MB
+        # made and sent first, most of this test's 6.5 s when run alone, over 10 s in a
+        # loaded run of the suite. The unread request cannot end by itself before then.
+        _wait(lambda: engine.metric(stalls) == before + 1, "the stall counted", 60)
         _wait(lambda: _served(engine), "a request served once the unread one ended", 30)
         # Counted as a stall ends a gRPC stream (it was CANCELLED, as a client that left).
         assert engine.metric(ended) == before_ended + 1
