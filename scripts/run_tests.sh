@@ -12,8 +12,10 @@ if [ -z "${PAGEDGEN_REQUIRE_CPU_EXTENSION:-}" ] && command -v "${CXX:-c++}" >/de
 fi
 bash scripts/setup.sh
 python3 -m ruff check .
-# Two workers: the suite is mostly services starting and waiting on each other, which left one
-# of CI's two cores idle; a test file stays on one worker (its module fixtures start once).
-# PAGEDGEN_TEST_WORKERS=0 runs it in this process; "$@" comes last and can override either.
+# Three workers on CI's two cores: the suite is mostly services starting and waiting on each
+# other, so one worker left a core idle, and two still used 1.6 of the 2 (19:01 on three against
+# 22:21-23:45 on two, same machine; bench/README.md, "The test suite's time"). A test file stays
+# on one worker (its module fixtures start once). PAGEDGEN_TEST_WORKERS=0 runs it in this
+# process; "$@" comes last and can override either.
 # The 25 slowest tests are listed at the end: where the suite's time goes, run after run.
-python3 -m pytest -q -n "${PAGEDGEN_TEST_WORKERS:-2}" --dist loadfile --durations 25 "$@"
+python3 -m pytest -q -n "${PAGEDGEN_TEST_WORKERS:-3}" --dist loadfile --durations 25 "$@"
