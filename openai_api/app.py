@@ -196,9 +196,24 @@ class _Api:
         model = self._model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         call = completion_call(body, request_id, model.prompt_context)
+        echo = None if call.echo is None else await self._prompt_texts(request, call)
         return await self._answer(request, call, Renderer(
             request_id, body.model or model.name, False, call.n, call.logprobs,
-            self.backend.token_texts, self.backend.token_bytes))
+            self.backend.token_texts, self.backend.token_bytes, echo))
+
+    async def _prompt_texts(self, request: Request, call: EngineCall) -> list[str]:
+        """The text of each prompt to echo: a text prompt's own, a token-id prompt's decoded
+        with its special tokens (what the model was given)."""
+        texts = []
+        for prompt, names in zip(call.echo, call.field_names, strict=True):
+            if isinstance(prompt, str):
+                texts.append(prompt)
+                continue
+            wire = pb.DetokenizeRequest(token_ids=prompt, skip_special_tokens=False)
+            reply = await self._unary("Detokenize", wire, {"token_ids": names["prompt"]},
+                                      _caller(request))
+            texts.append(reply.text)
+        return texts
 
     async def chat_completions(self, request: Request) -> Response:
         raw = await self._body(request)

@@ -38,6 +38,7 @@ def stop_reason(c: pb.Completion) -> str | int | None:
 class _ChoiceState:
     text_offset: int = 0  # characters of the completion so far (completions' text_offset)
     started: bool = False  # chat: the role chunk was sent
+    echoed: bool = False  # completions with echo: the prompt's text was sent
 
 
 @dataclass(slots=True)
@@ -51,6 +52,8 @@ class Renderer:
     logprobs: int | None  # None: no logprobs asked for
     token_texts: Callable[[list[int]], Awaitable[list[str]]]
     token_bytes: Callable[[list[int]], Awaitable[list[bytes]]] | None = None
+    # Completions with echo: each prompt's text, which its choices' text starts with.
+    echo: list[str] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _choices: dict[int, _ChoiceState] = field(default_factory=dict)
 
@@ -71,7 +74,7 @@ class Renderer:
                 if self.chat:
                     choice["message"] = {"role": "assistant", "content": c.text}
                 else:
-                    choice["text"] = c.text
+                    choice["text"] = self._echoed(prompt_index) + c.text
                 choice["logprobs"] = await self._logprobs(index, c.logprobs)
                 choice["finish_reason"] = FINISH_REASONS[c.finish_reason]
                 choice["stop_reason"] = stop_reason(c)
@@ -114,12 +117,19 @@ class Renderer:
                     choice["delta"]["role"] = "assistant"
             else:
                 choice["text"] = c.text
+                state = self._state(index)
+                if not state.echoed:  # a choice's first chunk starts with the prompt
+                    state.echoed = True
+                    choice["text"] = self._echoed(prompt_index) + c.text
             choice["logprobs"] = await self._logprobs(index, c.logprobs)
             choice["finish_reason"] = FINISH_REASONS[c.finish_reason]
             if c.finish_reason:
                 choice["stop_reason"] = stop_reason(c)
             out.append(choice)
         return out
+
+    def _echoed(self, prompt_index: int) -> str:
+        return "" if self.echo is None else self.echo[prompt_index]
 
     # ---- logprobs -----------------------------------------------------------------------------
     def _state(self, index: int) -> _ChoiceState:

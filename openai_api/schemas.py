@@ -22,7 +22,7 @@ MAX_BODY_BYTES = 64 << 20
 # Fields of OpenAI's API (or vLLM's) this server does not serve, and the values that ask for
 # nothing (clients send some of them by default): any other value is refused by name.
 UNSERVED_FIELDS: dict[str, tuple[object, ...]] = {
-    "echo": (False,), "suffix": ("",), "best_of": (), "tools": ([],),
+    "suffix": ("",), "best_of": (), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "parallel_tool_calls": (False, True),
     "store": (False,), "metadata": ({},), "modalities": (["text"],), "audio": (),
@@ -133,6 +133,7 @@ class CompletionRequest(_Sampling):
     prompt: Any  # text, token ids, or a list of either: checked in to_engine.prompts
     max_tokens: Int32 | None = None
     logprobs: Int32 | None = None  # top-k logprobs per token, as OpenAI's legacy API
+    echo: bool | None = None  # the prompt's text before each completion's
 
 
 class TextPart(_Strict):

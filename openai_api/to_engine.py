@@ -42,6 +42,9 @@ class EngineCall:
     # the context, which only the prompt's length tells (see rest_of_context).
     to_end_of_context: bool = False
     batch_prompt: bool = False  # the completions prompt was a list (choices by prompt)
+    # Completions with echo: each request's prompt, its text or its token ids, to go before
+    # its completions' text (None: no echo).
+    echo: list[str | list[int]] | None = None
 
 
 def completion_call(req: CompletionRequest, request_id: str, max_model_len: int = 0
@@ -49,6 +52,11 @@ def completion_call(req: CompletionRequest, request_id: str, max_model_len: int 
     """`max_model_len`: the served model's context (0: not known), which no token-id prompt
     may pass."""
     prompts, batch = _prompts(req.prompt, max_model_len)
+    if req.echo and req.logprobs is not None:
+        # OpenAI's echo with logprobs gives the prompt's tokens logprobs too, which the
+        # engine does not compute (a prompt's logits are not kept past its last token).
+        raise bad_request("echo", f"echo must be false with logprobs (the prompt's logprobs "
+                                  f"are not served), got echo true and logprobs {req.logprobs}")
     requests, names = [], []
     for i, prompt in enumerate(prompts):
         wire = _generate_request(req, f"{request_id}-{i}" if batch else request_id)
@@ -60,7 +68,10 @@ def completion_call(req: CompletionRequest, request_id: str, max_model_len: int 
         where = f"prompt[{i}]" if batch else "prompt"
         requests.append(wire)
         names.append(_field_names(where, "max_tokens", "logprobs", constraint))
-    return _call(req, requests, names, req.logprobs, batch_prompt=batch)
+    call = _call(req, requests, names, req.logprobs, batch_prompt=batch)
+    if req.echo:
+        call.echo = prompts
+    return call
 
 
 def chat_call(req: ChatCompletionRequest, request_id: str) -> EngineCall:

@@ -110,6 +110,34 @@ def test_n_and_a_list_of_prompts(client, http_engine):
     assert texts == by_index and set(reasons) == {0, 1, 2, 3}
 
 
+def test_echo_puts_the_prompt_before_every_completion(client, http_engine, engine_stub):
+    """OpenAI's echo: each choice's text starts with its prompt's (a token-id prompt's decoded
+    with its special tokens), whole and streamed; the usage counts what it did without."""
+    ids = list(engine_stub.Tokenize(pb.TokenizeRequest(text="Hi there")).token_ids)
+    prompts = [PROMPT, [1, *ids]]  # (id 1: SmolLM2's <|im_start|>, a special token)
+    texts = [PROMPT, "<|im_start|>Hi there"]
+    plain = client.completions.create(model=http_engine.model, prompt=prompts, n=2,
+                                      max_tokens=6, temperature=0.8, seed=5)
+    echoed = client.completions.create(model=http_engine.model, prompt=prompts, n=2,
+                                       max_tokens=6, temperature=0.8, seed=5, echo=True)
+    without = {c.index: c.text for c in plain.choices}
+    assert {c.index: c.text for c in echoed.choices} == {
+        i: texts[i // 2] + text for i, text in without.items()}
+    assert echoed.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens == 4 * 6
+    chunks = list(client.completions.create(model=http_engine.model, prompt=prompts, n=2,
+                                            max_tokens=6, temperature=0.8, seed=5, echo=True,
+                                            stream=True))
+    streamed, reasons, _ = stream_text(chunks)
+    assert streamed == {c.index: c.text for c in echoed.choices}
+    assert set(reasons) == {0, 1, 2, 3}
+    firsts = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            firsts.setdefault(choice.index, choice.text)
+    assert all(firsts[i].startswith(texts[i // 2]) for i in range(4))  # sent once, first
+
+
 def test_chat_n_streams_every_choice(client, http_engine):
     chunks = list(client.chat.completions.create(
         model=http_engine.model, messages=CHAT, n=3, max_tokens=5, temperature=1.0, seed=3,

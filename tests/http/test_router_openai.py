@@ -100,7 +100,12 @@ def test_completions_and_chat_through_the_router(router, router_stub):
                                               temperature=0, logprobs=True, top_logprobs=3)
         n = client.chat.completions.create(model=router.model, messages=CHAT, max_tokens=5,
                                            n=3, temperature=1.0, seed=5)
+        # echo: a token-id prompt's text comes from the router's Detokenize
+        ids = list(router_stub.Tokenize(pb.TokenizeRequest(text=PROMPT)).token_ids)
+        echoed = client.completions.create(model=router.model, prompt=ids, max_tokens=10,
+                                           temperature=0, echo=True)
     [choice] = whole.choices
+    assert echoed.choices[0].text == PROMPT + choice.text
     assert texts_of(streamed) == {0: choice.text}
     assert streamed[-1].usage.completion_tokens == 10
     assert "".join(choice.logprobs.tokens) == choice.text
