@@ -196,16 +196,18 @@ class _Api:
         model = self._model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         call = completion_call(body, request_id, model.prompt_context)
-        echo = None if call.echo is None else await self._prompt_texts(request, call)
+        echo = None if call.echo_prompts is None else functools.partial(
+            self._prompt_texts, request, call)
         return await self._answer(request, call, Renderer(
             request_id, body.model or model.name, False, call.n, call.logprobs,
             self.backend.token_texts, self.backend.token_bytes, echo))
 
     async def _prompt_texts(self, request: Request, call: EngineCall) -> list[str]:
         """The text of each prompt to echo: a text prompt's own, a token-id prompt's decoded
-        with its special tokens (what the model was given)."""
+        with its special tokens (what the model was given). Asked for once the servicer has
+        accepted the request: a refused one costs no decoding."""
         texts = []
-        for prompt, names in zip(call.echo, call.field_names, strict=True):
+        for prompt, names in zip(call.echo_prompts, call.field_names, strict=True):
             if isinstance(prompt, str):
                 texts.append(prompt)
                 continue
@@ -285,6 +287,9 @@ class _Api:
             async with contextlib.aclosing(self._messages(call, calls)) as messages:
                 async for prompt_index, message in messages:
                     if not started:
+                        # Before the first event: a refusal of what it needs is the
+                        # response's status, not an error event.
+                        await render.prepare()
                         started = True
                         for chunk in render.role_chunks(len(call.requests)):
                             yield _event(chunk)

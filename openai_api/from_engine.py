@@ -52,10 +52,12 @@ class Renderer:
     logprobs: int | None  # None: no logprobs asked for
     token_texts: Callable[[list[int]], Awaitable[list[str]]]
     token_bytes: Callable[[list[int]], Awaitable[list[bytes]]] | None = None
-    # Completions with echo: each prompt's text, which its choices' text starts with.
-    echo: list[str] | None = None
+    # Completions with echo: makes each prompt's text, which its choices' text starts with;
+    # called once, when the servicer has accepted the request (its first message or reply).
+    echo_texts: Callable[[], Awaitable[list[str]]] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _choices: dict[int, _ChoiceState] = field(default_factory=dict)
+    _echo: list[str] | None = None
 
     @property
     def object_name(self) -> str:
@@ -66,6 +68,7 @@ class Renderer:
 
     # ---- whole responses ----------------------------------------------------------------------
     async def response(self, replies: list[pb.GenerateResponse]) -> dict:
+        await self.prepare()
         choices = []
         for prompt_index, reply in enumerate(replies):
             for c in reply.completions:
@@ -105,6 +108,7 @@ class Renderer:
     async def stream_choices(self, prompt_index: int, message: pb.GenerateStreamResponse
                              ) -> list[dict]:
         """The stream choices of one servicer message: one per completion that progressed."""
+        await self.prepare()
         out = []
         for c in message.choices:
             index = self.choice_index(prompt_index, c)
@@ -128,8 +132,13 @@ class Renderer:
             out.append(choice)
         return out
 
+    async def prepare(self) -> None:
+        """What rendering needs beyond the messages (the prompts' texts to echo), made once."""
+        if self.echo_texts is not None and self._echo is None:
+            self._echo = await self.echo_texts()
+
     def _echoed(self, prompt_index: int) -> str:
-        return "" if self.echo is None else self.echo[prompt_index]
+        return "" if self._echo is None else self._echo[prompt_index]
 
     # ---- logprobs -----------------------------------------------------------------------------
     def _state(self, index: int) -> _ChoiceState:

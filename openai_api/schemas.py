@@ -22,7 +22,7 @@ MAX_BODY_BYTES = 64 << 20
 # Fields of OpenAI's API (or vLLM's) this server does not serve, and the values that ask for
 # nothing (clients send some of them by default): any other value is refused by name.
 UNSERVED_FIELDS: dict[str, tuple[object, ...]] = {
-    "suffix": ("",), "best_of": (), "tools": ([],),
+    "echo": (False,), "suffix": ("",), "best_of": (), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "parallel_tool_calls": (False, True),
     "store": (False,), "metadata": ({},), "modalities": (["text"],), "audio": (),
@@ -112,7 +112,7 @@ class _Sampling(_Strict):
     def _refuse_unserved(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, neutral in UNSERVED_FIELDS.items():
-                if name not in data:
+                if name not in data or name in cls.model_fields:  # (completions' echo)
                     continue
                 value = data.pop(name)
                 if value is None or value in neutral or (name == "best_of" and value in (

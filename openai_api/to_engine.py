@@ -1,7 +1,9 @@
 """OpenAI request bodies -> the engine's wire request (pb.GenerateRequest), field by field.
 
-Nothing here judges a value: the servicer validates the GenerateRequest as it validates a gRPC
-client's, and its refusals name the wire field, which `field_names` maps back to the client's.
+The values are the servicer's to judge: it validates the GenerateRequest as it validates a
+gRPC client's, and its refusals name the wire field, which `field_names` maps back to the
+client's. Refused here: only OpenAI's own forms and combinations of fields, which the wire
+has no place for (prompt forms, stream_options without a stream, echo with logprobs, ...).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class EngineCall:
     batch_prompt: bool = False  # the completions prompt was a list (choices by prompt)
     # Completions with echo: each request's prompt, its text or its token ids, to go before
     # its completions' text (None: no echo).
-    echo: list[str | list[int]] | None = None
+    echo_prompts: list[str | list[int]] | None = None
 
 
 def completion_call(req: CompletionRequest, request_id: str, max_model_len: int = 0
@@ -70,7 +72,7 @@ def completion_call(req: CompletionRequest, request_id: str, max_model_len: int 
         names.append(_field_names(where, "max_tokens", "logprobs", constraint))
     call = _call(req, requests, names, req.logprobs, batch_prompt=batch)
     if req.echo:
-        call.echo = prompts
+        call.echo_prompts = prompts
     return call
 
 

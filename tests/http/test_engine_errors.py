@@ -62,6 +62,7 @@ def error_of(raised: pytest.ExceptionInfo) -> dict:
     ({"extra_body": {"min_tokens": 20}, "max_tokens": 4}, "min_tokens", "min_tokens must be <="),
     ({"prompt": ""}, "prompt", "prompt must be a non-empty string"),
     ({"prompt": [99_999_999]}, "prompt", "the vocabulary"),
+    ({"prompt": ["ok", [99_999_999]], "echo": True}, "prompt[1]", "the vocabulary"),
     ({"prompt": ["ok", [1, "x"]]}, "prompt[1]", "prompt[1] must be a string or a list"),
     ({"stop": ["ok", ""]}, "stop", "stop must hold non-empty strings"),
     ({"stop": "z" * 300}, "stop", "stop must hold strings of at most 256 characters"),
@@ -94,6 +95,9 @@ def test_completions_400_names_the_field(client, http_engine, kwargs, param, wor
     ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", "must agree"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ({"extra_body": {"echo": True}}, "echo", "echo is not supported"),  # (completions' only)
+    ({"extra_body": {"echo": False}}, None, None),  # vLLM's clients send it: accepted
+    ({"extra_body": {"echo": None}}, None, None),
     ({"response_format": {"type": "json_object"}}, None, None),
     ({"response_format": {"type": "text"}}, None, None),  # asks for nothing: accepted
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema",
