@@ -121,10 +121,11 @@ class Renderer:
                     choice["delta"]["role"] = "assistant"
             else:
                 choice["text"] = c.text
-                state = self._state(index)
-                if not state.echoed:  # a choice's first chunk starts with the prompt
-                    state.echoed = True
-                    choice["text"] = self._echoed(prompt_index) + c.text
+                if self._echo is not None:  # a choice's first chunk starts with the prompt
+                    state = self._state(index)
+                    if not state.echoed:
+                        state.echoed = True
+                        choice["text"] = self._echo[prompt_index] + c.text
             choice["logprobs"] = await self._logprobs(index, c.logprobs)
             choice["finish_reason"] = FINISH_REASONS[c.finish_reason]
             if c.finish_reason:
