@@ -37,6 +37,7 @@ from engine_service.model.dtype import DTYPES
 from engine_service.model.fingerprint import model_identity, weights_fingerprint
 from engine_service.model.grammar import GrammarCompiler, follow_resumed_tokens, new_matcher
 from engine_service.model.kv_cache_setup import graph_rows, setup_kv_cache, uses_cuda_graphs
+from engine_service.model.prompt_logprobs import score_tokens
 from engine_service.model.runner import ModelRunner, kv_bytes_per_block
 from engine_service.model.sampler import Sampler, SamplingRow, make_generator
 from engine_service.model.sampling_params import SamplingParams
@@ -145,6 +146,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
+        # Requests whose prompt logprobs are not all scored yet (most steps skip the check).
+        self._scoring: set[str] = set()
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model (prefill + decode)
         # Commands from other threads, run by the engine thread between steps; `wake` tells
@@ -223,6 +226,10 @@ class LLMEngine:
                                        len(prompt_token_ids)))
         else:
             group.seqs.append(self._new_sequence(list(prompt_token_ids), 0, group))
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]  # the first token: nothing before it scores it
+            if group.scores_prompt:
+                self._scoring.add(request_id)
         self._groups[request_id] = group
         self.scheduler.add(group)
 
@@ -284,6 +291,7 @@ class LLMEngine:
         group = self._groups.pop(request_id, None)
         if group is None:
             return None
+        self._scoring.discard(request_id)
         self.scheduler.abort(request_id)
         for seq in group.seqs:
             if not seq.is_finished:
@@ -356,9 +364,16 @@ class LLMEngine:
             return []
         self.num_steps += 1
         self.num_computed_tokens += sched.num_batched_tokens
-        logits = self.runner.execute(sched.scheduled)
+        sampling = [s for s in sched.scheduled if s.samples]
+        scored = self._prompt_positions(sched.scheduled) if self._scoring else []
+        if scored:
+            logits = self.runner.execute(sched.scheduled, scores_prompts=True)
+            self._score_prompts(logits[len(sampling):], scored)
+            logits = logits[:len(sampling)]
+        else:
+            logits = self.runner.execute(sched.scheduled)
         self.scheduler.after_forward(sched)
-        self._sample(logits, [s for s in sched.scheduled if s.samples])
+        self._sample(logits, sampling)
         touched = {id(s.group): s.group for s in sched.scheduled}
         # A beam search request has no output before its end: which beams win is not known.
         outputs = [
@@ -367,7 +382,41 @@ class LLMEngine:
         ]
         for group in self.scheduler.remove_finished():
             self._groups.pop(group.request_id, None)
+            self._scoring.discard(group.request_id)
         return outputs
+
+    def _prompt_positions(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Sets prompt_positions on the items whose chunk computes positions that score prompt
+        tokens not scored yet (a recomputed prompt is not scored twice); those items."""
+        scored = []
+        for item in scheduled:
+            done = item.group.prompt_logprobs
+            if done is None or item.group.request_id not in self._scoring:
+                continue
+            seq = item.seq
+            start = max(seq.num_computed_tokens, len(done) - 1)
+            end = min(seq.num_computed_tokens + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if start < end:
+                item.prompt_positions = range(start, end)
+                scored.append(item)
+        return scored
+
+    def _score_prompts(self, logits: torch.Tensor, scored: list[ScheduledSeq]) -> None:
+        """logits: the rows of each item's prompt_positions, in order."""
+        token_ids: list[int] = []
+        num_tops: list[int] = []
+        for item in scored:
+            prompt = item.seq.token_ids
+            token_ids.extend(prompt[p + 1] for p in item.prompt_positions)
+            num_tops.extend([item.group.params.prompt_logprobs] * len(item.prompt_positions))
+        results = score_tokens(logits[:, : self.model_config.vocab_size], token_ids, num_tops)
+        at = 0
+        for item in scored:
+            group, count = item.group, len(item.prompt_positions)
+            group.prompt_logprobs.extend(results[at : at + count])
+            at += count
+            if not group.scores_prompt:
+                self._scoring.discard(group.request_id)
 
     def _update_pin_budget(self) -> None:
         """Recomputes the pin budget when requests started or stopped holding blocks, or
@@ -594,10 +643,15 @@ class LLMEngine:
             self._sampled_completions(group, finished) if group.beam is None
             else self._beam_completions(group)
         )
+        prompt_logprobs = None
+        if (group.prompt_logprobs is not None and not group.prompt_logprobs_sent
+                and not group.scores_prompt):
+            prompt_logprobs, group.prompt_logprobs_sent = group.prompt_logprobs, True
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,  # one list for every output
+            prompt_logprobs=prompt_logprobs,
             outputs=completions,
             finished=finished,
             num_cached_tokens=group.num_cached_tokens or 0,

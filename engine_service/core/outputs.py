@@ -48,6 +48,9 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    # params.prompt_logprobs set: one TokenLogprobs per prompt token, None for the first. In
+    # one output only: the first made once the prompt is computed (the final one offline).
+    prompt_logprobs: list | None = None
 
 
 @dataclass(slots=True)

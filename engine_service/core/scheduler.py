@@ -342,7 +342,8 @@ class Scheduler:
             if num_running + held_seqs + num_seqs > self.config.max_num_seqs:
                 return
             leader, followers = seqs[0], seqs[1:]
-            hits = self.kv.cached_prefix(leader, group.cache_salt)
+            scores_prompt = group.scores_prompt
+            hits = [] if scores_prompt else self.kv.cached_prefix(leader, group.cache_salt)
             num_cached = len(hits) * self.kv.block_size
             # A re-admitted beam search leader stops one token short: its beams take their
             # next step together, once the parked ones have caught up (see _plan).
@@ -352,7 +353,8 @@ class Scheduler:
             if needed + self._watermark() > self._free_for(needed, not self.running):
                 return
             # Next step it shares the in-flight blocks instead of allocating them.
-            shared = self._num_in_flight(leader, group, len(hits), in_flight)
+            shared = 0 if scores_prompt else self._num_in_flight(leader, group, len(hits),
+                                                                 in_flight)
             if shared:
                 if num_deferred == MAX_DEFERRED_PER_STEP:
                     return

@@ -29,6 +29,9 @@ class ScheduledSeq:
     samples: bool  # this chunk reaches the end of the sequence: sample a token from it
     # The KV cache manager's table for seq (logical -> physical block ids), read-only here.
     block_table: list[int] = field(default_factory=list)
+    # Prompt logprobs: the positions whose logits score the prompt token after each (set by
+    # the engine; None for most steps, whose runner computes the sampling rows' logits only).
+    prompt_positions: range | None = None
 
 
 @dataclass(slots=True)

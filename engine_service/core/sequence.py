@@ -155,6 +155,10 @@ class SequenceGroup:
     pin_prefill: bool = False
     # Structured outputs: the request's compiled grammar (each sequence has a matcher of it).
     grammar: object | None = None
+    # params.prompt_logprobs set: a TokenLogprobs per prompt token scored so far, None first
+    # (nothing comes before it); sent once, in the first output after it is whole.
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
     _prompt_token_ids: list[int] | None = field(default=None, repr=False)
 
     def live_seqs(self) -> list[Sequence]:
@@ -178,6 +182,13 @@ class SequenceGroup:
         if self._prompt_token_ids is None:
             self._prompt_token_ids = self.seqs[0].prompt_token_ids
         return self._prompt_token_ids
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt logprobs asked and not all computed yet: the prompt runs whole, its cached
+        blocks not read (a cached block has no logits)."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
 
     def num_shared_prompt_blocks(self, block_size: int) -> int:
         """Full prompt blocks every sequence of a forked group holds in common."""

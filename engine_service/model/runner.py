@@ -184,16 +184,23 @@ class ModelRunner:
         self.kv_caches.index_copy_(2, device_ids, blocks)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Forward the scheduled tokens; logits [num sampling seqs, vocab] in schedule order."""
+    def execute(self, scheduled: list[ScheduledSeq], scores_prompts: bool = False
+                ) -> torch.Tensor:
+        """Forward the scheduled tokens; logits [num sampling seqs, vocab] in schedule order.
+        scores_prompts: some items have prompt_positions, whose rows' logits follow (eager:
+        the graphs compute the sampling rows' only)."""
+        if scores_prompts:
+            return self.run_batch(self.step_inputs(scheduled, scores_prompts=True))
         if self.decode_graphs is not None and self.decode_graphs.accepts(scheduled):
             return self.decode_graphs.run(scheduled)
         if self.mixed_graphs is not None and self.mixed_graphs.accepts(scheduled):
             return self.mixed_graphs.run(scheduled)
         return self.run_batch(self.step_inputs(scheduled))
 
-    def step_inputs(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        """The scheduled tokens as the host-side lists run_batch uploads."""
+    def step_inputs(self, scheduled: list[ScheduledSeq],
+                    scores_prompts: bool = False) -> StepInputs:
+        """The scheduled tokens as the host-side lists run_batch uploads; with scores_prompts,
+        the rows of each item's prompt_positions after the sampling rows."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -222,6 +229,11 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
             if item.samples:
                 sample_rows.append(query_start_loc[-1] - 1)
+        if scores_prompts:
+            for item, first_row in zip(scheduled, query_start_loc, strict=False):
+                if item.prompt_positions:
+                    offset = first_row - item.seq.num_computed_tokens
+                    sample_rows.extend(offset + p for p in item.prompt_positions)
 
         return StepInputs(input_ids, positions, slots, seq_lens, query_start_loc,
                           self.eager_tables.gather(scheduled), sample_rows)

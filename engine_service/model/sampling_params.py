@@ -73,6 +73,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # normalized to a list
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per output token; 0: the sampled token's only
+    # top-k logprobs per prompt token (each with the prompt token's own); 0: its own only. The
+    # prompt is then computed whole, its cached blocks not read: a cached block has no logits.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Beam search (HF's semantics) when beam_width is set: the n best of beam_width beams are
@@ -145,10 +148,12 @@ class SamplingParams:
 
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
-        if self.logprobs is not None:
-            logprobs = _check_int("logprobs", self.logprobs, f"0 to {MAX_LOGPROBS} or None")
-            if not 0 <= logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _check_int(name, value, f"0 to {MAX_LOGPROBS} or None")
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
         self.logit_bias = self._normalized_logit_bias(self.logit_bias)
         self._check_structured_outputs()
         self._check_beam_search()

@@ -16,7 +16,9 @@ class StepInputs:
     # One row per sequence, padded to the longest (the engine's steps pass an int32 array,
     # model/eager_block_tables.py; synthetic batches lists).
     block_tables: list[list[int]] | np.ndarray
-    sample_rows: list[int]  # token rows whose logits are sampled (each sequence's last)
+    # Token rows whose logits are computed: the sampled ones (each sequence's last), then
+    # those that score prompt tokens (prompt_logprobs)
+    sample_rows: list[int]
 
 
 @dataclass(slots=True)

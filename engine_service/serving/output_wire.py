@@ -22,7 +22,8 @@ TokenRow = tuple[str, list[int], int, int]
 def as_row(output: RequestOutput) -> TokenRow | None:
     """The output as a TokenRow, or None when a row cannot say all it says."""
     if (output.finished or output.prompt is not None or output.prompt_token_ids is not None
-            or output.finished_time is not None or len(output.outputs) != 1):
+            or output.finished_time is not None or len(output.outputs) != 1
+            or output.prompt_logprobs is not None):
         return None
     completion = output.outputs[0]
     delta = completion.token_ids_delta

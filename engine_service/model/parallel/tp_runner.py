@@ -183,10 +183,13 @@ class TensorParallelRunner:
             self._pending_moves.append(moves)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+    def execute(self, scheduled: list[ScheduledSeq], scores_prompts: bool = False
+                ) -> torch.Tensor:
         """As ModelRunner.execute: through the graphs' buffers when they take the step (the
         workers get what rank 0 wrote into its buffers), else from the step inputs."""
         local = self._local
+        if scores_prompts:
+            return self.run_batch(local.step_inputs(scheduled, scores_prompts=True))
         for graphs, method in ((local.decode_graphs, "run_decode_graph"),
                                (local.mixed_graphs, "run_mixed_graph")):
             if graphs is not None and graphs.accepts(scheduled):

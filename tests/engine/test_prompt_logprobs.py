@@ -1,0 +1,91 @@
+"""prompt_logprobs: each prompt token's logprob (and top-k) under the model, as HF's forward
+over the prompt gives them, whatever the chunking, the prefix cache or preemption did."""
+
+import random
+
+import pytest
+import torch
+
+from engine_service import SamplingParams
+from tests.engine.prompts import parity_prompts
+from tests.support.hf_reference import hf_teacher_forced_logprobs
+
+
+def _check_against_hf(model_dir, prompt: list[int], scored: list, k: int) -> None:
+    assert len(scored) == len(prompt) and scored[0] is None
+    if len(prompt) == 1:
+        return
+    reference = hf_teacher_forced_logprobs(model_dir, prompt[:1], prompt[1:], torch.float32)
+    for i, (token, entry, row) in enumerate(zip(prompt[1:], scored[1:], reference,
+                                                strict=True)):
+        assert entry.token_id == token, f"position {i + 1}"
+        assert entry.logprob == pytest.approx(row[token].item(), abs=1e-4), f"position {i + 1}"
+        assert entry.rank == 1 + int((row > row[token]).sum()), f"position {i + 1}"
+        top_ids = row.topk(k).indices.tolist() if k else []
+        assert set(entry.top) == set(top_ids) | {token}, f"position {i + 1}"
+        for t, value in entry.top.items():
+            assert value == pytest.approx(row[t].item(), abs=1e-4)
+
+
+def test_prompt_logprobs_match_hf_through_chunks_cache_and_sampling(tiny_llama_dir, make_llm):
+    # A 16-token step budget cuts every longer prompt into chunks; block size 8 makes each
+    # prompt's earlier blocks cacheable for the repeat below.
+    llm = make_llm(tiny_llama_dir, block_size=8, num_blocks=512, max_num_batched_tokens=16)
+    prompts = parity_prompts(llm.get_tokenizer())[:6]
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    scored = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=3)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    baseline = llm.generate(requests, plain)
+    # The prompts are cached now: scoring them must compute them again, not read the cache.
+    outputs = llm.generate(requests, [scored, plain] * 3)
+    for prompt, out, base, params in zip(prompts, outputs, baseline, [scored, plain] * 3,
+                                         strict=True):
+        # Scoring rows beside the sampling rows change no sampled token.
+        assert out.outputs[0].token_ids == base.outputs[0].token_ids
+        if params is plain:
+            assert out.prompt_logprobs is None
+            continue
+        assert out.num_cached_tokens == 0
+        _check_against_hf(tiny_llama_dir, prompt, out.prompt_logprobs, 3)
+    # A one-token prompt: only its None.
+    assert outputs[0].prompt_logprobs == [None]
+
+
+@pytest.mark.parametrize("k", [0, 20])
+def test_prompt_logprobs_with_n_and_beam_search(tiny_llama_dir, make_llm, k):
+    llm = make_llm(tiny_llama_dir, block_size=8, num_blocks=256)
+    prompt = parity_prompts(llm.get_tokenizer())[4]
+    for params in (SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=4, prompt_logprobs=k),
+                   SamplingParams(n=2, beam_width=3, temperature=0, max_tokens=4,
+                                  prompt_logprobs=k)):
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params)
+        assert len(out.outputs) == params.n
+        _check_against_hf(tiny_llama_dir, prompt, out.prompt_logprobs, k)
+
+
+def test_prompt_logprobs_survive_preemption_by_recompute(tiny_llama_dir, make_llm):
+    """A pool too small for every request at once: requests are preempted (some while their
+    prompt is half scored) and recomputed; each prompt is still scored once, position by
+    position as HF scores it."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    llm = make_llm(tiny_llama_dir, block_size=8, num_blocks=20, max_num_batched_tokens=16,
+                   preemption_mode="recompute")
+    vocab = llm.get_tokenizer().vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(10, 60))] for _ in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(8, 40), ignore_eos=True,
+                             prompt_logprobs=rng.choice([None, 0, 2])) for _ in prompts]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert llm.llm_engine.scheduler.counters.num_preemptions > 0, f"seed {seed}"
+    for prompt, out, p in zip(prompts, outputs, params, strict=True):
+        if p.prompt_logprobs is None:
+            assert out.prompt_logprobs is None, f"seed {seed}"
+        else:
+            _check_against_hf(tiny_llama_dir, prompt, out.prompt_logprobs, p.prompt_logprobs)
+
+
+def test_prompt_logprobs_are_checked():
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be between 0 and 20, got 21"):
+        SamplingParams(prompt_logprobs=21)
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be an int"):
+        SamplingParams(prompt_logprobs=1.5)
