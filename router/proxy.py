@@ -509,6 +509,8 @@ class RoutedRequest:
         resume.sampling.min_tokens = max(0, sampling.min_tokens - generated)
         if resume.sampling.HasField("structured_outputs"):  # its grammar goes on after them
             resume.sampling.structured_outputs.resumed_tokens += generated
+        if generated:  # the client has the prompt's logprobs: they came with its first token
+            resume.sampling.ClearField("prompt_logprobs")
         self.resumed_at = generated
         self.resumed_logprob = progress.cumulative_logprob or 0.0
         return resume

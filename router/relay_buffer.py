@@ -19,6 +19,8 @@ from pagedgen_api import generation_pb2 as pb
 def message_size(message: pb.GenerateStreamResponse) -> int:
     """Tokens in a message, each top logprob counted as one more."""
     size = 0
+    for logprob in message.prompt_logprobs:
+        size += 1 + len(logprob.top)
     for choice in message.choices:
         size += len(choice.token_ids)
         for logprob in choice.logprobs:
@@ -47,6 +49,7 @@ def merge_messages(older: pb.GenerateStreamResponse, newer: pb.GenerateStreamRes
             kept.cumulative_logprob = choice.cumulative_logprob
     older.usage.CopyFrom(newer.usage)
     older.finished = newer.finished
+    older.prompt_logprobs.extend(newer.prompt_logprobs)  # in one message of a stream
 
 
 class RelayBuffer:

@@ -173,7 +173,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
         return pb.GenerateResponse(
             request_id=gathered.request_id,
             completions=sorted(gathered.choices, key=lambda choice: choice.index),
-            usage=gathered.usage)
+            usage=gathered.usage, prompt_logprobs=gathered.prompt_logprobs)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         caller = await self.door.caller(context)

@@ -94,6 +94,7 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput,
         older.outputs = sorted(by_index.values(), key=lambda c: c.index)
     for name in ("finished", "num_cached_tokens", "finished_time"):
         setattr(older, name, getattr(newer, name))
+    older.prompt_logprobs = older.prompt_logprobs or newer.prompt_logprobs  # in one output
     older.first_token_time = older.first_token_time or newer.first_token_time
     return older
 
@@ -207,6 +208,8 @@ class OutputBuffer:
 def _output_size(output: RequestOutput) -> int:
     """An output's new tokens, each top logprob counted as one more (what a message carries)."""
     size = 0
+    for logprob in output.prompt_logprobs or ():
+        size += 0 if logprob is None else 1 + len(logprob.top)
     for completion in output.outputs:
         size += len(completion.token_ids_delta)
         for logprob in completion.logprobs_delta or ():

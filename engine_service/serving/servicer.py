@@ -22,6 +22,7 @@ from engine_service.core.outputs import CompletionOutput, RequestOutput
 from engine_service.core.stats import EngineStats
 from engine_service.index.link import IndexUnavailableError, PinRefusedError
 from engine_service.model.sampling_params import MAX_LOGPROBS, MAX_N
+from engine_service.model.token_logprobs import TokenLogprobs
 from engine_service.serving.async_engine import AsyncEngine
 from engine_service.serving.core_client import CoreClient
 from engine_service.serving.metrics import EngineMetrics
@@ -152,6 +153,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         choices=choices,
                         usage=_usage(output),
                         finished=output.finished,
+                        prompt_logprobs=_prompt_logprobs(output),
                     )
                     send.since = None  # written: the transport took it
         except BaseException as error:
@@ -173,14 +175,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             valid, caller = await self._admit(request, context)
             last = None
+            prompt_logprobs = []  # in one output, the first once the prompt is computed
             async with contextlib.aclosing(self._run(valid, caller, context)) as outputs:
                 async for output in outputs:
                     last = output
+                    prompt_logprobs = prompt_logprobs or _prompt_logprobs(output)
             assert last is not None and last.finished
             return pb.GenerateResponse(
                 request_id=valid.request_id,
                 completions=[_completion(c, delta=False) for c in last.outputs],
                 usage=_usage(last),
+                prompt_logprobs=prompt_logprobs,
             )
         except BaseException as error:
             code = _ended_with(error, context, timeout_s)
@@ -539,21 +544,29 @@ def _newly_finished(completion: CompletionOutput, finished_indices: set[int]) ->
     return True
 
 
+def _token_logprob(lp: TokenLogprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()],
+    )
+
+
+def _prompt_logprobs(output: RequestOutput) -> list[pb.TokenLogprob]:
+    """The prompt's scored tokens (the first has none: it is left out), or nothing."""
+    if not output.prompt_logprobs:
+        return []
+    return [_token_logprob(lp) for lp in output.prompt_logprobs[1:]]
+
+
 def _completion(c: CompletionOutput, delta: bool) -> pb.Completion:
     logprobs = c.logprobs_delta if delta else c.logprobs
     message = pb.Completion(
         index=c.index,
         text=c.text_delta if delta else c.text,
         token_ids=c.token_ids_delta if delta else c.token_ids,
-        logprobs=[
-            pb.TokenLogprob(
-                token_id=lp.token_id,
-                logprob=lp.logprob,
-                rank=lp.rank,
-                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()],
-            )
-            for lp in logprobs or ()
-        ],
+        logprobs=[_token_logprob(lp) for lp in logprobs or ()],
         finish_reason=FINISH_REASONS[c.finish_reason],
     )
     if c.cumulative_logprob is not None:

@@ -35,7 +35,7 @@ _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "ignore_eos",
     "logprobs", "include_stop_str_in_output", "skip_special_tokens", "beam_width",
-    "length_penalty",
+    "length_penalty", "prompt_logprobs",
 )
 EARLY_STOPPING = {
     pb.EARLY_STOPPING_FALSE: False,

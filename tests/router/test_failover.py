@@ -28,12 +28,12 @@ from tests.router.test_routing import PREFIX_BLOCKS, prompt, with_suffix
 MAX_TOKENS = 300
 
 
-def stream_request(ids: list[int], request_id: str, logprobs: int | None = None
-                   ) -> pb.GenerateRequest:
+def stream_request(ids: list[int], request_id: str, logprobs: int | None = None,
+                   prompt_logprobs: int | None = None) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=request_id, token_ids=pb.TokenIds(ids=ids),
         sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                   logprobs=logprobs))
+                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs))
 
 
 def busy_engine(stack) -> str:
@@ -61,23 +61,31 @@ def test_a_replica_killed_mid_stream_is_invisible_to_the_client(stack, router_st
                                                       timeout=120) for c in m.choices
                 for t in c.token_ids]
     assert len(baseline) == MAX_TOKENS
-    call = router_stub.GenerateStream(stream_request(ids, "survivor", logprobs=0), timeout=120)
+    # With the prompt's logprobs too: the resumed request does not score its longer prompt.
+    call = router_stub.GenerateStream(stream_request(ids, "survivor", logprobs=0,
+                                                     prompt_logprobs=1), timeout=120)
     tokens: list[int] = []
     logprobs: list[float] = []
+    prompt_scores: list[list[int]] = []
     messages = iter(call)
     while len(tokens) < 5:
         message = next(messages)
         tokens += [t for c in message.choices for t in c.token_ids]
         logprobs += [lp.logprob for c in message.choices for lp in c.logprobs]
+        if message.prompt_logprobs:
+            prompt_scores.append([lp.token_id for lp in message.prompt_logprobs])
     victim = wait_until(lambda: busy_engine(stack), what="the replica running the stream")
     stack.kill_engine(victim)
     last = None
     for message in messages:
         tokens += [t for c in message.choices for t in c.token_ids]
         logprobs += [lp.logprob for c in message.choices for lp in c.logprobs]
+        if message.prompt_logprobs:
+            prompt_scores.append([lp.token_id for lp in message.prompt_logprobs])
         last = message
     assert last is not None and last.finished
     assert tokens == baseline
+    assert prompt_scores == [ids[1:]]
     # The cumulative logprob goes on from where the failed replica's left off.
     assert len(logprobs) == MAX_TOKENS
     assert last.choices[-1].cumulative_logprob == pytest.approx(sum(logprobs), abs=1e-6)

@@ -252,6 +252,22 @@ def test_cumulative_logprobs_reach_the_client_whole(router_stub):
     assert streamed[-1].cumulative_logprob == pytest.approx(sampled.cumulative_logprob, abs=1e-5)
 
 
+def test_prompt_logprobs_reach_the_client_once(router_stub):
+    """Through the router: once in a stream (the first token's message), in the unary reply."""
+    ids = prompt(4)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2))
+    unary = router_stub.Generate(request, timeout=60)
+    assert [lp.token_id for lp in unary.prompt_logprobs] == ids[1:]
+    assert all(len(lp.top) >= 2 and lp.rank >= 1 for lp in unary.prompt_logprobs)
+    streamed = [m.prompt_logprobs for m in router_stub.GenerateStream(request, timeout=60)
+                if m.prompt_logprobs]
+    assert len(streamed) == 1
+    assert [lp.token_id for lp in streamed[0]] == ids[1:]
+    assert [lp.logprob for lp in streamed[0]] == pytest.approx(
+        [lp.logprob for lp in unary.prompt_logprobs], abs=1e-5)
+
+
 def test_a_request_that_does_not_decode_is_invalid_argument(stack):
     """As at the engine (engine_service/serving/wire_errors.py): a client's bad bytes are its
     error, not UNKNOWN with a traceback in the router's log."""

@@ -59,6 +59,35 @@ def test_stream_and_unary_give_the_same_result(stub, name):
         16 if usage.prompt_tokens % 16 == 0 else 0)
 
 
+def test_prompt_logprobs_come_once_and_match_the_offline_api(stub, offline_llm):
+    """In one stream message (the first token's), in the unary reply, as the offline API scores
+    the prompt; the second request's prompt is cached, but a scored prompt reads no cache."""
+    ids = [1, 504, 3458, 2040, 30, 260, 3458, 2040, 30, 260, 504, 3458, 2040, 30, 260, 1,
+           504, 3458, 2040, 30, 260]
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2))
+    messages = list(stub.GenerateStream(request, timeout=60))
+    carrying = [i for i, m in enumerate(messages) if m.prompt_logprobs]
+    assert len(carrying) == 1
+    first_token = next(i for i, m in enumerate(messages) if any(c.token_ids for c in m.choices))
+    assert carrying == [first_token]
+    unary = stub.Generate(request, timeout=60)
+    assert list(unary.prompt_logprobs) == list(messages[carrying[0]].prompt_logprobs)
+    assert unary.usage.cached_tokens == 0
+    [reference] = offline_llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2))
+    assert reference.prompt_logprobs[0] is None
+    assert len(unary.prompt_logprobs) == len(ids) - 1
+    for wire, local, token in zip(unary.prompt_logprobs, reference.prompt_logprobs[1:], ids[1:],
+                                  strict=True):
+        assert wire.token_id == local.token_id == token and wire.rank == local.rank
+        assert wire.logprob == pytest.approx(local.logprob, abs=1e-5)
+        assert {t.token_id: pytest.approx(t.logprob, abs=1e-5) for t in wire.top} == local.top
+    plain = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        temperature=0, max_tokens=3, ignore_eos=True))
+    assert not stub.Generate(plain, timeout=60).prompt_logprobs
+
+
 def test_request_id_is_echoed_or_generated(stub):
     params = pb.SamplingParams(temperature=0, max_tokens=2)
     named = stub.Generate(pb.GenerateRequest(request_id="my-req.1", text="hi", sampling=params))

@@ -108,6 +108,9 @@ def bad_cases() -> list[BadCase]:
                 "sampling.min_p must be in [0, 1], got 2.0"),
         BadCase("too many logprobs", pb.GenerateRequest(text="x", sampling=sampling(
             logprobs=21)), INVALID, "sampling.logprobs must be between 0 and 20, got 21"),
+        BadCase("negative prompt logprobs", pb.GenerateRequest(text="x", sampling=sampling(
+            prompt_logprobs=-1)), INVALID,
+            "sampling.prompt_logprobs must be between 0 and 20, got -1"),
         BadCase("presence penalty out of range", pb.GenerateRequest(text="x", sampling=sampling(
             presence_penalty=3)), INVALID, "sampling.presence_penalty must be in [-2, 2]"),
         BadCase("repetition penalty 0", pb.GenerateRequest(text="x", sampling=sampling(
