@@ -35,7 +35,7 @@ from openai_api.backend import Backend, ServedModel
 from openai_api.call_context import CallAborted, HttpCallContext, StreamCalls
 from openai_api.disconnect import ClientGone, EventStream, unless_disconnected
 from openai_api.errors import ApiError, from_status
-from openai_api.from_engine import Renderer, usage_json
+from openai_api.from_engine import Renderer
 from openai_api.to_engine import (
     EngineCall,
     chat_call,
@@ -198,9 +198,24 @@ class _Api:
         call = completion_call(body, request_id, model.prompt_context)
         echo = None if call.echo_prompts is None else functools.partial(
             self._prompt_texts, request, call)
+        first_ids = await self._as_token_ids(request, call) if call.scores_prompt else None
         return await self._answer(request, call, Renderer(
             request_id, body.model or model.name, False, call.n, call.logprobs,
-            self.backend.token_texts, self.backend.token_bytes, echo))
+            self.backend.token_texts, self.backend.token_bytes, echo,
+            first_prompt_ids=first_ids, echo_only=call.echo_only))
+
+    async def _as_token_ids(self, request: Request, call: EngineCall) -> list[int]:
+        """Echo with logprobs: each text prompt tokenized (as Generate would) and sent as its
+        token ids, so it is tokenized once; each prompt's first token id (its logprob entry
+        leads, and only the tokens tell it)."""
+        first_ids = []
+        for wire, names in zip(call.requests, call.field_names, strict=True):
+            if wire.WhichOneof("input") == "text":
+                reply = await self._unary("Tokenize", pb.TokenizeRequest(text=wire.text),
+                                          names, _caller(request))
+                wire.token_ids.ids[:] = reply.token_ids  # replaces the text (the oneof)
+            first_ids.append(wire.token_ids.ids[0] if wire.token_ids.ids else 0)
+        return first_ids
 
     async def _prompt_texts(self, request: Request, call: EngineCall) -> list[str]:
         """The text of each prompt to echo: a text prompt's own, a token-id prompt's decoded
@@ -294,7 +309,7 @@ class _Api:
                         for chunk in render.role_chunks(len(call.requests)):
                             yield _event(chunk)
                     usages[prompt_index] = message.usage
-                    usage = usage_json(usages) if call.continuous_usage else None
+                    usage = render.usage(usages) if call.continuous_usage else None
                     for choice in await render.stream_choices(prompt_index, message):
                         yield _event(render.chunk([choice], usage))
         except ApiError as error:
@@ -310,7 +325,7 @@ class _Api:
             yield _event(_INTERNAL_ERROR.body())
         else:
             if call.include_usage:
-                yield _event(render.chunk([], usage_json(usages)))
+                yield _event(render.chunk([], render.usage(usages)))
         yield DONE
 
     async def _messages(self, call: EngineCall, calls: StreamCalls

@@ -55,9 +55,16 @@ class Renderer:
     # Completions with echo: makes each prompt's text, which its choices' text starts with;
     # called once, when the servicer has accepted the request (its first message or reply).
     echo_texts: Callable[[], Awaitable[list[str]]] | None = None
+    # Echo with logprobs: each prompt's first token id (nothing scores it; the engine's
+    # prompt_logprobs start at the second), whose entry leads a choice's logprobs.
+    first_prompt_ids: list[int] | None = None
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, 0 completion tokens
     created: int = field(default_factory=lambda: int(time.time()))
     _choices: dict[int, _ChoiceState] = field(default_factory=dict)
     _echo: list[str] | None = None
+    # A stream's prompt logprobs by prompt index, from the message that carried them (the
+    # first token's) until each of the prompt's choices has led with them.
+    _prompt_scores: dict[int, list[pb.TokenLogprob]] = field(default_factory=dict)
 
     @property
     def object_name(self) -> str:
@@ -76,15 +83,27 @@ class Renderer:
                 choice: dict = {"index": index}
                 if self.chat:
                     choice["message"] = {"role": "assistant", "content": c.text}
+                    choice["logprobs"] = await self._logprobs(index, c.logprobs)
                 else:
-                    choice["text"] = self._echoed(prompt_index) + c.text
-                choice["logprobs"] = await self._logprobs(index, c.logprobs)
+                    choice["text"] = self._echoed(prompt_index) + self._generated(c.text)
+                    choice["logprobs"] = await self._logprobs(
+                        index, self._generated(c.logprobs, []),
+                        self._prompt_part(prompt_index, reply.prompt_logprobs))
                 choice["finish_reason"] = FINISH_REASONS[c.finish_reason]
                 choice["stop_reason"] = stop_reason(c)
                 choices.append(choice)
         return {"id": self.request_id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": choices,
-                "usage": usage_json([r.usage for r in replies])}
+                "usage": self.usage([r.usage for r in replies])}
+
+    def usage(self, usages: list[pb.Usage]) -> dict:
+        """Usage as the client sees it: with echo alone (max_tokens 0), no completion tokens
+        (the one the engine generated is not returned)."""
+        out = usage_json(usages)
+        if self.echo_only:
+            out["total_tokens"] -= out["completion_tokens"]
+            out["completion_tokens"] = 0
+        return out
 
     # ---- stream chunks ------------------------------------------------------------------------
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
@@ -109,6 +128,8 @@ class Renderer:
                              ) -> list[dict]:
         """The stream choices of one servicer message: one per completion that progressed."""
         await self.prepare()
+        if message.prompt_logprobs:
+            self._prompt_scores[prompt_index] = list(message.prompt_logprobs)
         out = []
         for c in message.choices:
             index = self.choice_index(prompt_index, c)
@@ -119,14 +140,19 @@ class Renderer:
                 if not state.started:  # (beams arrive at the end, all at once)
                     state.started = True
                     choice["delta"]["role"] = "assistant"
+                choice["logprobs"] = await self._logprobs(index, c.logprobs)
             else:
-                choice["text"] = c.text
+                choice["text"] = self._generated(c.text)
+                prompt_part = None
                 if self._echo is not None:  # a choice's first chunk starts with the prompt
                     state = self._state(index)
                     if not state.echoed:
                         state.echoed = True
-                        choice["text"] = self._echo[prompt_index] + c.text
-            choice["logprobs"] = await self._logprobs(index, c.logprobs)
+                        choice["text"] = self._echo[prompt_index] + choice["text"]
+                        prompt_part = self._prompt_part(
+                            prompt_index, self._prompt_scores.get(prompt_index, ()))
+                choice["logprobs"] = await self._logprobs(
+                    index, self._generated(c.logprobs, []), prompt_part)
             choice["finish_reason"] = FINISH_REASONS[c.finish_reason]
             if c.finish_reason:
                 choice["stop_reason"] = stop_reason(c)
@@ -141,6 +167,17 @@ class Renderer:
     def _echoed(self, prompt_index: int) -> str:
         return "" if self._echo is None else self._echo[prompt_index]
 
+    def _generated(self, value, nothing=""):
+        """A completion's own text or logprobs: nothing with echo alone (max_tokens 0)."""
+        return nothing if self.echo_only else value
+
+    def _prompt_part(self, prompt_index: int, scored) -> tuple[int, list] | None:
+        """The first prompt token's id and the others' logprobs, when a choice leads with
+        them (echo with logprobs)."""
+        if self.first_prompt_ids is None:
+            return None
+        return self.first_prompt_ids[prompt_index], list(scored)
+
     # ---- logprobs -----------------------------------------------------------------------------
     def _state(self, index: int) -> _ChoiceState:
         state = self._choices.get(index)
@@ -148,11 +185,17 @@ class Renderer:
             state = self._choices[index] = _ChoiceState()
         return state
 
-    async def _logprobs(self, index: int, logprobs) -> dict | None:
+    async def _logprobs(self, index: int, logprobs, prompt: tuple[int, list] | None = None
+                        ) -> dict | None:
+        """prompt: (first prompt token id, the others' logprobs), which lead (echo): the first
+        token has no logprob and no top (null), as OpenAI's."""
         if self.logprobs is None:
             return None
+        if prompt is not None:
+            logprobs = prompt[1] + list(logprobs)
         ids = sorted({lp.token_id for lp in logprobs} | {t.token_id for lp in logprobs
-                                                          for t in lp.top})
+                                                          for t in lp.top}
+                     | ({prompt[0]} if prompt is not None else set()))
         texts = dict(zip(ids, await self.token_texts(ids), strict=True)) if ids else {}
         if self.chat:
             if self.token_bytes is not None and ids:
@@ -162,6 +205,13 @@ class Renderer:
             return {"content": [self._chat_token(lp, texts, raw) for lp in logprobs]}
         state = self._state(index)
         tokens, token_logprobs, tops, offsets = [], [], [], []
+        if prompt is not None:
+            text = texts[prompt[0]]
+            tokens.append(text)
+            token_logprobs.append(None)
+            tops.append(None)
+            offsets.append(state.text_offset)
+            state.text_offset += len(text)
         for lp in logprobs:
             text = texts[lp.token_id]
             tokens.append(text)

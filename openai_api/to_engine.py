@@ -3,7 +3,7 @@
 The values are the servicer's to judge: it validates the GenerateRequest as it validates a
 gRPC client's, and its refusals name the wire field, which `field_names` maps back to the
 client's. Refused here: only OpenAI's own forms and combinations of fields, which the wire
-has no place for (prompt forms, stream_options without a stream, echo with logprobs, ...).
+has no place for (prompt forms, stream_options without a stream, ...).
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ class EngineCall:
     # Completions with echo: each request's prompt, its text or its token ids, to go before
     # its completions' text (None: no echo).
     echo_prompts: list[str | list[int]] | None = None
+    # Echo with logprobs: the prompt tokens' logprobs go first, so each request goes as token
+    # ids (a text prompt is tokenized first: nothing scores the first token, whose id only
+    # the tokens tell). Echo with max_tokens 0: the prompt alone (one token is generated,
+    # as vLLM does, and not returned).
+    scores_prompt: bool = False
+    echo_only: bool = False
 
 
 def completion_call(req: CompletionRequest, request_id: str, max_model_len: int = 0
@@ -54,11 +60,8 @@ def completion_call(req: CompletionRequest, request_id: str, max_model_len: int 
     """`max_model_len`: the served model's context (0: not known), which no token-id prompt
     may pass."""
     prompts, batch = _prompts(req.prompt, max_model_len)
-    if req.echo and req.logprobs is not None:
-        # OpenAI's echo with logprobs gives the prompt's tokens logprobs too, which the
-        # engine does not compute (a prompt's logits are not kept past its last token).
-        raise bad_request("echo", f"echo must be false with logprobs (the prompt's logprobs "
-                                  f"are not served), got echo true and logprobs {req.logprobs}")
+    echo_only = bool(req.echo) and req.max_tokens == 0
+    max_tokens = 1 if echo_only else req.max_tokens
     requests, names = [], []
     for i, prompt in enumerate(prompts):
         wire = _generate_request(req, f"{request_id}-{i}" if batch else request_id)
@@ -66,13 +69,17 @@ def completion_call(req: CompletionRequest, request_id: str, max_model_len: int 
             wire.text = prompt
         else:
             wire.token_ids.ids.extend(prompt)
-        constraint = _set_sampling(wire.sampling, req, req.max_tokens, req.logprobs)
+        constraint = _set_sampling(wire.sampling, req, max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:  # OpenAI's: the prompt's tokens' too
+            wire.sampling.prompt_logprobs = req.logprobs
         where = f"prompt[{i}]" if batch else "prompt"
         requests.append(wire)
         names.append(_field_names(where, "max_tokens", "logprobs", constraint))
     call = _call(req, requests, names, req.logprobs, batch_prompt=batch)
     if req.echo:
         call.echo_prompts = prompts
+        call.scores_prompt = req.logprobs is not None
+        call.echo_only = echo_only
     return call
 
 
@@ -255,6 +262,7 @@ def _field_names(prompt: str, max_tokens: str, logprobs: str,
         "input": prompt, "text": prompt, "token_ids.ids": prompt, "token_ids": prompt,
         "prompt": prompt, "prompt_token_ids": prompt, "chat.messages": prompt,
         "chat": prompt, "sampling.max_tokens": max_tokens, "sampling.logprobs": logprobs,
+        "sampling.prompt_logprobs": logprobs,
         "sampling.beam_width": "n", "request": "request",
     }
     if constraint is not None:  # the engine names structured_outputs and its kind

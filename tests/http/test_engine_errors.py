@@ -30,9 +30,8 @@ def error_of(raised: pytest.ExceptionInfo) -> dict:
     ({"n": 0}, "n", "n must be between 1 and"),
     ({"top_p": 1.5}, "top_p", "top_p"),
     ({"stop": [1]}, "stop", "stop must be a string or a list of strings"),
-    ({"echo": True, "logprobs": 2}, "echo",
-     "echo must be false with logprobs (the prompt's logprobs are not served), got echo true "
-     "and logprobs 2"),
+    ({"echo": True, "logprobs": 21}, "logprobs", "logprobs must be between 0 and 20"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),  # (0 only with echo)
     ({"suffix": "x"}, "suffix", "suffix is not supported"),
     ({"extra_body": {"guided_json": None, "echo": False}}, None, None),  # asks for nothing
     ({"extra_body": {"guided_regex": "(abc"}}, "guided_regex",

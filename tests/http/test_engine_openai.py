@@ -138,6 +138,59 @@ def test_echo_puts_the_prompt_before_every_completion(client, http_engine, engin
     assert all(firsts[i].startswith(texts[i // 2]) for i in range(4))  # sent once, first
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, http_engine,
+                                                                 engine_stub):
+    """OpenAI's echo with logprobs (lm-eval's loglikelihood): a choice's logprobs start with
+    its prompt's tokens, the first with null, the others as the engine's prompt_logprobs;
+    then the completion's, as without echo. With max_tokens 0, the prompt alone."""
+    text_ids = list(engine_stub.Tokenize(pb.TokenizeRequest(text=PROMPT)).token_ids)
+    prompts = [PROMPT, [1, *text_ids[:5]]]
+    ids = [text_ids, prompts[1]]
+    scored = [engine_stub.Generate(pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
+            temperature=0, max_tokens=1, prompt_logprobs=2))).prompt_logprobs for p in ids]
+    texts = [PROMPT, engine_stub.Detokenize(pb.DetokenizeRequest(
+        token_ids=prompts[1], skip_special_tokens=False)).text]
+    plain = client.completions.create(model=http_engine.model, prompt=prompts, max_tokens=4,
+                                      temperature=0, logprobs=2)
+    echoed = client.completions.create(model=http_engine.model, prompt=prompts, max_tokens=4,
+                                       temperature=0, logprobs=2, echo=True)
+    streamed = list(client.completions.create(model=http_engine.model, prompt=prompts,
+                                              max_tokens=4, temperature=0, logprobs=2,
+                                              echo=True, stream=True))
+    alone = client.completions.create(model=http_engine.model, prompt=prompts, max_tokens=0,
+                                      temperature=0, logprobs=2, echo=True)
+    assert alone.usage.completion_tokens == 0
+    assert alone.usage.prompt_tokens == echoed.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    for i in range(2):
+        lp, without = echoed.choices[i].logprobs, plain.choices[i].logprobs
+        num_prompt = len(ids[i])
+        assert echoed.choices[i].text == texts[i] + plain.choices[i].text
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:num_prompt] == pytest.approx(
+            [s.logprob for s in scored[i]], abs=1e-5)
+        assert all(len(top) >= 2 for top in lp.top_logprobs[1:num_prompt])
+        assert lp.tokens[num_prompt:] == without.tokens
+        assert lp.token_logprobs[num_prompt:] == pytest.approx(without.token_logprobs, abs=1e-5)
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+        # Streamed: the same tokens and logprobs, the prompt's in the choice's first chunk.
+        pieces = [c.logprobs for chunk in streamed for c in chunk.choices if c.index == i]
+        assert len(pieces[0].tokens) > num_prompt
+        assert [t for p in pieces for t in p.tokens] == lp.tokens
+        assert [v for p in pieces for v in p.token_logprobs] == pytest.approx(
+            lp.token_logprobs, abs=1e-6)
+        # max_tokens 0: the prompt's text and its tokens alone.
+        only = alone.choices[i]
+        assert only.text == texts[i] and only.finish_reason == "length"
+        assert only.logprobs.tokens == lp.tokens[:num_prompt]
+        assert only.logprobs.token_logprobs == lp.token_logprobs[:num_prompt]
+    streamed_alone = list(client.completions.create(
+        model=http_engine.model, prompt=prompts[0], max_tokens=0, temperature=0, logprobs=2,
+        echo=True, stream=True, stream_options={"include_usage": True}))
+    assert stream_text(streamed_alone)[0] == {0: texts[0]}
+    assert streamed_alone[-1].usage.completion_tokens == 0
+
+
 def test_chat_n_streams_every_choice(client, http_engine):
     chunks = list(client.chat.completions.create(
         model=http_engine.model, messages=CHAT, n=3, max_tokens=5, temperature=1.0, seed=3,

@@ -104,8 +104,16 @@ def test_completions_and_chat_through_the_router(router, router_stub):
         ids = list(router_stub.Tokenize(pb.TokenizeRequest(text=PROMPT)).token_ids)
         echoed = client.completions.create(model=router.model, prompt=ids, max_tokens=10,
                                            temperature=0, echo=True)
+        # echo with logprobs: a text prompt is tokenized by the router's Tokenize, and the
+        # replica's prompt logprobs come through
+        scored = client.completions.create(model=router.model, prompt=PROMPT, max_tokens=0,
+                                           temperature=0, logprobs=1, echo=True)
     [choice] = whole.choices
     assert echoed.choices[0].text == PROMPT + choice.text
+    assert scored.choices[0].text == PROMPT and scored.usage.completion_tokens == 0
+    prompt_scores = scored.choices[0].logprobs.token_logprobs
+    assert len(prompt_scores) == len(ids) and prompt_scores[0] is None
+    assert all(v is not None and v <= 0 for v in prompt_scores[1:])
     assert texts_of(streamed) == {0: choice.text}
     assert streamed[-1].usage.completion_tokens == 10
     assert "".join(choice.logprobs.tokens) == choice.text
