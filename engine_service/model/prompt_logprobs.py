@@ -9,6 +9,11 @@ import torch
 
 from engine_service.model.token_logprobs import TokenLogprobs
 
+# Rows log-softmaxed at a time: a step may score as many rows as its token budget, and each
+# row's temporaries are vocabulary-sized (2,048 rows of a 128k vocabulary: 1 GiB of float32
+# each), on top of the logits themselves, which the memory plan does not count either.
+ROWS_PER_SLICE = 256
+
 
 def score_tokens(logits: torch.Tensor, token_ids: list[int],
                  num_tops: list[int]) -> list[TokenLogprobs]:
@@ -17,15 +22,22 @@ def score_tokens(logits: torch.Tensor, token_ids: list[int],
     host for the whole batch."""
     if not token_ids:
         return []
-    logprobs = logits.float().log_softmax(dim=-1)
     targets = torch.tensor(token_ids, device=logits.device, dtype=torch.long).unsqueeze(1)
-    chosen = logprobs.gather(1, targets).squeeze(1)
-    ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
     num_top = max(num_tops)
-    parts = [chosen.double(), ranks.double()]
+    chosen, ranks, top_values, top_ids = [], [], [], []
+    for start in range(0, len(token_ids), ROWS_PER_SLICE):
+        logprobs = logits[start : start + ROWS_PER_SLICE].float().log_softmax(dim=-1)
+        row_chosen = logprobs.gather(1, targets[start : start + ROWS_PER_SLICE])
+        chosen.append(row_chosen.squeeze(1))
+        ranks.append((logprobs > row_chosen).sum(dim=-1) + 1)
+        if num_top:
+            values, ids = logprobs.topk(num_top, dim=-1)
+            top_values.append(values.flatten())
+            top_ids.append(ids.flatten())
+        del logprobs  # freed before the next slice's is made
+    parts = [torch.cat(chosen).double(), torch.cat(ranks).double()]
     if num_top:
-        top_values, top_ids = logprobs.topk(num_top, dim=-1)
-        parts += [top_values.double().flatten(), top_ids.double().flatten()]
+        parts += [torch.cat(top_values).double(), torch.cat(top_ids).double()]
     # Token ids and ranks are exact in float64: one transfer, then plain lists.
     host = torch.cat(parts).tolist()
     num_rows = len(token_ids)
