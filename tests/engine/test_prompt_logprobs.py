@@ -10,7 +10,6 @@ from engine_service import SamplingParams
 from tests.engine.prompts import parity_prompts
 from tests.support.hf_reference import hf_teacher_forced_logprobs
 
-
 # Two float32 forwards (ours, HF's) agree to about 1e-5 on a logprob: a rank or a top-k
 # membership is checked up to the tokens within this of the one in question.
 TIE = 1e-4
