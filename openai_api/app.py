@@ -208,14 +208,17 @@ class _Api:
         """Echo with logprobs: each text prompt tokenized (as Generate would) and sent as its
         token ids, so it is tokenized once; each prompt's first token id (its logprob entry
         leads, and only the tokens tell it)."""
-        first_ids = []
-        for wire, names in zip(call.requests, call.field_names, strict=True):
-            if wire.WhichOneof("input") == "text":
-                reply = await self._unary("Tokenize", pb.TokenizeRequest(text=wire.text),
-                                          names, _caller(request))
-                wire.token_ids.ids[:] = reply.token_ids  # replaces the text (the oneof)
-            first_ids.append(wire.token_ids.ids[0] if wire.token_ids.ids else 0)
-        return first_ids
+        texts = [(wire, names) for wire, names in zip(call.requests, call.field_names,
+                                                      strict=True)
+                 if wire.WhichOneof("input") == "text"]
+        replies = await _all_or_none(
+            self._unary("Tokenize", pb.TokenizeRequest(text=wire.text), names, _caller(request))
+            for wire, names in texts)
+        for (wire, _), reply in zip(texts, replies, strict=True):
+            wire.token_ids.ids[:] = reply.token_ids  # replaces the text (the oneof)
+        # An empty id list ([[]]) is Generate's to refuse, which it does before anything is
+        # rendered: its placeholder is never read.
+        return [wire.token_ids.ids[0] if wire.token_ids.ids else -1 for wire in call.requests]
 
     async def _prompt_texts(self, request: Request, call: EngineCall) -> list[str]:
         """The text of each prompt to echo: a text prompt's own, a token-id prompt's decoded

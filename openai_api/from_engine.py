@@ -62,8 +62,8 @@ class Renderer:
     created: int = field(default_factory=lambda: int(time.time()))
     _choices: dict[int, _ChoiceState] = field(default_factory=dict)
     _echo: list[str] | None = None
-    # A stream's prompt logprobs by prompt index, from the message that carried them (the
-    # first token's) until each of the prompt's choices has led with them.
+    # A stream's prompt logprobs by prompt index, from the messages that carry them (up to
+    # the first token's), which each of the prompt's choices leads with.
     _prompt_scores: dict[int, list[pb.TokenLogprob]] = field(default_factory=dict)
 
     @property
@@ -89,8 +89,7 @@ class Renderer:
                     choice["logprobs"] = await self._logprobs(
                         index, self._generated(c.logprobs, []),
                         self._prompt_part(prompt_index, reply.prompt_logprobs))
-                choice["finish_reason"] = FINISH_REASONS[c.finish_reason]
-                choice["stop_reason"] = stop_reason(c)
+                choice["finish_reason"], choice["stop_reason"] = self._finish(c)
                 choices.append(choice)
         return {"id": self.request_id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": choices,
@@ -128,8 +127,8 @@ class Renderer:
                              ) -> list[dict]:
         """The stream choices of one servicer message: one per completion that progressed."""
         await self.prepare()
-        if message.prompt_logprobs:
-            self._prompt_scores[prompt_index] = list(message.prompt_logprobs)
+        if message.prompt_logprobs:  # (a long prompt's over several messages)
+            self._prompt_scores.setdefault(prompt_index, []).extend(message.prompt_logprobs)
         out = []
         for c in message.choices:
             index = self.choice_index(prompt_index, c)
@@ -153,9 +152,9 @@ class Renderer:
                             prompt_index, self._prompt_scores.get(prompt_index, ()))
                 choice["logprobs"] = await self._logprobs(
                     index, self._generated(c.logprobs, []), prompt_part)
-            choice["finish_reason"] = FINISH_REASONS[c.finish_reason]
+            choice["finish_reason"] = self._finish(c)[0]
             if c.finish_reason:
-                choice["stop_reason"] = stop_reason(c)
+                choice["stop_reason"] = self._finish(c)[1]
             out.append(choice)
         return out
 
@@ -167,9 +166,17 @@ class Renderer:
     def _echoed(self, prompt_index: int) -> str:
         return "" if self._echo is None else self._echo[prompt_index]
 
-    def _generated(self, value, nothing=""):
+    def _generated(self, value: str | list, nothing: str | list = "") -> str | list:
         """A completion's own text or logprobs: nothing with echo alone (max_tokens 0)."""
         return nothing if self.echo_only else value
+
+    def _finish(self, c: pb.Completion) -> tuple[str | None, str | int | None]:
+        """finish_reason and stop_reason; with echo alone, "length" (max_tokens 0 reached)
+        whatever ended the token the engine generated and dropped (EOS, a stop string)."""
+        reason = FINISH_REASONS[c.finish_reason]
+        if self.echo_only and reason in ("stop", "length"):
+            return "length", None
+        return reason, stop_reason(c)
 
     def _prompt_part(self, prompt_index: int, scored) -> tuple[int, list] | None:
         """The first prompt token's id and the others' logprobs, when a choice leads with

@@ -61,6 +61,9 @@ def completion_call(req: CompletionRequest, request_id: str, max_model_len: int 
     may pass."""
     prompts, batch = _prompts(req.prompt, max_model_len)
     echo_only = bool(req.echo) and req.max_tokens == 0
+    if echo_only and req.min_tokens:
+        raise bad_request("min_tokens", f"min_tokens must be 0 with max_tokens 0 (echo: the "
+                                        f"prompt alone), got {req.min_tokens}")
     max_tokens = 1 if echo_only else req.max_tokens
     requests, names = [], []
     for i, prompt in enumerate(prompts):

@@ -111,6 +111,9 @@ class RoutedRequest:
         self.progress: dict[int, Progress] = {}
         self.first_usage: pb.Usage | None = None  # from the first replica that answered
         self.resumed_at = 0  # tokens generated before the latest switch of replica
+        # The prompt's logprobs (sampling.prompt_logprobs) are on their way to the client: a
+        # resumed request does not ask for them again (its longer prompt's would follow).
+        self.prompt_scored = False
         # Their logprob sum: a resumed replica's cumulative_logprob counts only its own tokens.
         self.resumed_logprob = 0.0
         self.resumed_text: ResumedText | None = None  # the text, from the first switch on
@@ -440,6 +443,7 @@ class RoutedRequest:
     def _record(self, message: pb.GenerateStreamResponse) -> pb.GenerateStreamResponse:
         """Notes what the client receives; after a switch, rewrites usage to the original
         prompt and every token generated."""
+        self.prompt_scored = self.prompt_scored or bool(message.prompt_logprobs)
         for choice in message.choices:
             progress = self.progress.setdefault(choice.index, Progress())
             if choice.HasField("cumulative_logprob"):
@@ -509,7 +513,7 @@ class RoutedRequest:
         resume.sampling.min_tokens = max(0, sampling.min_tokens - generated)
         if resume.sampling.HasField("structured_outputs"):  # its grammar goes on after them
             resume.sampling.structured_outputs.resumed_tokens += generated
-        if generated:  # the client has the prompt's logprobs: they came with its first token
+        if self.prompt_scored:
             resume.sampling.ClearField("prompt_logprobs")
         self.resumed_at = generated
         self.resumed_logprob = progress.cumulative_logprob or 0.0

@@ -17,10 +17,9 @@ from pagedgen_api import generation_pb2 as pb
 
 
 def message_size(message: pb.GenerateStreamResponse) -> int:
-    """Tokens in a message, each top logprob counted as one more."""
+    """Tokens in a message, each top logprob counted as one more; not its prompt logprobs
+    (once per request and bounded by the context: the bound is for what grows)."""
     size = 0
-    for logprob in message.prompt_logprobs:
-        size += 1 + len(logprob.top)
     for choice in message.choices:
         size += len(choice.token_ids)
         for logprob in choice.logprobs:

@@ -644,8 +644,12 @@ class LLMEngine:
             else self._beam_completions(group)
         )
         prompt_logprobs = None
+        # With the first token (a chunk can end where the prompt is all scored and the last
+        # position, which samples, is not computed yet): a stream resumed after its first
+        # token never asks for them again (router/proxy.py).
         if (group.prompt_logprobs is not None and not group.prompt_logprobs_sent
-                and not group.scores_prompt):
+                and not group.scores_prompt
+                and (group.first_token_time is not None or finished)):
             prompt_logprobs, group.prompt_logprobs_sent = group.prompt_logprobs, True
         return RequestOutput(
             request_id=group.request_id,

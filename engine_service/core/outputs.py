@@ -49,7 +49,7 @@ class RequestOutput:
     first_token_time: float | None = None
     finished_time: float | None = None
     # params.prompt_logprobs set: one TokenLogprobs per prompt token, None for the first. In
-    # one output only: the first made once the prompt is computed (the final one offline).
+    # one output only: the one with the first token (or the final one, offline or aborted).
     prompt_logprobs: list | None = None
 
 

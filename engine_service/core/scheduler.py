@@ -15,7 +15,11 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine_service.core.kv_cache_manager import KVCacheManager
-from engine_service.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from engine_service.core.scheduler_output import (
+    MAX_SCORED_TOKENS_PER_STEP,
+    ScheduledSeq,
+    SchedulerOutput,
+)
 from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -74,6 +78,9 @@ class Scheduler:
         # out, preempted, finished, aborted): the engine recomputes the pin budget's demand
         # only then, not every step.
         self.num_running_changes = 0
+        # This step's room for prompt tokens of requests scoring their prompt (reset by
+        # schedule()).
+        self._scored_tokens_left = MAX_SCORED_TOKENS_PER_STEP
         self._watermark_blocks = int(config.admission_watermark * kv.pool.num_blocks)
 
     # ---- queues -------------------------------------------------------------------------
@@ -124,6 +131,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._scored_tokens_left = MAX_SCORED_TOKENS_PER_STEP
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._swap_in()
@@ -183,7 +191,11 @@ class Scheduler:
                         budget -= 1
                         index += 1
                         continue
-            plans = self._plan(group, budget)
+            scores_prompt = group.scores_prompt
+            plans = self._plan(group, min(budget, self._scored_tokens_left) if scores_prompt
+                               else budget)
+            if scores_prompt:
+                self._scored_tokens_left -= sum(num_new for _, num_new in plans)
             if not plans:
                 index += 1
                 continue
@@ -349,6 +361,10 @@ class Scheduler:
             # next step together, once the parked ones have caught up (see _plan).
             hold_back = int(group.beam is not None and bool(followers))
             num_new = min(leader.num_tokens - num_cached - hold_back, budget)
+            if scores_prompt:
+                if not self._scored_tokens_left:
+                    return  # next step (it keeps its place in the queue)
+                num_new = min(num_new, self._scored_tokens_left)
             needed = self.kv.blocks_to_admit(leader, hits, num_new) + held_blocks
             if needed + self._watermark() > self._free_for(needed, not self.running):
                 return
@@ -366,6 +382,8 @@ class Scheduler:
             self.waiting.pop(index)
             self.num_running_changes += 1
             self.kv.admit(leader, hits, num_new, group.cache_salt)
+            if scores_prompt:
+                self._scored_tokens_left -= num_new
             leader.num_computed_tokens = num_cached
             if defer:
                 in_flight.update(self.kv.blocks_in_flight(leader))
@@ -373,7 +391,8 @@ class Scheduler:
             num_running += num_seqs
             if group.num_cached_tokens is None:
                 group.num_cached_tokens = num_cached
-                self.kv.record_query(leader.num_prompt_tokens, num_cached)
+                if not scores_prompt:  # (it looked nothing up: no miss for the hit rate)
+                    self.kv.record_query(leader.num_prompt_tokens, num_cached)
             for seq in followers:
                 seq.status = SequenceStatus.PARKED
             self._unpark(group)

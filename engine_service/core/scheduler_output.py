@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 
 from engine_service.core.sequence import Sequence, SequenceGroup
 
+# Prompt tokens a step computes for requests scoring their prompt (prompt_logprobs): each is a
+# logits row (vocabulary-sized, float32) beside the sampled ones, which the profiled forward
+# counts too (ModelRunner.profile_run), so the KV plan leaves room for them.
+MAX_SCORED_TOKENS_PER_STEP = 256
+
 
 @dataclass(slots=True)
 class BlockMoves:

@@ -6,7 +6,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine_service.core.scheduler_output import BlockMoves, ScheduledSeq
+from engine_service.core.scheduler_output import (
+    MAX_SCORED_TOKENS_PER_STEP,
+    BlockMoves,
+    ScheduledSeq,
+)
 from engine_service.model.config import ModelConfig
 from engine_service.model.cpu_malloc import keep_step_buffers
 from engine_service.model.cuda_graphs import DecodeGraphs
@@ -17,6 +21,8 @@ from engine_service.model.loader import load_model, model_weight_bytes
 from engine_service.model.memory_plan import check_weights_fit
 from engine_service.model.mixed_graphs import MixedGraphs
 from engine_service.model.models.llama import StepContext, rope_cos_sin_cache
+from engine_service.model.prompt_logprobs import score_tokens
+from engine_service.model.sampling_params import MAX_LOGPROBS
 from engine_service.model.step_inputs import StepInputs, prefill_batch
 from kernels import get_kernel_backend
 
@@ -141,8 +147,14 @@ class ModelRunner:
             self.kv_cache_shape(batch.num_blocks), dtype=self.dtype, device=self.device
         )
         scratch_bytes = self.kv_caches.numel() * self.kv_caches.element_size()
+        # A step may also score prompt tokens (prompt_logprobs): their logits rows and the
+        # scoring's temporaries are part of its peak.
+        num_scored = min(num_tokens, MAX_SCORED_TOKENS_PER_STEP)
+        batch.inputs.sample_rows.extend(range(num_scored))
         try:
-            self.run_batch(batch.inputs)
+            logits = self.run_batch(batch.inputs)
+            score_tokens(logits[-num_scored:, : self.config.vocab_size], [0] * num_scored,
+                         [MAX_LOGPROBS] * num_scored)
         finally:
             self.kv_caches = torch.empty(0)
         return scratch_bytes
@@ -230,7 +242,7 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(query_start_loc[-1] - 1)
         if scores_prompts:
-            for item, first_row in zip(scheduled, query_start_loc, strict=False):
+            for item, first_row in zip(scheduled, query_start_loc[:-1], strict=True):
                 if item.prompt_positions:
                     offset = first_row - item.seq.num_computed_tokens
                     sample_rows.extend(offset + p for p in item.prompt_positions)

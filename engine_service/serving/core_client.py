@@ -206,10 +206,10 @@ class OutputBuffer:
 
 
 def _output_size(output: RequestOutput) -> int:
-    """An output's new tokens, each top logprob counted as one more (what a message carries)."""
+    """An output's new tokens, each top logprob counted as one more (what a message carries).
+    Not its prompt logprobs: they come once, bounded by the context, and counting them would
+    end an unread stream for its first message alone (the bound is for what grows)."""
     size = 0
-    for logprob in output.prompt_logprobs or ():
-        size += 0 if logprob is None else 1 + len(logprob.top)
     for completion in output.outputs:
         size += len(completion.token_ids_delta)
         for logprob in completion.logprobs_delta or ():

@@ -43,6 +43,9 @@ from tenancy.gate import Caller
 from tenancy.request_ids import scoped_request_id
 
 log = logging.getLogger(__name__)
+# A stream message carries at most this many prompt logprob entries (a token and each of its
+# top ones): about 1 MiB on the wire (16-byte TopLogprobs).
+PROMPT_LOGPROB_ENTRIES_PER_MESSAGE = 65_536
 # A generation's text or chat input longer than this (in characters) is tokenized on the text
 # worker, not on the event loop: a 131,000-character prompt held the loop ~0.1 s, and every
 # other stream with it (a flood of them: 0.3 s gaps in another client's stream), and a
@@ -145,17 +148,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         newly_finished = _newly_finished(c, finished_indices)
                         if c.token_ids_delta or c.text_delta or newly_finished:
                             choices.append(_completion(c, delta=True))
-                    if not send.headers_sent:
-                        await self.send_stalls.send_headers(send)
-                    send.since = time.monotonic()
-                    yield pb.GenerateStreamResponse(
-                        request_id=valid.request_id,
-                        choices=choices,
-                        usage=_usage(output),
-                        finished=output.finished,
-                        prompt_logprobs=_prompt_logprobs(output),
-                    )
-                    send.since = None  # written: the transport took it
+                    for message in _stream_messages(valid.request_id, output, choices):
+                        if not send.headers_sent:
+                            await self.send_stalls.send_headers(send)
+                        send.since = time.monotonic()
+                        yield message
+                        send.since = None  # written: the transport took it
         except BaseException as error:
             # (the mark, not the call's code: a stream stalled in sending its headers ends
             # before its status is set (_end), and one over HTTP has no status)
@@ -551,6 +549,26 @@ def _token_logprob(lp: TokenLogprobs) -> pb.TokenLogprob:
         rank=lp.rank,
         top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()],
     )
+
+
+def _stream_messages(request_id: str, output: RequestOutput, choices: list[pb.Completion]
+                     ) -> tuple[pb.GenerateStreamResponse, ...]:
+    """An output's stream message; with prompt logprobs, as many as keep each message under
+    about 1 MiB (a 16k-token prompt's at top-20 is 5 MiB, past gRPC's default 4 MiB receive
+    limit), the output's own last."""
+    usage = _usage(output)
+    if not output.prompt_logprobs:  # nearly every message
+        return (pb.GenerateStreamResponse(request_id=request_id, choices=choices, usage=usage,
+                                          finished=output.finished),)
+    scored = _prompt_logprobs(output)  # (none for a one-token prompt)
+    per_message = max(1, PROMPT_LOGPROB_ENTRIES_PER_MESSAGE // (len(scored[0].top) + 1)
+                      if scored else 1)
+    pieces = [scored[i : i + per_message] for i in range(0, len(scored), per_message)] or [[]]
+    leading = tuple(pb.GenerateStreamResponse(request_id=request_id, usage=usage,
+                                              prompt_logprobs=piece) for piece in pieces[:-1])
+    return leading + (pb.GenerateStreamResponse(request_id=request_id, choices=choices,
+                                                usage=usage, finished=output.finished,
+                                                prompt_logprobs=pieces[-1]),)
 
 
 def _prompt_logprobs(output: RequestOutput) -> list[pb.TokenLogprob]:

@@ -115,3 +115,50 @@ def test_scoring_in_slices_gives_each_row_its_own_scores():
         assert entry.logprob == pytest.approx(row[token_ids[r]].item(), abs=1e-5)
         assert entry.rank == 1 + int((row > row[token_ids[r]]).sum())
         assert set(entry.top) == set(row.topk(num_tops[r]).indices.tolist()) | {token_ids[r]}
+
+
+def test_prompt_logprobs_come_with_the_first_token(tiny_llama_dir, make_llm):
+    """A 17-token prompt under a 16-token budget: the first step scores every prompt token
+    (positions 0-15) but samples nothing (position 16 is next step's): its output carries no
+    prompt logprobs; the next one, with the first token, carries them, once."""
+    llm = make_llm(tiny_llama_dir, block_size=8, num_blocks=64, max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    prompt = parity_prompts(llm.get_tokenizer())[5][:17]
+    assert len(prompt) == 17
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=3,
+                                                   ignore_eos=True, prompt_logprobs=1))
+    carried = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = [t for c in out.outputs for t in c.token_ids_delta]
+            carried.append((len(out.prompt_logprobs or ()), len(tokens)))
+    assert carried[0] == (0, 0)  # all scored, no token yet
+    assert carried[1][0] == 17 and carried[1][1] == 1
+    assert all(num_scored == 0 for num_scored, _ in carried[2:])
+
+
+def test_a_step_scores_at_most_its_cap_of_prompt_tokens(tiny_llama_dir, make_llm):
+    """A long prompt being scored runs MAX_SCORED_TOKENS_PER_STEP tokens a step (each is a
+    vocabulary-sized logits row), while a plain prompt beside it takes the rest of the budget."""
+    from engine_service.core.scheduler_output import MAX_SCORED_TOKENS_PER_STEP as CAP
+
+    llm = make_llm(tiny_llama_dir, block_size=16, num_blocks=256)
+    engine = llm.llm_engine
+    rng = random.Random(3)
+    vocab = llm.get_tokenizer().vocab_size
+    scored_prompt = [rng.randrange(vocab) for _ in range(2 * CAP + 88)]
+    plain_prompt = [rng.randrange(vocab) for _ in range(2 * CAP + 88)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("scored", scored_prompt, SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1))
+    engine.add_request("plain", plain_prompt, params)
+    computed, outputs = [], {}
+    while engine.has_unfinished_requests():
+        before = engine.num_computed_tokens
+        for out in engine.step():
+            outputs.setdefault(out.request_id, out.prompt_logprobs)
+            outputs[out.request_id] = outputs[out.request_id] or out.prompt_logprobs
+        computed.append(engine.num_computed_tokens - before)
+    assert computed[:3] == [CAP + len(plain_prompt), CAP + 1, 88 + 1]
+    _check_against_hf(tiny_llama_dir, scored_prompt, outputs["scored"], 1)
+    assert outputs["plain"] is None

@@ -32,6 +32,11 @@ def error_of(raised: pytest.ExceptionInfo) -> dict:
     ({"stop": [1]}, "stop", "stop must be a string or a list of strings"),
     ({"echo": True, "logprobs": 21}, "logprobs", "logprobs must be between 0 and 20"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),  # (0 only with echo)
+    ({"max_tokens": 0, "echo": True, "extra_body": {"min_tokens": 2}}, "min_tokens",
+     "min_tokens must be 0 with max_tokens 0 (echo: the prompt alone), got 2"),
+    ({"prompt": "", "echo": True, "logprobs": 1}, "prompt", "must be a non-empty string"),
+    ({"prompt": ["ok", []], "echo": True, "logprobs": 1}, "prompt[1]",
+     "must hold at least one token id"),
     ({"suffix": "x"}, "suffix", "suffix is not supported"),
     ({"extra_body": {"guided_json": None, "echo": False}}, None, None),  # asks for nothing
     ({"extra_body": {"guided_regex": "(abc"}}, "guided_regex",

@@ -184,6 +184,11 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, http_en
         assert only.text == texts[i] and only.finish_reason == "length"
         assert only.logprobs.tokens == lp.tokens[:num_prompt]
         assert only.logprobs.token_logprobs == lp.token_logprobs[:num_prompt]
+    # The token generated and dropped ends with EOS (forced): still "length", no stop reason.
+    eos = client.completions.create(model=http_engine.model, prompt=PROMPT, max_tokens=0,
+                                    echo=True, logit_bias={"2": 100})
+    assert eos.choices[0].text == PROMPT and eos.choices[0].finish_reason == "length"
+    assert eos.choices[0].model_extra["stop_reason"] is None
     streamed_alone = list(client.completions.create(
         model=http_engine.model, prompt=prompts[0], max_tokens=0, temperature=0, logprobs=2,
         echo=True, stream=True, stream_options={"include_usage": True}))
