@@ -51,6 +51,8 @@ COMMANDS = {
                                   "JSON replies valid with and without a schema, and the cost"),
     "grammar-cancel": Command("bench.grammar_cancel",
                               "a constrained request's wait behind a cancelled slow compile"),
+    "prompt-scoring": Command("bench.prompt_scoring",
+                              "prompts scored (prompt_logprobs) against HF's forward"),
 }
 
 

@@ -9,9 +9,8 @@ import torch
 
 from engine_service.model.token_logprobs import TokenLogprobs
 
-# Rows log-softmaxed at a time: a step may score as many rows as its token budget, and each
-# row's temporaries are vocabulary-sized (2,048 rows of a 128k vocabulary: 1 GiB of float32
-# each), on top of the logits themselves, which the memory plan does not count either.
+# Rows scored at a time: each row's temporaries (a float32 copy of bfloat16 logits, the
+# comparison mask) are vocabulary-sized.
 ROWS_PER_SLICE = 256
 
 
@@ -26,15 +25,17 @@ def score_tokens(logits: torch.Tensor, token_ids: list[int],
     num_top = max(num_tops)
     chosen, ranks, top_values, top_ids = [], [], [], []
     for start in range(0, len(token_ids), ROWS_PER_SLICE):
-        logprobs = logits[start : start + ROWS_PER_SLICE].float().log_softmax(dim=-1)
-        row_chosen = logprobs.gather(1, targets[start : start + ROWS_PER_SLICE])
-        chosen.append(row_chosen.squeeze(1))
-        ranks.append((logprobs > row_chosen).sum(dim=-1) + 1)
+        # logprob = logit - logsumexp(row): read off the logits (no log-softmaxed copy of the
+        # rows), which rank the tokens as their logprobs do.
+        rows = logits[start : start + ROWS_PER_SLICE].float()
+        log_total = rows.logsumexp(dim=-1, keepdim=True)
+        target_logits = rows.gather(1, targets[start : start + ROWS_PER_SLICE])
+        chosen.append((target_logits - log_total).squeeze(1))
+        ranks.append((rows > target_logits).sum(dim=-1) + 1)
         if num_top:
-            values, ids = logprobs.topk(num_top, dim=-1)
-            top_values.append(values.flatten())
+            values, ids = rows.topk(num_top, dim=-1)
+            top_values.append((values - log_total).flatten())
             top_ids.append(ids.flatten())
-        del logprobs  # freed before the next slice's is made
     parts = [torch.cat(chosen).double(), torch.cat(ranks).double()]
     if num_top:
         parts += [torch.cat(top_values).double(), torch.cat(top_ids).double()]
