@@ -202,7 +202,8 @@ class _Api:
         return await self._answer(request, call, Renderer(
             request_id, body.model or model.name, False, call.n, call.logprobs,
             self.backend.token_texts, self.backend.token_bytes, echo,
-            first_prompt_ids=first_ids, echo_only=call.echo_only))
+            first_prompt_ids=first_ids, echo_only=call.echo_only,
+            prompt_logprobs=call.prompt_logprobs))
 
     async def _as_token_ids(self, request: Request, call: EngineCall) -> list[int]:
         """Echo with logprobs: each text prompt tokenized (as Generate would) and sent as its
@@ -249,7 +250,8 @@ class _Api:
             rest_of_context(wire, list(reply.token_ids), model.longest_sequence(call.n))
         return await self._answer(request, call, Renderer(
             request_id, body.model or model.name, True, call.n, call.logprobs,
-            self.backend.token_texts, self.backend.token_bytes))
+            self.backend.token_texts, self.backend.token_bytes,
+            prompt_logprobs=call.prompt_logprobs))
 
     def _model(self, name: str | None) -> ServedModel:
         """The served model `name` asks for (404 when none by that name); None asks for the

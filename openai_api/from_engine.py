@@ -39,6 +39,7 @@ class _ChoiceState:
     text_offset: int = 0  # characters of the completion so far (completions' text_offset)
     started: bool = False  # chat: the role chunk was sent
     echoed: bool = False  # completions with echo: the prompt's text was sent
+    scored: bool = False  # completions with vLLM's prompt_logprobs: they were sent
 
 
 @dataclass(slots=True)
@@ -59,6 +60,9 @@ class Renderer:
     # prompt_logprobs start at the second), whose entry leads a choice's logprobs.
     first_prompt_ids: list[int] | None = None
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone, 0 completion tokens
+    # vLLM's prompt_logprobs asked: each completions choice carries its prompt's (in its first
+    # chunk in a stream), a chat response its own
+    prompt_logprobs: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     _choices: dict[int, _ChoiceState] = field(default_factory=dict)
     _echo: list[str] | None = None
@@ -78,6 +82,9 @@ class Renderer:
         await self.prepare()
         choices = []
         for prompt_index, reply in enumerate(replies):
+            scored = None
+            if self.prompt_logprobs:  # the same list for each of the prompt's choices
+                scored = await self._vllm_prompt_logprobs(reply.prompt_logprobs)
             for c in reply.completions:
                 index = self.choice_index(prompt_index, c)
                 choice: dict = {"index": index}
@@ -90,10 +97,15 @@ class Renderer:
                         index, self._generated(c.logprobs, []),
                         self._prompt_part(prompt_index, reply.prompt_logprobs))
                 choice["finish_reason"], choice["stop_reason"] = self._finish(c)
+                if scored is not None and not self.chat:
+                    choice["prompt_logprobs"] = scored
                 choices.append(choice)
-        return {"id": self.request_id, "object": self.object_name, "created": self.created,
-                "model": self.model, "choices": choices,
-                "usage": self.usage([r.usage for r in replies])}
+        response = {"id": self.request_id, "object": self.object_name,
+                    "created": self.created, "model": self.model, "choices": choices,
+                    "usage": self.usage([r.usage for r in replies])}
+        if self.prompt_logprobs and self.chat:  # (one prompt)
+            response["prompt_logprobs"] = scored
+        return response
 
     def usage(self, usages: list[pb.Usage]) -> dict:
         """Usage as the client sees it: with echo alone (max_tokens 0), no completion tokens
@@ -152,6 +164,10 @@ class Renderer:
                             prompt_index, self._prompt_scores.get(prompt_index, ()))
                 choice["logprobs"] = await self._logprobs(
                     index, self._generated(c.logprobs, []), prompt_part)
+                if self.prompt_logprobs and not self._state(index).scored:
+                    self._state(index).scored = True
+                    choice["prompt_logprobs"] = await self._vllm_prompt_logprobs(
+                        self._prompt_scores.get(prompt_index, ()))
             choice["finish_reason"] = self._finish(c)[0]
             if c.finish_reason:
                 choice["stop_reason"] = self._finish(c)[1]
@@ -184,6 +200,21 @@ class Renderer:
         if self.first_prompt_ids is None:
             return None
         return self.first_prompt_ids[prompt_index], list(scored)
+
+    async def _vllm_prompt_logprobs(self, scored) -> list[dict | None]:
+        """vLLM's prompt_logprobs: null for the first prompt token (nothing scores it), then
+        per token {token id: {logprob, rank, decoded_token}} for its top ones and itself."""
+        ids = sorted({t.token_id for lp in scored for t in lp.top} | {lp.token_id
+                                                                      for lp in scored})
+        texts = dict(zip(ids, await self.token_texts(ids), strict=True)) if ids else {}
+        out: list[dict | None] = [None]
+        for lp in scored:
+            # lp.top is in rank order (the prompt token last when it is not among them)
+            out.append({str(t.token_id): {
+                "logprob": _finite(t.logprob),
+                "rank": lp.rank if t.token_id == lp.token_id else rank,
+                "decoded_token": texts[t.token_id]} for rank, t in enumerate(lp.top, 1)})
+        return out
 
     # ---- logprobs -----------------------------------------------------------------------------
     def _state(self, index: int) -> _ChoiceState:

@@ -27,7 +27,7 @@ UNSERVED_FIELDS: dict[str, tuple[object, ...]] = {
     "parallel_tool_calls": (False, True),
     "store": (False,), "metadata": ({},), "modalities": (["text"],), "audio": (),
     "prediction": (), "reasoning_effort": (), "service_tier": ("auto", "default"),
-    "web_search_options": (), "prompt_logprobs": (), "logits_processors": (),
+    "web_search_options": (), "logits_processors": (),
     "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,),
     "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
@@ -95,6 +95,9 @@ class _Sampling(_Strict):
     cache_salt: str | None = None
     priority: Int32 | None = None
     use_beam_search: bool | None = None
+    # top-k logprobs of each prompt token (vLLM's: [null, {token id: {logprob, rank,
+    # decoded_token}}, ...]) per completions choice, or in a chat response
+    prompt_logprobs: Int32 | None = None
     length_penalty: float | None = None
     # OpenAI's: token id (a JSON object's key, so a string) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None

@@ -53,6 +53,8 @@ class EngineCall:
     # as vLLM does, and not returned).
     scores_prompt: bool = False
     echo_only: bool = False
+    # vLLM's prompt_logprobs asked: each completions choice (a chat response) carries them.
+    prompt_logprobs: bool = False
 
 
 def completion_call(req: CompletionRequest, request_id: str, max_model_len: int = 0
@@ -73,11 +75,16 @@ def completion_call(req: CompletionRequest, request_id: str, max_model_len: int 
         else:
             wire.token_ids.ids.extend(prompt)
         constraint = _set_sampling(wire.sampling, req, max_tokens, req.logprobs)
-        if req.echo and req.logprobs is not None:  # OpenAI's: the prompt's tokens' too
-            wire.sampling.prompt_logprobs = req.logprobs
         where = f"prompt[{i}]" if batch else "prompt"
         requests.append(wire)
         names.append(_field_names(where, "max_tokens", "logprobs", constraint))
+        if req.echo and req.logprobs is not None:  # OpenAI's: the prompt's tokens' too
+            if req.prompt_logprobs is not None:
+                raise bad_request("prompt_logprobs", f"prompt_logprobs must be left unset with "
+                                                     f"echo and logprobs (the prompt's come in "
+                                                     f"logprobs), got {req.prompt_logprobs}")
+            wire.sampling.prompt_logprobs = req.logprobs
+            names[-1]["sampling.prompt_logprobs"] = "logprobs"
     call = _call(req, requests, names, req.logprobs, batch_prompt=batch)
     if req.echo:
         call.echo_prompts = prompts
@@ -97,6 +104,10 @@ def chat_call(req: ChatCompletionRequest, request_id: str) -> EngineCall:
     max_name = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else (
         req.max_tokens)
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs", f"prompt_logprobs must be left unset in a chat "
+                                             f"stream (they come in a whole chat response), "
+                                             f"got {req.prompt_logprobs}")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs",
                           f"top_logprobs needs logprobs: true, got top_logprobs "
@@ -151,7 +162,8 @@ def _call(req: _Sampling, requests: list[pb.GenerateRequest], names: list[dict[s
         stream=bool(req.stream),
         include_usage=bool(options and (options.include_usage or options.continuous_usage_stats)),
         continuous_usage=bool(options and options.continuous_usage_stats),
-        logprobs=logprobs, batch_prompt=batch_prompt)
+        logprobs=logprobs, batch_prompt=batch_prompt,
+        prompt_logprobs=req.prompt_logprobs is not None)
 
 
 def _generate_request(req: _Sampling, request_id: str) -> pb.GenerateRequest:
@@ -177,6 +189,8 @@ def _set_sampling(s: pb.SamplingParams, req: _Sampling, max_tokens: int | None,
         s.max_tokens = max_tokens
     if logprobs is not None:
         s.logprobs = logprobs
+    if req.prompt_logprobs is not None:
+        s.prompt_logprobs = req.prompt_logprobs
     if req.stop is not None:
         s.stop.extend([req.stop] if isinstance(req.stop, str) else req.stop)
     if req.stop_token_ids:
@@ -265,7 +279,7 @@ def _field_names(prompt: str, max_tokens: str, logprobs: str,
         "input": prompt, "text": prompt, "token_ids.ids": prompt, "token_ids": prompt,
         "prompt": prompt, "prompt_token_ids": prompt, "chat.messages": prompt,
         "chat": prompt, "sampling.max_tokens": max_tokens, "sampling.logprobs": logprobs,
-        "sampling.prompt_logprobs": logprobs,
+        "sampling.prompt_logprobs": "prompt_logprobs",
         "sampling.beam_width": "n", "request": "request",
     }
     if constraint is not None:  # the engine names structured_outputs and its kind

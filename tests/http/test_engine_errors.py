@@ -35,6 +35,11 @@ def error_of(raised: pytest.ExceptionInfo) -> dict:
     ({"max_tokens": 0, "echo": True, "extra_body": {"min_tokens": 2}}, "min_tokens",
      "min_tokens must be 0 with max_tokens 0 (echo: the prompt alone), got 2"),
     ({"prompt": "", "echo": True, "logprobs": 1}, "prompt", "must be a non-empty string"),
+    ({"echo": True, "logprobs": 1, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs",
+     "prompt_logprobs must be left unset with echo and logprobs (the prompt's come in "
+     "logprobs), got 1"),
+    ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs",
+     "prompt_logprobs must be between 0 and 20, got 21"),
     ({"prompt": ["ok", []], "echo": True, "logprobs": 1}, "prompt[1]",
      "must hold at least one token id"),
     ({"suffix": "x"}, "suffix", "suffix is not supported"),

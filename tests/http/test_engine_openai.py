@@ -196,6 +196,45 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, http_en
     assert streamed_alone[-1].usage.completion_tokens == 0
 
 
+def test_vllm_prompt_logprobs_in_completions_and_chat(client, http_engine, engine_stub):
+    """vLLM's prompt_logprobs: per completions choice (in its first chunk when streamed), in a
+    whole chat response; null first, then {token id: {logprob, rank, decoded_token}}, as the
+    engine scores the prompt."""
+    ids = list(engine_stub.Tokenize(pb.TokenizeRequest(text=PROMPT)).token_ids)
+    [engine] = [engine_stub.Generate(pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+            temperature=0, max_tokens=1, prompt_logprobs=2))).prompt_logprobs]
+    whole = client.completions.create(model=http_engine.model, prompt=PROMPT, max_tokens=3, n=2,
+                                      temperature=0.5, seed=1, extra_body={"prompt_logprobs": 2})
+    streamed = list(client.completions.create(
+        model=http_engine.model, prompt=PROMPT, max_tokens=3, n=2, temperature=0.5, seed=1,
+        stream=True, extra_body={"prompt_logprobs": 2}))
+    firsts = {}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            firsts.setdefault(choice.index, choice.model_extra.get("prompt_logprobs"))
+    for scored in [c.model_extra["prompt_logprobs"] for c in whole.choices] + list(
+            firsts.values()):
+        assert len(scored) == len(ids) and scored[0] is None
+        for entry, lp, token in zip(scored[1:], engine, ids[1:], strict=True):
+            assert entry[str(token)]["rank"] == lp.rank
+            assert entry[str(token)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+            assert {int(t) for t in entry} == {t.token_id for t in lp.top}
+            assert sorted(v["rank"] for t, v in entry.items() if int(t) != token)[:2] == [1, 2]
+        assert scored[1][str(ids[1])]["decoded_token"] == engine_stub.Detokenize(
+            pb.DetokenizeRequest(token_ids=ids[1:2])).text
+    assert sorted(firsts) == [0, 1]
+    chat = client.chat.completions.create(model=http_engine.model, messages=CHAT, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    scored = chat.model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == chat.usage.prompt_tokens
+    assert all(len(entry) == 1 for entry in scored[1:])  # the prompt token alone
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs must be left unset in a "
+                                                     "chat stream"):
+        client.chat.completions.create(model=http_engine.model, messages=CHAT, max_tokens=2,
+                                       stream=True, extra_body={"prompt_logprobs": 0})
+
+
 def test_chat_n_streams_every_choice(client, http_engine):
     chunks = list(client.chat.completions.create(
         model=http_engine.model, messages=CHAT, n=3, max_tokens=5, temperature=1.0, seed=3,
