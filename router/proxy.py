@@ -111,9 +111,11 @@ class RoutedRequest:
         self.progress: dict[int, Progress] = {}
         self.first_usage: pb.Usage | None = None  # from the first replica that answered
         self.resumed_at = 0  # tokens generated before the latest switch of replica
-        # The prompt's logprobs (sampling.prompt_logprobs) are on their way to the client: a
-        # resumed request does not ask for them again (its longer prompt's would follow).
-        self.prompt_scored = False
+        # The prompt's logprobs (sampling.prompt_logprobs) the client has taken, and how many
+        # of a resumed replica's to drop: they come in pieces before the first token, and a
+        # replica can fail between two (the next one scores the same prompt again).
+        self.prompt_scores_relayed = 0
+        self.prompt_scores_to_skip = 0
         # Their logprob sum: a resumed replica's cumulative_logprob counts only its own tokens.
         self.resumed_logprob = 0.0
         self.resumed_text: ResumedText | None = None  # the text, from the first switch on
@@ -443,7 +445,11 @@ class RoutedRequest:
     def _record(self, message: pb.GenerateStreamResponse) -> pb.GenerateStreamResponse:
         """Notes what the client receives; after a switch, rewrites usage to the original
         prompt and every token generated."""
-        self.prompt_scored = self.prompt_scored or bool(message.prompt_logprobs)
+        if message.prompt_logprobs:
+            skip = min(self.prompt_scores_to_skip, len(message.prompt_logprobs))
+            del message.prompt_logprobs[:skip]
+            self.prompt_scores_to_skip -= skip
+            self.prompt_scores_relayed += len(message.prompt_logprobs)
         for choice in message.choices:
             progress = self.progress.setdefault(choice.index, Progress())
             if choice.HasField("cumulative_logprob"):
@@ -513,8 +519,10 @@ class RoutedRequest:
         resume.sampling.min_tokens = max(0, sampling.min_tokens - generated)
         if resume.sampling.HasField("structured_outputs"):  # its grammar goes on after them
             resume.sampling.structured_outputs.resumed_tokens += generated
-        if self.prompt_scored:
+        if generated:  # every piece of the prompt's logprobs came before the first token
             resume.sampling.ClearField("prompt_logprobs")
+        else:  # the same prompt, scored again: what the client has is not sent twice
+            self.prompt_scores_to_skip = self.prompt_scores_relayed
         self.resumed_at = generated
         self.resumed_logprob = progress.cumulative_logprob or 0.0
         return resume

@@ -12,6 +12,7 @@ replica's load) and the client's stream ends with RESOURCE_EXHAUSTED when it rea
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 from pagedgen_api import generation_pb2 as pb
 
@@ -48,16 +49,19 @@ def merge_messages(older: pb.GenerateStreamResponse, newer: pb.GenerateStreamRes
             kept.cumulative_logprob = choice.cumulative_logprob
     older.usage.CopyFrom(newer.usage)
     older.finished = newer.finished
-    older.prompt_logprobs.extend(newer.prompt_logprobs)  # in one message of a stream
+    older.prompt_logprobs.extend(newer.prompt_logprobs)  # (a unary reply's gathering)
 
 
 class RelayBuffer:
-    """At most one pending message (merged) and then the stream's end (`end()`'s item)."""
+    """The pending messages and then the stream's end (`end()`'s item). What the client has
+    not taken merges into one message, but for a long prompt's logprobs: the replica sends
+    them in pieces that each stay under gRPC's default receive limit, and they stay apart
+    (merged, a 24k-token prompt's at top-20 made one 5.9 MB message)."""
 
     __slots__ = ("_pending", "_end", "_ended", "_ready", "_unsent", "max_unsent_tokens")
 
     def __init__(self, max_unsent_tokens: int) -> None:
-        self._pending: pb.GenerateStreamResponse | None = None
+        self._pending: deque[pb.GenerateStreamResponse] = deque()
         self._end: object = None
         self._ended = False
         self._ready = asyncio.Event()
@@ -68,14 +72,17 @@ class RelayBuffer:
         """False when the client is not reading: it has a message waiting untaken and more than
         the bound piled up (the caller stops the stream; what waits is dropped)."""
         self._unsent += message_size(message)
-        if self._pending is None:
-            self._pending = message
-        else:
+        if self._pending:
             if self.max_unsent_tokens and self._unsent > self.max_unsent_tokens and (
                     not message.finished):
-                self._pending = None
+                self._pending.clear()
                 return False
-            merge_messages(self._pending, message)
+            last = self._pending[-1]
+            if not (last.prompt_logprobs or message.prompt_logprobs):
+                merge_messages(last, message)
+                self._ready.set()
+                return True
+        self._pending.append(message)
         self._ready.set()
         return True
 
@@ -92,11 +99,10 @@ class RelayBuffer:
     async def get(self) -> tuple[pb.GenerateStreamResponse | None, bool, object]:
         """(a message or None, whether the stream ended, its end's item)."""
         await self._ready.wait()
-        message, self._pending = self._pending, None
-        self._unsent = 0
-        if message is not None:
-            self._ready.clear()
-            if self._ended:
-                self._ready.set()  # the end is still to take
+        if self._pending:
+            message = self._pending.popleft()
+            self._unsent = 0
+            if not self._pending and not self._ended:  # (the end is still to take)
+                self._ready.clear()
             return message, False, None
         return None, True, self._end

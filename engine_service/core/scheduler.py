@@ -339,7 +339,8 @@ class Scheduler:
         slots it would take now stay held for it, so the groups behind it are admitted only
         beside it (otherwise later arrivals took its memory and it waited for them to end),
         and past MAX_DEFERRED_PER_STEP passed-over groups this step admits no more (a long
-        queue on one new prefix is not scanned whole every step)."""
+        queue on one new prefix is not scanned whole every step). So is a prompt to be scored
+        once this step's scored tokens are spent (MAX_SCORED_TOKENS_PER_STEP)."""
         if not self.waiting:  # nothing to admit: no scan of the running requests
             return
         defer = self.config.defer_shared_prefill
@@ -361,21 +362,23 @@ class Scheduler:
             # next step together, once the parked ones have caught up (see _plan).
             hold_back = int(group.beam is not None and bool(followers))
             num_new = min(leader.num_tokens - num_cached - hold_back, budget)
+            # A prompt being scored waits for next step's room when this step's is spent:
+            # sized as the chunk it will run then, it is passed over as a deferred one is.
+            capped = scores_prompt and not self._scored_tokens_left
             if scores_prompt:
-                if not self._scored_tokens_left:
-                    return  # next step (it keeps its place in the queue)
-                num_new = min(num_new, self._scored_tokens_left)
+                num_new = min(num_new, self._scored_tokens_left or MAX_SCORED_TOKENS_PER_STEP)
             needed = self.kv.blocks_to_admit(leader, hits, num_new) + held_blocks
             if needed + self._watermark() > self._free_for(needed, not self.running):
                 return
             # Next step it shares the in-flight blocks instead of allocating them.
             shared = 0 if scores_prompt else self._num_in_flight(leader, group, len(hits),
                                                                  in_flight)
-            if shared:
+            if shared or capped:
                 if num_deferred == MAX_DEFERRED_PER_STEP:
                     return
                 num_deferred += 1
-                self.counters.num_prefill_deferrals += 1
+                if shared:
+                    self.counters.num_prefill_deferrals += 1
                 held_blocks, held_seqs = max(held_blocks, needed - shared), held_seqs + num_seqs
                 index += 1
                 continue

@@ -9,8 +9,8 @@ import torch
 
 from engine_service.model.token_logprobs import TokenLogprobs
 
-# Rows scored at a time: each row's temporaries (a float32 copy of bfloat16 logits, the
-# comparison mask) are vocabulary-sized.
+# Rows scored at a time: each row's temporaries (logsumexp's, the comparison mask) are
+# vocabulary-sized.
 ROWS_PER_SLICE = 256
 
 

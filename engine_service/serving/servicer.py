@@ -173,7 +173,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             valid, caller = await self._admit(request, context)
             last = None
-            prompt_logprobs = []  # in one output, the first once the prompt is computed
+            prompt_logprobs = []  # in one output: the first token's (or the final one)
             async with contextlib.aclosing(self._run(valid, caller, context)) as outputs:
                 async for output in outputs:
                     last = output

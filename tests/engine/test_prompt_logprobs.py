@@ -162,3 +162,27 @@ def test_a_step_scores_at_most_its_cap_of_prompt_tokens(tiny_llama_dir, make_llm
     assert computed[:3] == [CAP + len(plain_prompt), CAP + 1, 88 + 1]
     _check_against_hf(tiny_llama_dir, scored_prompt, outputs["scored"], 1)
     assert outputs["plain"] is None
+
+
+def test_a_prompt_waiting_to_be_scored_does_not_hold_back_plain_ones(tiny_llama_dir, make_llm):
+    """The step's scored tokens are spent on a long prompt: the short one to be scored behind it
+    waits for room, and the plain one behind both runs at once."""
+    llm = make_llm(tiny_llama_dir, block_size=16, num_blocks=512, max_num_batched_tokens=4096)
+    engine = llm.llm_engine
+    rng = random.Random(5)
+    vocab = llm.get_tokenizer().vocab_size
+    scored = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
+    engine.add_request("long", [rng.randrange(vocab) for _ in range(3000)], scored)
+    engine.add_request("short", [rng.randrange(vocab) for _ in range(10)], scored)
+    engine.add_request("plain", [rng.randrange(vocab) for _ in range(10)],
+                       SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    first_token_step: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            if out.outputs[0].token_ids_delta:
+                first_token_step.setdefault(out.request_id, step)
+    # (the long one, running, takes each step's room until its last chunk: 2,816 tokens in
+    # 11 steps, then 184, beside which the short one starts)
+    assert first_token_step == {"plain": 1, "long": 12, "short": 12}
