@@ -338,7 +338,9 @@ class LLMEngine:
                 break
             command(self)
             ran = True
-        if ran:
+        # Idle, no step lapses the pins whose TTL ran out: here, so that the stats (and the
+        # index, which lapses them on its own) do not count them until the next request.
+        if self.pool.policy.lapse_pins() or ran:
             self.snapshot = self.stats()
 
     # ---- one step -----------------------------------------------------------------------

@@ -66,6 +66,11 @@ class PrefixPolicy(Protocol):
     def begin_step(self) -> None:
         """Called by the engine thread before scheduling a step."""
 
+    def lapse_pins(self) -> bool:
+        """Drops the pins whose TTL ran out; True when any did. begin_step does it, and the
+        engine thread between steps too: an idle engine takes none, and a pin that lapsed
+        must not stay counted (in its stats, against the index's) until the next request."""
+
     def end_step(self) -> None:
         """Called by the engine thread after a step (also one that ran no forward)."""
 
@@ -199,7 +204,12 @@ class LocalLRUPolicy:
         pass
 
     def begin_step(self) -> None:
-        self._unpinned(self._pins.expire(self._clock()))
+        self.lapse_pins()
+
+    def lapse_pins(self) -> bool:
+        lapsed = self._pins.expire(self._clock())
+        self._unpinned(lapsed)
+        return bool(lapsed)
 
     def end_step(self) -> None:
         pass

@@ -266,12 +266,21 @@ class IndexPolicy:
         """Apply the victims the index chose (only those still cached in the same block) and
         drop pins whose TTL ran out."""
         self._apply_victims()
-        now = time.monotonic()
+        self.lapse_pins()
+
+    def lapse_pins(self, now: float | None = None) -> bool:
+        """Drops the pins whose TTL ran out by `now` (the index lapses them on its own, and
+        tells us only in an Apply's reply, which an idle engine does not send)."""
+        now = time.monotonic() if now is None else now
+        lapsed = False
         for block_hash in self._records.expire(now):  # whole pins lapse: what they alone held
             if block_hash in self._pins and block_hash not in self._auto_pins:
                 self._unpin_locally(block_hash)
+                lapsed = True
         for block_hash in [h for h, expiry in self._pins.items() if expiry <= now]:
             self._unpin_locally(block_hash)
+            lapsed = True
+        return lapsed
 
     def _apply_victims(self) -> None:
         victims, self._victims = self._victims, []
@@ -426,7 +435,12 @@ class IndexPolicy:
         # of their TTL, then the automatic ones as automatic. The index re-decides those from
         # its hit history, or takes our word when it has none (Redis lost it with the pins);
         # any it does not pin again are unpinned here when the results come back.
+        # Only the pins still alive: one whose TTL ran out since the last step (the mirror
+        # lapses pins at begin_step; an idle engine takes none) is dropped here, not re-stated
+        # with a fresh millisecond that the index lapses at its next heartbeat, unreported
+        # until an Apply, while this mirror kept it until the next step.
         now = time.monotonic()
+        self.lapse_pins(now)
         names = set()
         for name, hashes, expiry in self._records.items():  # whole, under their names
             ttl = 0.0 if math.isinf(expiry) else max(0.001, expiry - now)

@@ -85,6 +85,22 @@ def test_a_pin_lapses_after_its_ttl(make_llm, tiny_llama_dir):
     assert cached(llm, HOT) == 0
 
 
+def test_an_idle_engine_lapses_a_pin_between_steps(make_llm, tiny_llama_dir):
+    """No request, no step: the engine thread's pass over its commands lapses the pin, so its
+    stats do not count it until the next request (the serving core runs that pass while idle,
+    a step never comes)."""
+    llm = make_llm(tiny_llama_dir, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    engine = llm.llm_engine
+    assert llm.pin_prefix({"prompt_token_ids": HOT}, ttl_s=0.2) == 3
+    steps = engine.num_steps
+    time.sleep(0.3)
+    engine.run_commands()
+    assert engine.num_steps == steps
+    assert engine.stats().num_pinned_in_budget == 0
+    assert engine.snapshot.num_pinned_in_budget == 0  # what the serving front reads
+    assert engine.pool.num_free_blocks == NUM_BLOCKS  # the lapsed pin's blocks are evictable
+
+
 def test_overlapping_pins_hold_their_shared_blocks_while_either_lasts(make_llm,
                                                                       tiny_llama_dir):
     """A (2 blocks) pinned for good, AB (3 blocks, starting with A) for 0.2 s: when AB lapses

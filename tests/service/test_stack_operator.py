@@ -125,7 +125,12 @@ def run_until(tmp_path: Path, args: list[str], line: str,
                     send(proc)
                     sent = True
         out.append(buffered.decode(errors="replace"))
-        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        try:
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # what it printed says where it stood
+            raise AssertionError(f"the stack still ran {timeout_s:g} s after its start "
+                                 f"({'signalled' if sent else f'no {line!r} seen'}):\n"
+                                 f"{''.join(out)}") from None
         assert sent, "".join(out)
         return code, "".join(out), wait_group_gone(proc.pid, tmp_path)
     finally:
