@@ -125,6 +125,9 @@ class IndexPolicy:
         self._mirror: dict[bytes, MirroredBlock] = {}
         self._evictable: OrderedDict[bytes, None] = OrderedDict()  # refcount 0, unpinned; LRU
         self._pins: dict[bytes, float] = {}  # hash -> monotonic expiry (inf: until unpinned)
+        # No block's pin lapses before this (a bound: an expiry only grows, a pin may go
+        # sooner): lapse_pins, run between steps too, scans _pins only once it has passed.
+        self._no_block_lapses_before = math.inf
         self._auto_pins: set[bytes] = set()  # of _pins, those the index pinned as hot
         # The explicit pins made through the index, whole (as the index keeps them: named by
         # the chain's last hash, each with its own expiry): what unpin drops, what a re-sync
@@ -277,9 +280,11 @@ class IndexPolicy:
             if block_hash in self._pins and block_hash not in self._auto_pins:
                 self._unpin_locally(block_hash)
                 lapsed = True
-        for block_hash in [h for h, expiry in self._pins.items() if expiry <= now]:
-            self._unpin_locally(block_hash)
-            lapsed = True
+        if now >= self._no_block_lapses_before:
+            for block_hash in [h for h, expiry in self._pins.items() if expiry <= now]:
+                self._unpin_locally(block_hash)
+                lapsed = True
+            self._no_block_lapses_before = min(self._pins.values(), default=math.inf)
         return lapsed
 
     def _apply_victims(self) -> None:
@@ -367,7 +372,8 @@ class IndexPolicy:
         return len(held)
 
     def _mark_pinned(self, block_hash: bytes, expiry: float) -> None:
-        self._pins[block_hash] = max(expiry, self._pins.get(block_hash, expiry))
+        self._pins[block_hash] = expiry = max(expiry, self._pins.get(block_hash, expiry))
+        self._no_block_lapses_before = min(self._no_block_lapses_before, expiry)
         if block_hash in self._evictable:
             del self._evictable[block_hash]
             self._idle_pinned[block_hash] = None
