@@ -70,7 +70,12 @@ def test_pin_over_the_index_budget_is_resource_exhausted(stub):
     assert budget is not None and int(budget[1]) <= 120, caught.value.details()
     # The link is fine: a pin within the budget still works right after.
     small = stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=prompt[:32]),
-                                               cache_salt="budget", ttl_s=1))
+                                               cache_salt="budget"))
     assert small.num_pinned == 2
     stats = stub.EngineStats(pb.EngineStatsRequest())
     assert not stats.degraded
+    # Unpinned, not left to lapse: the engine is the session's, and the next test's count of
+    # pinned blocks (test_overlapping_pin_prefix.py) must not drop under it.
+    unpinned = stub.PinPrefix(pb.PinPrefixRequest(token_ids=pb.TokenIds(ids=prompt[:32]),
+                                                  cache_salt="budget", unpin=True))
+    assert unpinned.num_pinned == 2
