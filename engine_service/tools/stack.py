@@ -43,6 +43,7 @@ import grpc
 
 from engine_service.serving.torch_threads import usable_cpus
 from engine_service.tools.launch import EngineProcess
+from engine_service.tools.off_main_thread import run_off_main_thread
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.server.redis_url import redacted_url
@@ -218,16 +219,23 @@ def stream_completion(target: str, prompt: str, max_tokens: int, temperature: fl
         chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=prompt)]),
         sampling=pb.SamplingParams(temperature=temperature, max_tokens=max_tokens),
     )
-    usage = pb.Usage()
-    with with_api_key(end_client_channel(target, ca), api_key) as channel:
-        stub = pb_grpc.GenerationStub(channel)
-        for chunk in stub.GenerateStream(request, timeout=600):
+    channel = with_api_key(end_client_channel(target, ca), api_key)
+
+    def stream() -> pb.Usage:
+        usage = pb.Usage()
+        for chunk in pb_grpc.GenerationStub(channel).GenerateStream(request, timeout=600):
             for choice in chunk.choices:
                 out.write(choice.text)
                 out.flush()
             usage = chunk.usage
-    out.write("\n")
-    return usage
+        out.write("\n")
+        return usage
+
+    # A stop signal mid-stream must not land inside grpc's code (off_main_thread.py says why).
+    try:
+        return run_off_main_thread(stream, channel.close, "stack-completion")
+    finally:
+        channel.close()
 
 
 def _wait_for_replicas(target: str, count: int, api_key: str, ca: bytes | None,
