@@ -330,6 +330,11 @@ class LLMEngine:
 
     def run_commands(self) -> None:
         """Run the commands posted so far (the engine thread calls this between steps)."""
+        # Idle, no step lapses the pins whose TTL ran out: here, before the commands (a pin
+        # must not be refused for the room of one that lapsed) and after them, so that the
+        # stats (and the index, which lapses them on its own) do not count them until the
+        # next request.
+        lapsed = self.pool.policy.lapse_pins()
         ran = False
         while True:
             try:
@@ -338,9 +343,7 @@ class LLMEngine:
                 break
             command(self)
             ran = True
-        # Idle, no step lapses the pins whose TTL ran out: here, so that the stats (and the
-        # index, which lapses them on its own) do not count them until the next request.
-        if self.pool.policy.lapse_pins() or ran:
+        if self.pool.policy.lapse_pins() or lapsed or ran:
             self.snapshot = self.stats()
 
     # ---- one step -----------------------------------------------------------------------

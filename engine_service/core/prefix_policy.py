@@ -179,6 +179,7 @@ class LocalLRUPolicy:
         """PinBudgetFull when pinning all of `chain` would pass the budget. A pin that adds
         no block (renewing its TTL) passes: pins over a budget that shrank under them stay,
         and they must be renewable or a shrink would drop them when their TTL lapses."""
+        self.lapse_pins()  # (a pin that lapsed since the last step holds no room)
         new = self._pins.num_new(chain)
         if new and len(self._pins) + new > self.pin_budget:
             raise PinBudgetFull(

@@ -285,8 +285,10 @@ class PrefixIndexLink:
         self._client: PrefixIndexClient | None = None
         self._jitter = random.Random()
         self.retry = RetryBackoff(options.retry_interval_s, rng=self._jitter)
+        # (The coroutine is made on the thread: one made here and never started, a link
+        # connected with start=False and dropped, warned that it was never awaited.)
         self._thread = threading.Thread(
-            target=self._loop.run_until_complete, args=(self._run(),),
+            target=lambda: self._loop.run_until_complete(self._run()),
             name=f"prefix-index-link-{engine_id}", daemon=True,
         )
 

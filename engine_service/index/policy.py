@@ -511,6 +511,9 @@ class IndexPolicy:
                 self._mark_pinned(change.hash, math.inf)  # the index unpins it: a change
                 self.counters.index_pins += 1
             if change.state == PinState.AUTOMATIC:
+                # Until the index unpins it, whatever explicit pin with a TTL also held it: at
+                # that one's lapse the mirror dropped the block the index still pinned.
+                self._mark_pinned(change.hash, math.inf)
                 self._auto_pins.add(change.hash)
             else:
                 self._auto_pins.discard(change.hash)

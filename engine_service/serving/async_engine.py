@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # the front imports no torch: the engine is the core's
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+IDLE_PIN_LAPSE_S = 0.1  # an idle engine holding pins looks for lapsed ones this often
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
 
@@ -229,7 +230,9 @@ class AsyncEngine:
                 else:
                     if self._on_step is not None:
                         self._on_step(engine, [])
-                    self._wake.wait()
+                    # While pins are held, awake now and then: run_commands lapses those
+                    # whose TTL ran out (no step does, idle), as the core process's loop does.
+                    self._wake.wait(IDLE_PIN_LAPSE_S if engine.pool.policy.num_pinned else None)
                     self._wake.clear()
             engine.run_commands()  # the aborts stop() sent
         except BaseException as error:  # noqa: BLE001 - every waiter must hear about it
