@@ -49,6 +49,19 @@ def index(redis, test_certs):
     process.kill()
 
 
+def pin_two_blocks_briefly(engine, link, seed: int) -> None:
+    """Once the link registered: a prompt of 3 blocks run, its first 2 pinned for SHORT_TTL_S
+    through the link (the test thread is the engine's)."""
+    wait_until(lambda: not link.degraded, DEADLINE_S, "registered", engine=engine)
+    ids = prompt_ids(seed, 3 * BLOCK_SIZE)
+    driver = Driver(engine)
+    driver.add({"r": ids + [7]}, ONE_TOKEN)
+    driver.run_to_completion()
+    chain = engine.hasher.chain(ids, None)
+    assert call_pumping(engine, lambda: asyncio.run(
+        link.pin_prefix(chain[:2], SHORT_TTL_S, False))) == 2
+
+
 def test_a_resync_does_not_revive_a_lapsed_pin(tiny_llama_dir, redis, index, test_certs):
     engine = make_engine(tiny_llama_dir, num_blocks=48)
     engine_id = "engine-resync-lapsed-pin"
@@ -56,14 +69,7 @@ def test_a_resync_does_not_revive_a_lapsed_pin(tiny_llama_dir, redis, index, tes
                                 link_options(test_certs, lease_s=2.0))
     assert link is not None
     try:
-        wait_until(lambda: not link.degraded, DEADLINE_S, "registered", engine=engine)
-        ids = prompt_ids(5, 3 * BLOCK_SIZE)
-        driver = Driver(engine)
-        driver.add({"r": ids + [7]}, ONE_TOKEN)
-        driver.run_to_completion()
-        chain = engine.hasher.chain(ids, None)
-        assert call_pumping(engine, lambda: asyncio.run(
-            link.pin_prefix(chain[:2], SHORT_TTL_S, False))) == 2
+        pin_two_blocks_briefly(engine, link, seed=5)
         assert engine.stats().num_pinned_in_budget == 2
         # Idle (no step) past the pin's TTL, then Redis loses everything: the link re-registers.
         end = time.monotonic() + 4 * SHORT_TTL_S
@@ -104,14 +110,7 @@ def test_an_idle_engine_lapses_a_short_pin_as_the_index_does(tiny_llama_dir, red
                                 link_options(test_certs, lease_s=lease_s))
     assert link is not None
     try:
-        wait_until(lambda: not link.degraded, DEADLINE_S, "registered", engine=engine)
-        ids = prompt_ids(6, 3 * BLOCK_SIZE)
-        driver = Driver(engine)
-        driver.add({"r": ids + [7]}, ONE_TOKEN)
-        driver.run_to_completion()
-        chain = engine.hasher.chain(ids, None)
-        assert call_pumping(engine, lambda: asyncio.run(
-            link.pin_prefix(chain[:2], SHORT_TTL_S, False))) == 2
+        pin_two_blocks_briefly(engine, link, seed=6)
         steps = engine.num_steps
 
         def index_lapsed() -> bool:  # at a heartbeat of the link's (every lease / 3)
