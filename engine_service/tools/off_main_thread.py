@@ -7,7 +7,9 @@ behind in the channel's state, and closing the channel waited for it for good: t
 after a Ctrl-C during its completion, about one start in 30 under load (py-spy: the main thread
 in Channel.close, in Condition.wait). Here the call runs on a thread of its own while the main
 thread waits on a plain lock, which the exception leaves whole; `stop` then ends the call from
-the main thread the ordinary way (closing its channel cancels it), and the exception goes on.
+the main thread the ordinary way (cancelling the call: closing the channel from the main
+thread while the stream's thread read from it ended the stack with SIGSEGV once in a suite
+run), and the exception goes on.
 """
 
 from __future__ import annotations

@@ -219,23 +219,32 @@ def stream_completion(target: str, prompt: str, max_tokens: int, temperature: fl
         chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=prompt)]),
         sampling=pb.SamplingParams(temperature=temperature, max_tokens=max_tokens),
     )
-    channel = with_api_key(end_client_channel(target, ca), api_key)
+    calls: list[grpc.Future] = []  # the stream's call, once made
+    stopping = False
 
     def stream() -> pb.Usage:
         usage = pb.Usage()
-        for chunk in pb_grpc.GenerationStub(channel).GenerateStream(request, timeout=600):
-            for choice in chunk.choices:
-                out.write(choice.text)
-                out.flush()
-            usage = chunk.usage
+        with with_api_key(end_client_channel(target, ca), api_key) as channel:
+            call = pb_grpc.GenerationStub(channel).GenerateStream(request, timeout=600)
+            calls.append(call)
+            if stopping:  # (stopped while the call was being made)
+                call.cancel()
+            for chunk in call:
+                for choice in chunk.choices:
+                    out.write(choice.text)
+                    out.flush()
+                usage = chunk.usage
         out.write("\n")
         return usage
 
+    def stop() -> None:  # the call is cancelled, its thread closes the channel
+        nonlocal stopping
+        stopping = True
+        for call in calls:
+            call.cancel()
+
     # A stop signal mid-stream must not land inside grpc's code (off_main_thread.py says why).
-    try:
-        return run_off_main_thread(stream, channel.close, "stack-completion")
-    finally:
-        channel.close()
+    return run_off_main_thread(stream, stop, "stack-completion")
 
 
 def _wait_for_replicas(target: str, count: int, api_key: str, ca: bytes | None,
