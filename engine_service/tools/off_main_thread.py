@@ -14,12 +14,15 @@ run), and the exception goes on.
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
 JOIN_S = 10.0  # for the call to end once stopped
+# The stack's stop signals (stack.py), and SIGUSR1, which its test raises with.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
 def run_off_main_thread(work: Callable[[], T], stop: Callable[[], object], name: str) -> T:
@@ -40,7 +43,14 @@ def run_off_main_thread(work: Callable[[], T], stop: Callable[[], object], name:
 
     thread = threading.Thread(target=body, name=name, daemon=True)
     try:
-        thread.start()
+        # Thread.start's own bookkeeping must not be cut either (an exception there left the
+        # started thread failing with a KeyError): the stop signals wait until it is done,
+        # then arrive here, in the try. (The thread keeps them blocked: it never handles any.)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            thread.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         while not finished.acquire(timeout=0.5):
             pass
     except BaseException:
