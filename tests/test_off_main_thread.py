@@ -12,6 +12,9 @@ import time
 import pytest
 
 from engine_service.tools.off_main_thread import run_off_main_thread
+from engine_service.tools.stack import off_main_thread
+from prefix_index.tools.redis_process import free_port
+from prefix_index.tools.server_process import wait_serving
 
 
 class Stop(Exception):
@@ -67,3 +70,26 @@ def test_a_signal_raises_in_the_waiting_thread_and_stop_ends_the_work():
     assert stopped_from == [threading.main_thread()]
     assert work_saw == []
     assert not [t for t in threading.enumerate() if t.name == "t"]  # it ended, joined
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signal handlers run in the main thread")
+def test_a_signal_during_a_service_s_start_ends_its_health_polls():
+    """The stack waits for each service's health off the main thread: a stop signal there
+    ends the polling (gRPC Checks on that thread) at once, the thread joined, not left
+    polling a server that never comes for its whole start timeout."""
+    def handler(_signum, _frame):
+        raise Stop()
+
+    nobody = f"127.0.0.1:{free_port()}"
+    previous = signal.signal(signal.SIGUSR1, handler)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        timer.start()
+        with pytest.raises(Stop):
+            off_main_thread(lambda stopped: wait_serving(nobody, 60, stopped=stopped),
+                            "wait-nobody")
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+    assert not [t for t in threading.enumerate() if t.name == "wait-nobody"]

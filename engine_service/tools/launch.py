@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,11 +21,12 @@ from trust.identity import ENGINE_ROLE, INDEX_ROLE, ROUTER_ROLE
 
 
 def wait_engine_serving(target: str, timeout_s: float, proc: subprocess.Popen | None = None,
-                        log_path: Path | None = None, tls: TlsFiles | None = None) -> None:
+                        log_path: Path | None = None, tls: TlsFiles | None = None,
+                        stopped: threading.Event | None = None) -> None:
     """Blocks until the engine's health service at `target` reports SERVING (`tls`: over
-    mutual TLS, presenting that certificate)."""
+    mutual TLS, presenting that certificate; `stopped`: as wait_serving's)."""
     wait_serving(target, timeout_s, name="engine", proc=proc, log_path=log_path,
-                 tls=tls.load() if tls else None, peer_role=ENGINE_ROLE)
+                 tls=tls.load() if tls else None, peer_role=ENGINE_ROLE, stopped=stopped)
 
 
 class EngineProcess(ServerProcess):
@@ -51,25 +53,9 @@ class EngineProcess(ServerProcess):
         return base + ["--model", self.model, "--host", self.host, "--port", str(self.port),
                        *self.extra_args, *(tls_argv(self.tls) if self.tls else [])]
 
-    def start(self) -> EngineProcess:
-        self.launch()
-        return self.wait_serving()
-
-    def launch(self) -> EngineProcess:
-        """The process started, not waited for: several engines load their models at once,
-        then each is waited for (wait_serving)."""
-        self.spawn(self.command(), self.log_path)
-        return self
-
-    def wait_serving(self) -> EngineProcess:
-        """Blocks until the launched engine serves; it is killed if it does not."""
-        try:
-            wait_engine_serving(self.target, self.start_timeout_s, self.proc, self.log_path,
-                                self.tls)
-        except BaseException:
-            self.kill()
-            raise
-        return self
+    def _wait(self, stopped: threading.Event | None) -> None:
+        wait_engine_serving(self.target, self.start_timeout_s, self.proc, self.log_path,
+                            self.tls, stopped)
 
     def terminate(self, timeout_s: float = 30.0) -> int:
         """SIGTERM (drain, then exit); returns the exit code."""

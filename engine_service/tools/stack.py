@@ -35,9 +35,12 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
@@ -68,6 +71,7 @@ from trust.credentials import TlsFiles, end_client_channel
 log = logging.getLogger("engine_service.tools.stack")
 DEFAULT_HTTP_PORT = 8000  # vLLM's: OpenAI clients and examples expect it
 DEFAULT_PROMPT = "What is a KV cache in a language model? Answer in two sentences."
+T = TypeVar("T")
 FAILED = 1  # a service failed: a temporary log folder keeps its logs
 
 
@@ -247,15 +251,24 @@ def stream_completion(target: str, prompt: str, max_tokens: int, temperature: fl
     return run_off_main_thread(stream, stop, "stack-completion")
 
 
-def _wait_for_replicas(target: str, count: int, api_key: str, ca: bytes | None,
-                       timeout_s: float = 30.0) -> None:
-    """Until the router routes to all `count` engines (it learns them from the index). Read
-    from EngineStats, which a key of the operator's reads (may_read_stats, as the stack's own
-    key); with a tenant's key that may not, the router serving (one replica) is enough."""
+def off_main_thread(wait: Callable[[threading.Event], T], name: str) -> T:
+    """wait(stopped) run on a thread of its own, `stopped` set when a stop signal interrupts
+    it: the service waits poll with gRPC calls, which a stop signal must not cut half way
+    (off_main_thread.py)."""
+    stopped = threading.Event()
+    return run_off_main_thread(lambda: wait(stopped), stopped.set, name)
+
+
+def wait_for_replicas(target: str, count: int, api_key: str, ca: bytes | None,
+                      stopped: threading.Event, timeout_s: float = 30.0) -> None:
+    """Until the router routes to all `count` engines (it learns them from the index), or
+    `stopped` is set. Read from EngineStats, which a key of the operator's reads
+    (may_read_stats, as the stack's own key); with a tenant's key that may not, the router
+    serving (one replica) is enough."""
     deadline = time.monotonic() + timeout_s
     with with_api_key(end_client_channel(target, ca), api_key) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        while True:
+        while not stopped.is_set():
             try:
                 details = stub.EngineStats(pb.EngineStatsRequest(), timeout=5).index_details
             except grpc.RpcError as error:
@@ -269,7 +282,7 @@ def _wait_for_replicas(target: str, count: int, api_key: str, ca: bytes | None,
             if time.monotonic() > deadline:
                 raise TimeoutError(f"router at {target}: {count} replicas expected, "
                                    f"got {dict(details)}")
-            time.sleep(0.1)
+            stopped.wait(0.1)
 
 
 def print_how_to_connect(target: str, certs: Path | None, api_key: str) -> None:
@@ -379,7 +392,8 @@ def _run(args: argparse.Namespace, log_dir: Path, redis_binary: str,
                              redis_url_in_env=True)
         index.own_session = True
         stack.push(index)
-        index.start()
+        index.launch()
+        off_main_thread(index.wait_serving, "wait-index")
         print(f"prefix index  {index.target}", flush=True)
         engines = []
         http_port = None if args.http_port < 0 else (args.http_port or free_port())
@@ -399,9 +413,12 @@ def _run(args: argparse.Namespace, log_dir: Path, redis_binary: str,
                                    tls=tls_files("engine", engine_ids[i]))
             engine.own_session = True
             stack.push(engine)
-            engine.start()
+            engine.launch()  # the replicas load their models at once
             engines.append(engine)
-            print(f"engine        {engine.target}  (model {model}, log {log_path})", flush=True)
+        for engine in engines:
+            off_main_thread(engine.wait_serving, "wait-engine")
+            print(f"engine        {engine.target}  (model {model}, log {engine.log_path})",
+                  flush=True)
         target = engines[0].target
         if args.replicas > 1:
             # Replicas found through the index, where each engine registered its address.
@@ -411,8 +428,10 @@ def _run(args: argparse.Namespace, log_dir: Path, redis_binary: str,
                                    log_path=log_dir / "router.log", tls=tls_files("router"))
             router.own_session = True
             stack.push(router)
-            router.start()
-            _wait_for_replicas(router.target, args.replicas, api_key, ca)
+            router.launch()
+            off_main_thread(router.wait_serving, "wait-router")
+            off_main_thread(lambda stopped: wait_for_replicas(
+                router.target, args.replicas, api_key, ca, stopped), "wait-replicas")
             target = router.target
             print(f"router        {target}  (kv-aware over {args.replicas} engines, log "
                   f"{log_dir / 'router.log'})", flush=True)

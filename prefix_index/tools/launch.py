@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 
 from prefix_index.server.redis_url import REDIS_URL_ENV
@@ -18,11 +19,12 @@ from trust.identity import INDEX_ROLE
 
 
 def wait_serving(target: str, timeout_s: float, service: str = "",
-                 proc: subprocess.Popen | None = None, tls: TlsFiles | None = None) -> None:
+                 proc: subprocess.Popen | None = None, tls: TlsFiles | None = None,
+                 stopped: threading.Event | None = None) -> None:
     """Blocks until the prefix index at `target` reports SERVING (`tls`: over mutual TLS,
-    presenting that certificate)."""
+    presenting that certificate; `stopped`: as server_process.wait_serving's)."""
     wait_until_serving(target, timeout_s, name="prefix index", service=service, proc=proc,
-                       tls=tls.load() if tls else None, peer_role=INDEX_ROLE)
+                       tls=tls.load() if tls else None, peer_role=INDEX_ROLE, stopped=stopped)
 
 
 class IndexProcess(ServerProcess):
@@ -56,12 +58,7 @@ class IndexProcess(ServerProcess):
                        "--port", str(self.port), *self.extra_args,
                        *(tls_argv(self.tls) if self.tls else [])]
 
-    def start(self) -> IndexProcess:
-        self.spawn(self.command())
-        if self.wait_for_redis:
-            try:
-                wait_serving(self.target, self.start_timeout_s, proc=self.proc, tls=self.tls)
-            except BaseException:
-                self.kill()
-                raise
-        return self
+    def _wait(self, stopped: threading.Event | None) -> None:
+        if self.wait_for_redis:  # (without Redis it serves nothing: not waited for)
+            wait_serving(self.target, self.start_timeout_s, proc=self.proc, tls=self.tls,
+                         stopped=stopped)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -20,14 +21,17 @@ from trust.credentials import TlsMaterial, sync_channel
 
 def wait_serving(target: str, timeout_s: float, *, name: str = "server", service: str = "",
                  proc: subprocess.Popen | None = None, log_path: Path | None = None,
-                 tls: TlsMaterial | None = None, peer_role: str | None = None) -> None:
+                 tls: TlsMaterial | None = None, peer_role: str | None = None,
+                 stopped: threading.Event | None = None) -> None:
     """Blocks until the health service at `target` reports SERVING; fails early if `proc`
     exits first (with the tail of its log, when there is one). `tls`: asked over mutual TLS
-    (presenting that certificate; the server must hold a `peer_role` one), else plain text."""
+    (presenting that certificate; the server must hold a `peer_role` one), else plain text.
+    `stopped`: once set (from another thread), returns within a Check's timeout, serving
+    or not: whoever set it stops the server."""
     deadline = time.monotonic() + timeout_s
     with sync_channel(target, tls, peer_role) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while True:
+        while stopped is None or not stopped.is_set():
             if proc is not None and proc.poll() is not None:
                 tail = log_path.read_text()[-3000:] if log_path and log_path.exists() else ""
                 raise RuntimeError(f"{name} exited with {proc.returncode} before serving:\n{tail}")
@@ -39,7 +43,10 @@ def wait_serving(target: str, timeout_s: float, *, name: str = "server", service
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name} at {target} not SERVING after {timeout_s}s")
-            time.sleep(0.05)
+            if stopped is not None:
+                stopped.wait(0.05)
+            else:
+                time.sleep(0.05)
 
 
 class ServerProcess:
@@ -47,6 +54,7 @@ class ServerProcess:
 
     name = "server"
     proc: subprocess.Popen | None = None
+    log_path: Path | None = None  # the child's stderr, when given
     env: dict[str, str] | None = None  # joins the child's environment
     # A session of its own, SIGTERMed when this process dies (tied_to_this_process).
     own_session = False
@@ -70,8 +78,33 @@ class ServerProcess:
                 stderr.close()  # the child holds its own descriptor
         return self.proc
 
-    def start(self) -> ServerProcess:
+    def command(self) -> list[str]:
         raise NotImplementedError
+
+    def _wait(self, stopped: threading.Event | None) -> None:
+        """Blocks until the launched server serves (wait_serving, with its name and TLS)."""
+        raise NotImplementedError
+
+    def start(self) -> ServerProcess:
+        self.launch()
+        return self.wait_serving()
+
+    def launch(self) -> ServerProcess:
+        """The process started, not waited for: several servers start at once, then each is
+        waited for (wait_serving)."""
+        self.spawn(self.command(), self.log_path)
+        return self
+
+    def wait_serving(self, stopped: threading.Event | None = None) -> ServerProcess:
+        """Blocks until the launched server serves; it is killed if it does not. `stopped`:
+        set from another thread, this returns soon (wait_serving), leaving the process to
+        whoever set it."""
+        try:
+            self._wait(stopped)
+        except BaseException:
+            self.kill()
+            raise
+        return self
 
     def terminate(self, timeout_s: float = 10.0) -> int:
         """SIGTERM (drain, then exit); returns the exit code."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,13 +36,7 @@ class RouterProcess(ServerProcess):
         return base + ["--host", self.host, "--port", str(self.port), *self.extra_args,
                        *(tls_argv(self.tls) if self.tls else [])]
 
-    def start(self) -> RouterProcess:
-        self.spawn(self.command(), self.log_path)
-        try:
-            wait_serving(self.target, self.start_timeout_s, name="router", proc=self.proc,
-                         log_path=self.log_path, tls=self.tls.load() if self.tls else None,
-                         peer_role=ROUTER_ROLE)
-        except BaseException:
-            self.kill()
-            raise
-        return self
+    def _wait(self, stopped: threading.Event | None) -> None:
+        wait_serving(self.target, self.start_timeout_s, name="router", proc=self.proc,
+                     log_path=self.log_path, tls=self.tls.load() if self.tls else None,
+                     peer_role=ROUTER_ROLE, stopped=stopped)
