@@ -123,6 +123,8 @@ class GrammarProcess:
                 return self._compiling
             self._interrupted = True
             proc.kill()
+            if not self._compiling:
+                proc.wait()  # idle: reaped now, not left a zombie until the next compile
             return True
 
     def close(self) -> None:

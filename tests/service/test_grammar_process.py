@@ -111,7 +111,9 @@ def test_an_interrupted_compilation_is_stopped_and_the_next_compiles(compiler):
     assert not alive(slow)
     assert compiler.compile(StructuredOutputsParams(choice=("a", "b"))) is not None
     assert compiler.num_started == 2
+    idle = worker(compiler)
     assert compiler.interrupt()  # an idle process is killed too, and started again on need
+    assert not alive(idle)  # reaped at once, not a zombie until the next compile
     assert compiler.compile(StructuredOutputsParams(choice=("c", "d"))) is not None
     assert compiler.num_started == 3
 
