@@ -44,6 +44,7 @@ from openai_api.to_engine import (
     completion_call,
     rest_of_context,
 )
+from openai_api.tool_calls import tools_json
 from pagedgen_api import generation_pb2 as pb
 from tenancy.gate import Gate
 
@@ -251,7 +252,7 @@ class _Api:
         return await self._answer(request, call, Renderer(
             request_id, body.model or model.name, True, call.n, call.logprobs,
             self.backend.token_texts, self.backend.token_bytes,
-            prompt_logprobs=call.prompt_logprobs))
+            prompt_logprobs=call.prompt_logprobs, forced_calls=call.forced_calls))
 
     def _model(self, name: str | None) -> ServedModel:
         """The served model `name` asks for (404 when none by that name); None asks for the
@@ -423,6 +424,7 @@ class _Api:
             if body.add_generation_prompt is False:  # as chat refuses it: the same tokens
                 raise schemas.unserved("add_generation_prompt", False)
             wire = pb.TokenizeRequest(chat=chat_messages(body.messages))
+            wire.chat.tools_json = tools_json(body)
             names = {"chat.messages": "messages", "chat": "messages", "input": "messages"}
         reply = await self._unary("Tokenize", wire, names, _caller(request))
         return JSONResponse({"count": len(reply.token_ids), "max_model_len": model.max_model_len,

@@ -8,6 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from openai_api.tool_calls import ForcedCalls, call_json, new_call_id, required_calls
 from pagedgen_api import generation_pb2 as pb
 
 FINISH_REASONS = {
@@ -40,6 +41,8 @@ class _ChoiceState:
     started: bool = False  # chat: the role chunk was sent
     echoed: bool = False  # completions with echo: the prompt's text was sent
     scored: bool = False  # completions with vLLM's prompt_logprobs: they were sent
+    call_id: str | None = None  # chat with a named function forced: its call's id, once sent
+    calls_text: list[str] = field(default_factory=list)  # "required": the calls' text so far
 
 
 @dataclass(slots=True)
@@ -63,6 +66,8 @@ class Renderer:
     # vLLM's prompt_logprobs asked: each completions choice carries its prompt's (in its first
     # chunk in a stream), a chat response its own
     prompt_logprobs: bool = False
+    # Chat whose tool_choice forces calls: the completions are tool_calls (tool_calls.py).
+    forced_calls: ForcedCalls | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _choices: dict[int, _ChoiceState] = field(default_factory=dict)
     _echo: list[str] | None = None
@@ -89,7 +94,7 @@ class Renderer:
                 index = self.choice_index(prompt_index, c)
                 choice: dict = {"index": index}
                 if self.chat:
-                    choice["message"] = {"role": "assistant", "content": c.text}
+                    choice["message"] = self._message(c)
                     choice["logprobs"] = await self._logprobs(index, c.logprobs)
                 else:
                     choice["text"] = self._echoed(prompt_index) + self._generated(c.text)
@@ -97,6 +102,9 @@ class Renderer:
                         index, self._generated(c.logprobs, []),
                         self._prompt_part(prompt_index, reply.prompt_logprobs))
                 choice["finish_reason"], choice["stop_reason"] = self._finish(c)
+                if self.chat and "tool_calls" in choice["message"] and (
+                        self.forced_calls.name is None and choice["finish_reason"] == "stop"):
+                    choice["finish_reason"] = "tool_calls"  # (OpenAI's, for calls it chose)
                 if scored is not None and not self.chat:
                     choice["prompt_logprobs"] = scored
                 choices.append(choice)
@@ -146,8 +154,8 @@ class Renderer:
             index = self.choice_index(prompt_index, c)
             choice: dict = {"index": index}
             if self.chat:
-                choice["delta"] = {"content": c.text} if c.text or not c.finish_reason else {}
                 state = self._state(index)
+                choice["delta"] = self._delta(c, state)
                 if not state.started:  # (beams arrive at the end, all at once)
                     state.started = True
                     choice["delta"]["role"] = "assistant"
@@ -171,8 +179,49 @@ class Renderer:
             choice["finish_reason"] = self._finish(c)[0]
             if c.finish_reason:
                 choice["stop_reason"] = self._finish(c)[1]
+                if (self.chat and "tool_calls" in choice["delta"] and self.forced_calls.name
+                        is None and choice["finish_reason"] == "stop"):
+                    choice["finish_reason"] = "tool_calls"
             out.append(choice)
         return out
+
+    # ---- tool calls -----------------------------------------------------------------------------
+    def _message(self, c: pb.Completion) -> dict:
+        """A whole chat response's message: its text, or the calls it makes."""
+        forced = self.forced_calls
+        if forced is None:
+            return {"role": "assistant", "content": c.text}
+        if forced.name is not None:
+            calls = [call_json(forced.name, c.text)]
+        else:
+            calls = required_calls(c.text)
+            if calls is None:  # cut short (max_tokens): the text as it stands
+                return {"role": "assistant", "content": c.text}
+        return {"role": "assistant", "content": None, "tool_calls": calls}
+
+    def _delta(self, c: pb.Completion, state: _ChoiceState) -> dict:
+        """A stream chunk's delta: the text; with a named function forced, its arguments as
+        they come (the call's id and name in the first); with "required", nothing until the
+        completion ends, then its calls whole (or its text, cut short)."""
+        forced = self.forced_calls
+        if forced is None:
+            return {"content": c.text} if c.text or not c.finish_reason else {}
+        if forced.name is not None:
+            if not c.text:
+                return {}
+            if state.call_id is None:
+                state.call_id = new_call_id()
+                return {"tool_calls": [{"index": 0, **call_json(forced.name, c.text,
+                                                               state.call_id)}]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": c.text}}]}
+        state.calls_text.append(c.text)
+        if not c.finish_reason:
+            return {}
+        text = "".join(state.calls_text)
+        calls = required_calls(text)
+        if calls is None:
+            return {"content": text} if text else {}
+        return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
 
     async def prepare(self) -> None:
         """What rendering needs beyond the messages (the prompts' texts to echo), made once."""

@@ -153,9 +153,51 @@ EMPTY_MESSAGE_FIELDS: dict[str, tuple[object, ...]] = {
 }
 
 
+# OpenAI's rule for a function's name.
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # accepted: forced calls are held to the schema either way
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """tool_choice naming the one function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object's text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    """A call in an assistant message of the history."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
     # A participant's name (multi-agent clients such as AutoGen send it): accepted and not
     # rendered, as the chat templates of the models served here have no place for it.
     name: Annotated[str, StringConstraints(max_length=256)] | None = None
@@ -172,6 +214,11 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
+    tools: list[Tool] | None = None
+    # "auto" (the default with tools) needs calls parsed out of free text, which is not
+    # served: "required" and a named function are, their output held to the tools' schemas.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call ("required")
     max_tokens: Int32 | None = None  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: Int32 | None = None
     logprobs: bool | None = None
@@ -182,6 +229,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # given to the chat template, as chat gives them
     add_special_tokens: bool | None = None  # accepted: the engine tokenizes as Generate does
     add_generation_prompt: bool | None = None  # true only: chat's tokens always end with it
 
@@ -256,6 +304,8 @@ def _first_error(error: pydantic.ValidationError, body: bytes) -> ApiError:
 
 
 _UNION_TYPES = {
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": '
+                   'NAME}}',
     "stop": "a string or a list of strings",
     "content": 'a string or a list of text parts ({"type": "text", "text": "..."})',
 }

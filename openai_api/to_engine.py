@@ -21,11 +21,12 @@ from openai_api.schemas import (
     CompletionRequest,
     _Sampling,
 )
+from openai_api.tool_calls import ForcedCalls, forced_calls, tools_json
 from pagedgen_api import generation_pb2 as pb
 
 # OpenAI's roles onto the chat template's; "developer" is OpenAI's newer name for "system".
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
-              "assistant": "assistant"}
+              "assistant": "assistant", "tool": "tool"}
 
 
 @dataclass(slots=True)
@@ -55,6 +56,8 @@ class EngineCall:
     echo_only: bool = False
     # vLLM's prompt_logprobs asked: each completions choice (a chat response) carries them.
     prompt_logprobs: bool = False
+    # Chat whose tool_choice forces calls: how its completions become tool_calls.
+    forced_calls: ForcedCalls | None = None
 
 
 def completion_call(req: CompletionRequest, request_id: str, max_model_len: int = 0
@@ -96,6 +99,8 @@ def completion_call(req: CompletionRequest, request_id: str, max_model_len: int 
 def chat_call(req: ChatCompletionRequest, request_id: str) -> EngineCall:
     wire = _generate_request(req, request_id)
     wire.chat.CopyFrom(chat_messages(req.messages))
+    wire.chat.tools_json = tools_json(req)
+    forced = forced_calls(req)
     if req.max_tokens is not None and req.max_completion_tokens is not None and (
             req.max_tokens != req.max_completion_tokens):
         raise bad_request("max_completion_tokens",
@@ -114,9 +119,17 @@ def chat_call(req: ChatCompletionRequest, request_id: str) -> EngineCall:
                           f"{req.top_logprobs} with logprobs {_json(req.logprobs)}")
     top = (req.top_logprobs or 0) if req.logprobs else None
     constraint = _set_sampling(wire.sampling, req, max_tokens, top)
+    if forced is not None:
+        if constraint is not None:
+            raise bad_request(constraint, f"{constraint} must be left unset when tool_choice "
+                                          f"forces a call (the tools' schemas hold its "
+                                          f"output), got one")
+        wire.sampling.structured_outputs.json = json.dumps(forced.schema)
+        constraint = "tools"  # (a schema that does not compile is a tool's parameters)
     call = _call(req, [wire], [_field_names("messages", max_name, "top_logprobs", constraint)],
                  top)
     call.to_end_of_context = max_tokens is None
+    call.forced_calls = forced
     return call
 
 
@@ -137,7 +150,18 @@ def chat_messages(messages: list[ChatMessage], where: str = "messages") -> pb.Ch
             content = ""
         elif not isinstance(content, str):  # text parts, joined as vLLM joins them
             content = "\n".join(part.text for part in content)
-        out.messages.add(role=role, content=content)
+        wire = out.messages.add(role=role, content=content)
+        if message.tool_calls:
+            if role != "assistant":
+                raise bad_request(f"{where}[{i}].tool_calls",
+                                  f"{where}[{i}].tool_calls must be left unset in a {role}'s "
+                                  f"message (an assistant's calls), got "
+                                  f"{len(message.tool_calls)}")
+            for call in message.tool_calls:
+                wire.tool_calls.add(id=call.id, name=call.function.name,
+                                    arguments=call.function.arguments)
+        if message.tool_call_id is not None:
+            wire.tool_call_id = message.tool_call_id
     return out
 
 

@@ -20,12 +20,8 @@ from pathlib import Path
 import grpc
 
 from engine_service.model.config import load_model_config
-from engine_service.model.tokenizer import (
-    encode_rendered_chat,
-    encode_text,
-    load_tokenizer,
-    render_chat,
-)
+from engine_service.model.tokenizer import encode_text, load_tokenizer
+from engine_service.serving.chat_input import chat_chars, chat_token_ids
 from engine_service.serving.validation import CHARS_PER_CONTEXT_TOKEN
 from pagedgen_api import generation_pb2 as pb
 from router.replicas import Replica
@@ -75,7 +71,7 @@ class PromptReader:
             loop = asyncio.get_running_loop()
             tokenizer = await loop.run_in_executor(
                 self._worker, lambda: load_tokenizer(load_model_config(path)))
-            local = await loop.run_in_executor(self._worker, _chat_ids, tokenizer, _PROBE)
+            local = await loop.run_in_executor(self._worker, chat_token_ids, tokenizer, _PROBE)
             remote = await replica.stub.Tokenize(pb.TokenizeRequest(chat=_PROBE),
                                                  timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as error:
@@ -104,7 +100,7 @@ class PromptReader:
             return None
         if self.local(replicas) is not None:
             size = (len(request.text) if which == "text"
-                    else sum(len(m.content) for m in request.chat.messages))
+                    else chat_chars(request.chat))
             if size > _max_prompt_chars(replicas) or (which == "text" and not request.text):
                 return None  # every engine refuses it (too long, or empty): not read here
             loop = asyncio.get_running_loop()
@@ -112,7 +108,7 @@ class PromptReader:
                 if which == "text":
                     return await loop.run_in_executor(self._worker, encode_text,
                                                       self.tokenizer, request.text)
-                return await loop.run_in_executor(self._worker, _chat_ids, self.tokenizer,
+                return await loop.run_in_executor(self._worker, chat_token_ids, self.tokenizer,
                                                   request.chat)
             except Exception as error:  # noqa: BLE001 - templates raise whatever they like
                 log.debug("could not tokenize locally: %s", error)
@@ -151,6 +147,4 @@ def _max_prompt_chars(replicas: list[Replica]) -> int:
     return CHARS_PER_CONTEXT_TOKEN * max(lengths) if lengths else 1 << 62
 
 
-def _chat_ids(tokenizer, chat: pb.ChatMessages) -> list[int]:
-    conversation = [{"role": m.role, "content": m.content} for m in chat.messages]
-    return encode_rendered_chat(tokenizer, render_chat(tokenizer, conversation))
+

@@ -123,7 +123,7 @@ class RouterServicer(pb_grpc.GenerationServicer):
                 # that says nothing of the prompt.
                 check_token_ids_size(request, context_tokens)
             elif which == "chat":
-                check_chat_size(request.chat.messages, max_chars)
+                check_chat_size(request.chat, max_chars)
             else:
                 check_text_size(request.text, max_chars)
         except RequestRejected as error:

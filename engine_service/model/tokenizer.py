@@ -67,9 +67,11 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-def render_chat(tokenizer, conversation: list[dict[str, str]]) -> str:
-    """The model's chat template applied, ready for the assistant's turn."""
-    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+def render_chat(tokenizer, conversation: list[dict], tools: list[dict] | None = None) -> str:
+    """The model's chat template applied, ready for the assistant's turn; `tools`: the tools
+    the model may call (a template without a place for them leaves them out)."""
+    return tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
 
 
 def encode_rendered_chat(tokenizer, rendered: str) -> list[int]:

@@ -24,6 +24,7 @@ from engine_service.index.link import IndexUnavailableError, PinRefusedError
 from engine_service.model.sampling_params import MAX_LOGPROBS, MAX_N
 from engine_service.model.token_logprobs import TokenLogprobs
 from engine_service.serving.async_engine import AsyncEngine
+from engine_service.serving.chat_input import chat_chars
 from engine_service.serving.core_client import CoreClient
 from engine_service.serving.metrics import EngineMetrics
 from engine_service.serving.named_locks import NamedLocks
@@ -527,7 +528,7 @@ def _input_chars(request: pb.GenerateRequest) -> int:
     if which == "text":
         return len(request.text)
     if which == "chat":
-        return sum(len(m.role) + len(m.content) for m in request.chat.messages)
+        return chat_chars(request.chat)
     return 0
 
 

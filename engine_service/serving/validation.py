@@ -20,10 +20,16 @@ from engine_service.core.errors import DuplicateRequestError, QueueFullError
 from engine_service.core.request_limits import RequestLimits
 from engine_service.model.sampling_params import SamplingParams
 from engine_service.model.tokenizer import encode_rendered_chat, encode_text, render_chat
+from engine_service.serving.chat_input import (
+    ChatInputError,
+    chat_chars,
+    chat_tools,
+    conversation,
+)
 from engine_service.serving.status import RequestRejected
 from pagedgen_api import generation_pb2 as pb
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 MAX_CACHE_SALT_CHARS = 256
 MAX_CHAT_MESSAGES = 256
@@ -46,19 +52,21 @@ EARLY_STOPPING = {
 
 
 
-def check_chat_size(messages, max_chars: int) -> None:
-    """A chat's message count, then its characters in all (every field of every message), before
-    anything else reads it: rendering a template costs time per message, so a chat of half a
-    million empty messages must be refused here, at once. Also the router's check."""
+def check_chat_size(chat: pb.ChatMessages, max_chars: int) -> None:
+    """A chat's message count, then its characters in all (every field of every message, and
+    the tools), before anything else reads it: rendering a template costs time per message,
+    so a chat of half a million empty messages must be refused here, at once. Also the
+    router's check."""
+    messages = chat.messages
     if len(messages) > MAX_CHAT_MESSAGES:
         raise _invalid(
             f"chat.messages must hold at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}"
         )
-    total_chars = sum(len(m.role) + len(m.content) for m in messages)
+    total_chars = chat_chars(chat)
     if total_chars > max_chars:
         raise _invalid(
-            f"chat.messages must hold at most {max_chars} characters in all (roles and "
-            f"contents), got {total_chars}"
+            f"chat.messages must hold at most {max_chars} characters in all (roles, contents, "
+            f"tool calls and tools), got {total_chars}"
         )
 
 
@@ -201,16 +209,24 @@ class RequestValidator:
         messages = chat.messages
         if not messages:
             raise _invalid("chat.messages must hold at least one message, got []")
-        check_chat_size(messages, self.max_prompt_chars)
+        check_chat_size(chat, self.max_prompt_chars)
         for i, message in enumerate(messages):
             if message.role not in CHAT_ROLES:
                 raise _invalid(
                     f"chat.messages[{i}].role must be one of {CHAT_ROLES}, "
                     f"got {_shown(message.role)}"
                 )
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
+            if message.tool_calls and message.role != "assistant":
+                raise _invalid(
+                    f"chat.messages[{i}].tool_calls must be empty in a {message.role}'s "
+                    f"message (an assistant's calls), got {len(message.tool_calls)}"
+                )
         try:
-            text = render_chat(self.tokenizer, conversation)
+            tools = chat_tools(chat)
+        except ChatInputError as error:
+            raise _invalid(str(error)) from None
+        try:
+            text = render_chat(self.tokenizer, conversation(chat), tools)
         except Exception as error:  # noqa: BLE001 - templates raise whatever they like
             raise _invalid(
                 f"chat.messages must be accepted by the model's chat template, got an error: "

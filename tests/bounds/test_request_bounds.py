@@ -97,10 +97,10 @@ def test_chat_size_counts_every_field(front):
     error = refused(stub.Generate, greedy(chat=chat))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.details() == (f"chat.messages must hold at most {MAX_CHARS} characters in all "
-                               f"(roles and contents), got {MAX_CHARS + 2}")
+                               f"(roles, contents, tool calls and tools), got {MAX_CHARS + 2}")
     error = refused(stub.Tokenize, pb.TokenizeRequest(chat=chat))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "characters in all (roles and contents)" in error.details()
+    assert "characters in all (roles, contents, tool calls and tools)" in error.details()
 
 
 def test_chat_bomb_at_the_engine_past_its_message_size(bounded):

@@ -93,7 +93,6 @@ def test_completions_400_names_the_field(client, http_engine, kwargs, param, wor
 
 
 @pytest.mark.parametrize(("kwargs", "param", "words"), [
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0]", ""),
     ({"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role", "must be one of"),
     ({"messages": []}, "messages", "at least one message"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url",
@@ -103,7 +102,8 @@ def test_completions_400_names_the_field(client, http_engine, kwargs, param, wor
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be between"),
     ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", "must agree"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
+     '"auto" (the default with tools)'),  # (test_tool_calls.py: what is served)
     ({"extra_body": {"echo": True}}, "echo", "echo is not supported"),  # (completions' only)
     ({"extra_body": {"echo": False}}, None, None),  # vLLM's clients send it: accepted
     ({"extra_body": {"echo": None}}, None, None),

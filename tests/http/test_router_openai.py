@@ -16,9 +16,11 @@ from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.redis_process import free_port
 from router.tools.launch import RouterProcess
 from tests.http.http_util import call
+from tests.http.test_tool_calls import ASK, WEATHER, streamed_calls, weather_arguments
 from tests.router.stack import RouterStack, wait_until
 
 API_KEY = "router-key-42"
+
 CHAT = [{"role": "user", "content": "Count from one to ten."}]
 PROMPT = "Once upon a time, in a land far away,"
 DRAIN_TOKENS = 400  # the stream a draining router finishes
@@ -151,6 +153,22 @@ def test_logit_bias_through_the_router(router, router_stub):
     assert http.choices[0].text == reply.completions[0].text
 
 
+def test_a_forced_tool_call_through_the_router(router):
+    """The tools travel in the wire chat (tools_json): the replica's forced call, whole and
+    streamed, as the engine makes it (test_tool_calls.py)."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    with router.client() as client:
+        reply = client.chat.completions.create(model=router.model, messages=ASK,
+                                               tools=[WEATHER], tool_choice=choice,
+                                               max_tokens=60, temperature=0)
+        calls, finishes = streamed_calls(client.chat.completions.create(
+            model=router.model, messages=ASK, tools=[WEATHER], tool_choice=choice,
+            max_tokens=60, temperature=0, stream=True))
+    call = reply.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and finishes == ["stop"]
+    assert weather_arguments(calls[0]["arguments"]) == weather_arguments(call.function.arguments)
+
+
 def test_async_stream_and_cached_tokens(router):
     system = "A long shared system prompt for the router's cache test. " * 10
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "One?"}]
@@ -186,7 +204,7 @@ def test_errors_through_the_router(router):
             client.chat.completions.create(model=router.model, messages=CHAT, max_tokens=4,
                                            tools=[{"type": "function",
                                                    "function": {"name": "f"}}])
-        assert raised.value.response.json()["error"]["param"] == "tools"
+        assert raised.value.response.json()["error"]["param"] == "tool_choice"  # ("auto")
         with pytest.raises(openai.NotFoundError) as raised:
             client.chat.completions.create(model="not-served", messages=CHAT, max_tokens=4)
         assert raised.value.response.json()["error"]["code"] == "model_not_found"

@@ -20,7 +20,7 @@ def test_the_tokenizer_check_survives_the_replicas_info_being_reset(monkeypatch,
 
     monkeypatch.setattr(prompt_module, "load_model_config", lambda path: None)
     monkeypatch.setattr(prompt_module, "load_tokenizer", slow_tokenizer)
-    monkeypatch.setattr(prompt_module, "_chat_ids", lambda tokenizer, chat: [1, 2])
+    monkeypatch.setattr(prompt_module, "chat_token_ids", lambda tokenizer, chat: [1, 2])
 
     async def body():
         replica = Replica("127.0.0.1:1", "e1")

@@ -119,16 +119,27 @@ def bad_cases() -> list[BadCase]:
             min_tokens=9, max_tokens=4)), INVALID,
             "sampling.min_tokens must be <= max_tokens (4), got 9"),
         BadCase("bad chat role", pb.GenerateRequest(chat=chat(("user", "hi"), ("robot", "beep"))),
-                INVALID, "chat.messages[1].role must be one of ('system', 'user', 'assistant'), "
-                "got 'robot'"),
+                INVALID, "chat.messages[1].role must be one of ('system', 'user', 'assistant', "
+                "'tool'), got 'robot'"),
+        BadCase("tools not JSON", pb.GenerateRequest(chat=pb.ChatMessages(
+            messages=chat(("user", "hi")).messages, tools_json="[{")), INVALID,
+            "chat.tools_json must be a JSON array of tools, got text that does not parse"),
+        BadCase("a tool not a function", pb.GenerateRequest(chat=pb.ChatMessages(
+            messages=chat(("user", "hi")).messages, tools_json='[{"type": "web"}]')), INVALID,
+            'chat.tools_json[0] must be {"type": "function", "function": {"name": NAME, ...}}, '
+            'got {"type": "web"}'),
+        BadCase("a user's tool call", pb.GenerateRequest(chat=pb.ChatMessages(messages=[
+            pb.ChatMessage(role="user", content="hi", tool_calls=[pb.ToolCall(name="f")])])),
+            INVALID, "chat.messages[0].tool_calls must be empty in a user's message (an "
+                     "assistant's calls), got 1"),
         BadCase("no chat messages", pb.GenerateRequest(chat=chat()), INVALID,
                 "chat.messages must hold at least one message, got []"),
         BadCase("too many chat messages", pb.GenerateRequest(chat=chat(*[("user", "a")] * 257)),
                 INVALID, "chat.messages must hold at most 256 messages, got 257"),
         BadCase("oversized chat message", pb.GenerateRequest(chat=chat(
             ("user", "b" * (32 * MAX_MODEL_LEN + 1)))), INVALID,
-            f"chat.messages must hold at most {32 * MAX_MODEL_LEN} characters in all (roles and "
-            f"contents), got {32 * MAX_MODEL_LEN + 5}"),
+            f"chat.messages must hold at most {32 * MAX_MODEL_LEN} characters in all (roles, "
+            f"contents, tool calls and tools), got {32 * MAX_MODEL_LEN + 5}"),
         BadCase("bad request id", pb.GenerateRequest(request_id="has space", **ok), INVALID,
                 "request_id must be 1 to 128 characters of [A-Za-z0-9._:-]"),
         BadCase("oversized cache salt", pb.GenerateRequest(cache_salt="s" * 257, **ok), INVALID,

@@ -1,0 +1,80 @@
+"""A wire chat (pb.ChatMessages) as the model's chat template takes it: the conversation, with
+an assistant's tool calls and a tool's answers, and the tools the model may call. The engine
+and the router (which tokenizes chats to route by prefix) render a chat through here alike."""
+
+from __future__ import annotations
+
+import json
+
+from engine_service.model.tokenizer import encode_rendered_chat, render_chat
+from pagedgen_api import generation_pb2 as pb
+
+
+class ChatInputError(ValueError):
+    """A chat field the template cannot be given; its message names the field."""
+
+
+def chat_chars(chat: pb.ChatMessages) -> int:
+    """Every character a chat gives the template: roles, contents, tool calls, the tools."""
+    total = len(chat.tools_json)
+    for m in chat.messages:
+        total += len(m.role) + len(m.content) + len(m.tool_call_id)
+        total += sum(len(c.id) + len(c.name) + len(c.arguments) for c in m.tool_calls)
+    return total
+
+
+def chat_tools(chat: pb.ChatMessages) -> list[dict] | None:
+    """The tools given to the template (None: none); ChatInputError when tools_json is not a
+    JSON array of function tools, each named."""
+    if not chat.tools_json:
+        return None
+    try:
+        tools = json.loads(chat.tools_json)
+    except (ValueError, RecursionError) as error:
+        raise ChatInputError(f"chat.tools_json must be a JSON array of tools, got text that "
+                             f"does not parse: {error}") from None
+    if not isinstance(tools, list):
+        raise ChatInputError(f"chat.tools_json must be a JSON array of tools, got a "
+                             f"{type(tools).__name__}")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (not isinstance(tool, dict) or tool.get("type") != "function"
+                or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str) or not function["name"]):
+            raise ChatInputError(f'chat.tools_json[{i}] must be {{"type": "function", '
+                                 f'"function": {{"name": NAME, ...}}}}, got '
+                                 f"{json.dumps(tool)[:80]}")
+    return tools
+
+
+def conversation(chat: pb.ChatMessages) -> list[dict]:
+    """The messages as chat templates read them (transformers' form): a tool call's arguments
+    as an object where they parse as one (templates write them with `tojson`), a tool's
+    answer with the id of the call it answers."""
+    out = []
+    for m in chat.messages:
+        message: dict = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": _arguments(c.arguments)}} for c in m.tool_calls]
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def render_wire_chat(tokenizer, chat: pb.ChatMessages) -> str:
+    """The chat's template applied, ready for the assistant's turn."""
+    return render_chat(tokenizer, conversation(chat), chat_tools(chat))
+
+
+def chat_token_ids(tokenizer, chat: pb.ChatMessages) -> list[int]:
+    return encode_rendered_chat(tokenizer, render_wire_chat(tokenizer, chat))
+
+
+def _arguments(text: str) -> dict | str:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return value if isinstance(value, dict) else text

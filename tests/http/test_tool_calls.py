@@ -1,0 +1,140 @@
+"""Function calling on /v1/chat/completions with the official `openai` client: a named function
+or "required" is generated under the tools' schemas and comes back as tool_calls (whole, and
+streamed as OpenAI's deltas, the same calls); "auto" and choices the tools cannot meet are
+400s naming the field. (What the template is given: test_tool_templates.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.http.test_engine_errors import error_of
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris for two days?"}]
+
+
+def weather_arguments(text: str) -> dict:
+    arguments = json.loads(text)
+    assert set(arguments) == {"city", "days"}, arguments
+    assert arguments["city"] in ("Paris", "Rome", "Oslo") and 1 <= arguments["days"] <= 7
+    return arguments
+
+
+def streamed_calls(chunks) -> tuple[dict[int, dict], list[str | None]]:
+    """A stream's tool calls assembled from their deltas as OpenAI's clients do (by index:
+    the id, type and name once, the arguments in pieces), and each choice's finish."""
+    calls: dict[int, dict] = {}
+    finishes = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            assert choice.index == 0
+            for delta in choice.delta.tool_calls or ():
+                call = calls.setdefault(delta.index, {"arguments": ""})
+                if delta.id is not None:
+                    assert "id" not in call  # once per call
+                    call["id"], call["type"] = delta.id, delta.type
+                    call["name"] = delta.function.name
+                call["arguments"] += delta.function.arguments or ""
+            if choice.finish_reason is not None:
+                finishes.append(choice.finish_reason)
+    return calls, finishes
+
+
+def test_a_named_function_is_called_with_arguments_its_schema_allows(client, http_engine):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(
+        model=http_engine.model, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+        max_tokens=60, temperature=0)
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "stop"  # (OpenAI's, for a call it was told to make)
+    assert message.content is None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("chatcmpl-tool-")
+    whole = weather_arguments(call.function.arguments)
+
+    stream = client.chat.completions.create(
+        model=http_engine.model, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+        max_tokens=60, temperature=0, stream=True)
+    calls, finishes = streamed_calls(stream)
+    assert finishes == ["stop"]
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather"
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("chatcmpl-tool-")
+    assert json.loads(calls[0]["arguments"]) == whole  # greedy: the same call
+
+
+def test_required_calls_one_or_more_of_the_tools(client, http_engine):
+    reply = client.chat.completions.create(
+        model=http_engine.model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+        max_tokens=120, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name in ("get_weather", "get_time")
+        if call.function.name == "get_weather":
+            weather_arguments(call.function.arguments)
+        else:
+            assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    assert len({call.id for call in choice.message.tool_calls}) == len(choice.message.tool_calls)
+
+    stream = client.chat.completions.create(
+        model=http_engine.model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+        max_tokens=120, temperature=0, stream=True)
+    calls, finishes = streamed_calls(stream)
+    assert finishes == ["tool_calls"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+
+    one = client.chat.completions.create(
+        model=http_engine.model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=120, temperature=0.8, seed=3, n=3)
+    for choice in one.choices:
+        assert len(choice.message.tool_calls or ()) == 1 or choice.finish_reason == "length"
+
+
+@pytest.mark.parametrize(("kwargs", "param", "words"), [
+    ({"tools": [WEATHER]}, "tool_choice", '"auto" (the default with tools)'),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "free text"),
+    ({"tool_choice": "required"}, "tool_choice", "without tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name", 'one of the tools ("get_weather")'),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", '"required" or'),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format", "must be left unset when tool_choice forces a call"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}],
+      "tool_choice": "required"}, "tools[0].function.name", "should match pattern"),
+    ({"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/x"}}}}}],
+      "tool_choice": "required"}, "tools", ""),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[0].tool_calls", "an assistant's calls"),
+])
+def test_tool_choices_the_server_cannot_meet_are_400s_naming_the_field(
+        client, http_engine, kwargs, param, words):
+    body = {"model": http_engine.model, "messages": ASK, "max_tokens": 8, **kwargs}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(**body)
+    error = error_of(raised)
+    assert error["param"] == param, error
+    assert words in error["message"], error
+
+
+def test_tools_on_completions_are_still_refused(client, http_engine):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=http_engine.model, prompt="x", max_tokens=2,
+                                  extra_body={"tools": [WEATHER]})
+    assert error_of(raised)["param"] == "tools"
