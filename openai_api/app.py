@@ -417,6 +417,8 @@ class _Api:
             raise ApiError(HTTPStatus.BAD_REQUEST,
                            "give exactly one of prompt (text) or messages (chat), got "
                            f"{'both' if body.prompt is not None else 'neither'}", "prompt")
+        if body.tools and body.messages is None:
+            raise _tools_without_messages()
         if body.prompt is not None:
             wire, names = pb.TokenizeRequest(text=body.prompt), {"text": "prompt",
                                                                   "input": "prompt"}
@@ -425,7 +427,8 @@ class _Api:
                 raise schemas.unserved("add_generation_prompt", False)
             wire = pb.TokenizeRequest(chat=chat_messages(body.messages))
             wire.chat.tools_json = tools_json(body)
-            names = {"chat.messages": "messages", "chat": "messages", "input": "messages"}
+            names = {"chat.messages": "messages", "chat": "messages", "input": "messages",
+                     "chat.tools_json": "tools"}
         reply = await self._unary("Tokenize", wire, names, _caller(request))
         return JSONResponse({"count": len(reply.token_ids), "max_model_len": model.max_model_len,
                              "tokens": list(reply.token_ids)})
@@ -448,17 +451,20 @@ class _Api:
             raise ApiError(HTTPStatus.BAD_REQUEST,
                            "give exactly one of prompt (text), messages (chat) or tokens, got "
                            f"{' and '.join(given) or 'none of them'}", "prompt")
+        if body.tools and body.messages is None:
+            raise _tools_without_messages()
         wire = pb.PinPrefixRequest(cache_salt=body.cache_salt or "", ttl_s=body.ttl_s,
                                    unpin=body.unpin)
         if body.prompt is not None:
             wire.text = body.prompt
         elif body.messages is not None:
             wire.chat.CopyFrom(chat_messages(body.messages))
+            wire.chat.tools_json = tools_json(body)
         else:  # no prompt could use more of a prefix: counted before the ids are read
             check_token_count("tokens", body.tokens, model.prompt_context, for_output=False)
             wire.token_ids.ids.extend(body.tokens)
         names = {"text": "prompt", "token_ids": "tokens", "token_ids.ids": "tokens",
-                 "chat.messages": "messages",
+                 "chat.messages": "messages", "chat.tools_json": "tools",
                  "chat": "messages", "input": given[0], "prompt": given[0]}
         reply = await self._unary("PinPrefix", wire, names, _caller(request))
         return JSONResponse({"num_blocks": reply.num_blocks, "num_pinned": reply.num_pinned})
@@ -532,6 +538,12 @@ async def _drain(stream: AsyncIterator[bytes]) -> None:
                 drained += len(chunk)
                 if drained > DRAIN_MAX_BYTES:
                     return
+
+
+def _tools_without_messages() -> ApiError:
+    return ApiError(HTTPStatus.BAD_REQUEST, "tools must be left unset without messages (the chat "
+                                            "template is what takes them), got tools",
+                    "tools")
 
 
 def _too_large(got: str) -> ApiError:

@@ -138,8 +138,10 @@ class Renderer:
         out = []
         for index in range(num_prompts * self.n):
             self._state(index).started = True
+            # (a forced call's content is null, as the whole reply's)
+            content = None if self.forced_calls is not None else ""
             out.append(self.chunk([{"index": index,
-                                    "delta": {"role": "assistant", "content": ""},
+                                    "delta": {"role": "assistant", "content": content},
                                     "logprobs": None, "finish_reason": None}]))
         return out
 

@@ -16,6 +16,7 @@ from openai_api.errors import ApiError, bad_request
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # a seed on the wire
 MAX_PROMPTS = 256  # prompts in one completions request: each is a request of its own
+MAX_TOOLS = 128  # OpenAI's limit on a request's tools (and here, on a message's tool calls)
 # A request body's bytes: parsing holds several times a body's size, and no prompt the engine
 # takes comes near this (its own limit is 32 characters per context token).
 MAX_BODY_BYTES = 64 << 20
@@ -150,6 +151,7 @@ class TextPart(_Strict):
 EMPTY_MESSAGE_FIELDS: dict[str, tuple[object, ...]] = {
     "refusal": (None,), "annotations": (None, []), "audio": (None,),
     "function_call": (None,), "tool_calls": (None, []),
+    "parsed": (None,),  # the openai package's structured-output reply (parse(), stream())
 }
 
 
@@ -183,6 +185,9 @@ class NamedToolChoice(_Strict):
 class FunctionCall(_Strict):
     name: str
     arguments: str  # a JSON object's text, as the model wrote it
+    # The openai package's own reading of `arguments` (a streamed reply's, sent back as
+    # history): accepted, and not rendered (the arguments are).
+    parsed_arguments: Any = None
 
 
 class ToolCall(_Strict):
@@ -191,6 +196,7 @@ class ToolCall(_Strict):
     id: str
     type: Literal["function"]
     function: FunctionCall
+    index: Int32 | None = None  # a streamed call's (its deltas'): accepted, not rendered
 
 
 class ChatMessage(_Strict):
@@ -245,6 +251,7 @@ class PinPrefixRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # with messages: given to the template, as chat gives them
     tokens: list[Int32] | None = None
     cache_salt: str | None = None
     ttl_s: float = 0.0  # 0: until unpinned
@@ -252,12 +259,13 @@ class PinPrefixRequest(_Strict):
 
 
 def check_message_count(body: bytes, limit: int) -> None:
-    """A body's chat `messages` past `limit`, refused before pydantic builds a model per message
-    (about 4 us each: half a million empty messages took 2 s). Each message is a JSON object,
-    and a structural '{' cannot be escaped: a body with no more than `limit` of them (the usual
-    case) cannot hold too many, and the scan runs at C speed; otherwise the count is read from
-    the plain JSON parse, several times cheaper than the models."""
-    if body.count(b"{") <= limit + 1:
+    """A body's chat `messages` past `limit`, or its `tools` or a message's `tool_calls` past
+    MAX_TOOLS, refused before pydantic builds a model per item (about 4 us each: half a
+    million empty messages took 2 s, 400k tools 5.6 s). Each item is a JSON object (a tool or a
+    call, two), and a structural '{' cannot be escaped: a body with fewer of them (the usual
+    case) cannot hold too many, and the scan runs at C speed; otherwise the counts are read
+    from the plain JSON parse, several times cheaper than the models."""
+    if body.count(b"{") <= min(limit, 2 * MAX_TOOLS) + 1:
         return
     try:
         data = json.loads(body)
@@ -267,6 +275,14 @@ def check_message_count(body: bytes, limit: int) -> None:
     if isinstance(messages, list) and len(messages) > limit:
         raise bad_request("messages", f"messages must hold at most {limit} messages, got "
                                       f"{len(messages)}")
+    lists = [("tools", data.get("tools"))] if isinstance(data, dict) else []
+    if isinstance(messages, list):
+        lists += [(f"messages[{i}].tool_calls", m.get("tool_calls"))
+                  for i, m in enumerate(messages) if isinstance(m, dict)]
+    for name, items in lists:
+        if isinstance(items, list) and len(items) > MAX_TOOLS:
+            raise bad_request(name, f"{name} must hold at most {MAX_TOOLS} items, got "
+                                    f"{len(items)}")
 
 
 def parse(model: type[BaseModel], body: bytes) -> BaseModel:

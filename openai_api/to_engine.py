@@ -151,11 +151,15 @@ def chat_messages(messages: list[ChatMessage], where: str = "messages") -> pb.Ch
         elif not isinstance(content, str):  # text parts, joined as vLLM joins them
             content = "\n".join(part.text for part in content)
         wire = out.messages.add(role=role, content=content)
+        if role == "tool" and message.tool_call_id is None:
+            raise bad_request(f"{where}[{i}].tool_call_id",
+                              f"{where}[{i}].tool_call_id must be set in a tool's message (the "
+                              f"id of the call it answers), got none")
         if message.tool_calls:
             if role != "assistant":
                 raise bad_request(f"{where}[{i}].tool_calls",
-                                  f"{where}[{i}].tool_calls must be left unset in a {role}'s "
-                                  f"message (an assistant's calls), got "
+                                  f"{where}[{i}].tool_calls must be left unset in a "
+                                  f"{message.role}'s message (an assistant's calls), got "
                                   f"{len(message.tool_calls)}")
             for call in message.tool_calls:
                 wire.tool_calls.add(id=call.id, name=call.function.name,
@@ -302,7 +306,8 @@ def _field_names(prompt: str, max_tokens: str, logprobs: str,
     names = {
         "input": prompt, "text": prompt, "token_ids.ids": prompt, "token_ids": prompt,
         "prompt": prompt, "prompt_token_ids": prompt, "chat.messages": prompt,
-        "chat": prompt, "sampling.max_tokens": max_tokens, "sampling.logprobs": logprobs,
+        "chat": prompt, "chat.tools_json": "tools", "sampling.max_tokens": max_tokens,
+        "sampling.logprobs": logprobs,
         "sampling.prompt_logprobs": "prompt_logprobs",
         "sampling.beam_width": "n", "request": "request",
     }

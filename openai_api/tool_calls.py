@@ -14,7 +14,12 @@ import uuid
 from dataclasses import dataclass
 
 from openai_api.errors import bad_request
-from openai_api.schemas import ChatCompletionRequest, NamedToolChoice, TokenizeRequest
+from openai_api.schemas import (
+    ChatCompletionRequest,
+    NamedToolChoice,
+    PinPrefixRequest,
+    TokenizeRequest,
+)
 
 # A forced call's arguments when its function declares no parameters: any JSON object.
 ANY_OBJECT = {"type": "object"}
@@ -28,11 +33,22 @@ class ForcedCalls:
     schema: dict  # the output's JSON schema (the structured outputs constraint)
 
 
-def tools_json(req: ChatCompletionRequest | TokenizeRequest) -> str:
-    """The tools for the chat template (ChatMessages.tools_json); empty: none."""
+def tools_json(req: ChatCompletionRequest | TokenizeRequest | PinPrefixRequest) -> str:
+    """The tools for the chat template (ChatMessages.tools_json); empty: none. A 400 for two
+    tools of one name (a call could not say which it is)."""
     if not req.tools:
         return ""
-    return json.dumps([tool.model_dump(exclude_none=True) for tool in req.tools])
+    seen = set()
+    for i, tool in enumerate(req.tools):
+        name = tool.function.name
+        if name in seen:
+            raise bad_request(f"tools[{i}].function.name",
+                              f"tools[{i}].function.name must differ from the other tools' "
+                              f"names, got {json.dumps(name)} again")
+        seen.add(name)
+    # (not ASCII-escaped: the characters counted against the prompt's limit are the client's)
+    return json.dumps([tool.model_dump(exclude_none=True) for tool in req.tools],
+                      ensure_ascii=False)
 
 
 def forced_calls(req: ChatCompletionRequest) -> ForcedCalls | None:
@@ -56,21 +72,40 @@ def forced_calls(req: ChatCompletionRequest) -> ForcedCalls | None:
                                          '"required" lets the model pick the function')
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
-        for tool in req.tools:
+        for i, tool in enumerate(req.tools):
             if tool.function.name == name:
-                return ForcedCalls(name, _parameters(tool.function.parameters))
-        names = ", ".join(json.dumps(t.function.name) for t in req.tools)
+                return ForcedCalls(name, _parameters(i, tool.function.parameters))
+        names = ", ".join(json.dumps(t.function.name) for t in req.tools[:8])
+        more = f" and {len(req.tools) - 8} more" if len(req.tools) > 8 else ""
         raise bad_request("tool_choice.function.name",
-                          f"tool_choice.function.name must name one of the tools ({names}), "
-                          f"got {json.dumps(name)}")
-    calls = {"type": "array", "minItems": 1, "items": {"anyOf": [{
-        "type": "object",
-        "properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                       "parameters": _parameters(tool.function.parameters)},
-        "required": ["name", "parameters"], "additionalProperties": False,
-    } for tool in req.tools]}}
+                          f"tool_choice.function.name must name one of the tools ({names}"
+                          f"{more}), got {json.dumps(name[:80])}")
+    # Each tool's schema goes one level down, under its call's "parameters": its local
+    # definitions ($defs, definitions) go up to the whole schema's root, where its "#/$defs/..."
+    # references then point (pydantic's and zod's schemas use them).
+    definitions: dict[str, dict] = {"$defs": {}, "definitions": {}}
+    alternatives = []
+    for i, tool in enumerate(req.tools):
+        parameters = dict(_parameters(i, tool.function.parameters))
+        for key, found in definitions.items():
+            for name, schema in (parameters.pop(key, None) or {}).items():
+                if found.get(name, schema) != schema:
+                    raise bad_request(f"tools[{i}].function.parameters.{key}",
+                                      f"tools[{i}].function.parameters.{key}.{name} must be "
+                                      f"the same as another tool's {key}.{name} when "
+                                      f"tool_choice is \"required\" (their definitions are "
+                                      f"shared), got a different schema")
+                found[name] = schema
+        alternatives.append({
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                           "parameters": parameters},
+            "required": ["name", "parameters"], "additionalProperties": False,
+        })
+    calls = {"type": "array", "minItems": 1, "items": {"anyOf": alternatives}}
     if req.parallel_tool_calls is False:
         calls["maxItems"] = 1
+    calls.update({key: found for key, found in definitions.items() if found})
     return ForcedCalls(None, calls)
 
 
@@ -98,8 +133,17 @@ def call_json(name: str, arguments: str, call_id: str | None = None) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def _parameters(parameters: dict | None) -> dict:
-    return ANY_OBJECT if parameters is None else parameters
+def _parameters(index: int, parameters: dict | None) -> dict:
+    """A function's arguments schema: an object's (a call's arguments are one, as OpenAI's
+    are); none or {} allows any object."""
+    if not parameters:
+        return ANY_OBJECT
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        raise bad_request(f"tools[{index}].function.parameters",
+                          f"tools[{index}].function.parameters must be the JSON Schema of an "
+                          f"object (type \"object\"), got type "
+                          f"{json.dumps(parameters.get('type'))}")
+    return parameters
 
 
 def _shown(value: object) -> str:

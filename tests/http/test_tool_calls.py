@@ -10,6 +10,9 @@ import json
 import openai
 import pytest
 
+from openai_api.schemas import ChatCompletionRequest
+from openai_api.tool_calls import forced_calls
+from tests.http.conftest import API_KEY
 from tests.http.test_engine_errors import error_of
 
 WEATHER = {"type": "function", "function": {
@@ -75,6 +78,21 @@ def test_a_named_function_is_called_with_arguments_its_schema_allows(client, htt
     assert json.loads(calls[0]["arguments"]) == whole  # greedy: the same call
 
 
+@pytest.mark.parametrize("parameters", [None, {}])
+def test_a_function_without_parameters_is_held_to_an_object(parameters):
+    """A call's arguments are an object (clients call fn(**arguments)): a function with no
+    parameters schema, or {}, is called with any object, not any JSON value."""
+    function = {"name": "ping"} | ({} if parameters is None else {"parameters": parameters})
+    for choice in ({"type": "function", "function": {"name": "ping"}}, "required"):
+        req = ChatCompletionRequest.model_validate({
+            "messages": ASK, "tools": [{"type": "function", "function": function}],
+            "tool_choice": choice})
+        schema = forced_calls(req).schema
+        if choice == "required":
+            schema = schema["items"]["anyOf"][0]["properties"]["parameters"]
+        assert schema == {"type": "object"}
+
+
 def test_required_calls_one_or_more_of_the_tools(client, http_engine):
     reply = client.chat.completions.create(
         model=http_engine.model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
@@ -105,6 +123,71 @@ def test_required_calls_one_or_more_of_the_tools(client, http_engine):
         assert len(choice.message.tool_calls or ()) == 1 or choice.finish_reason == "length"
 
 
+def test_required_takes_tools_whose_schemas_use_local_definitions(client, http_engine):
+    """pydantic's schemas (the openai package's pydantic_function_tool) put nested models in
+    $defs: under "required" each tool's schema goes one level down, and its definitions go to
+    the root with it, where its references point."""
+    located = {"type": "function", "function": {"name": "locate", "parameters": {
+        "type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}},
+        "required": ["place"], "additionalProperties": False,
+        "$defs": {"Place": {"type": "object", "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"], "additionalProperties": False}}}}}
+    reply = client.chat.completions.create(
+        model=http_engine.model, messages=ASK, tools=[located, WEATHER],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=120, temperature=0)
+    [call] = reply.choices[0].message.tool_calls
+    if call.function.name == "locate":
+        assert json.loads(call.function.arguments)["place"]["city"] in ("Paris", "Rome")
+    else:
+        weather_arguments(call.function.arguments)
+
+
+def test_a_streamed_reply_sent_back_as_history_is_accepted(client, http_engine):
+    """The openai package's stream helper builds the message with what its deltas carried
+    (each call's index, its parsed arguments): sent back as history, as agent loops do."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    with client.chat.completions.stream(model=http_engine.model, messages=ASK, tools=[WEATHER],
+                                        tool_choice=choice, max_tokens=60,
+                                        temperature=0) as stream:
+        for _ in stream:
+            pass
+        message = stream.get_final_completion().choices[0].message
+    assert message.content is None  # (null in the stream's role chunk too)
+    history = [*ASK, message.model_dump(),
+               {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny"}]
+    assert "index" in history[1]["tool_calls"][0]  # what the package sends back
+    reply = client.chat.completions.create(model=http_engine.model, messages=history,
+                                           max_tokens=3, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_more_than_128_tools_or_calls_are_refused_before_they_are_read(http_engine):
+    many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]
+    status, reply = http_engine.call(f"{http_engine.base_url}/v1/chat/completions", {
+        "model": http_engine.model, "messages": ASK, "tools": many, "tool_choice": "none"},
+        api_key=API_KEY)
+    assert status == 400 and reply["error"]["param"] == "tools", reply
+    assert "at most 128 items, got 129" in reply["error"]["message"]
+    calls = [{"id": str(i), "type": "function", "function": {"name": "f", "arguments": "{}"}}
+             for i in range(129)]
+    status, reply = http_engine.call(f"{http_engine.base_url}/tokenize", {
+        "model": http_engine.model,
+        "messages": [*ASK, {"role": "assistant", "tool_calls": calls}]}, api_key=API_KEY)
+    assert status == 400 and reply["error"]["param"] == "messages[1].tool_calls", reply
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/tokenize", {"prompt": "x", "tools": [WEATHER]}, "tools"),
+    ("/pin_prefix", {"prompt": "x", "tools": [WEATHER]}, "tools"),
+    ("/pin_prefix", {"messages": ASK, "tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+])
+def test_tools_go_with_messages_alone(http_engine, route, body, param):
+    status, reply = http_engine.call(f"{http_engine.base_url}{route}",
+                                     {"model": http_engine.model, **body}, api_key=API_KEY)
+    assert status == 400 and reply["error"]["param"] == param, reply
+
+
 @pytest.mark.parametrize(("kwargs", "param", "words"), [
     ({"tools": [WEATHER]}, "tool_choice", '"auto" (the default with tools)'),
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "free text"),
@@ -119,9 +202,22 @@ def test_required_calls_one_or_more_of_the_tools(client, http_engine):
     ({"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/x"}}}}}],
       "tool_choice": "required"}, "tools", ""),
-    ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
+    ({"messages": [{"role": "developer", "content": "hi", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
-     "messages[0].tool_calls", "an assistant's calls"),
+     "messages[0].tool_calls", "unset in a developer's message (an assistant's calls)"),
+    ({"messages": [*ASK, {"role": "tool", "content": "sunny"}]}, "messages[1].tool_call_id",
+     "must be set in a tool's message"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "none"}, "tools[1].function.name",
+     'must differ from the other tools\' names, got "get_weather" again'),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tools[0].function.parameters", 'must be the JSON Schema of an object (type "object")'),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "$defs": {"A": {"type": "integer"}}}}},
+                {"type": "function", "function": {"name": "g", "parameters": {
+                    "type": "object", "$defs": {"A": {"type": "string"}}}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters.$defs",
+     "$defs.A must be the same as another tool's"),
 ])
 def test_tool_choices_the_server_cannot_meet_are_400s_naming_the_field(
         client, http_engine, kwargs, param, words):
