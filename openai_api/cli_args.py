@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from openai_api.auth import API_KEY_ENV, api_key_from
+from openai_api.tool_parsers import PARSERS
 
 
 def add_http_args(p: argparse.ArgumentParser, routed: bool) -> None:
@@ -21,6 +22,12 @@ def add_http_args(p: argparse.ArgumentParser, routed: bool) -> None:
                         f"reflection (authorization: Bearer KEY), the shorthand of a key file "
                         f"of one tenant allowed everything (default: ${API_KEY_ENV}; unset: "
                         f"no key needed)")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="how chat's tool_choice \"auto\" (the default with tools) reads tool "
+                        "calls out of the model's text, by its format: hermes (<tool_call> "
+                        "JSON </tool_call>: Qwen2.5, Qwen3, Hermes) or llama3_json (Llama "
+                        "3.1/3.2); default: none, and \"auto\" with tools is a 400 "
+                        "(\"required\" and a named function need no parser)")
 
 
 def resolve_http_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

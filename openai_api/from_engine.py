@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from openai_api.tool_calls import ForcedCalls, call_json, new_call_id, required_calls
+from openai_api.tool_parsers import HermesReader, Llama3JsonReader, parse, reader
 from pagedgen_api import generation_pb2 as pb
 
 FINISH_REASONS = {
@@ -43,6 +44,8 @@ class _ChoiceState:
     scored: bool = False  # completions with vLLM's prompt_logprobs: they were sent
     call_id: str | None = None  # chat with a named function forced: its call's id, once sent
     calls_text: list[str] = field(default_factory=list)  # "required": the calls' text so far
+    reader: HermesReader | Llama3JsonReader | None = None  # "auto": reads calls from the text
+    num_calls: int = 0  # calls sent in this choice's deltas
 
 
 @dataclass(slots=True)
@@ -68,6 +71,8 @@ class Renderer:
     prompt_logprobs: bool = False
     # Chat whose tool_choice forces calls: the completions are tool_calls (tool_calls.py).
     forced_calls: ForcedCalls | None = None
+    # Chat with tool_choice "auto": the parser that reads calls out of the text (tool_parsers).
+    tool_call_parser: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _choices: dict[int, _ChoiceState] = field(default_factory=dict)
     _echo: list[str] | None = None
@@ -102,9 +107,8 @@ class Renderer:
                         index, self._generated(c.logprobs, []),
                         self._prompt_part(prompt_index, reply.prompt_logprobs))
                 choice["finish_reason"], choice["stop_reason"] = self._finish(c)
-                if self.chat and "tool_calls" in choice["message"] and (
-                        self.forced_calls.name is None and choice["finish_reason"] == "stop"):
-                    choice["finish_reason"] = "tool_calls"  # (OpenAI's, for calls it chose)
+                if self.chat and "tool_calls" in choice["message"]:
+                    choice["finish_reason"] = self._calls_finish(choice["finish_reason"])
                 if scored is not None and not self.chat:
                     choice["prompt_logprobs"] = scored
                 choices.append(choice)
@@ -181,15 +185,27 @@ class Renderer:
             choice["finish_reason"] = self._finish(c)[0]
             if c.finish_reason:
                 choice["stop_reason"] = self._finish(c)[1]
-                if (self.chat and "tool_calls" in choice["delta"] and self.forced_calls.name
-                        is None and choice["finish_reason"] == "stop"):
-                    choice["finish_reason"] = "tool_calls"
+                if self.chat and self._state(index).num_calls:
+                    choice["finish_reason"] = self._calls_finish(choice["finish_reason"])
             out.append(choice)
         return out
 
     # ---- tool calls -----------------------------------------------------------------------------
+    def _calls_finish(self, reason: str | None) -> str | None:
+        """A choice that made calls ends with "tool_calls" (OpenAI's, for calls the model
+        chose), but for a named function: "stop" (OpenAI's too)."""
+        named = self.forced_calls is not None and self.forced_calls.name is not None
+        return "tool_calls" if reason == "stop" and not named else reason
+
     def _message(self, c: pb.Completion) -> dict:
         """A whole chat response's message: its text, or the calls it makes."""
+        if self.tool_call_parser is not None:
+            read = parse(self.tool_call_parser, c.text)
+            if not read.calls:
+                return {"role": "assistant", "content": read.content}
+            return {"role": "assistant", "content": read.content
+                    if read.content and not read.content.isspace() else None,
+                    "tool_calls": read.calls}
         forced = self.forced_calls
         if forced is None:
             return {"role": "assistant", "content": c.text}
@@ -205,6 +221,8 @@ class Renderer:
         """A stream chunk's delta: the text; with a named function forced, its arguments as
         they come (the call's id and name in the first); with "required", nothing until the
         completion ends, then its calls whole (or its text, cut short)."""
+        if self.tool_call_parser is not None:
+            return self._read_delta(c, state)
         forced = self.forced_calls
         if forced is None:
             return {"content": c.text} if c.text or not c.finish_reason else {}
@@ -212,6 +230,7 @@ class Renderer:
             if not c.text:
                 return {}
             if state.call_id is None:
+                state.num_calls = 1
                 state.call_id = new_call_id()
                 return {"tool_calls": [{"index": 0, **call_json(forced.name, c.text,
                                                                state.call_id)}]}
@@ -223,7 +242,27 @@ class Renderer:
         calls = required_calls(text)
         if calls is None:
             return {"content": text} if text else {}
+        state.num_calls = len(calls)
         return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+
+    def _read_delta(self, c: pb.Completion, state: _ChoiceState) -> dict:
+        """tool_choice "auto": the text as content until it may be a call, each call whole
+        once its text closes (tool_parsers.py)."""
+        if state.reader is None:
+            state.reader = reader(self.tool_call_parser)
+        read = state.reader.feed(c.text)
+        if c.finish_reason:
+            last = state.reader.finish()
+            read.content += last.content
+            read.calls += last.calls
+        delta: dict = {}
+        if read.content:
+            delta["content"] = read.content
+        if read.calls:
+            delta["tool_calls"] = [{"index": state.num_calls + i, **call}
+                                   for i, call in enumerate(read.calls)]
+            state.num_calls += len(read.calls)
+        return delta
 
     async def prepare(self) -> None:
         """What rendering needs beyond the messages (the prompts' texts to echo), made once."""

@@ -46,7 +46,8 @@ class HttpServer:
     def __init__(self, host: str, port: int, gate: Gate | None = None,
                  tls: TlsMaterial | None = None, require_client_cert: bool = False,
                  head_timeout_s: float = HEAD_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
-                 max_connections: int | None = None, send_stall_timeout_s: float = 0.0) -> None:
+                 max_connections: int | None = None, send_stall_timeout_s: float = 0.0,
+                 tool_call_parser: str | None = None) -> None:
         self.host, self.requested_port = host, port
         self.gate = gate  # who may call (tenancy/gate.py); None: anyone
         self.tls = tls  # HTTPS with the gRPC port's certificate; None: plain HTTP
@@ -62,6 +63,7 @@ class HttpServer:
         self.max_connections = max_connections or default_max_connections()
         # A stream whose client takes nothing this long is closed (disconnect.py); 0: never.
         self.send_stall_timeout_s = send_stall_timeout_s
+        self.tool_call_parser = tool_call_parser  # tool_choice "auto" (tool_parsers.py)
         self.port = 0
         self._socket: socket.socket | None = None
         self._server: _LoopServer | None = None
@@ -92,7 +94,7 @@ class HttpServer:
                                              self.max_connections)
             http = self._tls_acceptor
         config = uvicorn.Config(create_app(backend, self.gate, self.body_timeout_s,
-                                           self.send_stall_timeout_s),
+                                           self.send_stall_timeout_s, self.tool_call_parser),
                                 lifespan="off", http=http,
                                 log_level="warning", access_log=False)
         self._server = _LoopServer(config)

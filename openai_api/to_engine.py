@@ -21,7 +21,7 @@ from openai_api.schemas import (
     CompletionRequest,
     _Sampling,
 )
-from openai_api.tool_calls import ForcedCalls, forced_calls, tools_json
+from openai_api.tool_calls import ForcedCalls, forced_calls, reads_calls, tools_json
 from pagedgen_api import generation_pb2 as pb
 
 # OpenAI's roles onto the chat template's; "developer" is OpenAI's newer name for "system".
@@ -58,6 +58,8 @@ class EngineCall:
     prompt_logprobs: bool = False
     # Chat whose tool_choice forces calls: how its completions become tool_calls.
     forced_calls: ForcedCalls | None = None
+    # Chat with tools and tool_choice "auto": the parser that reads calls out of the text.
+    tool_call_parser: str | None = None
 
 
 def completion_call(req: CompletionRequest, request_id: str, max_model_len: int = 0
@@ -96,11 +98,14 @@ def completion_call(req: CompletionRequest, request_id: str, max_model_len: int 
     return call
 
 
-def chat_call(req: ChatCompletionRequest, request_id: str) -> EngineCall:
+def chat_call(req: ChatCompletionRequest, request_id: str,
+              tool_call_parser: str | None = None) -> EngineCall:
+    """`tool_call_parser`: how calls are read out of the model's text (tool_parsers.py) for
+    tool_choice "auto"; None: "auto" with tools is refused."""
     wire = _generate_request(req, request_id)
     wire.chat.CopyFrom(chat_messages(req.messages))
     wire.chat.tools_json = tools_json(req)
-    forced = forced_calls(req)
+    forced = forced_calls(req, tool_call_parser is not None)
     if req.max_tokens is not None and req.max_completion_tokens is not None and (
             req.max_tokens != req.max_completion_tokens):
         raise bad_request("max_completion_tokens",
@@ -130,6 +135,8 @@ def chat_call(req: ChatCompletionRequest, request_id: str) -> EngineCall:
                  top)
     call.to_end_of_context = max_tokens is None
     call.forced_calls = forced
+    if reads_calls(req):
+        call.tool_call_parser = tool_call_parser
     return call
 
 

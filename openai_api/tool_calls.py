@@ -51,9 +51,15 @@ def tools_json(req: ChatCompletionRequest | TokenizeRequest | PinPrefixRequest) 
                       ensure_ascii=False)
 
 
-def forced_calls(req: ChatCompletionRequest) -> ForcedCalls | None:
-    """The calls tool_choice forces, or None (no tools, or "none"); a 400 naming tool_choice
-    for "auto" with tools, and for a choice the tools cannot meet."""
+def reads_calls(req: ChatCompletionRequest) -> bool:
+    """tool_choice "auto" with tools (the default): calls are read out of the model's text."""
+    return bool(req.tools) and req.tool_choice in (None, "auto")
+
+
+def forced_calls(req: ChatCompletionRequest, reads_text: bool = False) -> ForcedCalls | None:
+    """The calls tool_choice forces, or None (no tools, "none", or "auto"); a 400 naming
+    tool_choice for a choice the tools cannot meet, and for "auto" with tools when this
+    server reads no calls out of text (`reads_text`: --tool-call-parser)."""
     choice = req.tool_choice
     if choice is None:
         choice = "auto" if req.tools else "none"
@@ -65,10 +71,13 @@ def forced_calls(req: ChatCompletionRequest) -> ForcedCalls | None:
         raise bad_request("tool_choice", f"tool_choice must be \"none\" or \"auto\" without "
                                          f"tools, got {_shown(choice)}: give tools")
     if choice == "auto":
+        if reads_text:
+            return None
         raise bad_request("tool_choice", 'tool_choice must be "none", "required" or a named '
                                          'function ({"type": "function", "function": {"name": '
                                          'NAME}}), got "auto" (the default with tools): this '
-                                         'server does not parse calls out of free text; '
+                                         'server reads no calls out of free text (start it '
+                                         'with --tool-call-parser for the model\'s format); '
                                          '"required" lets the model pick the function')
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name

@@ -1,0 +1,163 @@
+"""Tool calls read out of a model's free text, for tool_choice "auto" (--tool-call-parser): each
+model family writes its calls its own way. A parser reads a completion as it streams (text
+goes out as content as soon as it cannot be the start of a call; a call goes out whole once
+its text closes), and a whole reply is the same reading of the whole text, so the two agree.
+
+- hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number (Qwen2.5,
+  Qwen3, Hermes 2/3 and models trained on their format);
+- llama3_json: a reply that is `{"name": ..., "parameters": {...}}` (several joined by `;`),
+  Llama 3.1/3.2's JSON tool calling.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from openai_api.tool_calls import call_json
+
+PARSERS = ("hermes", "llama3_json")
+
+
+@dataclass(slots=True)
+class Parsed:
+    """What a piece of a completion says: text for the client, and calls (OpenAI's form)."""
+
+    content: str = ""
+    calls: list[dict] = field(default_factory=list)
+
+
+class HermesReader:
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self._pending = ""  # text not yet given out: a possible START, or a call's body
+        self._in_call = False
+        self._called = False  # a call was given out: whitespace between calls is not content
+
+    def feed(self, text: str) -> Parsed:
+        out = Parsed()
+        self._pending += text
+        while True:
+            if self._in_call:
+                end = self._pending.find(self.END)
+                if end < 0:
+                    return out
+                body, self._pending = self._pending[:end], self._pending[end + len(self.END):]
+                self._in_call = False
+                self._give_call(out, body, closed=True)
+                continue
+            start = self._pending.find(self.START)
+            if start >= 0:
+                self._give_content(out, self._pending[:start])
+                self._pending = self._pending[start + len(self.START):]
+                self._in_call = True
+                continue
+            # Held back: an end that could still become START.
+            keep = _longest_prefix_suffix(self._pending, self.START)
+            self._give_content(out, self._pending[:len(self._pending) - keep])
+            self._pending = self._pending[len(self._pending) - keep:]
+            return out
+
+    def finish(self) -> Parsed:
+        out = Parsed()
+        if self._in_call:  # a last call the model did not close (EOS, max_tokens)
+            self._give_call(out, self._pending, closed=False)
+        else:
+            self._give_content(out, self._pending)
+        self._pending, self._in_call = "", False
+        return out
+
+    def _give_call(self, out: Parsed, body: str, closed: bool) -> None:
+        call = _named_call(body, "arguments")
+        if call is None:  # not a call after all: the text as the model wrote it
+            self._give_content(out, self.START + body + (self.END if closed else ""))
+            return
+        out.calls.append(call)
+        self._called = True
+
+    def _give_content(self, out: Parsed, text: str) -> None:
+        if text and not (self._called and text.isspace()):
+            out.content += text
+
+
+class Llama3JsonReader:
+    """The whole reply is calls or none of it is: text that starts with '{' is held to the end."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._decided: bool | None = None  # True: held as calls; False: content
+
+    def feed(self, text: str) -> Parsed:
+        if self._decided is False:
+            return Parsed(content=text)
+        self._held += text
+        if self._decided is None and self._held.strip():
+            self._decided = self._held.lstrip().startswith("{")
+            if not self._decided:
+                held, self._held = self._held, ""
+                return Parsed(content=held)
+        return Parsed()
+
+    def finish(self) -> Parsed:
+        held, self._held = self._held, ""
+        if not self._decided:
+            return Parsed(content=held)
+        calls = []
+        for piece in _split_objects(held):
+            call = _named_call(piece, "parameters", "arguments")
+            if call is None:
+                return Parsed(content=held)
+            calls.append(call)
+        return Parsed(calls=calls) if calls else Parsed(content=held)
+
+
+def reader(name: str) -> HermesReader | Llama3JsonReader:
+    """A fresh reader of one completion for the parser `name` (one of PARSERS)."""
+    return HermesReader() if name == "hermes" else Llama3JsonReader()
+
+
+def parse(name: str, text: str) -> Parsed:
+    """A whole completion read as its stream is."""
+    read = reader(name)
+    first, last = read.feed(text), read.finish()
+    return Parsed(first.content + last.content, first.calls + last.calls)
+
+
+def _named_call(text: str, *argument_keys: str) -> dict | None:
+    """OpenAI's call for a JSON object {"name": str, <argument key>: object}, else None."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    for key in argument_keys:
+        if isinstance(value.get(key), dict):
+            return call_json(value["name"], json.dumps(value[key], ensure_ascii=False))
+    return None
+
+
+def _split_objects(text: str) -> list[str]:
+    """JSON objects one after another, `;` or whitespace between them; [] when the text is
+    not that."""
+    decoder, pieces, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+            at += 1
+        if at == len(text):
+            return pieces
+        try:
+            _, end = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return []
+        pieces.append(text[at:end])
+        at = end
+
+
+def _longest_prefix_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (shorter than it)."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0

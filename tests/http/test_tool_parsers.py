@@ -1,0 +1,133 @@
+"""tool_choice "auto" with --tool-call-parser: calls read out of the model's text (hermes'
+<tool_call> blocks, Llama 3's JSON), the same whether the text comes whole or in any pieces
+(seeded random cuts: the seed is printed), and served end to end: the tiny model's output held
+to a call's text by a regex, read back as tool_calls, whole and streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+
+import openai
+import pytest
+
+from engine_service.core.config import EngineConfig
+from engine_service.core.engine import LLMEngine
+from engine_service.serving.server import EngineServer, ServerOptions
+from openai_api.tool_parsers import parse, reader
+from prefix_index.tools.redis_process import free_port
+from tests.http.test_tool_calls import ASK, WEATHER, streamed_calls
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+HERMES_CASES = [
+    (f"Let me look.<tool_call>{CALL}</tool_call>", "Let me look.", [("get_weather", 2)]),
+    (f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n"
+     '{"name": "get_time", "arguments": {}}\n</tool_call>\n', "",
+     [("get_weather", 2), ("get_time", 0)]),
+    ("<tool_call>{not json}</tool_call> after", "<tool_call>{not json}</tool_call> after", []),
+    (f"<tool_call>{CALL}", "", [("get_weather", 2)]),  # unclosed at the end: still a call
+    ("<tool_call>{\"name\": \"f\", \"argu", "<tool_call>{\"name\": \"f\", \"argu", []),
+    ("a < b, and <tool_ is not a tag", "a < b, and <tool_ is not a tag", []),
+    ("no calls at all", "no calls at all", []),
+]
+LLAMA_CASES = [
+    ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}', "",
+     [("get_weather", 2)]),
+    (' {"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x": 1}}', "",
+     [("f", 0), ("g", 1)]),
+    ('{"not": "a call"}', '{"not": "a call"}', []),
+    ("Paris is sunny {today}", "Paris is sunny {today}", []),
+]
+
+
+def summary(content: str, calls: list[dict]) -> tuple[str, list[tuple[str, int]]]:
+    """The content and each call's name and number of arguments (the ids are new each time)."""
+    return content, [(c["function"]["name"], len(json.loads(c["function"]["arguments"])))
+                     for c in calls]
+
+
+@pytest.mark.parametrize(("name", "text", "content", "calls"),
+                         [("hermes", *case) for case in HERMES_CASES]
+                         + [("llama3_json", *case) for case in LLAMA_CASES])
+def test_a_reply_s_calls_are_read_whole_and_in_any_pieces(name, text, content, calls):
+    whole = parse(name, text)
+    assert summary(whole.content, whole.calls) == (content, calls)
+    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-")
+               for c in whole.calls)
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        read, got_content, got_calls = reader(name), "", []
+        for piece in pieces:
+            out = read.feed(piece)
+            got_content += out.content
+            got_calls += out.calls
+        last = read.finish()
+        assert summary(got_content + last.content, got_calls + last.calls) == (content, calls)
+
+
+def test_text_that_may_start_a_call_is_held_back_until_it_cannot():
+    read = reader("hermes")
+    assert read.feed("Sure <tool").content == "Sure "
+    assert read.feed("box>").content == "<toolbox>"
+
+
+@pytest.fixture(scope="module")
+def hermes_server(tiny_llama_dir):
+    """The tiny model served in-process, plain HTTP, with --tool-call-parser hermes."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_blocks=256))
+    http_port, ready, stop = free_port(), threading.Event(), []
+
+    async def serve() -> None:
+        server = EngineServer(engine, ServerOptions(port=0, http_port=http_port,
+                                                    tool_call_parser="hermes"))
+        await server.start()
+        stopped = asyncio.Event()
+        stop.append((asyncio.get_running_loop(), stopped))
+        ready.set()
+        await stopped.wait()
+        await server.stop(0)
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    assert ready.wait(120)
+    try:
+        yield f"http://127.0.0.1:{http_port}/v1", tiny_llama_dir.name
+    finally:
+        loop, stopped = stop[0]
+        loop.call_soon_threadsafe(stopped.set)
+        thread.join(30)
+
+
+def test_auto_reads_the_model_s_calls_whole_and_streamed(hermes_server):
+    base_url, model = hermes_server
+    # The model's text held to a sentence and a call in hermes' format (the tiny random
+    # model writes no calls of its own): what a Qwen or Hermes model writes.
+    said = r'Checking\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "Paris", ' \
+           r'"days": 2\}\}</tool_call>'
+    ask = {"model": model, "messages": ASK, "tools": [WEATHER], "max_tokens": 80,
+           "temperature": 0, "extra_body": {"structured_outputs": {"regex": said}}}
+    with openai.OpenAI(base_url=base_url, api_key="none", max_retries=0) as client:
+        reply = client.chat.completions.create(**ask)
+        chunks = list(client.chat.completions.create(**ask, stream=True))
+        plain = client.chat.completions.create(**{**ask, "extra_body": {"structured_outputs": {
+            "regex": r"No call needed, it is sunny\."}}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking. "
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    calls, finishes = streamed_calls(chunks)
+    assert finishes == ["tool_calls"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        ("get_weather", {"city": "Paris", "days": 2})]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Checking. "
+    assert plain.choices[0].message.content == "No call needed, it is sunny."
+    assert plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason == "stop"
