@@ -33,6 +33,7 @@ class HermesReader:
     def __init__(self) -> None:
         self._pending = ""  # text not yet given out: a possible START, or a call's body
         self._in_call = False
+        self._searched = 0  # of a call's body, the characters known to hold no END
         self._called = False  # a call was given out: whitespace between calls is not content
 
     def feed(self, text: str) -> Parsed:
@@ -40,11 +41,14 @@ class HermesReader:
         self._pending += text
         while True:
             if self._in_call:
-                end = self._pending.find(self.END)
+                # (from where the last search stopped: a long call read token by token is
+                # searched once, not once per token)
+                end = self._pending.find(self.END, self._searched)
                 if end < 0:
+                    self._searched = max(0, len(self._pending) - len(self.END) + 1)
                     return out
                 body, self._pending = self._pending[:end], self._pending[end + len(self.END):]
-                self._in_call = False
+                self._in_call, self._searched = False, 0
                 self._give_call(out, body, closed=True)
                 continue
             start = self._pending.find(self.START)
@@ -65,7 +69,7 @@ class HermesReader:
             self._give_call(out, self._pending, closed=False)
         else:
             self._give_content(out, self._pending)
-        self._pending, self._in_call = "", False
+        self._pending, self._in_call, self._searched = "", False, 0
         return out
 
     def _give_call(self, out: Parsed, body: str, closed: bool) -> None:
