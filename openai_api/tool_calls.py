@@ -123,18 +123,55 @@ def new_call_id() -> str:
 
 
 def required_calls(text: str) -> list[dict] | None:
-    """A "required" completion's calls, as OpenAI's tool_calls (ids new); None when the text
-    is not a whole list of calls (cut short by max_tokens)."""
+    """A "required" completion's calls, as OpenAI's tool_calls (ids new), each call's
+    arguments the text the model wrote (not re-encoded: its numbers stay as written); None
+    when the text is not a whole list of calls (cut short by max_tokens)."""
     try:
         calls = json.loads(text)
+        raw = _raw_items(text)
     except (ValueError, RecursionError):
         return None
     if not isinstance(calls, list) or not all(
             isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c
-            for c in calls):
+            for c in calls) or not calls:
         return None
-    return [call_json(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-            for c in calls]
+    return [call_json(c["name"], r["parameters"]) for c, r in zip(calls, raw, strict=True)]
+
+
+def _raw_items(text: str) -> list[dict[str, str]]:
+    """A JSON array of objects' members as their values' own text, by key (ValueError when
+    the text is not that)."""
+    decode = json.JSONDecoder().raw_decode
+    items, at = [], _skip(text, 0, "[")
+    while text[at] != "]":
+        at, members = _skip(text, at, "{"), {}
+        while text[at] != "}":
+            key, at = decode(text, at)
+            at = _skip(text, at, ":")
+            _, end = decode(text, at)
+            members[key], at = text[at:end], _skip(text, end)
+            if text[at] == ",":
+                at = _skip(text, at, ",")
+        items.append(members)
+        at = _skip(text, at, "}")
+        if text[at] == ",":
+            at = _skip(text, at, ",")
+    return items
+
+
+def _skip(text: str, at: int, expected: str = "") -> int:
+    """Past `expected` (when given: it must be next) and the whitespace after it."""
+    while at < len(text) and text[at].isspace():
+        at += 1
+    if expected:
+        if not text.startswith(expected, at):
+            raise ValueError(f"expected {expected!r} at {at}")
+        at += len(expected)
+    while at < len(text) and text[at].isspace():
+        at += 1
+    if at >= len(text):
+        raise ValueError("the text ended")
+    return at
 
 
 def call_json(name: str, arguments: str, call_id: str | None = None) -> dict:

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from openai_api.schemas import ChatCompletionRequest
-from openai_api.tool_calls import forced_calls
+from openai_api.tool_calls import forced_calls, required_calls
 from tests.http.conftest import API_KEY
 from tests.http.test_engine_errors import error_of
 
@@ -76,6 +76,17 @@ def test_a_named_function_is_called_with_arguments_its_schema_allows(client, htt
     assert list(calls) == [0] and calls[0]["name"] == "get_weather"
     assert calls[0]["type"] == "function" and calls[0]["id"].startswith("chatcmpl-tool-")
     assert json.loads(calls[0]["arguments"]) == whole  # greedy: the same call
+
+
+def test_required_calls_keep_the_arguments_as_the_model_wrote_them():
+    """Re-encoded, 1e999 became Infinity (not JSON) and 1.50 became 1.5."""
+    text = ('[{"name": "f", "parameters": {"x": 1e999, "y": 1.50}}, '
+            '{"name":"g","parameters":{"a": [1, {"b": "}"}]}}]')
+    calls = required_calls(text)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("f", '{"x": 1e999, "y": 1.50}'), ("g", '{"a": [1, {"b": "}"}]}')]
+    for cut in ('[{"name": "f", "parameters": {"x": 1}}', "[]", '[{"name": "f"}]'):
+        assert required_calls(cut) is None
 
 
 @pytest.mark.parametrize("parameters", [None, {}])
