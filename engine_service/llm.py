@@ -16,6 +16,7 @@ from engine_service.core.errors import InvalidRequestError
 from engine_service.core.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from engine_service.model.beam_search_params import BeamSearchParams
 from engine_service.model.sampling_params import SamplingParams
+from engine_service.model.tokenizer import render_chat
 
 Prompt = str | dict
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
@@ -341,9 +342,11 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tools: list[dict] | None = None,
         **kwargs,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them; `tools`
+        (OpenAI's tool objects) go to the template as the tools the model may call."""
         if not isinstance(messages, list | tuple):
             raise InvalidRequestError("messages", "messages must be a list of {'role': ..., "
                                       "'content': ...} dicts (or a list of such lists), got "
@@ -361,9 +364,7 @@ class LLM:
         tokenizer = self._need_tokenizer("chat messages")
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                list(conversation), tokenize=False, add_generation_prompt=True
-            )
+            text = render_chat(tokenizer, list(conversation), tools)
             prompts.append(
                 {
                     "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),

@@ -70,8 +70,33 @@ def encode_text(tokenizer, text: str) -> list[int]:
 def render_chat(tokenizer, conversation: list[dict], tools: list[dict] | None = None) -> str:
     """The model's chat template applied, ready for the assistant's turn; `tools`: the tools
     the model may call (a template without a place for them leaves them out)."""
-    return tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(with_argument_objects(conversation), tools=tools,
+                                         tokenize=False, add_generation_prompt=True)
+
+
+def with_argument_objects(conversation: list[dict]) -> list[dict]:
+    """Each tool call's arguments as an object where its text parses as one: templates write
+    them with `tojson`, which would quote the text (OpenAI's clients send the text)."""
+    out = []
+    for message in conversation:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if calls and isinstance(calls, list):
+            message = {**message, "tool_calls": [_with_object(call) for call in calls]}
+        out.append(message)
+    return out
+
+
+def _with_object(call: object) -> object:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except (ValueError, RecursionError):
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def encode_rendered_chat(tokenizer, rendered: str) -> list[int]:

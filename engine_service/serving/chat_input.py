@@ -48,15 +48,14 @@ def chat_tools(chat: pb.ChatMessages) -> list[dict] | None:
 
 
 def conversation(chat: pb.ChatMessages) -> list[dict]:
-    """The messages as chat templates read them (transformers' form): a tool call's arguments
-    as an object where they parse as one (templates write them with `tojson`), a tool's
-    answer with the id of the call it answers."""
+    """The messages as chat templates read them (transformers' form, render_chat makes each
+    call's arguments an object), a tool's answer with the id of the call it answers."""
     out = []
     for m in chat.messages:
         message: dict = {"role": m.role, "content": m.content}
         if m.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.name, "arguments": _arguments(c.arguments)}} for c in m.tool_calls]
+                "name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
         if m.tool_call_id:
             message["tool_call_id"] = m.tool_call_id
         out.append(message)
@@ -70,11 +69,3 @@ def render_wire_chat(tokenizer, chat: pb.ChatMessages) -> str:
 
 def chat_token_ids(tokenizer, chat: pb.ChatMessages) -> list[int]:
     return encode_rendered_chat(tokenizer, render_wire_chat(tokenizer, chat))
-
-
-def _arguments(text: str) -> dict | str:
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
-        return text
-    return value if isinstance(value, dict) else text

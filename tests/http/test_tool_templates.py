@@ -90,3 +90,13 @@ def test_the_template_gets_the_tools_the_calls_and_the_answers(tool_template_mod
     # The arguments as an object (tojson writes it compact, keys sorted), not a quoted string.
     assert 'CALL call-7 get_weather {"city": "Paris", "days": 2}' in over_grpc
     assert "<|im_start|>tool ANSWERS call-7: sunny, 21 C<|im_end|>" in over_grpc
+
+
+def test_the_offline_chat_gives_the_template_its_tools(tool_template_model):
+    from engine_service.llm import LLM
+    from engine_service.model.sampling_params import SamplingParams
+
+    llm = LLM(model=str(tool_template_model), num_blocks=64)
+    [out] = llm.chat(HISTORY, SamplingParams(max_tokens=1), tools=[WEATHER])
+    assert f"TOOL {json.dumps(WEATHER)}" in out.prompt
+    assert 'CALL call-7 get_weather {"city": "Paris", "days": 2}' in out.prompt  # as served
