@@ -257,7 +257,7 @@ class _Api:
             request_id, body.model or model.name, True, call.n, call.logprobs,
             self.backend.token_texts, self.backend.token_bytes,
             prompt_logprobs=call.prompt_logprobs, forced_calls=call.forced_calls,
-            tool_call_parser=call.tool_call_parser))
+            tool_call_parser=call.tool_call_parser, one_call=call.one_call))
 
     def _model(self, name: str | None) -> ServedModel:
         """The served model `name` asks for (404 when none by that name); None asks for the

@@ -73,6 +73,7 @@ class Renderer:
     forced_calls: ForcedCalls | None = None
     # Chat with tool_choice "auto": the parser that reads calls out of the text (tool_parsers).
     tool_call_parser: str | None = None
+    one_call: bool = False  # "auto" with parallel_tool_calls false: the first call alone
     created: int = field(default_factory=lambda: int(time.time()))
     _choices: dict[int, _ChoiceState] = field(default_factory=dict)
     _echo: list[str] | None = None
@@ -201,6 +202,8 @@ class Renderer:
         """A whole chat response's message: its text, or the calls it makes."""
         if self.tool_call_parser is not None:
             read = parse(self.tool_call_parser, c.text)
+            if self.one_call:
+                del read.calls[1:]
             if not read.calls:
                 return {"role": "assistant", "content": read.content}
             return {"role": "assistant", "content": read.content
@@ -255,6 +258,8 @@ class Renderer:
             last = state.reader.finish()
             read.content += last.content
             read.calls += last.calls
+        if self.one_call:
+            del read.calls[max(0, 1 - state.num_calls):]
         delta: dict = {}
         if read.content:
             delta["content"] = read.content

@@ -221,10 +221,11 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     tools: list[Tool] | None = None
-    # "auto" (the default with tools) needs calls parsed out of free text, which is not
-    # served: "required" and a named function are, their output held to the tools' schemas.
+    # "auto" (the default with tools) reads calls out of the model's text (a server started
+    # with --tool-call-parser; else a 400); "required" and a named function hold the output
+    # to the tools' schemas.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # false: at most one call ("required")
+    parallel_tool_calls: bool | None = None  # false: at most one call
     max_tokens: Int32 | None = None  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: Int32 | None = None
     logprobs: bool | None = None

@@ -58,8 +58,10 @@ class EngineCall:
     prompt_logprobs: bool = False
     # Chat whose tool_choice forces calls: how its completions become tool_calls.
     forced_calls: ForcedCalls | None = None
-    # Chat with tools and tool_choice "auto": the parser that reads calls out of the text.
+    # Chat with tools and tool_choice "auto": the parser that reads calls out of the text,
+    # and whether the first call is the only one kept (parallel_tool_calls: false).
     tool_call_parser: str | None = None
+    one_call: bool = False
 
 
 def completion_call(req: CompletionRequest, request_id: str, max_model_len: int = 0
@@ -135,8 +137,9 @@ def chat_call(req: ChatCompletionRequest, request_id: str,
                  top)
     call.to_end_of_context = max_tokens is None
     call.forced_calls = forced
-    if reads_calls(req):
+    if reads_calls(req) and tool_call_parser is not None:
         call.tool_call_parser = tool_call_parser
+        call.one_call = req.parallel_tool_calls is False
     return call
 
 

@@ -1,10 +1,11 @@
-"""Function calling on the chat endpoint, as vLLM serves it without a tool-call parser: the
-tools go to the chat template, and a call the client forces (tool_choice "required" or a named
-function) is generated under the structured outputs constraint of the tools' schemas, so its
-arguments always parse. The reply carries the calls as OpenAI's `tool_calls`.
+"""Function calling on the chat endpoint: the tools go to the chat template, and a call the
+client forces (tool_choice "required" or a named function) is generated under the structured
+outputs constraint of the tools' schemas, so its arguments always parse. The reply carries the
+calls as OpenAI's `tool_calls`.
 
 "auto" (the model decides whether to call, in its own words) needs the model's call syntax
-parsed out of free text, per model family: it is refused, naming tool_choice.
+read out of its text, per model family (tool_parsers.py, --tool-call-parser): without a
+parser it is refused, naming tool_choice.
 """
 
 from __future__ import annotations
@@ -141,22 +142,29 @@ def required_calls(text: str) -> list[dict] | None:
 def _raw_items(text: str) -> list[dict[str, str]]:
     """A JSON array of objects' members as their values' own text, by key (ValueError when
     the text is not that)."""
-    decode = json.JSONDecoder().raw_decode
     items, at = [], _skip(text, 0, "[")
     while text[at] != "]":
-        at, members = _skip(text, at, "{"), {}
-        while text[at] != "}":
-            key, at = decode(text, at)
-            at = _skip(text, at, ":")
-            _, end = decode(text, at)
-            members[key], at = text[at:end], _skip(text, end)
-            if text[at] == ",":
-                at = _skip(text, at, ",")
+        members, end = raw_members(text, at)
         items.append(members)
-        at = _skip(text, at, "}")
+        at = _skip(text, end)
         if text[at] == ",":
             at = _skip(text, at, ",")
     return items
+
+
+def raw_members(text: str, at: int = 0) -> tuple[dict[str, str], int]:
+    """The JSON object at `at`: its members' values as their own text (as the model wrote
+    them), by key, and where the object ends; ValueError when there is none."""
+    decode = json.JSONDecoder().raw_decode
+    at, members = _skip(text, at, "{"), {}
+    while text[at] != "}":
+        key, at = decode(text, at)
+        at = _skip(text, at, ":")
+        _, end = decode(text, at)
+        members[key], at = text[at:end], _skip(text, end)
+        if text[at] == ",":
+            at = _skip(text, at, ",")
+    return members, at + 1
 
 
 def _skip(text: str, at: int, expected: str = "") -> int:

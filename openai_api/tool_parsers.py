@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from openai_api.tool_calls import call_json
+from openai_api.tool_calls import call_json, raw_members
 
 PARSERS = ("hermes", "llama3_json")
 
@@ -34,7 +34,11 @@ class HermesReader:
         self._pending = ""  # text not yet given out: a possible START, or a call's body
         self._in_call = False
         self._searched = 0  # of a call's body, the characters known to hold no END
-        self._called = False  # a call was given out: whitespace between calls is not content
+        self._called = False  # a call was given out
+        # Whitespace at the end of the content so far, held: before a call (or at the end of
+        # a reply with calls) it is not content; before more text it is. (Held in a stream and
+        # a whole reply alike: they read the same, however the text is cut.)
+        self._blank = ""
 
     def feed(self, text: str) -> Parsed:
         out = Parsed()
@@ -66,45 +70,55 @@ class HermesReader:
     def finish(self) -> Parsed:
         out = Parsed()
         if self._in_call:  # a last call the model did not close (EOS, max_tokens)
-            self._give_call(out, self._pending, closed=False)
+            body = self._pending
+            cut = _longest_prefix_suffix(body, self.END)  # (cut inside its END)
+            self._give_call(out, body[:len(body) - cut], closed=False, text=body)
         else:
             self._give_content(out, self._pending)
-        self._pending, self._in_call, self._searched = "", False, 0
+        if not self._called:
+            out.content += self._blank
+        self._pending, self._in_call, self._searched, self._blank = "", False, 0, ""
         return out
 
-    def _give_call(self, out: Parsed, body: str, closed: bool) -> None:
+    def _give_call(self, out: Parsed, body: str, closed: bool, text: str | None = None
+                   ) -> None:
+        """`text`: the call's text as written, when it is not `body` (an END cut short)."""
         call = _named_call(body, "arguments")
         if call is None:  # not a call after all: the text as the model wrote it
-            self._give_content(out, self.START + body + (self.END if closed else ""))
+            self._give_content(out, self.START + (body if text is None else text)
+                               + (self.END if closed else ""))
             return
         out.calls.append(call)
-        self._called = True
+        self._called, self._blank = True, ""
 
     def _give_content(self, out: Parsed, text: str) -> None:
-        if text and not (self._called and text.isspace()):
-            out.content += text
+        text = self._blank + text
+        kept = text.rstrip()
+        self._blank = text[len(kept):]
+        out.content += kept
 
 
 class Llama3JsonReader:
     """The whole reply is calls or none of it is: text that starts with '{' is held to the end."""
 
     def __init__(self) -> None:
-        self._held = ""
+        self._held: list[str] = []
         self._decided: bool | None = None  # True: held as calls; False: content
 
     def feed(self, text: str) -> Parsed:
         if self._decided is False:
             return Parsed(content=text)
-        self._held += text
-        if self._decided is None and self._held.strip():
-            self._decided = self._held.lstrip().startswith("{")
+        self._held.append(text)
+        if self._decided is None and not text.isspace() and text:
+            held = "".join(self._held)
+            self._decided = held.lstrip().startswith("{")
             if not self._decided:
-                held, self._held = self._held, ""
+                self._held = []
                 return Parsed(content=held)
         return Parsed()
 
     def finish(self) -> Parsed:
-        held, self._held = self._held, ""
+        held, self._held = "".join(self._held), []
         if not self._decided:
             return Parsed(content=held)
         calls = []
@@ -129,17 +143,33 @@ def parse(name: str, text: str) -> Parsed:
 
 
 def _named_call(text: str, *argument_keys: str) -> dict | None:
-    """OpenAI's call for a JSON object {"name": str, <argument key>: object}, else None."""
+    """OpenAI's call for a JSON object {"name": str, <argument key>: object}, its arguments
+    the text the model wrote; None when the text is not that, or not standard JSON (NaN,
+    Infinity), or names no function (a name no UTF-8 can carry)."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_not_json)
+        raw, _ = raw_members(text)
     except (ValueError, RecursionError):
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+    name = value.get("name") if isinstance(value, dict) else None
+    if not isinstance(name, str) or not _utf8(name):
         return None
     for key in argument_keys:
         if isinstance(value.get(key), dict):
-            return call_json(value["name"], json.dumps(value[key], ensure_ascii=False))
+            return call_json(name, raw[key])
     return None
+
+
+def _not_json(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON)
+        return False
+    return True
 
 
 def _split_objects(text: str) -> list[str]:

@@ -30,7 +30,17 @@ HERMES_CASES = [
     (f"<tool_call>{CALL}", "", [("get_weather", 2)]),  # unclosed at the end: still a call
     ("<tool_call>{\"name\": \"f\", \"argu", "<tool_call>{\"name\": \"f\", \"argu", []),
     ("a < b, and <tool_ is not a tag", "a < b, and <tool_ is not a tag", []),
-    ("no calls at all", "no calls at all", []),
+    ("no calls at all \n", "no calls at all \n", []),
+    # Text after a call keeps its own whitespace; before a call, and at the end, it is not
+    # content (cuts after each whitespace once read the stream's apart from the whole's).
+    (f"\n<tool_call>{CALL}</tool_call>Line one.\n\nLine two.\n    x = 1\n",
+     "Line one.\n\nLine two.\n    x = 1", [("get_weather", 2)]),
+    (f"Hi. <tool_call>{CALL}</tool_ca", "Hi.", [("get_weather", 2)]),  # cut in its END
+    # Not calls: NaN is not JSON; a lone surrogate no UTF-8 reply can carry.
+    ('<tool_call>{"name": "f", "arguments": {"d": NaN}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"d": NaN}}</tool_call>', []),
+    ('<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>', []),
 ]
 LLAMA_CASES = [
     ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}', "",
@@ -73,8 +83,16 @@ def test_a_reply_s_calls_are_read_whole_and_in_any_pieces(name, text, content, c
 
 def test_text_that_may_start_a_call_is_held_back_until_it_cannot():
     read = reader("hermes")
-    assert read.feed("Sure <tool").content == "Sure "
-    assert read.feed("box>").content == "<toolbox>"
+    assert read.feed("Sure <tool").content == "Sure"  # (its space too: a call may follow)
+    assert read.feed("box>").content == " <toolbox>"
+
+
+def test_a_call_s_arguments_are_the_model_s_own_text():
+    """Not re-encoded: the numbers as written, a "\\ud800" escape as text (decoded, it made
+    the whole reply a 500: no UTF-8 carries it)."""
+    [call] = parse("hermes", '<tool_call>{"name": "f", "arguments": {"x": 1.50, '
+                             '"s": "\\ud800", "n": 1e999}}</tool_call>').calls
+    assert call["function"]["arguments"] == '{"x": 1.50, "s": "\\ud800", "n": 1e999}'
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +126,8 @@ def test_auto_reads_the_model_s_calls_whole_and_streamed(hermes_server):
     base_url, model = hermes_server
     # The model's text held to a sentence and a call in hermes' format (the tiny random
     # model writes no calls of its own): what a Qwen or Hermes model writes.
-    said = r'Checking\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "Paris", ' \
-           r'"days": 2\}\}</tool_call>'
+    call_text = r'\{"name": "get_weather", "arguments": \{"city": "Paris", "days": 2\}\}'
+    said = rf"Checking\. <tool_call>{call_text}</tool_call>"
     ask = {"model": model, "messages": ASK, "tools": [WEATHER], "max_tokens": 80,
            "temperature": 0, "extra_body": {"structured_outputs": {"regex": said}}}
     with openai.OpenAI(base_url=base_url, api_key="none", max_retries=0) as client:
@@ -117,9 +135,13 @@ def test_auto_reads_the_model_s_calls_whole_and_streamed(hermes_server):
         chunks = list(client.chat.completions.create(**ask, stream=True))
         plain = client.chat.completions.create(**{**ask, "extra_body": {"structured_outputs": {
             "regex": r"No call needed, it is sunny\."}}})
+        two = client.chat.completions.create(**{**ask, "parallel_tool_calls": False,
+                                                 "extra_body": {"structured_outputs": {
+                                                     "regex": f"(<tool_call>{call_text}"
+                                                              f"</tool_call>){{2}}"}}})
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert choice.message.content == "Checking. "
+    assert choice.message.content == "Checking."  # (the space before a call is not content)
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
@@ -127,7 +149,9 @@ def test_auto_reads_the_model_s_calls_whole_and_streamed(hermes_server):
     assert finishes == ["tool_calls"]
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
         ("get_weather", {"city": "Paris", "days": 2})]
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Checking. "
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Checking."
+    assert [c.function.name for c in two.choices[0].message.tool_calls] == ["get_weather"]
     assert plain.choices[0].message.content == "No call needed, it is sunny."
     assert plain.choices[0].message.tool_calls is None
     assert plain.choices[0].finish_reason == "stop"
+
