@@ -22,16 +22,19 @@ from trust.identity import ENGINE_ROLE, INDEX_ROLE, ROUTER_ROLE
 
 def wait_engine_serving(target: str, timeout_s: float, proc: subprocess.Popen | None = None,
                         log_path: Path | None = None, tls: TlsFiles | None = None,
-                        stopped: threading.Event | None = None) -> None:
+                        stopped: threading.Event | None = None, name: str = "engine") -> None:
     """Blocks until the engine's health service at `target` reports SERVING (`tls`: over
-    mutual TLS, presenting that certificate; `stopped`: as wait_serving's)."""
-    wait_serving(target, timeout_s, name="engine", proc=proc, log_path=log_path,
+    mutual TLS, presenting that certificate; `stopped`: as wait_serving's; `name`: what its
+    errors call it)."""
+    wait_serving(target, timeout_s, name=name, proc=proc, log_path=log_path,
                  tls=tls.load() if tls else None, peer_role=ENGINE_ROLE, stopped=stopped)
 
 
 class EngineProcess(ServerProcess):
     """`pagedgen-engine` (or `python -m engine_service.serving.server`) as a child process; its
     stderr goes to `log_path` when given (kept for errors), else is inherited."""
+
+    name = "engine"
 
     def __init__(self, model: str | Path, extra_args: Sequence[str] = (),
                  port: int | None = None, host: str = "127.0.0.1",
@@ -55,7 +58,7 @@ class EngineProcess(ServerProcess):
 
     def _wait(self, stopped: threading.Event | None) -> None:
         wait_engine_serving(self.target, self.start_timeout_s, self.proc, self.log_path,
-                            self.tls, stopped)
+                            self.tls, stopped, self.name)
 
     def terminate(self, timeout_s: float = 30.0) -> int:
         """SIGTERM (drain, then exit); returns the exit code."""

@@ -62,6 +62,7 @@ from prefix_index.tools.redis_process import (
     free_port,
     is_free,
 )
+from prefix_index.tools.server_process import ServerProcess
 from router.tools.launch import RouterProcess
 from tenancy.client import with_api_key
 from tenancy.keys_tool import add_key
@@ -72,6 +73,7 @@ log = logging.getLogger("engine_service.tools.stack")
 DEFAULT_HTTP_PORT = 8000  # vLLM's: OpenAI clients and examples expect it
 DEFAULT_PROMPT = "What is a KV cache in a language model? Answer in two sentences."
 T = TypeVar("T")
+START_TIMEOUT_S = 120.0  # for one engine to load its model and serve
 FAILED = 1  # a service failed: a temporary log folder keeps its logs
 
 
@@ -259,6 +261,33 @@ def off_main_thread(wait: Callable[[threading.Event], T], name: str) -> T:
     return run_off_main_thread(lambda: wait(stopped), stopped.set, name)
 
 
+def wait_all_serving(processes: list[ServerProcess], stopped: threading.Event) -> None:
+    """Until every process serves, each waited for on a thread of its own: the first to fail
+    (exited, or not serving in its time) stops the others' waits and is raised, at once, not
+    after those started before it have loaded."""
+    failures: list[BaseException] = []
+    failed = threading.Event()
+
+    def wait(process: ServerProcess) -> None:
+        try:
+            process.wait_serving(failed)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            failures.append(error)
+            failed.set()
+
+    threads = [threading.Thread(target=wait, args=(p,), name=f"wait-{p.name}", daemon=True)
+               for p in processes]
+    for thread in threads:
+        thread.start()
+    while any(t.is_alive() for t in threads):
+        if stopped.is_set():
+            failed.set()  # (a stop: every wait returns)
+        for thread in threads:
+            thread.join(0.05)
+    if failures:
+        raise failures[0]
+
+
 def wait_for_replicas(target: str, count: int, api_key: str, ca: bytes | None,
                       stopped: threading.Event, timeout_s: float = 30.0) -> None:
     """Until the router routes to all `count` engines (it learns them from the index), or
@@ -409,14 +438,19 @@ def _run(args: argparse.Namespace, log_dir: Path, redis_binary: str,
                                                         else ["--tls-server-only"])
             port = (args.engine_port or None) if args.replicas == 1 else None
             log_path = log_dir / f"engine-{i}.log"
+            # The replicas load their models at once, sharing the machine: each is given
+            # the time one alone has, times their number.
             engine = EngineProcess(model, engine_args, port=port, log_path=log_path,
-                                   tls=tls_files("engine", engine_ids[i]))
+                                   tls=tls_files("engine", engine_ids[i]),
+                                   start_timeout_s=START_TIMEOUT_S * args.replicas)
             engine.own_session = True
+            if args.replicas > 1:
+                engine.name = f"engine {i} (log {log_path})"
             stack.push(engine)
-            engine.launch()  # the replicas load their models at once
+            engine.launch()
             engines.append(engine)
+        off_main_thread(lambda stopped: wait_all_serving(engines, stopped), "wait-engines")
         for engine in engines:
-            off_main_thread(engine.wait_serving, "wait-engine")
             print(f"engine        {engine.target}  (model {model}, log {engine.log_path})",
                   flush=True)
         target = engines[0].target

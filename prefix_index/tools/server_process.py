@@ -50,7 +50,8 @@ def wait_serving(target: str, timeout_s: float, *, name: str = "server", service
 
 
 class ServerProcess:
-    """Lifecycle of one child server: start (subclasses), SIGTERM drain, kill, `with`."""
+    """Lifecycle of one child server: launch, wait_serving (subclasses' _wait), SIGTERM drain,
+    kill, `with`."""
 
     name = "server"
     proc: subprocess.Popen | None = None
@@ -107,24 +108,26 @@ class ServerProcess:
         return self
 
     def terminate(self, timeout_s: float = 10.0) -> int:
-        """SIGTERM (drain, then exit); returns the exit code."""
-        if self.proc is None:
+        """SIGTERM (drain, then exit); returns the exit code. (`proc` read once: a start's
+        wait may kill the process from its own thread meanwhile.)"""
+        proc = self.proc
+        if proc is None:
             return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout_s)
+                proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        code = self.proc.returncode
+                proc.kill()
+                proc.wait()
         self.proc = None
-        return code
+        return proc.returncode
 
     def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
+        proc = self.proc
+        if proc is not None:
+            proc.kill()
+            proc.wait()
             self.proc = None
 
     def __enter__(self):

@@ -10,6 +10,7 @@ import fcntl
 import importlib.util
 import os
 import pty
+import re
 import select
 import shutil
 import signal
@@ -240,6 +241,31 @@ def test_keep_running_stops_cleanly_on_sigterm_and_removes_its_keys(tiny_llama_d
     # The printed CA and keys lived in a temporary folder that outlived the stack (0600 keys,
     # but every run left one more in /tmp).
     assert ours_left(tmp_path) == [], out
+
+
+def test_a_replica_that_dies_while_another_loads_fails_the_stack_at_once(tiny_llama_dir,
+                                                                        tmp_path):
+    """The replicas load at once; the second one killed: the stack fails then, naming it and
+    its log, not after the first has loaded (it was waited for first), and stops the rest."""
+    def kill_the_second_engine(_proc: subprocess.Popen) -> None:
+        by = time.monotonic() + 30
+        while time.monotonic() < by:
+            for pid, cmdline in started_by_test(tmp_path).items():
+                if service_kind(cmdline) == "engine" and re.search(
+                        r"--engine-id stack-\d+-1\b", cmdline):
+                    os.kill(pid, signal.SIGKILL)
+                    return
+            time.sleep(0.01)
+        raise AssertionError("the second engine never started")
+
+    code, out, live = run_until(tmp_path, ["--model", str(tiny_llama_dir), "--http-port", "0",
+                                           "--replicas", "2"], "prefix index ",
+                                kill_the_second_engine)
+    assert code == 1, out
+    assert "pagedgen-stack failed: engine 1 (log " in out and "exited with -9" in out, out
+    assert "engine        " not in out, out  # (no replica's line: the first never finished)
+    assert "Traceback" not in out, out
+    assert live == [], out
 
 
 class ExitOrder:
