@@ -47,6 +47,7 @@ import grpc
 from engine_service.serving.torch_threads import usable_cpus
 from engine_service.tools.launch import EngineProcess
 from engine_service.tools.off_main_thread import run_off_main_thread
+from openai_api.tool_parsers import PARSERS
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.server.redis_url import redacted_url
@@ -148,6 +149,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                    help="the OpenAI-compatible HTTP API of the stack's front door (the router "
                         "with --replicas > 1, else the engine); 0 = a free port, -1 = off")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="the front door's tool-call parser for chat's tool_choice \"auto\" "
+                        "(as pagedgen-engine's: hermes or llama3_json); default: none")
     p.add_argument("--metrics-port", type=int, default=0, help="engine Prometheus port (0 = off)")
     p.add_argument("--keep-running", action="store_true",
                    help="after the completion, serve until Ctrl-C / SIGTERM")
@@ -427,6 +431,8 @@ def _run(args: argparse.Namespace, log_dir: Path, redis_binary: str,
         engines = []
         http_port = None if args.http_port < 0 else (args.http_port or free_port())
         http_args = [] if http_port is None else ["--http-port", str(http_port)]
+        if http_port is not None and args.tool_call_parser:
+            http_args += ["--tool-call-parser", args.tool_call_parser]
         for i in range(args.replicas):
             engine_args = ["--device", args.device, "--prefix-index", index.target,
                            "--engine-id", engine_ids[i], *tenancy_args, *plain]

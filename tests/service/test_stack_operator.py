@@ -268,6 +268,22 @@ def test_a_replica_that_dies_while_another_loads_fails_the_stack_at_once(tiny_ll
     assert live == [], out
 
 
+def test_the_tool_call_parser_goes_to_the_front_door(tiny_llama_dir, tmp_path):
+    fronts: list[str] = []
+
+    def look_then_stop(proc: subprocess.Popen) -> None:
+        fronts.extend(cmdline for cmdline in started_by_test(tmp_path).values()
+                      if service_kind(cmdline) == "engine")
+        proc.send_signal(signal.SIGTERM)
+
+    code, out, live = run_until(tmp_path, ["--model", str(tiny_llama_dir), "--http-port", "0",
+                                           "--tool-call-parser", "hermes", "--keep-running"],
+                                "Ctrl-C to stop", look_then_stop)
+    assert code == 0 and live == [], out
+    [front] = fronts
+    assert "--tool-call-parser hermes" in front and "--http-port" in front
+
+
 class ExitOrder:
     """A `send` for run_until: sends `sig` to the stack's whole process group, as a terminal's
     Ctrl-C does, and records the order its services exit in (pidfds: readable at exit)."""
