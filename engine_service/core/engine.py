@@ -527,7 +527,8 @@ class LLMEngine:
                 seq.cumulative_logprob += logprob.logprob
             detokenizer = seq.detokenizer
             matched_stop = False
-            if detokenizer is not None and not seq.text_deferred:
+            if (detokenizer is not None and not seq.text_deferred
+                    and not _ends_without_text(seq, group.params, token)):
                 # Kept until the next output; usually this token's text alone (or nothing).
                 delta = detokenizer.add_token(token)
                 if delta:
@@ -598,7 +599,8 @@ class LLMEngine:
                       "sequence ends (finish reason abort)", group.request_id, token)
             reason = "abort"
         if seq.detokenizer is not None:
-            self._catch_up_text(seq)
+            self._catch_up_text(seq, reason == "stop"
+                                and _ends_without_text(seq, group.params, token))
             seq.unstreamed_text.append(seq.detokenizer.finish())
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         self.kv.forget(seq)
@@ -626,19 +628,24 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             if detokenizer is not None:
-                self._catch_up_text(seq)
+                # A stop token's own text is left out, as vLLM leaves it
+                # (include_stop_str_in_output keeps it).
+                self._catch_up_text(seq, reason == "stop" and not isinstance(stop_reason, str)
+                                    and not params.include_stop_str_in_output)
                 seq.unstreamed_text.append(detokenizer.finish())
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
             seq.stop_reason = stop_reason
 
     @staticmethod
-    def _catch_up_text(seq: Sequence) -> None:
+    def _catch_up_text(seq: Sequence, stop_token_last: bool = False) -> None:
         """Detokenize, in one go, the output of a sequence whose text was deferred (read only
-        at its end): the same text as token by token."""
+        at its end): the same text as token by token (`stop_token_last`: its last token ended
+        it, and has no text)."""
         if seq.text_deferred:
             seq.text_deferred = False
-            delta = seq.detokenizer.add_tokens(seq.output_token_ids)
+            tokens = seq.output_token_ids
+            delta = seq.detokenizer.add_tokens(tokens[:-1] if stop_token_last else tokens)
             if delta:
                 seq.unstreamed_text.append(delta)
 
@@ -844,3 +851,11 @@ class LLMEngine:
                 problems.append(f"no request is live but {self.sampler.token_counts.num_held} "
                                 f"rows of penalty counts are held")
         return problems
+
+
+def _ends_without_text(seq: Sequence, params, token: int) -> bool:
+    """Whether `token`, just appended, ends `seq` as a stop token (EOS, stop_token_ids) past
+    min_tokens: its text is left out of the output, as vLLM leaves it, unless
+    include_stop_str_in_output."""
+    return (token in seq.ending_token_ids and seq.num_output_tokens >= params.min_tokens
+            and not params.include_stop_str_in_output)

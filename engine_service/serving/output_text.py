@@ -74,9 +74,17 @@ class RequestText:
         else:
             text: list[str] = []
             kept = 0
-            for token in completion.token_ids_delta:
-                text.append(detokenizer.add_token(token))
+            # A stop token that ended the sequence (EOS, stop_token_ids) has no text, as in
+            # vLLM (include_stop_str_in_output keeps it); its id stays in token_ids.
+            stop_token = (completion.finish_reason == "stop"
+                          and not isinstance(completion.stop_reason, str)
+                          and not self._params.include_stop_str_in_output)
+            last = len(completion.token_ids_delta) - 1
+            for i, token in enumerate(completion.token_ids_delta):
                 kept += 1
+                if stop_token and i == last:
+                    break
+                text.append(detokenizer.add_token(token))
                 if detokenizer.matched_stop is not None:
                     sequence.stop = detokenizer.matched_stop
                     self._finish_sequence(completion.index, sequence.stop)

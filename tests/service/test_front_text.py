@@ -102,3 +102,29 @@ def test_cumulative_logprob_counts_only_the_tokens_kept(offline_llm):
     text.apply(late)
     assert late.outputs[0].token_ids_delta == []
     assert late.outputs[0].cumulative_logprob == sent.cumulative_logprob
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_s_text_is_left_out_unless_asked_for(stub, offline_llm, include):
+    """A sequence ended by a stop token (stop_token_ids, EOS) keeps the token's id and, as
+    vLLM's, not its text: the served front and the offline engine alike, streamed or not,
+    with skip_special_tokens off (where EOS's '<|im_end|>' was in the text, as this one's
+    was). include_stop_str_in_output keeps it."""
+    greedy = offline_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24))
+    tokens = greedy[0].outputs[0].token_ids
+    stop_id = tokens[len(tokens) // 2]
+    options = dict(temperature=0, max_tokens=24, stop_token_ids=[stop_id],
+                   skip_special_tokens=False, include_stop_str_in_output=include)
+    [reference] = offline_llm.generate([PROMPT], SamplingParams(**options))
+    expected = reference.outputs[0]
+    assert expected.finish_reason == "stop" and expected.stop_reason == stop_id
+    assert expected.token_ids[-1] == stop_id
+    stop_text = offline_llm.get_tokenizer().decode([stop_id])
+    before = offline_llm.get_tokenizer().decode(expected.token_ids[:-1])
+    assert expected.text == (before + stop_text if include else before)
+    request = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(**options))
+    streamed = assemble(stub.GenerateStream(request, timeout=60))
+    unary = from_unary(stub.Generate(request, timeout=60))
+    assert streamed.completions == unary
+    assert unary[0].text == expected.text
+    assert list(unary[0].token_ids) == list(expected.token_ids)
