@@ -691,7 +691,10 @@ class LLMEngine:
             results = results[: params.n]
         completions = []
         for index, (token_ids, cum_logprob, reason, stop_reason) in enumerate(results):
-            text = self._decode(group.seqs[0].prompt_token_ids, token_ids, params)
+            # (a beam ended by a stop token: its text left out, as a sampled sequence's)
+            texted = (token_ids[:-1] if reason == "stop" and not isinstance(stop_reason, str)
+                      and token_ids and not params.include_stop_str_in_output else token_ids)
+            text = self._decode(group.seqs[0].prompt_token_ids, list(texted), params)
             completions.append(
                 CompletionOutput(
                     index=index,

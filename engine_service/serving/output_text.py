@@ -115,7 +115,11 @@ class RequestText:
         detokenizer = IncrementalDetokenizer(
             self._tokenizer, self._prompt_token_ids, [],
             skip_special_tokens=self._params.skip_special_tokens, decoder=self._decoder)
-        for token in completion.token_ids:
+        tokens = completion.token_ids
+        if (completion.finish_reason == "stop" and not isinstance(completion.stop_reason, str)
+                and tokens and not self._params.include_stop_str_in_output):
+            tokens = tokens[:-1]  # (ended by a stop token: its text left out, as _apply's)
+        for token in tokens:
             detokenizer.add_token(token)
         detokenizer.finish()
         completion.text = completion.text_delta = detokenizer.text

@@ -128,3 +128,21 @@ def test_a_stop_token_s_text_is_left_out_unless_asked_for(stub, offline_llm, inc
     assert streamed.completions == unary
     assert unary[0].text == expected.text
     assert list(unary[0].token_ids) == list(expected.token_ids)
+
+
+def test_a_beam_ended_by_a_stop_token_leaves_its_text_out(stub, offline_llm):
+    greedy = offline_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24))
+    stops = sorted(set(greedy[0].outputs[0].token_ids[2:12]))  # some beam meets one soon
+    options = dict(temperature=0, max_tokens=24, n=2, stop_token_ids=stops,
+                   skip_special_tokens=False)
+    [reference] = offline_llm.generate([PROMPT], SamplingParams(beam_width=2, **options))
+    decode = offline_llm.get_tokenizer().decode
+    ended = [c for c in reference.outputs if c.finish_reason == "stop"]
+    assert ended, [(c.finish_reason, c.text) for c in reference.outputs]
+    for c in ended:
+        assert c.stop_reason in stops and c.token_ids[-1] in stops
+        assert c.text == decode(c.token_ids[:-1])
+    request = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(beam_width=2,
+                                                                         **options))
+    unary = from_unary(stub.Generate(request, timeout=60))
+    assert [unary[c.index].text for c in reference.outputs] == [c.text for c in reference.outputs]
