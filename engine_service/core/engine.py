@@ -32,7 +32,11 @@ from engine_service.core.scheduler_output import ScheduledSeq
 from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine_service.core.stats import EngineStats
 from engine_service.model.config import ModelConfig, load_model_config
-from engine_service.model.detokenizer import IncrementalDetokenizer, TokenDecoder
+from engine_service.model.detokenizer import (
+    IncrementalDetokenizer,
+    TokenDecoder,
+    stop_token_text_left_out,
+)
 from engine_service.model.dtype import DTYPES
 from engine_service.model.fingerprint import model_identity, weights_fingerprint
 from engine_service.model.grammar import GrammarCompiler, follow_resumed_tokens, new_matcher
@@ -528,7 +532,8 @@ class LLMEngine:
             detokenizer = seq.detokenizer
             matched_stop = False
             if (detokenizer is not None and not seq.text_deferred
-                    and not _ends_without_text(seq, group.params, token)):
+                    and not (token in seq.ending_token_ids
+                             and _ends_without_text(seq, group.params))):
                 # Kept until the next output; usually this token's text alone (or nothing).
                 delta = detokenizer.add_token(token)
                 if delta:
@@ -599,8 +604,8 @@ class LLMEngine:
                       "sequence ends (finish reason abort)", group.request_id, token)
             reason = "abort"
         if seq.detokenizer is not None:
-            self._catch_up_text(seq, reason == "stop"
-                                and _ends_without_text(seq, group.params, token))
+            self._catch_up_text(seq, reason == "stop" and token in seq.ending_token_ids
+                                and _ends_without_text(seq, group.params))
             seq.unstreamed_text.append(seq.detokenizer.finish())
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         self.kv.forget(seq)
@@ -628,10 +633,8 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             if detokenizer is not None:
-                # A stop token's own text is left out, as vLLM leaves it
-                # (include_stop_str_in_output keeps it).
-                self._catch_up_text(seq, reason == "stop" and not isinstance(stop_reason, str)
-                                    and not params.include_stop_str_in_output)
+                self._catch_up_text(seq, stop_token_text_left_out(
+                    reason, stop_reason, params.include_stop_str_in_output))
                 seq.unstreamed_text.append(detokenizer.finish())
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
@@ -692,8 +695,8 @@ class LLMEngine:
         completions = []
         for index, (token_ids, cum_logprob, reason, stop_reason) in enumerate(results):
             # (a beam ended by a stop token: its text left out, as a sampled sequence's)
-            texted = (token_ids[:-1] if reason == "stop" and not isinstance(stop_reason, str)
-                      and token_ids and not params.include_stop_str_in_output else token_ids)
+            texted = (token_ids[:-1] if token_ids and stop_token_text_left_out(
+                reason, stop_reason, params.include_stop_str_in_output) else token_ids)
             text = self._decode(group.seqs[0].prompt_token_ids, list(texted), params)
             completions.append(
                 CompletionOutput(
@@ -856,9 +859,8 @@ class LLMEngine:
         return problems
 
 
-def _ends_without_text(seq: Sequence, params, token: int) -> bool:
-    """Whether `token`, just appended, ends `seq` as a stop token (EOS, stop_token_ids) past
-    min_tokens: its text is left out of the output, as vLLM leaves it, unless
-    include_stop_str_in_output."""
-    return (token in seq.ending_token_ids and seq.num_output_tokens >= params.min_tokens
+def _ends_without_text(seq: Sequence, params) -> bool:
+    """Whether a stop token (EOS, stop_token_ids: the caller checks), just appended, ends `seq`
+    past min_tokens with its text left out (stop_token_text_left_out)."""
+    return (seq.num_output_tokens >= params.min_tokens
             and not params.include_stop_str_in_output)

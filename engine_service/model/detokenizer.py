@@ -36,6 +36,14 @@ PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
 
 
+def stop_token_text_left_out(finish_reason: str | None, stop_reason: object,
+                             include_stop_str_in_output: bool) -> bool:
+    """Whether an output that ended this way ended on a stop token (EOS, stop_token_ids: not a
+    stop string) whose text is left out, as vLLM leaves it; its id stays in token_ids."""
+    return (finish_reason == "stop" and not isinstance(stop_reason, str)
+            and not include_stop_str_in_output)
+
+
 class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 

@@ -13,7 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine_service.core.outputs import CompletionOutput, RequestOutput
-from engine_service.model.detokenizer import IncrementalDetokenizer, TokenDecoder
+from engine_service.model.detokenizer import (
+    IncrementalDetokenizer,
+    TokenDecoder,
+    stop_token_text_left_out,
+)
 from engine_service.model.sampling_params import SamplingParams
 
 # (request_id, sequence index, the stop string): tells the core to finish that sequence.
@@ -76,9 +80,9 @@ class RequestText:
             kept = 0
             # A stop token that ended the sequence (EOS, stop_token_ids) has no text, as in
             # vLLM (include_stop_str_in_output keeps it); its id stays in token_ids.
-            stop_token = (completion.finish_reason == "stop"
-                          and not isinstance(completion.stop_reason, str)
-                          and not self._params.include_stop_str_in_output)
+            stop_token = stop_token_text_left_out(completion.finish_reason,
+                                                  completion.stop_reason,
+                                                  self._params.include_stop_str_in_output)
             last = len(completion.token_ids_delta) - 1
             for i, token in enumerate(completion.token_ids_delta):
                 kept += 1
@@ -116,8 +120,8 @@ class RequestText:
             self._tokenizer, self._prompt_token_ids, [],
             skip_special_tokens=self._params.skip_special_tokens, decoder=self._decoder)
         tokens = completion.token_ids
-        if (completion.finish_reason == "stop" and not isinstance(completion.stop_reason, str)
-                and tokens and not self._params.include_stop_str_in_output):
+        if tokens and stop_token_text_left_out(completion.finish_reason, completion.stop_reason,
+                                               self._params.include_stop_str_in_output):
             tokens = tokens[:-1]  # (ended by a stop token: its text left out, as _apply's)
         for token in tokens:
             detokenizer.add_token(token)
