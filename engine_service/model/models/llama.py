@@ -52,10 +52,15 @@ def rope_cos_sin_cache(
         rotary = LlamaRotaryEmbedding(config.hf_config)
         inv_freq, scaling = rotary.inv_freq.float(), rotary.attention_scaling
     positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos = (emb.cos() * scaling).to(dtype=dtype, device=device)
-    sin = (emb.sin() * scaling).to(dtype=dtype, device=device)
+    freqs = positions[:, None] * inv_freq[None, :]  # float32 angles, as HF's
+    # Their cos and sin in float64, rounded once to float32: torch's float32 cos is not one
+    # function of its input on the CPU. Measured: in ~15% of fresh processes the second
+    # thread's half of a table came out an ulp off the first call's (reproducible with two
+    # threads, never with one), so two engines (a restart, a replica, a TP rank) could hold
+    # different tables. Within an ulp of HF's float32 values either way.
+    emb = torch.cat((freqs, freqs), dim=-1).double()
+    cos = (emb.cos() * scaling).float().to(dtype=dtype, device=device)
+    sin = (emb.sin() * scaling).float().to(dtype=dtype, device=device)
     return cos, sin
 
 
