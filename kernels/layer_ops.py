@@ -1,5 +1,5 @@
 """The small per-layer ops of a decoder step: RMSNorm (with the residual add before it),
-rotary embedding of q and k, SiLU(gate) * up.
+Qwen3's RMSNorm of each q and k head, rotary embedding of q and k, SiLU(gate) * up.
 
 `TORCH_LAYER_OPS` is the reference, in torch ops, with HF's order of operations (normalize in
 float32, then scale; every product rounded to the model's dtype), used on CUDA and wherever the
@@ -24,6 +24,9 @@ class LayerOps:
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # gate_up [rows, 2 * intermediate] -> silu(gate) * up [rows, intermediate]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    # (qkv, q_weight [head_dim], k_weight [head_dim], num_heads, num_kv_heads, head_dim, eps):
+    # each q head and k head of qkv RMS-normed in place (Qwen3's q_norm, k_norm)
+    head_rms_norm: Callable[..., None]
     # rotary and the backend's reshape_and_cache in one op, where a backend fuses them:
     # (qkv, cos, sin, num_heads, num_kv_heads, head_dim, key_cache, value_cache, slot_mapping)
     # -> q; None: the model calls the two
@@ -44,6 +47,18 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     residual = residual + delta
     return residual, rms_norm(residual, weight, eps)
+
+
+def head_rms_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+    """HF's RMSNorm over each head of q (q_weight) and of k (k_weight), written back into qkv
+    (the projection's fresh output, read by nothing else yet)."""
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(
+        qkv.shape[0], num_heads + num_kv_heads, head_dim)
+    for heads, weight in ((qk[:, :num_heads], q_weight), (qk[:, num_heads:], k_weight)):
+        x32 = heads.float()
+        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        heads.copy_(weight * (x32 * inv_rms).to(qkv.dtype))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +83,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 TORCH_LAYER_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=rotary,
-                           silu_mul=silu_mul)
+                           silu_mul=silu_mul, head_rms_norm=head_rms_norm)
 
 
 # Where torch's ops run instead of the fused ones: float16 above TORCH_ABOVE_ROWS rows (it
@@ -112,6 +127,15 @@ def _cpu_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_hea
     return q, k
 
 
+def _cpu_head_rms_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                       num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+    if _torch_is_faster(qkv):
+        head_rms_norm(qkv, q_weight, k_weight, num_heads, num_kv_heads, head_dim, eps)
+    else:
+        torch.ops.pagedgen_cpu_layer.head_rms_norm(qkv, q_weight, k_weight, num_heads,
+                                                   num_kv_heads, head_dim, eps)
+
+
 def _cpu_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if _torch_is_faster(gate_up):
         return silu_mul(gate_up)
@@ -119,4 +143,5 @@ def _cpu_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 CPU_LAYER_OPS = LayerOps(rms_norm=_cpu_rms_norm, add_rms_norm=_cpu_add_rms_norm,
-                         rotary=_cpu_rotary, silu_mul=_cpu_silu_mul)
+                         rotary=_cpu_rotary, silu_mul=_cpu_silu_mul,
+                         head_rms_norm=_cpu_head_rms_norm)

@@ -1,5 +1,6 @@
 """The per-layer ops of kernels/layer_ops.py as Triton kernels, one launch each: RMSNorm
-(with the residual add before it, in place), rotary embedding of q and k (in place on the qkv
+(with the residual add before it, in place), Qwen3's RMSNorm of each q and k head (in place),
+rotary embedding of q and k (in place on the qkv
 projection; fused with the KV-cache write in the model's forward), SiLU(gate) * up. With them
 a CUDA decode layer is 9-10 launches (2 norms, 4 linears, rotary with the cache write,
 attention and its split combine, SiLU * up) instead of ~30 torch ops (issue 30).
@@ -105,6 +106,49 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
     if residual.stride(1) != 1:
         residual = residual.contiguous()
     return residual, _norm(residual, delta, weight, eps)
+
+
+@jit(do_not_specialize=["num_heads"])
+def _head_rms_norm_kernel(
+    qkv_ptr,  # [tokens, (heads + kv_heads + kv_heads) * head_dim]: q and k normed in place
+    q_weight_ptr,  # [head_dim]
+    k_weight_ptr,  # [head_dim]
+    num_heads,  # q heads: program_id(1) below this is a q head, from it a k head
+    stride_qkv,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    WIDTH: tl.constexpr,  # next power of two >= HEAD_DIM, masked
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    cols = tl.arange(0, WIDTH)
+    mask = cols < HEAD_DIM
+    at = qkv_ptr + token * stride_qkv + head * HEAD_DIM + cols
+    x32 = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+    dtype = qkv_ptr.dtype.element_ty
+    mean_square = tl.reduce(x32 * x32, 0, SUM_COMBINE) / HEAD_DIM
+    normed = _rounded(x32 * (1.0 / tl.sqrt(mean_square + eps)), dtype)
+    if head < num_heads:
+        weight = tl.load(q_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        weight = tl.load(k_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(at, _rounded(weight * normed, dtype).to(dtype), mask=mask)
+
+
+def head_rms_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+    """Each q head and k head of the projection's output RMS-normed in place (Qwen3)."""
+    if (head_dim > MAX_NORM_WIDTH or qkv.stride(1) != 1 or not q_weight.is_contiguous()
+            or not k_weight.is_contiguous()):
+        raise ValueError(f"head_rms_norm takes heads of at most {MAX_NORM_WIDTH} contiguous "
+                         f"elements and contiguous weights, got head_dim {head_dim}, qkv "
+                         f"strides {qkv.stride()}")
+    tokens = qkv.shape[0]
+    if tokens:
+        count_launch("head_rms_norm")
+        _head_rms_norm_kernel[(tokens, num_heads + num_kv_heads)](
+            qkv, q_weight, k_weight, num_heads, qkv.stride(0), eps, HEAD_DIM=head_dim,
+            WIDTH=triton.next_power_of_2(head_dim))
 
 
 @jit
@@ -306,6 +350,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 TRITON_LAYER_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=rotary,
-                            silu_mul=silu_mul, rotary_and_cache=rotary_and_cache)
-JIT_KERNELS = {"rms_norm": _rms_norm_kernel, "rotary": _rotary_kernel,
+                            silu_mul=silu_mul, head_rms_norm=head_rms_norm,
+                            rotary_and_cache=rotary_and_cache)
+JIT_KERNELS = {"rms_norm": _rms_norm_kernel, "head_rms_norm": _head_rms_norm_kernel,
+               "rotary": _rotary_kernel,
                "rotary_and_cache": _rotary_cache_kernel, "silu_mul": _silu_mul_kernel}

@@ -51,6 +51,14 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """2-layer Qwen3: q_norm and k_norm per head, heads wider than hidden / heads (4 x 32 on
+    64), no biases, GQA, tied embeddings."""
+    out_dir = tmp_path_factory.mktemp("tiny_qwen3")
+    return make_tiny_model("qwen3", out_dir, tokenizer_dir=smollm2_dir, seed=2)
+
+
+@pytest.fixture(scope="session")
 def test_certs(tmp_path_factory: pytest.TempPathFactory) -> SessionCerts:
     """The session's development CA and a certificate per role: every service the shared
     fixtures start runs on TLS with them (secure is the default, issue 32)."""

@@ -72,9 +72,13 @@ class LLMEngine:
         self._token_decoder: TokenDecoder | None = None
         if config.detokenize:
             self._load_tokenizer()
-        self.max_model_len = min(
-            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
-        )
+        longest = mc.longest_context()
+        self.max_model_len = min(config.max_model_len or longest, longest)
+        if longest < mc.max_position_embeddings:
+            log.warning("the model attends within a sliding window of %d tokens, this engine "
+                        "to the whole context: it serves at most %d tokens a sequence (of the "
+                        "model's %d positions)", mc.sliding_window, self.max_model_len,
+                        mc.max_position_embeddings)
         if config.tensor_parallel_size > 1:
             from engine_service.model.parallel.launch import start_tensor_parallel
 

@@ -3,9 +3,14 @@
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_service.model.config_json import read_config_json
+from engine_service.model.config_json import (
+    MODEL_TYPE_ARCHITECTURES,
+    QK_NORM_ARCHITECTURES,
+    QWEN_ARCHITECTURES,
+    read_config_json,
+)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPE_ARCHITECTURES.values())
 
 
 @dataclass(slots=True)
@@ -29,6 +34,19 @@ class ModelConfig:
     # hf_config, the transformers config, through HF's own rotary embedding (any scaling).
     hf_config: object | None = None
     rope_theta: float | None = None
+    qk_norm: bool = False  # a per-head RMSNorm on q and k (Qwen3's q_norm, k_norm)
+    # The window some layers attend within (Mistral's sliding_window, Qwen's sliding layers),
+    # or None. The engine attends to the whole context, the same as the window until the
+    # context outgrows it: so it serves no longer contexts than the window (longest_context).
+    sliding_window: int | None = None
+
+    def longest_context(self) -> int:
+        """The most tokens (prompt and output) one sequence may hold with this model:
+        max_position_embeddings, within the sliding window where there is one (vLLM's
+        --disable-sliding-window does the same)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
 
 def load_model_config(model: str | Path) -> ModelConfig:
@@ -57,12 +75,8 @@ def _from_transformers(path: Path, gguf_file: str | None) -> ModelConfig:
 
     config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
     architecture = (getattr(config, "architectures", None) or [""])[0]
-    if not architecture and config.model_type in ("llama", "mistral", "qwen2"):
-        architecture = {
-            "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-        }[config.model_type]
+    if not architecture:
+        architecture = MODEL_TYPE_ARCHITECTURES.get(config.model_type, "")
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"model architecture must be one of {SUPPORTED_ARCHITECTURES}, got {architecture!r}"
@@ -88,4 +102,18 @@ def _from_transformers(path: Path, gguf_file: str | None) -> ModelConfig:
         or bool(getattr(config, "attention_bias", False)),
         eos_token_ids=eos_ids,
         hf_config=config,
+        qk_norm=architecture in QK_NORM_ARCHITECTURES,
+        sliding_window=_sliding_window(config, architecture),
     )
+
+
+def _sliding_window(config, architecture: str) -> int | None:
+    """The window as transformers' modeling code applies it: Mistral's on every layer, Qwen's
+    on the layers its layer_types mark sliding (none unless use_sliding_window), Llama none."""
+    window = getattr(config, "sliding_window", None)
+    if architecture == "MistralForCausalLM":
+        return window
+    if architecture in QWEN_ARCHITECTURES:
+        return window if "sliding_attention" in (getattr(config, "layer_types", None) or ()) \
+            else None
+    return None

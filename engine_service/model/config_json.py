@@ -3,7 +3,7 @@
 Importing a transformers config class pulls in most of transformers (its activations, hub
 kernels and distributed helpers, torch.distributed.tensor, sympy, accelerate): ~3 s of CPU in
 each of an engine's two processes, on every start and restart. The checkpoints we serve
-(Llama, Mistral, Qwen2 with plain RoPE) need a dozen numbers from the file, so we read them.
+(Llama, Mistral, Qwen2, Qwen3 with plain RoPE) need a dozen numbers from the file, so we read them.
 Anything this reader does not know for certain (a missing core field, RoPE scaling, a partial
 rotary factor, an unknown architecture) returns None and the caller asks transformers, which
 stays the reference: tests/engine/test_config_json.py checks the two agree field by field.
@@ -12,11 +12,18 @@ stays the reference: tests/engine/test_config_json.py checks the two agree field
 import json
 from pathlib import Path
 
+# model_type -> architecture: the families we serve (a GGUF file's config names no
+# architecture, only its model_type)
 MODEL_TYPE_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
+# Qwen3 normalizes each query and key head (an RMSNorm over head_dim) before the rotary.
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_UNKNOWN = object()  # a field this reader leaves to transformers
 
 # Present in every real checkpoint; their defaults differ between config classes.
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -47,9 +54,15 @@ def read_config_json(path: Path) -> dict | None:
     rope_theta = _plain_rope_theta(raw)
     if rope_theta is None:
         return None
+    sliding_window = _sliding_window(raw, architecture)
+    if sliding_window is _UNKNOWN:
+        return None
     heads = raw["num_attention_heads"]
     kv_heads = raw["num_key_value_heads"]
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    head_dim = raw.get("head_dim")
+    if head_dim is None and architecture in QK_NORM_ARCHITECTURES:
+        return None  # Qwen3's class defaults it to 128, not hidden_size / heads
+    head_dim = head_dim or raw["hidden_size"] // heads
     eos = raw.get("eos_token_id")
     return {
         "architecture": architecture,
@@ -67,7 +80,32 @@ def read_config_json(path: Path) -> dict | None:
         "eos_token_ids": tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None
                                                                    else ()),
         "rope_theta": rope_theta,
+        "qk_norm": architecture in QK_NORM_ARCHITECTURES,
+        "sliding_window": sliding_window,
     }
+
+
+def _sliding_window(raw: dict, architecture: str) -> object:
+    """The sliding window as config.py's _sliding_window reads it from transformers' config,
+    or _UNKNOWN where a class default would decide (Mistral's window when the key is absent,
+    Qwen's sliding layers when layer_types is)."""
+    if architecture == "MistralForCausalLM":
+        window = raw.get("sliding_window", _UNKNOWN)
+    elif architecture in QWEN_ARCHITECTURES:
+        if not raw.get("use_sliding_window", False):
+            return None
+        layer_types = raw.get("layer_types")
+        if not isinstance(layer_types, list) or "sliding_window" not in raw:
+            return _UNKNOWN
+        if "sliding_attention" not in layer_types:
+            return None
+        window = raw["sliding_window"]
+    else:
+        return None
+    if window is None or window is _UNKNOWN:
+        return window
+    valid = isinstance(window, int) and not isinstance(window, bool) and window >= 1
+    return window if valid else _UNKNOWN
 
 
 def _is_number(value: object) -> bool:

@@ -599,7 +599,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
 def served_context(config: EngineConfig) -> int:
     """The context the engine will serve (as LLMEngine computes it), read from the model's
     config now: the server's message size limit is set before the core loads the model."""
-    longest = load_model_config(config.model).max_position_embeddings
+    longest = load_model_config(config.model).longest_context()
     return min(config.max_model_len or longest, longest)
 
 

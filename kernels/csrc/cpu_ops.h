@@ -22,6 +22,8 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(at::Tensor residual, const at::Tensor& delta,
                                                     const at::Tensor& weight, double eps);
+void head_rms_norm_cpu(at::Tensor qk, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps);
 void rotary_cpu(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
                 int64_t head_dim);
 at::Tensor silu_mul_cpu(const at::Tensor& gate_up);

@@ -11,6 +11,7 @@
 // tensor views.
 //
 // Per layer (llama.py's DecoderLayer): residual += delta and RMSNorm; qkv projection (+ bias);
+// each q and k head RMS-normed in place (Qwen3, where qk_norms are given; the model's one eps);
 // rotary on q and k in place; K/V written to the paged cache; paged attention; o projection;
 // residual += it and RMSNorm; gate_up projection; SiLU(gate) * up; down projection. The first
 // layer's norm has no residual to add; the final norm adds the last layer's output.
@@ -92,6 +93,7 @@ namespace pagedgen_cpu {
 // spent in the linears and in attention (cache writes included) are added to it, in thread CPU
 // time with one torch thread, else wall time (now_seconds).
 at::Tensor decoder_forward(at::Tensor x, at::TensorList layer_weights, at::TensorList qkv_biases,
+                           at::TensorList qk_norms,
                            const at::Tensor& final_norm, const at::Tensor& kv_caches,
                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -107,6 +109,9 @@ at::Tensor decoder_forward(at::Tensor x, at::TensorList layer_weights, at::Tenso
   TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == num_layers,
               "decoder_forward: qkv_biases must be empty or one per layer, got ",
               qkv_biases.size(), " for ", num_layers, " layers");
+  TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * num_layers,
+              "decoder_forward: qk_norms must be empty or two per layer (q, k), got ",
+              qk_norms.size(), " for ", num_layers, " layers");
   TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(0) == num_layers && kv_caches.size(1) == 2,
               "decoder_forward: kv_caches must be [layers, 2, blocks, block_size, kv_heads, "
               "head_dim] with ", num_layers, " layers, got ", kv_caches.sizes());
@@ -154,6 +159,10 @@ at::Tensor decoder_forward(at::Tensor x, at::TensorList layer_weights, at::Tenso
     std::optional<at::Tensor> bias;
     if (!qkv_biases.empty()) bias = qkv_biases[layer];
     at::Tensor qkv = linear(h, w[kQkv], bias, qkv_size);
+    if (!qk_norms.empty()) {
+      head_rms_norm_cpu(qkv, qk_norms[2 * layer], qk_norms[2 * layer + 1], num_heads,
+                        num_kv_heads, head_dim, eps);
+    }
     rotary_cpu(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
@@ -179,7 +188,8 @@ at::Tensor decoder_forward(at::Tensor x, at::TensorList layer_weights, at::Tenso
 
 TORCH_LIBRARY(pagedgen_cpu_decoder, m) {
   m.def(
-      "forward(Tensor(a!) x, Tensor[] layer_weights, Tensor[] qkv_biases, Tensor final_norm, "
+      "forward(Tensor(a!) x, Tensor[] layer_weights, Tensor[] qkv_biases, Tensor[] qk_norms, "
+      "Tensor final_norm, "
       "Tensor(b!) kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
       "int head_dim, int intermediate_size, float eps, float scale, Tensor(c!)? timings=None) -> "

@@ -1,5 +1,6 @@
 // The small per-layer ops of a decoder step, fused for the CPU: RMSNorm (with the residual add
-// before it), rotary embedding of q and k in place, and SiLU(gate) * up.
+// before it), Qwen3's RMSNorm of each q and k head in place, rotary embedding of q and k in
+// place, and SiLU(gate) * up.
 //
 // Why: at batch 1 a step of SmolLM2 runs ~45 torch ops per layer, and each costs a few
 // microseconds of dispatch and allocation whatever its size (a row here is 576 numbers); that
@@ -163,6 +164,40 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(at::Tensor residual, const a
   return std::make_tuple(residual, out);
 }
 
+// RMS-normalizes each head_dim-wide head of q (the first num_heads of each row of `qk`, with
+// q_weight) and of k (the next num_kv_heads, with k_weight) in place: Qwen3's q_norm and
+// k_norm, before the rotary. norm_row reads a head whole before it writes it.
+void head_rms_norm_cpu(at::Tensor qk, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps) {
+  check_rows(qk, "qk");
+  TORCH_CHECK(num_heads >= 1 && num_kv_heads >= 1 && head_dim >= 1,
+              "head_rms_norm: num_heads, num_kv_heads and head_dim must be >= 1");
+  TORCH_CHECK(qk.size(1) >= (num_heads + num_kv_heads) * head_dim,
+              "qk is narrower than (num_heads + num_kv_heads) * head_dim");
+  for (const at::Tensor* w : {&q_weight, &k_weight}) {
+    TORCH_CHECK(w->is_contiguous() && w->numel() == head_dim &&
+                    w->scalar_type() == qk.scalar_type(),
+                "q_weight and k_weight must be contiguous, of qk's dtype, with head_dim elements");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, qk.scalar_type(), "head_rms_norm", [&] {
+    auto* xp = qk.data_ptr<scalar_t>();
+    const auto* qw = q_weight.data_ptr<scalar_t>();
+    const auto* kw = k_weight.data_ptr<scalar_t>();
+    const int64_t stride = qk.stride(0);
+    const float epsilon = static_cast<float>(eps);
+    at::parallel_for(0, qk.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* row = xp + r * stride;
+        for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+          scalar_t* head = row + h * head_dim;
+          norm_row(head, h < num_heads ? qw : kw, head, head_dim, epsilon);
+        }
+      }
+    });
+  });
+}
+
 // Rotates the first `num_heads` head_dim-wide slices of each row of `qk` in place (q then k,
 // side by side in the fused qkv projection): x * cos + rotate_half(x) * sin, each product
 // rounded to dtype before the sum, as the torch code does.
@@ -225,6 +260,9 @@ TORCH_LIBRARY(pagedgen_cpu_layer, m) {
       "add_rms_norm(Tensor(a!) residual, Tensor delta, Tensor weight, float eps)"
       " -> (Tensor(a!), Tensor)");
   m.def("rotary(Tensor(a!) qk, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
+  m.def(
+      "head_rms_norm(Tensor(a!) qk, Tensor q_weight, Tensor k_weight, int num_heads, "
+      "int num_kv_heads, int head_dim, float eps) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 
@@ -232,5 +270,6 @@ TORCH_LIBRARY_IMPL(pagedgen_cpu_layer, CPU, m) {
   m.impl("rms_norm", &pagedgen_cpu::rms_norm_cpu);
   m.impl("add_rms_norm", &pagedgen_cpu::add_rms_norm_cpu);
   m.impl("rotary", &pagedgen_cpu::rotary_cpu);
+  m.impl("head_rms_norm", &pagedgen_cpu::head_rms_norm_cpu);
   m.impl("silu_mul", &pagedgen_cpu::silu_mul_cpu);
 }

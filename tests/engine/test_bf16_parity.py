@@ -44,6 +44,7 @@ TOLERANCES = {
     "smollm2": LogprobTolerance(max_diff=0.7, mean_diff=0.1, score_diff=0.03),
     "tiny_llama": LogprobTolerance(max_diff=0.07, mean_diff=0.015, score_diff=0.01),
     "tiny_qwen2": LogprobTolerance(max_diff=0.07, mean_diff=0.015, score_diff=0.01),
+    "tiny_qwen3": LogprobTolerance(max_diff=0.07, mean_diff=0.015, score_diff=0.01),
 }
 
 
@@ -90,6 +91,7 @@ def top_k_of(row: torch.Tensor, k: int = TOP_K) -> dict[int, float]:
     ("smollm2", 24, 16),
     ("tiny_llama", 24, 8), ("tiny_llama", 24, 16),
     ("tiny_qwen2", 24, 8), ("tiny_qwen2", 24, 16),
+    ("tiny_qwen3", 24, 16),
 ])
 def test_bf16_greedy_is_close_to_hf_bf16(kind, max_tokens, block_size, make_llm, request):
     """Both greedy: vLLM's rule, and every top-k logprob before (and at) the first difference

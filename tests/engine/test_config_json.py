@@ -34,7 +34,8 @@ def assert_same_as_transformers(path: Path) -> None:
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir", "smollm2_dir"])
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir",
+                                   "smollm2_dir"])
 def test_test_models_read_as_transformers_reads_them(model, request):
     assert_same_as_transformers(request.getfixturevalue(model))
 
@@ -42,7 +43,7 @@ def test_test_models_read_as_transformers_reads_them(model, request):
 MINIMAL = {
     "vocab_size": 1000, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 3,
     "num_attention_heads": 6, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-    "eos_token_id": 2, "num_key_value_heads": 3,
+    "eos_token_id": 2, "num_key_value_heads": 3, "sliding_window": None,
 }
 
 
@@ -62,6 +63,68 @@ def test_minimal_configs_read_as_transformers_reads_them(tmp_path, model_type, a
     config = {"model_type": model_type, "architectures": [architecture], **MINIMAL, **extra}
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert_same_as_transformers(tmp_path)
+
+
+SLIDING = [
+    ("mistral", "MistralForCausalLM", {"sliding_window": 1024}, 1024),
+    ("mistral", "MistralForCausalLM", {}, 4096),  # the key absent: the class's default
+    ("qwen2", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 512,
+                                   "max_window_layers": 1}, 512),
+    ("qwen2", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 512,
+                                   "max_window_layers": 3}, None),  # no layer slides
+    ("qwen2", "Qwen2ForCausalLM", {"use_sliding_window": False, "sliding_window": 512,
+                                   "max_window_layers": 0}, None),
+    ("qwen3", "Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": 256,
+                                   "max_window_layers": 2, "head_dim": 16}, 256),
+    ("qwen3", "Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": 256,
+                                   "head_dim": 16, "layer_types": ["full_attention",
+                                   "sliding_attention", "full_attention"]}, 256),
+]
+
+
+@pytest.mark.parametrize(("model_type", "architecture", "extra", "window"), SLIDING)
+def test_a_sliding_window_bounds_the_context_as_transformers_reads_it(
+        tmp_path, model_type, architecture, extra, window):
+    """The window transformers' modeling code would apply: Mistral's on every layer, Qwen's
+    on the layers marked sliding; the engine serves no longer context (it attends to all)."""
+    config = {"model_type": model_type, "architectures": [architecture], **MINIMAL,
+              "rope_theta": 1e6, **extra}
+    if "sliding_window" not in extra:
+        del config["sliding_window"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ours = load_model_config(tmp_path)
+    assert shape_fields(ours) == shape_fields(_from_transformers(tmp_path, None))
+    assert ours.sliding_window == window
+    assert ours.longest_context() == (4096 if window is None else window)
+    # Written by transformers itself (v5 writes layer_types): read without it, the same.
+    from transformers import AutoConfig
+
+    AutoConfig.from_pretrained(tmp_path).save_pretrained(tmp_path)
+    assert_same_as_transformers(tmp_path)
+    assert load_model_config(tmp_path).sliding_window == window
+
+
+@pytest.mark.parametrize("extra", [
+    {"rope_theta": 1e6},
+    {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}, "head_dim": 128,
+     "tie_word_embeddings": True},
+], ids=["v4-rope", "v5-rope"])
+def test_qwen3_configs_read_as_transformers_reads_them(tmp_path, extra):
+    config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **MINIMAL,
+              "head_dim": 32, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert_same_as_transformers(tmp_path)
+    assert load_model_config(tmp_path).qk_norm
+
+
+def test_a_qwen3_config_without_head_dim_goes_to_transformers(tmp_path):
+    """Qwen3's config class defaults head_dim to 128, not hidden_size / heads (96 / 6 here)."""
+    config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **MINIMAL,
+              "rope_theta": 1e6}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert read_config_json(tmp_path) is None
+    loaded = load_model_config(tmp_path)
+    assert (loaded.head_dim, loaded.qk_norm, loaded.attention_bias) == (128, True, False)
 
 
 @pytest.mark.parametrize("extra", [

@@ -43,13 +43,15 @@ def prompts(smollm2_dir) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tiny_llama_dir, tiny_qwen2_dir, smollm2_dir, tmp_path_factory) -> dict:
+def model_dirs(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, smollm2_dir, tmp_path_factory
+               ) -> dict:
     """The shapes TP splits differently: 4 heads / 2 KV heads (one KV head a rank), Qwen2's
-    qkv biases and tied embeddings, one KV head (replicated on both ranks), 6 heads / 2 KV
-    heads (3 query heads a rank)."""
+    qkv biases and tied embeddings, Qwen3's per-head q and k norms (whole on each rank), one
+    KV head (replicated on both ranks), 6 heads / 2 KV heads (3 query heads a rank)."""
     return {
         "llama": tiny_llama_dir,
         "qwen2": tiny_qwen2_dir,
+        "qwen3": tiny_qwen3_dir,
         "llama_1kv": make_tiny_model("llama", tmp_path_factory.mktemp("tp_llama_1kv"),
                                      tokenizer_dir=smollm2_dir, seed=2, num_kv_heads=1),
         "qwen2_6h2kv": make_tiny_model("qwen2", tmp_path_factory.mktemp("tp_qwen2_6h2kv"),
@@ -111,7 +113,7 @@ def assert_close(ours: tuple, ref: tuple, label: str) -> None:
             return
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_1kv", "qwen2_6h2kv"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "llama_1kv", "qwen2_6h2kv"])
 def test_tp2_greedy_matches_tp1_and_hf(kind, engines, model_dirs, prompts):
     tp2 = engines(kind, 2)
     ours = _greedy(tp2, prompts)

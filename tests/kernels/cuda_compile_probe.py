@@ -47,8 +47,8 @@ KERNELS = {
     "combine": triton_attention._combine_splits_kernel,
     "reshape_and_cache": triton_cache_ops.reshape_and_cache_kernel,
     "copy_blocks": triton_cache_ops.copy_blocks_kernel,
-    **triton_layer_ops.JIT_KERNELS,  # rms_norm (with and without the residual add), rotary,
-}                                    # silu_mul
+    **triton_layer_ops.JIT_KERNELS,  # rms_norm (with and without the residual add),
+}                                    # head_rms_norm, rotary, rotary_and_cache, silu_mul
 # The policy a CUDA device gets (kernels/attention_splits.default_split_policy: CPU tensors
 # here would get none): an H200's 132 SMs.
 GPU_SPLITS = KVSplitPolicy(target_programs=PROGRAMS_PER_SM * 132)
@@ -112,6 +112,8 @@ def drive_layer_ops(qkv: torch.Tensor, heads: int, kv_heads: int, head: int) -> 
     triton_layer_ops.rms_norm(x, weight, 1e-5)
     triton_layer_ops.add_rms_norm(x, x.clone(), weight, 1e-5)
     cos = torch.zeros(num_tokens, head, dtype=dtype)
+    triton_layer_ops.head_rms_norm(qkv, torch.ones(head, dtype=dtype),
+                                   torch.ones(head, dtype=dtype), heads, kv_heads, head, 1e-6)
     triton_layer_ops.rotary(qkv, cos, cos.clone(), heads, kv_heads, head)
     caches = torch.zeros(2, 8, 16, kv_heads, head, dtype=dtype)
     triton_layer_ops.rotary_and_cache(qkv, cos, cos.clone(), heads, kv_heads, head, caches[0],

@@ -104,7 +104,7 @@ def test_every_variant_compiles_without_spills(compile_report: dict, case: dict)
     assert "error" not in report, report.get("error")
     kernels = {v["kernel"] for v in report["variants"]}
     assert kernels == {"attention", "combine", "reshape_and_cache", "copy_blocks", "rms_norm",
-                       "rotary", "rotary_and_cache", "silu_mul"}
+                       "head_rms_norm", "rotary", "rotary_and_cache", "silu_mul"}
     for variant in report["variants"]:
         where = f"{variant['kernel']} {variant.get('constexprs')}"
         assert "error" not in variant, f"{where}: {variant.get('error')}"
@@ -161,7 +161,7 @@ def test_per_step_integers_do_not_multiply_variants(compile_report: dict, case: 
     # The layer ops: one variant each whatever the token count (the norm: with and without
     # the residual add).
     assert sorted(v["constexprs"]["HAS_DELTA"] for v in by_kernel["rms_norm"]) == [False, True]
-    layer_ops = ("rotary", "rotary_and_cache", "silu_mul")
-    assert [len(by_kernel[k]) for k in layer_ops] == [1, 1, 1]
+    layer_ops = ("head_rms_norm", "rotary", "rotary_and_cache", "silu_mul")
+    assert [len(by_kernel[k]) for k in layer_ops] == [1, 1, 1, 1]
     assert all(v["launches"] == len(steps) for k in ("rms_norm", *layer_ops)
                for v in by_kernel[k])

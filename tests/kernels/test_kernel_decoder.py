@@ -76,7 +76,7 @@ def _run_steps(runner: ModelRunner, block_size: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16])
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def test_fused_layers_compute_the_python_loops_bits(model, block_size, dtype, request):
     model_dir = request.getfixturevalue(model)
     fused_runner = _runner(model_dir, block_size, dtype)
@@ -136,8 +136,9 @@ def test_bad_arguments_are_refused_with_the_reason(tiny_llama_dir):
                 cos=runner.cos[:1], sin=runner.sin[:1])
     op = torch.ops.pagedgen_cpu_decoder.forward
 
-    def call(weights, biases=(), kv=runner.kv_caches, x=x, timings=None):
-        return op(x, list(weights), list(biases), fused.final_norm, kv, *args.values(),
+    def call(weights, biases=(), kv=runner.kv_caches, x=x, timings=None, qk_norms=()):
+        return op(x, list(weights), list(biases), list(qk_norms), fused.final_norm, kv,
+                  *args.values(),
                   fused.num_heads, fused.num_kv_heads, fused.head_dim, fused.intermediate_size,
                   fused.eps, fused.scale, timings)
 
@@ -145,6 +146,12 @@ def test_bad_arguments_are_refused_with_the_reason(tiny_llama_dir):
         call(fused.layer_weights[:5])
     with pytest.raises(RuntimeError, match="qkv_biases must be empty or one per layer, got 1"):
         call(fused.layer_weights, biases=[torch.zeros(1)])
+    with pytest.raises(RuntimeError, match=r"qk_norms must be empty or two per layer \(q, k\), "
+                                           r"got 2 for 2 layers"):
+        call(fused.layer_weights, qk_norms=[torch.ones(16)] * 2)
+    with pytest.raises(RuntimeError, match="q_weight and k_weight must be contiguous, of qk's "
+                                           "dtype, with head_dim elements"):
+        call(fused.layer_weights, qk_norms=[torch.ones(fused.head_dim + 1)] * 4)
     with pytest.raises(RuntimeError, match="kv_caches must be .* with 2 layers"):
         call(fused.layer_weights, kv=runner.kv_caches[:1])
     with pytest.raises(RuntimeError, match="x must be contiguous float32 or bfloat16"):

@@ -95,6 +95,56 @@ def test_rotary_in_place_on_the_qkv_projection(rows, dtype, heads, kv_heads, hea
     assert torch.equal(fused[:, split:], qkv[:, split:])  # v untouched
 
 
+def _qkv_and_head_weights(rows: int, dtype: torch.dtype, heads: int, kv_heads: int,
+                          head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A qkv projection's output, as a strided view (its rows wider than q + k + v), and
+    Qwen3's q_norm and k_norm weights."""
+    g = torch.Generator().manual_seed(rows * 5 + heads)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = (torch.randn(rows, width + 8, generator=g) * 3).to(dtype)[:, :width]
+    q_weight = (1 + torch.randn(head_dim, generator=g) * 0.3).to(dtype)
+    k_weight = (1 + torch.randn(head_dim, generator=g) * 0.3).to(dtype)
+    return qkv, q_weight, k_weight
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (2, 1, 128)])
+def test_head_rms_norm_in_place_on_the_qkv_projection(rows, dtype, heads, kv_heads, head_dim):
+    qkv, q_weight, k_weight = _qkv_and_head_weights(rows, dtype, heads, kv_heads, head_dim)
+    expected = qkv.clone()
+    TORCH_LAYER_OPS.head_rms_norm(expected, q_weight, k_weight, heads, kv_heads, head_dim, 1e-6)
+    fused = qkv.clone()
+    CPU_LAYER_OPS.head_rms_norm(fused, q_weight, k_weight, heads, kv_heads, head_dim, 1e-6)
+    _close(fused, expected)
+    split = (heads + kv_heads) * head_dim
+    assert torch.equal(fused[:, split:], qkv[:, split:])  # v untouched
+    assert not torch.equal(fused[:, :split], qkv[:, :split])
+
+
+def test_the_head_norm_reference_is_qwen3_s_q_and_k_norm() -> None:
+    """The torch reference against HF's own module, applied as Qwen3's attention applies it:
+    to each head of q with q_norm's weight, of k with k_norm's."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    heads, kv_heads, head_dim, rows = 4, 2, 32, 5
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv, q_weight, k_weight = _qkv_and_head_weights(rows, dtype, heads, kv_heads, head_dim)
+        hf_q, hf_k = Qwen3RMSNorm(head_dim, eps=1e-6), Qwen3RMSNorm(head_dim, eps=1e-6)
+        hf_q.weight.data, hf_k.weight.data = q_weight.clone(), k_weight.clone()
+        q = qkv[:, : heads * head_dim].reshape(rows, heads, head_dim)
+        k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(
+            rows, kv_heads, head_dim)
+        with torch.no_grad():
+            expected_q, expected_k = hf_q(q), hf_k(k)
+        ours = qkv.clone()
+        TORCH_LAYER_OPS.head_rms_norm(ours, q_weight, k_weight, heads, kv_heads, head_dim, 1e-6)
+        assert torch.equal(ours[:, : heads * head_dim].reshape(rows, heads, head_dim),
+                           expected_q)
+        assert torch.equal(ours[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(
+            rows, kv_heads, head_dim), expected_k)
+
+
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_silu_mul(rows: int, dtype: torch.dtype) -> None:

@@ -70,6 +70,26 @@ def test_rotary_in_place_on_the_qkv_projection(rows, dtype, heads, kv_heads, hea
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (3, 1, 24)])
+def test_head_rms_norm_in_place_on_the_qkv_projection(rows, dtype, heads, kv_heads, head_dim):
+    g = torch.Generator().manual_seed(rows * 5 + heads)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = (torch.randn(rows, width, generator=g) * 3).to(dtype)
+    q_weight = (1 + torch.randn(head_dim, generator=g) * 0.3).to(dtype)
+    k_weight = (1 + torch.randn(head_dim, generator=g) * 0.3).to(dtype)
+    expected = qkv.clone()
+    TORCH_LAYER_OPS.head_rms_norm(expected, q_weight, k_weight, heads, kv_heads, head_dim, 1e-6)
+    got = qkv.clone()
+    with launch_counter() as launches:
+        TRITON_LAYER_OPS.head_rms_norm(got, q_weight, k_weight, heads, kv_heads, head_dim, 1e-6)
+    assert launches == {"head_rms_norm": 1}
+    _close(got, expected)
+    split = (heads + kv_heads) * head_dim
+    assert torch.equal(got[:, split:], qkv[:, split:])  # v untouched
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_silu_mul(rows: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(rows)
     gate_up = (torch.randn(rows, 2 * 1536, generator=g) * 4).to(dtype)

@@ -17,9 +17,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
-TinyModelKind = Literal["llama", "qwen2"]
+TinyModelKind = Literal["llama", "qwen2", "qwen3"]
+# Qwen3's heads are wider than hidden_size / num_heads (0.6B: 16 heads of 128 on 1,024): the
+# tiny one likewise, 4 heads of 32 on 64, so q's width (128) is not the hidden size.
+QWEN3_HEAD_DIM = 32
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 # SmolLM2's tokenizer: <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2.
@@ -86,7 +95,13 @@ def _build_config(spec: TinyModelSpec) -> PretrainedConfig:
         tie = True if spec.tie_word_embeddings is None else spec.tie_word_embeddings
         # Qwen2's q/k/v projections always carry a bias (o_proj does not).
         return Qwen2Config(**common, tie_word_embeddings=tie, use_sliding_window=False)
-    raise ValueError(f"tiny model kind must be 'llama' or 'qwen2', got {spec.kind!r}")
+    if spec.kind == "qwen3":
+        # No biases, q_norm and k_norm per head; small Qwen3 checkpoints tie their embeddings.
+        tie = True if spec.tie_word_embeddings is None else spec.tie_word_embeddings
+        head_dim = spec.extra_config.get("head_dim", QWEN3_HEAD_DIM)
+        return Qwen3Config(**{**common, "head_dim": head_dim}, tie_word_embeddings=tie,
+                           attention_bias=False, use_sliding_window=False)
+    raise ValueError(f"tiny model kind must be 'llama', 'qwen2' or 'qwen3', got {spec.kind!r}")
 
 
 @torch.no_grad()

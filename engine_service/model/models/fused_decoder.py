@@ -28,6 +28,7 @@ class FusedDecoder:
     # down (packed): the order decoder_cpu.cpp reads them in. The model's own tensors, shared.
     layer_weights: list[torch.Tensor]
     qkv_biases: list[torch.Tensor]  # one per layer, or none
+    qk_norms: list[torch.Tensor]  # q_norm and k_norm weights, two per layer, or none (Qwen3)
     final_norm: torch.Tensor
     num_heads: int
     num_kv_heads: int
@@ -44,7 +45,7 @@ class FusedDecoder:
         """x: the embedded tokens (overwritten: it is the residual stream); returns the hidden
         states after the final norm, as LlamaForCausalLM.forward does."""
         return torch.ops.pagedgen_cpu_decoder.forward(
-            x, self.layer_weights, self.qkv_biases, self.final_norm, kv_caches,
+            x, self.layer_weights, self.qkv_biases, self.qk_norms, self.final_norm, kv_caches,
             ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, ctx.cos,
             ctx.sin, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
             self.eps, self.scale, self.timings)
@@ -63,7 +64,7 @@ def build_fused_decoder(model: nn.Module) -> FusedDecoder | None:
     layers = list(model.layers)
     if not layers or model.norm.weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    weights, biases = [], []
+    weights, biases, qk_norms = [], [], []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not (_ours(attn.qkv_proj, bias_allowed=True)
@@ -74,9 +75,15 @@ def build_fused_decoder(model: nn.Module) -> FusedDecoder | None:
                     mlp.gate_up_proj.packed_weight, mlp.down_proj.packed_weight]
         if attn.qkv_proj.bias is not None:
             biases.append(attn.qkv_proj.bias)
+        if attn.q_norm is not None:
+            if attn.q_norm.eps != model.norm.eps or attn.k_norm.eps != model.norm.eps:
+                return None  # the C++ loop has one eps for every norm
+            qk_norms += [attn.q_norm.weight.detach(), attn.k_norm.weight.detach()]
     if biases and len(biases) != len(layers):
         return None  # (biases on some layers only: no checkpoint we load has that)
+    if qk_norms and len(qk_norms) != 2 * len(layers):
+        return None
     first = layers[0].self_attn
-    return FusedDecoder(weights, biases, model.norm.weight.detach(), first.num_heads,
+    return FusedDecoder(weights, biases, qk_norms, model.norm.weight.detach(), first.num_heads,
                         first.num_kv_heads, first.head_dim,
                         layers[0].mlp.down_proj.in_features, model.norm.eps, first.scale)

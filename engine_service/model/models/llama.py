@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over the paged KV cache.
 
 Plain PyTorch: q/k/v and gate/up projections are fused into one matmul each (fewer, larger
 GEMMs are what the CPU path needs); attention goes through the kernel backend.
@@ -78,12 +78,21 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = config.head_dim**-0.5
+        # Qwen3: an RMSNorm over each q head and each k head, before the rotary.
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
     def forward(
         self, x: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor, kernels: KernelBackend
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            kernels.layer_ops.head_rms_norm(qkv, self.q_norm.weight, self.k_norm.weight,
+                                            self.num_heads, self.num_kv_heads, self.head_dim,
+                                            self.q_norm.eps)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         fused = kernels.layer_ops.rotary_and_cache
         if fused is not None:  # one launch for both (kernels/triton_layer_ops.py)
