@@ -7,6 +7,7 @@ from engine_service.model.config_json import (
     MODEL_TYPE_ARCHITECTURES,
     QK_NORM_ARCHITECTURES,
     QWEN_ARCHITECTURES,
+    layer_biases,
     read_config_json,
 )
 
@@ -28,13 +29,15 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # Qwen2 has q/k/v biases
+    attention_bias: bool  # q/k/v biases (Qwen2's always; Llama's and Qwen3's with the flag)
     eos_token_ids: tuple[int, ...]
     # Unscaled RoPE's base when read from config.json (config_json.py); None: RoPE comes from
     # hf_config, the transformers config, through HF's own rotary embedding (any scaling).
     hf_config: object | None = None
     rope_theta: float | None = None
     qk_norm: bool = False  # a per-head RMSNorm on q and k (Qwen3's q_norm, k_norm)
+    o_proj_bias: bool = False  # Llama's and Qwen3's attention_bias covers o_proj too
+    mlp_bias: bool = False  # Llama's mlp_bias: gate, up and down
     # The window some layers attend within (Mistral's sliding_window, Qwen's sliding layers),
     # or None. The engine attends to the whole context, the same as the window until the
     # context outgrows it: so it serves no longer contexts than the window (longest_context).
@@ -98,8 +101,8 @@ def _from_transformers(path: Path, gguf_file: str | None) -> ModelConfig:
         rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        attention_bias=architecture == "Qwen2ForCausalLM"
-        or bool(getattr(config, "attention_bias", False)),
+        **layer_biases(architecture, getattr(config, "attention_bias", False),
+                       getattr(config, "mlp_bias", False)),
         eos_token_ids=eos_ids,
         hf_config=config,
         qk_norm=architecture in QK_NORM_ARCHITECTURES,

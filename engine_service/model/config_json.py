@@ -76,7 +76,7 @@ def read_config_json(path: Path) -> dict | None:
         "rms_norm_eps": float(raw["rms_norm_eps"]),
         "max_position_embeddings": raw["max_position_embeddings"],
         "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
-        "attention_bias": architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias")),
+        **layer_biases(architecture, raw.get("attention_bias"), raw.get("mlp_bias")),
         "eos_token_ids": tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None
                                                                    else ()),
         "rope_theta": rope_theta,
@@ -106,6 +106,19 @@ def _sliding_window(raw: dict, architecture: str) -> object:
         return window
     valid = isinstance(window, int) and not isinstance(window, bool) and window >= 1
     return window if valid else _UNKNOWN
+
+
+def layer_biases(architecture: str, attention_bias: object, mlp_bias: object) -> dict:
+    """Which projections carry a bias, as transformers' modeling code builds them: Qwen2's
+    q/k/v always (its o_proj never); Mistral's none (it ignores attention_bias); Llama's and
+    Qwen3's q/k/v and o with attention_bias; Llama's MLP with mlp_bias."""
+    if architecture == "Qwen2ForCausalLM":
+        return {"attention_bias": True, "o_proj_bias": False, "mlp_bias": False}
+    if architecture == "MistralForCausalLM":
+        return {"attention_bias": False, "o_proj_bias": False, "mlp_bias": False}
+    attention = bool(attention_bias)
+    return {"attention_bias": attention, "o_proj_bias": attention,
+            "mlp_bias": architecture == "LlamaForCausalLM" and bool(mlp_bias)}
 
 
 def _is_number(value: object) -> bool:

@@ -57,6 +57,11 @@ def model_dirs(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, smollm2_dir, tmp_
         "qwen2_6h2kv": make_tiny_model("qwen2", tmp_path_factory.mktemp("tp_qwen2_6h2kv"),
                                        tokenizer_dir=smollm2_dir, seed=3, hidden_size=96,
                                        num_heads=6, num_kv_heads=2),
+        # Biases on every projection: the row-parallel ones (o, down) added by one rank.
+        "llama_biases": make_tiny_model("llama", tmp_path_factory.mktemp("tp_llama_biases"),
+                                        tokenizer_dir=smollm2_dir, seed=4,
+                                        extra_config={"attention_bias": True,
+                                                      "mlp_bias": True}),
     }
 
 
@@ -113,7 +118,8 @@ def assert_close(ours: tuple, ref: tuple, label: str) -> None:
             return
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "llama_1kv", "qwen2_6h2kv"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "llama_1kv", "qwen2_6h2kv",
+                                  "llama_biases"])
 def test_tp2_greedy_matches_tp1_and_hf(kind, engines, model_dirs, prompts):
     tp2 = engines(kind, 2)
     ours = _greedy(tp2, prompts)

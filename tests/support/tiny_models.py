@@ -90,7 +90,7 @@ def _build_config(spec: TinyModelSpec) -> PretrainedConfig:
     )
     if spec.kind == "llama":
         tie = False if spec.tie_word_embeddings is None else spec.tie_word_embeddings
-        return LlamaConfig(**common, tie_word_embeddings=tie, attention_bias=False)
+        return LlamaConfig(**{"attention_bias": False, **common}, tie_word_embeddings=tie)
     if spec.kind == "qwen2":
         tie = True if spec.tie_word_embeddings is None else spec.tie_word_embeddings
         # Qwen2's q/k/v projections always carry a bias (o_proj does not).
@@ -99,8 +99,8 @@ def _build_config(spec: TinyModelSpec) -> PretrainedConfig:
         # No biases, q_norm and k_norm per head; small Qwen3 checkpoints tie their embeddings.
         tie = True if spec.tie_word_embeddings is None else spec.tie_word_embeddings
         head_dim = spec.extra_config.get("head_dim", QWEN3_HEAD_DIM)
-        return Qwen3Config(**{**common, "head_dim": head_dim}, tie_word_embeddings=tie,
-                           attention_bias=False, use_sliding_window=False)
+        return Qwen3Config(**{"attention_bias": False, **common, "head_dim": head_dim},
+                           tie_word_embeddings=tie, use_sliding_window=False)
     raise ValueError(f"tiny model kind must be 'llama', 'qwen2' or 'qwen3', got {spec.kind!r}")
 
 
@@ -147,6 +147,7 @@ def make_tiny_model(
     rope_scaling: dict[str, Any] | None = None,
     tie_word_embeddings: bool | None = None,
     init_std: float = 0.1,
+    extra_config: dict[str, Any] | None = None,
 ) -> Path:
     """Writes a random-init model of the given family into out_dir and returns out_dir.
 
@@ -163,6 +164,7 @@ def make_tiny_model(
         rope_scaling=rope_scaling,
         tie_word_embeddings=tie_word_embeddings,
         init_std=init_std,
+        extra_config=dict(extra_config or {}),
     )
     config = _build_config(spec)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

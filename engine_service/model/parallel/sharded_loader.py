@@ -85,6 +85,10 @@ def _shard_tensor(ckpt: _Checkpoint, name: str, config: ModelConfig, shard: Tens
         return torch.cat([ckpt.read(f"{base}q_proj.{leaf}", _head_rows(shard.heads, hd)),
                           ckpt.read(f"{base}k_proj.{leaf}", kv_rows),
                           ckpt.read(f"{base}v_proj.{leaf}", kv_rows)])
+    if prefix.endswith(("self_attn.o_proj.linear", "mlp.down_proj.linear")) and leaf == "bias":
+        # Row-parallel: the ranks' outputs are summed, so one rank adds the bias.
+        bias = ckpt.read(f"{hf.removesuffix('.linear')}.bias")
+        return bias if shard.rank == 0 else torch.zeros_like(bias)
     if prefix.endswith("self_attn.o_proj.linear"):
         return ckpt.read(f"{hf.removesuffix('.linear')}.{leaf}",
                          columns=_head_rows(shard.heads, hd))
