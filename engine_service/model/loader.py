@@ -44,12 +44,32 @@ def _hf_name(name: str) -> str:
     return name if name.startswith("lm_head") else "model." + name
 
 
+def check_all_tensors_used(config: ModelConfig, names: object, used: set[str]) -> None:
+    """Raise ValueError when the checkpoint holds tensors the model has no place for: a
+    variant of its architecture we do not implement (a bias, a norm, another projection),
+    which would otherwise load without them and compute something else."""
+    unused = sorted(n for n in names if n not in used and not _never_loaded(n, config))
+    if unused:
+        shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4
+                                         else "")
+        raise ValueError(f"the checkpoint has {len(unused)} tensors a {config.architecture} "
+                         f"has no place for in this engine ({shown}): a variant of the "
+                         f"architecture it does not implement")
+
+
+def _never_loaded(name: str, config: ModelConfig) -> bool:
+    """Tensors a checkpoint may carry that are derived or duplicated, not weights: RoPE's
+    inverse frequencies, a tied LM head saved beside the embedding."""
+    return name.endswith("rotary_emb.inv_freq") or (
+        name == "lm_head.weight" and config.tie_word_embeddings)
+
+
 def _checkpoint_state(model: LlamaForCausalLM, config: ModelConfig, dtype: torch.dtype,
                       device: torch.device) -> dict[str, torch.Tensor]:
     """The model's parameters from the checkpoint, in `dtype` on `device`. A function of its
     own so that nothing else (the raw checkpoint tensors, a loop variable) outlives it."""
     hf = _read_hf_tensors(config)
-    state = {}
+    state, used = {}, set()
     for name, param in model.named_parameters():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -63,12 +83,14 @@ def _checkpoint_state(model: LlamaForCausalLM, config: ModelConfig, dtype: torch
         missing = [p for p in parts if p not in hf]
         if missing:
             raise ValueError(f"weights for {name} not found in the checkpoint (missing {missing})")
+        used.update(parts)
         tensor = torch.cat([hf[p] for p in parts], dim=0) if len(parts) > 1 else hf[parts[0]]
         if tensor.shape != param.shape:
             raise ValueError(
                 f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}"
             )
         state[name] = tensor.to(dtype=dtype, device=device)
+    check_all_tensors_used(config, hf, used)
     return state
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from engine_service.model.config import ModelConfig
-from engine_service.model.loader import _read_hf_tensors
+from engine_service.model.loader import _read_hf_tensors, check_all_tensors_used
 from engine_service.model.models.llama import LlamaForCausalLM
 from engine_service.model.models.packed_linear import can_pack, pack_linear_layers
 from engine_service.model.parallel.group import TensorParallelGroup
@@ -26,6 +26,7 @@ class _Checkpoint:
     def __init__(self, config: ModelConfig, files: ExitStack) -> None:
         self._whole: dict[str, torch.Tensor] | None = None
         self._slices = {}
+        self.read_names: set[str] = set()  # what the model took, of names()
         if config.gguf_file is not None:
             self._whole = _read_hf_tensors(config)
             return
@@ -37,6 +38,9 @@ class _Checkpoint:
             for name in handle.keys():
                 self._slices[name] = handle
 
+    def names(self) -> list[str]:
+        return list(self._whole if self._whole is not None else self._slices)
+
     def has(self, name: str) -> bool:
         return name in (self._whole if self._whole is not None else self._slices)
 
@@ -44,6 +48,7 @@ class _Checkpoint:
              ) -> torch.Tensor:
         if not self.has(name):
             raise ValueError(f"weights for {name} not found in the checkpoint")
+        self.read_names.add(name)
         if self._whole is not None:
             tensor = self._whole[name]
             if rows is not None:
@@ -119,6 +124,7 @@ def load_sharded_model(config: ModelConfig, shard: TensorShard, group: TensorPar
                                  f"!= {tuple(param.shape)} (rank {shard.rank} of "
                                  f"{shard.world_size})")
             state[name] = tensor.to(dtype=dtype, device=device)
+        check_all_tensors_used(config, ckpt.names(), ckpt.read_names)
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.linear.weight = model.embed_tokens.weight
