@@ -16,7 +16,7 @@ from engine_service.core.errors import InvalidRequestError
 from engine_service.core.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from engine_service.model.beam_search_params import BeamSearchParams
 from engine_service.model.sampling_params import SamplingParams
-from engine_service.model.tokenizer import render_chat
+from engine_service.model.tokenizer import render_chat, template_kwargs_error
 
 Prompt = str | dict
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
@@ -343,10 +343,17 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
         **kwargs,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them; `tools`
-        (OpenAI's tool objects) go to the template as the tools the model may call."""
+        (OpenAI's tool objects) go to the template as the tools the model may call;
+        `chat_template_kwargs` are more variables for it (e.g. {"enable_thinking": False} for
+        Qwen3's), as vLLM's LLM.chat takes them."""
+        if chat_template_kwargs is not None:
+            error = template_kwargs_error(chat_template_kwargs, "chat_template_kwargs")
+            if error is not None:
+                raise InvalidRequestError("chat_template_kwargs", error)
         if not isinstance(messages, list | tuple):
             raise InvalidRequestError("messages", "messages must be a list of {'role': ..., "
                                       "'content': ...} dicts (or a list of such lists), got "
@@ -364,7 +371,7 @@ class LLM:
         tokenizer = self._need_tokenizer("chat messages")
         prompts = []
         for conversation in conversations:
-            text = render_chat(tokenizer, list(conversation), tools)
+            text = render_chat(tokenizer, list(conversation), tools, chat_template_kwargs)
             prompts.append(
                 {
                     "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),

@@ -43,6 +43,7 @@ from openai_api.to_engine import (
     check_token_count,
     completion_call,
     rest_of_context,
+    template_kwargs_json,
 )
 from openai_api.tool_calls import tools_json
 from pagedgen_api import generation_pb2 as pb
@@ -424,6 +425,8 @@ class _Api:
                            f"{'both' if body.prompt is not None else 'neither'}", "prompt")
         if body.tools and body.messages is None:
             raise _tools_without_messages()
+        if body.chat_template_kwargs and body.messages is None:
+            raise _without_messages("chat_template_kwargs")
         if body.prompt is not None:
             wire, names = pb.TokenizeRequest(text=body.prompt), {"text": "prompt",
                                                                   "input": "prompt"}
@@ -432,8 +435,10 @@ class _Api:
                 raise schemas.unserved("add_generation_prompt", False)
             wire = pb.TokenizeRequest(chat=chat_messages(body.messages))
             wire.chat.tools_json = tools_json(body)
+            wire.chat.template_kwargs_json = template_kwargs_json(body)
             names = {"chat.messages": "messages", "chat": "messages", "input": "messages",
-                     "chat.tools_json": "tools"}
+                     "chat.tools_json": "tools",
+                     "chat.template_kwargs_json": "chat_template_kwargs"}
         reply = await self._unary("Tokenize", wire, names, _caller(request))
         return JSONResponse({"count": len(reply.token_ids), "max_model_len": model.max_model_len,
                              "tokens": list(reply.token_ids)})
@@ -458,6 +463,8 @@ class _Api:
                            f"{' and '.join(given) or 'none of them'}", "prompt")
         if body.tools and body.messages is None:
             raise _tools_without_messages()
+        if body.chat_template_kwargs and body.messages is None:
+            raise _without_messages("chat_template_kwargs")
         wire = pb.PinPrefixRequest(cache_salt=body.cache_salt or "", ttl_s=body.ttl_s,
                                    unpin=body.unpin)
         if body.prompt is not None:
@@ -465,11 +472,13 @@ class _Api:
         elif body.messages is not None:
             wire.chat.CopyFrom(chat_messages(body.messages))
             wire.chat.tools_json = tools_json(body)
+            wire.chat.template_kwargs_json = template_kwargs_json(body)
         else:  # no prompt could use more of a prefix: counted before the ids are read
             check_token_count("tokens", body.tokens, model.prompt_context, for_output=False)
             wire.token_ids.ids.extend(body.tokens)
         names = {"text": "prompt", "token_ids": "tokens", "token_ids.ids": "tokens",
                  "chat.messages": "messages", "chat.tools_json": "tools",
+                 "chat.template_kwargs_json": "chat_template_kwargs",
                  "chat": "messages", "input": given[0], "prompt": given[0]}
         reply = await self._unary("PinPrefix", wire, names, _caller(request))
         return JSONResponse({"num_blocks": reply.num_blocks, "num_pinned": reply.num_pinned})
@@ -546,9 +555,13 @@ async def _drain(stream: AsyncIterator[bytes]) -> None:
 
 
 def _tools_without_messages() -> ApiError:
-    return ApiError(HTTPStatus.BAD_REQUEST, "tools must be left unset without messages (the chat "
-                                            "template is what takes them), got tools",
-                    "tools")
+    return _without_messages("tools")
+
+
+def _without_messages(field: str) -> ApiError:
+    return ApiError(HTTPStatus.BAD_REQUEST, f"{field} must be left unset without messages (the "
+                                            f"chat template is what takes them), got {field}",
+                    field)
 
 
 def _too_large(got: str) -> ApiError:

@@ -31,7 +31,7 @@ UNSERVED_FIELDS: dict[str, tuple[object, ...]] = {
     "web_search_options": (), "logits_processors": (),
     "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,),
-    "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
+    "chat_template": (), "documents": (),
     "return_tokens_as_token_ids": (False,),
 }
 
@@ -226,6 +226,8 @@ class ChatCompletionRequest(_Sampling):
     # to the tools' schemas.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call
+    # vLLM's: more variables for the chat template, e.g. {"enable_thinking": false} (Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
     max_tokens: Int32 | None = None  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: Int32 | None = None
     logprobs: bool | None = None
@@ -237,6 +239,7 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None  # given to the chat template, as chat gives them
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as chat's
     add_special_tokens: bool | None = None  # accepted: the engine tokenizes as Generate does
     add_generation_prompt: bool | None = None  # true only: chat's tokens always end with it
 
@@ -253,6 +256,7 @@ class PinPrefixRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None  # with messages: given to the template, as chat gives them
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as chat's
     tokens: list[Int32] | None = None
     cache_salt: str | None = None
     ttl_s: float = 0.0  # 0: until unpinned

@@ -13,12 +13,15 @@ from dataclasses import dataclass
 
 from engine_service.model.sampling_params import MAX_LOGIT_BIAS
 from engine_service.model.structured_outputs import MAX_SCHEMA_DEPTH
+from engine_service.model.tokenizer import template_kwargs_error
 from openai_api.errors import bad_request
 from openai_api.schemas import (
     MAX_PROMPTS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    PinPrefixRequest,
+    TokenizeRequest,
     _Sampling,
 )
 from openai_api.tool_calls import ForcedCalls, forced_calls, reads_calls, tools_json
@@ -107,6 +110,7 @@ def chat_call(req: ChatCompletionRequest, request_id: str,
     wire = _generate_request(req, request_id)
     wire.chat.CopyFrom(chat_messages(req.messages))
     wire.chat.tools_json = tools_json(req)
+    wire.chat.template_kwargs_json = template_kwargs_json(req)
     forced = forced_calls(req, tool_call_parser is not None)
     if req.max_tokens is not None and req.max_completion_tokens is not None and (
             req.max_tokens != req.max_completion_tokens):
@@ -141,6 +145,18 @@ def chat_call(req: ChatCompletionRequest, request_id: str,
         call.tool_call_parser = tool_call_parser
         call.one_call = req.parallel_tool_calls is False
     return call
+
+
+def template_kwargs_json(req: ChatCompletionRequest | TokenizeRequest | PinPrefixRequest
+                         ) -> str:
+    """chat_template_kwargs for the wire (ChatMessages.template_kwargs_json); empty: none. A
+    400 for a name the server sets itself (tokenize, tools, ...)."""
+    if not req.chat_template_kwargs:
+        return ""
+    error = template_kwargs_error(req.chat_template_kwargs, "chat_template_kwargs")
+    if error is not None:
+        raise bad_request("chat_template_kwargs", error)
+    return json.dumps(req.chat_template_kwargs, ensure_ascii=False)
 
 
 def chat_messages(messages: list[ChatMessage], where: str = "messages") -> pb.ChatMessages:
@@ -316,7 +332,8 @@ def _field_names(prompt: str, max_tokens: str, logprobs: str,
     names = {
         "input": prompt, "text": prompt, "token_ids.ids": prompt, "token_ids": prompt,
         "prompt": prompt, "prompt_token_ids": prompt, "chat.messages": prompt,
-        "chat": prompt, "chat.tools_json": "tools", "sampling.max_tokens": max_tokens,
+        "chat": prompt, "chat.tools_json": "tools",
+        "chat.template_kwargs_json": "chat_template_kwargs", "sampling.max_tokens": max_tokens,
         "sampling.logprobs": logprobs,
         "sampling.prompt_logprobs": "prompt_logprobs",
         "sampling.beam_width": "n", "request": "request",

@@ -67,11 +67,41 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-def render_chat(tokenizer, conversation: list[dict], tools: list[dict] | None = None) -> str:
+# apply_chat_template's own arguments, and the names the template is given for them: not
+# template variables a request may set (tokenize=True would return ids, chat_template would
+# swap the template).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "add_special_tokens",
+})
+
+
+def render_chat(tokenizer, conversation: list[dict], tools: list[dict] | None = None,
+                template_kwargs: dict | None = None) -> str:
     """The model's chat template applied, ready for the assistant's turn; `tools`: the tools
-    the model may call (a template without a place for them leaves them out)."""
+    the model may call (a template without a place for them leaves them out);
+    `template_kwargs`: more variables for the template (check_template_kwargs first)."""
     return tokenizer.apply_chat_template(with_argument_objects(conversation), tools=tools,
-                                         tokenize=False, add_generation_prompt=True)
+                                         tokenize=False, add_generation_prompt=True,
+                                         **(template_kwargs or {}))
+
+
+def template_kwargs_error(kwargs: object, field: str) -> str | None:
+    """Why `kwargs` cannot be the template's extra variables (a message naming `field`), or
+    None when it can: a dict of string names, none of them RESERVED_TEMPLATE_KWARGS."""
+    if not isinstance(kwargs, dict):
+        return f"{field} must be a JSON object of template variables, got a " \
+               f"{type(kwargs).__name__}"
+    reserved = sorted(k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        return (f"{field} must not set {', '.join(map(repr, reserved))}: the chat template "
+                f"call's own arguments (reserved: {', '.join(sorted(RESERVED_TEMPLATE_KWARGS))})")
+    odd = [k for k in kwargs if not isinstance(k, str) or not k.isidentifier()]
+    if odd:
+        return f"{field} names must be identifiers, got {odd[0]!r}"
+    return None
 
 
 def with_argument_objects(conversation: list[dict]) -> list[dict]:

@@ -1,12 +1,17 @@
 """A wire chat (pb.ChatMessages) as the model's chat template takes it: the conversation, with
-an assistant's tool calls and a tool's answers, and the tools the model may call. The engine
+an assistant's tool calls and a tool's answers, the tools the model may call, and the request's
+own template variables (chat_template_kwargs). The engine
 and the router (which tokenizes chats to route by prefix) render a chat through here alike."""
 
 from __future__ import annotations
 
 import json
 
-from engine_service.model.tokenizer import encode_rendered_chat, render_chat
+from engine_service.model.tokenizer import (
+    encode_rendered_chat,
+    render_chat,
+    template_kwargs_error,
+)
 from pagedgen_api import generation_pb2 as pb
 
 
@@ -16,7 +21,7 @@ class ChatInputError(ValueError):
 
 def chat_chars(chat: pb.ChatMessages) -> int:
     """Every character a chat gives the template: roles, contents, tool calls, the tools."""
-    total = len(chat.tools_json)
+    total = len(chat.tools_json) + len(chat.template_kwargs_json)
     for m in chat.messages:
         total += len(m.role) + len(m.content) + len(m.tool_call_id)
         total += sum(len(c.id) + len(c.name) + len(c.arguments) for c in m.tool_calls)
@@ -47,6 +52,23 @@ def chat_tools(chat: pb.ChatMessages) -> list[dict] | None:
     return tools
 
 
+def chat_template_kwargs(chat: pb.ChatMessages) -> dict | None:
+    """The template's extra variables (None: none); ChatInputError when template_kwargs_json
+    is not a JSON object of names the server does not set itself."""
+    if not chat.template_kwargs_json:
+        return None
+    field = "chat.template_kwargs_json"
+    try:
+        kwargs = json.loads(chat.template_kwargs_json)
+    except (ValueError, RecursionError) as error:
+        raise ChatInputError(f"{field} must be a JSON object of template variables, got text "
+                             f"that does not parse: {error}") from None
+    error = template_kwargs_error(kwargs, field)
+    if error is not None:
+        raise ChatInputError(error)
+    return kwargs
+
+
 def conversation(chat: pb.ChatMessages) -> list[dict]:
     """The messages as chat templates read them (transformers' form, render_chat makes each
     call's arguments an object), a tool's answer with the id of the call it answers."""
@@ -64,7 +86,8 @@ def conversation(chat: pb.ChatMessages) -> list[dict]:
 
 def render_wire_chat(tokenizer, chat: pb.ChatMessages) -> str:
     """The chat's template applied, ready for the assistant's turn."""
-    return render_chat(tokenizer, conversation(chat), chat_tools(chat))
+    return render_chat(tokenizer, conversation(chat), chat_tools(chat),
+                       chat_template_kwargs(chat))
 
 
 def chat_token_ids(tokenizer, chat: pb.ChatMessages) -> list[int]:

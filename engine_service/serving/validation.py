@@ -23,6 +23,7 @@ from engine_service.model.tokenizer import encode_rendered_chat, encode_text, re
 from engine_service.serving.chat_input import (
     ChatInputError,
     chat_chars,
+    chat_template_kwargs,
     chat_tools,
     conversation,
 )
@@ -222,11 +223,11 @@ class RequestValidator:
                     f"message (an assistant's calls), got {len(message.tool_calls)}"
                 )
         try:
-            tools = chat_tools(chat)
+            tools, template_kwargs = chat_tools(chat), chat_template_kwargs(chat)
         except ChatInputError as error:
             raise _invalid(str(error)) from None
         try:
-            text = render_chat(self.tokenizer, conversation(chat), tools)
+            text = render_chat(self.tokenizer, conversation(chat), tools, template_kwargs)
         except Exception as error:  # noqa: BLE001 - templates raise whatever they like
             raise _invalid(
                 f"chat.messages must be accepted by the model's chat template, got an error: "
