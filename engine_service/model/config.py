@@ -114,6 +114,10 @@ def _sliding_window(config, architecture: str) -> int | None:
     """The window as transformers' modeling code applies it: Mistral's on every layer, Qwen's
     on the layers its layer_types mark sliding (none unless use_sliding_window), Llama none."""
     window = getattr(config, "sliding_window", None)
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                               or window < 1):
+        raise ValueError(f"the model's sliding_window must be a positive number of tokens or "
+                         f"null, got {window!r}")
     if architecture == "MistralForCausalLM":
         return window
     if architecture in QWEN_ARCHITECTURES:

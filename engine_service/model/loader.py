@@ -1,5 +1,7 @@
 """Load HF Llama-family weights (safetensors directory or GGUF file) into our model."""
 
+import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -29,15 +31,69 @@ def _read_hf_tensors(config: ModelConfig) -> dict[str, torch.Tensor]:
             config.path, gguf_file=config.gguf_file, dtype=torch.float32
         )
         return dict(hf_model.state_dict())
-    files = sorted(Path(config.path).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model directory {str(config.path)!r} has no *.safetensors files")
+    files = checkpoint_files(Path(config.path))
     tensors = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
     return tensors
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of the HF checkpoint in `path`: those its index names, else all
+    of them but a consolidated*.safetensors beside others. Mistral's repos ship their own
+    format's consolidated.safetensors next to the HF shards: other names for the same
+    weights, which loaded as well would be unused tensors (check_all_tensors_used)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (OSError, ValueError, AttributeError):
+            weight_map = None
+        if isinstance(weight_map, dict) and weight_map:
+            return sorted({path / str(name) for name in weight_map.values()})
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {str(path)!r} has no *.safetensors files")
+    return [f for f in files if not f.name.startswith("consolidated")] or files
+
+
+def checkpoint_names(config: ModelConfig) -> set[str] | None:
+    """The checkpoint's tensor names, read from the safetensors headers; None for a GGUF file
+    (known only once transformers has dequantized it)."""
+    if config.gguf_file is not None:
+        return None
+    names = set()
+    for file in checkpoint_files(Path(config.path)):
+        with safe_open(file, framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+# A bias flag of the config, and the checkpoint tensors that carry it.
+_BIASES = {
+    "attention_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "o_proj_bias": ("self_attn.o_proj.bias",),
+    "mlp_bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"),
+}
+
+
+def fit_biases(config: ModelConfig, names: set[str] | None) -> ModelConfig:
+    """`config` without the biases its flags promise and no layer of the checkpoint has:
+    transformers loads such a checkpoint with zero biases (its missing keys), which is no
+    bias. The known case: Qwen2.5 converted to a Llama config with attention_bias, which
+    covers o_proj in Llama, and Qwen2.5 has no o_proj bias. A bias on some layers only
+    stays an error (the loader names what is missing)."""
+    if names is None:
+        return config
+    absent = [flag for flag, tensors in _BIASES.items()
+              if getattr(config, flag) and not any(n.endswith(tensors) for n in names)]
+    if not absent:
+        return config
+    log.warning("the config asks for %s but no layer of the checkpoint has those biases: "
+                "loaded without them, as transformers loads it (zeros)", " and ".join(absent))
+    return dataclasses.replace(config, **dict.fromkeys(absent, False))
 
 
 def _hf_name(name: str) -> str:
@@ -95,6 +151,7 @@ def _checkpoint_state(model: LlamaForCausalLM, config: ModelConfig, dtype: torch
 
 
 def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    config = fit_biases(config, checkpoint_names(config))
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     # Nothing here keeps a reference to the weights but the model: each unpacked weight is

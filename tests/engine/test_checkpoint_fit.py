@@ -3,6 +3,8 @@ for (a bias, a norm, a projection of a variant we do not implement) is refused b
 device and under tensor parallelism, instead of loading without it and computing something
 else; a missing one is named too."""
 
+import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -10,10 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine_service import LLM
+from engine_service import LLM, SamplingParams
+from tests.support.hf_reference import hf_greedy_ignore_eos
+from tests.support.tiny_models import make_tiny_model
 
 
 def _with_tensors(source: Path, out: Path, change) -> Path:
+    out.mkdir(exist_ok=True)
     for item in source.iterdir():
         shutil.copy2(item, out / item.name)
     [weights] = out.glob("*.safetensors")
@@ -58,3 +63,68 @@ def test_derived_and_duplicated_tensors_are_not_weights(tiny_qwen3_dir, tmp_path
     model_dir = _with_tensors(tiny_qwen3_dir, tmp_path, add_derived)
     llm = LLM(str(model_dir), num_blocks=32, dtype="float32")
     llm.close()
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    prompts = [list(range(100, 110)), list(range(200, 240))]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("with_index", [True, False])
+def test_mistral_s_consolidated_file_beside_the_hf_shards_is_not_read(tiny_llama_dir, tmp_path,
+                                                                       with_index):
+    """Mistral's repos ship consolidated.safetensors (their own names for the same weights)
+    beside the HF files: the index's files are read, or without an index all but it."""
+    model_dir = _with_tensors(tiny_llama_dir, tmp_path / "model", lambda tensors: None)
+    [weights] = model_dir.glob("*.safetensors")
+    tensors = load_file(weights)
+    native = {name.replace("model.layers.", "layers.").replace("self_attn.q_proj", "attention.wq")
+              : t for name, t in tensors.items()}
+    save_file(native, model_dir / "consolidated.safetensors", metadata={"format": "pt"})
+    if with_index:
+        index = {"metadata": {}, "weight_map": dict.fromkeys(tensors, weights.name)}
+        (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    expected = LLM(str(tiny_llama_dir), num_blocks=32, dtype="float32")
+    try:
+        reference = _greedy(expected)
+    finally:
+        expected.close()
+    for tp in (1, 2):
+        llm = LLM(str(model_dir), num_blocks=32, dtype="float32", tensor_parallel_size=tp)
+        try:
+            assert _greedy(llm) == reference if tp == 1 else len(_greedy(llm)) == 2
+        finally:
+            llm.close()
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_attention_bias_without_o_proj_biases_loads_as_transformers_does(
+        smollm2_dir, tmp_path, tensor_parallel_size, caplog):
+    """A Llama config with attention_bias (q, k, v and o in Llama) over a checkpoint with
+    q/k/v biases only (Qwen2.5 converted to Llama): transformers zero-fills the o biases, so
+    the model is one without them; ours loads so too, and says so."""
+    model_dir = make_tiny_model("llama", tmp_path / "model", tokenizer_dir=smollm2_dir, seed=6,
+                                extra_config={"attention_bias": True})
+    [weights] = model_dir.glob("*.safetensors")
+    tensors = load_file(weights)
+    for name in [n for n in tensors if n.endswith("o_proj.bias")]:
+        del tensors[name]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="engine_service.model.loader"):
+        llm = LLM(str(model_dir), num_blocks=64, dtype="float32",
+                  tensor_parallel_size=tensor_parallel_size)
+    try:
+        prompts = [list(range(100, 110)), list(range(200, 240))]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        got = [o.outputs[0].token_ids for o in outputs]
+    finally:
+        llm.close()
+    if tensor_parallel_size == 1:  # (rank 0 of a TP engine logs in its own process)
+        assert any("no layer of the checkpoint has those biases" in r.getMessage()
+                   for r in caplog.records)
+        assert got == hf_greedy_ignore_eos(model_dir, prompts, 12)
+    else:
+        assert len(got) == 2

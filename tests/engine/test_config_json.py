@@ -104,6 +104,16 @@ def test_a_sliding_window_bounds_the_context_as_transformers_reads_it(
     assert load_model_config(tmp_path).sliding_window == window
 
 
+@pytest.mark.parametrize("window", [0, -5])
+def test_a_window_of_no_tokens_is_refused(tmp_path, window):
+    config = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], **MINIMAL,
+              "rope_theta": 1e6, "sliding_window": window}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"sliding_window must be a positive number of tokens "
+                                         f"or null, got {window}"):
+        load_model_config(tmp_path)
+
+
 @pytest.mark.parametrize("extra", [
     {"rope_theta": 1e6},
     {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}, "head_dim": 128,

@@ -6,6 +6,7 @@ GEMMs are what the CPU path needs); attention goes through the kernel backend.
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -37,12 +38,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
+# Positions whose float64 cos / sin are computed at once: a 1M-position table (Mistral-Nemo's
+# default context) in one piece held ~1.5 GB more at its peak.
+ROPE_CHUNK_POSITIONS = 1 << 16
+
+
 def rope_cos_sin_cache(
     config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim], computed exactly as HF's rotary embedding:
-    unscaled RoPE here (the float32 ops HF uses), any other through HF's own class (so every
-    rope_scaling type HF supports statically is supported here)."""
+    """cos/sin tables [max_positions, head_dim] in HF's order of operations: float32 angles
+    (positions times the inverse frequencies, unscaled RoPE's here, any other's from HF's own
+    class, so every rope_scaling type HF supports statically is supported), their cos and
+    sin rounded to float32, then times the attention scaling in float32.
+
+    The cos and sin are computed in float64 and rounded once, where HF calls float32 ones,
+    and in numpy on the calling thread: torch's ops on the CPU were not one function of their
+    input (measured: in ~15% of fresh processes the half of a table that torch's second
+    thread computed came out an ulp off the same call's later, with float32 and float64 cos
+    alike; with one thread, never), so two engines (a restart, a replica, a TP rank) could
+    hold different tables. Ours are within an ulp of HF's wherever they differ (a few
+    percent of entries)."""
     if config.rope_theta is not None:
         exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim
         inv_freq, scaling = 1.0 / (config.rope_theta ** exponents), 1.0
@@ -51,17 +66,24 @@ def rope_cos_sin_cache(
 
         rotary = LlamaRotaryEmbedding(config.hf_config)
         inv_freq, scaling = rotary.inv_freq.float(), rotary.attention_scaling
-    positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq[None, :]  # float32 angles, as HF's
-    # Their cos and sin in float64, rounded once to float32: torch's float32 cos is not one
-    # function of its input on the CPU. Measured: in ~15% of fresh processes the second
-    # thread's half of a table came out an ulp off the first call's (reproducible with two
-    # threads, never with one), so two engines (a restart, a replica, a TP rank) could hold
-    # different tables. Within an ulp of HF's float32 values either way.
-    emb = torch.cat((freqs, freqs), dim=-1).double()
-    cos = (emb.cos() * scaling).float().to(dtype=dtype, device=device)
-    sin = (emb.sin() * scaling).float().to(dtype=dtype, device=device)
-    return cos, sin
+    # numpy, on this thread: torch runs these ops on its worker threads too, and there the
+    # same table came out an ulp off in some processes (see above).
+    inv = inv_freq.numpy().astype(np.float32)
+    half = inv.size
+    cos = np.empty((max_positions, 2 * half), dtype=np.float32)
+    sin = np.empty((max_positions, 2 * half), dtype=np.float32)
+    for first in range(0, max_positions, ROPE_CHUNK_POSITIONS):
+        last = min(first + ROPE_CHUNK_POSITIONS, max_positions)
+        positions = np.arange(first, last, dtype=np.float32)
+        freqs = (positions[:, None] * inv[None, :]).astype(np.float64)  # float32 angles
+        for table, values in ((cos, np.cos(freqs)), (sin, np.sin(freqs))):
+            values = values.astype(np.float32)
+            if scaling != 1.0:
+                values = values * np.float32(scaling)
+            table[first:last, :half] = values
+            table[first:last, half:] = values  # HF's emb is cat(freqs, freqs)
+    cos, sin = torch.from_numpy(cos), torch.from_numpy(sin)
+    return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)
 
 
 class Attention(nn.Module):

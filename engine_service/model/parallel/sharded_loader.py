@@ -12,7 +12,12 @@ import torch
 from safetensors import safe_open
 
 from engine_service.model.config import ModelConfig
-from engine_service.model.loader import _read_hf_tensors, check_all_tensors_used
+from engine_service.model.loader import (
+    _read_hf_tensors,
+    check_all_tensors_used,
+    checkpoint_files,
+    fit_biases,
+)
 from engine_service.model.models.llama import LlamaForCausalLM
 from engine_service.model.models.packed_linear import can_pack, pack_linear_layers
 from engine_service.model.parallel.group import TensorParallelGroup
@@ -30,10 +35,7 @@ class _Checkpoint:
         if config.gguf_file is not None:
             self._whole = _read_hf_tensors(config)
             return
-        paths = sorted(Path(config.path).glob("*.safetensors"))
-        if not paths:
-            raise ValueError(f"model directory {str(config.path)!r} has no *.safetensors files")
-        for path in paths:
+        for path in checkpoint_files(Path(config.path)):
             handle = files.enter_context(safe_open(path, framework="pt"))
             for name in handle.keys():
                 self._slices[name] = handle
@@ -108,11 +110,12 @@ def _shard_tensor(ckpt: _Checkpoint, name: str, config: ModelConfig, shard: Tens
 
 def load_sharded_model(config: ModelConfig, shard: TensorShard, group: TensorParallelGroup,
                        dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    with torch.device("meta"):
-        model = build_sharded_model(config, shard, group)
     state = {}
     with ExitStack() as files:
         ckpt = _Checkpoint(config, files)
+        config = fit_biases(config, set(ckpt.names()))
+        with torch.device("meta"):
+            model = build_sharded_model(config, shard, group)
         if not config.tie_word_embeddings and not ckpt.has("lm_head.weight"):
             raise ValueError("model has untied embeddings but no lm_head.weight")
         for name, param in model.named_parameters():
