@@ -68,10 +68,14 @@ T = TypeVar("T")
 def create_app(backend: Backend, gate: Gate | None = None,
                body_timeout_s: float = BODY_TIMEOUT_S,
                send_stall_timeout_s: float = 0.0,
-               tool_call_parser: str | None = None) -> Starlette:
+               tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> Starlette:
     """`tool_call_parser`: how tool calls are read out of the model's text for tool_choice
-    "auto" (tool_parsers.PARSERS); None: "auto" with tools is refused."""
-    api = _Api(backend, body_timeout_s, send_stall_timeout_s, tool_call_parser)
+    "auto" (tool_parsers.PARSERS); None: "auto" with tools is refused. `reasoning_parser`:
+    how chat replies' thinking is told from the answer (reasoning_parsers.PARSERS); None: all
+    of a reply is content."""
+    api = _Api(backend, body_timeout_s, send_stall_timeout_s, tool_call_parser,
+               reasoning_parser)
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
@@ -175,9 +179,11 @@ class _InternalErrors:
 
 class _Api:
     def __init__(self, backend: Backend, body_timeout_s: float,
-                 send_stall_timeout_s: float, tool_call_parser: str | None = None) -> None:
+                 send_stall_timeout_s: float, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.backend = backend
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.servicer = backend.servicer
         self.body_timeout_s = body_timeout_s
         self.send_stall_timeout_s = send_stall_timeout_s  # 0: streams never ended for it
@@ -248,7 +254,7 @@ class _Api:
         body = schemas.parse(schemas.ChatCompletionRequest, raw)
         model = self._model(body.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        call = chat_call(body, request_id, self.tool_call_parser)
+        call = chat_call(body, request_id, self.tool_call_parser, self.reasoning_parser)
         if call.to_end_of_context:
             wire = call.requests[0]
             reply = await self._unary("Tokenize", pb.TokenizeRequest(chat=wire.chat),
@@ -258,7 +264,8 @@ class _Api:
             request_id, body.model or model.name, True, call.n, call.logprobs,
             self.backend.token_texts, self.backend.token_bytes,
             prompt_logprobs=call.prompt_logprobs, forced_calls=call.forced_calls,
-            tool_call_parser=call.tool_call_parser, one_call=call.one_call))
+            tool_call_parser=call.tool_call_parser, one_call=call.one_call,
+            reasoning_parser=call.reasoning_parser))
 
     def _model(self, name: str | None) -> ServedModel:
         """The served model `name` asks for (404 when none by that name); None asks for the

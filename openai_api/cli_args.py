@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from openai_api.auth import API_KEY_ENV, api_key_from
+from openai_api.reasoning_parsers import PARSERS as REASONING_PARSERS
 from openai_api.tool_parsers import PARSERS
 
 
@@ -28,6 +29,12 @@ def add_http_args(p: argparse.ArgumentParser, routed: bool) -> None:
                         "JSON </tool_call>: Qwen2.5, Qwen3, Hermes) or llama3_json (Llama "
                         "3.1/3.2); default: none, and \"auto\" with tools is a 400 "
                         "(\"required\" and a named function need no parser)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="how chat replies' thinking is told from the answer, by the model's "
+                        "format: qwen3 (Qwen3's <think> ... </think>, which the model opens) "
+                        "or deepseek_r1 (DeepSeek-R1 and distills, QwQ, Qwen3 Thinking-2507: "
+                        "the template opens it); the thinking goes to the message's "
+                        "reasoning_content (and reasoning); default: none, all is content")
 
 
 def resolve_http_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -8,6 +8,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from openai_api.reasoning_parsers import ThinkReader
+from openai_api.reasoning_parsers import split as split_reasoning
 from openai_api.tool_calls import ForcedCalls, call_json, new_call_id, required_calls
 from openai_api.tool_parsers import HermesReader, Llama3JsonReader, parse, reader
 from pagedgen_api import generation_pb2 as pb
@@ -45,6 +47,7 @@ class _ChoiceState:
     call_id: str | None = None  # chat with a named function forced: its call's id, once sent
     calls_text: list[str] = field(default_factory=list)  # "required": the calls' text so far
     reader: HermesReader | Llama3JsonReader | None = None  # "auto": reads calls from the text
+    thinking: ThinkReader | None = None  # with a reasoning parser: splits thinking from answer
     num_calls: int = 0  # calls sent in this choice's deltas
 
 
@@ -74,6 +77,9 @@ class Renderer:
     # Chat with tool_choice "auto": the parser that reads calls out of the text (tool_parsers).
     tool_call_parser: str | None = None
     one_call: bool = False  # "auto" with parallel_tool_calls false: the first call alone
+    # A reasoning model's format (reasoning_parsers.py): its thinking goes to the message's
+    # reasoning_content (and vLLM's newer name, reasoning), the rest to content and tool calls.
+    reasoning_parser: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _choices: dict[int, _ChoiceState] = field(default_factory=dict)
     _echo: list[str] | None = None
@@ -199,9 +205,20 @@ class Renderer:
         return "tool_calls" if reason == "stop" and not named else reason
 
     def _message(self, c: pb.Completion) -> dict:
-        """A whole chat response's message: its text, or the calls it makes."""
+        """A whole chat response's message: its text, or the calls it makes; with a reasoning
+        parser, its thinking apart (null where it had none)."""
+        if self.reasoning_parser is None:
+            return self._answer_message(c.text)
+        reasoning, text = split_reasoning(self.reasoning_parser, c.text)
+        message = self._answer_message(text)
+        if reasoning is not None and message["content"] == "":
+            message["content"] = None  # all thinking (cut short): no answer, as vLLM's
+        message["reasoning_content"] = message["reasoning"] = reasoning
+        return message
+
+    def _answer_message(self, text: str) -> dict:
         if self.tool_call_parser is not None:
-            read = parse(self.tool_call_parser, c.text)
+            read = parse(self.tool_call_parser, text)
             if self.one_call:
                 del read.calls[1:]
             if not read.calls:
@@ -211,34 +228,53 @@ class Renderer:
                     "tool_calls": read.calls}
         forced = self.forced_calls
         if forced is None:
-            return {"role": "assistant", "content": c.text}
+            return {"role": "assistant", "content": text}
         if forced.name is not None:
-            calls = [call_json(forced.name, c.text)]
+            calls = [call_json(forced.name, text)]
         else:
-            calls = required_calls(c.text)
+            calls = required_calls(text)
             if calls is None:  # cut short (max_tokens): the text as it stands
-                return {"role": "assistant", "content": c.text}
+                return {"role": "assistant", "content": text}
         return {"role": "assistant", "content": None, "tool_calls": calls}
 
     def _delta(self, c: pb.Completion, state: _ChoiceState) -> dict:
-        """A stream chunk's delta: the text; with a named function forced, its arguments as
-        they come (the call's id and name in the first); with "required", nothing until the
-        completion ends, then its calls whole (or its text, cut short)."""
+        """A stream chunk's delta (_answer_delta); with a reasoning parser, the thinking in
+        it apart, as reasoning_content (and reasoning)."""
+        if self.reasoning_parser is None:
+            return self._answer_delta(c, state, c.text)
+        if state.thinking is None:
+            state.thinking = ThinkReader(self.reasoning_parser)
+        read = state.thinking.feed(c.text)
+        if c.finish_reason:
+            last = state.thinking.finish()
+            read.reasoning += last.reasoning
+            read.content += last.content
+        delta = self._answer_delta(c, state, read.content)
+        if read.reasoning:
+            if delta.get("content") == "":
+                del delta["content"]
+            delta["reasoning_content"] = delta["reasoning"] = read.reasoning
+        return delta
+
+    def _answer_delta(self, c: pb.Completion, state: _ChoiceState, text: str) -> dict:
+        """The answer's part of a delta: the text; with a named function forced, its
+        arguments as they come (the call's id and name in the first); with "required",
+        nothing until the completion ends, then its calls whole (or its text, cut short)."""
         if self.tool_call_parser is not None:
-            return self._read_delta(c, state)
+            return self._read_delta(c, state, text)
         forced = self.forced_calls
         if forced is None:
-            return {"content": c.text} if c.text or not c.finish_reason else {}
+            return {"content": text} if text or not c.finish_reason else {}
         if forced.name is not None:
-            if not c.text:
+            if not text:
                 return {}
             if state.call_id is None:
                 state.num_calls = 1
                 state.call_id = new_call_id()
-                return {"tool_calls": [{"index": 0, **call_json(forced.name, c.text,
+                return {"tool_calls": [{"index": 0, **call_json(forced.name, text,
                                                                state.call_id)}]}
-            return {"tool_calls": [{"index": 0, "function": {"arguments": c.text}}]}
-        state.calls_text.append(c.text)
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        state.calls_text.append(text)
         if not c.finish_reason:
             return {}
         text = "".join(state.calls_text)
@@ -248,12 +284,12 @@ class Renderer:
         state.num_calls = len(calls)
         return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
 
-    def _read_delta(self, c: pb.Completion, state: _ChoiceState) -> dict:
+    def _read_delta(self, c: pb.Completion, state: _ChoiceState, text: str) -> dict:
         """tool_choice "auto": the text as content until it may be a call, each call whole
         once its text closes (tool_parsers.py)."""
         if state.reader is None:
             state.reader = reader(self.tool_call_parser)
-        read = state.reader.feed(c.text)
+        read = state.reader.feed(text)
         if c.finish_reason:
             last = state.reader.finish()
             read.content += last.content

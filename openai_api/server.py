@@ -47,7 +47,8 @@ class HttpServer:
                  tls: TlsMaterial | None = None, require_client_cert: bool = False,
                  head_timeout_s: float = HEAD_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
                  max_connections: int | None = None, send_stall_timeout_s: float = 0.0,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.host, self.requested_port = host, port
         self.gate = gate  # who may call (tenancy/gate.py); None: anyone
         self.tls = tls  # HTTPS with the gRPC port's certificate; None: plain HTTP
@@ -64,6 +65,7 @@ class HttpServer:
         # A stream whose client takes nothing this long is closed (disconnect.py); 0: never.
         self.send_stall_timeout_s = send_stall_timeout_s
         self.tool_call_parser = tool_call_parser  # tool_choice "auto" (tool_parsers.py)
+        self.reasoning_parser = reasoning_parser  # thinking apart (reasoning_parsers.py)
         self.port = 0
         self._socket: socket.socket | None = None
         self._server: _LoopServer | None = None
@@ -94,7 +96,8 @@ class HttpServer:
                                              self.max_connections)
             http = self._tls_acceptor
         config = uvicorn.Config(create_app(backend, self.gate, self.body_timeout_s,
-                                           self.send_stall_timeout_s, self.tool_call_parser),
+                                           self.send_stall_timeout_s, self.tool_call_parser,
+                                           self.reasoning_parser),
                                 lifespan="off", http=http,
                                 log_level="warning", access_log=False)
         self._server = _LoopServer(config)

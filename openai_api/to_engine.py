@@ -15,6 +15,7 @@ from engine_service.model.sampling_params import MAX_LOGIT_BIAS
 from engine_service.model.structured_outputs import MAX_SCHEMA_DEPTH
 from engine_service.model.tokenizer import template_kwargs_error
 from openai_api.errors import bad_request
+from openai_api.reasoning_parsers import for_constrained_output
 from openai_api.schemas import (
     MAX_PROMPTS,
     ChatCompletionRequest,
@@ -65,6 +66,8 @@ class EngineCall:
     # and whether the first call is the only one kept (parallel_tool_calls: false).
     tool_call_parser: str | None = None
     one_call: bool = False
+    # A reasoning model's format (reasoning_parsers.py), for outputs nothing constrains.
+    reasoning_parser: str | None = None
 
 
 def completion_call(req: CompletionRequest, request_id: str, max_model_len: int = 0
@@ -104,9 +107,12 @@ def completion_call(req: CompletionRequest, request_id: str, max_model_len: int 
 
 
 def chat_call(req: ChatCompletionRequest, request_id: str,
-              tool_call_parser: str | None = None) -> EngineCall:
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None
+              ) -> EngineCall:
     """`tool_call_parser`: how calls are read out of the model's text (tool_parsers.py) for
-    tool_choice "auto"; None: "auto" with tools is refused."""
+    tool_choice "auto"; None: "auto" with tools is refused. `reasoning_parser`: how the
+    model's thinking is told from its answer (reasoning_parsers.py); where the output is held
+    to a schema or grammar, only a reply that writes <think> thinks."""
     wire = _generate_request(req, request_id)
     wire.chat.CopyFrom(chat_messages(req.messages))
     wire.chat.tools_json = tools_json(req)
@@ -141,6 +147,10 @@ def chat_call(req: ChatCompletionRequest, request_id: str,
                  top)
     call.to_end_of_context = max_tokens is None
     call.forced_calls = forced
+    if reasoning_parser is not None:
+        # Held to a schema or grammar, the output opens no thinking unless it writes <think>.
+        call.reasoning_parser = (reasoning_parser if constraint is None
+                                 else for_constrained_output(reasoning_parser))
     if reads_calls(req) and tool_call_parser is not None:
         call.tool_call_parser = tool_call_parser
         call.one_call = req.parallel_tool_calls is False

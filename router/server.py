@@ -290,7 +290,8 @@ async def serve(args: argparse.Namespace) -> None:
     door = door_from_args(args)
     http = (HttpServer(args.http_host, args.http_port, door.gate, args.tls,
                        send_stall_timeout_s=args.send_stall_timeout_s,
-                       tool_call_parser=args.tool_call_parser) if args.http_port
+                       tool_call_parser=args.tool_call_parser,
+                       reasoning_parser=args.reasoning_parser) if args.http_port
             else None)
     server = RouterServer(router, args.host, args.port, args.metrics_port, args.metrics_host,
                           http, door, args.tls, args.max_context_tokens,

@@ -135,6 +135,9 @@ class ServerOptions:
     # How the HTTP API reads tool calls out of the model's text (tool_choice "auto";
     # openai_api/tool_parsers.py); None: "auto" with tools is refused.
     tool_call_parser: str | None = None
+    # How it tells a chat reply's thinking from its answer (openai_api/reasoning_parsers.py);
+    # None: all of it is content.
+    reasoning_parser: str | None = None
     # A core silent this long with work to do is taken for hung and killed (core_client.py);
     # None: by the engine's device (60 s on a GPU, 600 s on a CPU).
     core_stall_timeout_s: float | None = None
@@ -198,7 +201,8 @@ class EngineServer:
         self.http = (HttpServer(options.http_host, options.http_port, gate, options.tls,
                                 require_client_cert=options.tls_client_cert,
                                 send_stall_timeout_s=options.send_stall_timeout_s,
-                                tool_call_parser=options.tool_call_parser)
+                                tool_call_parser=options.tool_call_parser,
+                                reasoning_parser=options.reasoning_parser)
                      if options.http_port else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine_failed = asyncio.Event()  # set (on the loop) when the engine died
@@ -684,6 +688,7 @@ def serve(args: argparse.Namespace, core_target: CoreTarget = run_core) -> None:
     options.max_unsent_tokens = args.max_unsent_tokens
     options.send_stall_timeout_s = args.send_stall_timeout_s
     options.tool_call_parser = args.tool_call_parser
+    options.reasoning_parser = args.reasoning_parser
     options.core_stall_timeout_s = args.core_stall_timeout_s
     options.max_connections = args.max_connections
     options.max_connection_idle_s = args.max_connection_idle_s

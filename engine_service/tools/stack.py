@@ -47,6 +47,7 @@ import grpc
 from engine_service.serving.torch_threads import usable_cpus
 from engine_service.tools.launch import EngineProcess
 from engine_service.tools.off_main_thread import run_off_main_thread
+from openai_api.reasoning_parsers import PARSERS as REASONING_PARSERS
 from openai_api.tool_parsers import PARSERS
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
@@ -152,6 +153,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                    help="the front door's tool-call parser for chat's tool_choice \"auto\" "
                         "(as pagedgen-engine's: hermes or llama3_json); default: none")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="the front door's reasoning parser: chat replies' thinking apart, in "
+                        "reasoning_content (as pagedgen-engine's: qwen3 or deepseek_r1); "
+                        "default: none")
     p.add_argument("--metrics-port", type=int, default=0, help="engine Prometheus port (0 = off)")
     p.add_argument("--keep-running", action="store_true",
                    help="after the completion, serve until Ctrl-C / SIGTERM")
@@ -433,6 +438,8 @@ def _run(args: argparse.Namespace, log_dir: Path, redis_binary: str,
         http_args = [] if http_port is None else ["--http-port", str(http_port)]
         if http_port is not None and args.tool_call_parser:
             http_args += ["--tool-call-parser", args.tool_call_parser]
+        if http_port is not None and args.reasoning_parser:
+            http_args += ["--reasoning-parser", args.reasoning_parser]
         for i in range(args.replicas):
             engine_args = ["--device", args.device, "--prefix-index", index.target,
                            "--engine-id", engine_ids[i], *tenancy_args, *plain]

@@ -268,7 +268,7 @@ def test_a_replica_that_dies_while_another_loads_fails_the_stack_at_once(tiny_ll
     assert live == [], out
 
 
-def test_the_tool_call_parser_goes_to_the_front_door(tiny_llama_dir, tmp_path):
+def test_the_output_parsers_go_to_the_front_door(tiny_llama_dir, tmp_path):
     fronts: list[str] = []
 
     def look_then_stop(proc: subprocess.Popen) -> None:
@@ -277,11 +277,13 @@ def test_the_tool_call_parser_goes_to_the_front_door(tiny_llama_dir, tmp_path):
         proc.send_signal(signal.SIGTERM)
 
     code, out, live = run_until(tmp_path, ["--model", str(tiny_llama_dir), "--http-port", "0",
-                                           "--tool-call-parser", "hermes", "--keep-running"],
+                                           "--tool-call-parser", "hermes",
+                                           "--reasoning-parser", "qwen3", "--keep-running"],
                                 "Ctrl-C to stop", look_then_stop)
     assert code == 0 and live == [], out
     [front] = fronts
     assert "--tool-call-parser hermes" in front and "--http-port" in front
+    assert "--reasoning-parser qwen3" in front
 
 
 class ExitOrder:

@@ -1,0 +1,175 @@
+"""A reasoning model's thinking apart from its answer (--reasoning-parser qwen3 | deepseek_r1):
+the reader gives one split whole or streamed however the text is cut (inside a tag too); a
+server with the flag puts the thinking in the message's reasoning_content (and vLLM's newer
+name, reasoning), whole and streamed, the answer in content or its tool calls; an output held
+to a schema thinks only if it writes <think>."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import openai
+import pytest
+
+from engine_service.core.config import EngineConfig
+from engine_service.core.engine import LLMEngine
+from engine_service.serving.server import EngineServer, ServerOptions
+from openai_api.reasoning_parsers import ThinkReader, split
+from prefix_index.tools.redis_process import free_port
+from tests.http.test_tool_calls import WEATHER
+
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+# (parser, reply, its thinking (None: none), its answer)
+SPLITS = [
+    ("qwen3", "<think>\nHmm.\n</think>\n\nParis is sunny.", "\nHmm.\n", "Paris is sunny."),
+    ("qwen3", "Paris is sunny.", None, "Paris is sunny."),  # thinking turned off
+    ("qwen3", "  <think>a</think>b", "a", "b"),
+    ("qwen3", "<think>cut sho", "cut sho", ""),
+    ("qwen3", "<thi", None, "<thi"),
+    ("qwen3", "x</think>y", None, "x</think>y"),  # no <think>: all answer
+    ("qwen3", "<think></think>", "", ""),
+    ("deepseek_r1", "Hmm.\n</think>\n\nParis is sunny.", "Hmm.\n", "Paris is sunny."),
+    ("deepseek_r1", "<think>Hmm.</think>Sunny.", "Hmm.", "Sunny."),  # its own <think> dropped
+    ("deepseek_r1", "all thinking, cut short", "all thinking, cut short", ""),
+    ("deepseek_r1", "a</think>b</think>c", "a", "b</think>c"),  # the first </think> ends it
+    ("deepseek_r1", "", "", ""),
+]
+
+
+@pytest.mark.parametrize(("parser", "text", "reasoning", "content"), SPLITS)
+def test_a_reply_s_thinking_and_answer(parser, text, reasoning, content):
+    assert split(parser, text) == (reasoning, content)
+
+
+@pytest.mark.parametrize(("parser", "text", "reasoning", "content"), SPLITS)
+def test_streamed_in_any_pieces_it_splits_as_whole(parser, text, reasoning, content):
+    for seed in range(200):
+        rng = random.Random(seed)
+        reader, got_reasoning, got_content, at = ThinkReader(parser), "", "", 0
+        while at < len(text):
+            piece = text[at:at + rng.randint(1, 5)]
+            at += len(piece)
+            read = reader.feed(piece)
+            got_reasoning, got_content = got_reasoning + read.reasoning, got_content + read.content
+        last = reader.finish()
+        got = (got_reasoning + last.reasoning if reader.thought else None,
+               got_content + last.content)
+        assert got == (reasoning, content), f"seed {seed}"
+
+
+def test_a_tag_cut_in_two_is_held_not_sent():
+    reader = ThinkReader("deepseek_r1")
+    assert reader.feed("Hmm </thi").reasoning == "Hmm "
+    read = reader.feed("nk>Sun")
+    assert (read.reasoning, read.content) == ("", "Sun")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tiny_llama_dir):
+    """The tiny model served in-process, plain HTTP, with --reasoning-parser deepseek_r1 and
+    --tool-call-parser hermes."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_blocks=256))
+    http_port, ready, stop = free_port(), threading.Event(), []
+
+    async def serve() -> None:
+        server = EngineServer(engine, ServerOptions(port=0, http_port=http_port,
+                                                    tool_call_parser="hermes",
+                                                    reasoning_parser="deepseek_r1"))
+        await server.start()
+        stopped = asyncio.Event()
+        stop.append((asyncio.get_running_loop(), stopped))
+        ready.set()
+        await stopped.wait()
+        await server.stop(0)
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    assert ready.wait(120)
+    try:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none",
+                           max_retries=0) as client:
+            yield client, tiny_llama_dir.name
+    finally:
+        loop, stopped = stop[0]
+        loop.call_soon_threadsafe(stopped.set)
+        thread.join(30)
+
+
+def _whole_and_streamed(client, **ask) -> tuple[object, tuple[str, str, list]]:
+    reply = client.chat.completions.create(**ask)
+    reasoning, content, calls = "", "", []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        delta = chunk.choices[0].delta
+        extra = delta.model_extra or {}
+        assert extra.get("reasoning_content") == extra.get("reasoning")
+        reasoning += extra.get("reasoning_content") or ""
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+    return reply, (reasoning, content, calls)
+
+
+def test_the_thinking_goes_to_reasoning_content_whole_and_streamed(thinking_server):
+    client, model = thinking_server
+    # The tiny model's text held to what a reasoning model writes (the template opened the
+    # thinking: deepseek_r1's format).
+    said = r"I should look it up\.\n</think>\n\nIt is sunny in Paris\."
+    ask = {"model": model, "messages": ASK, "max_tokens": 60, "temperature": 0,
+           "extra_body": {"structured_outputs": {"regex": said}}}
+    reply, streamed = _whole_and_streamed(client, **ask)
+    message = reply.choices[0].message
+    # Held to a regex, the output thinks only where it writes <think>: this one does not.
+    assert (message.model_extra["reasoning_content"], message.content) == (
+        None, "I should look it up.\n</think>\n\nIt is sunny in Paris.")
+    said = r"<think>I should look it up\.\n</think>\n\nIt is sunny in Paris\."
+    ask["extra_body"] = {"structured_outputs": {"regex": said}}
+    reply, streamed = _whole_and_streamed(client, **ask)
+    message = reply.choices[0].message
+    assert message.model_extra["reasoning_content"] == "I should look it up.\n"
+    assert message.model_extra["reasoning"] == "I should look it up.\n"
+    assert message.content == "It is sunny in Paris."
+    assert streamed == ("I should look it up.\n", "It is sunny in Paris.", [])
+
+
+def test_unconstrained_the_reply_is_thinking_until_it_ends_it(thinking_server):
+    """deepseek_r1: the template opened the thinking, so the tiny model's text (which never
+    writes </think>) is all thinking, and there is no answer."""
+    client, model = thinking_server
+    ask = {"model": model, "messages": ASK, "max_tokens": 12, "temperature": 0}
+    reply, (reasoning, content, _) = _whole_and_streamed(client, **ask)
+    message = reply.choices[0].message
+    assert message.content is None and message.model_extra["reasoning_content"]
+    assert reasoning == message.model_extra["reasoning_content"] and content == ""
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_a_call_after_the_thinking_is_read_from_the_answer(thinking_server):
+    client, model = thinking_server
+    call = r'\{"name": "get_weather", "arguments": \{"city": "Paris", "days": 2\}\}'
+    said = rf"<think>A tool knows\.</think>\n<tool_call>{call}</tool_call>"
+    ask = {"model": model, "messages": ASK, "tools": [WEATHER], "max_tokens": 80,
+           "temperature": 0, "extra_body": {"structured_outputs": {"regex": said}}}
+    reply, (reasoning, content, calls) = _whole_and_streamed(client, **ask)
+    message = reply.choices[0].message
+    assert message.model_extra["reasoning_content"] == "A tool knows."
+    assert message.content is None
+    [made] = message.tool_calls
+    assert (made.function.name, made.function.arguments) == (
+        "get_weather", '{"city": "Paris", "days": 2}')
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert (reasoning, content) == ("A tool knows.", "")
+    assert [c.function.name for c in calls] == ["get_weather"]
+
+
+def test_a_json_answer_is_all_content(thinking_server):
+    client, model = thinking_server
+    reply = client.chat.completions.create(
+        model=model, messages=ASK, max_tokens=30, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": {
+            "type": "object", "properties": {"sunny": {"type": "boolean"}},
+            "required": ["sunny"], "additionalProperties": False}}})
+    message = reply.choices[0].message
+    assert message.model_extra["reasoning_content"] is None
+    assert message.content.replace(" ", "") in ('{"sunny":true}', '{"sunny":false}')
