@@ -22,6 +22,7 @@ from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.redis_process import free_port
 from tests.http.http_util import call
+from tests.http.inprocess import with_chat_template
 from tests.http.test_engine_errors import error_of
 
 THINK_TEMPLATE = (
@@ -35,12 +36,8 @@ MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
 
 @pytest.fixture(scope="module")
 def think_template_model(tiny_llama_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("think_template_model")
-    for item in tiny_llama_dir.iterdir():
-        if item.name != "chat_template.jinja":
-            (out / item.name).symlink_to(item)
-    (out / "chat_template.jinja").write_text(THINK_TEMPLATE)
-    return out
+    return with_chat_template(tiny_llama_dir, tmp_path_factory.mktemp("think_template"),
+                              THINK_TEMPLATE)
 
 
 def test_the_offline_chat_gives_the_template_its_variables(think_template_model):

@@ -6,18 +6,13 @@ to a schema thinks only if it writes <think>."""
 
 from __future__ import annotations
 
-import asyncio
 import random
-import threading
 
 import openai
 import pytest
 
-from engine_service.core.config import EngineConfig
-from engine_service.core.engine import LLMEngine
-from engine_service.serving.server import EngineServer, ServerOptions
 from openai_api.reasoning_parsers import ThinkReader, split
-from prefix_index.tools.redis_process import free_port
+from tests.http.inprocess import served_in_process
 from tests.http.test_tool_calls import WEATHER
 
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -71,31 +66,10 @@ def test_a_tag_cut_in_two_is_held_not_sent():
 def thinking_server(tiny_llama_dir):
     """The tiny model served in-process, plain HTTP, with --reasoning-parser deepseek_r1 and
     --tool-call-parser hermes."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_blocks=256))
-    http_port, ready, stop = free_port(), threading.Event(), []
-
-    async def serve() -> None:
-        server = EngineServer(engine, ServerOptions(port=0, http_port=http_port,
-                                                    tool_call_parser="hermes",
-                                                    reasoning_parser="deepseek_r1"))
-        await server.start()
-        stopped = asyncio.Event()
-        stop.append((asyncio.get_running_loop(), stopped))
-        ready.set()
-        await stopped.wait()
-        await server.stop(0)
-
-    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
-    thread.start()
-    assert ready.wait(120)
-    try:
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none",
-                           max_retries=0) as client:
-            yield client, tiny_llama_dir.name
-    finally:
-        loop, stopped = stop[0]
-        loop.call_soon_threadsafe(stopped.set)
-        thread.join(30)
+    with (served_in_process(tiny_llama_dir, tool_call_parser="hermes",
+                            reasoning_parser="deepseek_r1") as base_url,
+          openai.OpenAI(base_url=base_url, api_key="none", max_retries=0) as client):
+        yield client, tiny_llama_dir.name
 
 
 def _whole_and_streamed(client, **ask) -> tuple[object, tuple[str, str, list]]:

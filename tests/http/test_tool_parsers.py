@@ -5,19 +5,14 @@ to a call's text by a regex, read back as tool_calls, whole and streamed."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
-import threading
 
 import openai
 import pytest
 
-from engine_service.core.config import EngineConfig
-from engine_service.core.engine import LLMEngine
-from engine_service.serving.server import EngineServer, ServerOptions
 from openai_api.tool_parsers import parse, reader
-from prefix_index.tools.redis_process import free_port
+from tests.http.inprocess import served_in_process
 from tests.http.test_tool_calls import ASK, WEATHER, streamed_calls
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
@@ -98,28 +93,8 @@ def test_a_call_s_arguments_are_the_model_s_own_text():
 @pytest.fixture(scope="module")
 def hermes_server(tiny_llama_dir):
     """The tiny model served in-process, plain HTTP, with --tool-call-parser hermes."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_blocks=256))
-    http_port, ready, stop = free_port(), threading.Event(), []
-
-    async def serve() -> None:
-        server = EngineServer(engine, ServerOptions(port=0, http_port=http_port,
-                                                    tool_call_parser="hermes"))
-        await server.start()
-        stopped = asyncio.Event()
-        stop.append((asyncio.get_running_loop(), stopped))
-        ready.set()
-        await stopped.wait()
-        await server.stop(0)
-
-    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
-    thread.start()
-    assert ready.wait(120)
-    try:
-        yield f"http://127.0.0.1:{http_port}/v1", tiny_llama_dir.name
-    finally:
-        loop, stopped = stop[0]
-        loop.call_soon_threadsafe(stopped.set)
-        thread.join(30)
+    with served_in_process(tiny_llama_dir, tool_call_parser="hermes") as base_url:
+        yield base_url, tiny_llama_dir.name
 
 
 def test_auto_reads_the_model_s_calls_whole_and_streamed(hermes_server):

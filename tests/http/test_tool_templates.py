@@ -19,6 +19,7 @@ from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.redis_process import free_port
 from tests.http.http_util import call
+from tests.http.inprocess import with_chat_template
 from tests.http.test_tool_calls import WEATHER
 
 # Writes the tools, each message's calls and the call a tool's answer is for.
@@ -36,12 +37,8 @@ TOOL_TEMPLATE = (
 @pytest.fixture(scope="module")
 def tool_template_model(tiny_llama_dir, tmp_path_factory) -> Path:
     """The tiny model with TOOL_TEMPLATE for its chat template."""
-    out = tmp_path_factory.mktemp("tool_template_model")
-    for item in tiny_llama_dir.iterdir():
-        if item.name != "chat_template.jinja":
-            (out / item.name).symlink_to(item)
-    (out / "chat_template.jinja").write_text(TOOL_TEMPLATE)
-    return out
+    return with_chat_template(tiny_llama_dir, tmp_path_factory.mktemp("tool_template"),
+                              TOOL_TEMPLATE)
 
 
 HISTORY = [
