@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from engine_service import LLM, SamplingParams
 from tests.support.hf_reference import hf_greedy_ignore_eos
+from tests.support.qwen3_gguf import write_qwen3_gguf
 from tests.support.tiny_models import make_tiny_model
 
 
@@ -128,3 +129,20 @@ def test_attention_bias_without_o_proj_biases_loads_as_transformers_does(
         assert got == hf_greedy_ignore_eos(model_dir, prompts, 12)
     else:
         assert len(got) == 2
+
+
+def test_a_qwen3_gguf_file_gives_its_directory_s_tokens(smollm2_dir, tmp_path):
+    """The GGUF path (transformers dequantizes, the unused-tensor check runs) on Qwen3: a
+    float32 GGUF written from a tiny Qwen3 gives the directory's greedy tokens."""
+    model_dir = make_tiny_model("qwen3", tmp_path / "model", tokenizer_dir=smollm2_dir, seed=7,
+                                extra_config={"head_dim": 128})
+    gguf_file = write_qwen3_gguf(model_dir, tmp_path / "tiny-qwen3.gguf")
+    outputs = []
+    for model in (model_dir, gguf_file):  # (token ids in and out: no tokenizer to convert)
+        llm = LLM(str(model), num_blocks=32, dtype="float32", skip_tokenizer_init=True)
+        try:
+            assert llm.llm_engine.model_config.qk_norm
+            outputs.append(_greedy(llm))
+        finally:
+            llm.close()
+    assert outputs[0] == outputs[1]
