@@ -36,6 +36,7 @@ from openai_api.call_context import CallAborted, HttpCallContext, StreamCalls
 from openai_api.disconnect import ClientGone, EventStream, unless_disconnected
 from openai_api.errors import ApiError, from_status
 from openai_api.from_engine import Renderer
+from openai_api.reasoning_parsers import prompt_state
 from openai_api.to_engine import (
     EngineCall,
     chat_call,
@@ -255,17 +256,26 @@ class _Api:
         model = self._model(body.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         call = chat_call(body, request_id, self.tool_call_parser, self.reasoning_parser)
-        if call.to_end_of_context:
+        prompt_end = None
+        if call.to_end_of_context or call.reasoning_parser is not None:
             wire = call.requests[0]
             reply = await self._unary("Tokenize", pb.TokenizeRequest(chat=wire.chat),
                                       call.field_names[0], _caller(request))
-            rest_of_context(wire, list(reply.token_ids), model.longest_sequence(call.n))
+            if call.to_end_of_context:
+                rest_of_context(wire, list(reply.token_ids), model.longest_sequence(call.n))
+            if call.reasoning_parser is not None:
+                # A template may open the thinking for the model, or close it (thinking
+                # off): the reply starts where the prompt left it. (Held to a schema from
+                # its first token, an output does not start inside the thinking.)
+                prompt_end = prompt_state(reply.prompt)
+                if prompt_end == "open" and call.constrained:
+                    prompt_end = None
         return await self._answer(request, call, Renderer(
             request_id, body.model or model.name, True, call.n, call.logprobs,
             self.backend.token_texts, self.backend.token_bytes,
             prompt_logprobs=call.prompt_logprobs, forced_calls=call.forced_calls,
             tool_call_parser=call.tool_call_parser, one_call=call.one_call,
-            reasoning_parser=call.reasoning_parser))
+            reasoning_parser=call.reasoning_parser, reasoning_prompt_end=prompt_end))
 
     def _model(self, name: str | None) -> ServedModel:
         """The served model `name` asks for (404 when none by that name); None asks for the

@@ -80,6 +80,8 @@ class Renderer:
     # A reasoning model's format (reasoning_parsers.py): its thinking goes to the message's
     # reasoning_content (and vLLM's newer name, reasoning), the rest to content and tool calls.
     reasoning_parser: str | None = None
+    # Where the rendered prompt left the thinking (reasoning_parsers.prompt_state).
+    reasoning_prompt_end: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _choices: dict[int, _ChoiceState] = field(default_factory=dict)
     _echo: list[str] | None = None
@@ -194,8 +196,18 @@ class Renderer:
                 choice["stop_reason"] = self._finish(c)[1]
                 if self.chat and self._state(index).num_calls:
                     choice["finish_reason"] = self._calls_finish(choice["finish_reason"])
+            if self._says_nothing(choice):
+                continue
             out.append(choice)
         return out
+
+    def _says_nothing(self, choice: dict) -> bool:
+        """A chat chunk a parser left empty (the text it holds may be a tag or a call): not
+        sent, as vLLM sends none; one that ends the choice or carries logprobs is."""
+        if not self.chat or (self.reasoning_parser is None and self.tool_call_parser is None):
+            return False
+        return (choice["delta"] in ({}, {"content": ""}) and not choice["logprobs"]
+                and choice["finish_reason"] is None)
 
     # ---- tool calls -----------------------------------------------------------------------------
     def _calls_finish(self, reason: str | None) -> str | None:
@@ -209,7 +221,8 @@ class Renderer:
         parser, its thinking apart (null where it had none)."""
         if self.reasoning_parser is None:
             return self._answer_message(c.text)
-        reasoning, text = split_reasoning(self.reasoning_parser, c.text)
+        reasoning, text = split_reasoning(self.reasoning_parser, c.text,
+                                          self.reasoning_prompt_end)
         message = self._answer_message(text)
         if reasoning is not None and message["content"] == "":
             message["content"] = None  # all thinking (cut short): no answer, as vLLM's
@@ -243,7 +256,7 @@ class Renderer:
         if self.reasoning_parser is None:
             return self._answer_delta(c, state, c.text)
         if state.thinking is None:
-            state.thinking = ThinkReader(self.reasoning_parser)
+            state.thinking = ThinkReader(self.reasoning_parser, self.reasoning_prompt_end)
         read = state.thinking.feed(c.text)
         if c.finish_reason:
             last = state.thinking.finish()

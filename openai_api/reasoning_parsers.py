@@ -9,7 +9,10 @@ Two formats, by where the thinking starts (vLLM's parser names):
   until `</think>` (a `<think>` the model writes anyway is dropped); without `</think>` (cut
   short) it is all thinking.
 
-The answer starts after `</think>` and the whitespace that follows it. ThinkReader reads a
+Where the rendered prompt already opened or closed the thinking (a template that writes
+`<think>` for the model, or `<think></think>` with thinking turned off), the reply starts
+there, whichever the parser (prompt_state). The answer starts after `</think>` and the line
+breaks that follow it. ThinkReader reads a
 stream in pieces, cut anywhere (inside a tag too), and gives the same split as reading the
 whole text at once (`split`), which is the same reader fed once.
 """
@@ -32,16 +35,30 @@ class ThinkReader:
     """Feed a reply's text as it comes; each call gives what is known to be thinking or
     answer so far (text that may still be the start of a tag is held until it is not)."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, prompt_end: str | None = None) -> None:
+        """`prompt_end`: where the rendered prompt left the thinking (prompt_state): "open"
+        (it ends with <think>: the reply starts inside it), "closed" (it ends with
+        </think>, thinking turned off: the reply is all answer), None: the parser's rule."""
         if parser not in PARSERS:
             raise ValueError(f"reasoning parser must be one of {PARSERS}, got {parser!r}")
         self._opens_itself = parser == "qwen3"  # else the prompt opened the thinking
         self._state = "opening"  # -> "thinking" -> "after" -> "answer"
         self._held = ""
+        # "opening": the reply's leading whitespace, apart (a reply of blank tokens held in
+        # one growing string was quadratic)
+        self._blanks: list[str] = []
         self.thought = False  # the reply had a thinking part (even an empty one)
+        if prompt_end == "open":
+            self._state, self.thought = "thinking", True
+        elif prompt_end == "closed":
+            self._state = "answer"
 
     def feed(self, text: str) -> Split:
         out = Split()
+        if self._state == "opening" and not self._held:
+            stripped = text.lstrip()
+            self._blanks.append(text[:len(text) - len(stripped)])
+            text = stripped
         self._held += text
         while self._held:
             before = (self._state, len(self._held))
@@ -53,6 +70,8 @@ class ThinkReader:
     def finish(self) -> Split:
         """The end of the reply: what was held is what it looked like."""
         out, held, self._held = Split(), self._held, ""
+        if self._state == "opening":
+            held = "".join(self._blanks) + held
         if self._state == "thinking" or (self._state == "opening" and not self._opens_itself):
             out.reasoning = held
             self.thought = True
@@ -62,13 +81,15 @@ class ThinkReader:
 
     def _opening(self, out: Split) -> None:
         """Before the first non-space characters are known to be `<think>` or not."""
-        stripped = self._held.lstrip()
-        if not stripped or (START.startswith(stripped) and stripped != START):
-            return  # whitespace, or part of <think>: not known yet
-        if stripped.startswith(START):
-            self._held = stripped[len(START):]
+        held = self._held  # (feed keeps the leading whitespace in _blanks)
+        if START.startswith(held) and held != START:
+            return  # part of <think>: not known yet
+        if held.startswith(START):
+            self._held = held[len(START):]
             self._state, self.thought = "thinking", True
-        elif self._opens_itself:
+            return
+        self._held = "".join(self._blanks) + held
+        if self._opens_itself:
             self._state = "answer"
         else:
             self._state, self.thought = "thinking", True
@@ -85,7 +106,9 @@ class ThinkReader:
         self._held = self._held[len(self._held) - keep:]
 
     def _after(self, out: Split) -> None:
-        stripped = self._held.lstrip()
+        """The line breaks after </think> are dropped (an answer's first-line indentation
+        stays: code)."""
+        stripped = self._held.lstrip("\r\n")
         self._held = stripped
         if stripped:
             self._state = "answer"
@@ -103,15 +126,26 @@ def _partial_tag_length(text: str, tag: str) -> int:
     return 0
 
 
+def prompt_state(prompt: str) -> str | None:
+    """Where a rendered chat prompt leaves the thinking: "open" when it ends with <think>,
+    "closed" when it ends with </think> (trailing whitespace aside), else None."""
+    end = prompt.rstrip()
+    if end.endswith(END):
+        return "closed"
+    if end.endswith(START):
+        return "open"
+    return None
+
+
 def for_constrained_output(parser: str) -> str:
     """The parser for an output held to a schema or grammar from its first token: one that
     looks for <think> (JSON has none: all answer) rather than assume the prompt opened it."""
     return "qwen3"
 
 
-def split(parser: str, text: str) -> tuple[str | None, str]:
+def split(parser: str, text: str, prompt_end: str | None = None) -> tuple[str | None, str]:
     """A whole reply: (its thinking, None where it had none; its answer)."""
-    reader = ThinkReader(parser)
+    reader = ThinkReader(parser, prompt_end)
     first, last = reader.feed(text), reader.finish()
     reasoning = first.reasoning + last.reasoning
     return (reasoning if reader.thought else None), first.content + last.content

@@ -207,6 +207,10 @@ class ChatMessage(_Strict):
     # A participant's name (multi-agent clients such as AutoGen send it): accepted and not
     # rendered, as the chat templates of the models served here have no place for it.
     name: Annotated[str, StringConstraints(max_length=256)] | None = None
+    # An assistant's thinking, as a reply with --reasoning-parser carries it (sent back as
+    # history by the openai package): given to the template as reasoning_content.
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for it
 
     @model_validator(mode="before")
     @classmethod

@@ -68,6 +68,7 @@ class EngineCall:
     one_call: bool = False
     # A reasoning model's format (reasoning_parsers.py), for outputs nothing constrains.
     reasoning_parser: str | None = None
+    constrained: bool = False  # held to a schema or grammar (structured outputs, forced calls)
 
 
 def completion_call(req: CompletionRequest, request_id: str, max_model_len: int = 0
@@ -147,6 +148,7 @@ def chat_call(req: ChatCompletionRequest, request_id: str,
                  top)
     call.to_end_of_context = max_tokens is None
     call.forced_calls = forced
+    call.constrained = constraint is not None
     if reasoning_parser is not None:
         # Held to a schema or grammar, the output opens no thinking unless it writes <think>.
         call.reasoning_parser = (reasoning_parser if constraint is None
@@ -202,6 +204,15 @@ def chat_messages(messages: list[ChatMessage], where: str = "messages") -> pb.Ch
                                     arguments=call.function.arguments)
         if message.tool_call_id is not None:
             wire.tool_call_id = message.tool_call_id
+        thinking = message.reasoning_content or message.reasoning
+        if thinking:
+            if role != "assistant":
+                name = "reasoning_content" if message.reasoning_content else "reasoning"
+                raise bad_request(f"{where}[{i}].{name}",
+                                  f"{where}[{i}].{name} must be left unset in a "
+                                  f"{message.role}'s message (an assistant's thinking), got "
+                                  f"{_json(thinking)}")
+            wire.reasoning_content = thinking
     return out
 
 

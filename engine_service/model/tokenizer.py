@@ -67,14 +67,16 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-# apply_chat_template's own arguments, and the names the template is given for them: not
-# template variables a request may set (tokenize=True would return ids, chat_template would
+# apply_chat_template's own arguments, the names the template is given for them and the
+# functions it is given (raise_exception, strftime_now): not template variables a request may
+# set (tokenize=True would return ids, chat_template would
 # swap the template).
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-    "add_special_tokens",
+    "add_special_tokens", "conversations", "self", "sanitize_control_tokens",
+    "raise_exception", "strftime_now",
 })
 
 

@@ -23,7 +23,7 @@ def chat_chars(chat: pb.ChatMessages) -> int:
     """Every character a chat gives the template: roles, contents, tool calls, the tools."""
     total = len(chat.tools_json) + len(chat.template_kwargs_json)
     for m in chat.messages:
-        total += len(m.role) + len(m.content) + len(m.tool_call_id)
+        total += len(m.role) + len(m.content) + len(m.tool_call_id) + len(m.reasoning_content)
         total += sum(len(c.id) + len(c.name) + len(c.arguments) for c in m.tool_calls)
     return total
 
@@ -80,6 +80,8 @@ def conversation(chat: pb.ChatMessages) -> list[dict]:
                 "name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
         if m.tool_call_id:
             message["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            message["reasoning_content"] = m.reasoning_content
         out.append(message)
     return out
 

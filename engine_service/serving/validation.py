@@ -217,6 +217,11 @@ class RequestValidator:
                     f"chat.messages[{i}].role must be one of {CHAT_ROLES}, "
                     f"got {_shown(message.role)}"
                 )
+            if message.reasoning_content and message.role != "assistant":
+                raise _invalid(
+                    f"chat.messages[{i}].reasoning_content must be empty in a {message.role}'s "
+                    f"message (an assistant's thinking), got {_shown(message.reasoning_content)}"
+                )
             if message.tool_calls and message.role != "assistant":
                 raise _invalid(
                     f"chat.messages[{i}].tool_calls must be empty in a {message.role}'s "

@@ -12,7 +12,9 @@ import openai
 import pytest
 
 from openai_api.reasoning_parsers import ThinkReader, split
-from tests.http.inprocess import served_in_process
+from tests.http.http_util import call
+from tests.http.inprocess import served_in_process, with_chat_template
+from tests.http.test_engine_errors import error_of
 from tests.http.test_tool_calls import WEATHER
 
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -31,6 +33,9 @@ SPLITS = [
     ("deepseek_r1", "all thinking, cut short", "all thinking, cut short", ""),
     ("deepseek_r1", "a</think>b</think>c", "a", "b</think>c"),  # the first </think> ends it
     ("deepseek_r1", "", "", ""),
+    ("deepseek_r1", "plan</think>\n    return x\n", "plan", "    return x\n"),  # indent kept
+    ("qwen3", "\n\n  <think>a</think>b", "a", "b"),
+    ("qwen3", "\n\n  Paris.", None, "\n\n  Paris."),
 ]
 
 
@@ -77,6 +82,9 @@ def _whole_and_streamed(client, **ask) -> tuple[object, tuple[str, str, list]]:
     reasoning, content, calls = "", "", []
     for chunk in client.chat.completions.create(**ask, stream=True):
         delta = chunk.choices[0].delta
+        # No empty deltas: what a parser holds back is not sent as "" (vLLM sends nothing).
+        assert (delta.model_dump(exclude_none=True) not in ({}, {"content": ""})
+                or chunk.choices[0].finish_reason is not None), chunk
         extra = delta.model_extra or {}
         assert extra.get("reasoning_content") == extra.get("reasoning")
         reasoning += extra.get("reasoning_content") or ""
@@ -147,3 +155,68 @@ def test_a_json_answer_is_all_content(thinking_server):
     message = reply.choices[0].message
     assert message.model_extra["reasoning_content"] is None
     assert message.content.replace(" ", "") in ('{"sunny":true}', '{"sunny":false}')
+
+
+# A template that opens the thinking for the model, or closes it when thinking is turned off
+# (Qwen3.5's, Qwen3 Thinking-2507's, DeepSeek-V3.1's kind), and writes an assistant's thinking
+# sent back as history.
+OPENING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def opening_servers(tiny_llama_dir, tmp_path_factory):
+    """The tiny model with OPENING_TEMPLATE behind two servers: qwen3's parser and
+    deepseek_r1's."""
+    model_dir = with_chat_template(tiny_llama_dir, tmp_path_factory.mktemp("opening"),
+                                   OPENING_TEMPLATE)
+    with (served_in_process(model_dir, reasoning_parser="qwen3") as qwen3,
+          served_in_process(model_dir, reasoning_parser="deepseek_r1") as deepseek_r1):
+        yield {"qwen3": qwen3, "deepseek_r1": deepseek_r1}, model_dir.name
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_the_reply_starts_where_the_prompt_left_the_thinking(opening_servers, parser):
+    """Opened by the template: the reply is thinking (qwen3's too, which would look for its
+    own <think>); closed by it (enable_thinking false): all answer (deepseek_r1's too)."""
+    urls, model = opening_servers
+    with openai.OpenAI(base_url=urls[parser], api_key="none", max_retries=0) as client:
+        ask = {"model": model, "messages": ASK, "max_tokens": 8, "temperature": 0}
+        reply, (reasoning, content, _) = _whole_and_streamed(client, **ask)
+        message = reply.choices[0].message
+        assert message.content is None and message.model_extra["reasoning_content"]
+        assert (reasoning, content) == (message.model_extra["reasoning_content"], "")
+        off = {**ask, "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+        reply, (reasoning, content, _) = _whole_and_streamed(client, **off)
+        message = reply.choices[0].message
+        assert message.model_extra["reasoning_content"] is None and message.content
+        assert (reasoning, content) == ("", message.content)
+
+
+def test_a_reply_sent_back_as_history_gives_the_template_its_thinking(opening_servers):
+    """The openai package's multi-turn pattern: the reply's message (with reasoning_content
+    and reasoning) appended to the messages; the template gets the thinking."""
+    urls, model = opening_servers
+    base = urls["deepseek_r1"].removesuffix("/v1")
+    with openai.OpenAI(base_url=urls["deepseek_r1"], api_key="none", max_retries=0) as client:
+        reply = client.chat.completions.create(model=model, messages=ASK, max_tokens=4,
+                                               temperature=0)
+        thinking = reply.choices[0].message.model_extra["reasoning_content"]
+        history = [*ASK, reply.choices[0].message, {"role": "user", "content": "And?"}]
+        again = client.chat.completions.create(model=model, messages=history, max_tokens=4,
+                                               temperature=0)
+        assert again.choices[0].finish_reason == "length"
+        dumped = reply.choices[0].message.model_dump(exclude_none=True)
+        status, tokens = call(f"{base}/tokenize", {"messages": [*ASK, dumped]})
+        assert status == 200, tokens
+        status, text = call(f"{base}/detokenize", {"tokens": tokens["tokens"]})
+        assert f"<think>{thinking}</think>" in text["prompt"]
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(model=model, max_tokens=4, messages=[
+                {"role": "user", "content": "Hi", "reasoning_content": "hmm"}])
+        assert error_of(raised)["param"] == "messages[0].reasoning_content"
