@@ -38,8 +38,15 @@ def with_suffix(base: list[int], seed: int, prefix_tokens: int) -> list[int]:
 
 
 def test_replicas_are_discovered_from_the_index(stack, router_stub):
-    details = router_stub.EngineStats(pb.EngineStatsRequest(), timeout=10).index_details
-    assert details["replicas_routable"] == "2" and details["index_up"] == "true"
+    # Up is read again until it is: under load one index call can pass the router's lookup
+    # deadline, and the router counts the index down until its next call answers (a fresh
+    # clone's suite met that, ~0.2 s down, once).
+    def index_up() -> dict | None:
+        details = router_stub.EngineStats(pb.EngineStatsRequest(), timeout=10).index_details
+        return details if details["index_up"] == "true" else None
+
+    details = wait_until(index_up, what="the router's index up")
+    assert details["replicas_routable"] == "2"
     for engine_id, engine in stack.engines.items():
         assert details[f"replica.{engine_id}"] == f"{engine.target} up"
     with stack.channel() as channel:
