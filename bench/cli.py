@@ -53,6 +53,8 @@ COMMANDS = {
                               "a constrained request's wait behind a cancelled slow compile"),
     "prompt-scoring": Command("bench.prompt_scoring",
                               "prompts scored (prompt_logprobs) against HF's forward"),
+    "model-decode": Command("bench.model_decode",
+                            "batch-1 decode on a real model's shape (Qwen3-0.6B) against HF"),
 }
 
 

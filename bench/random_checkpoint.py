@@ -10,6 +10,7 @@ weights' values, so a random model of a real model's shape times its steps. Shap
               weights (the GPU lease carries 64 MiB, the weights are 538 MB)
     llama-8b  Llama-3-8B: its layers (32 x 4096 hidden, 14336 MLP, 32 query / 8 KV heads of
               128) and its 128,256-token vocabulary (untied): 8.0 B parameters, 16.1 GB in bf16
+    qwen3-0.6b  Qwen3-0.6B (q and k norms, tied, a 151,936-token vocabulary): 1.2 GB in bf16
     tiny      two small layers (the GPU check's dry run on a CPU)
 `--tokenizer` is a directory with SmolLM2's config.json and tokenizer files (what we have
 offline). Where the shape's vocabulary is larger than the tokenizer's (llama-8b: 128,256 vs
@@ -53,7 +54,17 @@ TINY = dict(
 # SmolLM2-135M's size with heads that split over 2 ranks (8 query / 2 KV heads of 64, in its
 # hidden 576): the tensor-parallel benchmark's model (bench/tensor_parallel.py).
 SMOLLM2_8H2KV = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-SHAPES = ("smollm2", "smollm2-8h2kv", "llama-8b", "tiny")
+# Qwen3-0.6B: 28 layers x 1024 hidden, 3072 MLP, 16 query / 8 KV heads of 128 (wider than
+# hidden / heads), per-head q and k norms, its 151,936-token vocabulary, tied: 0.6 B parameters.
+QWEN3_06B = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
+    intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    tie_word_embeddings=True, vocab_size=151936, attention_bias=False,
+    use_sliding_window=False, sliding_window=None, max_window_layers=28,
+)
+SHAPES = ("smollm2", "smollm2-8h2kv", "llama-8b", "qwen3-0.6b", "tiny")
 
 
 def _config(shape: str, tokenizer_dir: Path) -> dict:
@@ -62,6 +73,8 @@ def _config(shape: str, tokenizer_dir: Path) -> dict:
     config = json.loads((tokenizer_dir / "config.json").read_text())
     if shape == "llama-8b":
         config.update(LLAMA_8B, _model_name_or_path="random-llama-3-8b-shape")
+    elif shape == "qwen3-0.6b":
+        config.update(QWEN3_06B, _model_name_or_path="random-qwen3-0.6b-shape")
     elif shape == "tiny":
         config.update(TINY, _model_name_or_path="random-tiny")
     elif shape == "smollm2-8h2kv":
