@@ -440,10 +440,7 @@ class _Api:
             raise ApiError(HTTPStatus.BAD_REQUEST,
                            "give exactly one of prompt (text) or messages (chat), got "
                            f"{'both' if body.prompt is not None else 'neither'}", "prompt")
-        if body.tools and body.messages is None:
-            raise _tools_without_messages()
-        if body.chat_template_kwargs and body.messages is None:
-            raise _without_messages("chat_template_kwargs")
+        _check_chat_fields_have_messages(body)
         if body.prompt is not None:
             wire, names = pb.TokenizeRequest(text=body.prompt), {"text": "prompt",
                                                                   "input": "prompt"}
@@ -478,10 +475,7 @@ class _Api:
             raise ApiError(HTTPStatus.BAD_REQUEST,
                            "give exactly one of prompt (text), messages (chat) or tokens, got "
                            f"{' and '.join(given) or 'none of them'}", "prompt")
-        if body.tools and body.messages is None:
-            raise _tools_without_messages()
-        if body.chat_template_kwargs and body.messages is None:
-            raise _without_messages("chat_template_kwargs")
+        _check_chat_fields_have_messages(body)
         wire = pb.PinPrefixRequest(cache_salt=body.cache_salt or "", ttl_s=body.ttl_s,
                                    unpin=body.unpin)
         if body.prompt is not None:
@@ -571,14 +565,14 @@ async def _drain(stream: AsyncIterator[bytes]) -> None:
                     return
 
 
-def _tools_without_messages() -> ApiError:
-    return _without_messages("tools")
-
-
-def _without_messages(field: str) -> ApiError:
-    return ApiError(HTTPStatus.BAD_REQUEST, f"{field} must be left unset without messages (the "
-                                            f"chat template is what takes them), got {field}",
-                    field)
+def _check_chat_fields_have_messages(body: schemas.TokenizeRequest | schemas.PinPrefixRequest
+                                     ) -> None:
+    """tools and chat_template_kwargs go to the chat template: a 400 without messages."""
+    for field in ("tools", "chat_template_kwargs"):
+        if getattr(body, field) and body.messages is None:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"{field} must be left unset without "
+                           f"messages (the chat template is what takes them), got {field}",
+                           field)
 
 
 def _too_large(got: str) -> ApiError:

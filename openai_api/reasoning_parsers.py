@@ -137,10 +137,10 @@ def prompt_state(prompt: str) -> str | None:
     return None
 
 
-def for_constrained_output(parser: str) -> str:
-    """The parser for an output held to a schema or grammar from its first token: one that
-    looks for <think> (JSON has none: all answer) rather than assume the prompt opened it."""
-    return "qwen3"
+# The parser for an output held to a schema or grammar from its first token, whichever the
+# server's: one that looks for <think> (JSON has none: all answer) rather than assume the
+# prompt opened it.
+CONSTRAINED_OUTPUT_PARSER = "qwen3"
 
 
 def split(parser: str, text: str, prompt_end: str | None = None) -> tuple[str | None, str]:

@@ -15,7 +15,7 @@ from engine_service.model.sampling_params import MAX_LOGIT_BIAS
 from engine_service.model.structured_outputs import MAX_SCHEMA_DEPTH
 from engine_service.model.tokenizer import template_kwargs_error
 from openai_api.errors import bad_request
-from openai_api.reasoning_parsers import for_constrained_output
+from openai_api.reasoning_parsers import CONSTRAINED_OUTPUT_PARSER
 from openai_api.schemas import (
     MAX_PROMPTS,
     ChatCompletionRequest,
@@ -152,7 +152,7 @@ def chat_call(req: ChatCompletionRequest, request_id: str,
     if reasoning_parser is not None:
         # Held to a schema or grammar, the output opens no thinking unless it writes <think>.
         call.reasoning_parser = (reasoning_parser if constraint is None
-                                 else for_constrained_output(reasoning_parser))
+                                 else CONSTRAINED_OUTPUT_PARSER)
     if reads_calls(req) and tool_call_parser is not None:
         call.tool_call_parser = tool_call_parser
         call.one_call = req.parallel_tool_calls is False
