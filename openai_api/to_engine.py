@@ -26,6 +26,7 @@ from openai_api.schemas import (
     _Sampling,
 )
 from openai_api.tool_calls import ForcedCalls, forced_calls, reads_calls, tools_json
+from openai_api.tool_parsers import TAGS_MAY_BE_SPECIAL
 from pagedgen_api import generation_pb2 as pb
 
 # OpenAI's roles onto the chat template's; "developer" is OpenAI's newer name for "system".
@@ -156,6 +157,10 @@ def chat_call(req: ChatCompletionRequest, request_id: str,
     if reads_calls(req) and tool_call_parser is not None:
         call.tool_call_parser = tool_call_parser
         call.one_call = req.parallel_tool_calls is False
+        if tool_call_parser in TAGS_MAY_BE_SPECIAL and req.skip_special_tokens is None:
+            # Hermes-2-Pro's tokenizer makes <tool_call> a special token: skipped, the calls
+            # would leave the text unread (vLLM's hermes parser turns skipping off too).
+            wire.sampling.skip_special_tokens = False
     return call
 
 

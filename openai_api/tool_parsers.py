@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from openai_api.tool_calls import call_json, raw_members
 
 PARSERS = ("hermes", "llama3_json")
+# Parsers whose tags some tokenizers make special tokens: their text must keep special tokens.
+TAGS_MAY_BE_SPECIAL = frozenset({"hermes"})
 
 
 @dataclass(slots=True)

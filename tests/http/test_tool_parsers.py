@@ -11,6 +11,8 @@ import random
 import openai
 import pytest
 
+from openai_api.schemas import ChatCompletionRequest
+from openai_api.to_engine import chat_call
 from openai_api.tool_parsers import parse, reader
 from tests.http.inprocess import served_in_process
 from tests.http.test_tool_calls import ASK, WEATHER, streamed_calls
@@ -130,3 +132,23 @@ def test_auto_reads_the_model_s_calls_whole_and_streamed(hermes_server):
     assert plain.choices[0].message.tool_calls is None
     assert plain.choices[0].finish_reason == "stop"
 
+
+
+@pytest.mark.parametrize(("parser", "tools", "asked", "sent"), [
+    ("hermes", [WEATHER], None, False),  # <tool_call> may be a special token: kept in the text
+    ("hermes", [WEATHER], True, True),  # the client's own choice stands
+    ("hermes", None, None, None),  # no tools: no calls to read
+    ("llama3_json", [WEATHER], None, None),  # its calls are plain JSON
+    (None, [WEATHER], None, None),
+])
+def test_hermes_calls_keep_special_tokens_in_the_text(parser, tools, asked, sent):
+    body = {"messages": ASK, "max_tokens": 8}
+    if tools is not None:
+        body["tools"] = tools
+        body["tool_choice"] = "auto" if parser else "none"
+    if asked is not None:
+        body["skip_special_tokens"] = asked
+    call = chat_call(ChatCompletionRequest.model_validate(body), "r", tool_call_parser=parser)
+    sampling = call.requests[0].sampling
+    assert (sampling.skip_special_tokens if sampling.HasField("skip_special_tokens")
+            else None) == sent
