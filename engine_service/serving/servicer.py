@@ -12,6 +12,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Protocol
 
@@ -40,7 +41,7 @@ from engine_service.serving.validation import Prompt, RequestValidator, ValidReq
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from tenancy.door import TenantDoor, TenantRefused
-from tenancy.gate import Caller
+from tenancy.gate import Caller, Unauthenticated
 from tenancy.request_ids import scoped_request_id
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,18 @@ PROMPT_LOGPROB_ENTRIES_PER_MESSAGE = 65_536
 # other stream with it (a flood of them: 0.3 s gaps in another client's stream), and a
 # 128K-token context takes prompts 32 times as long. Shorter ones cost the loop under ~3 ms.
 INLINE_TOKENIZE_CHARS = 8192
+
+
+
+@dataclass(slots=True)
+class CallTally:
+    """A generation call's count in requests_total, made once: as its status is decided where
+    the servicer ends it (grpc.aio's abort sends the status before it raises, so counted as
+    the handler unwinds, a client could hold its refusal before a scrape saw it), else as the
+    call ends."""
+
+    counted: bool = False
+
 
 FINISH_REASONS = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -137,11 +150,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         code = "OK"
         timeout_s = context.time_remaining()
         send: StreamSend | None = None
+        tally = CallTally()
         try:
-            valid, caller = await self._admit(request, context)
+            valid, caller = await self._admit(request, context, tally)
             finished_indices: set[int] = set()
             send = self.send_stalls.open(context)
-            async with contextlib.aclosing(self._run(valid, caller, context)) as outputs:
+            async with contextlib.aclosing(self._run(valid, caller, context, tally)) as outputs:
                 async for output in outputs:
                     choices = []
                     for c in output.outputs:
@@ -164,18 +178,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             if send is not None:
                 self.send_stalls.close(send)
-            self.metrics.requests.labels(code).inc()
+            if not tally.counted:
+                self.metrics.requests.labels(code).inc()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> pb.GenerateResponse:
         code = "OK"
         timeout_s = context.time_remaining()
+        tally = CallTally()
         try:
-            valid, caller = await self._admit(request, context)
+            valid, caller = await self._admit(request, context, tally)
             last = None
             prompt_logprobs = []  # in one output: the first token's (or the final one)
-            async with contextlib.aclosing(self._run(valid, caller, context)) as outputs:
+            async with contextlib.aclosing(self._run(valid, caller, context, tally)) as outputs:
                 async for output in outputs:
                     last = output
                     prompt_logprobs = prompt_logprobs or _prompt_logprobs(output)
@@ -190,14 +206,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             code = _ended_with(error, context, timeout_s)
             raise
         finally:
-            self.metrics.requests.labels(code).inc()
+            if not tally.counted:
+                self.metrics.requests.labels(code).inc()
 
     async def _admit(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, tally: CallTally
     ) -> tuple[ValidRequest, Caller]:
-        caller = await self.door.caller(context)
+        try:
+            caller = self.door.gate.caller(context)
+        except Unauthenticated as error:
+            await self._refuse(context, tally, grpc.StatusCode.UNAUTHENTICATED, str(error))
         if self.draining:
-            await self._refuse(context, grpc.StatusCode.UNAVAILABLE,
+            await self._refuse(context, tally, grpc.StatusCode.UNAVAILABLE,
                                "the engine is draining (shutting down): retry on another one")
         try:
             self.door.check_priority(caller, request.priority)
@@ -220,9 +240,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 request, lambda rid: self.engine.is_live(scoped_request_id(caller.tenant, rid)),
                 self.num_live, prompt)
         except (RequestRejected, RequestError) as error:
-            await self._refuse(context, *status_for(error))
+            await self._refuse(context, tally, *status_for(error))
         except TenantRefused as error:
-            await self._refuse(context, error.code, error.message)
+            await self._refuse(context, tally, error.code, error.message)
         # The tenant's salt, not the client's alone: tenants never share blocks (tenancy/).
         valid.cache_salt = self.door.cache_salt(caller, valid.cache_salt or "") or None
         return valid, caller
@@ -233,18 +253,28 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except EngineDeadError as error:
             await context.abort(*status_for(error))
 
-    async def _refuse(self, context, code: grpc.StatusCode, message: str) -> None:
+    async def _refuse(self, context, tally: CallTally, code: grpc.StatusCode, message: str
+                      ) -> None:
+        """A generation call refused before it ran (raises)."""
         self.metrics.requests_rejected.labels(code.name).inc()
+        await self._end(context, tally, code, message)
+
+    async def _end(self, context, tally: CallTally, code: grpc.StatusCode, message: str
+                   ) -> None:
+        """A generation call ended with `code` (raises): counted first (CallTally)."""
+        tally.counted = True
+        self.metrics.requests.labels(code.name).inc()
         await context.abort(code, message)
 
     async def _run(
-        self, valid: ValidRequest, caller: Caller, context: grpc.aio.ServicerContext
+        self, valid: ValidRequest, caller: Caller, context: grpc.aio.ServicerContext,
+        tally: CallTally,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs until the last; aborts it in the engine on any early exit."""
         try:
             self.door.enter(caller)  # (its tenant's live requests: counted until it ends)
         except TenantRefused as error:
-            await self._refuse(context, error.code, error.message)
+            await self._refuse(context, tally, error.code, error.message)
         # The id it runs under in the engine: another tenant may use the same one at once.
         engine_request_id = scoped_request_id(caller.tenant, valid.request_id)
         self.owners[engine_request_id] = caller.tenant
@@ -263,7 +293,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     priority=valid.priority,
                 )
             except EngineDeadError as error:
-                await context.abort(*status_for(error))
+                await self._end(context, tally, *status_for(error))
             self.metrics.prompt_tokens.inc(len(valid.prompt.token_ids))
             finished = False
             first_token_at = None
@@ -281,8 +311,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         self.engine.abort(engine_request_id)
                         finished = True  # the abort above is enough; do not send a second one
                         self.metrics.requests_finished.labels("abort").inc()
-                        await context.abort(
-                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                        await self._end(
+                            context, tally, grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"deadline exceeded after {time.monotonic() - arrival:.3f}s and "
                             f"{num_tokens} generated tokens; the request was aborted",
                         )
@@ -291,7 +321,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         # failed step): no second abort, but counted as one.
                         finished = True
                         self.metrics.requests_finished.labels("abort").inc()
-                        await context.abort(*status_for(item))
+                        await self._end(context, tally, *status_for(item))
                     finished = item.finished
                     new_tokens = sum(len(c.token_ids_delta) for c in item.outputs)
                     if new_tokens and first_token_at is None:
