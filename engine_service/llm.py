@@ -16,7 +16,12 @@ from engine_service.core.errors import InvalidRequestError
 from engine_service.core.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from engine_service.model.beam_search_params import BeamSearchParams
 from engine_service.model.sampling_params import SamplingParams
-from engine_service.model.tokenizer import render_chat, template_kwargs_error
+from engine_service.model.tokenizer import (
+    FinalMessageError,
+    chat_turn_error,
+    render_chat,
+    template_kwargs_error,
+)
 
 Prompt = str | dict
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
@@ -344,12 +349,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
         **kwargs,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them; `tools`
         (OpenAI's tool objects) go to the template as the tools the model may call;
         `chat_template_kwargs` are more variables for it (e.g. {"enable_thinking": False} for
-        Qwen3's), as vLLM's LLM.chat takes them."""
+        Qwen3's), as vLLM's LLM.chat takes them. `continue_final_message`: the model continues
+        the last message (e.g. an assistant's reply begun for it) instead of a new assistant's
+        turn opening after it (`add_generation_prompt`; None: true unless continuing)."""
+        error = chat_turn_error(add_generation_prompt, continue_final_message)
+        if error is not None:
+            raise InvalidRequestError("continue_final_message", error)
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
         if chat_template_kwargs is not None:
             error = template_kwargs_error(chat_template_kwargs, "chat_template_kwargs")
             if error is not None:
@@ -371,7 +385,11 @@ class LLM:
         tokenizer = self._need_tokenizer("chat messages")
         prompts = []
         for conversation in conversations:
-            text = render_chat(tokenizer, list(conversation), tools, chat_template_kwargs)
+            try:
+                text = render_chat(tokenizer, list(conversation), tools, chat_template_kwargs,
+                                   add_generation_prompt, continue_final_message)
+            except FinalMessageError as error:
+                raise InvalidRequestError("continue_final_message", str(error)) from None
             prompts.append(
                 {
                     "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),

@@ -38,12 +38,14 @@ from openai_api.errors import ApiError, from_status
 from openai_api.from_engine import Renderer
 from openai_api.reasoning_parsers import prompt_state
 from openai_api.to_engine import (
+    CHAT_TURN_NAMES,
     EngineCall,
     chat_call,
     chat_messages,
     check_token_count,
     completion_call,
     rest_of_context,
+    set_chat_turn,
     template_kwargs_json,
 )
 from openai_api.tool_calls import tools_json
@@ -445,14 +447,13 @@ class _Api:
             wire, names = pb.TokenizeRequest(text=body.prompt), {"text": "prompt",
                                                                   "input": "prompt"}
         else:
-            if body.add_generation_prompt is False:  # as chat refuses it: the same tokens
-                raise schemas.unserved("add_generation_prompt", False)
             wire = pb.TokenizeRequest(chat=chat_messages(body.messages))
             wire.chat.tools_json = tools_json(body)
             wire.chat.template_kwargs_json = template_kwargs_json(body)
+            set_chat_turn(wire.chat, body)
             names = {"chat.messages": "messages", "chat": "messages", "input": "messages",
                      "chat.tools_json": "tools",
-                     "chat.template_kwargs_json": "chat_template_kwargs"}
+                     "chat.template_kwargs_json": "chat_template_kwargs", **CHAT_TURN_NAMES}
         reply = await self._unary("Tokenize", wire, names, _caller(request))
         return JSONResponse({"count": len(reply.token_ids), "max_model_len": model.max_model_len,
                              "tokens": list(reply.token_ids)})
@@ -484,13 +485,14 @@ class _Api:
             wire.chat.CopyFrom(chat_messages(body.messages))
             wire.chat.tools_json = tools_json(body)
             wire.chat.template_kwargs_json = template_kwargs_json(body)
+            set_chat_turn(wire.chat, body)
         else:  # no prompt could use more of a prefix: counted before the ids are read
             check_token_count("tokens", body.tokens, model.prompt_context, for_output=False)
             wire.token_ids.ids.extend(body.tokens)
         names = {"text": "prompt", "token_ids": "tokens", "token_ids.ids": "tokens",
                  "chat.messages": "messages", "chat.tools_json": "tools",
                  "chat.template_kwargs_json": "chat_template_kwargs",
-                 "chat": "messages", "input": given[0], "prompt": given[0]}
+                 "chat": "messages", "input": given[0], "prompt": given[0], **CHAT_TURN_NAMES}
         reply = await self._unary("PinPrefix", wire, names, _caller(request))
         return JSONResponse({"num_blocks": reply.num_blocks, "num_pinned": reply.num_pinned})
 
@@ -567,8 +569,9 @@ async def _drain(stream: AsyncIterator[bytes]) -> None:
 
 def _check_chat_fields_have_messages(body: schemas.TokenizeRequest | schemas.PinPrefixRequest
                                      ) -> None:
-    """tools and chat_template_kwargs go to the chat template: a 400 without messages."""
-    for field in ("tools", "chat_template_kwargs"):
+    """tools, chat_template_kwargs and continue_final_message go to the chat template: a 400
+    without messages."""
+    for field in ("tools", "chat_template_kwargs", "continue_final_message"):
         if getattr(body, field) and body.messages is None:
             raise ApiError(HTTPStatus.BAD_REQUEST, f"{field} must be left unset without "
                            f"messages (the chat template is what takes them), got {field}",

@@ -30,7 +30,6 @@ UNSERVED_FIELDS: dict[str, tuple[object, ...]] = {
     "prediction": (), "reasoning_effort": (), "service_tier": ("auto", "default"),
     "web_search_options": (), "logits_processors": (),
     "guided_decoding_backend": (), "guided_whitespace_pattern": (),
-    "add_generation_prompt": (True,), "continue_final_message": (False,),
     "chat_template": (), "documents": (),
     "return_tokens_as_token_ids": (False,),
 }
@@ -222,7 +221,16 @@ class ChatMessage(_Strict):
         return data
 
 
-class ChatCompletionRequest(_Sampling):
+class _ChatTurn(_Strict):
+    """vLLM's: whether the template opens the assistant's turn after the messages (unset:
+    true, unless continuing), or ends inside the last one for the model to continue (e.g. an
+    assistant's reply begun for it)."""
+
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+
+
+class ChatCompletionRequest(_Sampling, _ChatTurn):
     messages: list[ChatMessage]
     tools: list[Tool] | None = None
     # "auto" (the default with tools) reads calls out of the model's text (a server started
@@ -238,14 +246,13 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Int32 | None = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_ChatTurn):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None  # given to the chat template, as chat gives them
     chat_template_kwargs: dict[str, Any] | None = None  # with messages, as chat's
     add_special_tokens: bool | None = None  # accepted: the engine tokenizes as Generate does
-    add_generation_prompt: bool | None = None  # true only: chat's tokens always end with it
 
 
 class DetokenizeRequest(_Strict):
@@ -253,7 +260,7 @@ class DetokenizeRequest(_Strict):
     tokens: list[Int32]
 
 
-class PinPrefixRequest(_Strict):
+class PinPrefixRequest(_ChatTurn):
     """POST /pin_prefix (pagedgen's own route, as /tokenize is vLLM's): the gRPC PinPrefix."""
 
     model: str | None = None

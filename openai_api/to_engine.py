@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from engine_service.model.sampling_params import MAX_LOGIT_BIAS
 from engine_service.model.structured_outputs import MAX_SCHEMA_DEPTH
-from engine_service.model.tokenizer import template_kwargs_error
+from engine_service.model.tokenizer import chat_turn_error, template_kwargs_error
 from openai_api.errors import bad_request
 from openai_api.reasoning_parsers import CONSTRAINED_OUTPUT_PARSER
 from openai_api.schemas import (
@@ -119,6 +119,7 @@ def chat_call(req: ChatCompletionRequest, request_id: str,
     wire.chat.CopyFrom(chat_messages(req.messages))
     wire.chat.tools_json = tools_json(req)
     wire.chat.template_kwargs_json = template_kwargs_json(req)
+    set_chat_turn(wire.chat, req)
     forced = forced_calls(req, tool_call_parser is not None)
     if req.max_tokens is not None and req.max_completion_tokens is not None and (
             req.max_tokens != req.max_completion_tokens):
@@ -174,6 +175,22 @@ def template_kwargs_json(req: ChatCompletionRequest | TokenizeRequest | PinPrefi
     if error is not None:
         raise bad_request("chat_template_kwargs", error)
     return json.dumps(req.chat_template_kwargs, ensure_ascii=False)
+
+
+def set_chat_turn(chat: pb.ChatMessages,
+                  req: ChatCompletionRequest | TokenizeRequest | PinPrefixRequest) -> None:
+    """add_generation_prompt and continue_final_message onto the wire chat; a 400 for both."""
+    error = chat_turn_error(req.add_generation_prompt, bool(req.continue_final_message))
+    if error is not None:
+        raise bad_request("continue_final_message", error)
+    if req.add_generation_prompt is not None:
+        chat.add_generation_prompt = req.add_generation_prompt
+    chat.continue_final_message = bool(req.continue_final_message)
+
+
+# The wire chat's fields the client names as they are (a refusal's field: errors.py).
+CHAT_TURN_NAMES = {"chat.add_generation_prompt": "add_generation_prompt",
+                   "chat.continue_final_message": "continue_final_message"}
 
 
 def chat_messages(messages: list[ChatMessage], where: str = "messages") -> pb.ChatMessages:
@@ -362,7 +379,7 @@ def _field_names(prompt: str, max_tokens: str, logprobs: str,
         "chat.template_kwargs_json": "chat_template_kwargs", "sampling.max_tokens": max_tokens,
         "sampling.logprobs": logprobs,
         "sampling.prompt_logprobs": "prompt_logprobs",
-        "sampling.beam_width": "n", "request": "request",
+        "sampling.beam_width": "n", "request": "request", **CHAT_TURN_NAMES,
     }
     if constraint is not None:  # the engine names structured_outputs and its kind
         for kind in ("", ".json", ".json_object", ".regex", ".choice", ".grammar"):

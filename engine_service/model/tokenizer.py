@@ -81,13 +81,43 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 
 
 def render_chat(tokenizer, conversation: list[dict], tools: list[dict] | None = None,
-                template_kwargs: dict | None = None) -> str:
-    """The model's chat template applied, ready for the assistant's turn; `tools`: the tools
-    the model may call (a template without a place for them leaves them out);
-    `template_kwargs`: more variables for the template (check_template_kwargs first)."""
-    return tokenizer.apply_chat_template(with_argument_objects(conversation), tools=tools,
-                                         tokenize=False, add_generation_prompt=True,
-                                         **(template_kwargs or {}))
+                template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
+    """The model's chat template applied, ready for the assistant's turn
+    (`add_generation_prompt`), or ending with the last message's content, for the model to
+    continue (`continue_final_message`, transformers'; FinalMessageError when the template does
+    not write that content whole); `tools`: the tools the model may call (a template without a
+    place for them leaves them out); `template_kwargs`: more variables for the template
+    (check_template_kwargs first)."""
+    try:
+        return tokenizer.apply_chat_template(with_argument_objects(conversation), tools=tools,
+                                             tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             **(template_kwargs or {}))
+    except ValueError as error:
+        # (transformers' own message holds the whole rendered chat)
+        if continue_final_message and "continue_final_message" in str(error):
+            raise FinalMessageError(
+                "continue_final_message needs the last message's content, whole, in the chat "
+                "the model's template writes, and this template leaves it out or changes it "
+                "(or the message has no content)") from None
+        raise
+
+
+class FinalMessageError(ValueError):
+    """The last message cannot be continued: the chat template does not write it as given."""
+
+
+def chat_turn_error(add_generation_prompt: bool | None, continue_final_message: bool,
+                    field: str = "continue_final_message") -> str | None:
+    """Why the two cannot go together (a message naming `field`), or None: a message left
+    open for the model has no assistant's turn after it."""
+    if continue_final_message and add_generation_prompt:
+        return (f"{field} must be false when add_generation_prompt is true (the last message "
+                f"is continued, or a new assistant's turn opened, not both), got true: set "
+                f"add_generation_prompt to false, or leave it unset")
+    return None
 
 
 def template_kwargs_error(kwargs: object, field: str) -> str | None:

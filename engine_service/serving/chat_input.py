@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from engine_service.model.tokenizer import (
+    chat_turn_error,
     encode_rendered_chat,
     render_chat,
     template_kwargs_error,
@@ -86,10 +87,22 @@ def conversation(chat: pb.ChatMessages) -> list[dict]:
     return out
 
 
+def chat_turn(chat: pb.ChatMessages) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) as the template is given them: the
+    first, unset, is true unless the last message is continued; ChatInputError when both are
+    true."""
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else None
+    error = chat_turn_error(add, chat.continue_final_message, "chat.continue_final_message")
+    if error is not None:
+        raise ChatInputError(error)
+    return (not chat.continue_final_message if add is None else add,
+            chat.continue_final_message)
+
+
 def render_wire_chat(tokenizer, chat: pb.ChatMessages) -> str:
-    """The chat's template applied, ready for the assistant's turn."""
+    """The chat's template applied, ready for the assistant's turn (or in its last message)."""
     return render_chat(tokenizer, conversation(chat), chat_tools(chat),
-                       chat_template_kwargs(chat))
+                       chat_template_kwargs(chat), *chat_turn(chat))
 
 
 def chat_token_ids(tokenizer, chat: pb.ChatMessages) -> list[int]:

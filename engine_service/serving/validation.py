@@ -19,12 +19,18 @@ import grpc
 from engine_service.core.errors import DuplicateRequestError, QueueFullError
 from engine_service.core.request_limits import RequestLimits
 from engine_service.model.sampling_params import SamplingParams
-from engine_service.model.tokenizer import encode_rendered_chat, encode_text, render_chat
+from engine_service.model.tokenizer import (
+    FinalMessageError,
+    encode_rendered_chat,
+    encode_text,
+    render_chat,
+)
 from engine_service.serving.chat_input import (
     ChatInputError,
     chat_chars,
     chat_template_kwargs,
     chat_tools,
+    chat_turn,
     conversation,
 )
 from engine_service.serving.status import RequestRejected
@@ -229,10 +235,13 @@ class RequestValidator:
                 )
         try:
             tools, template_kwargs = chat_tools(chat), chat_template_kwargs(chat)
+            turn = chat_turn(chat)
         except ChatInputError as error:
             raise _invalid(str(error)) from None
         try:
-            text = render_chat(self.tokenizer, conversation(chat), tools, template_kwargs)
+            text = render_chat(self.tokenizer, conversation(chat), tools, template_kwargs, *turn)
+        except FinalMessageError as error:
+            raise _invalid(f"chat.{error}") from None
         except Exception as error:  # noqa: BLE001 - templates raise whatever they like
             raise _invalid(
                 f"chat.messages must be accepted by the model's chat template, got an error: "

@@ -240,3 +240,24 @@ def test_ctrl_c_as_the_last_step_ends_is_not_lost(tiny_llama_dir, make_llm, monk
     with pytest.raises(KeyboardInterrupt):
         llm.generate("Hello", SamplingParams(max_tokens=2))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_chat_continues_the_final_message_as_vllm_s_llm_chat(llm, tiny_llama_dir):
+    """add_generation_prompt and continue_final_message as transformers renders them; both
+    true is a ValueError naming continue_final_message."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    begun = [{"role": "user", "content": "Name three colours."},
+             {"role": "assistant", "content": "Red, green and"}]
+    for flags, hf_flags in (
+            ({"continue_final_message": True},
+             {"add_generation_prompt": False, "continue_final_message": True}),
+            ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+            ({}, {"add_generation_prompt": True})):
+        [out] = llm.chat(begun, SamplingParams(max_tokens=1), **flags)
+        text = hf.apply_chat_template(begun, tokenize=False, **hf_flags)
+        assert out.prompt_token_ids == hf.encode(text, add_special_tokens=False), flags
+    with pytest.raises(ValueError, match="continue_final_message must be false when "
+                                         "add_generation_prompt is true"):
+        llm.chat(begun, add_generation_prompt=True, continue_final_message=True)

@@ -5,7 +5,7 @@
 - a token-id prompt longer than the context is refused by its length before its ids are read
   one by one (15 million ids held the event loop, and every other stream, for seconds);
 - `code` is a string or null, as OpenAI's (it was the status, an int, when no code was set);
-- /tokenize refuses `add_generation_prompt: false` as chat does; /pin_prefix names `tokens`.
+- /pin_prefix names `tokens`.
 """
 
 from __future__ import annotations
@@ -76,21 +76,6 @@ def test_a_huge_token_prompt_is_refused_by_its_length(http_engine):
         f"tokens must be at most {context} tokens (the context), got {context + 1} tokens")
     error = _refused(http_engine, "/pin_prefix", {"tokens": [99_999_999] * context})
     assert "context" not in error["message"], error  # the engine's refusal: not in the vocabulary
-
-
-def test_tokenize_refuses_add_generation_prompt_false_as_chat_does(http_engine, client):
-    body = {"model": http_engine.model, "messages": CHAT, "add_generation_prompt": False}
-    tokenize = _refused(http_engine, "/tokenize", body)
-    chat = _refused(http_engine, "/v1/chat/completions", body)
-    assert tokenize == chat and tokenize["param"] == "add_generation_prompt"
-    status, reply = http_engine.call(f"{http_engine.base_url}/tokenize",
-                                     {**body, "add_generation_prompt": True}, API_KEY)
-    assert status == 200 and reply["count"] > 0
-    # The flag means nothing to a text prompt: not refused there.
-    status, reply = http_engine.call(f"{http_engine.base_url}/tokenize",
-                                     {"model": http_engine.model, "prompt": "Hi",
-                                      "add_generation_prompt": False}, API_KEY)
-    assert status == 200 and reply["count"] > 0, reply
 
 
 def test_pin_prefix_names_tokens(http_engine):
