@@ -14,6 +14,7 @@ from engine_service.core.config import EngineConfig
 from engine_service.core.engine import LLMEngine
 from engine_service.core.errors import InvalidRequestError
 from engine_service.core.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from engine_service.core.request_limits import truncated_prompt
 from engine_service.model.beam_search_params import BeamSearchParams
 from engine_service.model.sampling_params import SamplingParams
 from engine_service.model.tokenizer import (
@@ -202,6 +203,7 @@ class LLM:
         requests = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
             token_ids, text = self._token_ids(prompt)
+            token_ids = truncated_prompt(token_ids, params, engine.max_model_len)
             engine.validate_request(token_ids, params)
             salt = prompt.get("cache_salt", cache_salt) if isinstance(prompt, dict) else cache_salt
             requests.append(

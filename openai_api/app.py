@@ -44,6 +44,7 @@ from openai_api.to_engine import (
     chat_messages,
     check_token_count,
     completion_call,
+    kept_tokens,
     rest_of_context,
     set_chat_turn,
     template_kwargs_json,
@@ -264,7 +265,10 @@ class _Api:
             reply = await self._unary("Tokenize", pb.TokenizeRequest(chat=wire.chat),
                                       call.field_names[0], _caller(request))
             if call.to_end_of_context:
-                rest_of_context(wire, list(reply.token_ids), model.longest_sequence(call.n))
+                ids = list(reply.token_ids)
+                kept = kept_tokens(body.truncate_prompt_tokens, model.max_model_len)
+                rest_of_context(wire, ids if kept is None else ids[-kept:],
+                                model.longest_sequence(call.n))
             if call.reasoning_parser is not None:
                 # A template may open the thinking for the model, or close it (thinking
                 # off): the reply starts where the prompt left it. (Held to a schema from

@@ -99,6 +99,8 @@ class _Sampling(_Strict):
     # decoded_token}}, ...]) per completions choice, or in a chat response
     prompt_logprobs: Int32 | None = None
     length_penalty: float | None = None
+    allowed_token_ids: list[Int32] | None = None  # the only tokens the output may hold
+    truncate_prompt_tokens: Int32 | None = None  # the prompt's last this-many tokens run
     # OpenAI's: token id (a JSON object's key, so a string) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs

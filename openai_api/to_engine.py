@@ -76,7 +76,8 @@ def completion_call(req: CompletionRequest, request_id: str, max_model_len: int 
                     ) -> EngineCall:
     """`max_model_len`: the served model's context (0: not known), which no token-id prompt
     may pass."""
-    prompts, batch = _prompts(req.prompt, max_model_len)
+    prompts, batch = _prompts(req.prompt, max_model_len,
+                              kept_tokens(req.truncate_prompt_tokens, max_model_len))
     echo_only = bool(req.echo) and req.max_tokens == 0
     if echo_only and req.min_tokens:
         raise bad_request("min_tokens", f"min_tokens must be 0 with max_tokens 0 (echo: the "
@@ -278,7 +279,8 @@ def _set_sampling(s: pb.SamplingParams, req: _Sampling, max_tokens: int | None,
     client's name of the structured outputs constraint set, if any."""
     for name in ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                  "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
-                 "include_stop_str_in_output", "skip_special_tokens", "length_penalty"):
+                 "include_stop_str_in_output", "skip_special_tokens", "length_penalty",
+                 "truncate_prompt_tokens"):
         value = getattr(req, name)
         if value is not None:
             setattr(s, name, value)
@@ -294,6 +296,11 @@ def _set_sampling(s: pb.SamplingParams, req: _Sampling, max_tokens: int | None,
         s.stop_token_ids.extend(req.stop_token_ids)
     if req.logit_bias:
         s.logit_bias.update(_logit_bias(req.logit_bias))
+    if req.allowed_token_ids is not None:
+        if not req.allowed_token_ids:  # (the wire cannot tell an empty list from none)
+            raise bad_request("allowed_token_ids", "allowed_token_ids must hold at least one "
+                                                   "token id (unset: any token), got []")
+        s.allowed_token_ids.extend(req.allowed_token_ids)
     if req.use_beam_search:  # vLLM's: n beams, the n best returned
         s.beam_width = s.n if s.HasField("n") else 1
     return _set_structured_outputs(s.structured_outputs, req)
@@ -387,11 +394,24 @@ def _field_names(prompt: str, max_tokens: str, logprobs: str,
     return names
 
 
-def _prompts(prompt: object, max_model_len: int) -> tuple[list[str | list[int]], bool]:
+def kept_tokens(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """How many of a token-id prompt's last ids truncate_prompt_tokens keeps (None: all, or
+    not known here: a value the engine refuses, or -1 with no context known yet)."""
+    if truncate_prompt_tokens is None or truncate_prompt_tokens == 0 or (
+            truncate_prompt_tokens < -1):
+        return None
+    if truncate_prompt_tokens == -1:
+        return max_model_len - 1 if max_model_len else None
+    return truncate_prompt_tokens
+
+
+def _prompts(prompt: object, max_model_len: int, kept: int | None = None
+             ) -> tuple[list[str | list[int]], bool]:
     """OpenAI's prompt forms: a string, token ids, or a list of either; and whether it was a
     list of prompts. Token-id lists are counted before their ids are read one by one: a body
     of millions of ids (tens of MB, under the body limit) held the event loop, and every
-    stream on it, for seconds."""
+    stream on it, for seconds. `kept`: truncate_prompt_tokens' count, which cuts token-id
+    prompts first (a text prompt is cut once tokenized, by the engine)."""
     allowed = ("a string, a list of token ids (32-bit ints), or a list of strings or of "
                "token-id lists")
     if isinstance(prompt, str):
@@ -399,12 +419,16 @@ def _prompts(prompt: object, max_model_len: int) -> tuple[list[str | list[int]],
     if not isinstance(prompt, list) or not prompt:
         raise bad_request("prompt", f"prompt must be {allowed}, got {_json(prompt)}")
     if _is_int(prompt[0]):  # token ids (a list of prompts starts with a string or a list)
+        if kept is not None:
+            prompt = prompt[-kept:]
         check_token_count("prompt", prompt, max_model_len)
         if all(_is_int(t) for t in prompt):
             return [prompt], False
     if len(prompt) > MAX_PROMPTS:
         raise bad_request("prompt", f"prompt must hold at most {MAX_PROMPTS} prompts, got "
                                     f"{len(prompt)}")
+    prompt = [item[-kept:] if kept is not None and isinstance(item, list) else item
+              for item in prompt]
     for i, item in enumerate(prompt):
         if isinstance(item, list):
             check_token_count(f"prompt[{i}]", item, max_model_len)

@@ -221,6 +221,9 @@ class RoutedRequest:
         router.live[live_key] = self
         try:
             token_ids = await router.prompts.token_ids(upstream, router.replicas.routable())
+            keep = upstream.sampling.truncate_prompt_tokens
+            if token_ids is not None and keep >= 1:  # routed by the tokens that run (-1: by all)
+                token_ids = token_ids[-keep:]
             async with contextlib.aclosing(self._attempts(upstream, token_ids, arrival)) as out:
                 async for message in out:
                     yield message
@@ -514,6 +517,11 @@ class RoutedRequest:
         resume = pb.GenerateRequest()
         resume.CopyFrom(self.request)
         resume.request_id = upstream.request_id
+        if sampling.HasField("truncate_prompt_tokens"):
+            # The prompt as the first replica ran it (its last prompt_tokens): cut again with
+            # the generated tokens after it, it would lose some of its own.
+            token_ids = token_ids[max(0, len(token_ids) - self.first_usage.prompt_tokens):]
+            resume.sampling.ClearField("truncate_prompt_tokens")
         resume.token_ids.ids[:] = token_ids + progress.token_ids  # replaces text / chat
         resume.sampling.max_tokens = max_tokens - generated
         resume.sampling.min_tokens = max(0, sampling.min_tokens - generated)

@@ -120,7 +120,8 @@ class RouterServicer(pb_grpc.GenerationServicer):
             if which == "token_ids":
                 # Refused here, as the engine would: forwarded, a prompt far past the context
                 # is past the engine's message size limit (sized to its context), a refusal
-                # that says nothing of the prompt.
+                # that says nothing of the prompt. Cut first where the request asks.
+                cut_token_ids(request, context_tokens)
                 check_token_ids_size(request, context_tokens)
             elif which == "chat":
                 check_chat_size(request.chat, max_chars)
@@ -359,6 +360,19 @@ class RouterServicer(pb_grpc.GenerationServicer):
             total.prefix_cache_hit_rate = total.prefix_cache_hits / total.prefix_cache_queries
         total.index_details.update(self.router.details())
         return total
+
+
+def cut_token_ids(request, context_tokens: int) -> None:
+    """A generation's token-id prompt cut to its last truncate_prompt_tokens, as the engine
+    cuts it (-1: to the longest prompt the context takes); a value the engine refuses is left
+    for it to refuse."""
+    if not isinstance(request, pb.GenerateRequest) or not request.sampling.HasField(
+            "truncate_prompt_tokens"):
+        return
+    keep = request.sampling.truncate_prompt_tokens
+    keep = context_tokens - 1 if keep == -1 else keep
+    if keep >= 1 and len(request.token_ids.ids) > keep:
+        del request.token_ids.ids[:len(request.token_ids.ids) - keep]
 
 
 def check_token_ids_size(request, context_tokens: int) -> None:

@@ -26,7 +26,7 @@ from engine_service.core.kv_cache_manager import KVCacheManager
 from engine_service.core.outputs import CompletionOutput, RequestOutput
 from engine_service.core.pin_budget import PinBudget, PinBudgetConfig, request_demand
 from engine_service.core.prefix_policy import PrefixPolicy
-from engine_service.core.request_limits import RequestLimits
+from engine_service.core.request_limits import RequestLimits, truncated_prompt
 from engine_service.core.scheduler import Scheduler, SchedulerConfig
 from engine_service.core.scheduler_output import ScheduledSeq
 from engine_service.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -209,6 +209,7 @@ class LLMEngine:
             raise DuplicateRequestError(
                 "request_id", f"request_id must be unique among live requests, got {request_id!r}"
             )
+        prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.max_model_len)
         self.validate_request(prompt_token_ids, params)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
@@ -224,7 +225,8 @@ class LLMEngine:
             pin_prefill=pin_prefill,
             plain_greedy=(params.is_greedy and not params.has_penalties
                           and params.logprobs is None and not params.min_tokens
-                          and not params.logit_bias and grammar is None),
+                          and not params.logit_bias and grammar is None
+                          and params.allowed_token_ids is None),
             grammar=grammar,
         )
         if params.use_beam_search:

@@ -28,6 +28,15 @@ def max_abs_length_penalty(max_new_tokens: int) -> float:
     return math.log(MAX_LENGTH_NORM) / math.log(max_new_tokens)
 
 
+def truncated_prompt(prompt_token_ids: list[int], params: SamplingParams,
+                     max_model_len: int) -> list[int]:
+    """The prompt's tokens that run: its last truncate_prompt_tokens (all of them unset)."""
+    kept = params.prompt_tokens_kept(len(prompt_token_ids), max_model_len)
+    if kept == len(prompt_token_ids):
+        return prompt_token_ids
+    return list(prompt_token_ids[len(prompt_token_ids) - kept:])
+
+
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     vocab_size: int

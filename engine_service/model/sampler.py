@@ -7,13 +7,14 @@ Order of operations per row, as in vLLM:
   3. penalties: repetition over prompt + output tokens, presence/frequency over output tokens
      (from per-sequence counts kept on the device and updated with each sampled token,
      `TokenCounts`: a step never rebuilds them from the token lists);
-  4. structured outputs: a constrained row's tokens are masked to -inf unless its grammar
+  4. allowed_token_ids: every other token of the row masked to -inf (vLLM's);
+  5. structured outputs: a constrained row's tokens are masked to -inf unless its grammar
      allows them next (its matcher's bitmask, model/grammar.py);
-  5. min_tokens: while the output is shorter, stop_token_ids and EOS are masked to -inf. With
+  6. min_tokens: while the output is shorter, stop_token_ids and EOS are masked to -inf. With
      `ignore_eos`, EOS is an ordinary token (vLLM leaves it out of the stop set), so it is not
-     masked. Where a grammar allows nothing but a stop token, the grammar wins: the output
-     ends there, however short;
-  6. greedy rows take the argmax; sampled rows are divided by their temperature, then top-k,
+     masked. Where a grammar, or allowed_token_ids, allows nothing but stop tokens, it wins:
+     the output ends there, however short;
+  7. greedy rows take the argmax; sampled rows are divided by their temperature, then top-k,
      top-p (on the top-k-renormalized distribution) and min-p (relative to the most likely
      token) are applied, and a token is drawn.
 
@@ -68,6 +69,9 @@ class SamplingRow:
     # The sequence's xgrammar matcher (structured outputs): which tokens may come next. The
     # engine advances it with each token it appends.
     matcher: object | None = None
+    # params.allowed_token_ids on the sampling device, and whether each of them stops the
+    # output (then min_tokens holds none back): made at the row's first step, as `bias`.
+    allowed: tuple[torch.Tensor, bool] | None = None
 
 
 @dataclass(slots=True)
@@ -278,6 +282,7 @@ class Sampler:
         penalized: list[int] = []
         min_tokens: list[int] = []
         biased: list[int] = []
+        restricted: list[int] = []
         constrained: list[int] = []
         for i, r in enumerate(rows):
             params = r.params
@@ -285,6 +290,8 @@ class Sampler:
                 want_logprobs = True
             if params.logit_bias:
                 biased.append(i)
+            if params.allowed_token_ids is not None:
+                restricted.append(i)
             if r.matcher is not None:
                 constrained.append(i)
             if params.has_penalties:
@@ -294,7 +301,7 @@ class Sampler:
             if not params.is_greedy:
                 all_greedy = False
         slots = None
-        if penalized or min_tokens or biased or constrained:
+        if penalized or min_tokens or biased or restricted or constrained:
             # Never modify the caller's logits (raw logprobs need them); contiguous for view(-1).
             processed = raw.clone(memory_format=torch.contiguous_format)
             if biased:
@@ -302,6 +309,8 @@ class Sampler:
             if penalized:
                 slots = self._penalty_slots(rows, penalized)
                 self._apply_penalties(processed, rows, penalized, slots[0])
+            if restricted:
+                min_tokens = self._mask_to_allowed(processed, rows, restricted, min_tokens)
             if constrained:
                 min_tokens = self._mask_to_grammar(processed, rows, constrained, min_tokens)
             if min_tokens:
@@ -435,6 +444,36 @@ class Sampler:
         else:
             logits.index_copy_(0, torch.tensor(idx, device=logits.device), masked)
         return [i for i in min_tokens if rows[i].matcher is None]
+
+    def _mask_to_allowed(self, logits: torch.Tensor, rows: list[SamplingRow], idx: list[int],
+                         min_tokens: list[int]) -> list[int]:
+        """Rows idx masked to their allowed_token_ids, in place: their logits at those ids
+        kept, the rows filled with -inf, the kept ones put back (one gather, fill and
+        scatter for all rows). Returns the min_tokens rows still to mask: not those whose
+        allowed tokens all stop the output (an empty row has no token to draw)."""
+        device = logits.device
+        columns, counts, only_stops = [], [], set()
+        for i in idx:
+            row = rows[i]
+            if row.allowed is None:
+                params = row.params
+                stops = set(params.stop_token_ids)
+                if not params.ignore_eos:
+                    stops |= self.eos_token_ids
+                ids = params.allowed_token_ids
+                row.allowed = (torch.tensor(ids, dtype=torch.long, device=device),
+                               stops.issuperset(ids))
+            columns.append(row.allowed[0])
+            counts.append(len(row.allowed[0]))
+            if row.allowed[1]:
+                only_stops.add(i)
+        cols = torch.cat(columns)
+        row_index = torch.tensor(idx, device=device)
+        row_of = torch.repeat_interleave(row_index, torch.tensor(counts, device=device))
+        kept = logits[row_of, cols]
+        logits.index_fill_(0, row_index, -math.inf)
+        logits.index_put_((row_of, cols), kept)
+        return [i for i in min_tokens if i not in only_stops]
 
     def _forbid_stops(self, allowed: torch.Tensor, params: SamplingParams) -> None:
         """Clears the stop tokens' bits of one bitmask row, unless no other bit is set. One

@@ -90,6 +90,12 @@ class SamplingParams:
     # logits are masked to the tokens that keep it inside (model/grammar.py). A dict is taken
     # as its fields.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: the only tokens the output may hold (every other logit masked to -inf), ids <
+    # the model's vocabulary. Normalized to a sorted tuple without repeats.
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's: the prompt cut to its last this-many tokens before it runs (left truncation);
+    # -1: to the longest prompt the context takes (max_model_len - 1). None: not cut.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.verify()
@@ -155,6 +161,13 @@ class SamplingParams:
                 if not 0 <= value <= MAX_LOGPROBS:
                     raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
         self.logit_bias = self._normalized_logit_bias(self.logit_bias)
+        self.allowed_token_ids = self._normalized_allowed_token_ids(self.allowed_token_ids)
+        if self.truncate_prompt_tokens is not None:
+            keep = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens,
+                              ">= 1, -1 for the context's longest prompt, or None")
+            if keep < 1 and keep != -1:
+                raise ValueError(f"truncate_prompt_tokens must be >= 1, -1 (the context's "
+                                 f"longest prompt) or None, got {keep}")
         self._check_structured_outputs()
         self._check_beam_search()
 
@@ -172,6 +185,11 @@ class SamplingParams:
         if not isinstance(spec, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, a dict "
                              f"or None, got {type(spec).__name__}")
+        if self.allowed_token_ids is not None:
+            # Two masks that need not meet: a step could be left with no token at all.
+            raise ValueError(f"allowed_token_ids must be left unset with structured_outputs "
+                             f"(the constraint says which tokens may come), got "
+                             f"{len(self.allowed_token_ids)} ids")
         if self.ignore_eos:
             # The grammar ends the output with EOS: ignoring it would run past the grammar.
             raise ValueError("ignore_eos must be False with structured_outputs (the output "
@@ -214,12 +232,13 @@ class SamplingParams:
             "repetition_penalty": self.repetition_penalty != 1,
             "logit_bias": bool(self.logit_bias),
             "structured_outputs": self.structured_outputs is not None,
+            "allowed_token_ids": self.allowed_token_ids is not None,
         }
         for name, is_set in refused.items():
             if is_set:
                 value = getattr(self, name)
                 # A map or a schema may be long: its size or its kind says enough.
-                shown = (f"{len(value)} entries" if name == "logit_bias"
+                shown = (f"{len(value)} entries" if name in ("logit_bias", "allowed_token_ids")
                          else f"a {value.kind} constraint" if name == "structured_outputs"
                          else repr(value))
                 hint = " (use stop_token_ids to stop)" if name == "stop" else ""
@@ -285,6 +304,31 @@ class SamplingParams:
             normalized[token_id] = value
         return normalized
 
+    @staticmethod
+    def _normalized_allowed_token_ids(ids: object) -> tuple[int, ...] | None:
+        if ids is None:
+            return None
+        if isinstance(ids, str | bytes) or not hasattr(ids, "__iter__"):
+            raise ValueError(f"allowed_token_ids must be a list of token ids or None, "
+                             f"got {ids!r}")
+        ids = list(ids)
+        if not ids:
+            raise ValueError("allowed_token_ids must hold at least one token id (None: any "
+                             "token), got []")
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise ValueError(f"allowed_token_ids must be non-negative ints, got {i!r}")
+        return tuple(sorted(set(ids)))
+
+    def prompt_tokens_kept(self, num_prompt_tokens: int, max_model_len: int) -> int:
+        """How many of a prompt's tokens run (its last ones): truncate_prompt_tokens'."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return num_prompt_tokens
+        if keep == -1:
+            keep = max_model_len - 1
+        return min(num_prompt_tokens, keep)
+
     @property
     def use_beam_search(self) -> bool:
         return self.beam_width is not None
@@ -319,6 +363,10 @@ class SamplingParams:
                     "stop_token_ids",
                     f"stop_token_ids must be < the model's vocab size {vocab_size}, got {i}"
                 )
+        if self.allowed_token_ids is not None and self.allowed_token_ids[-1] >= vocab_size:
+            raise ModelFieldError(
+                "allowed_token_ids", f"allowed_token_ids must be < the model's vocab size "
+                f"{vocab_size}, got {self.allowed_token_ids[-1]}")
         for i in self.logit_bias:
             if i >= vocab_size:
                 raise ModelFieldError("logit_bias",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from engine_service.core.errors import DuplicateRequestError, QueueFullError
-from engine_service.core.request_limits import RequestLimits
+from engine_service.core.request_limits import RequestLimits, truncated_prompt
 from engine_service.model.sampling_params import SamplingParams
 from engine_service.model.tokenizer import (
     FinalMessageError,
@@ -48,7 +48,7 @@ _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "ignore_eos",
     "logprobs", "include_stop_str_in_output", "skip_special_tokens", "beam_width",
-    "length_penalty", "prompt_logprobs",
+    "length_penalty", "prompt_logprobs", "truncate_prompt_tokens",
 )
 EARLY_STOPPING = {
     pb.EARLY_STOPPING_FALSE: False,
@@ -136,6 +136,9 @@ class RequestValidator:
         if prompt is None:
             prompt = self.prompt(req, "input")
         params = self.sampling_params(req.sampling)
+        kept = truncated_prompt(prompt.token_ids, params, self.limits.max_model_len)
+        if kept is not prompt.token_ids:  # (the text stays the client's whole prompt)
+            prompt = Prompt(kept, prompt.text)
         self.check_fits(prompt.token_ids, params)
         if is_live(request_id):
             raise DuplicateRequestError(
@@ -263,6 +266,8 @@ class RequestValidator:
             kwargs["stop_token_ids"] = list(msg.stop_token_ids)
         if msg.logit_bias:
             kwargs["logit_bias"] = dict(msg.logit_bias)
+        if msg.allowed_token_ids:
+            kwargs["allowed_token_ids"] = list(msg.allowed_token_ids)
         if msg.HasField("structured_outputs"):
             kwargs["structured_outputs"] = _structured_outputs(msg.structured_outputs)
         if msg.early_stopping not in EARLY_STOPPING:

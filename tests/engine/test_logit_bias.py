@@ -53,3 +53,26 @@ def test_a_small_bias_is_added_not_set(llm):
                                                    logit_bias={second: margin + delta})])[0][0]
         for delta in (-1e-3, 1e-3)]
     assert biased == [best, second]
+
+
+def test_allowed_token_ids_hold_the_output_beside_plain_greedy_rows(llm):
+    """Greedy among allowed ids is greedy with +100 on each of them (the model's logits
+    spread far less): the likeliest allowed token every step; a sampled request draws only
+    allowed ids; allowing the greedy tokens changes nothing; neighbours keep their tokens."""
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = _tokens(llm, PROMPTS, [plain] * 3)
+    few = [7, 8, 9, 1234]
+    restricted = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                allowed_token_ids=few)
+    lifted = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                            logit_bias={t: 100.0 for t in few})
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True,
+                             allowed_token_ids=few)
+    kept = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                          allowed_token_ids=[*alone[0], 5])
+    got = _tokens(llm, [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[0]],
+                  [restricted, plain, sampled, kept])
+    assert got[0] == _tokens(llm, [PROMPTS[0]], [lifted])[0]
+    assert set(got[0]) <= set(few) and set(got[2]) <= set(few)
+    assert got[1] == alone[1]
+    assert got[3] == alone[0]

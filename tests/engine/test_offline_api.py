@@ -261,3 +261,21 @@ def test_chat_continues_the_final_message_as_vllm_s_llm_chat(llm, tiny_llama_dir
     with pytest.raises(ValueError, match="continue_final_message must be false when "
                                          "add_generation_prompt is true"):
         llm.chat(begun, add_generation_prompt=True, continue_final_message=True)
+
+
+def test_truncate_prompt_tokens_runs_the_prompt_s_last_tokens(llm):
+    """vLLM's: the output of a prompt cut to its last k tokens is the output of those k
+    tokens; -1 cuts to the longest prompt the context takes (a prompt past it runs)."""
+    prompt = list(range(300, 420))  # 120 tokens of a 128-token context
+    greedy = dict(temperature=0, max_tokens=4, ignore_eos=True)
+    [cut] = llm.generate({"prompt_token_ids": prompt},
+                         SamplingParams(truncate_prompt_tokens=10, **greedy))
+    [short] = llm.generate({"prompt_token_ids": prompt[-10:]}, SamplingParams(**greedy))
+    assert cut.prompt_token_ids == prompt[-10:]
+    assert cut.outputs[0].token_ids == short.outputs[0].token_ids
+    long_prompt = list(range(300, 500))  # 200 tokens: past the context
+    with pytest.raises(ValueError, match="prompt must be at most 127 tokens"):
+        llm.generate({"prompt_token_ids": long_prompt}, SamplingParams(max_tokens=1))
+    [fitted] = llm.generate({"prompt_token_ids": long_prompt},
+                            SamplingParams(truncate_prompt_tokens=-1, max_tokens=1))
+    assert fitted.prompt_token_ids == long_prompt[-127:]

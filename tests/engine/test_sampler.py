@@ -263,3 +263,37 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
 
     token = result.token_ids[1]
     assert second.top == pytest.approx({token: raw[1, token].item()}, abs=1e-6)  # logprobs=0
+
+
+def test_allowed_token_ids_mask_only_their_rows_and_leave_logprobs_raw() -> None:
+    torch.manual_seed(0)
+    vocab = 50
+    logits = torch.randn(4, vocab)
+    allowed = (3, 17, 41)
+    rows = [row(SamplingParams(temperature=0, logprobs=1, allowed_token_ids=allowed)),
+            row(SamplingParams(temperature=0)),
+            row(SamplingParams(temperature=0, allowed_token_ids=allowed,
+                               logit_bias={41: 100.0, 5: 100.0})),  # 5: biased, not allowed
+            row(SamplingParams(temperature=0, allowed_token_ids=[8]))]
+    out = Sampler(vocab, {EOS})(logits, rows)
+    best_allowed = max(allowed, key=lambda t: logits[0, t].item())
+    assert out.token_ids == [best_allowed, logits[1].argmax().item(), 41, 8]
+    # The sampled token's logprob is the model's own (raw), as with logit_bias.
+    assert out.logprobs[0].logprob == pytest.approx(
+        torch.log_softmax(logits[0], -1)[best_allowed].item(), abs=1e-5)
+    # Sampled rows draw among the allowed tokens alone, by their own odds.
+    draws = Sampler(vocab, {EOS})(torch.zeros(600, vocab), [row(SamplingParams(
+        temperature=1.0, allowed_token_ids=allowed))] * 600).token_ids
+    assert set(draws) == set(allowed)
+
+
+def test_min_tokens_holds_back_allowed_stops_unless_only_stops_are_allowed() -> None:
+    """An empty row has no token to draw: where every allowed token stops the output,
+    min_tokens gives way (as it does to a grammar)."""
+    logits = torch.zeros(3, 20)
+    logits[:, EOS] = 5.0
+    rows = [row(SamplingParams(temperature=0, min_tokens=4, allowed_token_ids=[EOS, 7])),
+            row(SamplingParams(temperature=0, min_tokens=4, allowed_token_ids=[EOS, 9],
+                               stop_token_ids=[9])),
+            row(SamplingParams(temperature=1.0, min_tokens=4, allowed_token_ids=[EOS]))]
+    assert Sampler(20, {EOS})(logits, rows).token_ids == [7, EOS, EOS]

@@ -97,6 +97,17 @@ def test_valid_edges_are_accepted() -> None:
         ({"ignore_eos": 1}, "ignore_eos", "1"),
         ({"skip_special_tokens": "yes"}, "skip_special_tokens", "'yes'"),
         ({"include_stop_str_in_output": None}, "include_stop_str_in_output", "None"),
+        ({"allowed_token_ids": []}, "allowed_token_ids", "[]"),
+        ({"allowed_token_ids": [3, -1]}, "allowed_token_ids", "-1"),
+        ({"allowed_token_ids": [True]}, "allowed_token_ids", "True"),
+        ({"allowed_token_ids": 7}, "allowed_token_ids", "7"),
+        ({"allowed_token_ids": [3], "structured_outputs": {"regex": "a"}},
+         "allowed_token_ids", "1 ids"),
+        ({"allowed_token_ids": [3], "beam_width": 2, "temperature": 0}, "allowed_token_ids",
+         "1 entries"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "0"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "-2"),
+        ({"truncate_prompt_tokens": 2.0}, "truncate_prompt_tokens", "2.0"),
     ],
 )
 def test_invalid_value_names_field_and_value(kwargs: dict, field: str, shown: str) -> None:
@@ -112,3 +123,23 @@ def test_check_for_model_rejects_stop_token_outside_vocab() -> None:
     p.check_for_model(vocab_size=101)
     with pytest.raises(ValueError, match=r"stop_token_ids .* vocab size 100, got 100"):
         p.check_for_model(vocab_size=100)
+
+
+def test_allowed_token_ids_are_sorted_without_repeats_and_checked_against_the_vocab() -> None:
+    p = SamplingParams(allowed_token_ids=[9, 3, 9, 5])
+    assert p.allowed_token_ids == (3, 5, 9)
+    p.check_for_model(vocab_size=10)
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be < the model's vocab size "
+                                         r"9, got 9"):
+        p.check_for_model(vocab_size=9)
+
+
+@pytest.mark.parametrize(("keep", "num_prompt", "max_model_len", "kept"), [
+    (None, 50, 32, 50), (5, 50, 32, 5), (5, 3, 32, 3), (-1, 50, 32, 31), (-1, 10, 32, 10)])
+def test_truncate_prompt_tokens_keeps_the_last_tokens(keep, num_prompt, max_model_len, kept):
+    from engine_service.core.request_limits import truncated_prompt
+
+    params = SamplingParams(truncate_prompt_tokens=keep)
+    assert params.prompt_tokens_kept(num_prompt, max_model_len) == kept
+    prompt = list(range(100, 100 + num_prompt))
+    assert truncated_prompt(prompt, params, max_model_len) == prompt[num_prompt - kept:]

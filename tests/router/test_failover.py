@@ -102,6 +102,35 @@ def test_a_replica_killed_mid_stream_is_invisible_to_the_client(stack, router_st
     assert all(victim not in replicas for _, replicas in results)
 
 
+def test_a_cut_prompt_goes_on_with_the_tokens_it_ran(stack, router_stub):
+    """truncate_prompt_tokens resumed elsewhere: the new replica runs the prompt the first
+    one ran (its last prompt_tokens) and the output so far; cut again with that output after
+    it, the prompt lost tokens of its own and the stream went another way."""
+    ids = prompt(13)
+    request = stream_request(ids, "cut")
+    request.sampling.truncate_prompt_tokens = 7
+
+    def tokens_of(messages) -> list[int]:
+        return [t for m in messages for c in m.choices for t in c.token_ids]
+
+    baseline = list(router_stub.GenerateStream(request, timeout=120))
+    assert baseline[-1].usage.prompt_tokens == 7
+    alone = stream_request(ids[-7:], "cut-by-hand")
+    assert tokens_of(router_stub.GenerateStream(alone, timeout=120)) == tokens_of(baseline)
+    request.request_id = "cut-survivor"
+    call = router_stub.GenerateStream(request, timeout=120)
+    messages = iter(call)
+    received = []
+    while len(tokens_of(received)) < 5:
+        received.append(next(messages))
+    victim = wait_until(lambda: busy_engine(stack), what="the replica running the stream")
+    stack.kill_engine(victim)
+    received += list(messages)
+    assert served_by(call)[0] == victim and len(served_by(call)) == 2
+    assert tokens_of(received) == tokens_of(baseline)
+    assert received[-1].usage.prompt_tokens == 7
+
+
 def test_a_constrained_stream_goes_on_inside_its_grammar(stack, router_stub):
     """A stream with structured outputs resumed elsewhere: the new replica's grammar starts
     after the output so far (resumed_tokens), so the stream is the uninterrupted one's (a

@@ -291,3 +291,23 @@ def test_a_request_that_does_not_decode_is_invalid_argument(stack):
         reply = pb.GenerateResponse.FromString(generate_raw(good.SerializeToString(),
                                                             timeout=60))
         assert reply.usage.completion_tokens == 2
+
+
+def test_a_token_prompt_past_the_context_is_cut_when_it_asks(router_stub):
+    """truncate_prompt_tokens through the router: a token-id prompt past every replica's
+    context, refused as it stands, is cut to its last tokens and runs (-1: to the longest
+    the context takes)."""
+    info = router_stub.ModelInfo(pb.ModelInfoRequest(), timeout=60)
+    ids = [100 + (i * 37) % 30000 for i in range(info.max_model_len + 20)]
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        temperature=0, max_tokens=2, ignore_eos=True))
+    with pytest.raises(grpc.RpcError) as refused:
+        router_stub.Generate(request, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    request.sampling.truncate_prompt_tokens = 6
+    cut = router_stub.Generate(request, timeout=60)
+    assert cut.usage.prompt_tokens == 6
+    request.token_ids.ids[:] = ids[-6:]
+    request.sampling.ClearField("truncate_prompt_tokens")
+    assert router_stub.Generate(request, timeout=60).completions[0].token_ids == (
+        cut.completions[0].token_ids)

@@ -1,0 +1,91 @@
+"""vLLM's allowed_token_ids and truncate_prompt_tokens over HTTP (the official openai client,
+extra_body): the output holds allowed tokens alone; a prompt is cut to its last tokens before
+it runs (token ids, text and chat; a token-id prompt past the context is cut, not refused),
+and bad values are 400s naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.http.conftest import API_KEY
+
+EOS = 2  # the tiny model's (SmolLM2's <|im_end|>)
+
+
+def context(http_engine) -> int:
+    status, models = http_engine.call(f"{http_engine.base_url}/v1/models", api_key=API_KEY,
+                                      method="GET")
+    assert status == 200
+    return models["data"][0]["max_model_len"]
+
+
+def detokenized(http_engine, ids: list[int]) -> str:
+    status, reply = http_engine.call(f"{http_engine.base_url}/detokenize",
+                                     {"model": http_engine.model, "tokens": ids}, API_KEY)
+    assert status == 200, reply
+    return reply["prompt"]
+
+
+def test_the_output_holds_only_allowed_tokens(http_engine, client):
+    reply = client.completions.create(
+        model=http_engine.model, prompt="The sky is", max_tokens=5, temperature=1.0, seed=1,
+        extra_body={"allowed_token_ids": [1234], "ignore_eos": True})
+    assert reply.choices[0].text == detokenized(http_engine, [1234] * 5)
+    chat = client.chat.completions.create(
+        model=http_engine.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+        temperature=0, extra_body={"allowed_token_ids": [1234, 1235], "ignore_eos": True})
+    assert chat.choices[0].message.content in {
+        detokenized(http_engine, list(ids)) for ids in
+        [(a, b, c) for a in (1234, 1235) for b in (1234, 1235) for c in (1234, 1235)]}
+
+
+def test_a_prompt_is_cut_to_its_last_tokens(http_engine, client):
+    ids = [(7 * i) % 30000 + 100 for i in range(context(http_engine) + 50)]  # past the context
+    cut = client.completions.create(model=http_engine.model, prompt=ids, max_tokens=4,
+                                    temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 5, "ignore_eos": True})
+    last = client.completions.create(model=http_engine.model, prompt=ids[-5:], max_tokens=4,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert cut.usage.prompt_tokens == 5 and cut.choices[0].text == last.choices[0].text
+    short = client.completions.create(model=http_engine.model, prompt="Short",
+                                      max_tokens=1).usage.prompt_tokens
+    batch = client.completions.create(model=http_engine.model, prompt=[ids, "Short"],
+                                      max_tokens=1, extra_body={"truncate_prompt_tokens": 5})
+    assert batch.usage.prompt_tokens == 5 + min(5, short)
+    text = client.completions.create(model=http_engine.model, prompt="one two three four five",
+                                     max_tokens=1, extra_body={"truncate_prompt_tokens": 3})
+    assert text.usage.prompt_tokens == 3
+
+
+def test_a_chat_past_the_context_is_cut_and_runs_to_its_end(http_engine, client):
+    """Without max_tokens a chat may run to the end of the context: counted from the cut
+    prompt (from the whole one it had room for 1 token)."""
+    long = [{"role": "user", "content": "word " * context(http_engine)}]
+    chat = client.chat.completions.create(
+        model=http_engine.model, messages=long, temperature=0,
+        extra_body={"truncate_prompt_tokens": 4, "allowed_token_ids": [1234, EOS],
+                    "logit_bias": {str(EOS): 100}, "min_tokens": 2})
+    assert chat.usage.prompt_tokens == 4
+    assert chat.choices[0].finish_reason == "stop"  # EOS once min_tokens let it
+    assert chat.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), [
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "truncate_prompt_tokens must be"),
+    ({"truncate_prompt_tokens": -5}, "truncate_prompt_tokens", "got -5"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "at least one token id"),
+    ({"allowed_token_ids": [99_999_999]}, "allowed_token_ids", "the model's vocab size"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids", "non-negative"),
+    ({"allowed_token_ids": [5], "guided_regex": "a+"}, "allowed_token_ids",
+     "must be left unset with structured_outputs"),
+])
+def test_bad_values_are_400s_naming_the_field(http_engine, extra, param, words):
+    for path, body in (("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                "content": "Hi"}]})):
+        status, reply = http_engine.call(f"{http_engine.base_url}{path}",
+                                         {"model": http_engine.model, "max_tokens": 2,
+                                          **body, **extra}, API_KEY)
+        assert status == 400, (path, reply)
+        assert reply["error"]["param"] == param, (path, reply)
+        assert words in reply["error"]["message"], (path, reply)
