@@ -219,7 +219,8 @@ class _Api:
             request_id, body.model or model.name, False, call.n, call.logprobs,
             self.backend.token_texts, self.backend.token_bytes, echo,
             first_prompt_ids=first_ids, echo_only=call.echo_only,
-            prompt_logprobs=call.prompt_logprobs))
+            prompt_logprobs=call.prompt_logprobs,
+            tokens_as_ids=bool(body.return_tokens_as_token_ids)))
 
     async def _as_token_ids(self, request: Request, call: EngineCall) -> list[int]:
         """Echo with logprobs: each text prompt tokenized (as Generate would) and sent as its
@@ -281,7 +282,8 @@ class _Api:
             self.backend.token_texts, self.backend.token_bytes,
             prompt_logprobs=call.prompt_logprobs, forced_calls=call.forced_calls,
             tool_call_parser=call.tool_call_parser, one_call=call.one_call,
-            reasoning_parser=call.reasoning_parser, reasoning_prompt_end=prompt_end))
+            reasoning_parser=call.reasoning_parser, reasoning_prompt_end=prompt_end,
+            tokens_as_ids=bool(body.return_tokens_as_token_ids)))
 
     def _model(self, name: str | None) -> ServedModel:
         """The served model `name` asks for (404 when none by that name); None asks for the

@@ -82,6 +82,9 @@ class Renderer:
     reasoning_parser: str | None = None
     # Where the rendered prompt left the thinking (reasoning_parsers.prompt_state).
     reasoning_prompt_end: str | None = None
+    # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:ID" (a chat
+    # entry's bytes are that name's), text offsets still count the text.
+    tokens_as_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     _choices: dict[int, _ChoiceState] = field(default_factory=dict)
     _echo: list[str] | None = None
@@ -378,6 +381,10 @@ class Renderer:
         ids = sorted({lp.token_id for lp in logprobs} | {t.token_id for lp in logprobs
                                                           for t in lp.top}
                      | ({prompt[0]} if prompt is not None else set()))
+        if self.tokens_as_ids and self.chat:
+            names = {t: f"token_id:{t}" for t in ids}
+            raw = {t: name.encode() for t, name in names.items()}
+            return {"content": [self._chat_token(lp, names, raw) for lp in logprobs]}
         texts = dict(zip(ids, await self.token_texts(ids), strict=True)) if ids else {}
         if self.chat:
             if self.token_bytes is not None and ids:
@@ -385,21 +392,23 @@ class Renderer:
             else:  # a partial character's bytes are lost with its text (U+FFFD)
                 raw = {t: text.encode() for t, text in texts.items()}
             return {"content": [self._chat_token(lp, texts, raw) for lp in logprobs]}
+        names = {t: f"token_id:{t}" for t in ids} if self.tokens_as_ids else texts
         state = self._state(index)
         tokens, token_logprobs, tops, offsets = [], [], [], []
         if prompt is not None:
             text = texts[prompt[0]]
-            tokens.append(text)
+            tokens.append(names[prompt[0]])
             token_logprobs.append(None)
             tops.append(None)
             offsets.append(state.text_offset)
             state.text_offset += len(text)
         for lp in logprobs:
             text = texts[lp.token_id]
-            tokens.append(text)
+            tokens.append(names[lp.token_id])
             token_logprobs.append(_finite(lp.logprob))
-            top = {texts[t.token_id]: _finite(t.logprob) for t in lp.top}
-            top.setdefault(text, _finite(lp.logprob))  # the sampled token, as OpenAI's has
+            top = {names[t.token_id]: _finite(t.logprob) for t in lp.top}
+            # the sampled token, as OpenAI's has
+            top.setdefault(names[lp.token_id], _finite(lp.logprob))
             tops.append(top)
             offsets.append(state.text_offset)
             state.text_offset += len(text)

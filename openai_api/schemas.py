@@ -31,7 +31,6 @@ UNSERVED_FIELDS: dict[str, tuple[object, ...]] = {
     "web_search_options": (), "logits_processors": (),
     "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "chat_template": (), "documents": (),
-    "return_tokens_as_token_ids": (False,),
 }
 
 
@@ -101,6 +100,8 @@ class _Sampling(_Strict):
     length_penalty: float | None = None
     allowed_token_ids: list[Int32] | None = None  # the only tokens the output may hold
     truncate_prompt_tokens: Int32 | None = None  # the prompt's last this-many tokens run
+    # Logprobs' tokens as "token_id:ID" (their ids, which text cannot always give back)
+    return_tokens_as_token_ids: bool | None = None
     # OpenAI's: token id (a JSON object's key, so a string) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs

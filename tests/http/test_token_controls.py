@@ -89,3 +89,31 @@ def test_bad_values_are_400s_naming_the_field(http_engine, extra, param, words):
         assert status == 400, (path, reply)
         assert reply["error"]["param"] == param, (path, reply)
         assert words in reply["error"]["message"], (path, reply)
+
+
+def test_logprobs_name_tokens_by_id_when_asked(http_engine, client):
+    """vLLM's return_tokens_as_token_ids: "token_id:ID" for each token and its alternatives
+    (a chat entry's bytes are that name's), whole and streamed; echo's prompt tokens too."""
+    named = "token_id:1234"
+    ask = {"allowed_token_ids": [1234], "ignore_eos": True, "return_tokens_as_token_ids": True}
+    reply = client.completions.create(model=http_engine.model, prompt=[5, 6, 7], max_tokens=3,
+                                      logprobs=2, echo=True, extra_body=ask)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs.tokens == ["token_id:5", "token_id:6", "token_id:7", named, named, named]
+    assert all(key.startswith("token_id:") for top in logprobs.top_logprobs[1:] for key in top)
+    # Offsets still count the text: the choice's text is what they index.
+    text = reply.choices[0].text
+    assert logprobs.text_offset[-1] == len(text) - len(detokenized(http_engine, [1234]))
+    chat = {"model": http_engine.model, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2, "logprobs": True, "top_logprobs": 2, "extra_body": ask}
+    whole = client.chat.completions.create(**chat).choices[0].logprobs.content
+    streamed = [entry for chunk in client.chat.completions.create(**chat, stream=True)
+                for choice in chunk.choices if choice.logprobs
+                for entry in choice.logprobs.content]
+    for entries in (whole, streamed):
+        assert [e.token for e in entries] == [named, named]
+        assert all(e.bytes == list(named.encode()) for e in entries)
+        assert all(t.token.startswith("token_id:") for e in entries for t in e.top_logprobs)
+    plain = client.completions.create(model=http_engine.model, prompt=[5, 6, 7], max_tokens=1,
+                                      logprobs=0, extra_body={"allowed_token_ids": [1234]})
+    assert plain.choices[0].logprobs.tokens == [detokenized(http_engine, [1234])]
