@@ -204,6 +204,8 @@ class LLM:
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
             token_ids, text = self._token_ids(prompt)
             token_ids = truncated_prompt(token_ids, params, engine.max_model_len)
+            if engine.tokenizer is not None:
+                params.tokenize_bad_words(engine.tokenizer)
             engine.validate_request(token_ids, params)
             salt = prompt.get("cache_salt", cache_salt) if isinstance(prompt, dict) else cache_salt
             requests.append(

@@ -99,6 +99,7 @@ class _Sampling(_Strict):
     prompt_logprobs: Int32 | None = None
     length_penalty: float | None = None
     allowed_token_ids: list[Int32] | None = None  # the only tokens the output may hold
+    bad_words: list[str] | None = None  # words the output must not write
     truncate_prompt_tokens: Int32 | None = None  # the prompt's last this-many tokens run
     # Logprobs' tokens as "token_id:ID" (their ids, which text cannot always give back)
     return_tokens_as_token_ids: bool | None = None

@@ -301,6 +301,8 @@ def _set_sampling(s: pb.SamplingParams, req: _Sampling, max_tokens: int | None,
             raise bad_request("allowed_token_ids", "allowed_token_ids must hold at least one "
                                                    "token id (unset: any token), got []")
         s.allowed_token_ids.extend(req.allowed_token_ids)
+    if req.bad_words:
+        s.bad_words.extend(req.bad_words)
     if req.use_beam_search:  # vLLM's: n beams, the n best returned
         s.beam_width = s.n if s.HasField("n") else 1
     return _set_structured_outputs(s.structured_outputs, req)

@@ -210,6 +210,8 @@ class LLMEngine:
                 "request_id", f"request_id must be unique among live requests, got {request_id!r}"
             )
         prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.max_model_len)
+        if self.tokenizer is not None:
+            params.tokenize_bad_words(self.tokenizer)
         self.validate_request(prompt_token_ids, params)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
@@ -226,7 +228,8 @@ class LLMEngine:
             plain_greedy=(params.is_greedy and not params.has_penalties
                           and params.logprobs is None and not params.min_tokens
                           and not params.logit_bias and grammar is None
-                          and params.allowed_token_ids is None),
+                          and params.allowed_token_ids is None
+                          and not params.bad_words_token_ids),
             grammar=grammar,
         )
         if params.use_beam_search:

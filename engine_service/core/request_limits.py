@@ -89,6 +89,10 @@ class RequestLimits:
                 "stop", f"stop must be empty when the engine has no tokenizer "
                 f"(skip_tokenizer_init), got {params.stop!r}: use stop_token_ids"
             )
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise InvalidRequestError(
+                "bad_words", f"bad_words must be empty when the engine has no tokenizer "
+                f"(skip_tokenizer_init), got {len(params.bad_words)} words: use logit_bias")
         if not self.has_tokenizer and params.structured_outputs is not None:
             raise InvalidRequestError(
                 "structured_outputs", "structured_outputs must be unset when the engine has no "

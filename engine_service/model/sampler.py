@@ -7,7 +7,8 @@ Order of operations per row, as in vLLM:
   3. penalties: repetition over prompt + output tokens, presence/frequency over output tokens
      (from per-sequence counts kept on the device and updated with each sampled token,
      `TokenCounts`: a step never rebuilds them from the token lists);
-  4. allowed_token_ids: every other token of the row masked to -inf (vLLM's);
+  4. allowed_token_ids: every other token of the row masked to -inf (vLLM's); bad_words: the
+     token that would complete one after the output so far masked to -inf (vLLM's);
   5. structured outputs: a constrained row's tokens are masked to -inf unless its grammar
      allows them next (its matcher's bitmask, model/grammar.py);
   6. min_tokens: while the output is shorter, stop_token_ids and EOS are masked to -inf. With
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine_service.model.bad_words import banned_next
 from engine_service.model.sampling_params import SamplingParams
 from engine_service.model.token_logprobs import TokenLogprobs
 
@@ -238,6 +240,20 @@ def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int
     logits.index_put_((row_of, columns), logits[row_of, columns] + torch.cat(biases))
 
 
+def _mask_bad_words(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
+    """Rows idx's bad words cut at their last token, in place: each token that would complete
+    one after the row's output so far is masked (a one-token word always)."""
+    row_idx: list[int] = []
+    col_idx: list[int] = []
+    for i in idx:
+        row = rows[i]
+        banned = banned_next(row.params.bad_words_token_ids, row.output_token_ids)
+        row_idx += [i] * len(banned)
+        col_idx += banned
+    if col_idx:
+        logits[row_idx, col_idx] = -math.inf
+
+
 def _min_tokens_active(row: SamplingRow) -> bool:
     return len(row.output_token_ids) < row.params.min_tokens
 
@@ -283,6 +299,7 @@ class Sampler:
         min_tokens: list[int] = []
         biased: list[int] = []
         restricted: list[int] = []
+        worded: list[int] = []
         constrained: list[int] = []
         for i, r in enumerate(rows):
             params = r.params
@@ -292,6 +309,8 @@ class Sampler:
                 biased.append(i)
             if params.allowed_token_ids is not None:
                 restricted.append(i)
+            if params.bad_words_token_ids:
+                worded.append(i)
             if r.matcher is not None:
                 constrained.append(i)
             if params.has_penalties:
@@ -301,7 +320,7 @@ class Sampler:
             if not params.is_greedy:
                 all_greedy = False
         slots = None
-        if penalized or min_tokens or biased or restricted or constrained:
+        if penalized or min_tokens or biased or restricted or worded or constrained:
             # Never modify the caller's logits (raw logprobs need them); contiguous for view(-1).
             processed = raw.clone(memory_format=torch.contiguous_format)
             if biased:
@@ -311,6 +330,8 @@ class Sampler:
                 self._apply_penalties(processed, rows, penalized, slots[0])
             if restricted:
                 min_tokens = self._mask_to_allowed(processed, rows, restricted, min_tokens)
+            if worded:
+                _mask_bad_words(processed, rows, worded)
             if constrained:
                 min_tokens = self._mask_to_grammar(processed, rows, constrained, min_tokens)
             if min_tokens:

@@ -3,6 +3,7 @@
 import math
 from dataclasses import dataclass
 
+from engine_service.model.bad_words import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, bad_words_token_ids
 from engine_service.model.structured_outputs import StructuredOutputsParams
 
 MAX_N = 64  # parallel samples per request: each one holds its own KV blocks once it diverges
@@ -96,6 +97,11 @@ class SamplingParams:
     # vLLM's: the prompt cut to its last this-many tokens before it runs (left truncation);
     # -1: to the longest prompt the context takes (max_model_len - 1). None: not cut.
     truncate_prompt_tokens: int | None = None
+    # vLLM's: words the output must not write (model/bad_words.py), at most 128 of up to 256
+    # characters; normalized to a tuple. Their token ids are made by the tokenizer's side
+    # (tokenize_bad_words); an engine without a tokenizer refuses them.
+    bad_words: tuple[str, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         self.verify()
@@ -162,6 +168,13 @@ class SamplingParams:
                     raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
         self.logit_bias = self._normalized_logit_bias(self.logit_bias)
         self.allowed_token_ids = self._normalized_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = self._normalized_bad_words(self.bad_words)
+        self.bad_words_token_ids = self._normalized_word_ids(self.bad_words_token_ids)
+        if (self.bad_words or self.bad_words_token_ids) and self.allowed_token_ids is not None:
+            # Both leave tokens out: together they could leave a step none.
+            raise ValueError("bad_words must be left unset with allowed_token_ids (leave "
+                             "those tokens out of allowed_token_ids), got "
+                             f"{len(self.bad_words or self.bad_words_token_ids)} words")
         if self.truncate_prompt_tokens is not None:
             keep = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens,
                               ">= 1, -1 for the context's longest prompt, or None")
@@ -185,6 +198,10 @@ class SamplingParams:
         if not isinstance(spec, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, a dict "
                              f"or None, got {type(spec).__name__}")
+        if self.bad_words or self.bad_words_token_ids:
+            raise ValueError(f"bad_words must be left unset with structured_outputs (the "
+                             f"constraint says which tokens may come), got "
+                             f"{len(self.bad_words or self.bad_words_token_ids)} words")
         if self.allowed_token_ids is not None:
             # Two masks that need not meet: a step could be left with no token at all.
             raise ValueError(f"allowed_token_ids must be left unset with structured_outputs "
@@ -233,12 +250,14 @@ class SamplingParams:
             "logit_bias": bool(self.logit_bias),
             "structured_outputs": self.structured_outputs is not None,
             "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words or self.bad_words_token_ids),
         }
         for name, is_set in refused.items():
             if is_set:
                 value = getattr(self, name)
                 # A map or a schema may be long: its size or its kind says enough.
-                shown = (f"{len(value)} entries" if name in ("logit_bias", "allowed_token_ids")
+                shown = (f"{len(value or ())} entries"
+                         if name in ("logit_bias", "allowed_token_ids", "bad_words")
                          else f"a {value.kind} constraint" if name == "structured_outputs"
                          else repr(value))
                 hint = " (use stop_token_ids to stop)" if name == "stop" else ""
@@ -320,6 +339,41 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids must be non-negative ints, got {i!r}")
         return tuple(sorted(set(ids)))
 
+    @staticmethod
+    def _normalized_bad_words(words: object) -> tuple[str, ...] | None:
+        if words is None:
+            return None
+        if isinstance(words, str) or not isinstance(words, list | tuple):
+            raise ValueError(f"bad_words must be a list of strings or None, got {words!r}")
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words must hold at most {MAX_BAD_WORDS} words, "
+                             f"got {len(words)}")
+        for word in words:
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words must hold strings with a non-space character, "
+                                 f"got {word!r}")
+            if len(word) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"bad_words must hold words of at most {MAX_BAD_WORD_CHARS} "
+                                 f"characters, got one of {len(word)}")
+        return tuple(words) or None
+
+    @staticmethod
+    def _normalized_word_ids(words: object) -> tuple[tuple[int, ...], ...] | None:
+        if words is None:
+            return None
+        if not isinstance(words, list | tuple) or len(words) > 2 * MAX_BAD_WORDS or not all(
+                isinstance(w, list | tuple) and w and all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in w)
+                for w in words):
+            raise ValueError(f"bad_words_token_ids must be at most {2 * MAX_BAD_WORDS} "
+                             f"non-empty lists of token ids, got {str(words)[:80]}")
+        return tuple(tuple(w) for w in words)
+
+    def tokenize_bad_words(self, tokenizer) -> None:
+        """bad_words_token_ids made from bad_words with the model's tokenizer (once)."""
+        if self.bad_words and self.bad_words_token_ids is None:
+            self.bad_words_token_ids = bad_words_token_ids(tokenizer, self.bad_words)
+
     def prompt_tokens_kept(self, num_prompt_tokens: int, max_model_len: int) -> int:
         """How many of a prompt's tokens run (its last ones): truncate_prompt_tokens'."""
         keep = self.truncate_prompt_tokens
@@ -367,6 +421,11 @@ class SamplingParams:
             raise ModelFieldError(
                 "allowed_token_ids", f"allowed_token_ids must be < the model's vocab size "
                 f"{vocab_size}, got {self.allowed_token_ids[-1]}")
+        for word in self.bad_words_token_ids or ():
+            if max(word) >= vocab_size:
+                raise ModelFieldError(
+                    "bad_words", f"bad_words must tokenize to ids < the model's vocab size "
+                    f"{vocab_size}, got {max(word)}")
         for i in self.logit_bias:
             if i >= vocab_size:
                 raise ModelFieldError("logit_bias",

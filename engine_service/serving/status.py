@@ -40,6 +40,7 @@ SAMPLING_FIELDS = frozenset({
     "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output",
     "skip_special_tokens", "beam_width", "length_penalty", "early_stopping", "logit_bias",
     "structured_outputs", "prompt_logprobs", "allowed_token_ids", "truncate_prompt_tokens",
+    "bad_words",
 })
 
 

@@ -268,6 +268,8 @@ class RequestValidator:
             kwargs["logit_bias"] = dict(msg.logit_bias)
         if msg.allowed_token_ids:
             kwargs["allowed_token_ids"] = list(msg.allowed_token_ids)
+        if msg.bad_words:
+            kwargs["bad_words"] = list(msg.bad_words)
         if msg.HasField("structured_outputs"):
             kwargs["structured_outputs"] = _structured_outputs(msg.structured_outputs)
         if msg.early_stopping not in EARLY_STOPPING:
@@ -284,6 +286,8 @@ class RequestValidator:
         except ValueError as error:
             # SamplingParams names the field in its message already.
             raise _invalid(f"sampling.{error}") from None
+        if params.bad_words and self.tokenizer is not None:
+            params.tokenize_bad_words(self.tokenizer)  # (short: at most 128 x 256 chars)
         return params
 
     # ---- other RPCs -------------------------------------------------------------------------

@@ -76,3 +76,19 @@ def test_allowed_token_ids_hold_the_output_beside_plain_greedy_rows(llm):
     assert set(got[0]) <= set(few) and set(got[2]) <= set(few)
     assert got[1] == alone[1]
     assert got[3] == alone[0]
+
+
+def test_bad_words_are_never_written(llm):
+    """A word the model writes greedily, banned: the output holds none of its tokenizations
+    (written alone, or after a space), and goes another way from the first of them."""
+    tokenizer = llm.get_tokenizer()
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = _tokens(llm, PROMPTS, [plain] * 3)
+    word = tokenizer.decode([alone[0][0]])
+    banned = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word])
+    got = _tokens(llm, PROMPTS, [banned, plain, plain])
+    assert banned.bad_words_token_ids  # tokenized by the offline API
+    for ids in banned.bad_words_token_ids:
+        assert not any(tuple(got[0][i:i + len(ids)]) == ids for i in range(len(got[0])))
+    assert got[0][0] != alone[0][0]
+    assert got[1:] == alone[1:]

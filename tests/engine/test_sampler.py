@@ -297,3 +297,30 @@ def test_min_tokens_holds_back_allowed_stops_unless_only_stops_are_allowed() -> 
                                stop_token_ids=[9])),
             row(SamplingParams(temperature=1.0, min_tokens=4, allowed_token_ids=[EOS]))]
     assert Sampler(20, {EOS})(logits, rows).token_ids == [7, EOS, EOS]
+
+
+def test_bad_words_ban_one_token_words_always_and_longer_ones_at_their_last_token() -> None:
+    logits = torch.zeros(3, 20)
+    logits[:, 7] = 5.0  # every row's favourite
+    logits[:, 8] = 4.0
+    words = ((7,), (3, 4, 8))
+
+    def params() -> SamplingParams:
+        return SamplingParams(temperature=0, bad_words_token_ids=words)
+
+    rows = [row(params()),  # 7 banned: 8 next
+            row(params(), output=[1, 3]),  # "3 4" not yet written: 8 stays
+            row(params(), output=[3, 4])]  # 8 would complete "3 4 8"
+    logits[2, 7] = -1.0
+    assert Sampler(20, {EOS})(logits, rows).token_ids == [8, 8, 0]
+
+
+def test_bad_words_tokenize_as_the_model_writes_them(tiny_llama_dir) -> None:
+    from transformers import AutoTokenizer
+
+    from engine_service.model.bad_words import bad_words_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ids = bad_words_token_ids(tokenizer, ["Paris is", "  hello", "hello"])
+    texts = [tokenizer.decode(list(word)) for word in ids]
+    assert texts == ["Paris is", " Paris is", "hello", " hello"]  # alone, after a space

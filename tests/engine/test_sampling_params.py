@@ -108,6 +108,14 @@ def test_valid_edges_are_accepted() -> None:
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "0"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "-2"),
         ({"truncate_prompt_tokens": 2.0}, "truncate_prompt_tokens", "2.0"),
+        ({"bad_words": "word"}, "bad_words", "'word'"),
+        ({"bad_words": ["ok", " "]}, "bad_words", "' '"),
+        ({"bad_words": ["w"] * 129}, "bad_words", "129"),
+        ({"bad_words": ["x" * 257]}, "bad_words", "257"),
+        ({"bad_words": ["w"], "allowed_token_ids": [3]}, "bad_words", "1 words"),
+        ({"bad_words": ["w"], "structured_outputs": {"regex": "a"}}, "bad_words", "1 words"),
+        ({"bad_words": ["w"], "beam_width": 2, "temperature": 0}, "bad_words", "1 entries"),
+        ({"bad_words_token_ids": [[1], []]}, "bad_words_token_ids", "[[1], []]"),
     ],
 )
 def test_invalid_value_names_field_and_value(kwargs: dict, field: str, shown: str) -> None:

@@ -117,3 +117,33 @@ def test_logprobs_name_tokens_by_id_when_asked(http_engine, client):
     plain = client.completions.create(model=http_engine.model, prompt=[5, 6, 7], max_tokens=1,
                                       logprobs=0, extra_body={"allowed_token_ids": [1234]})
     assert plain.choices[0].logprobs.tokens == [detokenized(http_engine, [1234])]
+
+
+def test_bad_words_are_never_written(http_engine, client):
+    """A token forced by logit_bias, banned as a word: the output writes it nowhere, over
+    gRPC's wire (the HTTP front's) with the words tokenized by the engine's front."""
+    word = detokenized(http_engine, [1234])
+    forced = {"logit_bias": {"1234": 100}, "ignore_eos": True}
+    assert client.completions.create(model=http_engine.model, prompt="Hi", max_tokens=3,
+                                     temperature=0, extra_body=forced
+                                     ).choices[0].text == word * 3
+    banned = client.completions.create(model=http_engine.model, prompt="Hi", max_tokens=3,
+                                       temperature=0, logprobs=0,
+                                       extra_body={**forced, "bad_words": [word],
+                                                   "return_tokens_as_token_ids": True})
+    assert "token_id:1234" not in banned.choices[0].logprobs.tokens
+    assert len(banned.choices[0].logprobs.tokens) == 3
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    ({"bad_words": [" "]}, "non-space character"),
+    ({"bad_words": ["w"] * 129}, "at most 128 words, got 129"),
+    ({"bad_words": ["w"], "guided_regex": "a+"}, "must be left unset with structured_outputs"),
+    ({"bad_words": ["w"], "allowed_token_ids": [5]}, "must be left unset with allowed_token"),
+])
+def test_bad_words_refused_name_the_field(http_engine, extra, words):
+    status, reply = http_engine.call(f"{http_engine.base_url}/v1/completions",
+                                     {"model": http_engine.model, "prompt": "Hi",
+                                      "max_tokens": 2, **extra}, API_KEY)
+    assert status == 400 and reply["error"]["param"] == "bad_words", reply
+    assert words in reply["error"]["message"], reply
