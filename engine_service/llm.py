@@ -203,7 +203,7 @@ class LLM:
         requests = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
             token_ids, text = self._token_ids(prompt)
-            token_ids = truncated_prompt(token_ids, params, engine.max_model_len)
+            token_ids = truncated_prompt(token_ids, params, engine.limits.longest_prompt)
             if engine.tokenizer is not None:
                 params.tokenize_bad_words(engine.tokenizer)
             engine.validate_request(token_ids, params)

@@ -36,7 +36,7 @@ from openai_api.call_context import CallAborted, HttpCallContext, StreamCalls
 from openai_api.disconnect import ClientGone, EventStream, unless_disconnected
 from openai_api.errors import ApiError, from_status
 from openai_api.from_engine import Renderer
-from openai_api.reasoning_parsers import prompt_state
+from openai_api.reasoning_parsers import continued_state, prompt_state
 from openai_api.to_engine import (
     CHAT_TURN_NAMES,
     EngineCall,
@@ -214,7 +214,14 @@ class _Api:
         call = completion_call(body, request_id, model.prompt_context)
         echo = None if call.echo_prompts is None else functools.partial(
             self._prompt_texts, request, call)
-        first_ids = await self._as_token_ids(request, call) if call.scores_prompt else None
+        kept = kept_tokens(body.truncate_prompt_tokens, model.max_model_len)
+        first_ids = None
+        if call.scores_prompt or (echo is not None and kept is not None):
+            first_ids = await self._as_token_ids(request, call, kept)
+            if echo is not None and kept is not None:  # what ran: a cut prompt's kept tokens
+                call.echo_prompts = [list(wire.token_ids.ids) for wire in call.requests]
+            if not call.scores_prompt:
+                first_ids = None
         return await self._answer(request, call, Renderer(
             request_id, body.model or model.name, False, call.n, call.logprobs,
             self.backend.token_texts, self.backend.token_bytes, echo,
@@ -222,10 +229,12 @@ class _Api:
             prompt_logprobs=call.prompt_logprobs,
             tokens_as_ids=bool(body.return_tokens_as_token_ids)))
 
-    async def _as_token_ids(self, request: Request, call: EngineCall) -> list[int]:
-        """Echo with logprobs: each text prompt tokenized (as Generate would) and sent as its
-        token ids, so it is tokenized once; each prompt's first token id (its logprob entry
-        leads, and only the tokens tell it)."""
+    async def _as_token_ids(self, request: Request, call: EngineCall, kept: int | None = None
+                            ) -> list[int]:
+        """Echo with logprobs (or a cut prompt echoed): each text prompt tokenized (as
+        Generate would), cut to its last `kept` tokens (truncate_prompt_tokens), and sent as
+        its token ids, so it is tokenized once; each prompt's first token id (its logprob
+        entry leads, and only the tokens tell it)."""
         texts = [(wire, names) for wire, names in zip(call.requests, call.field_names,
                                                       strict=True)
                  if wire.WhichOneof("input") == "text"]
@@ -233,7 +242,8 @@ class _Api:
             self._unary("Tokenize", pb.TokenizeRequest(text=wire.text), names, _caller(request))
             for wire, names in texts)
         for (wire, _), reply in zip(texts, replies, strict=True):
-            wire.token_ids.ids[:] = reply.token_ids  # replaces the text (the oneof)
+            ids = list(reply.token_ids)
+            wire.token_ids.ids[:] = ids if kept is None else ids[-kept:]  # replaces the text
         # An empty id list ([[]]) is Generate's to refuse, which it does before anything is
         # rendered: its placeholder is never read.
         return [wire.token_ids.ids[0] if wire.token_ids.ids else -1 for wire in call.requests]
@@ -263,6 +273,9 @@ class _Api:
         prompt_end = None
         if call.to_end_of_context or call.reasoning_parser is not None:
             wire = call.requests[0]
+            # (read now: rest_of_context replaces the chat with its tokens)
+            continued = (wire.chat.messages[-1].content if wire.chat.continue_final_message
+                         else None)
             reply = await self._unary("Tokenize", pb.TokenizeRequest(chat=wire.chat),
                                       call.field_names[0], _caller(request))
             if call.to_end_of_context:
@@ -275,6 +288,8 @@ class _Api:
                 # off): the reply starts where the prompt left it. (Held to a schema from
                 # its first token, an output does not start inside the thinking.)
                 prompt_end = prompt_state(reply.prompt)
+                if continued is not None:  # its own tags say, not the template's
+                    prompt_end = continued_state(continued) or prompt_end
                 if prompt_end == "open" and call.constrained:
                     prompt_end = None
         return await self._answer(request, call, Renderer(

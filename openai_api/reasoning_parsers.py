@@ -137,6 +137,18 @@ def prompt_state(prompt: str) -> str | None:
     return None
 
 
+def continued_state(content: str) -> str | None:
+    """Where a message the model continues (continue_final_message) leaves the thinking:
+    "open" when its last <think> is not closed after it ("<think>Let me"), "closed" when a
+    </think> is its last tag, else None (the rendered prompt says)."""
+    start, end = content.rfind(START), content.rfind(END)
+    if start > end:
+        return "open"
+    if end >= 0:
+        return "closed"
+    return None
+
+
 # The parser for an output held to a schema or grammar from its first token, whichever the
 # server's: one that looks for <think> (JSON has none: all answer) rather than assume the
 # prompt opened it.

@@ -396,6 +396,12 @@ def _field_names(prompt: str, max_tokens: str, logprobs: str,
     return names
 
 
+# A token-id prompt that truncate_prompt_tokens cuts may hold this many contexts of ids: each
+# is checked before the cut (a malformed body is refused whatever is kept), and a body of
+# millions held the event loop for seconds.
+MAX_CUT_PROMPT_CONTEXTS = 16
+
+
 def kept_tokens(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
     """How many of a token-id prompt's last ids truncate_prompt_tokens keeps (None: all, or
     not known here: a value the engine refuses, or -1 with no context known yet)."""
@@ -421,7 +427,7 @@ def _prompts(prompt: object, max_model_len: int, kept: int | None = None
     if not isinstance(prompt, list) or not prompt:
         raise bad_request("prompt", f"prompt must be {allowed}, got {_json(prompt)}")
     if _is_int(prompt[0]):  # token ids (a list of prompts starts with a string or a list)
-        if kept is not None:
+        if kept is not None and _cut_ids_checked("prompt", prompt, max_model_len):
             prompt = prompt[-kept:]
         check_token_count("prompt", prompt, max_model_len)
         if all(_is_int(t) for t in prompt):
@@ -429,8 +435,9 @@ def _prompts(prompt: object, max_model_len: int, kept: int | None = None
     if len(prompt) > MAX_PROMPTS:
         raise bad_request("prompt", f"prompt must hold at most {MAX_PROMPTS} prompts, got "
                                     f"{len(prompt)}")
-    prompt = [item[-kept:] if kept is not None and isinstance(item, list) else item
-              for item in prompt]
+    prompt = [item[-kept:] if kept is not None and isinstance(item, list)
+              and _cut_ids_checked(f"prompt[{i}]", item, max_model_len) else item
+              for i, item in enumerate(prompt)]
     for i, item in enumerate(prompt):
         if isinstance(item, list):
             check_token_count(f"prompt[{i}]", item, max_model_len)
@@ -439,6 +446,18 @@ def _prompts(prompt: object, max_model_len: int, kept: int | None = None
             raise bad_request(f"prompt[{i}]", f"prompt[{i}] must be a string or a list of "
                                               f"token ids, got {_json(item)}")
     return list(prompt), True
+
+
+def _cut_ids_checked(where: str, ids: list, max_model_len: int) -> bool:
+    """Whether a token-id prompt may be cut: at most MAX_CUT_PROMPT_CONTEXTS contexts of ids
+    (a 400 past them), each a token id >= 0 (False: the checks after the cut refuse it whole).
+    Whether a cut-off id is in the vocabulary is not asked: the engine checks those it runs."""
+    limit = MAX_CUT_PROMPT_CONTEXTS * max_model_len
+    if max_model_len and len(ids) > limit:
+        raise bad_request(where, f"{where} must be at most {limit} tokens "
+                                 f"({MAX_CUT_PROMPT_CONTEXTS} contexts) to be cut by "
+                                 f"truncate_prompt_tokens, got {len(ids)} tokens")
+    return all(_is_int(t) and t >= 0 for t in ids)
 
 
 def check_token_count(where: str, ids: list, max_model_len: int,

@@ -209,7 +209,7 @@ class LLMEngine:
             raise DuplicateRequestError(
                 "request_id", f"request_id must be unique among live requests, got {request_id!r}"
             )
-        prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.max_model_len)
+        prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.limits.longest_prompt)
         if self.tokenizer is not None:
             params.tokenize_bad_words(self.tokenizer)
         self.validate_request(prompt_token_ids, params)
@@ -231,6 +231,7 @@ class LLMEngine:
                           and params.allowed_token_ids is None
                           and not params.bad_words_token_ids),
             grammar=grammar,
+            only_stops_allowed=params.only_stops_allowed(self.eos_token_ids),
         )
         if params.use_beam_search:
             # Beams stream nothing (the best ones are known only at the end): no detokenizer.
@@ -629,7 +630,7 @@ class LLMEngine:
         reason = None
         stop_reason = None
         num_out = seq.num_output_tokens
-        if num_out >= params.min_tokens:
+        if num_out >= params.min_tokens or group.only_stops_allowed:
             if not params.ignore_eos and token in self.eos_token_ids:
                 reason = "stop"
             elif token in params.stop_token_ids:

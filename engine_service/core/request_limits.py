@@ -29,9 +29,10 @@ def max_abs_length_penalty(max_new_tokens: int) -> float:
 
 
 def truncated_prompt(prompt_token_ids: list[int], params: SamplingParams,
-                     max_model_len: int) -> list[int]:
-    """The prompt's tokens that run: its last truncate_prompt_tokens (all of them unset)."""
-    kept = params.prompt_tokens_kept(len(prompt_token_ids), max_model_len)
+                     longest_prompt: int) -> list[int]:
+    """The prompt's tokens that run: its last truncate_prompt_tokens (all of them unset;
+    -1: `longest_prompt`, RequestLimits.longest_prompt)."""
+    kept = params.prompt_tokens_kept(len(prompt_token_ids), longest_prompt)
     if kept == len(prompt_token_ids):
         return prompt_token_ids
     return list(prompt_token_ids[len(prompt_token_ids) - kept:])
@@ -51,6 +52,12 @@ class RequestLimits:
     def max_beam_width(self) -> int:
         """The widest beam search this engine runs: all beams step in one forward."""
         return min(MAX_BEAM_WIDTH, self.max_num_seqs, self.max_num_batched_tokens)
+
+    @property
+    def longest_prompt(self) -> int:
+        """The most prompt tokens a request may run: its context, and the KV pool, less one
+        token for the output."""
+        return min(self.max_model_len, self.num_blocks * self.block_size) - 1
 
     def blocks_for_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The most blocks the request's group ever holds: its sequences (n samples or

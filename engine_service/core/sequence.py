@@ -155,6 +155,9 @@ class SequenceGroup:
     pin_prefill: bool = False
     # Structured outputs: the request's compiled grammar (each sequence has a matcher of it).
     grammar: object | None = None
+    # Every token allowed_token_ids allows stops the output: min_tokens cannot hold them back
+    # (the sampler lets them through), so the first one ends it.
+    only_stops_allowed: bool = False
     # params.prompt_logprobs set: a TokenLogprobs per prompt token scored so far, None first
     # (nothing comes before it); sent once, in the first output after it is whole.
     prompt_logprobs: list | None = None

@@ -478,12 +478,9 @@ class Sampler:
             row = rows[i]
             if row.allowed is None:
                 params = row.params
-                stops = set(params.stop_token_ids)
-                if not params.ignore_eos:
-                    stops |= self.eos_token_ids
-                ids = params.allowed_token_ids
-                row.allowed = (torch.tensor(ids, dtype=torch.long, device=device),
-                               stops.issuperset(ids))
+                row.allowed = (torch.tensor(params.allowed_token_ids, dtype=torch.long,
+                                            device=device),
+                               params.only_stops_allowed(self.eos_token_ids))
             columns.append(row.allowed[0])
             counts.append(len(row.allowed[0]))
             if row.allowed[1]:

@@ -14,6 +14,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # the detokenizer holds back (longest stop - 1) chars per step
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias: each is a scatter into its row every step
+# allowed_token_ids' entries: a whole vocabulary of the largest (Gemma's 262,144); the wire's
+# message limit grows by them (serving/connection_limits.py).
+MAX_ALLOWED_TOKEN_IDS = 262_144
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias is in [-100, 100]
 MIN_SEED = -(2**63)  # the range torch.Generator.manual_seed accepts
 MAX_SEED = 2**64 - 1
@@ -95,7 +98,8 @@ class SamplingParams:
     # the model's vocabulary. Normalized to a sorted tuple without repeats.
     allowed_token_ids: tuple[int, ...] | None = None
     # vLLM's: the prompt cut to its last this-many tokens before it runs (left truncation);
-    # -1: to the longest prompt the context takes (max_model_len - 1). None: not cut.
+    # -1: to the longest prompt the engine takes (its context, and its KV pool, less one token
+    # for the output). None: not cut.
     truncate_prompt_tokens: int | None = None
     # vLLM's: words the output must not write (model/bad_words.py), at most 128 of up to 256
     # characters; normalized to a tuple. Their token ids are made by the tokenizer's side
@@ -334,6 +338,9 @@ class SamplingParams:
         if not ids:
             raise ValueError("allowed_token_ids must hold at least one token id (None: any "
                              "token), got []")
+        if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"allowed_token_ids must hold at most {MAX_ALLOWED_TOKEN_IDS} ids, "
+                             f"got {len(ids)}")
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0:
                 raise ValueError(f"allowed_token_ids must be non-negative ints, got {i!r}")
@@ -369,18 +376,29 @@ class SamplingParams:
                              f"non-empty lists of token ids, got {str(words)[:80]}")
         return tuple(tuple(w) for w in words)
 
+    def only_stops_allowed(self, eos_token_ids: frozenset[int] | set[int]) -> bool:
+        """Whether every token allowed_token_ids allows would stop the output (EOS, unless
+        ignored, and stop_token_ids)."""
+        if self.allowed_token_ids is None:
+            return False
+        stops = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            stops |= eos_token_ids
+        return stops.issuperset(self.allowed_token_ids)
+
     def tokenize_bad_words(self, tokenizer) -> None:
         """bad_words_token_ids made from bad_words with the model's tokenizer (once)."""
         if self.bad_words and self.bad_words_token_ids is None:
             self.bad_words_token_ids = bad_words_token_ids(tokenizer, self.bad_words)
 
-    def prompt_tokens_kept(self, num_prompt_tokens: int, max_model_len: int) -> int:
-        """How many of a prompt's tokens run (its last ones): truncate_prompt_tokens'."""
+    def prompt_tokens_kept(self, num_prompt_tokens: int, longest_prompt: int) -> int:
+        """How many of a prompt's tokens run (its last ones): truncate_prompt_tokens';
+        `longest_prompt`: the most the engine takes (RequestLimits.longest_prompt), -1's."""
         keep = self.truncate_prompt_tokens
         if keep is None:
             return num_prompt_tokens
         if keep == -1:
-            keep = max_model_len - 1
+            keep = longest_prompt
         return min(num_prompt_tokens, keep)
 
     @property

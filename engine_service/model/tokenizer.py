@@ -100,8 +100,8 @@ def render_chat(tokenizer, conversation: list[dict], tools: list[dict] | None = 
         if continue_final_message and "continue_final_message" in str(error):
             raise FinalMessageError(
                 "continue_final_message needs the last message's content, whole, in the chat "
-                "the model's template writes, and this template leaves it out or changes it "
-                "(or the message has no content)") from None
+                "the model's template writes, and this template leaves it out or changes "
+                "it") from None
         raise
 
 

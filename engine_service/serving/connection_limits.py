@@ -3,11 +3,15 @@ computed from the context it serves (prefix_index/tools/server_options.py applie
 
 from __future__ import annotations
 
-from engine_service.model.sampling_params import MAX_LOGPROBS, MAX_N
+from engine_service.model.bad_words import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS
+from engine_service.model.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_LOGPROBS, MAX_N
 from engine_service.serving.validation import CHARS_PER_CONTEXT_TOKEN, MAX_CHAT_MESSAGES
 from prefix_index.tools.server_options import (
     DEFAULT_MAX_CONNECTION_IDLE_S,
+    FIELD_PREFIX_BYTES,
     GENERATION_REQUEST_FIXED_BYTES,
+    INT32_BYTES,
+    UTF8_MAX_BYTES_PER_CHAR,
     ConnectionLimits,
     capped,
     default_max_connections,
@@ -15,6 +19,10 @@ from prefix_index.tools.server_options import (
     prompt_message_bytes,
 )
 
+# sampling.allowed_token_ids (packed varints) and bad_words at their largest.
+TOKEN_LISTS_BYTES = (FIELD_PREFIX_BYTES + MAX_ALLOWED_TOKEN_IDS * INT32_BYTES
+                     + MAX_BAD_WORDS * (FIELD_PREFIX_BYTES
+                                        + UTF8_MAX_BYTES_PER_CHAR * MAX_BAD_WORD_CHARS))
 # Calls beside generation a client may hold open on one connection with its generations:
 # Abort, EngineStats, Tokenize, health checks, a router's polls.
 SIDE_CALLS = 64
@@ -23,9 +31,10 @@ SIDE_CALLS = 64
 def generation_request_bytes(context_tokens: int) -> int:
     """The largest GenerateRequest (or Tokenize / PinPrefix / Detokenize request) a server with
     a `context_tokens` context accepts: a whole context's worth of prompt, as text, chat or ids,
-    and everything else the validator allows."""
+    and everything else the validator allows (the largest allowed_token_ids and bad_words
+    lists among it)."""
     return capped(prompt_message_bytes(context_tokens, CHARS_PER_CONTEXT_TOKEN, MAX_CHAT_MESSAGES)
-                  + GENERATION_REQUEST_FIXED_BYTES)
+                  + GENERATION_REQUEST_FIXED_BYTES + TOKEN_LISTS_BYTES)
 
 
 def generation_reply_bytes(context_tokens: int) -> int:

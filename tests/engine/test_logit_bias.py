@@ -92,3 +92,20 @@ def test_bad_words_are_never_written(llm):
         assert not any(tuple(got[0][i:i + len(ids)]) == ids for i in range(len(got[0])))
     assert got[0][0] != alone[0][0]
     assert got[1:] == alone[1:]
+
+
+def test_min_tokens_gives_way_where_every_allowed_token_stops(llm):
+    """The sampler lets a stop token through where it is all allowed_token_ids allow: it ends
+    the output (it ran on as text below min_tokens)."""
+    for params in (SamplingParams(max_tokens=8, min_tokens=4, allowed_token_ids=[1234],
+                                  stop_token_ids=[1234]),
+                   SamplingParams(max_tokens=8, min_tokens=4, allowed_token_ids=[2],
+                                  skip_special_tokens=False)):
+        [out] = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)
+        completion = out.outputs[0]
+        assert len(completion.token_ids) == 1 and completion.finish_reason == "stop"
+        assert completion.text == ""
+    # One allowed token that does not stop: min_tokens holds the stop back as usual.
+    [out] = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(
+        max_tokens=8, min_tokens=4, allowed_token_ids=[2, 1234], logit_bias={2: 100.0}))
+    assert list(out.outputs[0].token_ids) == [1234, 1234, 1234, 1234, 2]

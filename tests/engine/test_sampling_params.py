@@ -142,12 +142,24 @@ def test_allowed_token_ids_are_sorted_without_repeats_and_checked_against_the_vo
         p.check_for_model(vocab_size=9)
 
 
-@pytest.mark.parametrize(("keep", "num_prompt", "max_model_len", "kept"), [
-    (None, 50, 32, 50), (5, 50, 32, 5), (5, 3, 32, 3), (-1, 50, 32, 31), (-1, 10, 32, 10)])
-def test_truncate_prompt_tokens_keeps_the_last_tokens(keep, num_prompt, max_model_len, kept):
+@pytest.mark.parametrize(("keep", "num_prompt", "longest", "kept"), [
+    (None, 50, 31, 50), (5, 50, 31, 5), (5, 3, 31, 3), (-1, 50, 31, 31), (-1, 10, 31, 10)])
+def test_truncate_prompt_tokens_keeps_the_last_tokens(keep, num_prompt, longest, kept):
     from engine_service.core.request_limits import truncated_prompt
 
     params = SamplingParams(truncate_prompt_tokens=keep)
-    assert params.prompt_tokens_kept(num_prompt, max_model_len) == kept
+    assert params.prompt_tokens_kept(num_prompt, longest) == kept
     prompt = list(range(100, 100 + num_prompt))
-    assert truncated_prompt(prompt, params, max_model_len) == prompt[num_prompt - kept:]
+    assert truncated_prompt(prompt, params, longest) == prompt[num_prompt - kept:]
+
+
+def test_the_longest_prompt_is_the_context_or_the_pool_less_one_token():
+    from engine_service.core.request_limits import RequestLimits
+
+    def limits(max_model_len: int, num_blocks: int) -> RequestLimits:
+        return RequestLimits(vocab_size=100, max_model_len=max_model_len,
+                             num_blocks=num_blocks, block_size=16, max_num_seqs=8,
+                             max_num_batched_tokens=512, has_tokenizer=True)
+
+    assert limits(4096, 1000).longest_prompt == 4095
+    assert limits(4096, 240).longest_prompt == 240 * 16 - 1

@@ -220,3 +220,25 @@ def test_a_reply_sent_back_as_history_gives_the_template_its_thinking(opening_se
             client.chat.completions.create(model=model, max_tokens=4, messages=[
                 {"role": "user", "content": "Hi", "reasoning_content": "hmm"}])
         assert error_of(raised)["param"] == "messages[0].reasoning_content"
+
+
+def test_a_continued_message_s_own_tags_say_where_the_reply_starts(opening_servers):
+    """continue_final_message on "<think>Let me": the reply goes on thinking (the prompt ends
+    inside the thinking, not with <think>); on a message whose thinking is closed, all
+    answer."""
+    from openai_api.reasoning_parsers import continued_state
+
+    assert continued_state("<think>Let me") == "open"
+    assert continued_state("<think>a</think>The answer is") == "closed"
+    assert continued_state("Red, green and") is None
+    urls, model = opening_servers
+    with openai.OpenAI(base_url=urls["qwen3"], api_key="none", max_retries=0) as client:
+        for begun, thinking in (("<think>Let me", True), ("<think>ok</think>It is", False)):
+            ask = {"model": model, "max_tokens": 8, "temperature": 0,
+                   "messages": [*ASK, {"role": "assistant", "content": begun}],
+                   "extra_body": {"continue_final_message": True}}
+            reply, (reasoning, content, _) = _whole_and_streamed(client, **ask)
+            message = reply.choices[0].message
+            assert bool(message.model_extra["reasoning_content"]) == thinking, message
+            assert (message.content is None) == thinking, message
+            assert bool(reasoning) == thinking and bool(content) != thinking

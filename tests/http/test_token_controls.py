@@ -147,3 +147,56 @@ def test_bad_words_refused_name_the_field(http_engine, extra, words):
                                       "max_tokens": 2, **extra}, API_KEY)
     assert status == 400 and reply["error"]["param"] == "bad_words", reply
     assert words in reply["error"]["message"], reply
+
+
+def test_a_cut_text_prompt_echoes_what_ran(http_engine, client):
+    """Echo with truncate_prompt_tokens: the kept tokens' text, and logprobs that start with
+    them (the whole text was echoed, with the first token's entry from its start)."""
+    whole = "one two three four five"
+    status, tokenized = http_engine.call(f"{http_engine.base_url}/tokenize",
+                                         {"model": http_engine.model, "prompt": whole}, API_KEY)
+    assert status == 200
+    kept = tokenized["tokens"][-3:]
+    for stream in (False, True):
+        reply = client.completions.create(
+            model=http_engine.model, prompt=whole, max_tokens=1, echo=True, logprobs=0,
+            temperature=0, stream=stream,
+            extra_body={"truncate_prompt_tokens": 3, "return_tokens_as_token_ids": True})
+        choices = [c for chunk in reply for c in chunk.choices] if stream else reply.choices
+        text = "".join(c.text for c in choices)
+        tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
+        assert text.startswith(detokenized(http_engine, kept)), text
+        assert not text.startswith("one")
+        assert tokens[:3] == [f"token_id:{t}" for t in kept]
+    plain = client.completions.create(model=http_engine.model, prompt=whole, max_tokens=1,
+                                      echo=True, extra_body={"truncate_prompt_tokens": 3})
+    assert plain.choices[0].text.startswith(detokenized(http_engine, kept))
+
+
+@pytest.mark.parametrize("prompt", [[5, "junk", 6, 7], [-5, 6, 7], [["a", 5.5, 6, 7]],
+                                    [[5, 6, 7], [2**40, 6, 7]]])
+def test_a_malformed_token_prompt_is_refused_whatever_is_cut(http_engine, prompt):
+    status, reply = http_engine.call(f"{http_engine.base_url}/v1/completions",
+                                     {"model": http_engine.model, "prompt": prompt,
+                                      "max_tokens": 1, "truncate_prompt_tokens": 2}, API_KEY)
+    assert status == 400 and reply["error"]["param"].startswith("prompt"), reply
+
+
+def test_a_cut_token_prompt_is_read_up_to_16_contexts(http_engine):
+    limit = 16 * context(http_engine)
+    status, reply = http_engine.call(f"{http_engine.base_url}/v1/completions",
+                                     {"model": http_engine.model, "prompt": [5] * (limit + 1),
+                                      "max_tokens": 1, "truncate_prompt_tokens": 2}, API_KEY)
+    assert status == 400 and reply["error"]["param"] == "prompt", reply
+    assert reply["error"]["message"] == (f"prompt must be at most {limit} tokens (16 contexts) "
+                                         f"to be cut by truncate_prompt_tokens, got {limit + 1} "
+                                         f"tokens")
+
+
+def test_minus_one_cuts_to_what_the_engine_can_run(http_engine, client):
+    """-1: the longest prompt the engine takes, its KV pool's as well as its context's (this
+    engine's pool holds fewer tokens than its context)."""
+    ids = [100 + (i * 13) % 30000 for i in range(context(http_engine) + 900)]
+    reply = client.completions.create(model=http_engine.model, prompt=ids, max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": -1})
+    assert reply.usage.prompt_tokens == 240 * 16 - 1  # the test engine's 240 blocks of 16
