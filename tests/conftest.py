@@ -59,6 +59,14 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """2-layer Phi-3 (Phi-4's family): q/k/v and gate/up stored fused in the checkpoint, GQA,
+    no biases, untied."""
+    out_dir = tmp_path_factory.mktemp("tiny_phi3")
+    return make_tiny_model("phi3", out_dir, tokenizer_dir=smollm2_dir, seed=6)
+
+
+@pytest.fixture(scope="session")
 def test_certs(tmp_path_factory: pytest.TempPathFactory) -> SessionCerts:
     """The session's development CA and a certificate per role: every service the shared
     fixtures start runs on TLS with them (secure is the default, issue 32)."""

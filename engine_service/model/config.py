@@ -7,9 +7,14 @@ from engine_service.model.config_json import (
     MODEL_TYPE_ARCHITECTURES,
     QK_NORM_ARCHITECTURES,
     QWEN_ARCHITECTURES,
+    WINDOWED_ARCHITECTURES,
     layer_biases,
     read_config_json,
 )
+
+# RoPE whose frequencies change with the sequence's length (HF recomputes them as it grows):
+# one table for every position cannot be them.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPE_ARCHITECTURES.values())
 
@@ -85,6 +90,7 @@ def _from_transformers(path: Path, gguf_file: str | None) -> ModelConfig:
             f"model architecture must be one of {SUPPORTED_ARCHITECTURES}, got {architecture!r}"
         )
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    _check_rope(config)
     eos = config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     return ModelConfig(
@@ -110,6 +116,23 @@ def _from_transformers(path: Path, gguf_file: str | None) -> ModelConfig:
     )
 
 
+def _check_rope(config) -> None:
+    """ValueError for RoPE the engine's kernels do not apply: over part of each head only
+    (Phi-4-mini's partial_rotary_factor), or with frequencies that change with the length."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    partial = getattr(config, "partial_rotary_factor", None)
+    if partial is None and isinstance(params, dict):
+        partial = params.get("partial_rotary_factor")
+    if partial is not None and partial != 1.0:
+        raise ValueError(f"the model's partial_rotary_factor must be 1 (RoPE over the whole "
+                         f"head: the engine rotates whole heads), got {partial}")
+    rope_type = params.get("rope_type", params.get("type")) if isinstance(params, dict) else None
+    if rope_type in LENGTH_DEPENDENT_ROPE:
+        raise ValueError(f"the model's rope_type must not be one of {LENGTH_DEPENDENT_ROPE} "
+                         f"(frequencies that change with the sequence's length, which one "
+                         f"table for every position cannot hold), got {rope_type!r}")
+
+
 def _sliding_window(config, architecture: str) -> int | None:
     """The window as transformers' modeling code applies it: Mistral's on every layer, Qwen's
     on the layers its layer_types mark sliding (none unless use_sliding_window), Llama none."""
@@ -118,7 +141,7 @@ def _sliding_window(config, architecture: str) -> int | None:
                                or window < 1):
         raise ValueError(f"the model's sliding_window must be a positive number of tokens or "
                          f"null, got {window!r}")
-    if architecture == "MistralForCausalLM":
+    if architecture in WINDOWED_ARCHITECTURES:
         return window
     if architecture in QWEN_ARCHITECTURES:
         return window if "sliding_attention" in (getattr(config, "layer_types", None) or ()) \

@@ -3,7 +3,8 @@
 Importing a transformers config class pulls in most of transformers (its activations, hub
 kernels and distributed helpers, torch.distributed.tensor, sympy, accelerate): ~3 s of CPU in
 each of an engine's two processes, on every start and restart. The checkpoints we serve
-(Llama, Mistral, Qwen2, Qwen3 with plain RoPE) need a dozen numbers from the file, so we read them.
+(Llama, Mistral, Qwen2, Qwen3, Phi-3 with plain RoPE) need a dozen numbers from the file, so we
+read them.
 Anything this reader does not know for certain (a missing core field, RoPE scaling, a partial
 rotary factor, an unknown architecture) returns None and the caller asks transformers, which
 stays the reference: tests/engine/test_config_json.py checks the two agree field by field.
@@ -19,7 +20,11 @@ MODEL_TYPE_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    # Phi-3 and Phi-4: Llama's layers with q/k/v and gate/up stored fused (as ours are)
+    "phi3": "Phi3ForCausalLM",
 }
+# Every layer attends within the model's sliding_window where it sets one.
+WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "Phi3ForCausalLM")
 # Qwen3 normalizes each query and key head (an RMSNorm over head_dim) before the rotary.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -89,7 +94,7 @@ def _sliding_window(raw: dict, architecture: str) -> object:
     """The sliding window as config.py's _sliding_window reads it from transformers' config,
     or _UNKNOWN where a class default would decide (Mistral's window when the key is absent,
     Qwen's sliding layers when layer_types is)."""
-    if architecture == "MistralForCausalLM":
+    if architecture in WINDOWED_ARCHITECTURES:
         window = raw.get("sliding_window", _UNKNOWN)
     elif architecture in QWEN_ARCHITECTURES:
         if not raw.get("use_sliding_window", False):
@@ -110,11 +115,11 @@ def _sliding_window(raw: dict, architecture: str) -> object:
 
 def layer_biases(architecture: str, attention_bias: object, mlp_bias: object) -> dict:
     """Which projections carry a bias, as transformers' modeling code builds them: Qwen2's
-    q/k/v always (its o_proj never); Mistral's none (it ignores attention_bias); Llama's and
-    Qwen3's q/k/v and o with attention_bias; Llama's MLP with mlp_bias."""
+    q/k/v always (its o_proj never); Mistral's and Phi-3's none (they ignore attention_bias);
+    Llama's and Qwen3's q/k/v and o with attention_bias; Llama's MLP with mlp_bias."""
     if architecture == "Qwen2ForCausalLM":
         return {"attention_bias": True, "o_proj_bias": False, "mlp_bias": False}
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return {"attention_bias": False, "o_proj_bias": False, "mlp_bias": False}
     attention = bool(attention_bias)
     return {"attention_bias": attention, "o_proj_bias": attention,
@@ -132,7 +137,10 @@ def _plain_rope_theta(raw: dict) -> float | None:
         return None
     params = raw.get("rope_parameters")
     if params is not None:
-        if not isinstance(params, dict) or set(params) - {"rope_theta", "rope_type"}:
+        if not isinstance(params, dict) or set(params) - {"rope_theta", "rope_type",
+                                                          "partial_rotary_factor"}:
+            return None
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
             return None
         if params.get("rope_type", "default") != "default":
             return None

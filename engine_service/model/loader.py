@@ -132,7 +132,7 @@ def _checkpoint_state(model: LlamaForCausalLM, config: ModelConfig, dtype: torch
         if name == "lm_head.weight" and "lm_head.weight" not in hf:
             raise ValueError("model has untied embeddings but no lm_head.weight")
         fused = next((f for f in _FUSED if f"{f}." in name), None)
-        if fused is None:
+        if fused is None or _hf_name(name) in hf:  # (Phi-3 stores them fused, as we do)
             parts = [_hf_name(name)]
         else:
             parts = [_hf_name(name.replace(fused, part)) for part in _FUSED[fused]]

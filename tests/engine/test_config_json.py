@@ -35,7 +35,7 @@ def assert_same_as_transformers(path: Path) -> None:
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir",
-                                   "smollm2_dir"])
+                                   "tiny_phi3_dir", "smollm2_dir"])
 def test_test_models_read_as_transformers_reads_them(model, request):
     assert_same_as_transformers(request.getfixturevalue(model))
 
@@ -49,7 +49,7 @@ MINIMAL = {
 
 @pytest.mark.parametrize("model_type,architecture", [
     ("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"),
-    ("qwen2", "Qwen2ForCausalLM"),
+    ("qwen2", "Qwen2ForCausalLM"), ("phi3", "Phi3ForCausalLM"),
 ])
 @pytest.mark.parametrize("extra", [
     {"rope_theta": 500000.0},  # transformers v4's spelling
@@ -79,6 +79,9 @@ SLIDING = [
     ("qwen3", "Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": 256,
                                    "head_dim": 16, "layer_types": ["full_attention",
                                    "sliding_attention", "full_attention"]}, 256),
+    ("phi3", "Phi3ForCausalLM", {"sliding_window": 2047}, 2047),  # Phi-3-mini-4k's
+    ("phi3", "Phi3ForCausalLM", {"sliding_window": None}, None),  # Phi-4's
+    ("phi3", "Phi3ForCausalLM", {}, None),
 ]
 
 
@@ -142,9 +145,8 @@ def test_a_qwen3_config_without_head_dim_goes_to_transformers(tmp_path):
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 1024}},
     {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}},
-    {"rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     {},  # no RoPE base at all: the config class's default applies
-], ids=["llama3-scaling", "linear-scaling", "partial-rotary", "no-theta"])
+], ids=["llama3-scaling", "linear-scaling", "no-theta"])
 def test_what_the_reader_does_not_know_goes_to_transformers(tmp_path, extra):
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **MINIMAL, **extra}
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -214,3 +216,19 @@ def test_loading_a_model_imports_no_transformers_config_class(tiny_llama_dir):
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=300, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor must be 1"),  # Phi-4-mini's
+    ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default",
+                          "partial_rotary_factor": 0.5}}, "partial_rotary_factor must be 1"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor":
+                       [2.0] * 8}, "original_max_position_embeddings": 1024},
+     "rope_type must not be one of ('dynamic', 'longrope')"),  # Phi-3.5-mini's
+])
+def test_rope_the_kernels_cannot_apply_is_refused_by_name(tmp_path, extra, words):
+    config = {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], **MINIMAL,
+              "hidden_size": 96, "num_attention_heads": 6, "rope_theta": 10000.0, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        load_model_config(tmp_path)

@@ -20,7 +20,7 @@ def test_smollm2_batch_matches_hf_generate(smollm2_llm, smollm2_dir):
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
 def test_tiny_models_match_hf_at_block_sizes(kind, block_size, make_llm, request):
     model_dir = request.getfixturevalue(f"tiny_{kind}_dir")
     llm = make_llm(model_dir, block_size=block_size, num_blocks=256)

@@ -20,12 +20,13 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
+    Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
 )
 
-TinyModelKind = Literal["llama", "qwen2", "qwen3"]
+TinyModelKind = Literal["llama", "qwen2", "qwen3", "phi3"]
 # Qwen3's heads are wider than hidden_size / num_heads (0.6B: 16 heads of 128 on 1,024): the
 # tiny one likewise, 4 heads of 32 on 64, so q's width (128) is not the hidden size.
 QWEN3_HEAD_DIM = 32
@@ -101,7 +102,12 @@ def _build_config(spec: TinyModelSpec) -> PretrainedConfig:
         head_dim = spec.extra_config.get("head_dim", QWEN3_HEAD_DIM)
         return Qwen3Config(**{"attention_bias": False, **common, "head_dim": head_dim},
                            tie_word_embeddings=tie, use_sliding_window=False)
-    raise ValueError(f"tiny model kind must be 'llama', 'qwen2' or 'qwen3', got {spec.kind!r}")
+    if spec.kind == "phi3":
+        # Llama's layers with q/k/v and gate/up stored fused; Phi-4 unties, Phi-3-mini ties.
+        tie = False if spec.tie_word_embeddings is None else spec.tie_word_embeddings
+        return Phi3Config(**{"sliding_window": None, **common}, tie_word_embeddings=tie)
+    raise ValueError(f"tiny model kind must be 'llama', 'qwen2', 'qwen3' or 'phi3', got "
+                     f"{spec.kind!r}")
 
 
 @torch.no_grad()
