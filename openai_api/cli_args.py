@@ -26,8 +26,9 @@ def add_http_args(p: argparse.ArgumentParser, routed: bool) -> None:
     p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                    help="how chat's tool_choice \"auto\" (the default with tools) reads tool "
                         "calls out of the model's text, by its format: hermes (<tool_call> "
-                        "JSON </tool_call>: Qwen2.5, Qwen3, Hermes) or llama3_json (Llama "
-                        "3.1/3.2); default: none, and \"auto\" with tools is a 400 "
+                        "JSON </tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (Llama "
+                        "3.1/3.2), mistral ([TOOL_CALLS]: Mistral's) or pythonic ([f(x=1)]: "
+                        "Llama 3.2/4); default: none, and \"auto\" with tools is a 400 "
                         "(\"required\" and a named function need no parser)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="how chat replies' thinking is told from the answer, by the model's "

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from openai_api.reasoning_parsers import ThinkReader
 from openai_api.reasoning_parsers import split as split_reasoning
 from openai_api.tool_calls import ForcedCalls, call_json, new_call_id, required_calls
-from openai_api.tool_parsers import HermesReader, Llama3JsonReader, parse, reader
+from openai_api.tool_parsers import parse, reader
 from pagedgen_api import generation_pb2 as pb
 
 FINISH_REASONS = {
@@ -46,7 +46,7 @@ class _ChoiceState:
     scored: bool = False  # completions with vLLM's prompt_logprobs: they were sent
     call_id: str | None = None  # chat with a named function forced: its call's id, once sent
     calls_text: list[str] = field(default_factory=list)  # "required": the calls' text so far
-    reader: HermesReader | Llama3JsonReader | None = None  # "auto": reads calls from the text
+    reader: object | None = None  # "auto": reads calls from the text (tool_parsers.reader)
     thinking: ThinkReader | None = None  # with a reasoning parser: splits thinking from answer
     num_calls: int = 0  # calls sent in this choice's deltas
 

@@ -6,7 +6,10 @@ its text closes), and a whole reply is the same reading of the whole text, so th
 - hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number (Qwen2.5,
   Qwen3, Hermes 2/3 and models trained on their format);
 - llama3_json: a reply that is `{"name": ..., "parameters": {...}}` (several joined by `;`),
-  Llama 3.1/3.2's JSON tool calling.
+  Llama 3.1/3.2's JSON tool calling;
+- mistral: `[TOOL_CALLS]` and the calls (mistral_tool_parser.py);
+- pythonic: a reply that is `[name(key=value, ...), ...]`, Llama 3.2's and Llama 4's
+  (pythonic_tool_parser.py).
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from dataclasses import dataclass, field
 
 from openai_api.tool_calls import call_json, raw_members
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 # Parsers whose tags some tokenizers make special tokens: their text must keep special tokens.
-TAGS_MAY_BE_SPECIAL = frozenset({"hermes"})
+TAGS_MAY_BE_SPECIAL = frozenset({"hermes", "mistral"})
 
 
 @dataclass(slots=True)
@@ -64,7 +67,7 @@ class HermesReader:
                 self._in_call = True
                 continue
             # Held back: an end that could still become START.
-            keep = _longest_prefix_suffix(self._pending, self.START)
+            keep = longest_prefix_suffix(self._pending, self.START)
             self._give_content(out, self._pending[:len(self._pending) - keep])
             self._pending = self._pending[len(self._pending) - keep:]
             return out
@@ -73,7 +76,7 @@ class HermesReader:
         out = Parsed()
         if self._in_call:  # a last call the model did not close (EOS, max_tokens)
             body = self._pending
-            cut = _longest_prefix_suffix(body, self.END)  # (cut inside its END)
+            cut = longest_prefix_suffix(body, self.END)  # (cut inside its END)
             self._give_call(out, body[:len(body) - cut], closed=False, text=body)
         else:
             self._give_content(out, self._pending)
@@ -85,7 +88,7 @@ class HermesReader:
     def _give_call(self, out: Parsed, body: str, closed: bool, text: str | None = None
                    ) -> None:
         """`text`: the call's text as written, when it is not `body` (an END cut short)."""
-        call = _named_call(body, "arguments")
+        call = named_call(body, "arguments")
         if call is None:  # not a call after all: the text as the model wrote it
             self._give_content(out, self.START + (body if text is None else text)
                                + (self.END if closed else ""))
@@ -125,16 +128,23 @@ class Llama3JsonReader:
             return Parsed(content=held)
         calls = []
         for piece in _split_objects(held):
-            call = _named_call(piece, "parameters", "arguments")
+            call = named_call(piece, "parameters", "arguments")
             if call is None:
                 return Parsed(content=held)
             calls.append(call)
         return Parsed(calls=calls) if calls else Parsed(content=held)
 
 
-def reader(name: str) -> HermesReader | Llama3JsonReader:
-    """A fresh reader of one completion for the parser `name` (one of PARSERS)."""
-    return HermesReader() if name == "hermes" else Llama3JsonReader()
+def reader(name: str):
+    """A fresh reader of one completion for the parser `name` (one of PARSERS): feed() each
+    piece of text, then finish()."""
+    # (imported here: those modules build on this one's helpers)
+    from openai_api.mistral_tool_parser import MistralReader
+    from openai_api.pythonic_tool_parser import PythonicReader
+
+    readers = {"hermes": HermesReader, "llama3_json": Llama3JsonReader,
+               "mistral": MistralReader, "pythonic": PythonicReader}
+    return readers[name]()
 
 
 def parse(name: str, text: str) -> Parsed:
@@ -144,17 +154,17 @@ def parse(name: str, text: str) -> Parsed:
     return Parsed(first.content + last.content, first.calls + last.calls)
 
 
-def _named_call(text: str, *argument_keys: str) -> dict | None:
+def named_call(text: str, *argument_keys: str) -> dict | None:
     """OpenAI's call for a JSON object {"name": str, <argument key>: object}, its arguments
     the text the model wrote; None when the text is not that, or not standard JSON (NaN,
     Infinity), or names no function (a name no UTF-8 can carry)."""
     try:
-        value = json.loads(text, parse_constant=_not_json)
+        value = json.loads(text, parse_constant=not_json)
         raw, _ = raw_members(text)
     except (ValueError, RecursionError):
         return None
     name = value.get("name") if isinstance(value, dict) else None
-    if not isinstance(name, str) or not _utf8(name):
+    if not isinstance(name, str) or not utf8(name):
         return None
     for key in argument_keys:
         if isinstance(value.get(key), dict):
@@ -162,11 +172,11 @@ def _named_call(text: str, *argument_keys: str) -> dict | None:
     return None
 
 
-def _not_json(constant: str) -> None:
+def not_json(constant: str) -> None:
     raise ValueError(f"{constant} is not JSON")
 
 
-def _utf8(text: str) -> bool:
+def utf8(text: str) -> bool:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON)
@@ -191,7 +201,7 @@ def _split_objects(text: str) -> list[str]:
         at = end
 
 
-def _longest_prefix_suffix(text: str, marker: str) -> int:
+def longest_prefix_suffix(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker` (shorter than it)."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-size:]):

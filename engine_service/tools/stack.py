@@ -152,7 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "with --replicas > 1, else the engine); 0 = a free port, -1 = off")
     p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                    help="the front door's tool-call parser for chat's tool_choice \"auto\" "
-                        "(as pagedgen-engine's: hermes or llama3_json); default: none")
+                        "(as pagedgen-engine's: hermes, llama3_json, mistral or pythonic); "
+                        "default: none")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="the front door's reasoning parser: chat replies' thinking apart, in "
                         "reasoning_content (as pagedgen-engine's: qwen3 or deepseek_r1); "

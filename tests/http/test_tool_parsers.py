@@ -48,6 +48,33 @@ LLAMA_CASES = [
     ("Paris is sunny {today}", "Paris is sunny {today}", []),
 ]
 
+MISTRAL_CASES = [
+    ('Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]',
+     "Sure.", [("get_weather", 2)]),  # v3's array
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"x": 1}}]',
+     "", [("f", 0), ("g", 1)]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}[TOOL_CALLS]get_time[ARGS]{}',
+     "", [("get_weather", 2), ("get_time", 0)]),  # v11's
+    ('[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{"x": 1}', "", [("f", 1)]),
+    ("no calls [TOOL_CALLS] nope", "no calls [TOOL_CALLS] nope", []),
+    ("[TOOL_CALLS][]", "[TOOL_CALLS][]", []),
+    ('[TOOL_CALLS]f[ARGS]{"x": NaN}', '[TOOL_CALLS]f[ARGS]{"x": NaN}', []),
+    ("a [TOOL_ is not the tag", "a [TOOL_ is not the tag", []),
+    ("plain text\n", "plain text\n", []),
+]
+PYTHONIC_CASES = [
+    ('[get_weather(city="Paris", days=2), get_time(zone="UTC")]', "",
+     [("get_weather", 2), ("get_time", 1)]),
+    (" [f()]", "", [("f", 0)]),
+    ("[f(x={1, 2})]", "[f(x={1, 2})]", []),  # a set: no JSON form
+    ("[f(x=float('nan'))]", "[f(x=float('nan'))]", []),  # not a literal
+    ("[f(1)]", "[f(1)]", []),  # positional
+    ('[os.system(cmd="ls")]', '[os.system(cmd="ls")]', []),
+    ("Hello [f()]", "Hello [f()]", []),
+    ("[1, 2]", "[1, 2]", []),
+    ("[" * 200 + "]" * 200, "[" * 200 + "]" * 200, []),  # nested past the parser's bound
+]
+
 
 def summary(content: str, calls: list[dict]) -> tuple[str, list[tuple[str, int]]]:
     """The content and each call's name and number of arguments (the ids are new each time)."""
@@ -57,7 +84,9 @@ def summary(content: str, calls: list[dict]) -> tuple[str, list[tuple[str, int]]
 
 @pytest.mark.parametrize(("name", "text", "content", "calls"),
                          [("hermes", *case) for case in HERMES_CASES]
-                         + [("llama3_json", *case) for case in LLAMA_CASES])
+                         + [("llama3_json", *case) for case in LLAMA_CASES]
+                         + [("mistral", *case) for case in MISTRAL_CASES]
+                         + [("pythonic", *case) for case in PYTHONIC_CASES])
 def test_a_reply_s_calls_are_read_whole_and_in_any_pieces(name, text, content, calls):
     whole = parse(name, text)
     assert summary(whole.content, whole.calls) == (content, calls)
@@ -137,6 +166,7 @@ def test_auto_reads_the_model_s_calls_whole_and_streamed(hermes_server):
 @pytest.mark.parametrize(("parser", "tools", "asked", "sent"), [
     ("hermes", [WEATHER], None, False),  # <tool_call> may be a special token: kept in the text
     ("hermes", [WEATHER], True, True),  # the client's own choice stands
+    ("mistral", [WEATHER], None, False),  # [TOOL_CALLS] is a special token
     ("hermes", None, None, None),  # no tools: no calls to read
     ("llama3_json", [WEATHER], None, None),  # its calls are plain JSON
     (None, [WEATHER], None, None),
@@ -152,3 +182,34 @@ def test_hermes_calls_keep_special_tokens_in_the_text(parser, tools, asked, sent
     sampling = call.requests[0].sampling
     assert (sampling.skip_special_tokens if sampling.HasField("skip_special_tokens")
             else None) == sent
+
+
+CALL_TEXTS = {  # the model's output held to a call in each format (the tiny model writes none)
+    "mistral": r'Checking\. \[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "Paris", "days": 2\}',
+    "pythonic": r'\[get_weather\(city="Paris", days=2\)\]',
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CALL_TEXTS))
+def parser_server(request, tiny_llama_dir):
+    with served_in_process(tiny_llama_dir, tool_call_parser=request.param) as base_url:
+        yield request.param, base_url, tiny_llama_dir.name
+
+
+def test_mistral_and_pythonic_calls_are_read_whole_and_streamed(parser_server):
+    parser, base_url, model = parser_server
+    ask = {"model": model, "messages": ASK, "tools": [WEATHER], "max_tokens": 60,
+           "temperature": 0, "extra_body": {"structured_outputs": {"regex": CALL_TEXTS[parser]}}}
+    with openai.OpenAI(base_url=base_url, api_key="none", max_retries=0) as client:
+        reply = client.chat.completions.create(**ask)
+        chunks = list(client.chat.completions.create(**ask, stream=True))
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == ("Checking." if parser == "mistral" else None)
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    calls, finishes = streamed_calls(chunks)
+    assert finishes == ["tool_calls"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        ("get_weather", {"city": "Paris", "days": 2})]

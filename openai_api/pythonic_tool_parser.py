@@ -1,0 +1,88 @@
+"""Python-call tool calls (--tool-call-parser pythonic): a reply that is a Python list of calls
+with keyword arguments of literal values, `[get_weather(city="Paris", days=2), get_time()]`,
+as Llama 3.2 and Llama 4 write them (Llama 4's <|python_start|> / <|python_end|> are special
+tokens, left out of the text).
+
+The whole reply is calls or none of it is: a reply that starts with '[' is held to the end and
+read with Python's own parser (nothing is evaluated: each value is a literal). The arguments
+go out as JSON (the model wrote Python), so a value JSON has no form for (a set, bytes, NaN)
+leaves the reply as content.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+
+from openai_api.tool_calls import call_json
+from openai_api.tool_parsers import Parsed, utf8
+
+# Python's parser recurses with the nesting: a reply nested deeper is not read as calls.
+MAX_NESTING = 64
+
+
+class PythonicReader:
+    def __init__(self) -> None:
+        self._held: list[str] = []
+        self._decided: bool | None = None  # True: held as calls; False: content
+
+    def feed(self, text: str) -> Parsed:
+        if self._decided is False:
+            return Parsed(content=text)
+        self._held.append(text)
+        if self._decided is None and text and not text.isspace():
+            held = "".join(self._held)
+            self._decided = held.lstrip().startswith("[")
+            if not self._decided:
+                self._held = []
+                return Parsed(content=held)
+        return Parsed()
+
+    def finish(self) -> Parsed:
+        held, self._held, self._decided = "".join(self._held), [], None
+        calls = python_calls(held) if held.lstrip().startswith("[") else None
+        return Parsed(calls=calls) if calls else Parsed(content=held)
+
+
+def python_calls(text: str) -> list[dict] | None:
+    """The calls of a Python list of `name(key=literal, ...)`, or None when it is not one."""
+    if max_depth(text) > MAX_NESTING:
+        return None
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        arguments = {}
+        for keyword in node.keywords:
+            if keyword.arg is None:  # **kwargs
+                return None
+            try:
+                arguments[keyword.arg] = ast.literal_eval(keyword.value)
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                return None
+        try:
+            text_arguments = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError, RecursionError):  # a set, bytes, NaN: no JSON form
+            return None
+        if not utf8(node.func.id) or not utf8(text_arguments):
+            return None
+        calls.append(call_json(node.func.id, text_arguments))
+    return calls
+
+
+def max_depth(text: str) -> int:
+    """How deep brackets nest in `text` (quotes aside: an upper bound is enough)."""
+    depth = deepest = 0
+    for char in text:
+        if char in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in ")]}":
+            depth -= 1
+    return deepest
