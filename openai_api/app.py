@@ -283,6 +283,8 @@ class _Api:
                 kept = kept_tokens(body.truncate_prompt_tokens, model.max_model_len)
                 rest_of_context(wire, ids if kept is None else ids[-kept:],
                                 model.longest_sequence(call.n))
+            else:  # sent as its tokens: the template is rendered once a request
+                wire.token_ids.ids[:] = reply.token_ids  # (replaces the chat: the oneof)
             if call.reasoning_parser is not None:
                 # A template may open the thinking for the model, or close it (thinking
                 # off): the reply starts where the prompt left it. (Held to a schema from
