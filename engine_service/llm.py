@@ -204,7 +204,7 @@ class LLM:
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
             token_ids, text = self._token_ids(prompt)
             token_ids = truncated_prompt(token_ids, params, engine.limits.longest_prompt)
-            if engine.tokenizer is not None:
+            if params.bad_words and engine.tokenizer is not None:
                 params.tokenize_bad_words(engine.tokenizer)
             engine.validate_request(token_ids, params)
             salt = prompt.get("cache_salt", cache_salt) if isinstance(prompt, dict) else cache_salt

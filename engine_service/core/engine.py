@@ -210,7 +210,7 @@ class LLMEngine:
                 "request_id", f"request_id must be unique among live requests, got {request_id!r}"
             )
         prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.limits.longest_prompt)
-        if self.tokenizer is not None:
+        if params.bad_words and self.tokenizer is not None:  # (the tokenizer loads lazily)
             params.tokenize_bad_words(self.tokenizer)
         self.validate_request(prompt_token_ids, params)
         if params.structured_outputs is not None and grammar is None:

@@ -11,6 +11,7 @@ import grpc
 import openai
 import pytest
 
+from engine_service.serving.connection_limits import generation_request_bytes
 from pagedgen_api import generation_pb2 as pb
 from pagedgen_api import generation_pb2_grpc as pb_grpc
 from prefix_index.tools.redis_process import free_port
@@ -70,7 +71,7 @@ def test_a_message_past_the_engines_size_limit_is_not_a_full_replica(stack):
     """A short prompt with a stop string larger than an engine accepts in a whole message:
     the router's own limit (a 128K context's) lets it through; the engine's gRPC refuses it."""
     sampling = _sampling()
-    sampling.stop.append("x" * 1_000_000)
+    sampling.stop.append("x" * (generation_request_bytes(CONTEXT) + 1))
     with stack.channel() as channel:
         with pytest.raises(grpc.RpcError) as refused:
             pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
