@@ -205,7 +205,10 @@ class LLM:
             token_ids, text = self._token_ids(prompt)
             token_ids = truncated_prompt(token_ids, params, engine.limits.longest_prompt)
             if params.bad_words and engine.tokenizer is not None:
-                params.tokenize_bad_words(engine.tokenizer)
+                try:
+                    params.tokenize_bad_words(engine.tokenizer)
+                except ValueError as error:
+                    raise InvalidRequestError("bad_words", str(error)) from None
             engine.validate_request(token_ids, params)
             salt = prompt.get("cache_salt", cache_salt) if isinstance(prompt, dict) else cache_salt
             requests.append(

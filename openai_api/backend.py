@@ -24,6 +24,12 @@ class ServedModel:
         """The context a prompt's length is checked against before its ids are read."""
         return self.widest_context or self.max_model_len
 
+    @property
+    def longest_prompt(self) -> int:
+        """The most prompt tokens a request runs (truncate_prompt_tokens -1's cut): its
+        context and the KV pool, less one token for the output (0: not known yet)."""
+        return max(0, self.longest_sequence(1) - 1)
+
     def longest_sequence(self, num_seqs: int) -> int:
         """The most tokens each of a request's `num_seqs` sequences can reach: the context, or
         their share of the KV pool when smaller (the engine refuses a request whose sequences

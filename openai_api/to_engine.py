@@ -72,12 +72,12 @@ class EngineCall:
     constrained: bool = False  # held to a schema or grammar (structured outputs, forced calls)
 
 
-def completion_call(req: CompletionRequest, request_id: str, max_model_len: int = 0
-                    ) -> EngineCall:
+def completion_call(req: CompletionRequest, request_id: str, max_model_len: int = 0,
+                    longest_prompt: int = 0) -> EngineCall:
     """`max_model_len`: the served model's context (0: not known), which no token-id prompt
     may pass."""
     prompts, batch = _prompts(req.prompt, max_model_len,
-                              kept_tokens(req.truncate_prompt_tokens, max_model_len))
+                              kept_tokens(req.truncate_prompt_tokens, longest_prompt))
     echo_only = bool(req.echo) and req.max_tokens == 0
     if echo_only and req.min_tokens:
         raise bad_request("min_tokens", f"min_tokens must be 0 with max_tokens 0 (echo: the "
@@ -402,15 +402,20 @@ def _field_names(prompt: str, max_tokens: str, logprobs: str,
 MAX_CUT_PROMPT_CONTEXTS = 16
 
 
-def kept_tokens(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
-    """How many of a token-id prompt's last ids truncate_prompt_tokens keeps (None: all, or
-    not known here: a value the engine refuses, or -1 with no context known yet)."""
-    if truncate_prompt_tokens is None or truncate_prompt_tokens == 0 or (
-            truncate_prompt_tokens < -1):
+def kept_tokens(truncate_prompt_tokens: int | None, longest_prompt: int) -> int | None:
+    """How many of a prompt's last tokens truncate_prompt_tokens keeps (None: all, or -1
+    with no served model known yet); `longest_prompt`: the most the engine runs
+    (ServedModel.longest_prompt), -1's. A 400 for a value that keeps nothing."""
+    keep = truncate_prompt_tokens
+    if keep is None:
         return None
-    if truncate_prompt_tokens == -1:
-        return max_model_len - 1 if max_model_len else None
-    return truncate_prompt_tokens
+    if keep == 0 or keep < -1:
+        raise bad_request("truncate_prompt_tokens",
+                          f"truncate_prompt_tokens must be >= 1, -1 (the longest prompt the "
+                          f"engine runs) or None, got {keep}")
+    if keep == -1:
+        return longest_prompt if longest_prompt > 0 else None
+    return keep
 
 
 def _prompts(prompt: object, max_model_len: int, kept: int | None = None
@@ -427,7 +432,8 @@ def _prompts(prompt: object, max_model_len: int, kept: int | None = None
     if not isinstance(prompt, list) or not prompt:
         raise bad_request("prompt", f"prompt must be {allowed}, got {_json(prompt)}")
     if _is_int(prompt[0]):  # token ids (a list of prompts starts with a string or a list)
-        if kept is not None and _cut_ids_checked("prompt", prompt, max_model_len):
+        if kept is not None:
+            _check_ids_to_cut("prompt", prompt, max_model_len)
             prompt = prompt[-kept:]
         check_token_count("prompt", prompt, max_model_len)
         if all(_is_int(t) for t in prompt):
@@ -435,9 +441,11 @@ def _prompts(prompt: object, max_model_len: int, kept: int | None = None
     if len(prompt) > MAX_PROMPTS:
         raise bad_request("prompt", f"prompt must hold at most {MAX_PROMPTS} prompts, got "
                                     f"{len(prompt)}")
-    prompt = [item[-kept:] if kept is not None and isinstance(item, list)
-              and _cut_ids_checked(f"prompt[{i}]", item, max_model_len) else item
-              for i, item in enumerate(prompt)]
+    if kept is not None:
+        for i, item in enumerate(prompt):
+            if isinstance(item, list):
+                _check_ids_to_cut(f"prompt[{i}]", item, max_model_len)
+        prompt = [item[-kept:] if isinstance(item, list) else item for item in prompt]
     for i, item in enumerate(prompt):
         if isinstance(item, list):
             check_token_count(f"prompt[{i}]", item, max_model_len)
@@ -448,16 +456,19 @@ def _prompts(prompt: object, max_model_len: int, kept: int | None = None
     return list(prompt), True
 
 
-def _cut_ids_checked(where: str, ids: list, max_model_len: int) -> bool:
-    """Whether a token-id prompt may be cut: at most MAX_CUT_PROMPT_CONTEXTS contexts of ids
-    (a 400 past them), each a token id >= 0 (False: the checks after the cut refuse it whole).
-    Whether a cut-off id is in the vocabulary is not asked: the engine checks those it runs."""
+def _check_ids_to_cut(where: str, ids: list, max_model_len: int) -> None:
+    """A 400 unless a token-id prompt may be cut: at most MAX_CUT_PROMPT_CONTEXTS contexts of
+    ids, each a token id >= 0, wherever it is. Whether a cut-off id is in the vocabulary is
+    not asked: the engine checks those it runs."""
     limit = MAX_CUT_PROMPT_CONTEXTS * max_model_len
     if max_model_len and len(ids) > limit:
         raise bad_request(where, f"{where} must be at most {limit} tokens "
                                  f"({MAX_CUT_PROMPT_CONTEXTS} contexts) to be cut by "
                                  f"truncate_prompt_tokens, got {len(ids)} tokens")
-    return all(_is_int(t) and t >= 0 for t in ids)
+    for position, token in enumerate(ids):
+        if not _is_int(token) or token < 0:
+            raise bad_request(where, f"{where} must hold token ids (32-bit ints >= 0), got "
+                                     f"{_json(token)} at position {position}")
 
 
 def check_token_count(where: str, ids: list, max_model_len: int,

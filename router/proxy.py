@@ -511,6 +511,11 @@ class RoutedRequest:
                     "on another replica")
         progress = self.progress.get(0, Progress())
         generated = len(progress.token_ids)
+        if sampling.bad_words and generated and not progress.finished:
+            # The words are read in the output, which would start again on the new replica:
+            # a word begun before the switch could be finished after it.
+            return ("a request with bad_words cannot be resumed on another replica once it "
+                    "has output")
         max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
         if progress.finished or generated >= max_tokens:
             return self._length_message(upstream.request_id, generated, progress)

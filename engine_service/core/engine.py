@@ -20,6 +20,7 @@ from engine_service.core.block_pool import BlockPool
 from engine_service.core.config import EngineConfig
 from engine_service.core.errors import (
     DuplicateRequestError,
+    InvalidRequestError,
     RequestTooLargeError,
 )
 from engine_service.core.kv_cache_manager import KVCacheManager
@@ -211,7 +212,10 @@ class LLMEngine:
             )
         prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.limits.longest_prompt)
         if params.bad_words and self.tokenizer is not None:  # (the tokenizer loads lazily)
-            params.tokenize_bad_words(self.tokenizer)
+            try:
+                params.tokenize_bad_words(self.tokenizer)
+            except ValueError as error:
+                raise InvalidRequestError("bad_words", str(error)) from None
         self.validate_request(prompt_token_ids, params)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)

@@ -14,7 +14,7 @@ from engine_service.model.config_json import (
 
 # RoPE whose frequencies change with the sequence's length (HF recomputes them as it grows):
 # one table for every position cannot be them.
-LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope", "su")  # ("su": longrope's first name)
 
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPE_ARCHITECTURES.values())
 
@@ -81,7 +81,12 @@ def _from_transformers(path: Path, gguf_file: str | None) -> ModelConfig:
     does not read itself."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+    try:
+        config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+    except KeyError as error:  # a field its config class needs, missing (a bare KeyError)
+        said = error.args[0] if error.args else error
+        raise ValueError(f"the model's config could not be read by transformers: {said}") \
+            from None
     architecture = (getattr(config, "architectures", None) or [""])[0]
     if not architecture:
         architecture = MODEL_TYPE_ARCHITECTURES.get(config.model_type, "")
@@ -90,6 +95,8 @@ def _from_transformers(path: Path, gguf_file: str | None) -> ModelConfig:
             f"model architecture must be one of {SUPPORTED_ARCHITECTURES}, got {architecture!r}"
         )
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if gguf_file is not None and config.model_type == "phi3":
+        _phi3_gguf_fields(config, path / gguf_file, head_dim)
     _check_rope(config)
     eos = config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -114,6 +121,26 @@ def _from_transformers(path: Path, gguf_file: str | None) -> ModelConfig:
         qk_norm=architecture in QK_NORM_ARCHITECTURES,
         sliding_window=_sliding_window(config, architecture),
     )
+
+
+def _phi3_gguf_fields(config, gguf_path: Path, head_dim: int) -> None:
+    """What transformers' GGUF reading leaves out of a Phi-3 config, read from the file
+    itself: the rotary dimensions (Phi-4-mini rotates 3/4 of each head) and the sliding
+    window (Phi-3-mini-4k's 2047)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+
+    def scalar(key: str) -> int | None:
+        field = reader.get_field(key)
+        return None if field is None else int(field.parts[field.data[0]][0])
+
+    rotary = scalar("phi3.rope.dimension_count")
+    if rotary is not None and rotary != head_dim:
+        config.partial_rotary_factor = rotary / head_dim  # (refused by _check_rope)
+    window = scalar("phi3.attention.sliding_window")
+    if window is not None:
+        config.sliding_window = window
 
 
 def _check_rope(config) -> None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine_service.model.bad_words import banned_next
+from engine_service.model.bad_words import WordIndex, banned_next, word_index
 from engine_service.model.sampling_params import SamplingParams
 from engine_service.model.token_logprobs import TokenLogprobs
 
@@ -74,6 +74,9 @@ class SamplingRow:
     # params.allowed_token_ids on the sampling device, and whether each of them stops the
     # output (then min_tokens holds none back): made at the row's first step, as `bias`.
     allowed: tuple[torch.Tensor, bool] | None = None
+    # params.bad_words_token_ids indexed for a step's reading (bad_words.word_index), made at
+    # the row's first step
+    bad_words: WordIndex | None = None
 
 
 @dataclass(slots=True)
@@ -247,7 +250,9 @@ def _mask_bad_words(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int
     col_idx: list[int] = []
     for i in idx:
         row = rows[i]
-        banned = banned_next(row.params.bad_words_token_ids, row.output_token_ids)
+        if row.bad_words is None:
+            row.bad_words = word_index(row.params.bad_words_token_ids)
+        banned = banned_next(row.bad_words, row.output_token_ids)
         row_idx += [i] * len(banned)
         col_idx += banned
     if col_idx:

@@ -1,9 +1,14 @@
 """Per-request sampling parameters, mirroring vLLM's `SamplingParams` (offline API and gRPC)."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from engine_service.model.bad_words import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, bad_words_token_ids
+from engine_service.model.bad_words import (
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    bad_words_token_ids,
+)
 from engine_service.model.structured_outputs import StructuredOutputsParams
 
 MAX_N = 64  # parallel samples per request: each one holds its own KV blocks once it diverges
@@ -106,6 +111,10 @@ class SamplingParams:
     # (tokenize_bad_words); an engine without a tokenizer refuses them.
     bad_words: tuple[str, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
+    # (which tokenizer and words bad_words_token_ids were made from: remade when either
+    # changes, as an offline caller may reuse the object)
+    _bad_words_source: tuple | None = field(default=None, init=False, repr=False,
+                                            compare=False)
 
     def __post_init__(self) -> None:
         self.verify()
@@ -178,13 +187,13 @@ class SamplingParams:
             # Both leave tokens out: together they could leave a step none.
             raise ValueError("bad_words must be left unset with allowed_token_ids (leave "
                              "those tokens out of allowed_token_ids), got "
-                             f"{len(self.bad_words or self.bad_words_token_ids)} words")
+                             f"{self._num_bad_words()}")
         if self.truncate_prompt_tokens is not None:
             keep = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens,
-                              ">= 1, -1 for the context's longest prompt, or None")
+                              ">= 1, -1 for the longest prompt the engine runs, or None")
             if keep < 1 and keep != -1:
-                raise ValueError(f"truncate_prompt_tokens must be >= 1, -1 (the context's "
-                                 f"longest prompt) or None, got {keep}")
+                raise ValueError(f"truncate_prompt_tokens must be >= 1, -1 (the longest prompt "
+                                 f"the engine runs) or None, got {keep}")
         self._check_structured_outputs()
         self._check_beam_search()
 
@@ -205,7 +214,7 @@ class SamplingParams:
         if self.bad_words or self.bad_words_token_ids:
             raise ValueError(f"bad_words must be left unset with structured_outputs (the "
                              f"constraint says which tokens may come), got "
-                             f"{len(self.bad_words or self.bad_words_token_ids)} words")
+                             f"{self._num_bad_words()}")
         if self.allowed_token_ids is not None:
             # Two masks that need not meet: a step could be left with no token at all.
             raise ValueError(f"allowed_token_ids must be left unset with structured_outputs "
@@ -260,8 +269,9 @@ class SamplingParams:
             if is_set:
                 value = getattr(self, name)
                 # A map or a schema may be long: its size or its kind says enough.
-                shown = (f"{len(value or ())} entries"
-                         if name in ("logit_bias", "allowed_token_ids", "bad_words")
+                shown = (self._num_bad_words() if name == "bad_words"
+                         else f"{len(value)} entries"
+                         if name in ("logit_bias", "allowed_token_ids")
                          else f"a {value.kind} constraint" if name == "structured_outputs"
                          else repr(value))
                 hint = " (use stop_token_ids to stop)" if name == "stop" else ""
@@ -369,11 +379,11 @@ class SamplingParams:
         if words is None:
             return None
         if not isinstance(words, list | tuple) or len(words) > 2 * MAX_BAD_WORDS or not all(
-                isinstance(w, list | tuple) and w and all(
+                isinstance(w, list | tuple) and 0 < len(w) <= MAX_BAD_WORD_TOKENS and all(
                     isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in w)
                 for w in words):
-            raise ValueError(f"bad_words_token_ids must be at most {2 * MAX_BAD_WORDS} "
-                             f"non-empty lists of token ids, got {str(words)[:80]}")
+            raise ValueError(f"bad_words_token_ids must be at most {2 * MAX_BAD_WORDS} lists "
+                             f"of 1 to {MAX_BAD_WORD_TOKENS} token ids, got {str(words)[:80]}")
         return tuple(tuple(w) for w in words)
 
     def only_stops_allowed(self, eos_token_ids: frozenset[int] | set[int]) -> bool:
@@ -387,9 +397,19 @@ class SamplingParams:
         return stops.issuperset(self.allowed_token_ids)
 
     def tokenize_bad_words(self, tokenizer) -> None:
-        """bad_words_token_ids made from bad_words with the model's tokenizer (once)."""
-        if self.bad_words and self.bad_words_token_ids is None:
+        """bad_words_token_ids made from bad_words with the model's tokenizer, again whenever
+        either changed (bad_words win over ids given beside them). ValueError naming
+        bad_words for a word of too many tokens."""
+        if not self.bad_words:
+            return
+        source = (id(tokenizer), self.bad_words)
+        if source != self._bad_words_source:
             self.bad_words_token_ids = bad_words_token_ids(tokenizer, self.bad_words)
+            self._bad_words_source = source
+
+    def _num_bad_words(self) -> str:
+        count = len(self.bad_words or self.bad_words_token_ids or ())
+        return f"{count} word{'s' if count != 1 else ''}"
 
     def prompt_tokens_kept(self, num_prompt_tokens: int, longest_prompt: int) -> int:
         """How many of a prompt's tokens run (its last ones): truncate_prompt_tokens';

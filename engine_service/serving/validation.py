@@ -287,7 +287,10 @@ class RequestValidator:
             # SamplingParams names the field in its message already.
             raise _invalid(f"sampling.{error}") from None
         if params.bad_words and self.tokenizer is not None:
-            params.tokenize_bad_words(self.tokenizer)  # (short: at most 128 x 256 chars)
+            try:
+                params.tokenize_bad_words(self.tokenizer)  # (short: at most 128 x 256 chars)
+            except ValueError as error:
+                raise _invalid(f"sampling.{error}") from None
         return params
 
     # ---- other RPCs -------------------------------------------------------------------------

@@ -224,7 +224,7 @@ def test_loading_a_model_imports_no_transformers_config_class(tiny_llama_dir):
                           "partial_rotary_factor": 0.5}}, "partial_rotary_factor must be 1"),
     ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor":
                        [2.0] * 8}, "original_max_position_embeddings": 1024},
-     "rope_type must not be one of ('dynamic', 'longrope')"),  # Phi-3.5-mini's
+     "rope_type must not be one of ('dynamic', 'longrope', 'su')"),  # Phi-3.5-mini's
 ])
 def test_rope_the_kernels_cannot_apply_is_refused_by_name(tmp_path, extra, words):
     config = {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], **MINIMAL,
@@ -232,3 +232,45 @@ def test_rope_the_kernels_cannot_apply_is_refused_by_name(tmp_path, extra, words
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         load_model_config(tmp_path)
+
+
+def _phi3_gguf(path: Path, rotary_dims: int, window: int | None) -> Path:
+    """A Phi-3 GGUF of config fields alone (heads of 32): what load_model_config reads."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_context_length(4096)
+    writer.add_block_count(2)
+    writer.add_feed_forward_length(256)
+    writer.add_embedding_length(128)
+    writer.add_rope_dimension_count(rotary_dims)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(4)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(64)
+    if window is not None:
+        writer.add_uint32("phi3.attention.sliding_window", window)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"t{i}".encode() for i in range(64)])
+    writer.add_token_scores([0.0] * 64)
+    writer.add_token_types([1] * 64)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_tensor("token_embd.weight", np.zeros((64, 128), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_phi3_gguf_keeps_its_window_and_its_rotary_dimensions(tmp_path):
+    """transformers' GGUF reading drops both: Phi-3-mini-4k's window bounds the context, as
+    its safetensors' does; Phi-4-mini's partial rotary is refused, as its safetensors' is."""
+    windowed = load_model_config(_phi3_gguf(tmp_path / "mini-4k.gguf", 32, 2047))
+    assert windowed.sliding_window == 2047 and windowed.longest_context() == 2047
+    assert load_model_config(_phi3_gguf(tmp_path / "phi-4.gguf", 32, None)).sliding_window is None
+    with pytest.raises(ValueError, match="partial_rotary_factor must be 1"):
+        load_model_config(_phi3_gguf(tmp_path / "mini.gguf", 24, None))

@@ -299,6 +299,27 @@ def test_min_tokens_holds_back_allowed_stops_unless_only_stops_are_allowed() -> 
     assert Sampler(20, {EOS})(logits, rows).token_ids == [7, EOS, EOS]
 
 
+def test_bad_words_read_by_index_ban_what_a_scan_of_every_word_bans() -> None:
+    """The index (words by their next-to-last token) against the plain reading: every word
+    whose lead the output ends with, on seeded random words and outputs."""
+    import random
+
+    from engine_service.model.bad_words import banned_next, word_index
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    for _ in range(300):
+        words = [tuple(rng.randrange(6) for _ in range(rng.randint(1, 4)))
+                 for _ in range(rng.randint(1, 6))]
+        output = [rng.randrange(6) for _ in range(rng.randint(0, 8))]
+        expected = [w[-1] for w in words
+                    if len(w) - 1 <= len(output)
+                    and tuple(output[len(output) - len(w) + 1:]) == w[:-1]]
+        assert sorted(banned_next(word_index(words), output)) == sorted(expected), (
+            words, output)
+
+
 def test_bad_words_ban_one_token_words_always_and_longer_ones_at_their_last_token() -> None:
     logits = torch.zeros(3, 20)
     logits[:, 7] = 5.0  # every row's favourite

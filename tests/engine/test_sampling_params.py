@@ -112,9 +112,11 @@ def test_valid_edges_are_accepted() -> None:
         ({"bad_words": ["ok", " "]}, "bad_words", "' '"),
         ({"bad_words": ["w"] * 129}, "bad_words", "129"),
         ({"bad_words": ["x" * 257]}, "bad_words", "257"),
-        ({"bad_words": ["w"], "allowed_token_ids": [3]}, "bad_words", "1 words"),
-        ({"bad_words": ["w"], "structured_outputs": {"regex": "a"}}, "bad_words", "1 words"),
-        ({"bad_words": ["w"], "beam_width": 2, "temperature": 0}, "bad_words", "1 entries"),
+        ({"bad_words": ["w"], "allowed_token_ids": [3]}, "bad_words", "got 1 word"),
+        ({"bad_words": ["w", "v"], "structured_outputs": {"regex": "a"}}, "bad_words",
+         "got 2 words"),
+        ({"bad_words": ["w"], "beam_width": 2, "temperature": 0}, "bad_words", "got 1 word"),
+        ({"bad_words_token_ids": [[1] * 33]}, "bad_words_token_ids", "1 to 32 token ids"),
         ({"bad_words_token_ids": [[1], []]}, "bad_words_token_ids", "[[1], []]"),
     ],
 )
@@ -163,3 +165,22 @@ def test_the_longest_prompt_is_the_context_or_the_pool_less_one_token():
 
     assert limits(4096, 1000).longest_prompt == 4095
     assert limits(4096, 240).longest_prompt == 240 * 16 - 1
+
+
+def test_bad_words_ids_are_remade_when_the_words_or_the_tokenizer_change(tiny_llama_dir):
+    """An offline caller may reuse SamplingParams: its ids follow its words (they were kept
+    from the first words given)."""
+    from transformers import AutoTokenizer
+
+    from engine_service.model.bad_words import bad_words_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    params = SamplingParams(bad_words=["hello"])
+    params.tokenize_bad_words(tokenizer)
+    assert params.bad_words_token_ids == bad_words_token_ids(tokenizer, ["hello"])
+    params.bad_words = ("world",)
+    params.tokenize_bad_words(tokenizer)
+    assert params.bad_words_token_ids == bad_words_token_ids(tokenizer, ["world"])
+    with pytest.raises(ValueError, match="bad_words must hold words of at most 32 tokens, got "
+                                         "one of 64"):
+        SamplingParams(bad_words=["\u00e9" * 64]).tokenize_bad_words(tokenizer)

@@ -173,13 +173,30 @@ def test_a_cut_text_prompt_echoes_what_ran(http_engine, client):
     assert plain.choices[0].text.startswith(detokenized(http_engine, kept))
 
 
-@pytest.mark.parametrize("prompt", [[5, "junk", 6, 7], [-5, 6, 7], [["a", 5.5, 6, 7]],
-                                    [[5, 6, 7], [2**40, 6, 7]]])
-def test_a_malformed_token_prompt_is_refused_whatever_is_cut(http_engine, prompt):
+@pytest.mark.parametrize(("prompt", "param", "words"), [
+    ([5, "junk", 6, 7], "prompt", '"junk" at position 1'),
+    ([-5, 6, 7], "prompt", "-5 at position 0"),
+    ([[5, 6, 7], [6, 5.5, 6, 7]], "prompt[1]", "5.5 at position 1"),
+    ([[5, 6, 7], [2**40, 6, 7]], "prompt[1]", f"{2**40} at position 0"),
+    ([-1] + [5] * 5000, "prompt", "-1 at position 0"),  # past the context: the id is named
+])
+def test_a_malformed_token_prompt_is_refused_whatever_is_cut(http_engine, prompt, param,
+                                                              words):
     status, reply = http_engine.call(f"{http_engine.base_url}/v1/completions",
                                      {"model": http_engine.model, "prompt": prompt,
                                       "max_tokens": 1, "truncate_prompt_tokens": 2}, API_KEY)
-    assert status == 400 and reply["error"]["param"].startswith("prompt"), reply
+    assert status == 400 and reply["error"]["param"] == param, reply
+    assert reply["error"]["message"] == (f"{param} must hold token ids (32-bit ints >= 0), "
+                                         f"got {words}")
+
+
+@pytest.mark.parametrize("keep", [0, -2])
+def test_a_cut_that_keeps_nothing_is_named_before_the_prompt_s_length(http_engine, keep):
+    status, reply = http_engine.call(f"{http_engine.base_url}/v1/completions",
+                                     {"model": http_engine.model, "prompt": [5] * 5000,
+                                      "max_tokens": 1, "truncate_prompt_tokens": keep}, API_KEY)
+    assert status == 400 and reply["error"]["param"] == "truncate_prompt_tokens", reply
+    assert reply["error"]["message"].endswith(f"got {keep}")
 
 
 def test_a_cut_token_prompt_is_read_up_to_16_contexts(http_engine):
@@ -200,3 +217,9 @@ def test_minus_one_cuts_to_what_the_engine_can_run(http_engine, client):
     reply = client.completions.create(model=http_engine.model, prompt=ids, max_tokens=1,
                                       extra_body={"truncate_prompt_tokens": -1})
     assert reply.usage.prompt_tokens == 240 * 16 - 1  # the test engine's 240 blocks of 16
+    echoed = client.completions.create(model=http_engine.model, prompt=ids, max_tokens=1,
+                                       echo=True, logprobs=0, temperature=0,
+                                       extra_body={"truncate_prompt_tokens": -1,
+                                                   "return_tokens_as_token_ids": True})
+    tokens = echoed.choices[0].logprobs.tokens
+    assert tokens[:-1] == [f"token_id:{t}" for t in ids[-(240 * 16 - 1):]]  # what ran

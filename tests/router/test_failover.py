@@ -131,6 +131,23 @@ def test_a_cut_prompt_goes_on_with_the_tokens_it_ran(stack, router_stub):
     assert received[-1].usage.prompt_tokens == 7
 
 
+def test_a_stream_with_bad_words_is_not_resumed_once_it_has_output(stack, router_stub):
+    """Its words are read in the output, which restarts on another replica (a word begun
+    before the switch could be finished after it): the client is told, by name."""
+    request = stream_request(prompt(14), "worded")
+    request.sampling.bad_words.append("zzqqxxj")
+    call = router_stub.GenerateStream(request, timeout=120)
+    messages = iter(call)
+    received = 0
+    while received < 5:
+        received += sum(len(c.token_ids) for c in next(messages).choices)
+    stack.kill_engine(wait_until(lambda: busy_engine(stack), what="the replica running it"))
+    with pytest.raises(grpc.RpcError) as failed:
+        list(messages)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "bad_words cannot be resumed on another replica" in failed.value.details()
+
+
 def test_a_constrained_stream_goes_on_inside_its_grammar(stack, router_stub):
     """A stream with structured outputs resumed elsewhere: the new replica's grammar starts
     after the output so far (resumed_tokens), so the stream is the uninterrupted one's (a
