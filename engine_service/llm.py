@@ -203,7 +203,7 @@ class LLM:
         requests = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
             token_ids, text = self._token_ids(prompt)
-            token_ids = truncated_prompt(token_ids, params, engine.limits.longest_prompt)
+            token_ids = truncated_prompt(token_ids, params, engine.limits)
             if params.bad_words and engine.tokenizer is not None:
                 try:
                     params.tokenize_bad_words(engine.tokenizer)

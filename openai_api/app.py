@@ -211,10 +211,13 @@ class _Api:
         body = schemas.parse(schemas.CompletionRequest, await self._body(request))
         model = self._model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        call = completion_call(body, request_id, model.prompt_context, model.longest_prompt)
+        # (as the engine counts them: its default max_tokens, 16, and n sequences)
+        longest = model.longest_prompt(body.n or 1, 1 if body.max_tokens == 0
+                                       else body.max_tokens or 16)
+        call = completion_call(body, request_id, model.prompt_context, longest)
         echo = None if call.echo_prompts is None else functools.partial(
             self._prompt_texts, request, call)
-        kept = kept_tokens(body.truncate_prompt_tokens, model.longest_prompt)
+        kept = kept_tokens(body.truncate_prompt_tokens, longest)
         first_ids = None
         if call.scores_prompt or (echo is not None and kept is not None):
             first_ids = await self._as_token_ids(request, call, kept)
@@ -280,7 +283,7 @@ class _Api:
                                       call.field_names[0], _caller(request))
             if call.to_end_of_context:
                 ids = list(reply.token_ids)
-                kept = kept_tokens(body.truncate_prompt_tokens, model.longest_prompt)
+                kept = kept_tokens(body.truncate_prompt_tokens, model.longest_prompt(call.n, 1))
                 rest_of_context(wire, ids if kept is None else ids[-kept:],
                                 model.longest_sequence(call.n))
             else:  # sent as its tokens: the template is rendered once a request

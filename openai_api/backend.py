@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from engine_service.core.request_limits import longest_prompt_that_fits
+
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
@@ -24,11 +26,13 @@ class ServedModel:
         """The context a prompt's length is checked against before its ids are read."""
         return self.widest_context or self.max_model_len
 
-    @property
-    def longest_prompt(self) -> int:
-        """The most prompt tokens a request runs (truncate_prompt_tokens -1's cut): its
-        context and the KV pool, less one token for the output (0: not known yet)."""
-        return max(0, self.longest_sequence(1) - 1)
+    def longest_prompt(self, num_seqs: int, max_tokens: int | None) -> int:
+        """The most prompt tokens a request of `num_seqs` sequences and `max_tokens` runs
+        (truncate_prompt_tokens -1's cut, as the engine makes it; 0: not known yet)."""
+        if not self.max_model_len or not self.kv_blocks:
+            return 0
+        return longest_prompt_that_fits(self.max_model_len, self.kv_blocks, self.block_size,
+                                        num_seqs, max_tokens)
 
     def longest_sequence(self, num_seqs: int) -> int:
         """The most tokens each of a request's `num_seqs` sequences can reach: the context, or

@@ -15,18 +15,22 @@ reply ends. A calls part that reads as neither format is content, as the model w
 from __future__ import annotations
 
 import json
+import re
 
 from openai_api.tool_calls import call_json
 from openai_api.tool_parsers import Parsed, longest_prefix_suffix, named_call, not_json, utf8
 
 TAG, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+# A function's name as Mistral's v11 format writes it before [ARGS]
+NAME = re.compile(r"[\w.\-]+")
 
 
 class MistralReader:
     def __init__(self) -> None:
         self._pending = ""  # content not given out yet: it may begin TAG
         self._calls: list[str] | None = None  # the text after TAG, held to the end
-        self._blank = ""  # trailing whitespace of the content: not content before calls
+        # Trailing whitespace of the content, in pieces: not content before the calls.
+        self._blank: list[str] = []
 
     def feed(self, text: str) -> Parsed:
         out = Parsed()
@@ -48,23 +52,25 @@ class MistralReader:
         out = Parsed()
         if self._calls is None:
             self._give_content(out, self._pending)
-            out.content += self._blank
+            out.content += "".join(self._blank)
         else:
             body = "".join(self._calls)
             calls = mistral_calls(body)
             if calls is None:  # not calls after all: the text as the model wrote it
                 self._give_content(out, TAG + body)
-                out.content += self._blank
+                out.content += "".join(self._blank)
             else:
                 out.calls = calls
-        self._pending, self._calls, self._blank = "", None, ""
+        self._pending, self._calls, self._blank = "", None, []
         return out
 
     def _give_content(self, out: Parsed, text: str) -> None:
-        text = self._blank + text
         kept = text.rstrip()
-        self._blank = text[len(kept):]
-        out.content += kept
+        if not kept:  # whitespace alone: held with the rest (pieces: a long run is not
+            self._blank.append(text)  # copied again with each one)
+            return
+        out.content += "".join(self._blank) + kept
+        self._blank = [text[len(kept):]]
 
 
 def mistral_calls(body: str) -> list[dict] | None:
@@ -76,20 +82,30 @@ def mistral_calls(body: str) -> list[dict] | None:
             return None
         calls = [named_call(piece, "arguments") for piece in pieces]
         return None if any(c is None for c in calls) else calls
-    calls = []
-    for part in body.split(TAG):
-        if ARGS not in part:
+    # v11: name[ARGS]{...}, each after its TAG; read in order (an argument's string may hold
+    # a TAG of its own).
+    calls, at, decode = [], 0, json.JSONDecoder(parse_constant=not_json).raw_decode
+    while True:
+        args = body.find(ARGS, at)
+        if args < 0:
             return None
-        name, arguments = part.split(ARGS, 1)
-        name, arguments = name.split(CALL_ID, 1)[0].strip(), arguments.strip()
+        name = body[at:args].split(CALL_ID, 1)[0].strip()
+        start = args + len(ARGS)
+        while start < len(body) and body[start].isspace():
+            start += 1
         try:
-            value = json.loads(arguments, parse_constant=not_json)
+            value, end = decode(body, start)
         except (ValueError, RecursionError):
             return None
-        if not name or not utf8(name) or not isinstance(value, dict):
+        if not NAME.fullmatch(name) or not utf8(name) or not isinstance(value, dict):
             return None
-        calls.append(call_json(name, arguments))
-    return calls
+        calls.append(call_json(name, body[start:end]))
+        rest = body[end:].lstrip()
+        if not rest:
+            return calls
+        if not rest.startswith(TAG):
+            return None
+        at = len(body) - len(rest) + len(TAG)
 
 
 def _json_objects(text: str) -> list[str]:

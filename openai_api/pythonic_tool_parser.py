@@ -4,8 +4,9 @@ as Llama 3.2 and Llama 4 write them (Llama 4's <|python_start|> / <|python_end|>
 tokens, left out of the text).
 
 The whole reply is calls or none of it is: a reply that starts with '[' is held to the end and
-read with Python's own parser (nothing is evaluated: each value is a literal). The arguments
-go out as JSON (the model wrote Python), so a value JSON has no form for (a set, bytes, NaN)
+read with Python's own parser (nothing is evaluated: each value is a literal; the parser
+bounds the nesting). The arguments go out as JSON (the model wrote Python), so a value JSON
+has no form for (a set, bytes, NaN, a dict key that is not a string) or a keyword given twice
 leaves the reply as content.
 """
 
@@ -16,9 +17,6 @@ import json
 
 from openai_api.tool_calls import call_json
 from openai_api.tool_parsers import Parsed, utf8
-
-# Python's parser recurses with the nesting: a reply nested deeper is not read as calls.
-MAX_NESTING = 64
 
 
 class PythonicReader:
@@ -46,8 +44,6 @@ class PythonicReader:
 
 def python_calls(text: str) -> list[dict] | None:
     """The calls of a Python list of `name(key=literal, ...)`, or None when it is not one."""
-    if max_depth(text) > MAX_NESTING:
-        return None
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -60,12 +56,14 @@ def python_calls(text: str) -> list[dict] | None:
             return None
         arguments = {}
         for keyword in node.keywords:
-            if keyword.arg is None:  # **kwargs
+            if keyword.arg is None or keyword.arg in arguments:  # **kwargs, a key twice
                 return None
             try:
                 arguments[keyword.arg] = ast.literal_eval(keyword.value)
             except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
                 return None
+        if not _string_keys(arguments):
+            return None
         try:
             text_arguments = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError, RecursionError):  # a set, bytes, NaN: no JSON form
@@ -76,13 +74,12 @@ def python_calls(text: str) -> list[dict] | None:
     return calls
 
 
-def max_depth(text: str) -> int:
-    """How deep brackets nest in `text` (quotes aside: an upper bound is enough)."""
-    depth = deepest = 0
-    for char in text:
-        if char in "([{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in ")]}":
-            depth -= 1
-    return deepest
+def _string_keys(value: object) -> bool:
+    """Whether every dict in `value` has string keys alone: JSON would turn 1 and True into
+    "1" and "true", and two keys could become one."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) for k in value) and all(
+            _string_keys(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_string_keys(v) for v in value)
+    return True

@@ -431,13 +431,16 @@ def _prompts(prompt: object, max_model_len: int, kept: int | None = None
         return [prompt], False
     if not isinstance(prompt, list) or not prompt:
         raise bad_request("prompt", f"prompt must be {allowed}, got {_json(prompt)}")
-    if _is_int(prompt[0]):  # token ids (a list of prompts starts with a string or a list)
+    if _is_any_int(prompt[0]):  # token ids (a list of prompts starts with a string or list)
         if kept is not None:
             _check_ids_to_cut("prompt", prompt, max_model_len)
             prompt = prompt[-kept:]
         check_token_count("prompt", prompt, max_model_len)
-        if all(_is_int(t) for t in prompt):
-            return [prompt], False
+        bad = next((p for p, t in enumerate(prompt) if not _is_int(t)), None)
+        if bad is not None:
+            raise bad_request("prompt", f"prompt must hold token ids (32-bit ints), got "
+                                        f"{_json(prompt[bad])} at position {bad}")
+        return [prompt], False
     if len(prompt) > MAX_PROMPTS:
         raise bad_request("prompt", f"prompt must hold at most {MAX_PROMPTS} prompts, got "
                                     f"{len(prompt)}")
@@ -485,6 +488,10 @@ def check_token_count(where: str, ids: list, max_model_len: int,
     if not for_output and len(ids) > max_model_len:
         raise bad_request(where, f"{where} must be at most {max_model_len} tokens (the "
                                  f"context), got {len(ids)} tokens")
+
+
+def _is_any_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_int(value: object) -> bool:

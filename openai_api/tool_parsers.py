@@ -43,7 +43,7 @@ class HermesReader:
         # Whitespace at the end of the content so far, held: before a call (or at the end of
         # a reply with calls) it is not content; before more text it is. (Held in a stream and
         # a whole reply alike: they read the same, however the text is cut.)
-        self._blank = ""
+        self._blank: list[str] = []
 
     def feed(self, text: str) -> Parsed:
         out = Parsed()
@@ -81,8 +81,8 @@ class HermesReader:
         else:
             self._give_content(out, self._pending)
         if not self._called:
-            out.content += self._blank
-        self._pending, self._in_call, self._searched, self._blank = "", False, 0, ""
+            out.content += "".join(self._blank)
+        self._pending, self._in_call, self._searched, self._blank = "", False, 0, []
         return out
 
     def _give_call(self, out: Parsed, body: str, closed: bool, text: str | None = None
@@ -94,13 +94,15 @@ class HermesReader:
                                + (self.END if closed else ""))
             return
         out.calls.append(call)
-        self._called, self._blank = True, ""
+        self._called, self._blank = True, []
 
     def _give_content(self, out: Parsed, text: str) -> None:
-        text = self._blank + text
         kept = text.rstrip()
-        self._blank = text[len(kept):]
-        out.content += kept
+        if not kept:  # whitespace alone: held with the rest (pieces: a long run is not
+            self._blank.append(text)  # copied again with each one)
+            return
+        out.content += "".join(self._blank) + kept
+        self._blank = [text[len(kept):]]
 
 
 class Llama3JsonReader:

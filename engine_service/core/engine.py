@@ -210,7 +210,7 @@ class LLMEngine:
             raise DuplicateRequestError(
                 "request_id", f"request_id must be unique among live requests, got {request_id!r}"
             )
-        prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.limits.longest_prompt)
+        prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.limits)
         if params.bad_words and self.tokenizer is not None:  # (the tokenizer loads lazily)
             try:
                 params.tokenize_bad_words(self.tokenizer)

@@ -28,11 +28,35 @@ def max_abs_length_penalty(max_new_tokens: int) -> float:
     return math.log(MAX_LENGTH_NORM) / math.log(max_new_tokens)
 
 
+def longest_prompt_that_fits(max_model_len: int, num_blocks: int, block_size: int,
+                             num_seqs: int, max_tokens: int | None) -> int:
+    """The most prompt tokens a request of `num_seqs` sequences and `max_tokens` (None: one
+    at least) can run: within the context with its output, and its blocks within the KV
+    pool as RequestLimits.blocks_for_request counts them (truncate_prompt_tokens -1's)."""
+    new = max_tokens or 1
+
+    def fits(num_prompt: int) -> bool:
+        per_seq = blocks_for(min(num_prompt + new, max_model_len), block_size)
+        shared = num_prompt // block_size if num_seqs > 1 else 0
+        return (num_prompt + new <= max_model_len
+                and shared + num_seqs * (per_seq - shared) <= num_blocks)
+
+    low, high = 0, max_model_len  # fits(low); not fits(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    while low > 0 and not fits(low):  # (nearly monotonic: step down to be sure)
+        low -= 1
+    return max(1, low)
+
+
 def truncated_prompt(prompt_token_ids: list[int], params: SamplingParams,
-                     longest_prompt: int) -> list[int]:
+                     limits: RequestLimits) -> list[int]:
     """The prompt's tokens that run: its last truncate_prompt_tokens (all of them unset;
-    -1: `longest_prompt`, RequestLimits.longest_prompt)."""
-    kept = params.prompt_tokens_kept(len(prompt_token_ids), longest_prompt)
+    -1: the most that let the request run, RequestLimits.longest_prompt_for)."""
+    keep = params.truncate_prompt_tokens
+    longest = limits.longest_prompt_for(params) if keep == -1 else 0
+    kept = params.prompt_tokens_kept(len(prompt_token_ids), longest)
     if kept == len(prompt_token_ids):
         return prompt_token_ids
     return list(prompt_token_ids[len(prompt_token_ids) - kept:])
@@ -58,6 +82,11 @@ class RequestLimits:
         """The most prompt tokens a request may run: its context, and the KV pool, less one
         token for the output."""
         return min(self.max_model_len, self.num_blocks * self.block_size) - 1
+
+    def longest_prompt_for(self, params: SamplingParams) -> int:
+        """The most prompt tokens this request can run, with its sequences and max_tokens."""
+        return longest_prompt_that_fits(self.max_model_len, self.num_blocks, self.block_size,
+                                        params.num_sequences, params.max_tokens)
 
     def blocks_for_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The most blocks the request's group ever holds: its sequences (n samples or
@@ -96,7 +125,7 @@ class RequestLimits:
                 "stop", f"stop must be empty when the engine has no tokenizer "
                 f"(skip_tokenizer_init), got {params.stop!r}: use stop_token_ids"
             )
-        if params.bad_words and params.bad_words_token_ids is None:
+        if params.bad_words and (params.bad_words_token_ids is None or not self.has_tokenizer):
             raise InvalidRequestError(
                 "bad_words", f"bad_words must be empty when the engine has no tokenizer "
                 f"(skip_tokenizer_init), got {len(params.bad_words)} words: use logit_bias")

@@ -139,7 +139,7 @@ def _phi3_gguf_fields(config, gguf_path: Path, head_dim: int) -> None:
     if rotary is not None and rotary != head_dim:
         config.partial_rotary_factor = rotary / head_dim  # (refused by _check_rope)
     window = scalar("phi3.attention.sliding_window")
-    if window is not None:
+    if window:  # (llama.cpp writes 0 for Phi-4: no window)
         config.sliding_window = window
 
 

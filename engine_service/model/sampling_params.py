@@ -402,7 +402,8 @@ class SamplingParams:
         bad_words for a word of too many tokens."""
         if not self.bad_words:
             return
-        source = (id(tokenizer), self.bad_words)
+        # (the tokenizer by what it is, not by id(): a freed one's id is reused)
+        source = (getattr(tokenizer, "name_or_path", None), len(tokenizer), self.bad_words)
         if source != self._bad_words_source:
             self.bad_words_token_ids = bad_words_token_ids(tokenizer, self.bad_words)
             self._bad_words_source = source
@@ -413,7 +414,7 @@ class SamplingParams:
 
     def prompt_tokens_kept(self, num_prompt_tokens: int, longest_prompt: int) -> int:
         """How many of a prompt's tokens run (its last ones): truncate_prompt_tokens';
-        `longest_prompt`: the most the engine takes (RequestLimits.longest_prompt), -1's."""
+        `longest_prompt`: the most that let the request run (-1's: request_limits.py)."""
         keep = self.truncate_prompt_tokens
         if keep is None:
             return num_prompt_tokens

@@ -136,7 +136,7 @@ class RequestValidator:
         if prompt is None:
             prompt = self.prompt(req, "input")
         params = self.sampling_params(req.sampling)
-        kept = truncated_prompt(prompt.token_ids, params, self.limits.longest_prompt)
+        kept = truncated_prompt(prompt.token_ids, params, self.limits)
         if kept is not prompt.token_ids:  # (the text stays the client's whole prompt)
             prompt = Prompt(kept, prompt.text)
         self.check_fits(prompt.token_ids, params)

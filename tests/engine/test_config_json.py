@@ -272,5 +272,7 @@ def test_a_phi3_gguf_keeps_its_window_and_its_rotary_dimensions(tmp_path):
     windowed = load_model_config(_phi3_gguf(tmp_path / "mini-4k.gguf", 32, 2047))
     assert windowed.sliding_window == 2047 and windowed.longest_context() == 2047
     assert load_model_config(_phi3_gguf(tmp_path / "phi-4.gguf", 32, None)).sliding_window is None
+    # llama.cpp's converter writes Phi-4's as 0 (no window), to tell it from Phi-3
+    assert load_model_config(_phi3_gguf(tmp_path / "phi-4-0.gguf", 32, 0)).sliding_window is None
     with pytest.raises(ValueError, match="partial_rotary_factor must be 1"):
         load_model_config(_phi3_gguf(tmp_path / "mini.gguf", 24, None))

@@ -144,27 +144,45 @@ def test_allowed_token_ids_are_sorted_without_repeats_and_checked_against_the_vo
         p.check_for_model(vocab_size=9)
 
 
-@pytest.mark.parametrize(("keep", "num_prompt", "longest", "kept"), [
-    (None, 50, 31, 50), (5, 50, 31, 5), (5, 3, 31, 3), (-1, 50, 31, 31), (-1, 10, 31, 10)])
-def test_truncate_prompt_tokens_keeps_the_last_tokens(keep, num_prompt, longest, kept):
+def _limits(max_model_len: int, num_blocks: int):
+    from engine_service.core.request_limits import RequestLimits
+
+    return RequestLimits(vocab_size=100, max_model_len=max_model_len, num_blocks=num_blocks,
+                         block_size=16, max_num_seqs=8, max_num_batched_tokens=512,
+                         has_tokenizer=True)
+
+
+@pytest.mark.parametrize(("keep", "num_prompt", "kept"), [
+    (None, 50, 50), (5, 50, 5), (5, 3, 3), (-1, 50, 31), (-1, 10, 10)])
+def test_truncate_prompt_tokens_keeps_the_last_tokens(keep, num_prompt, kept):
     from engine_service.core.request_limits import truncated_prompt
 
-    params = SamplingParams(truncate_prompt_tokens=keep)
-    assert params.prompt_tokens_kept(num_prompt, longest) == kept
+    params = SamplingParams(truncate_prompt_tokens=keep, max_tokens=1)
     prompt = list(range(100, 100 + num_prompt))
-    assert truncated_prompt(prompt, params, longest) == prompt[num_prompt - kept:]
+    assert truncated_prompt(prompt, params, _limits(32, 1000)) == prompt[num_prompt - kept:]
+
+
+@pytest.mark.parametrize(("context", "blocks", "n", "max_tokens"), [
+    (4096, 1000, 1, 1), (4096, 240, 1, 1), (4096, 240, 2, 1), (4096, 240, 4, 100),
+    (4096, 1000, 1, 16), (4096, 240, 3, None), (64, 2, 2, 8)])
+def test_minus_one_keeps_the_longest_prompt_the_request_runs(context, blocks, n, max_tokens):
+    """-1's cut: the request (its n sequences and max_tokens) fits the context and the KV
+    pool with it, and with one more prompt token it would not (n ran past the pool)."""
+    limits = _limits(context, blocks)
+    params = SamplingParams(n=n, max_tokens=max_tokens, truncate_prompt_tokens=-1)
+    longest = limits.longest_prompt_for(params)
+    new = max_tokens or 1
+
+    def fits(num_prompt: int) -> bool:
+        return (num_prompt + new <= context and limits.blocks_for_request(
+            num_prompt, SamplingParams(n=n, max_tokens=new)) <= blocks)
+
+    assert fits(longest) and not fits(longest + 1)
 
 
 def test_the_longest_prompt_is_the_context_or_the_pool_less_one_token():
-    from engine_service.core.request_limits import RequestLimits
-
-    def limits(max_model_len: int, num_blocks: int) -> RequestLimits:
-        return RequestLimits(vocab_size=100, max_model_len=max_model_len,
-                             num_blocks=num_blocks, block_size=16, max_num_seqs=8,
-                             max_num_batched_tokens=512, has_tokenizer=True)
-
-    assert limits(4096, 1000).longest_prompt == 4095
-    assert limits(4096, 240).longest_prompt == 240 * 16 - 1
+    assert _limits(4096, 1000).longest_prompt == 4095
+    assert _limits(4096, 240).longest_prompt == 240 * 16 - 1
 
 
 def test_bad_words_ids_are_remade_when_the_words_or_the_tokenizer_change(tiny_llama_dir):
@@ -184,3 +202,18 @@ def test_bad_words_ids_are_remade_when_the_words_or_the_tokenizer_change(tiny_ll
     with pytest.raises(ValueError, match="bad_words must hold words of at most 32 tokens, got "
                                          "one of 64"):
         SamplingParams(bad_words=["\u00e9" * 64]).tokenize_bad_words(tokenizer)
+
+
+def test_bad_words_made_elsewhere_are_refused_by_an_engine_without_a_tokenizer():
+    """Params reused from an engine with a tokenizer carry its ids: an engine without one
+    refuses the words still (it ran the other model's ids)."""
+    from engine_service.core.errors import InvalidRequestError
+
+    params = SamplingParams(bad_words=["hello"], bad_words_token_ids=[[5]])
+    limits = _limits(64, 100)
+    limits.validate([1, 2, 3], params)
+    import dataclasses
+
+    with pytest.raises(InvalidRequestError, match="bad_words must be empty when the engine "
+                                                  "has no tokenizer"):
+        dataclasses.replace(limits, has_tokenizer=False).validate([1, 2, 3], params)

@@ -223,3 +223,35 @@ def test_minus_one_cuts_to_what_the_engine_can_run(http_engine, client):
                                                    "return_tokens_as_token_ids": True})
     tokens = echoed.choices[0].logprobs.tokens
     assert tokens[:-1] == [f"token_id:{t}" for t in ids[-(240 * 16 - 1):]]  # what ran
+
+
+@pytest.mark.parametrize(("prompt", "extra", "message"), [
+    ([5, 2**40], {}, f"prompt must hold token ids (32-bit ints), got {2**40} at position 1"),
+    ([5, "x", 6], {}, 'prompt must hold token ids (32-bit ints), got "x" at position 1'),
+    ([2**40, 5], {"truncate_prompt_tokens": 1},
+     f"prompt must hold token ids (32-bit ints >= 0), got {2**40} at position 0"),
+])
+def test_a_token_prompt_s_bad_id_is_named_with_its_position(http_engine, prompt, extra,
+                                                            message):
+    """(A list starting with an id is a token-id prompt: its bad element was blamed on the
+    first id, or the list was read as a list of prompts.)"""
+    status, reply = http_engine.call(f"{http_engine.base_url}/v1/completions",
+                                     {"model": http_engine.model, "prompt": prompt,
+                                      "max_tokens": 1, **extra}, API_KEY)
+    assert status == 400 and reply["error"]["param"] == "prompt", reply
+    assert reply["error"]["message"] == message
+
+
+def test_minus_one_leaves_room_for_every_sequence(http_engine, client):
+    """-1 with n = 2 (a chat without max_tokens, and completions): the cut leaves the pool
+    room for both sequences (cut for one, the request was refused naming max_tokens)."""
+    long = [{"role": "user", "content": "word " * context(http_engine)}]
+    ends = {"allowed_token_ids": [1234, EOS], "logit_bias": {str(EOS): 100},
+            "truncate_prompt_tokens": -1}
+    chat = client.chat.completions.create(model=http_engine.model, messages=long, n=2,
+                                          extra_body=ends)
+    assert len(chat.choices) == 2 and chat.usage.prompt_tokens > 3000
+    ids = [100 + (i * 13) % 30000 for i in range(context(http_engine) + 10)]
+    text = client.completions.create(model=http_engine.model, prompt=ids, n=2, max_tokens=1,
+                                     extra_body={"truncate_prompt_tokens": -1})
+    assert len(text.choices) == 2 and text.usage.prompt_tokens > 3000
