@@ -18,7 +18,14 @@ import json
 import re
 
 from openai_api.tool_calls import call_json
-from openai_api.tool_parsers import Parsed, longest_prefix_suffix, named_call, not_json, utf8
+from openai_api.tool_parsers import (
+    Parsed,
+    give_content,
+    longest_prefix_suffix,
+    named_call,
+    not_json,
+    utf8,
+)
 
 TAG, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 # A function's name as Mistral's v11 format writes it before [ARGS]
@@ -65,12 +72,7 @@ class MistralReader:
         return out
 
     def _give_content(self, out: Parsed, text: str) -> None:
-        kept = text.rstrip()
-        if not kept:  # whitespace alone: held with the rest (pieces: a long run is not
-            self._blank.append(text)  # copied again with each one)
-            return
-        out.content += "".join(self._blank) + kept
-        self._blank = [text[len(kept):]]
+        give_content(out, self._blank, text)
 
 
 def mistral_calls(body: str) -> list[dict] | None:

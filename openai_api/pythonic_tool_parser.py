@@ -16,30 +16,14 @@ import ast
 import json
 
 from openai_api.tool_calls import call_json
-from openai_api.tool_parsers import Parsed, utf8
+from openai_api.tool_parsers import WholeReplyReader, utf8
 
 
-class PythonicReader:
-    def __init__(self) -> None:
-        self._held: list[str] = []
-        self._decided: bool | None = None  # True: held as calls; False: content
+class PythonicReader(WholeReplyReader):
+    OPENS = "["
 
-    def feed(self, text: str) -> Parsed:
-        if self._decided is False:
-            return Parsed(content=text)
-        self._held.append(text)
-        if self._decided is None and text and not text.isspace():
-            held = "".join(self._held)
-            self._decided = held.lstrip().startswith("[")
-            if not self._decided:
-                self._held = []
-                return Parsed(content=held)
-        return Parsed()
-
-    def finish(self) -> Parsed:
-        held, self._held, self._decided = "".join(self._held), [], None
-        calls = python_calls(held) if held.lstrip().startswith("[") else None
-        return Parsed(calls=calls) if calls else Parsed(content=held)
+    def calls(self, held: str) -> list[dict] | None:
+        return python_calls(held)
 
 
 def python_calls(text: str) -> list[dict] | None:

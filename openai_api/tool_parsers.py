@@ -97,16 +97,26 @@ class HermesReader:
         self._called, self._blank = True, []
 
     def _give_content(self, out: Parsed, text: str) -> None:
-        kept = text.rstrip()
-        if not kept:  # whitespace alone: held with the rest (pieces: a long run is not
-            self._blank.append(text)  # copied again with each one)
-            return
-        out.content += "".join(self._blank) + kept
-        self._blank = [text[len(kept):]]
+        give_content(out, self._blank, text)
 
 
-class Llama3JsonReader:
-    """The whole reply is calls or none of it is: text that starts with '{' is held to the end."""
+def give_content(out: Parsed, blank: list[str], text: str) -> None:
+    """`text` given out as content but its trailing whitespace, held in `blank` (before a
+    call it is not content; before more text it is). Whitespace alone is held in pieces: a
+    long run is not copied again with each one."""
+    kept = text.rstrip()
+    if not kept:
+        blank.append(text)
+        return
+    out.content += "".join(blank) + kept
+    blank[:] = [text[len(kept):]]
+
+
+class WholeReplyReader:
+    """A reply that is calls whole or none of it: one that starts with OPENS (whitespace
+    aside) is held to the end and read by `calls`; any other goes out as it comes."""
+
+    OPENS = ""
 
     def __init__(self) -> None:
         self._held: list[str] = []
@@ -116,25 +126,33 @@ class Llama3JsonReader:
         if self._decided is False:
             return Parsed(content=text)
         self._held.append(text)
-        if self._decided is None and not text.isspace() and text:
+        if self._decided is None and text and not text.isspace():
             held = "".join(self._held)
-            self._decided = held.lstrip().startswith("{")
+            self._decided = held.lstrip().startswith(self.OPENS)
             if not self._decided:
                 self._held = []
                 return Parsed(content=held)
         return Parsed()
 
     def finish(self) -> Parsed:
-        held, self._held = "".join(self._held), []
-        if not self._decided:
-            return Parsed(content=held)
-        calls = []
-        for piece in _split_objects(held):
-            call = named_call(piece, "parameters", "arguments")
-            if call is None:
-                return Parsed(content=held)
-            calls.append(call)
+        held, decided = "".join(self._held), self._decided
+        self._held, self._decided = [], None
+        calls = self.calls(held) if decided else None
         return Parsed(calls=calls) if calls else Parsed(content=held)
+
+    def calls(self, held: str) -> list[dict] | None:
+        """The calls the whole reply holds, or None when it is not calls."""
+        raise NotImplementedError
+
+
+class Llama3JsonReader(WholeReplyReader):
+    """`{"name": ..., "parameters": {...}}` objects, `;` or whitespace between them."""
+
+    OPENS = "{"
+
+    def calls(self, held: str) -> list[dict] | None:
+        calls = [named_call(piece, "parameters", "arguments") for piece in _split_objects(held)]
+        return None if not calls or any(c is None for c in calls) else calls
 
 
 def reader(name: str):
