@@ -213,7 +213,8 @@ class _Api:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         # (as the engine counts them: its default max_tokens, 16, and n sequences)
         longest = model.longest_prompt(body.n or 1, 1 if body.max_tokens == 0
-                                       else body.max_tokens or 16)
+                                       else body.max_tokens or 16
+                                       ) if body.truncate_prompt_tokens == -1 else 0
         call = completion_call(body, request_id, model.prompt_context, longest)
         echo = None if call.echo_prompts is None else functools.partial(
             self._prompt_texts, request, call)
@@ -283,7 +284,9 @@ class _Api:
                                       call.field_names[0], _caller(request))
             if call.to_end_of_context:
                 ids = list(reply.token_ids)
-                kept = kept_tokens(body.truncate_prompt_tokens, model.longest_prompt(call.n, 1))
+                longest = (model.longest_prompt(call.n, 1)
+                           if body.truncate_prompt_tokens == -1 else 0)
+                kept = kept_tokens(body.truncate_prompt_tokens, longest)
                 rest_of_context(wire, ids if kept is None else ids[-kept:],
                                 model.longest_sequence(call.n))
             else:  # sent as its tokens: the template is rendered once a request

@@ -127,6 +127,20 @@ def test_a_call_s_arguments_are_the_model_s_own_text():
     assert call["function"]["arguments"] == '{"x": 1.50, "s": "\\ud800", "n": 1e999}'
 
 
+def assert_one_weather_call(reply, chunks, content: str | None) -> None:
+    """The reply, whole and streamed, is `content` and one get_weather call for Paris."""
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == content
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    calls, finishes = streamed_calls(chunks)
+    assert finishes == ["tool_calls"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        ("get_weather", {"city": "Paris", "days": 2})]
+
+
 @pytest.fixture(scope="module")
 def hermes_server(tiny_llama_dir):
     """The tiny model served in-process, plain HTTP, with --tool-call-parser hermes."""
@@ -151,16 +165,8 @@ def test_auto_reads_the_model_s_calls_whole_and_streamed(hermes_server):
                                                  "extra_body": {"structured_outputs": {
                                                      "regex": f"(<tool_call>{call_text}"
                                                               f"</tool_call>){{2}}"}}})
-    choice = reply.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    assert choice.message.content == "Checking."  # (the space before a call is not content)
-    [call] = choice.message.tool_calls
-    assert call.function.name == "get_weather"
-    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
-    calls, finishes = streamed_calls(chunks)
-    assert finishes == ["tool_calls"]
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
-        ("get_weather", {"city": "Paris", "days": 2})]
+    # (the space before a call is not content)
+    assert_one_weather_call(reply, chunks, content="Checking.")
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Checking."
     assert [c.function.name for c in two.choices[0].message.tool_calls] == ["get_weather"]
     assert plain.choices[0].message.content == "No call needed, it is sunny."
@@ -177,7 +183,7 @@ def test_auto_reads_the_model_s_calls_whole_and_streamed(hermes_server):
     ("llama3_json", [WEATHER], None, None),  # its calls are plain JSON
     (None, [WEATHER], None, None),
 ])
-def test_hermes_calls_keep_special_tokens_in_the_text(parser, tools, asked, sent):
+def test_parsers_whose_tags_may_be_special_keep_special_tokens(parser, tools, asked, sent):
     body = {"messages": ASK, "max_tokens": 8}
     if tools is not None:
         body["tools"] = tools
@@ -209,16 +215,8 @@ def test_mistral_and_pythonic_calls_are_read_whole_and_streamed(parser_server):
     with openai.OpenAI(base_url=base_url, api_key="none", max_retries=0) as client:
         reply = client.chat.completions.create(**ask)
         chunks = list(client.chat.completions.create(**ask, stream=True))
-    choice = reply.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    assert choice.message.content == ("Checking." if parser == "mistral" else None)
-    [call] = choice.message.tool_calls
-    assert call.function.name == "get_weather"
-    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
-    calls, finishes = streamed_calls(chunks)
-    assert finishes == ["tool_calls"]
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
-        ("get_weather", {"city": "Paris", "days": 2})]
+    assert_one_weather_call(reply, chunks,
+                            content="Checking." if parser == "mistral" else None)
 
 
 @pytest.mark.parametrize("name", ["hermes", "mistral"])

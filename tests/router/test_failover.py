@@ -46,6 +46,22 @@ def busy_engine(stack) -> str:
     return ""
 
 
+def tokens_of(messages) -> list[int]:
+    return [t for m in messages for c in m.choices for t in c.token_ids]
+
+
+def killed_mid_stream(stack, call) -> tuple[list, str]:
+    """The stream's messages when the replica running it is killed after 5 tokens (and the
+    stream goes on elsewhere), and that replica's id."""
+    messages = iter(call)
+    received = []
+    while len(tokens_of(received)) < 5:
+        received.append(next(messages))
+    victim = wait_until(lambda: busy_engine(stack), what="the replica running the stream")
+    stack.kill_engine(victim)
+    return received + list(messages), victim
+
+
 @pytest.fixture(autouse=True)
 def every_engine_up(stack) -> None:
     """Each test starts with both replicas, each dead one restarted at its old port: the test
@@ -110,22 +126,13 @@ def test_a_cut_prompt_goes_on_with_the_tokens_it_ran(stack, router_stub):
     request = stream_request(ids, "cut")
     request.sampling.truncate_prompt_tokens = 7
 
-    def tokens_of(messages) -> list[int]:
-        return [t for m in messages for c in m.choices for t in c.token_ids]
-
     baseline = list(router_stub.GenerateStream(request, timeout=120))
     assert baseline[-1].usage.prompt_tokens == 7
     alone = stream_request(ids[-7:], "cut-by-hand")
     assert tokens_of(router_stub.GenerateStream(alone, timeout=120)) == tokens_of(baseline)
     request.request_id = "cut-survivor"
     call = router_stub.GenerateStream(request, timeout=120)
-    messages = iter(call)
-    received = []
-    while len(tokens_of(received)) < 5:
-        received.append(next(messages))
-    victim = wait_until(lambda: busy_engine(stack), what="the replica running the stream")
-    stack.kill_engine(victim)
-    received += list(messages)
+    received, victim = killed_mid_stream(stack, call)
     assert served_by(call)[0] == victim and len(served_by(call)) == 2
     assert tokens_of(received) == tokens_of(baseline)
     assert received[-1].usage.prompt_tokens == 7
@@ -157,20 +164,11 @@ def test_a_constrained_stream_goes_on_inside_its_grammar(stack, router_stub):
     request.sampling.ClearField("ignore_eos")  # refused with a grammar, which ends with EOS
     request.sampling.structured_outputs.regex = regex
 
-    def tokens_of(messages) -> list[int]:
-        return [t for m in messages for c in m.choices for t in c.token_ids]
-
     baseline = tokens_of(router_stub.GenerateStream(request, timeout=120))
     assert len(baseline) == MAX_TOKENS  # long enough to be cut: the tiny model rarely ends it
     request.request_id = "constrained-survivor"
     call = router_stub.GenerateStream(request, timeout=120)
-    messages = iter(call)
-    received = []
-    while len(tokens_of(received)) < 5:
-        received.append(next(messages))
-    victim = wait_until(lambda: busy_engine(stack), what="the replica running the stream")
-    stack.kill_engine(victim)
-    received += list(messages)
+    received, victim = killed_mid_stream(stack, call)
     assert tokens_of(received) == baseline
     assert received[-1].finished and served_by(call)[1:] and served_by(call)[0] == victim
     text = "".join(c.text for m in received for c in m.choices)
